@@ -1,0 +1,85 @@
+"""Process groups, model parallelism and seeds for one Megatron rank.
+
+Each trainer rank calls ``init_megatron(tp, pp, vpp, seed)`` once, after its launcher (torchrun,
+a Ray actor, ``rlmega.testing.multiproc``) has set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` (and ``LOCAL_RANK`` on GPUs). Without a GPU it uses gloo and switches on the
+CPU layer (``cpu_support``); with GPUs it uses NCCL and binds the rank to ``LOCAL_RANK``.
+``teardown_megatron()`` undoes it, so one process can set up several layouts in a row.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from rlmega.megatron.cpu_support import enable_cpu_execution
+
+
+def device() -> torch.device:
+    """Where this rank's tensors live."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the default process group from the launcher's environment (idempotent)."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"torch.distributed needs {', '.join(missing)} in the environment: launch with "
+            "torchrun, through rlmega's Ray launcher, or rlmega.testing.multiproc.run_on_ranks"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def set_seeds(seed: int) -> None:
+    """Seed Python, NumPy and torch, and Megatron's model-parallel RNG states.
+
+    Megatron derives the tensor-parallel state as seed + 2718 + tp_rank, so dropout inside
+    TP regions differs between TP ranks and matches across data-parallel replicas.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
+    """Process group + Megatron model-parallel groups + seeds for this rank."""
+    enable_cpu_execution()  # no-op with a GPU
+    init_distributed()
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by TP x PP = {tp} x {pp}; "
+            "change parallelism.world_size or the TP/PP sizes"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+    )
+    set_seeds(seed)
+
+
+def teardown_megatron(destroy_process_group: bool = True) -> None:
+    """Release Megatron's groups (and, by default, the default process group)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.destroy_process_group()
