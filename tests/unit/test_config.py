@@ -1,0 +1,203 @@
+"""Config schema, loading and validation (no processes, no weights: only small config.json files)."""
+import json
+import os
+
+import pytest
+
+from rlmega.config import (
+    VLLM_CPU_HEAD_SIZES,
+    ConfigError,
+    RLConfig,
+    TrainerConfig,
+    dump_config,
+    load_config,
+    validate,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_YAML = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+
+
+def write_model(tmp_path, heads=4, kv_heads=2, hidden=256, layers=4, head_dim=None, name="model"):
+    """A Hugging Face-style config.json only; validation never reads weights."""
+    folder = tmp_path / name
+    folder.mkdir()
+    hf = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": hidden,
+          "num_hidden_layers": layers, "max_position_embeddings": 2048}
+    if head_dim is not None:
+        hf["head_dim"] = head_dim
+    (folder / "config.json").write_text(json.dumps(hf))
+    return str(folder)
+
+
+def write_yaml(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def rejects(*overrides, path=None, field):
+    """Load must fail with a message whose problem line starts with the exact dotted field."""
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    assert any(p.startswith(f"{field}: ") for p in e.value.problems), str(e.value)
+    assert "Fix:" in str(e.value)
+    return str(e.value)
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config()
+    assert cfg == RLConfig()
+    assert isinstance(cfg.trainer, TrainerConfig)
+    assert cfg.parallelism.data_parallel_size == 1
+    assert cfg.reward.fn == "rlmega.rewards.arithmetic.score"
+    validate(RLConfig())
+
+
+def test_yaml_then_overrides_take_precedence(tmp_path):
+    path = write_yaml(tmp_path, "trainer:\n  total_steps: 5\n  seed: 7\noptimizer:\n  lr: 3e-4\n")
+    cfg = load_config(path, ["trainer.total_steps=10", "reward.kwargs.tolerance=0.5"])
+    assert cfg.trainer.total_steps == 10  # override beats YAML
+    assert cfg.trainer.seed == 7  # YAML beats default
+    assert cfg.optimizer.lr == pytest.approx(3e-4)  # 3e-4 is read as a float, not a string
+    assert cfg.trainer.micro_batch_size == TrainerConfig().micro_batch_size  # default kept
+    assert cfg.reward.kwargs == {"tolerance": 0.5}
+
+
+def test_dump_load_round_trip(tmp_path):
+    model = write_model(tmp_path)
+    cfg = load_config(TINY_YAML, [f"model.path={model}", "trainer.resume=none", "reward.kwargs.k=[1,2]",
+                                  "parallelism.virtual_pipeline_model_parallel_size=2"])
+    again = load_config(write_yaml(tmp_path, dump_config(cfg), "dumped.yaml"))
+    assert again == cfg
+
+
+def test_tiny_cpu_yaml_loads(tmp_path):
+    with open(TINY_YAML) as f:
+        assert f.readline().strip() == "# rlmega train configs/tiny_cpu.yaml"
+    model = write_model(tmp_path, heads=4, kv_heads=2, hidden=256, layers=4)
+    cfg = load_config(TINY_YAML, [f"model.path={model}"])
+    par = cfg.parallelism
+    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.world_size) == (2, 2, 4)
+    assert par.data_parallel_size == 1
+    assert cfg.rollout.device == "cpu"
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+# --- rejections: each names the exact field --------------------------------------------------
+
+
+def test_unknown_key_suggests_close_match(tmp_path):
+    msg = rejects("trainer.total_step=3", field="trainer.total_step")
+    assert "did you mean trainer.total_steps" in msg
+    msg = rejects("trainer.lr=0.1", field="trainer.lr")  # right name, wrong section
+    assert "optimizer.lr" in msg
+    path = write_yaml(tmp_path, "rollout:\n  temprature: 0.7\n")
+    msg = rejects(path=path, field="rollout.temprature")
+    assert "rollout.temperature" in msg and path in msg
+
+
+def test_bad_type():
+    msg = rejects("trainer.total_steps=abc", field="trainer.total_steps")
+    assert "int" in msg
+
+
+def test_bad_choice():
+    msg = rejects("model.dtype=fp8", field="model.dtype")
+    assert "float32" in msg and "bfloat16" in msg
+    rejects("optimizer.lr_decay_style=step", field="optimizer.lr_decay_style")
+    rejects("algorithm.advantage_estimator=ppo", field="algorithm.advantage_estimator")
+    cfg = RLConfig()
+    cfg.algorithm.kl_estimator = "k4"  # configs built in Python are checked too
+    with pytest.raises(ConfigError, match="algorithm.kl_estimator: "):
+        validate(cfg)
+
+
+def test_tp_must_divide_heads(tmp_path):
+    model = write_model(tmp_path, heads=6, kv_heads=6, hidden=384)
+    msg = rejects(f"model.path={model}", "parallelism.tensor_model_parallel_size=4", "parallelism.world_size=4",
+                  field="parallelism.tensor_model_parallel_size")
+    assert "num_attention_heads=6" in msg and "[1, 2, 3, 6]" in msg
+
+
+def test_tp_must_divide_kv_heads(tmp_path):
+    model = write_model(tmp_path, heads=4, kv_heads=1, hidden=256)
+    msg = rejects(f"model.path={model}", "parallelism.tensor_model_parallel_size=2", "parallelism.world_size=2",
+                  field="parallelism.tensor_model_parallel_size")
+    assert "num_key_value_heads=1" in msg and "num_attention_heads" not in msg
+
+
+def test_layers_must_divide_pp_times_vpp(tmp_path):
+    model = write_model(tmp_path, layers=4)
+    load_config(None, [f"model.path={model}", "parallelism.pipeline_model_parallel_size=2",
+                       "parallelism.virtual_pipeline_model_parallel_size=2", "parallelism.world_size=2"])
+    msg = rejects(f"model.path={model}", "parallelism.pipeline_model_parallel_size=2",
+                  "parallelism.virtual_pipeline_model_parallel_size=3", "parallelism.world_size=2",
+                  field="parallelism.pipeline_model_parallel_size")
+    assert "num_hidden_layers=4" in msg
+
+
+def test_vpp_needs_pp():
+    rejects("parallelism.virtual_pipeline_model_parallel_size=2",
+            field="parallelism.virtual_pipeline_model_parallel_size")
+
+
+def test_world_size_must_divide_tp_times_pp():
+    msg = rejects("parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
+                  "parallelism.world_size=6", field="parallelism.world_size")
+    assert "TP x PP = 4" in msg
+
+
+def test_samples_per_step_must_divide_into_global_batches():
+    # 2 prompts x 4 samples = 8, not a multiple of 3
+    msg = rejects("trainer.global_batch_size=3", "trainer.micro_batch_size=1", field="trainer.global_batch_size")
+    assert "[1, 2, 4, 8]" in msg
+
+
+def test_global_batch_must_divide_into_micro_batches_per_dp_rank():
+    # DP=4: 8 samples / (micro 4 x DP 4) does not split
+    msg = rejects("parallelism.world_size=4", "trainer.micro_batch_size=4", field="trainer.micro_batch_size")
+    assert "data_parallel_size = 4 x 4" in msg
+
+
+def test_unsupported_head_dim_on_cpu(tmp_path):
+    model = write_model(tmp_path, heads=4, kv_heads=4, hidden=64)  # head_dim 16
+    msg = rejects(f"model.path={model}", field="rollout.device")
+    assert "head_dim=16 (hidden_size/num_attention_heads)" in msg and "rollout.device=cuda" in msg
+    load_config(None, [f"model.path={model}", "rollout.device=cuda"])
+
+
+def test_explicit_head_dim_is_used(tmp_path):
+    model = write_model(tmp_path, heads=4, kv_heads=4, hidden=64, head_dim=64)
+    load_config(None, [f"model.path={model}"])
+
+
+def test_model_path_without_config_json(tmp_path):
+    msg = rejects(f"model.path={tmp_path}", field="model.path")
+    assert "config.json" in msg
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.micro_batch_size=0", "rollout.top_p=1.5", "rollout.temperature=0"])
+    fields = sorted(p.split(":")[0] for p in e.value.problems)
+    assert fields == ["rollout.temperature", "rollout.top_p", "trainer.micro_batch_size"]
+
+
+def test_vllm_cpu_head_sizes_match_installed_vllm():
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    assert tuple(cpu_attn.CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
+
+
+def test_interleaved_schedule_needs_micro_batches_multiple_of_pp(tmp_path):
+    model = write_model(tmp_path)  # tiny yaml: PP2, DP1, global batch 8 -> micro batch 8 gives 1 micro-batch
+    msg = rejects(f"model.path={model}", "parallelism.virtual_pipeline_model_parallel_size=2",
+                  "trainer.micro_batch_size=8", path=TINY_YAML, field="trainer.global_batch_size")
+    assert "multiple of PP=2" in msg
