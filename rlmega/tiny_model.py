@@ -1,0 +1,171 @@
+"""Make a tiny, randomly initialised Hugging Face model folder without a model hub.
+
+Tests, demos and CPU runs need a real model that both `transformers` and vLLM load; no hub is
+reachable, so one is built here: a character-level tokenizer (made with `tokenizers`) and random
+weights for a Qwen2 or Llama architecture, saved as float32 safetensors.
+
+    from rlmega.tiny_model import make_tiny_model
+    path = make_tiny_model("/tmp/tiny", arch="qwen2", num_layers=2, seed=0)
+
+The command-line form is `python tools/make_tiny_model.py OUT_DIR`.
+
+Why the tokenizer is a byte-level BPE without merges rather than a WordLevel one: for
+`model_type == "qwen2"`, transformers 5 (and vLLM, which calls AutoTokenizer) ignores the saved
+tokenizer class and rebuilds the tokenizer as `Qwen2Tokenizer`: a byte-level BPE with Qwen's
+pre-tokenizer regex and decoder, keeping only the vocab and merges of tokenizer.json. A WordLevel
+vocab loaded that way loses its spaces. So the tokenizer saved here is exactly what Qwen2Tokenizer
+rebuilds (one token per byte-level character, no merges), and every loader agrees on it.
+Characters outside the vocabulary (upper case, for one) are dropped by that BPE, not mapped to <unk>.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0..3, in this order
+# One token per character. Newline is included so chat transcripts stay in-vocabulary.
+CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz") + [" ", "\n"] + list("+-*/=()<>.,:;?!'\"")
+NATURAL_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+# "role: content" lines; the generation prompt opens an assistant line. Only in-vocabulary
+# characters, so a rendered conversation encodes without loss.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+# Qwen2Tokenizer's pre-tokenizer split (transformers/models/qwen2/tokenization_qwen2.py).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def make_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer; `vocab_size` above the natural size pads with `<extra_i>` tokens."""
+    vocab_size = NATURAL_VOCAB_SIZE if vocab_size is None else vocab_size
+    if vocab_size < NATURAL_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the tokenizer's {NATURAL_VOCAB_SIZE} tokens; "
+            f"pass vocab_size=None or a value >= {NATURAL_VOCAB_SIZE}"
+        )
+    extras = [f"<extra_{i}>" for i in range(vocab_size - NATURAL_VOCAB_SIZE)]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    # Byte-level BPE stores each character under its byte alias (" " -> "Ġ", "\n" -> "Ċ").
+    chars = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARACTERS]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + extras)}
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"), byte_level]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # Registering the specials (already in the vocab, so ids stay put) keeps "</s>" in a text from
+    # being split into characters.
+    tok.add_special_tokens(SPECIAL_TOKENS + extras)
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,  # would turn "a ." into "a." and break round trips
+    )
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Write a tokenizer and random float32 weights for `arch` to `out_dir`; return its path.
+
+    head_dim is hidden_size // num_heads (64 with the defaults: vLLM's CPU attention rejects 16).
+    intermediate_size defaults to 2 * hidden_size. The same seed gives byte-identical weights; the
+    caller's RNG state is left untouched. The folder appears whole or not at all: it is written to a
+    temporary sibling and renamed into place. An existing `out_dir` is an error unless `overwrite`.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch={arch!r} is not supported; choose one of {sorted(ARCHITECTURES)}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+
+    tokenizer = make_tokenizer(vocab_size)
+    config_cls, model_cls = ARCHITECTURES[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,  # explicit: vLLM and Megatron read it, not all derive it
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+    )
+    # fork_rng restores the caller's CPU RNG state on exit, so seeding here has no side effects.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # mkdtemp (and the safetensors writer) make files private; a model folder is for sharing.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if out_dir.exists():
+            # Move the old folder aside first: rename cannot replace a non-empty directory.
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / "model")
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,125 @@
+"""The tiny model maker: folders that transformers loads, deterministic weights, a sane tokenizer."""
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM
+
+from rlmega.tiny_model import NATURAL_VOCAB_SIZE, make_tiny_model
+
+SMALL = dict(num_layers=2)  # keeps each model well under a second to build
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", **SMALL)
+
+
+def test_transformers_loads_and_runs(qwen2_dir):
+    tok = AutoTokenizer.from_pretrained(qwen2_dir)
+    model = AutoModelForCausalLM.from_pretrained(qwen2_dir)
+    assert isinstance(model, Qwen2ForCausalLM)
+    assert model.dtype == torch.float32
+    assert model.config.head_dim == 64  # vLLM's CPU attention rejects 16
+    assert model.config.vocab_size == len(tok) == NATURAL_VOCAB_SIZE
+
+    batch = tok(["12+34=46", "1+1=2 ok"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**batch).logits  # (B, T, V)
+    assert logits.shape == (2, batch["input_ids"].shape[1], model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path, qwen2_dir):
+    again = make_tiny_model(tmp_path / "again", seed=0, **SMALL)
+    other = make_tiny_model(tmp_path / "other", seed=1, **SMALL)
+    weights = lambda d: (d / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights(again) == weights(qwen2_dir)
+    assert weights(other) != weights(qwen2_dir)
+
+
+def test_caller_rng_state_untouched(tmp_path):
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    make_tiny_model(tmp_path / "m", seed=7, **SMALL)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_llama_variant(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", arch="llama", **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert isinstance(model, LlamaForCausalLM)
+    assert model.config.head_dim == 64
+
+
+def test_tied_embeddings(tmp_path):
+    path = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True, **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())  # stored once, as the embedding
+
+
+def test_odd_vocab_size_pads_tokenizer(tmp_path):
+    vocab_size = NATURAL_VOCAB_SIZE + 6
+    assert vocab_size % 2 == 1
+    path = make_tiny_model(tmp_path / "odd", vocab_size=vocab_size, **SMALL)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert len(tok) == model.config.vocab_size == vocab_size
+    assert tok.convert_ids_to_tokens(vocab_size - 1) == "<extra_5>"
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, vocab_size)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(vocab_size=NATURAL_VOCAB_SIZE - 1), "vocab_size"), (dict(arch="gpt2"), "arch")],
+)
+def test_bad_arguments_name_the_parameter(tmp_path, kwargs, name):
+    with pytest.raises(ValueError, match=name) as err:
+        make_tiny_model(tmp_path / "bad", **kwargs)
+    if name == "arch":
+        assert "llama" in str(err.value) and "qwen2" in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tokenizer_round_trip(tmp_path, qwen2_dir, arch):
+    # transformers 5 rebuilds qwen2 tokenizers as Qwen2Tokenizer; llama keeps tokenizer.json as is.
+    path = qwen2_dir if arch == "qwen2" else make_tiny_model(tmp_path / "llama", arch="llama", **SMALL)
+    tok = AutoTokenizer.from_pretrained(path)
+    for text in ["12+34=46", "what is (3*4)-2?  it's \"10\".\nok", "ab</s>"]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    assert len(tok.encode("12+34=46")) == 8  # one token per character
+    assert tok.encode("</s>") == [tok.eos_token_id]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+
+
+def test_chat_template(qwen2_dir):
+    tok = AutoTokenizer.from_pretrained(qwen2_dir)
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "system: add\nuser: 1+1?\nassistant: "
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert tok.decode(ids) == text
+
+
+def test_existing_folder_needs_overwrite(tmp_path):
+    path = make_tiny_model(tmp_path / "m", seed=0, **SMALL)
+    with pytest.raises(FileExistsError):
+        make_tiny_model(path, seed=1, **SMALL)
+    make_tiny_model(path, seed=1, overwrite=True, **SMALL)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary folders left over
+
+
+def test_cli(tmp_path, capsys):
+    cli = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "make_tiny_model.py"))
+    cli["main"]([str(tmp_path / "cli"), "--arch", "llama", "--num-layers", "1", "--vocab-size", "61"])
+    out = capsys.readouterr().out
+    assert str(tmp_path / "cli") in out and "parameters" in out
+    config = AutoConfig.from_pretrained(tmp_path / "cli")
+    assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", 1, 61)

@@ -1,0 +1,47 @@
+"""Write a tiny, randomly initialised Hugging Face model folder (no model hub needed).
+
+Usage:
+    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|llama] [--hidden-size 128]
+        [--num-layers 4] [--num-heads 2] [--num-kv-heads 1] [--intermediate-size N]
+        [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite]
+
+Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains.
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from rlmega.tiny_model import ARCHITECTURES, make_tiny_model
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES))
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=2)
+    p.add_argument("--num-kv-heads", type=int, default=1)
+    p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 * hidden size")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's own size")
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    args = vars(p.parse_args(argv))
+    try:
+        path = make_tiny_model(args.pop("out_dir"), **args)
+    except (ValueError, FileExistsError) as e:
+        p.error(str(e).replace("overwrite=True", "--overwrite"))
+
+    # Count from the saved file, so the number is what was written (tied weights counted once).
+    with safe_open(path / "model.safetensors", "pt") as f:
+        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    print(f"{path}  ({n_params:,} parameters)")
+
+
+if __name__ == "__main__":
+    main()
