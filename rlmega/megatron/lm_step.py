@@ -173,3 +173,44 @@ def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int
     dist.all_reduce(total)  # sums over pipeline stages (non-last add 0), TP copies and DP
     return float(total[0] / total[1])
 
+
+
+def _logits_step(data_iterator, model):
+    tokens = next(data_iterator)  # (b, t)
+    b, t = tokens.shape
+    position_ids = torch.arange(t, device=tokens.device).unsqueeze(0).expand(b, t)
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=tokens.device), diagonal=1)
+    logits = model(tokens, position_ids, causal.view(1, 1, t, t))  # (b, t, vocab / tp)
+
+    def keep(output):
+        return output.sum() * 0.0, {"logits": output.detach().clone()}
+
+    return logits, keep
+
+
+@torch.no_grad()
+def forward_logits(model: list, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
+    """Full-vocabulary logits (B, T, padded vocab) on the last pipeline stage, None elsewhere.
+
+    Gathers the TP-sharded vocabulary: for checks and exports only; the learner computes
+    log-probs without gathering.
+    """
+    num_micro = tokens.shape[0] // micro_batch_size
+    micro = list(tokens.split(micro_batch_size))
+    vpp = len(model)
+    outputs = get_forward_backward_func()(
+        forward_step_func=_logits_step,
+        data_iterator=[iter(micro) for _ in range(vpp)] if vpp > 1 else iter(micro),
+        model=model if vpp > 1 else model[0],
+        num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batch_size,
+        forward_only=True,
+    )
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    logits = torch.cat([o["logits"] for o in outputs])
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,147 @@
+"""Atomic Megatron distributed checkpoints: model, optimizer, LR schedule, RNG, caller's extras.
+
+Layout under a checkpoint root:
+    step_00000010/          a complete checkpoint (Megatron dist-checkpointing format)
+    step_00000012.partial/  a save in progress, or one that crashed: never loaded
+    latest                  the newest complete step, written by rename after the save finished
+
+Every rank writes its shards into ``.partial``; after a barrier rank 0 renames it and then
+updates ``latest``, so a crash at any point leaves the previous checkpoint as the one that loads.
+Model weights reshard on load (save at TP2, load at PP2); optimizer state and RNG state are
+restored when the layout is the same. RNG state is per rank (Python, NumPy, torch, CUDA,
+Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from rlmega.megatron.hf_io import unwrap
+
+
+def _coords() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank())
+    return shape, offset
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded(model, optimizer, with_rng: bool) -> dict:
+    sd = {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd)
+    if with_rng:
+        shape, offset = _coords()
+        sd["rng"] = ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
+    return sd
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None) -> Path:
+    """Save everything for ``step`` under ``root`` (collective: every rank calls it)."""
+    root = Path(root)
+    final, partial = step_dir(root, step), step_dir(root, step).with_suffix(".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # the leftovers of a crashed save
+        partial.mkdir(parents=True)
+    dist.barrier()
+    sd = _sharded(model, optimizer, with_rng=True)
+    # Plain values are "common" state: rank 0 stores them once.
+    sd["meta"] = {"step": step, "scheduler": scheduler.state_dict() if scheduler else None,
+                  "extra": extra or {}, "layout": _coords()[0]}
+    dist_checkpointing.save(sd, str(partial))
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+        _write_atomic(root / "latest", final.name)
+    dist.barrier()
+    return final
+
+
+def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
+    """Load a checkpoint (a step dir, or a root whose ``latest`` is used). Returns (step, extra).
+
+    Model weights load into any layout; optimizer, scheduler and RNG only when given and the
+    saved layout equals the current one.
+    """
+    path = Path(path)
+    if (path / "latest").exists():
+        found = latest(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}/latest points to a missing checkpoint")
+        path = found
+    if not path.is_dir() or path.suffix == ".partial":
+        raise FileNotFoundError(f"no complete checkpoint at {path}")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    meta = common["meta"]
+    same_layout = tuple(meta["layout"]) == _coords()[0]
+    if optimizer is not None and not same_layout:
+        raise ValueError(f"checkpoint layout (PP, TP, DP)={tuple(meta['layout'])} differs from the current "
+                         f"{_coords()[0]}: load it with model_only=True, or restore the saved layout")
+    sd = _sharded(model, optimizer, with_rng=same_layout and optimizer is not None)
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict({k: v for k, v in sd.items() if k.startswith("model")},
+                                                       is_loading=True)
+    loaded = dist_checkpointing.load(sd, str(path))
+    for i, chunk in enumerate(model):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if scheduler is not None and meta["scheduler"] is not None:
+            scheduler.load_state_dict(meta["scheduler"])
+        set_rng_state(loaded["rng"])
+    return int(meta["step"]), meta["extra"]

@@ -1,0 +1,158 @@
+"""Read Hugging Face safetensors into Megatron chunks, and write chunks back as an HF folder.
+
+    load_hf_weights(chunks, "path/to/hf")       # every rank reads only the tensors it holds
+    export_hf(chunks, "out/hf", source="path/to/hf")   # collective: all ranks call it
+
+Export gathers each tensor's TP shards inside its TP group; one rank per pipeline stage (TP rank
+0, DP rank 0) writes that stage's layers as one safetensors file, and global rank 0 writes the
+index, config and tokenizer. Everything goes to ``OUT.partial`` first and is renamed at the end,
+so an interrupted export never looks complete.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron.core import parallel_state as ps
+
+from rlmega.megatron.hf_config import ModelShape
+from rlmega.megatron.hf_weights import from_megatron_shards, rule, to_megatron_shard
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP (or other) wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def global_named_parameters(chunk: torch.nn.Module):
+    """(global Megatron name, param) for one chunk: local layer indices become model-wide ones."""
+    model = unwrap(chunk)
+    for name, param in model.named_parameters():
+        m = _LOCAL_LAYER.match(name)
+        if m:
+            layer = model.decoder.layers[int(m.group(1))].layer_number - 1  # layer_number is 1-based
+            name = f"decoder.layers.{layer}." + name[m.end():]
+        yield name, param
+
+
+class HFReader:
+    """Tensors of an HF folder by name (single file or sharded with an index)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            self.where = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.folder / "model.safetensors").exists():
+            with safe_open(self.folder / "model.safetensors", "pt") as f:
+                self.where = {k: self.folder / "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+        self._open: dict[Path, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise KeyError(f"tensor {name!r} is not in the HF checkpoint {self.folder}")
+        path = self.where[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        return self._open[path].get_tensor(name)
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    return json.loads(path.read_text())
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list, folder: str | Path) -> None:
+    """Copy this rank's slices of the HF weights into its chunks (raw or DDP-wrapped)."""
+    reader = HFReader(folder)
+    shape = ModelShape.from_hf(read_hf_config(folder), ps.get_tensor_model_parallel_world_size())
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    for chunk in chunks:
+        for name, param in global_named_parameters(chunk):
+            value = to_megatron_shard(name, reader.get, shape, tp_rank, tp)
+            if value.shape != param.shape:
+                _, hf_names = rule(name, shape)
+                raise ValueError(
+                    f"shape mismatch for {name} (from HF {', '.join(hf_names)}): the checkpoint gives "
+                    f"{tuple(value.shape)} on TP rank {tp_rank}, the model expects {tuple(param.shape)}"
+                )
+            param.copy_(value)
+
+
+@torch.no_grad()
+def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """HF-named full tensors of this rank's pipeline stage (collective over its TP group).
+
+    Every TP rank returns the same dict. With tied embeddings the last stage's copy of the head
+    is skipped: the HF model stores the embedding once.
+    """
+    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    out: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        for name, param in global_named_parameters(chunk):
+            if name == "output_layer.weight" and shape.tie_word_embeddings:
+                continue
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                shards = [torch.empty_like(param) for _ in range(tp)]
+                dist.all_gather(shards, param.data.contiguous(), group=tp_group)
+            else:
+                shards = [param.data]
+            out.update({k: v.detach().cpu().contiguous() for k, v in from_megatron_shards(name, shards, shape).items()})
+    return out
+
+
+def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: bool = False) -> Path:
+    """Write the model as an HF folder (safetensors + config + tokenizer of ``source``). Collective."""
+    out_dir, source = Path(out_dir), Path(source)
+    hf_config = read_hf_config(source)
+    shape = ModelShape.from_hf(hf_config, ps.get_tensor_model_parallel_world_size())
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    rank0 = dist.get_rank() == 0
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # every rank sees it: no hang
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
+    if rank0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    tensors = gather_hf_tensors(chunks, shape)
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    if writer:
+        save_file(tensors, partial / file, metadata={"format": "pt"})
+    names = [(file, sorted(tensors)) if writer else None]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names[0])
+    if rank0:
+        weight_map = {n: f for item in everyone if item for f, ns in [item] for n in ns}
+        (partial / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        dtype = next(iter(tensors.values())).dtype
+        hf_config["dtype"] = str(dtype).removeprefix("torch.")
+        (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
+        for name in _TOKENIZER_FILES:
+            if (source / name).exists():
+                shutil.copy2(source / name, partial / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        partial.rename(out_dir)
+    dist.barrier()
+    return out_dir

@@ -1,0 +1,116 @@
+"""Weight names and layouts between Hugging Face Llama/Qwen2 and Megatron GPT, per tensor.
+
+Pure functions on tensors, no process groups: the callers (``hf_io``) decide which tensors a rank
+reads or gathers. Megatron names here are *global*: ``decoder.layers.{L}`` uses the model-wide
+layer index L (0-based), whatever pipeline stage or virtual chunk holds it.
+
+Layouts (h = hidden, d = head_dim, H heads, G KV groups, F = ffn, V/Vp = vocab/padded vocab):
+    linear_qkv.weight (G*(H/G+2)*d, h): per KV group g, [q heads of g; k_g; v_g] -- so a TP
+        split along dim 0 hands each rank whole groups.          <- q_proj, k_proj, v_proj
+    linear_fc1.weight (2F, h) on one rank; on TP rank r: [gate_r; up_r]   <- gate_proj, up_proj
+    linear_proj.weight (h, H*d) / linear_fc2.weight (h, F): TP split along dim 1
+    word_embeddings / output_layer (Vp, h): zero rows past V, TP split along dim 0
+    norms: replicated
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from rlmega.megatron.hf_config import ModelShape
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron layer-suffix -> (kind, HF suffixes). TE fuses the norms into the next linear, so the
+# same HF norm has two possible Megatron names.
+_LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("input_layernorm.weight",)),
+    "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    "self_attention.linear_proj.weight": ("split_dim1", ("self_attn.o_proj.weight",)),
+    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("split_dim1", ("mlp.down_proj.weight",)),
+}
+_GLOBAL_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
+    "output_layer.weight": ("vocab", ("lm_head.weight",)),
+    "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
+}
+
+
+def rule(mcore_name: str, shape: ModelShape) -> tuple[str, list[str]]:
+    """(layout kind, HF tensor names) for a global Megatron parameter name."""
+    m = _LAYER.match(mcore_name)
+    if m:
+        layer, suffix = m.groups()
+        if suffix not in _LAYER_RULES:
+            raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
+        kind, hf_suffixes = _LAYER_RULES[suffix]
+        if kind == "qkv" and suffix.endswith("bias") and not shape.qkv_bias:
+            raise KeyError(f"{mcore_name!r}: {shape.architecture} has no QKV bias")
+        return kind, [f"model.layers.{layer}.{s}" for s in hf_suffixes]
+    if mcore_name not in _GLOBAL_RULES:
+        raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
+    kind, names = _GLOBAL_RULES[mcore_name]
+    if mcore_name == "output_layer.weight" and shape.tie_word_embeddings:
+        names = ("model.embed_tokens.weight",)  # tied: the head is the embedding
+    return kind, list(names)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """q (H*d, ...), k and v (G*d, ...) -> (G*(H/G+2)*d, ...) grouped [q_g; k_g; v_g]."""
+    g, d = shape.num_kv_heads, shape.head_dim
+    rest = q.shape[1:]
+    parts = [q.reshape(g, -1, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(fused: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    g, d = shape.num_kv_heads, shape.head_dim
+    rest = fused.shape[1:]
+    q, k, v = fused.reshape(g, -1, *rest).split([shape.num_heads // g * d, d, d], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def to_megatron_shard(mcore_name: str, get_hf: Callable[[str], torch.Tensor], shape: ModelShape,
+                      tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The TP-rank slice of one Megatron parameter, built from HF tensors fetched by name."""
+    kind, names = rule(mcore_name, shape)
+    hf = [get_hf(n) for n in names]
+    if kind == "replicated":
+        return hf[0]
+    if kind == "split_dim1":
+        return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if kind == "qkv":
+        return _fuse_qkv(*hf, shape).chunk(tp_size, dim=0)[tp_rank]
+    if kind == "gate_up":
+        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf)
+        return torch.cat([gate, up], dim=0)
+    if kind == "vocab":
+        full = hf[0]
+        pad = shape.padded_vocab_size - full.shape[0]
+        full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    raise AssertionError(kind)
+
+
+def from_megatron_shards(mcore_name: str, shards: list[torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """HF tensors from all TP shards (in TP-rank order) of one Megatron parameter."""
+    kind, names = rule(mcore_name, shape)
+    if kind == "replicated":
+        return {names[0]: shards[0]}
+    if kind == "split_dim1":
+        return {names[0]: torch.cat(shards, dim=1)}
+    if kind == "qkv":
+        return dict(zip(names, _split_qkv(torch.cat(shards, dim=0), shape)))
+    if kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {names[0]: torch.cat([h[0] for h in halves]), names[1]: torch.cat([h[1] for h in halves])}
+    if kind == "vocab":
+        return {names[0]: torch.cat(shards, dim=0)[: shape.vocab_size]}
+    raise AssertionError(kind)

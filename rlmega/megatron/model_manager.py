@@ -1,0 +1,206 @@
+"""MegatronModelManager: one trainer rank's Megatron model, optimizer, schedule and state.
+
+    init_megatron(tp, pp, vpp, seed)                       # rlmega.megatron.runtime
+    mm = MegatronModelManager(cfg.model, cfg.parallelism, cfg.optimizer, lr_decay_steps=100)
+    mm.setup_model_and_optimizer()                         # chunks + HF weights + DDP + optimizer
+    ... forward/backward through get_forward_backward_func(model=mm.model) ...
+    ok, grad_norm, lr = mm.optimizer_step()
+    mm.save_checkpoint("runs/x/ckpt", step=1)              # atomic, Megatron dist checkpointing
+    mm.offload_optimizer_state(); mm.onload_optimizer_state()
+
+The model is a list of chunks, one per virtual pipeline stage this rank holds (one without
+VPP), each wrapped in Megatron DDP once the optimizer is set up. Names follow RLinf's manager.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.megatron import checkpoint, offload
+from rlmega.megatron.hf_config import ModelShape, megatron_config_from_hf
+from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def layer_spec(use_te: bool):
+    """Transformer Engine's layer spec on a GPU when TE is importable; the local spec otherwise."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def transformer_engine_usable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class MegatronModelManager:
+    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
+                 lr_decay_steps: int = 1000, hf_config: dict | None = None):
+        """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch)."""
+        self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
+        self.lr_decay_steps = lr_decay_steps
+        self.hf_config = hf_config if hf_config is not None else read_hf_config(model.path)
+        self.dtype = _DTYPES[model.dtype]
+        self.use_te = transformer_engine_usable()
+        vpp = parallel.virtual_pipeline_model_parallel_size
+        self.vpp = vpp if vpp and vpp > 1 else 1
+        self.transformer_config, self.gpt_kwargs = megatron_config_from_hf(
+            self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+            self.vpp, self.dtype, cpu=not torch.cuda.is_available(),
+        )
+        self.shape = ModelShape.from_hf(self.hf_config, parallel.tensor_model_parallel_size)
+        self.model: list = []
+        self.optimizer = None
+        self.scheduler = None
+        self.offloaded: dict = {}
+
+    # ---- building ---------------------------------------------------------------------------
+    def model_provider_func(self, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
+        """One model chunk; pre_process holds the embedding, post_process the output head."""
+        return GPTModel(
+            config=self.transformer_config,
+            transformer_layer_spec=layer_spec(self.use_te),
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            **self.gpt_kwargs,
+        )
+
+    def build_model_chunks(self) -> list[GPTModel]:
+        chunks = []
+        for i in range(self.vpp):
+            stage = i if self.vpp > 1 else None
+            chunks.append(self.model_provider_func(
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+            ))
+        if torch.cuda.is_available():
+            chunks = [c.cuda() for c in chunks]
+        return chunks
+
+    def setup_model_and_optimizer(self, load_weights: bool = True, with_optimizer: bool = True) -> None:
+        """Chunks (HF weights loaded when model.path is set), DDP, optimizer and LR schedule."""
+        chunks = self.build_model_chunks()
+        if load_weights and self.model_cfg.path:
+            load_hf_weights(chunks, self.model_cfg.path)
+        if not with_optimizer:
+            self.model = chunks
+            return
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+        )
+        # Only the first chunk buckets its grads; the schedule issues the others' reductions in
+        # order, as Megatron's own get_model does.
+        self.model = [DistributedDataParallel(self.transformer_config, ddp_config, c, disable_bucketing=i > 0)
+                      for i, c in enumerate(chunks)]
+        self.transformer_config.finalize_model_grads_func = finalize_model_grads
+        o = self.optim_cfg
+        self.optimizer = get_megatron_optimizer(McoreOptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer,
+            params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16,
+        ), self.model)
+        decay_steps = max(self.lr_decay_steps, o.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        )
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> tuple[bool, float, float]:
+        """Clip, step and advance the LR schedule. Returns (updated, grad_norm, lr used)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return bool(ok), float(grad_norm) if grad_norm is not None else float("nan"), float(lr)
+
+    def make_data_iterator_list(self, data_iterator, padding: bool = False, vpp_size: int | None = None):
+        """Megatron's data contract: one iterator, or with VPP one per chunk over the same micro-batches.
+
+        ``padding`` right-pads every micro-batch (dicts of (b, t, ...) tensors) with zeros to the
+        longest t among them, for schedules that need one sequence length for all micro-batches.
+        """
+        vpp_size = self.vpp if vpp_size is None else vpp_size
+        micro = list(data_iterator)
+        if padding:
+            micro = _pad_to_longest(micro)
+        if vpp_size > 1:
+            return [iter(micro) for _ in range(vpp_size)]
+        return iter(micro)
+
+    # ---- offload (each kind separately; see offload.py) --------------------------------------
+    def _offload(self, kind: str, tensors) -> None:
+        if kind in self.offloaded:
+            raise RuntimeError(f"{kind} are already offloaded; onload them first")
+        self.offloaded[kind] = offload.offload_tensors(tensors)
+
+    def _onload(self, kind: str) -> None:
+        if kind not in self.offloaded:
+            raise RuntimeError(f"{kind} are not offloaded")
+        offload.onload_tensors(self.offloaded.pop(kind))
+
+    def offload_params(self): self._offload("params", offload.model_params(self.model))
+    def onload_params(self): self._onload("params")
+    def offload_grads(self): self._offload("grads", offload.model_grads(self.model))
+    def onload_grads(self): self._onload("grads")
+    def offload_optimizer_state(self): self._offload("optimizer state", offload.optimizer_state(self.optimizer))
+    def onload_optimizer_state(self): self._onload("optimizer state")
+    def offload_megatron_copy_params(self): self._offload("main params", offload.main_params(self.optimizer))
+    def load_megatron_copy_params(self): self._onload("main params")
+
+    # ---- checkpoints and export -------------------------------------------------------------
+    def save_checkpoint(self, ckpt_dir: str | Path, step: int, extra: dict | None = None) -> Path:
+        return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra)
+
+    def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False) -> tuple[int, dict]:
+        return checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
+                               None if model_only else self.scheduler)
+
+    def export_hf(self, out_dir: str | Path, overwrite: bool = False) -> Path:
+        return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite)
+
+    def unwrapped(self) -> list[GPTModel]:
+        return [unwrap(c) for c in self.model]
+
+
+def _pad_to_longest(micro: list[dict]) -> list[dict]:
+    longest = max(t.shape[1] for mb in micro for t in mb.values() if torch.is_tensor(t) and t.dim() > 1)
+    out = []
+    for mb in micro:
+        padded = {}
+        for k, t in mb.items():
+            if torch.is_tensor(t) and t.dim() > 1 and t.shape[1] < longest:
+                pad = t.new_zeros(t.shape[0], longest - t.shape[1], *t.shape[2:])
+                t = torch.cat([t, pad], dim=1)
+            padded[k] = t
+        out.append(padded)
+    return out
