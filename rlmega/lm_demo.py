@@ -2,7 +2,7 @@
 
 The largest real thing the foundation has: Megatron model chunks, DDP, the distributed
 optimizer and the 1F1B pipeline schedule on 4 gloo ranks (or NCCL on GPUs), printing the loss
-per step. Weights start random (HF -> Megatron loading is the model manager's job).
+per step. MegatronModelManager loads the tiny model's (random) HF weights into the chunks.
 
     python tools/make_tiny_model.py runs/demo/tiny_model --hidden-size 256 --num-heads 4 --num-kv-heads 2
     torchrun --standalone --nproc-per-node 4 -m rlmega.lm_demo --model runs/demo/tiny_model --tp 2 --pp 2
@@ -10,17 +10,17 @@ per step. Weights start random (HF -> Megatron loading is the model manager's jo
 `rlmega demo` (and `make demo`) does both steps.
 """
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.arithmetic import make_problems
 from rlmega.megatron import lm_step
-from rlmega.megatron.runtime import init_megatron, teardown_megatron
+from rlmega.megatron.model_manager import MegatronModelManager
+from rlmega.megatron.runtime import data_parallel_rank_and_size, init_megatron, teardown_megatron
 
 
 def token_rows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
@@ -46,20 +46,17 @@ def main() -> None:
 
     init_megatron(args.tp, args.pp, seed=0)
     rank0 = dist.get_rank() == 0
-    hf = json.loads((Path(args.model) / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    vocab = -(-hf["vocab_size"] // args.tp) * args.tp  # pad so TP splits the vocabulary evenly
-    config = lm_step.gpt_config(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
-        ffn_hidden_size=hf["intermediate_size"],
-    )
-    model, opt = lm_step.wrap_for_training(lm_step.build_gpt_chunks(config, vocab, args.seq_len), lr=args.lr)
+    mm = MegatronModelManager(ModelConfig(path=args.model),
+                              ParallelismConfig(args.tp, args.pp, None, dist.get_world_size()),
+                              OptimizerConfig(lr=args.lr, clip_grad=1.0))
+    mm.setup_model_and_optimizer()
+    config, model = mm.transformer_config, mm.model
 
     texts = [p + a for p, a in make_problems(4000, digits=2, seed=0)]
     train = token_rows(tokenizer, texts[:3600], args.seq_len)
     held_out = token_rows(tokenizer, texts[3600:], args.seq_len)[: args.batch]
-    dp, dp_rank = lm_step.ps.get_data_parallel_world_size(), lm_step.ps.get_data_parallel_rank()
+    dp_rank, dp = data_parallel_rank_and_size()
     mine = lambda rows: rows.chunk(dp)[dp_rank]  # noqa: E731  this data-parallel rank's share
 
     start_eval = lm_step.lm_forward_backward(model, mine(held_out), args.micro_batch, forward_only=True)
@@ -71,7 +68,7 @@ def main() -> None:
         t0 = time.perf_counter()
         rows = train[(step * args.batch) % (len(train) - args.batch):][: args.batch]
         loss = lm_step.lm_forward_backward(model, mine(rows), args.micro_batch)
-        ok, grad_norm, _ = opt.step()
+        ok, grad_norm, _ = mm.optimizer_step()
         if rank0:
             print(f"step {step + 1:3d}/{args.steps}  loss {loss:.4f}  grad_norm {grad_norm:.3f}  "
                   f"{time.perf_counter() - t0:.2f}s", flush=True)

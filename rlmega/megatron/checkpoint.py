@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.offload import torch_optimizers
 
 
 def _coords() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -57,10 +58,20 @@ def set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# Each rank saves and loads its own optimizer buffers, in parallel, with no gather. This
+# format reshards only across data parallel; we promise optimizer state for the same layout.
+_OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _has_state(optimizer) -> bool:
+    """Adam state exists only after the first step; before it there is nothing to save."""
+    return any(len(o.state) for o in torch_optimizers(optimizer))
+
+
 def _sharded(model, optimizer, with_rng: bool) -> dict:
     sd = {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
-    if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(sd)
+    if optimizer is not None and _has_state(optimizer):
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=_OPTIM_FORMAT)
     if with_rng:
         shape, offset = _coords()
         sd["rng"] = ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
@@ -99,7 +110,7 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     dist.barrier()
     sd = _sharded(model, optimizer, with_rng=True)
     # Plain values are "common" state: rank 0 stores them once.
-    sd["meta"] = {"step": step, "scheduler": scheduler.state_dict() if scheduler else None,
+    sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
                   "extra": extra or {}, "layout": _coords()[0]}
     dist_checkpointing.save(sd, str(partial))
     dist.barrier()  # every rank's shards are on disk
@@ -110,6 +121,24 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
         _write_atomic(root / "latest", final.name)
     dist.barrier()
     return final
+
+
+def _restore_adam_step(optimizer, saved: dict) -> None:
+    """Put back Adam's step counter (it sets the bias correction).
+
+    Without Apex/TE, Megatron keeps the step in the saved param groups, and its dp_reshardable
+    loader then copies the *in-memory* per-parameter step over the restored one; so each
+    parameter gets a fresh counter holding the saved value.
+    """
+    groups = saved.get("optimizer", {}).get("param_groups", [])
+    steps = {g["step"] for g in groups if "step" in g}
+    if len(steps) != 1:
+        return  # Apex/TE fused Adam: the step lives in the param groups themselves
+    step = steps.pop()
+    for o in torch_optimizers(optimizer):
+        for st in o.state.values():
+            if "step" in st:
+                st["step"] = torch.full_like(st["step"], step)
 
 
 def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
@@ -132,16 +161,26 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple
     if optimizer is not None and not same_layout:
         raise ValueError(f"checkpoint layout (PP, TP, DP)={tuple(meta['layout'])} differs from the current "
                          f"{_coords()[0]}: load it with model_only=True, or restore the saved layout")
-    sd = _sharded(model, optimizer, with_rng=same_layout and optimizer is not None)
-    if optimizer is not None:
+    sd = _sharded(model, None, with_rng=same_layout and optimizer is not None)
+    with_optimizer_state = optimizer is not None and meta["has_optimizer_state"]
+    if with_optimizer_state:
         sd["optimizer"] = optimizer.sharded_state_dict({k: v for k, v in sd.items() if k.startswith("model")},
-                                                       is_loading=True)
+                                                       is_loading=True, metadata=_OPTIM_FORMAT)
     loaded = dist_checkpointing.load(sd, str(path))
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if with_optimizer_state:
+        # no_grad: with fp32 params the optimizer's main params are views of the (grad-requiring)
+        # model params, and Megatron copies into them in place.
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_step(optimizer, loaded["optimizer"])
+    elif optimizer is not None:  # saved before the first step: start from fresh Adam state
+        for o in torch_optimizers(optimizer):
+            o.state.clear()
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and meta["scheduler"] is not None:
+            scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved count
             scheduler.load_state_dict(meta["scheduler"])
         set_rng_state(loaded["rng"])
     return int(meta["step"]), meta["extra"]

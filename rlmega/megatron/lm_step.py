@@ -6,10 +6,9 @@ own pipeline schedule (``get_forward_backward_func``). The foundation's invarian
 pre-trainer ``make demo`` run it; the RL actor replaces the loss, not the machinery.
 
 Call order on every rank (after ``runtime.init_megatron``):
-    chunks = build_gpt_chunks(cfg, vocab_size, seq_len)      # raw modules, load weights here
-    model, opt = wrap_for_training(chunks, lr=...)             # DDP + distributed optimizer
-    loss = lm_forward_backward(model, tokens, micro_batch_size)  # (B, T+1) int64 token ids
-    ok, grad_norm, _ = opt.step()
+    mm = MegatronModelManager(...); mm.setup_model_and_optimizer()
+    loss = lm_forward_backward(mm.model, tokens, micro_batch_size)  # (B, T+1) int64 token ids
+    ok, grad_norm, lr = mm.optimizer_step()
 """
 from __future__ import annotations
 
@@ -19,106 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
-
-# Fusions are CUDA kernels; off everywhere we run the local (non-TE) spec.
-CPU_SAFE = dict(
-    gradient_accumulation_fusion=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    bias_activation_fusion=False,
-)
-
-
-def gpt_config(
-    num_layers: int = 4,
-    hidden_size: int = 128,
-    num_attention_heads: int = 2,
-    num_query_groups: int = 2,
-    ffn_hidden_size: int = 256,
-    vpp: int | None = None,
-    params_dtype: torch.dtype = torch.float32,
-) -> TransformerConfig:
-    """A Llama-shaped (RMSNorm, SwiGLU, RoPE, no bias) config sized for tests and the demo."""
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups,
-        ffn_hidden_size=ffn_hidden_size,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-        # Interleaved schedules need this; 1F1B ignores it. pp is the usual group size.
-        microbatch_group_size_per_vp_stage=pp if vpp and vpp > 1 else None,
-        pipeline_dtype=params_dtype,
-        params_dtype=params_dtype,
-        use_cpu_initialization=True,
-        **CPU_SAFE,
-    )
-
-
-def build_gpt_chunks(config: TransformerConfig, vocab_size: int, max_seq_len: int) -> list[GPTModel]:
-    """One GPTModel per virtual pipeline stage this rank holds (a list of one without VPP).
-
-    Each chunk knows whether it holds the embedding (first stage) or the output head (last).
-    """
-    vpp = config.virtual_pipeline_model_parallel_size or 1
-    chunks = []
-    for vp_stage in range(vpp):
-        stage = vp_stage if vpp > 1 else None
-        chunks.append(
-            GPTModel(
-                config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                vocab_size=vocab_size,
-                max_sequence_length=max_seq_len,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                share_embeddings_and_output_weights=False,
-                position_embedding_type="rope",
-                vp_stage=stage,
-            )
-        )
-    return chunks
-
-
-def wrap_for_training(chunks: list[GPTModel], lr: float = 1e-3, clip_grad: float = 1.0,
-                      weight_decay: float = 0.0, distributed_optimizer: bool = True):
-    """Megatron DDP around each chunk, and the (distributed) Adam optimizer over all of them."""
-    config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
-    )
-    model = [
-        # Only the first chunk buckets its grads: the others' reductions are issued by the
-        # schedule in order, as Megatron's own training loop does.
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
-        for i, chunk in enumerate(chunks)
-    ]
-    config.finalize_model_grads_func = finalize_model_grads
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-        use_distributed_optimizer=distributed_optimizer, params_dtype=config.params_dtype,
-        bf16=config.params_dtype == torch.bfloat16,
-    )
-    return model, get_megatron_optimizer(opt_config, model)
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):

@@ -182,8 +182,12 @@ class MegatronModelManager:
         return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra)
 
     def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False) -> tuple[int, dict]:
-        return checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
-                               None if model_only else self.scheduler)
+        """Everything (same layout), or with ``model_only`` just the weights (any layout)."""
+        step, extra = checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
+                                      None if model_only else self.scheduler)
+        if model_only and self.optimizer is not None:
+            self.optimizer.reload_model_params()  # bf16: refresh the fp32 master copies
+        return step, extra
 
     def export_hf(self, out_dir: str | Path, overwrite: bool = False) -> Path:
         return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite)

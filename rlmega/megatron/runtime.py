@@ -29,6 +29,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """This rank's data-parallel (rank, size): which share of a global batch it takes."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the default process group from the launcher's environment (idempotent)."""
     if dist.is_initialized():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -40,7 +41,9 @@ def _rank_main(body, rank, world_size, port, args, kwargs, env, results):
     )
     try:
         out = body(*args, **kwargs)
-        results.put((rank, "ok", out))
+        # Pickle by value here: through the queue torch would share tensors by file
+        # descriptor, which dies with this process before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -96,7 +99,7 @@ def run_on_ranks(
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} raised:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)

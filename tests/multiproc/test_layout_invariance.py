@@ -1,7 +1,7 @@
 """Megatron layouts are invisible to the math: TP/PP/VPP/DP runs equal the one-process run.
 
-A single-process GPT (TP1 PP1) makes the weights, saves them with Megatron's dist
-checkpointing, and records loss and gradient norm for three optimizer steps on a fixed batch.
+A single-process GPT (TP1 PP1, Llama-shaped, built by MegatronModelManager from an HF config)
+makes the weights, saves them with Megatron's dist checkpointing, and records loss and gradient norm for three optimizer steps on a fixed batch.
 Each layout then loads those weights (resharded by dist checkpointing), runs the same batch
 through ``get_forward_backward_func()`` + Megatron DDP + the distributed optimizer on 4 real
 gloo ranks, and must reproduce the reference within rel 1e-5.
@@ -16,9 +16,24 @@ import torch
 
 from rlmega.testing.multiproc import RankFailed, run_on_ranks
 
-SHAPE = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256)
 VOCAB, SEQ, ROWS, MBS, STEPS = 64, 16, 8, 2, 3
+HF_CONFIG = dict(  # a Llama shape; weights come from the reference run, not from a folder
+    architectures=["LlamaForCausalLM"], num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=64,
+)
 REL = 1e-5
+
+
+def _manager(tp: int, pp: int, vpp):
+    import torch.distributed as dist
+
+    from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.megatron.model_manager import MegatronModelManager
+
+    mm = MegatronModelManager(ModelConfig(), ParallelismConfig(tp, pp, vpp, dist.get_world_size()),
+                              OptimizerConfig(lr=1e-3, clip_grad=1.0), hf_config=HF_CONFIG)
+    mm.setup_model_and_optimizer(load_weights=False)
+    return mm
 
 
 def _batch() -> torch.Tensor:
@@ -26,7 +41,7 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))
 
 
-def _train(model, opt) -> dict:
+def _train(mm) -> dict:
     """STEPS optimizer steps on this DP rank's rows; the loss and grad norm of each."""
     from megatron.core import parallel_state as ps
 
@@ -36,48 +51,41 @@ def _train(model, opt) -> dict:
 
     losses, norms = [], []
     for _ in range(STEPS):
-        losses.append(lm_forward_backward(model, rows, MBS))
-        ok, grad_norm, _ = opt.step()
+        losses.append(lm_forward_backward(mm.model, rows, MBS))
+        ok, grad_norm, _ = mm.optimizer_step()
         assert ok
-        norms.append(float(grad_norm))
+        norms.append(grad_norm)
     return {"loss": losses, "grad_norm": norms}
 
 
 def _reference_body(ckpt_dir: str) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from rlmega.megatron import lm_step
     from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
     init_megatron(1, 1, None, seed=11)
-    chunks = lm_step.build_gpt_chunks(lm_step.gpt_config(**SHAPE), VOCAB, SEQ)
-    dist_checkpointing.save({"model0": chunks[0].sharded_state_dict()}, ckpt_dir)
-    out = _train(*lm_step.wrap_for_training(chunks, lr=1e-3))
+    mm = _manager(1, 1, None)
+    mm.save_checkpoint(ckpt_dir, step=0)
+    out = _train(mm)
     teardown_megatron()
     return out
 
 
 def _layout_body(ckpt_dir: str, tp: int, pp: int, vpp, perturb_tp_rank1: bool = False,
                  cpu_layer: bool = True) -> dict:
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from rlmega.megatron import cpu_support, lm_step
+    from rlmega.megatron import cpu_support
     from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
     # A different seed than the reference: every weight must come from the checkpoint.
     init_megatron(tp, pp, vpp, seed=99)
     if not cpu_layer:
         cpu_support.disable_cpu_execution()
-    chunks = lm_step.build_gpt_chunks(lm_step.gpt_config(vpp=vpp, **SHAPE), VOCAB, SEQ)
-    sharded = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    loaded = dist_checkpointing.load(sharded, ckpt_dir)
-    for i, c in enumerate(chunks):
-        c.load_state_dict(loaded[f"model{i}"])
+    mm = _manager(tp, pp, vpp)
+    mm.load_checkpoint(ckpt_dir, model_only=True)  # resharded from TP1 PP1 by dist checkpointing
     if perturb_tp_rank1 and ps.get_tensor_model_parallel_rank() == 1:
         with torch.no_grad():  # one shard of one layer's MLP, on one rank only
-            chunks[0].decoder.layers[0].mlp.linear_fc1.weight[0].add_(0.05)
-    out = _train(*lm_step.wrap_for_training(chunks, lr=1e-3))
+            mm.unwrapped()[0].decoder.layers[0].mlp.linear_fc1.weight[0].add_(0.05)
+    out = _train(mm)
     teardown_megatron()
     return out
 
