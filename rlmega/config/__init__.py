@@ -1,6 +1,7 @@
 """Typed RL configs: dataclass schema, YAML + dotlist loading, validation at load time."""
 from rlmega.config.load import dump_config, load_config
 from rlmega.config.schema import (
+    ActorConfig,
     AlgorithmConfig,
     LoggingConfig,
     ModelConfig,
@@ -14,7 +15,7 @@ from rlmega.config.schema import (
 from rlmega.config.validate import VLLM_CPU_HEAD_SIZES, ConfigError, validate
 
 __all__ = [
-    "RLConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "AlgorithmConfig",
+    "RLConfig", "ActorConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "AlgorithmConfig",
     "RewardConfig", "TrainerConfig", "LoggingConfig", "ConfigError", "load_config", "dump_config", "validate",
     "VLLM_CPU_HEAD_SIZES",
 ]

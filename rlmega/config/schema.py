@@ -160,12 +160,27 @@ class LoggingConfig:
 
 
 @dataclass
+class ActorConfig:
+    max_tokens_per_micro_batch: int = 2048
+    """Token budget of one packed micro-batch (several sequences share a row, no padding)."""
+    offload_optimizer: bool = False
+    """Keep Adam state in host memory between train steps (frees device memory for rollouts)."""
+    offload_reference: bool = True
+    """Keep the reference policy's weights in host memory except while it computes log-probs."""
+    ref_update_rate: float = 0.0
+    """Polyak rate for update_ref_policy: ref <- (1 - rate) * ref + rate * actor. 0 = frozen."""
+    skip_nonfinite_steps: bool = True
+    """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
+
+
+@dataclass
 class RLConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -94,6 +94,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
     ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1),
+    ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
     ("trainer.micro_batch_size", _GE1), ("trainer.seed", _GE0), ("trainer.save_every", _GE0),
     ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),

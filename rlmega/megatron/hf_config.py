@@ -125,10 +125,19 @@ def megatron_config_from_hf(
         virtual_pipeline_model_parallel_size=vpp,
         # The interleaved schedule needs a group size; PP is Megatron's usual choice.
         microbatch_group_size_per_vp_stage=pp if vpp else None,
+        # Interleaving with batched p2p mismatches messages when a stage's previous and next
+        # stage are the same rank (PP=2): batched sends to one peer are matched in posting order,
+        # so an activation lands in a gradient buffer. Megatron-LM's own default for
+        # interleaving is separate, ordered sends; use it.
+        overlap_p2p_comm=bool(vpp),
+        batch_p2p_comm=not vpp,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
+        # Losses return (sum, count): Megatron normalises by the global count over micro-batches
+        # and data-parallel ranks, so RL loss aggregation is over the whole batch.
+        calculate_per_token_loss=True,
         **(_NO_FUSIONS if cpu else {}),
     )
     gpt_kwargs = dict(

@@ -22,10 +22,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Mean next-token loss of one micro-batch. output, loss_mask: (b, t)."""
-    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
-    # clone: the schedule divides the returned loss in place by the number of micro-batches
-    return loss, {"lm loss": loss.detach().clone()}
+    """Summed next-token loss of one micro-batch and its token count. output, loss_mask: (b, t).
+
+    Megatron's per-token contract (3-tuple): it sums numerators and counts over micro-batches
+    and data-parallel ranks and scales gradients by 1 / total count: a global token mean.
+    """
+    total = (output.float() * loss_mask).sum()
+    count = loss_mask.sum().to(torch.int)
+    return total, count, {"lm loss": torch.stack([total.detach(), count.detach().float()])}
 
 
 def _forward_step(data_iterator, model):
@@ -68,8 +72,7 @@ def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int
     # and hand the number to every rank so callers need no rank arithmetic.
     total = torch.zeros(2, dtype=torch.float64)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        total[0] = sum(float(d["lm loss"]) for d in losses)
-        total[1] = len(losses)
+        total += torch.stack([d["lm loss"] for d in losses]).double().sum(0)
     dist.all_reduce(total)  # sums over pipeline stages (non-last add 0), TP copies and DP
     return float(total[0] / total[1])
 
@@ -83,7 +86,7 @@ def _logits_step(data_iterator, model):
     logits = model(tokens, position_ids, causal.view(1, 1, t, t))  # (b, t, vocab / tp)
 
     def keep(output):
-        return output.sum() * 0.0, {"logits": output.detach().clone()}
+        return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"logits": output.detach().clone()}
 
     return logits, keep
 

@@ -13,6 +13,7 @@ VPP), each wrapped in Megatron DDP once the optimizer is set up. Names follow RL
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
@@ -135,13 +137,30 @@ class MegatronModelManager:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def optimizer_step(self) -> tuple[bool, float, float]:
-        """Clip, step and advance the LR schedule. Returns (updated, grad_norm, lr used)."""
-        lr = self.optimizer.param_groups[0]["lr"]
-        ok, grad_norm, _ = self.optimizer.step()
+    def optimizer_step(self, skip_nonfinite: bool = True) -> tuple[bool, float, float]:
+        """Clip, step and advance the LR schedule. Returns (updated, grad_norm, lr used).
+
+        The grad norm is global (all model-parallel and data-parallel ranks), so a NaN or inf
+        anywhere gives every rank the same non-finite norm and the same decision: with
+        ``skip_nonfinite`` the step is skipped everywhere, parameters and Adam state unchanged.
+        (Megatron itself only checks this with an fp16 loss scaler.)
+        """
+        opt = self.optimizer
+        lr = float(opt.param_groups[0]["lr"])
+        found_inf = opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
+        if found_inf or (skip_nonfinite and not math.isfinite(grad_norm)):
+            opt.zero_grad()
+            return False, grad_norm, lr
+        if self.optim_cfg.clip_grad > 0:
+            for inner in getattr(opt, "chained_optimizers", [opt]):
+                params = inner.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=self.optim_cfg.clip_grad, total_norm=grad_norm)
+        ok = opt.step_with_ready_grads()
         if ok:
             self.scheduler.step(increment=1)
-        return bool(ok), float(grad_norm) if grad_norm is not None else float("nan"), float(lr)
+        return bool(ok), grad_norm, lr
 
     def make_data_iterator_list(self, data_iterator, padding: bool = False, vpp_size: int | None = None):
         """Megatron's data contract: one iterator, or with VPP one per chunk over the same micro-batches.

@@ -16,7 +16,7 @@ import torch
 
 from rlmega.testing.multiproc import RankFailed, run_on_ranks
 
-VOCAB, SEQ, ROWS, MBS, STEPS = 64, 16, 8, 2, 3
+VOCAB, SEQ, ROWS, MBS, STEPS = 64, 16, 8, 1, 3  # 4 micro-batches a rank: 2 interleaving groups
 HF_CONFIG = dict(  # a Llama shape; weights come from the reference run, not from a folder
     architectures=["LlamaForCausalLM"], num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
     num_key_value_heads=2, intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=64,

@@ -1,0 +1,130 @@
+"""Packed-sequence forward passes and the RL train step, through Megatron's pipeline schedule.
+
+Every pass goes through ``get_forward_backward_func()`` with Megatron's contract
+``forward_step(data_iterator, model) -> (output, loss_func)``; the RL loss plugs into
+``loss_func`` and returns ``(numerator, count, stats)`` so that Megatron normalises over the
+whole global batch (``calculate_per_token_loss``). Micro-batches are packed rows of different
+lengths, so pipeline stages exchange shapes first (``variable_seq_lengths``): nothing is padded to
+the longest sequence (with VPP, rows share the longest row's length).
+
+Attention over a packed row: on CPU (local layer spec) a block-diagonal causal mask; with
+Transformer Engine on a GPU, THD ``PackedSeqParams`` built from ``cu_seqlens``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.vocab_parallel import entropy, token_logprobs
+
+# loss_fn(micro_batch, logprobs (T,), entropy (T,) | None) -> (numerator, count, {name: sum})
+LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, int, dict]]
+
+
+def _forward(model, mb: dict) -> torch.Tensor:
+    """Logits (1, T, V/tp) of one packed row."""
+    device = next(model.parameters()).device
+    tokens, positions = mb["tokens"].to(device), mb["position_ids"].to(device)
+    if "attention_mask" not in mb:  # Transformer Engine: THD packing, no dense mask
+        cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
+        return model(tokens, positions, None, packed_seq_params=params)
+    return model(tokens, positions, mb["attention_mask"].to(device))
+
+
+def _run(model: list, micro_batches: list[dict], step_fn, forward_only: bool) -> list[dict]:
+    config = unwrap(model[0]).config
+    vpp = len(model)
+    # Packed rows differ in length: pipeline stages exchange shapes before each transfer.
+    config.variable_seq_lengths = True
+    iters = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+    if not forward_only:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+    return get_forward_backward_func()(
+        forward_step_func=step_fn, data_iterator=iters, model=model if vpp > 1 else model[0],
+        num_microbatches=len(micro_batches), seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
+        micro_batch_size=1, forward_only=forward_only,
+    )
+
+
+@torch.no_grad()
+def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
+                     with_entropy: bool = False) -> list[dict] | None:
+    """Per micro-batch {"logprobs": (T,), "entropy": (T,)} on the last stage; None elsewhere."""
+
+    def step(data_iterator, chunk):
+        mb = next(data_iterator)
+        logits = _forward(chunk, mb)
+
+        def collect(output):
+            out = {"logprobs": token_logprobs(output[0], mb["labels"].to(output.device), vocab_size, temperature)}
+            if with_entropy:
+                out["entropy"] = entropy(output[0], vocab_size, temperature)
+            return output.sum() * 0.0, torch.ones((), dtype=torch.int), {k: v.cpu() for k, v in out.items()}
+
+        return logits, collect
+
+    outs = _run(model, micro_batches, step, forward_only=True)
+    return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
+                        loss_fn: LossFn, with_entropy: bool) -> list[dict] | None:
+    """Forward + backward of all micro-batches (gradients land in Megatron DDP's buffers).
+
+    Returns each micro-batch's stats (sums) on the last pipeline stage, None elsewhere.
+    """
+
+    def step(data_iterator, chunk):
+        mb = next(data_iterator)
+        logits = _forward(chunk, mb)
+
+        def loss(output):
+            labels = mb["labels"].to(output.device)
+            lp = token_logprobs(output[0], labels, vocab_size, temperature)
+            ent = entropy(output[0], vocab_size, temperature) if with_entropy else None
+            numerator, count, stats = loss_fn(mb, lp, ent)
+            stats = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in stats.items()}
+            stats["numerator"] = numerator.detach().double().cpu()
+            stats["count"] = torch.tensor(float(count), dtype=torch.float64)
+            return numerator, torch.tensor(int(count), dtype=torch.int), stats
+
+        return logits, loss
+
+    outs = _run(model, micro_batches, step, forward_only=False)
+    return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def share_from_last_stage(values: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """The last pipeline stage's flat float tensor, on every stage of this pipeline."""
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if values is None:
+        values = torch.empty(numel, dtype=torch.float64)
+    if pp > 1:
+        src = ps.get_pipeline_model_parallel_last_rank()
+        values = values.double().contiguous()
+        dist.broadcast(values, src=src, group=ps.get_pipeline_model_parallel_group())
+    return values
+
+
+def all_gather_data_parallel(obj) -> list:
+    """One Python object from each data-parallel rank, in DP-rank order, on every rank."""
+    group = ps.get_data_parallel_group()
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def sum_over_data_parallel(values: torch.Tensor) -> torch.Tensor:
+    values = values.double().contiguous()
+    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    return values

@@ -1,0 +1,196 @@
+"""MegatronActor: the learner on one trainer rank.
+
+Ray (or torchrun) hosts one per rank, and every rank receives the same calls with the same full
+RolloutBatch; each data-parallel rank works on its balanced share (packed micro-batches under a
+token budget) and every rank returns the same full result.
+
+    actor = MegatronActor(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor, cfg.algorithm,
+                          temperature=cfg.rollout.temperature)
+    actor.setup()                                   # Megatron groups, policy, reference
+    old = actor.compute_logprobs(batch)             # list of (response_len,) per sample
+    ref = actor.compute_ref_logprobs(batch)
+    metrics = actor.train_step(replace(batch, old_logprobs=old, ref_logprobs=ref, advantages=adv))
+    actor.update_ref_policy(0.05)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlmega.algorithms import kl as kl_lib
+from rlmega.algorithms import losses
+from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.data.micro_batches import build_micro_batch, scatter_responses
+from rlmega.data.packing import padding_efficiency, plan_micro_batches
+from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.megatron import policy
+from rlmega.megatron.model_manager import MegatronModelManager
+from rlmega.megatron.runtime import data_parallel_rank_and_size, init_megatron, teardown_megatron
+
+_STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref")
+
+
+class MegatronActor:
+    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
+                 actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
+                 lr_decay_steps: int = 1000, hf_config: dict | None = None):
+        self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
+        self.cfg, self.algo, self.temperature = actor, algorithm, temperature
+        self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
+        self.policy: MegatronModelManager | None = None
+        self.reference: MegatronModelManager | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def setup(self, with_reference: bool = True) -> None:
+        p = self.parallel
+        init_megatron(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.virtual_pipeline_model_parallel_size, seed=self.model_cfg.seed)
+        self.policy = self._manager()
+        self.policy.setup_model_and_optimizer(load_weights=bool(self.model_cfg.path))
+        if with_reference:
+            self.reference = self._manager()
+            self.reference.setup_model_and_optimizer(load_weights=bool(self.model_cfg.path), with_optimizer=False)
+            if not self.model_cfg.path:  # built from scratch: the reference starts as the policy
+                self.update_ref_policy(1.0)
+            if self.cfg.offload_reference:
+                self.reference.offload_params()
+        self.vocab_size = self.policy.shape.vocab_size
+
+    def _manager(self) -> MegatronModelManager:
+        return MegatronModelManager(self.model_cfg, self.parallel, self.optim_cfg,
+                                    lr_decay_steps=self.lr_decay_steps, hf_config=self.hf_config)
+
+    def teardown(self) -> None:
+        teardown_megatron()
+
+    # ---- micro-batches ----------------------------------------------------------------------
+    def _plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
+        """This DP rank's packed micro-batches, and the padding efficiency of the whole plan."""
+        dp_rank, dp = data_parallel_rank_and_size()
+        # Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP.
+        multiple = self.parallel.pipeline_model_parallel_size if self.policy.vpp > 1 else 1
+        plan = plan_micro_batches(batch.lengths(), self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple)
+        thd = self.policy.use_te
+        mbs = [build_micro_batch(batch, idx, dense_mask=not thd) for idx in plan[dp_rank]]
+        return mbs, padding_efficiency(batch.lengths(), plan)
+
+    def _gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Per-token values of this rank's samples -> the full batch's per-sample list, on every rank."""
+        order = [i for mb in mbs for i in mb["indices"]]
+        lens = [batch.response_lens()[i] for i in order]
+        flat = None
+        if outs is not None:
+            pieces = {}
+            for mb, out in zip(mbs, outs):
+                pieces.update(scatter_responses(out[key], mb))
+            flat = torch.cat([pieces[i] for i in order]) if order else torch.zeros(0)
+        flat = policy.share_from_last_stage(flat, sum(lens)).float()
+        mine = dict(zip(order, flat.split(lens)))
+        merged = {}
+        for part in policy.all_gather_data_parallel(mine):
+            merged.update(part)
+        return [merged[i] for i in range(len(batch))]
+
+    # ---- forward passes ---------------------------------------------------------------------
+    def _logprobs(self, manager: MegatronModelManager, batch: RolloutBatch, with_entropy: bool):
+        mbs, _ = self._plan(batch)
+        outs = policy.forward_logprobs(manager.model, mbs, self.vocab_size, self.temperature, with_entropy)
+        lp = self._gather_responses(mbs, outs, "logprobs", batch)
+        ent = self._gather_responses(mbs, outs, "entropy", batch) if with_entropy else None
+        return lp, ent
+
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
+        """Log-probs (and entropies) of every response token under the current policy."""
+        lp, ent = self._logprobs(self.policy, batch, with_entropy)
+        return (lp, ent) if with_entropy else lp
+
+    def compute_ref_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        if self.reference is None:
+            raise RuntimeError("this actor was set up without a reference policy")
+        if self.cfg.offload_reference:
+            self.reference.onload_params()
+        try:
+            return self._logprobs(self.reference, batch, with_entropy=False)[0]
+        finally:
+            if self.cfg.offload_reference:
+                self.reference.offload_params()
+
+    # ---- training ---------------------------------------------------------------------------
+    def _loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+        a, mask, seq_ids, n = self.algo, mb["loss_mask"], mb["seq_ids"], mb["num_seqs"]
+        if a.policy_loss == "gspo":
+            pg, st = losses.gspo(logprobs, mb["old_logprobs"], mb["advantages"], mask, seq_ids, n,
+                                 a.clip_eps_low, a.clip_eps_high)
+        else:
+            pg, st = losses.ppo_clip(logprobs, mb["old_logprobs"], mb["advantages"], mask, a.clip_eps_low,
+                                     a.clip_eps_high, a.dual_clip_c if a.policy_loss == "dual_clip" else None)
+        total = pg
+        kl = torch.zeros_like(logprobs)
+        if "ref_logprobs" in mb:
+            kl = kl_lib.kl_penalty(logprobs, mb["ref_logprobs"], a.kl_estimator) * mask
+            if a.kl_coef > 0 and not a.kl_in_reward:
+                total = total + a.kl_coef * kl
+        if a.entropy_coef > 0:
+            total = total + losses.entropy_bonus(entropy, mask, a.entropy_coef)
+        numerator, count = losses.aggregate(total, mask, seq_ids, n, a.loss_agg_mode)
+        stats = {
+            "tokens": mask.sum(), "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
+            "clipped": (st["clipped"] * mask).sum(), "ppo_kl": (st["ppo_kl"] * mask).sum(),
+            "entropy": (entropy.detach() * mask).sum(), "kl_ref": (kl.detach() * mask).sum(),
+        }
+        return numerator, count, stats
+
+    def train_step(self, batch: RolloutBatch) -> dict:
+        """One optimizer step on the whole batch (needs advantages and old_logprobs)."""
+        if batch.advantages is None or batch.old_logprobs is None:
+            raise ValueError("train_step needs batch.advantages and batch.old_logprobs")
+        if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and batch.ref_logprobs is None:
+            raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
+        if self.cfg.offload_optimizer and "optimizer state" in self.policy.offloaded:
+            self.policy.onload_optimizer_state()
+        mbs, efficiency = self._plan(batch)
+        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, self.temperature,
+                                          self._loss, with_entropy=True)
+        keys = ("numerator", "count", *_STAT_KEYS)
+        sums = None if outs is None else torch.stack([sum(o[k] for o in outs) for k in keys])
+        sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
+        s = dict(zip(keys, sums.tolist()))
+        loss = s["numerator"] / max(s["count"], 1.0)
+        ok, grad_norm, lr = self.policy.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)) and not self.cfg.skip_nonfinite_steps:
+            raise FloatingPointError(f"non-finite loss {loss} or grad norm {grad_norm}")
+        if self.cfg.offload_optimizer:
+            self.policy.offload_optimizer_state()
+        tokens = max(s["tokens"], 1.0)
+        return {
+            "loss": loss, "pg_loss": s["pg_loss"] / max(s["count"], 1.0), "pg_clipfrac": s["clipped"] / tokens,
+            "ppo_kl": s["ppo_kl"] / tokens, "entropy": s["entropy"] / tokens, "kl_ref": s["kl_ref"] / tokens,
+            "grad_norm": grad_norm, "lr": lr, "tokens": int(s["tokens"]), "padding_fraction": 1.0 - efficiency,
+            "skipped": 0.0 if ok else 1.0,
+        }
+
+    # ---- reference policy, checkpoints, export ----------------------------------------------
+    @torch.no_grad()
+    def update_ref_policy(self, rate: float | None = None) -> None:
+        """ref <- (1 - rate) * ref + rate * policy (Polyak); rate 1 copies the policy."""
+        rate = self.cfg.ref_update_rate if rate is None else rate
+        if self.reference is None or rate == 0:
+            return
+        offloaded = "params" in self.reference.offloaded
+        if offloaded:
+            self.reference.onload_params()
+        for chunk_ref, chunk in zip(self.reference.unwrapped(), self.policy.unwrapped()):
+            for (name, r), (_, p) in zip(chunk_ref.named_parameters(), chunk.named_parameters()):
+                r.mul_(1.0 - rate).add_(p, alpha=rate)
+        if offloaded:
+            self.reference.offload_params()
+
+    def save_checkpoint(self, root, step: int, extra: dict | None = None):
+        return self.policy.save_checkpoint(root, step, extra)
+
+    def load_checkpoint(self, root, model_only: bool = False):
+        return self.policy.load_checkpoint(root, model_only)
+
+    def export_hf(self, out_dir, overwrite: bool = False):
+        return self.policy.export_hf(out_dir, overwrite)

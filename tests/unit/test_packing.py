@@ -1,0 +1,151 @@
+"""Micro-batch planning, packing and the block-causal mask (checked against per-sequence attention)."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlmega.data.packing import block_causal_mask, pack, padding_efficiency, plan_micro_batches, unpack
+
+
+def random_lengths(n, lo=1, hi=100, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def check_plan(lengths, plan, max_tokens, dp_size, multiple_of):
+    assert len(plan) == dp_size
+    flat = sorted(i for rank in plan for mb in rank for i in mb)
+    assert flat == list(range(len(lengths)))  # every sample exactly once
+    for rank in plan:
+        assert len(rank) % multiple_of == 0
+        for mb in rank:
+            assert mb and mb == sorted(mb)
+            assert sum(lengths[i] for i in mb) <= max_tokens
+    loads = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+    assert max(loads) - min(loads) <= max(lengths)  # LPT's guarantee
+
+
+def test_plan_hand_computed():
+    # Longest first to the lightest rank: 8->r0, 7->r1, 5->r1, 3->r0, 2->r0, 1->r1 (13 tokens each).
+    # FFD (10 tokens): r0 [8, 3, 2] -> {8, 2}, {3}; r1 [7, 5, 1] -> {7, 1}, {5}.
+    plan = plan_micro_batches([5, 3, 8, 2, 7, 1], max_tokens=10, dp_size=2)
+    assert plan == [[[2, 3], [1]], [[4, 5], [0]]]
+    assert plan_micro_batches([4, 4, 4], max_tokens=100) == [[[0, 1, 2]]]
+    assert plan_micro_batches([4, 4, 4], max_tokens=4) == [[[0], [1], [2]]]
+    # Ties go to the lowest rank and the lowest index.
+    assert plan_micro_batches([1, 1, 1, 1], max_tokens=10, dp_size=3) == [[[0, 3]], [[1]], [[2]]]
+
+
+@pytest.mark.parametrize(
+    "n,max_tokens,dp_size,multiple_of",
+    [(1, 100, 1, 1), (37, 100, 1, 1), (64, 256, 4, 1), (50, 150, 2, 2), (100, 300, 3, 4), (9, 1000, 2, 4)],
+)
+def test_plan_invariants(n, max_tokens, dp_size, multiple_of):
+    lengths = random_lengths(n, seed=n)
+    plan = plan_micro_batches(lengths, max_tokens, dp_size, multiple_of)
+    check_plan(lengths, plan, max_tokens, dp_size, multiple_of)
+    assert plan == plan_micro_batches(list(lengths), max_tokens, dp_size, multiple_of)  # deterministic
+
+
+def test_plan_ffd_is_tight():
+    lengths = random_lengths(200, seed=1)
+    plan = plan_micro_batches(lengths, max_tokens=512)
+    lower_bound = -(-sum(lengths) // 512)
+    assert len(plan[0]) <= lower_bound + 1
+    assert padding_efficiency(lengths, plan, row_multiple=1) == 1.0
+
+
+def test_plan_multiple_of_splits_most_populated_bin():
+    # One bin of 4 samples; multiple_of=2 splits it into token-balanced halves {5, 1}, {3, 2}.
+    plan = plan_micro_batches([5, 3, 2, 1], max_tokens=100, multiple_of=2)
+    assert plan == [[[0, 3], [1, 2]]]
+    plan = plan_micro_batches([5, 3, 2, 1], max_tokens=100, multiple_of=4)
+    assert plan == [[[0], [3], [1], [2]]]  # [0,3] splits first (tie: first bin)
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="sample 2 has 11 tokens.*max_tokens=10.*raise the token budget"):
+        plan_micro_batches([3, 4, 11], max_tokens=10)
+    with pytest.raises(ValueError, match="dp_size=4 ranks but only 3 samples"):
+        plan_micro_batches([3, 4, 5], max_tokens=10, dp_size=4)
+    with pytest.raises(ValueError, match="DP rank 0 has 3 samples.*needs 4 micro-batches.*fix"):
+        plan_micro_batches([3, 4, 5], max_tokens=10, multiple_of=4)
+    with pytest.raises(ValueError, match="sample 1 has length 0"):
+        plan_micro_batches([3, 0], max_tokens=10)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        plan_micro_batches([3], max_tokens=0)
+
+
+def test_padding_efficiency_hand_computed():
+    lengths = [5, 3, 8, 2, 7, 1]
+    plan = [[[2, 3], [1]], [[4, 5], [0]]]  # rows of 10, 3, 8, 5 tokens = 26 real
+    assert padding_efficiency(lengths, plan) == 1.0
+    assert padding_efficiency(lengths, plan, row_multiple=4) == pytest.approx(26 / (12 + 4 + 8 + 8))
+    assert padding_efficiency(lengths, plan, row_multiple=8) == pytest.approx(26 / (16 + 8 + 8 + 8))
+    assert padding_efficiency(lengths, []) == 1.0
+
+
+def test_pack_hand_computed():
+    row = pack([torch.tensor([5, 6]), torch.tensor([7, 8, 9])], row_multiple=3, pad_id=-7)
+    assert row["tokens"].tolist() == [[5, 6, 7, 8, 9, -7]]
+    assert row["tokens"].dtype == torch.int64
+    assert row["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0]]
+    assert row["seq_ids"].tolist() == [0, 0, 1, 1, 1, -1]
+    assert row["cu_seqlens"].tolist() == [0, 2, 5] and row["cu_seqlens"].dtype == torch.int32
+    assert row["num_real"] == 5 and row["max_seqlen"] == 3
+    empty = pack([])
+    assert empty["tokens"].shape == (1, 0) and empty["cu_seqlens"].tolist() == [0]
+
+
+@pytest.mark.parametrize("row_multiple", [1, 8])
+def test_pack_unpack_round_trip(row_multiple):
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in [7, 1, 13, 4]]
+    row = pack(seqs, row_multiple=row_multiple)
+    assert row["tokens"].shape[1] % row_multiple == 0
+    for shape in [(1, -1), (-1,)]:
+        out = unpack(row["tokens"].reshape(shape), row["cu_seqlens"])
+        assert [s.tolist() for s in out] == [s.tolist() for s in seqs]
+    with pytest.raises(ValueError, match="cu_seqlens ends at 25"):
+        unpack(torch.zeros(20), row["cu_seqlens"])
+
+
+def test_block_causal_mask_hand_built():
+    # Lengths [2, 3] + 1 padding; 1 = may NOT attend.
+    expected = torch.tensor(
+        [
+            [0, 1, 1, 1, 1, 1],
+            [0, 0, 1, 1, 1, 1],
+            [1, 1, 0, 1, 1, 1],
+            [1, 1, 0, 0, 1, 1],
+            [1, 1, 0, 0, 0, 1],
+            [1, 1, 1, 1, 1, 0],  # padding sees only itself
+        ],
+        dtype=torch.bool,
+    )
+    mask = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), total_len=6)
+    assert mask.shape == (1, 1, 6, 6) and mask.dtype == torch.bool
+    assert torch.equal(mask[0, 0], expected)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        block_causal_mask(torch.tensor([0, 4, 3]), total_len=6)
+
+
+@pytest.mark.parametrize(
+    "lengths,row_multiple", [([2, 3], 6), ([5, 1, 9, 3], 8), ([16], 1), ([50, 1, 77, 33], 64)]
+)
+def test_packed_attention_matches_per_sequence(lengths, row_multiple):
+    """SDPA over a packed row with the block-causal mask == causal SDPA on each sequence alone."""
+    g = torch.Generator().manual_seed(sum(lengths))
+    heads, dim = 2, 8
+    row = pack([torch.zeros(n, dtype=torch.int64) for n in lengths], row_multiple=row_multiple)
+    total = row["tokens"].shape[1]
+    q, k, v = (torch.randn(1, heads, total, dim, generator=g) for _ in range(3))  # (1, H, T, D)
+    mask = block_causal_mask(row["cu_seqlens"], total)
+    packed = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)  # (1, H, T, D)
+    assert not packed.isnan().any()
+    bounds = row["cu_seqlens"].tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        alone = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+        assert (packed[:, :, a:b] - alone).abs().max() <= 1e-6
+    assert torch.equal(packed[:, :, bounds[-1]:], v[:, :, bounds[-1]:])  # padding attends to itself
