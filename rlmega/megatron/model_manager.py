@@ -142,15 +142,18 @@ class MegatronModelManager:
 
         The grad norm is global (all model-parallel and data-parallel ranks), so a NaN or inf
         anywhere gives every rank the same non-finite norm and the same decision: with
-        ``skip_nonfinite`` the step is skipped everywhere, parameters and Adam state unchanged.
+        ``skip_nonfinite`` the step is skipped everywhere, parameters and Adam state unchanged;
+        without it every rank raises FloatingPointError before touching the parameters.
         (Megatron itself only checks this with an fp16 loss scaler.)
         """
         opt = self.optimizer
         lr = float(opt.param_groups[0]["lr"])
         found_inf = opt.prepare_grads()
         grad_norm = float(opt.get_grad_norm())
-        if found_inf or (skip_nonfinite and not math.isfinite(grad_norm)):
+        if found_inf or not math.isfinite(grad_norm):
             opt.zero_grad()
+            if not skip_nonfinite:
+                raise FloatingPointError(f"non-finite grad norm {grad_norm}: step not taken")
             return False, grad_norm, lr
         if self.optim_cfg.clip_grad > 0:
             for inner in getattr(opt, "chained_optimizers", [opt]):

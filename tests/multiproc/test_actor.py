@@ -1,0 +1,195 @@
+"""MegatronActor on real gloo ranks: packed log-probs, layout-invariant RL steps, reference, NaN.
+
+One tiny Qwen2 model (QKV bias, vocab 59 padded to 128) and one synthetic RolloutBatch of 10
+samples with variable prompt and response lengths and GRPO advantages.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmega.testing.batches import random_batch
+from rlmega.testing.multiproc import run_on_ranks
+from rlmega.tiny_model import make_tiny_model
+
+N, STEPS, REL = 10, 2, 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
+                               num_kv_heads=2, num_layers=4, seed=5))
+
+
+def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, **actor_kw):
+    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.workers.actor import MegatronActor
+
+    actor = MegatronActor(
+        ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world or tp * pp),
+        OptimizerConfig(lr=3e-3, clip_grad=1.0), ActorConfig(max_tokens_per_micro_batch=max_tokens, **actor_kw),
+        AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3"), temperature=0.8,
+    )
+    actor.setup()
+    return actor
+
+
+def _rl_step(actor, batch):
+    old = actor.compute_logprobs(batch)
+    ref = actor.compute_ref_logprobs(batch)
+    return actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref)), old
+
+
+def _train_body(path, tp, pp, vpp, world, max_tokens, actor_kw):
+    actor = _actor(path, tp, pp, vpp, world, max_tokens, **actor_kw)
+    batch = random_batch(N, seed=1)
+    metrics = []
+    for _ in range(STEPS):
+        m, old = _rl_step(actor, batch)
+        metrics.append(m)
+    actor.teardown()
+    return metrics, old
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    return run_on_ranks(_train_body, 1, args=(hf_model, 1, 1, None, 1, 40, {}), timeout_s=300)[0]
+
+
+def _assert_same_run(got, ref, what):
+    for step, (g, r) in enumerate(zip(got, ref)):
+        for key in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref"):
+            assert abs(g[key] - r[key]) <= REL * max(abs(r[key]), 1e-6), f"{what} step {step} {key}: {g[key]} vs {r[key]}"
+        assert g["tokens"] == r["tokens"]
+
+
+def test_step_zero_ratio_is_one_and_kl_is_zero(reference):
+    metrics, _ = reference
+    m0 = metrics[0]
+    assert m0["ppo_kl"] == 0.0 and m0["pg_clipfrac"] == 0.0  # old == current: ratio exactly 1
+    assert abs(m0["kl_ref"]) < 1e-8  # reference == policy at step 0
+    batch = random_batch(N, seed=1)
+    mask = torch.cat(batch.response_mask)
+    adv = torch.cat(batch.advantages)
+    # ratio 1: the PPO loss of each token is -A, token-mean over the whole batch
+    assert abs(m0["pg_loss"] - float(-(adv * mask).sum() / mask.sum())) < 1e-6
+    assert m0["skipped"] == 0.0 and math.isfinite(m0["grad_norm"]) and m0["grad_norm"] > 0
+    assert metrics[1]["kl_ref"] > 0  # after one step the policy has moved away from the reference
+
+
+LAYOUTS = {  # name: (tp, pp, vpp, world, max_tokens, actor options)
+    "budget_16": (1, 1, None, 1, 16, {}),
+    "offload_optimizer": (1, 1, None, 1, 40, {"offload_optimizer": True, "offload_reference": False}),
+    "tp2_dp2": (2, 1, None, 4, 40, {}),
+    "pp2_dp2": (1, 2, None, 4, 40, {}),
+    "tp2_pp2": (2, 2, None, 4, 24, {}),
+    "pp2_vpp2_dp2": (1, 2, 2, 4, 24, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_train_step_matches_single_process(hf_model, reference, name):
+    tp, pp, vpp, world, budget, kw = LAYOUTS[name]
+    results = run_on_ranks(_train_body, world, args=(hf_model, tp, pp, vpp, world, budget, kw), timeout_s=300)
+    ref_metrics, ref_old = reference
+    for rank, (metrics, old) in enumerate(results):
+        _assert_same_run(metrics, ref_metrics, f"{name} rank {rank}")
+        assert max((a - b).abs().max().item() for a, b in zip(old, ref_old)) <= 1e-5
+
+
+def _packing_body(path):
+    from rlmega.data.micro_batches import build_micro_batch, scatter_responses
+    from rlmega.megatron import policy
+
+    actor = _actor(path, max_tokens=60)
+    batch = random_batch(N, seed=2)
+    packed = actor.compute_logprobs(batch)
+    singles = []
+    for i in range(N):  # one sequence per row: the unpacked baseline
+        mb = build_micro_batch(batch, [i])
+        out = policy.forward_logprobs(actor.policy.model, [mb], actor.vocab_size, actor.temperature)
+        singles.append(scatter_responses(out[0]["logprobs"], mb)[i])
+    _, eff = actor._plan(batch)
+    actor.teardown()
+    return packed, singles, eff
+
+
+def test_packed_logprobs_equal_unpacked_and_transformers(hf_model):
+    packed, singles, efficiency = run_on_ranks(_packing_body, 1, args=(hf_model,), timeout_s=300)[0]
+    assert efficiency == 1.0  # packed rows carry no padding
+    assert max((p - s).abs().max().item() for p, s in zip(packed, singles)) <= 1e-5
+    batch = random_batch(N, seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
+    worst = 0.0
+    with torch.no_grad():
+        for i, toks in enumerate(batch.tokens):
+            logits = hf(toks[None]).logits[0] / 0.8
+            p = int(batch.prompt_lens[i])
+            want = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, toks[p:, None])[:, 0]
+            worst = max(worst, (want - packed[i]).abs().max().item())
+    assert worst <= 1e-4, worst
+
+
+def _learning_body(path):
+    actor = _actor(path, pp=2, max_tokens=40)
+    batch = random_batch(N, seed=0)  # 4 of 5 groups have a nonzero advantage
+    weights = torch.tensor([float(a[0]) for a in batch.advantages])
+
+    def objective():  # advantage-weighted mean log-prob of each response
+        lp = actor.compute_logprobs(batch)
+        return float(sum(w * l.mean() for w, l in zip(weights, lp)))
+
+    before = objective()
+    for _ in range(4):
+        _rl_step(actor, batch)
+    after = objective()
+    ref_before = actor.compute_ref_logprobs(batch)
+    actor.update_ref_policy(1.0)  # copy: the reference now equals the policy
+    ref_after, policy_now = actor.compute_ref_logprobs(batch), actor.compute_logprobs(batch)
+    actor.teardown()
+    same = all(torch.equal(a, b) for a, b in zip(ref_after, policy_now))
+    moved = any(not torch.equal(a, b) for a, b in zip(ref_before, ref_after))
+    return before, after, same, moved
+
+
+def test_rl_steps_raise_the_advantage_weighted_logprob_and_ref_update_copies(hf_model):
+    before, after, ref_equals_policy, ref_moved = run_on_ranks(_learning_body, 2, args=(hf_model,), timeout_s=300)[0]
+    assert after > before + 0.1, (before, after)
+    assert ref_equals_policy and ref_moved
+
+
+def _nan_body(path, skip):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    actor = _actor(path, tp=2, pp=2, skip_nonfinite_steps=skip)
+    batch = random_batch(N, seed=4)
+    params = [p.detach().clone() for p in actor.policy.model[0].parameters()]
+    hook = None
+    if ps.get_pipeline_model_parallel_rank() == 0:  # poison one stage's activations only
+        layer = actor.policy.unwrapped()[0].decoder.layers[0]
+        hook = layer.register_forward_hook(lambda m, i, out: (out[0] * float("nan"), *out[1:]))
+    try:
+        first, _ = _rl_step(actor, batch)
+    except FloatingPointError as e:
+        return "raised", str(e)
+    finally:
+        if hook is not None:
+            hook.remove()
+    unchanged = all(torch.equal(a, b) for a, b in zip(params, actor.policy.model[0].parameters()))
+    second, _ = _rl_step(actor, batch)
+    rank = dist.get_rank()
+    actor.teardown()
+    return first["skipped"], unchanged, second["skipped"], math.isfinite(second["loss"]), rank
+
+
+def test_nan_on_one_pipeline_stage_skips_the_step_on_every_rank(hf_model):
+    results = run_on_ranks(_nan_body, 4, args=(hf_model, True), timeout_s=240)
+    for skipped, unchanged, second_skipped, finite, rank in results:
+        assert skipped == 1.0 and unchanged, f"rank {rank}"
+        assert second_skipped == 0.0 and finite, f"rank {rank}: training did not resume"
+    raised = run_on_ranks(_nan_body, 4, args=(hf_model, False), timeout_s=240)
+    assert all(r[0] == "raised" and "non-finite" in r[1] for r in raised), raised
