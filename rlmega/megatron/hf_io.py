@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -98,14 +99,14 @@ def load_hf_weights(chunks: list, folder: str | Path) -> None:
 
 
 @torch.no_grad()
-def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """HF-named full tensors of this rank's pipeline stage (collective over its TP group).
+def iter_hf_tensors(chunks: list, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of this rank's pipeline stage, one Megatron parameter at a time.
 
-    Every TP rank returns the same dict. With tied embeddings the last stage's copy of the head
-    is skipped: the HF model stores the embedding once.
+    Collective over the stage's TP group: every TP rank must iterate it to the end, and every TP
+    rank gets the same tensors. Only one parameter's full tensor exists at a time. With tied
+    embeddings the last stage's copy of the head is skipped: HF stores the embedding once.
     """
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    out: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
             if name == "output_layer.weight" and shape.tie_word_embeddings:
@@ -115,8 +116,27 @@ def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor
                 dist.all_gather(shards, param.data.contiguous(), group=tp_group)
             else:
                 shards = [param.data]
-            out.update({k: v.detach().cpu().contiguous() for k, v in from_megatron_shards(name, shards, shape).items()})
-    return out
+            for hf_name, value in from_megatron_shards(name, shards, shape).items():
+                yield hf_name, value.detach().contiguous()
+
+
+def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``iter_hf_tensors`` grouped into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, value in iter_hf_tensors(chunks, shape):
+        nbytes = value.numel() * value.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, value))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """All of this stage's HF tensors at once, on the CPU (for export)."""
+    return {k: v.cpu() for k, v in iter_hf_tensors(chunks, shape)}
 
 
 def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: bool = False) -> Path:

@@ -34,6 +34,14 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def tensor_parallel_rank() -> int:
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the default process group from the launcher's environment (idempotent)."""
     if dist.is_initialized():

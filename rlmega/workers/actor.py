@@ -15,6 +15,7 @@ token budget) and every rank returns the same full result.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -25,8 +26,10 @@ from rlmega.data.micro_batches import build_micro_batch, scatter_responses
 from rlmega.data.packing import padding_efficiency, plan_micro_batches
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.megatron import policy
+from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import MegatronModelManager
-from rlmega.megatron.runtime import data_parallel_rank_and_size, init_megatron, teardown_megatron
+from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
+                                    tensor_parallel_rank)
 
 _STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref")
 
@@ -190,6 +193,31 @@ class MegatronActor:
                 r.mul_(1.0 - rate).add_(p, alpha=rate)
         if offloaded:
             self.reference.offload_params()
+
+    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
+        """Stream the policy's weights, in HF names and layout, to the rollout engines.
+
+        Collective: every rank calls it. Each pipeline stage gathers its TP shards one parameter at
+        a time (no rank ever holds the whole model) and its (TP 0, DP 0) rank sends size-bounded
+        buckets through ``transport``. Returns what this rank sent: bytes, tensors, buckets,
+        seconds, and the (name, shape) list.
+        """
+        tp_rank, dp_rank = tensor_parallel_rank(), data_parallel_rank_and_size()[0]
+        sender = tp_rank == 0 and dp_rank == 0
+        start = time.perf_counter()
+        sent = {"bytes": 0, "tensors": 0, "buckets": 0, "names_and_shapes": []}
+        for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes):
+            if not sender:
+                continue  # the other TP ranks only took part in the gathers
+            transport.send(bucket, version)
+            sent["buckets"] += 1
+            for name, t in bucket:
+                sent["tensors"] += 1
+                sent["bytes"] += t.numel() * t.element_size()
+                sent["names_and_shapes"].append((name, tuple(t.shape)))
+        barrier()  # every stage's buckets are loaded when any rank returns
+        sent["seconds"] = time.perf_counter() - start
+        return sent
 
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
         return self.policy.save_checkpoint(root, step, extra)

@@ -1,0 +1,91 @@
+"""A group of Ray actors that form one torch.distributed world: one rank each.
+
+    ray.init(...)                                    # rlmega.launch.cluster does this
+    group = WorkerGroup(MegatronActor, world_size=4, kwargs={...}, num_cpus=0.5)
+    group.call("setup")                              # same call on every rank, results in rank order
+    lp = group.call("compute_logprobs", batch)[0]    # every rank returns the same full result
+
+Rank 0's node address and a free port on it become MASTER_ADDR/MASTER_PORT; each actor gets
+RANK, WORLD_SIZE, LOCAL_RANK before the worker object is built. A call that raises on any rank
+raises here with that rank named; a dead actor becomes WorkerGroupError instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import ray
+
+
+class WorkerGroupError(RuntimeError):
+    pass
+
+
+class _RankHost:
+    """Hosts one worker object inside a Ray actor."""
+
+    def __init__(self, rank: int, world_size: int, env: dict[str, str]):
+        self.rank, self.world_size = rank, world_size
+        os.environ.update(env)
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, master: tuple[str, int], local_rank: int, cls, args: tuple, kwargs: dict) -> None:
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank))
+        self.worker = cls(*args, **kwargs)
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class WorkerGroup:
+    def __init__(self, cls, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
+                 num_cpus: float = 1.0, num_gpus: float = 0.0, env: dict[str, str] | None = None,
+                 placement_group=None, timeout_s: float = 1800.0):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        # One intra-op thread per rank unless told otherwise: ranks share the node's cores.
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1)
+        Host = ray.remote(_RankHost)
+        self.hosts = []
+        for rank in range(world_size):
+            opts = dict(options)
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank)
+            self.hosts.append(Host.options(**opts).remote(rank, world_size, env))
+        master = self._get([self.hosts[0].address.remote()])[0]
+        # LOCAL_RANK: the rank's index among the ranks on its node (for GPU binding).
+        nodes = self._get([h.address.remote() for h in self.hosts])
+        local = [sum(1 for n in nodes[:r] if n[0] == nodes[r][0]) for r in range(world_size)]
+        self._get([h.start.remote(master, local[r], cls, tuple(args), kwargs or {})
+                   for r, h in enumerate(self.hosts)])
+
+    def _get(self, refs: list) -> list:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerGroupError(f"a trainer rank died: {e}") from e
+        except ray.exceptions.RayTaskError as e:
+            raise WorkerGroupError(f"a trainer rank raised: {e}") from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerGroupError(f"trainer ranks did not answer within {self.timeout_s:.0f}s") from e
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Call ``method`` on every rank with the same arguments (put in the object store once)."""
+        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        return self._get([h.call.remote(method, *args, **kwargs) for h in self.hosts])
+
+    def shutdown(self) -> None:
+        for h in self.hosts:
+            ray.kill(h)
+        self.hosts = []
