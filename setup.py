@@ -18,6 +18,7 @@ CORE = [
     "tokenizers>=0.21",
     "numpy",
     "pyyaml",
+    "pyarrow",  # Parquet prompt datasets (rlmega.data.prompts)
 ]
 
 EXTRAS = {

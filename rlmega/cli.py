@@ -1,5 +1,6 @@
 """The `rlmega` command.
 
+    rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py)
     rlmega check-config CONFIG [key=value ...]   validate a config, print it resolved
     rlmega demo [--steps N] [--run-dir DIR]      the `make demo` job (see the README)
 """
@@ -41,6 +42,11 @@ def _demo(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # the trainer owns its arguments
+        from rlmega.train import main as train_main
+
+        return train_main(argv[1:])
     p = argparse.ArgumentParser(prog="rlmega", description="RL for LLMs on Megatron-core, vLLM and Ray")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check-config", help="validate a config and print it resolved")
@@ -51,6 +57,7 @@ def main(argv=None) -> int:
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--steps", type=int, default=60)
     d.set_defaults(fn=_demo)
+    sub.add_parser("train", help="run RL training: rlmega train CONFIG [key=value ...] [--resume]")
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -2,7 +2,9 @@
 from rlmega.config.load import dump_config, load_config
 from rlmega.config.schema import (
     ActorConfig,
+    ClusterConfig,
     AlgorithmConfig,
+    DataConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -15,7 +17,7 @@ from rlmega.config.schema import (
 from rlmega.config.validate import VLLM_CPU_HEAD_SIZES, ConfigError, validate
 
 __all__ = [
-    "RLConfig", "ActorConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "AlgorithmConfig",
-    "RewardConfig", "TrainerConfig", "LoggingConfig", "ConfigError", "load_config", "dump_config", "validate",
+    "RLConfig", "ActorConfig", "ClusterConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "AlgorithmConfig",
+    "RewardConfig", "DataConfig", "TrainerConfig", "LoggingConfig", "ConfigError", "load_config", "dump_config", "validate",
     "VLLM_CPU_HEAD_SIZES",
 ]

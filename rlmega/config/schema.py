@@ -143,6 +143,9 @@ class TrainerConfig:
     """Either "none" (start fresh), "auto" (latest checkpoint in run_dir, if any) or a checkpoint path."""
     keep_last_checkpoints: int = 2
     """Older checkpoints beyond this many are deleted."""
+    warmup_sft_steps: int = 0
+    """Supervised steps on the prompts' labels before RL starts (a fresh run only): a random or
+    untuned model needs a warm start before a verifier reward can teach it anything."""
 
 
 @dataclass
@@ -174,6 +177,46 @@ class ActorConfig:
 
 
 @dataclass
+class DataConfig:
+    train_path: str = ""
+    """Training prompts, JSONL (one object per line) or Parquet (.parquet); "" = synthetic arithmetic."""
+    eval_path: str = ""
+    """Evaluation prompts, same format as train_path; "" = none (held-out problems for the synthetic task)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages [{"role", "content"}]."""
+    label_key: str = "label"
+    """Column holding the label handed to the reward function (e.g. the reference answer)."""
+    apply_chat_template: bool = False
+    """Render string prompts as one user message with the chat template (message lists always use it)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A malformed row stops loading with its file and row number ("error"), or is counted and skipped."""
+    shuffle: bool = True
+    """Draw prompts in a new seeded permutation each epoch; False keeps file order."""
+    seed: int = 0
+    """Seed of the prompt order (epoch e uses seed + e) and of the synthetic problems."""
+    synthetic_size: int = 2000
+    """Number of synthetic arithmetic prompts when train_path is ""."""
+    synthetic_digits: int = 2
+    """Operands of the synthetic problems have 1..synthetic_digits digits."""
+
+
+@dataclass
+class ClusterConfig:
+    address: str = ""
+    """Ray cluster to attach to (e.g. "auto" or "ray://head:10001"); "" starts an embedded local Ray."""
+    num_cpus: Optional[float] = None
+    """CPUs of the embedded local Ray (default: all of this machine's)."""
+    colocate: bool = True
+    """Rollout engines share the trainer ranks' resources (GPU: the same devices) instead of their own."""
+    actor_cpus_per_rank: float = 0.5
+    """Ray CPUs reserved for each trainer rank."""
+    engine_cpus: float = 0.5
+    """Ray CPUs reserved for each rollout engine."""
+    reward_cpus: float = 0.25
+    """Ray CPUs reserved for each reward worker."""
+
+
+@dataclass
 class RLConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -182,5 +225,7 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

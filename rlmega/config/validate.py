@@ -94,10 +94,13 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
     ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1),
+    ("trainer.warmup_sft_steps", _GE0), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
+    ("cluster.reward_cpus", _GT0),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
     ("trainer.micro_batch_size", _GE1), ("trainer.seed", _GE0), ("trainer.save_every", _GE0),
     ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),
+    ("data.seed", _GE0), ("data.synthetic_size", _GE1), ("data.synthetic_digits", _GE1),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
 ]]
 
@@ -231,6 +234,11 @@ def validate(cfg: RLConfig) -> None:
     if tr.resume not in ("none", "auto") and not os.path.exists(tr.resume):
         out.append(problem("trainer.resume", f"checkpoint {tr.resume!r} does not exist",
                            'use "none", "auto" or the path of an existing checkpoint'))
+    for name in ("train_path", "eval_path"):
+        path = getattr(cfg.data, name)
+        if path and not os.path.isfile(path):
+            out.append(problem(f"data.{name}", f"prompt file {path!r} does not exist",
+                               'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
 
     if not bad_ranges:  # the arithmetic below divides by these sizes
         out += _layout_problems(cfg)

@@ -144,17 +144,33 @@ class MegatronActor:
         }
         return numerator, count, stats
 
+    def _sft_loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+        """Supervised next-token loss on the response tokens (token mean over the batch)."""
+        mask = mb["loss_mask"]
+        zero = torch.zeros((), dtype=torch.float64)
+        nll = -(logprobs * mask).sum()
+        stats = {"tokens": mask.sum(), "pg_loss": nll.detach(), "clipped": zero, "ppo_kl": zero,
+                 "entropy": (entropy.detach() * mask).sum(), "kl_ref": zero}
+        return nll, int(mask.sum().item()), stats
+
+    def sft_step(self, batch: RolloutBatch) -> dict:
+        """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start)."""
+        return self._step(batch, self._sft_loss, temperature=1.0)
+
     def train_step(self, batch: RolloutBatch) -> dict:
-        """One optimizer step on the whole batch (needs advantages and old_logprobs)."""
+        """One RL optimizer step on the whole batch (needs advantages and old_logprobs)."""
         if batch.advantages is None or batch.old_logprobs is None:
             raise ValueError("train_step needs batch.advantages and batch.old_logprobs")
         if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and batch.ref_logprobs is None:
             raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
+        return self._step(batch, self._loss, self.temperature)
+
+    def _step(self, batch: RolloutBatch, loss_fn, temperature: float) -> dict:
         if self.cfg.offload_optimizer and "optimizer state" in self.policy.offloaded:
             self.policy.onload_optimizer_state()
         mbs, efficiency = self._plan(batch)
-        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, self.temperature,
-                                          self._loss, with_entropy=True)
+        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature,
+                                          loss_fn, with_entropy=True)
         keys = ("numerator", "count", *_STAT_KEYS)
         sums = None if outs is None else torch.stack([sum(o[k] for o in outs) for k in keys])
         sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))

@@ -90,7 +90,7 @@ class RolloutWorker:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, enable_prefix_caching: bool = False):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
@@ -119,6 +119,9 @@ class RolloutWorker:
             model=self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T): see the module doc
+            # Off by default: a prefix-cache hit reuses KV computed in another batch, and exact
+            # resume (same seeds, same weights -> same samples) must not depend on cache history.
+            enable_prefix_caching=enable_prefix_caching,
             **engine_kwargs,
         )
         self.vocab_size = self._llm.llm_engine.model_config.get_vocab_size()

@@ -1,0 +1,210 @@
+"""Start, use and release every role of a run on Ray: actor ranks, rollout engines, reward
+workers and the coordinator.
+
+    with Roles(cfg) as roles:                        # embedded local Ray, or attach to cluster.address
+        samples = roles.generate(prompt_ids, seed=7)
+        rewards = roles.score(texts_and_labels)
+        roles.sync_weights(version=1)
+
+Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
+placement group, stops the dashboard and shuts Ray down if this process started it. A dead engine
+or rank surfaces as ``RoleDied`` naming it, within ``call_timeout_s`` at the latest.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from rlmega.config.schema import RLConfig
+from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
+from rlmega.sync.transports import RayTransport
+from rlmega.workers.actor import MegatronActor
+from rlmega.workers.coordinator import ActorManager
+from rlmega.workers.reward import RewardWorker
+from rlmega.workers.rollout import RolloutWorker
+
+log = logging.getLogger("rlmega")
+
+
+class RoleDied(RuntimeError):
+    pass
+
+
+class Roles:
+    def __init__(self, cfg: RLConfig, call_timeout_s: float = 1800.0, pg_timeout_s: float = 120.0):
+        self.cfg, self.call_timeout_s, self.pg_timeout_s = cfg, call_timeout_s, pg_timeout_s
+        self.started_ray = False
+        self.actors: WorkerGroup | None = None
+        self.engines: list = []
+        self.rewarders: list = []
+        self.manager: ActorManager | None = None
+        self.pg = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> "Roles":
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        c, p, r = self.cfg.cluster, self.cfg.parallelism, self.cfg.rollout
+        needed = (p.world_size * c.actor_cpus_per_rank + r.num_engines * c.engine_cpus
+                  + self.cfg.reward.num_workers * c.reward_cpus)
+        if c.address:
+            ray.init(address=c.address, log_to_driver=False)
+        else:
+            # Ray CPUs are reservations, not cores: an embedded cluster declares at least what the
+            # roles reserve, so a 2-core laptop runs the same layout a cluster would (slower).
+            ray.init(num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
+                     log_to_driver=False)
+            self.started_ray = True
+        gpu = r.device == "cuda"
+        # One bundle per trainer rank; engines share those bundles when colocated (GPU: the same
+        # device, half each, taking turns through sleep/wake), or get bundles of their own.
+        hosts = {i % p.world_size for i in range(r.num_engines)} if c.colocate else set()
+        bundles = [{"CPU": c.actor_cpus_per_rank + (c.engine_cpus if i in hosts else 0), **({"GPU": 1} if gpu else {})}
+                   for i in range(p.world_size)]
+        if not c.colocate:
+            bundles += [{"CPU": c.engine_cpus, **({"GPU": r.tensor_parallel_size} if gpu else {})}
+                        for _ in range(r.num_engines)]
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RoleDied(
+                f"Ray could not place {len(bundles)} bundles {bundles} within {self.pg_timeout_s:.0f}s "
+                f"(cluster has {ray.cluster_resources()}). Fix: lower cluster.*_cpus, or give the "
+                "cluster more resources (cluster.num_cpus for the embedded one)") from None
+        self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
+                                    port=self.cfg.logging.dashboard_port)
+        self.actors = WorkerGroup(
+            MegatronActor, p.world_size, kwargs=dict(
+                model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer, actor=self.cfg.actor,
+                algorithm=self.cfg.algorithm, temperature=r.temperature,
+                lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step()),
+            num_cpus=c.actor_cpus_per_rank, num_gpus=(0.5 if c.colocate else 1) if gpu else 0,
+            placement_group=self.pg,
+            timeout_s=self.call_timeout_s)
+        self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
+        Engine = ray.remote(RolloutWorker)
+        for i in range(r.num_engines):
+            bundle = i % p.world_size if c.colocate else p.world_size + i
+            self.engines.append(Engine.options(
+                num_cpus=c.engine_cpus, num_gpus=(0.5 if c.colocate else r.tensor_parallel_size) if gpu else 0,
+                scheduling_strategy=_in_bundle(self.pg, bundle)).remote(
+                self.cfg.model.path, device=r.device, dtype=self.cfg.model.dtype,
+                max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
+                kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_parallel_size))
+        concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
+        for i, value in enumerate(concurrency):
+            self.manager.set_kv_cache_max_concurrency(i, value)
+        Reward = ray.remote(num_cpus=c.reward_cpus)(RewardWorker)
+        self.rewarders = [Reward.remote(self.cfg.reward.fn, self.cfg.reward.kwargs)
+                          for _ in range(self.cfg.reward.num_workers)]
+
+    def close(self) -> None:
+        for handle in [*self.engines, *self.rewarders]:
+            try:
+                ray.kill(handle)
+            except Exception:  # already dead
+                pass
+        self.engines, self.rewarders = [], []
+        if self.actors is not None:
+            try:
+                self.actors.shutdown()
+            except Exception:
+                pass
+            self.actors = None
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        if self.manager is not None:
+            self.manager.cleanup()
+            self.manager = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False
+
+    # ---- calls ------------------------------------------------------------------------------
+    def optimizer_steps_per_rl_step(self) -> int:
+        t = self.cfg.trainer
+        return max(1, t.prompts_per_step * self.cfg.rollout.n // t.global_batch_size)
+
+    def _get(self, refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.call_timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise RoleDied(f"a {what} died: {str(e).splitlines()[0]}") from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s") from e
+
+    def call_actors(self, method: str, *args, **kwargs):
+        """Rank 0's result (every rank returns the same)."""
+        try:
+            return self.actors.call(method, *args, **kwargs)[0]
+        except WorkerGroupError as e:
+            raise RoleDied(str(e)) from e
+
+    def generate(self, prompts: list[list[int]], seed: int, n: int | None = None,
+                 temperature: float | None = None, max_tokens: int | None = None) -> list:
+        """Samples for every prompt (split across engines in contiguous shares), prompt order kept."""
+        r = self.cfg.rollout
+        shares = _split(list(range(len(prompts))), len(self.engines))
+        refs = [e.generate.remote([prompts[i] for i in share], n=n or r.n,
+                                  temperature=r.temperature if temperature is None else temperature,
+                                  top_p=r.top_p, top_k=r.top_k, max_tokens=max_tokens or r.max_response_tokens,
+                                  seed=seed + share[0] * 1000 if share else seed)
+                for e, share in zip(self.engines, shares) if share]
+        out = []
+        for share, samples in zip([s for s in shares if s], self._get(refs, "rollout engine")):
+            for s in samples:  # engine-local prompt index -> global
+                s.prompt_index = share[s.prompt_index]
+                out.append(s)
+        return out
+
+    def score(self, items: list[tuple[str, str]]) -> list[float]:
+        shares = _split(items, len(self.rewarders))
+        refs = [w.score.remote(share) for w, share in zip(self.rewarders, shares) if share]
+        return [x for part in self._get(refs, "reward worker") for x in part]
+
+    def sync_weights(self, version: int, bucket_bytes: int = 512 << 20) -> dict:
+        try:
+            sent = self.actors.call("sync_model_to_rollout", RayTransport(self.engines, self.call_timeout_s),
+                                    version, bucket_bytes)
+        except WorkerGroupError as e:
+            raise RoleDied(str(e)) from e
+        versions = self._get([e.weight_version.remote() for e in self.engines], "rollout engine")
+        if versions != [version] * len(self.engines):
+            raise RuntimeError(f"engines hold weight versions {versions}, expected {version}")
+        return {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
+
+
+def _in_bundle(pg, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Contiguous, near-equal shares (earlier shares get the extra item)."""
+    k, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + k + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out

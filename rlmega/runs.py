@@ -1,0 +1,90 @@
+"""A run's folder: metrics (JSON lines + TensorBoard), checkpoints, the resolved config.
+
+    RUN_DIR/config.yaml            the resolved config of the run
+    RUN_DIR/metrics.jsonl          one JSON object per step, appended and flushed as it happens
+    RUN_DIR/tensorboard/           event files of the same numbers
+    RUN_DIR/checkpoints/step_N/    complete checkpoints (Megatron dist format + driver state);
+    RUN_DIR/checkpoints/latest     written by rename once step_N is complete (checkpoint.py)
+    RUN_DIR/hf_final/              the final policy as a Hugging Face folder
+
+On resume the metrics file is rewritten (write, then rename) from the history stored in the
+checkpoint, so steps logged after the last checkpoint by a killed run do not appear twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _clean(metrics: dict) -> dict:
+    """JSON-safe: floats that are not finite become null (JSON has no NaN)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+
+
+class RunDir:
+    def __init__(self, path: str | Path, tensorboard: bool = True):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = self.path / "checkpoints"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.path / "tensorboard"))
+
+    def write_config(self, text: str) -> None:
+        tmp = self.path / "config.yaml.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.path / "config.yaml")
+
+    def log(self, metrics: dict) -> None:
+        """Append one step's metrics (must contain "step")."""
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(_clean(metrics), sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, metrics["step"])
+            self._tb.flush()
+
+    def rewrite_metrics(self, history: list[dict]) -> None:
+        tmp = self.metrics_path.with_name("metrics.jsonl.tmp")
+        with open(tmp, "w") as f:
+            for m in history:
+                f.write(json.dumps(_clean(m), sort_keys=True) + "\n")
+        os.replace(tmp, self.metrics_path)
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def latest_checkpoint(self) -> Path | None:
+        pointer = self.checkpoints / "latest"
+        if not pointer.exists():
+            return None
+        path = self.checkpoints / pointer.read_text().strip()
+        return path if path.is_dir() else None
+
+    def prune_checkpoints(self, keep: int) -> list[Path]:
+        """Delete all but the newest ``keep`` complete checkpoints (never the latest one)."""
+        latest = self.latest_checkpoint()
+        steps = sorted(p for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name)) if self.checkpoints.exists() else []
+        doomed = [p for p in steps[:-keep] if p != latest] if keep > 0 else []
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+        return doomed
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

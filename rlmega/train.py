@@ -1,0 +1,118 @@
+"""The RL driver: ``rlmega train CONFIG [key=value ...]`` or ``python -m rlmega.train CONFIG ...``.
+
+With no ``cluster.address`` it starts an embedded local Ray; with one it attaches. Per step:
+prompts -> n responses each -> rewards -> old/ref log-probs -> advantages -> train step(s) ->
+sync weights to the engines -> log -> checkpoint every k steps -> evaluate every m steps.
+``trainer.resume=auto`` (or ``--resume``) continues from RUN_DIR's latest checkpoint exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from rlmega.config import ConfigError, RLConfig, dump_config, load_config
+from rlmega.data.prompts import load_prompt_data
+from rlmega.launch.roles import RoleDied, Roles
+from rlmega.runs import RunDir
+from rlmega.step import evaluate, rl_step, sft_batch
+
+log = logging.getLogger("rlmega")
+
+
+def train(cfg: RLConfig) -> RunDir:
+    t = cfg.trainer
+    run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard)
+    run.write_config(dump_config(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
+    with Roles(cfg) as roles:
+        start, history = resume(roles, run, data, cfg)
+        if start == 0:
+            warm_start(roles, data, tokenizer, t.warmup_sft_steps)
+        roles.sync_weights(version=start)
+        if start == 0 and t.eval_every and data.eval_prompts:  # the baseline the run is judged against
+            history.append({"step": 0, "eval_accuracy": evaluate(roles, data.eval_prompts, tokenizer,
+                                                                  cfg.rollout.max_response_tokens)})
+            run.log(history[-1])
+            print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
+        print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
+              f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
+        bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
+        for step in bar:
+            if roles.manager.should_stop():
+                break
+            metrics = rl_step(roles, data.next_prompts(), step, cfg, tokenizer)
+            if t.eval_every and data.eval_prompts and (step + 1) % t.eval_every == 0:
+                metrics["eval_accuracy"] = evaluate(roles, data.eval_prompts, tokenizer, cfg.rollout.max_response_tokens)
+            report(roles.manager, metrics, t.total_steps)
+            history.append({k: v for k, v in metrics.items() if not k.startswith("_")})
+            run.log(history[-1])
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.2e}",
+                            **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
+            if t.save_every and ((step + 1) % t.save_every == 0 or step + 1 == t.total_steps):
+                roles.call_actors("save_checkpoint", str(run.checkpoints), step + 1,
+                                  {"data": data.state_dict(), "history": history})
+                run.prune_checkpoints(t.keep_last_checkpoints)
+        roles.call_actors("export_hf", str(run.path / "hf_final"), True)
+    run.close()
+    return run
+
+
+def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
+    """(first step to run, metrics history) from RUN_DIR's latest checkpoint, or (0, [])."""
+    latest = run.latest_checkpoint()
+    if cfg.trainer.resume == "none" or latest is None:
+        if cfg.trainer.resume not in ("none", "auto"):
+            raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: no checkpoint there")
+        return 0, []
+    step, extra = roles.call_actors("load_checkpoint", str(latest))
+    data.load_state_dict(extra["data"])
+    run.rewrite_metrics(extra["history"])
+    print(f"rlmega: resumed from {latest} at step {step}", flush=True)
+    return step, list(extra["history"])
+
+
+def warm_start(roles: Roles, data, tokenizer, steps: int) -> None:
+    """A short supervised warm start on the prompts' labels (random weights learn nothing by RL)."""
+    for i in tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0):
+        roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer))
+
+
+def report(manager, metrics: dict, total_steps: int) -> None:
+    manager.report_metrics(metrics["step"], {k: v for k, v in metrics.items() if not k.startswith("_")})
+    manager.report_progress(metrics["step"], total_steps)
+    manager.report_token_statistics(metrics["_prefill_tokens"], metrics["_decode_tokens"], metrics["time_generate"])
+    manager.report_training_step_time(metrics["step"], metrics["time_train"])
+    manager.report_batch_generation_time(metrics["step"], metrics["time_generate"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rlmega train", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=10")
+    p.add_argument("--resume", action="store_true", help="same as trainer.resume=auto")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, [*args.overrides, *(["trainer.resume=auto"] if args.resume else [])])
+    except ConfigError as e:
+        print(f"rlmega: {e}", file=sys.stderr)
+        return 2
+    try:
+        run = train(cfg)
+    except KeyboardInterrupt:
+        print("rlmega: interrupted; every worker was released", file=sys.stderr)
+        return 130
+    except RoleDied as e:
+        print(f"rlmega: {e}; every other worker was released", file=sys.stderr)
+        return 1
+    print(f"rlmega: done. metrics {run.metrics_path}, final policy {run.path / 'hf_final'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
