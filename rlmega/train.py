@@ -78,8 +78,10 @@ def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
 
 def warm_start(roles: Roles, data, tokenizer, steps: int) -> None:
     """A short supervised warm start on the prompts' labels (random weights learn nothing by RL)."""
-    for i in tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0):
-        roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer))
+    bar = tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0)
+    for i in bar:
+        metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer))
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 
 
 def report(manager, metrics: dict, total_steps: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -71,8 +72,17 @@ class WorkerGroup:
                    for r, h in enumerate(self.hosts)])
 
     def _get(self, refs: list) -> list:
+        """All results, but fail as soon as ANY rank fails: its peers may be blocked in a
+        collective waiting for it, and would only give up at the process-group timeout."""
+        deadline = time.monotonic() + self.timeout_s
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+                if not ready:
+                    raise ray.exceptions.GetTimeoutError("timed out")
+                ray.get(ready[0])  # raises now if this rank failed
+            return ray.get(refs)
         except ray.exceptions.RayActorError as e:
             raise WorkerGroupError(f"a trainer rank died: {e}") from e
         except ray.exceptions.RayTaskError as e:

@@ -163,6 +163,12 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple
                          f"{_coords()[0]}: load it with model_only=True, or restore the saved layout")
     sd = _sharded(model, None, with_rng=same_layout and optimizer is not None)
     with_optimizer_state = optimizer is not None and meta["has_optimizer_state"]
+    if with_optimizer_state and not _has_state(optimizer):
+        # A fresh optimizer (a resumed run) has no Adam state for Megatron to load into; it makes
+        # placeholder state with a zero-gradient step. Every value it touches (moments, step,
+        # and the model weights loaded just below) is then overwritten from the checkpoint.
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner._init_optimizer_states_with_dummy_values()
     if with_optimizer_state:
         sd["optimizer"] = optimizer.sharded_state_dict({k: v for k, v in sd.items() if k.startswith("model")},
                                                        is_loading=True, metadata=_OPTIM_FORMAT)

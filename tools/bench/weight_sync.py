@@ -36,8 +36,9 @@ machine; round 0 is the warm-up and each number below is the best of the others.
 ``--transports`` (default both): ``ray`` is rlmega.sync.transports.RayTransport as it is;
 ``ray-zerocopy`` (ZeroCopyRayTransport, defined here) puts each tensor's bytes as a numpy byte
 array instead (pickle-5 out-of-band: one copy into the object store, zero-copy out). A torch tensor
-pickles its *whole storage*, so a ``ray`` bucket whose storages exceed ``--max-put-gb`` (default a
-quarter of RAM) is skipped and reported rather than run into the machine's memory limit.
+pickles its *whole storage*: for a transport found to do that (a probe at start), a bucket whose
+storages exceed ``--max-put-gb`` (default a quarter of RAM) is skipped and reported rather than run
+into the machine's memory limit.
 
 A second line times the object-store round trip alone, in this process, on the model's tensors
 as one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
@@ -117,6 +118,34 @@ def make_transport(kind: str, engines):
     if kind == "ray-zerocopy":
         return ZeroCopyRayTransport(engines)
     raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
+
+
+def pickles_whole_storages(kind: str) -> bool:
+    """Whether ``kind`` serializes a tensor view's whole storage: its ray.put of a 16-byte view
+    of a 4 MiB tensor, serialized as Ray would (cloudpickle, protocol 5) instead of being put."""
+    import ray
+    from ray import cloudpickle
+
+    class _Stop(Exception):
+        pass
+
+    sizes, real_put = [], ray.put
+
+    def measure(obj, **_):
+        buffers = []
+        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        sizes.append(len(data) + sum(b.raw().nbytes for b in buffers))
+        raise _Stop
+
+    big = torch.zeros(1 << 20)
+    ray.put = measure
+    try:
+        make_transport(kind, []).send([("probe", big[:4])], 0)
+    except _Stop:
+        pass
+    finally:
+        ray.put = real_put
+    return bool(sizes) and sizes[0] > big.nbytes // 2
 
 
 class TimedTransport:
@@ -288,8 +317,8 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
         null = DirectTransport([NullEngine()])
         transports = {}
         for kind in args.transports:
-            # Only torch-pickling transports can blow up on storages; the guard is off for the others.
-            guard = args.max_put_bytes if kind == "ray" else None
+            # Only transports that pickle whole storages can blow up on views; no guard for the others.
+            guard = args.max_put_bytes if pickles_whole_storages(kind) else None
             transports[kind] = TimedTransport(make_transport(kind, [engine]), str(log_dir), guard)
         gathers, runs = [], {kind: [] for kind in transports}
         for i in range(args.repeats + 1):
@@ -386,8 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--transports", default="ray,ray-zerocopy",
                    help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()))
     p.add_argument("--max-put-gb", type=float, default=None,
-                   help="skip a 'ray' bucket whose tensors' storages exceed this (torch pickles whole "
-                        "storages); default: a quarter of this machine's memory")
+                   help="skip a bucket whose tensors' storages exceed this, for transports that pickle "
+                        "whole storages (torch tensors do); default: a quarter of this machine's memory")
     p.add_argument("--profile-engine", action="store_true",
                    help="cProfile one update_weights inside the engine and print the top functions")
     p.add_argument("--json", default=None, help="also write the results here")
