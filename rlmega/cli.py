@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,19 +24,24 @@ def _check_config(args) -> int:
 
 
 def _demo(args) -> int:
-    """Tiny model, then a Megatron TP2 x PP2 language-model run on 4 local ranks."""
+    """Tiny model (made once), then configs/demo_cpu.yaml: a supervised warm start and GRPO on addition."""
+    import rlmega
     from rlmega.tiny_model import make_tiny_model
+    from rlmega.train import main as train_main
 
-    model = Path(args.run_dir) / "tiny_model"
+    config = Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+    if not config.is_file():
+        print(f"rlmega demo: {config} not found; the demo needs a source checkout. Fix: pip install -e . "
+              "from the repository, or run rlmega train CONFIG with a config of your own", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir)
+    model = run_dir / "tiny_model"
     if not (model / "config.json").exists():
-        # 4 heads / 2 KV heads so TP2 splits both; head_dim 64 suits vLLM's CPU attention.
-        make_tiny_model(model, hidden_size=256, num_heads=4, num_kv_heads=2, overwrite=True)
-        print(f"made tiny model in {model}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "rlmega.lm_demo", "--model", str(model), "--steps", str(args.steps)]
-    return subprocess.run(cmd, env=env).returncode
+        # head_dim 64 (vLLM's CPU attention needs it); 4 heads / 2 KV heads so TP2 splits both.
+        make_tiny_model(model, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0, overwrite=True)
+        print(f"rlmega demo: made tiny model in {model}", flush=True)
+    return train_main([str(config), f"model.path={model}", f"trainer.run_dir={run_dir}",
+                       f"trainer.total_steps={args.steps}"])
 
 
 def main(argv=None) -> int:

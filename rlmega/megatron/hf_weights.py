@@ -99,18 +99,27 @@ def to_megatron_shard(mcore_name: str, get_hf: Callable[[str], torch.Tensor], sh
     raise AssertionError(kind)
 
 
+def _cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, except that one tensor (TP 1) is returned as it is: a view, not a copy."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def from_megatron_shards(mcore_name: str, shards: list[torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """HF tensors from all TP shards (in TP-rank order) of one Megatron parameter."""
+    """HF tensors from all TP shards (in TP-rank order) of one Megatron parameter.
+
+    With one shard the results may be views of it (no copy): callers that keep them past the
+    next update of the parameter must copy them.
+    """
     kind, names = rule(mcore_name, shape)
     if kind == "replicated":
         return {names[0]: shards[0]}
     if kind == "split_dim1":
-        return {names[0]: torch.cat(shards, dim=1)}
+        return {names[0]: _cat(shards, dim=1)}
     if kind == "qkv":
-        return dict(zip(names, _split_qkv(torch.cat(shards, dim=0), shape)))
+        return dict(zip(names, _split_qkv(_cat(shards, dim=0), shape)))
     if kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return {names[0]: torch.cat([h[0] for h in halves]), names[1]: torch.cat([h[1] for h in halves])}
+        return {names[0]: _cat([h[0] for h in halves]), names[1]: _cat([h[1] for h in halves])}
     if kind == "vocab":
-        return {names[0]: torch.cat(shards, dim=0)[: shape.vocab_size]}
+        return {names[0]: _cat(shards, dim=0)[: shape.vocab_size]}
     raise AssertionError(kind)

@@ -1,4 +1,5 @@
 """The `rlmega` command as a user runs it: a real subprocess of the installed console script."""
+import os
 import re
 import shutil
 import subprocess
@@ -28,12 +29,18 @@ def test_check_config_rejects_a_bad_field_with_exit_2():
 
 
 @pytest.mark.timeout(400)
-def test_demo_trains_megatron_tp2_pp2(tmp_path):
-    out = _run("demo", "--steps", "8", "--run-dir", str(tmp_path), timeout=360)
+def test_lm_demo_trains_megatron_tp2_pp2(tmp_path):
+    """The plain language-model run (torchrun, 4 ranks): Megatron's whole training stack learns."""
+    from rlmega.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "rlmega.lm_demo", "--model", str(model), "--steps", "8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "TP2 x PP2" in out.stdout
     losses = [float(x) for x in re.findall(r"step +\d+/8 +loss ([\d.]+)", out.stdout)]
     assert len(losses) == 8
     start, end = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
     assert end < start - 0.5, (start, end)  # it learns, not just runs
-    assert (tmp_path / "tiny_model" / "config.json").exists()

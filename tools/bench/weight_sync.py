@@ -43,7 +43,7 @@ into the machine's memory limit.
 A second line times the object-store round trip alone, in this process, on the model's tensors
 as one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
 
-It is a benchmark, not a test: nothing runs on import. The default run takes about 1.5 minutes
+It is a benchmark, not a test: nothing runs on import. The default run takes 1.5 to 3 minutes
 on a 2-core CPU machine (it prints its runtime).
 """
 from __future__ import annotations
@@ -477,9 +477,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         results["object_store"] = object_store_seconds(load_file(f"{hf_model}/model.safetensors"), args.repeats)
 
+        from rlmega.launch.worker_group import WorkerGroupError
+
         for tp, pp in layouts:
             print(f"layout TP{tp}xPP{pp} ...", flush=True)
-            for r in run_layout(hf_model, tp, pp, engine, args, log_dir):
+            try:
+                rows = run_layout(hf_model, tp, pp, engine, args, log_dir)
+            except WorkerGroupError as e:  # setup or the gather-only sync lost a rank (e.g. Ray's OOM killer)
+                rows = [{"layout": f"TP{tp}xPP{pp}", "transport": "-", "error": str(e).splitlines()[0][:300]}]
+                print(f"  FAILED {rows[0]['error']}", flush=True)
+            for r in rows:
                 if "sync_s" in r:
                     r["ratio"] = results["memcpy_s"] / r["sync_s"]
                 results["layouts"].append(r)
