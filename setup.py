@@ -19,6 +19,10 @@ CORE = [
     "numpy",
     "pyyaml",
     "pyarrow",  # Parquet prompt datasets (rlmega.data.prompts)
+    "tqdm",  # the trainer's progress bar
+    "tensorboard",  # event files next to metrics.jsonl
+    "fastapi",  # the coordinator's dashboard
+    "uvicorn",
 ]
 
 EXTRAS = {
