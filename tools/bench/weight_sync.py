@@ -33,9 +33,8 @@ machine; round 0 is the warm-up and each number below is the best of the others.
     other_s     sync_s - gather_s - send_s: the barrier and noise; negative with PP, where the
                 stages gather and send concurrently, so the parts overlap.
 
-``--transports`` (default both): ``ray`` is rlmega.sync.transports.RayTransport as it is;
-``ray-zerocopy`` (ZeroCopyRayTransport, defined here) puts each tensor's bytes as a numpy byte
-array instead (pickle-5 out-of-band: one copy into the object store, zero-copy out). A torch tensor
+``--transports`` (default ``ray``): rlmega.sync.transports.RayTransport, which puts each tensor's
+own bytes (pickle-5 out-of-band: one copy into the object store, zero-copy out). A plain torch tensor
 pickles its *whole storage*: for a transport found to do that (a probe at start), a bucket whose
 storages exceed ``--max-put-gb`` (default a quarter of RAM) is skipped and reported rather than run
 into the machine's memory limit.
@@ -70,44 +69,7 @@ class NullEngine:
             pass
 
 
-def _tensors_from_bytes(names, arrays, dtypes, shapes):
-    """Where a zero-copy bucket is read: tensors over the object store's memory, no copy."""
-    import warnings
-
-    with warnings.catch_warnings():  # the arrays are read-only views of the store; loaders only read them
-        warnings.simplefilter("ignore", UserWarning)
-        return [(n, torch.from_numpy(a).view(dt).reshape(sh)) for n, a, dt, sh in zip(names, arrays, dtypes, shapes)]
-
-
-class ZeroCopyBucket:
-    """Pickles a bucket as raw byte arrays (pickle-5 out-of-band buffers) of exactly each tensor's
-    elements. A torch tensor pickles its whole storage instead: for a view into Megatron's flat DDP
-    parameter buffer (the replicated norms) that is the whole buffer, once per tensor."""
-
-    def __init__(self, bucket):
-        self.bucket = bucket
-
-    def __reduce__(self):
-        ts = [t.detach().cpu().contiguous() for _, t in self.bucket]
-        return _tensors_from_bytes, ([n for n, _ in self.bucket], [t.reshape(-1).view(torch.uint8).numpy() for t in ts],
-                                     [t.dtype for t in ts], [tuple(t.shape) for t in ts])
-
-
-class ZeroCopyRayTransport:
-    """RayTransport, but the bucket goes into the object store as byte arrays (proposed fix)."""
-
-    def __init__(self, engines, timeout_s: float = 600.0):
-        self.engines, self.timeout_s = list(engines), timeout_s
-
-    def send(self, bucket, version: int) -> None:
-        import ray
-
-        ref = ray.put(ZeroCopyBucket(bucket))
-        ray.get([e.update_weights.remote(ref, version) for e in self.engines], timeout=self.timeout_s)
-
-
-TRANSPORTS = {"ray": "rlmega.sync.transports.RayTransport, as it is",
-              "ray-zerocopy": "ZeroCopyRayTransport (this file): byte arrays, exactly the tensors' bytes"}
+TRANSPORTS = {"ray": "rlmega.sync.transports.RayTransport (each tensor's own bytes through the object store)"}
 
 
 def make_transport(kind: str, engines):
@@ -115,8 +77,6 @@ def make_transport(kind: str, engines):
         from rlmega.sync.transports import RayTransport
 
         return RayTransport(engines)
-    if kind == "ray-zerocopy":
-        return ZeroCopyRayTransport(engines)
     raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
 
 
@@ -412,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layouts", default="1x1,2x2", help="comma-separated TPxPP, world = TP*PP")
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported), after 1 warm-up")
-    p.add_argument("--transports", default="ray,ray-zerocopy",
+    p.add_argument("--transports", default="ray",
                    help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()))
     p.add_argument("--max-put-gb", type=float, default=None,
                    help="skip a bucket whose tensors' storages exceed this, for transports that pickle "
