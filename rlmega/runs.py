@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -28,7 +29,8 @@ def _clean(metrics: dict) -> dict:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, tensorboard: bool = True):
+    def __init__(self, path: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict | None = None):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
@@ -38,6 +40,7 @@ class RunDir:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.path / "tensorboard"))
+        self._wandb = _start_wandb(self.path, wandb_project, config) if wandb_project else None
 
     def write_config(self, text: str) -> None:
         tmp = self.path / "config.yaml.tmp"
@@ -55,6 +58,8 @@ class RunDir:
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, metrics["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in _clean(metrics).items() if k != "step"}, step=metrics["step"])
 
     def rewrite_metrics(self, history: list[dict]) -> None:
         tmp = self.metrics_path.with_name("metrics.jsonl.tmp")
@@ -88,3 +93,23 @@ class RunDir:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(path: Path, project: str, config: dict | None):
+    """A wandb run that a resumed run continues (its id is kept in the run folder).
+
+    WANDB_MODE=offline (no network) writes it under RUN_DIR/wandb for a later `wandb sync`.
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError(f"logging.wandb_project={project!r} needs wandb: pip install wandb "
+                           "(or unset logging.wandb_project)") from None
+    id_file = path / "wandb_run_id"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return wandb.init(project=project, dir=str(path), id=id_file.read_text().strip(), resume="allow",
+                      config=config, name=path.name)

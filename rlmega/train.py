@@ -8,6 +8,7 @@ sync weights to the engines -> log -> checkpoint every k steps -> evaluate every
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -25,14 +26,15 @@ log = logging.getLogger("rlmega")
 
 def train(cfg: RLConfig) -> RunDir:
     t = cfg.trainer
-    run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard)
+    run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
+                 config=dataclasses.asdict(cfg))
     run.write_config(dump_config(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
     with Roles(cfg) as roles:
         start, history = resume(roles, run, data, cfg)
         if start == 0:
-            warm_start(roles, data, tokenizer, t.warmup_sft_steps)
+            warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr)
         roles.sync_weights(version=start)
         if start == 0 and t.eval_every and data.eval_prompts:  # the baseline the run is judged against
             history.append({"step": 0, "eval_accuracy": evaluate(roles, data.eval_prompts, tokenizer,
@@ -76,11 +78,11 @@ def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
     return step, list(extra["history"])
 
 
-def warm_start(roles: Roles, data, tokenizer, steps: int) -> None:
+def warm_start(roles: Roles, data, tokenizer, steps: int, lr: float | None) -> None:
     """A short supervised warm start on the prompts' labels (random weights learn nothing by RL)."""
     bar = tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0)
     for i in bar:
-        metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer))
+        metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer), lr)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 
 

@@ -146,6 +146,9 @@ class TrainerConfig:
     warmup_sft_steps: int = 0
     """Supervised steps on the prompts' labels before RL starts (a fresh run only): a random or
     untuned model needs a warm start before a verifier reward can teach it anything."""
+    warmup_sft_lr: Optional[float] = None
+    """Constant learning rate of the warm start, outside the RL schedule (which it neither uses nor
+    advances); null: the warm start takes the first steps of the optimizer's schedule."""
 
 
 @dataclass

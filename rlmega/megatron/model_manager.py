@@ -137,8 +137,11 @@ class MegatronModelManager:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def optimizer_step(self, skip_nonfinite: bool = True) -> tuple[bool, float, float]:
+    def optimizer_step(self, skip_nonfinite: bool = True, lr: float | None = None) -> tuple[bool, float, float]:
         """Clip, step and advance the LR schedule. Returns (updated, grad_norm, lr used).
+
+        ``lr`` overrides the schedule for this one step and leaves the schedule where it was
+        (a warm start outside the RL schedule); the next scheduled step restores the scheduled LR.
 
         The grad norm is global (all model-parallel and data-parallel ranks), so a NaN or inf
         anywhere gives every rank the same non-finite norm and the same decision: with
@@ -147,6 +150,12 @@ class MegatronModelManager:
         (Megatron itself only checks this with an fp16 loss scaler.)
         """
         opt = self.optimizer
+        scheduled = lr is None
+        if scheduled:
+            self.scheduler.step(increment=0)  # (re)apply the scheduled LR and weight decay
+        else:
+            for group in opt.param_groups:
+                group["lr"] = lr
         lr = float(opt.param_groups[0]["lr"])
         found_inf = opt.prepare_grads()
         grad_norm = float(opt.get_grad_norm())
@@ -161,7 +170,7 @@ class MegatronModelManager:
                 if params:
                     clip_grad_by_total_norm_fp32(params, max_norm=self.optim_cfg.clip_grad, total_norm=grad_norm)
         ok = opt.step_with_ready_grads()
-        if ok:
+        if ok and scheduled:
             self.scheduler.step(increment=1)
         return bool(ok), grad_norm, lr
 

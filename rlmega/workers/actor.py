@@ -153,9 +153,12 @@ class MegatronActor:
                  "entropy": (entropy.detach() * mask).sum(), "kl_ref": zero}
         return nll, int(mask.sum().item()), stats
 
-    def sft_step(self, batch: RolloutBatch) -> dict:
-        """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start)."""
-        return self._step(batch, self._sft_loss, temperature=1.0)
+    def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
+        """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start).
+
+        ``lr``: a constant learning rate outside the RL schedule (which it neither uses nor advances).
+        """
+        return self._step(batch, self._sft_loss, temperature=1.0, lr=lr)
 
     def train_step(self, batch: RolloutBatch) -> dict:
         """One RL optimizer step on the whole batch (needs advantages and old_logprobs)."""
@@ -165,7 +168,7 @@ class MegatronActor:
             raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
         return self._step(batch, self._loss, self.temperature)
 
-    def _step(self, batch: RolloutBatch, loss_fn, temperature: float) -> dict:
+    def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None) -> dict:
         if self.cfg.offload_optimizer and "optimizer state" in self.policy.offloaded:
             self.policy.onload_optimizer_state()
         mbs, efficiency = self._plan(batch)
@@ -178,7 +181,7 @@ class MegatronActor:
         loss = s["numerator"] / max(s["count"], 1.0)
         # loss and grad norm are global, so every rank takes the same branch here
         if math.isfinite(loss):
-            ok, grad_norm, lr = self.policy.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps)
+            ok, grad_norm, lr = self.policy.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps, lr=lr)
         elif self.cfg.skip_nonfinite_steps:
             self.policy.optimizer.zero_grad()
             ok, grad_norm, lr = False, float("nan"), float(self.policy.optimizer.param_groups[0]["lr"])

@@ -193,3 +193,19 @@ def test_nan_on_one_pipeline_stage_skips_the_step_on_every_rank(hf_model):
         assert second_skipped == 0.0 and finite, f"rank {rank}: training did not resume"
     raised = run_on_ranks(_nan_body, 4, args=(hf_model, False), timeout_s=240)
     assert all(r[0] == "raised" and "non-finite" in r[1] for r in raised), raised
+
+
+def _warm_start_lr_body(path):
+    actor = _actor(path)
+    batch = random_batch(N, seed=5)
+    sft = actor.sft_step(batch, lr=0.05)  # outside the schedule
+    steps_after_sft = actor.policy.scheduler.num_steps
+    rl, _ = _rl_step(actor, batch)
+    actor.teardown()
+    return sft["lr"], steps_after_sft, rl["lr"]
+
+
+def test_warm_start_lr_does_not_touch_the_rl_schedule(hf_model):
+    sft_lr, steps_after_sft, rl_lr = run_on_ranks(_warm_start_lr_body, 1, args=(hf_model,), timeout_s=300)[0]
+    assert sft_lr == 0.05 and steps_after_sft == 0
+    assert rl_lr == 3e-3  # the scheduled LR is back for the first RL step

@@ -1,0 +1,45 @@
+"""RunDir: metrics lines, rewrite on resume, checkpoint pruning, TensorBoard and wandb (offline)."""
+import json
+
+import pytest
+
+from rlmega.runs import RunDir
+
+
+def test_metrics_log_rewrite_and_nan(tmp_path):
+    run = RunDir(tmp_path / "r", tensorboard=True)
+    run.log({"step": 1, "loss": 0.5})
+    run.log({"step": 2, "loss": float("nan")})
+    assert run.read_metrics() == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]  # JSON has no NaN
+    run.rewrite_metrics([{"step": 1, "loss": 0.5}])  # a resume drops steps past the checkpoint
+    assert run.read_metrics() == [{"step": 1, "loss": 0.5}]
+    run.close()
+    assert list((tmp_path / "r" / "tensorboard").iterdir())
+
+
+def test_prune_keeps_the_newest_and_never_the_latest(tmp_path):
+    run = RunDir(tmp_path, tensorboard=False)
+    for step in (2, 4, 6):
+        (run.checkpoints / f"step_{step:08d}").mkdir(parents=True)
+    (run.checkpoints / "latest").write_text("step_00000006")
+    (run.checkpoints / "step_00000008.partial").mkdir()  # an interrupted save is not counted
+    removed = run.prune_checkpoints(keep=2)
+    assert [p.name for p in removed] == ["step_00000002"]
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == [
+        "latest", "step_00000004", "step_00000006", "step_00000008.partial"]
+
+
+def test_wandb_offline_run_gets_the_metrics_and_resumes_the_same_id(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = RunDir(tmp_path, tensorboard=False, wandb_project="rlmega-test", config={"trainer": {"total_steps": 2}})
+    run.log({"step": 1, "reward_mean": 0.25})
+    run.close()
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert runs and list(runs[0].glob("*.wandb")), "no offline wandb run written"
+    again = RunDir(tmp_path, tensorboard=False, wandb_project="rlmega-test")  # a resumed run: same id
+    assert again._wandb.id == run_id
+    again.close()
+    assert wandb.run is None
