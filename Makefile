@@ -27,7 +27,8 @@ demo: $(STAMP)
 	$(VENV)/bin/rlmega demo
 
 test: $(STAMP) chromium
-	$(PY) -m pytest
+	@# pytest exits 5 when it collected no test: a suite that ran nothing is a failure too.
+	$(PY) -m pytest; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc
 
 # tests/e2e/test_dashboard_browser.py drives headless Chromium: install it if missing and we are root
 # (CI); otherwise say so and go on (that test skips).
