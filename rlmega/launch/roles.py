@@ -186,11 +186,24 @@ class Roles:
             sent = self.actors.call("sync_model_to_rollout", RayTransport(self.engines, self.call_timeout_s),
                                     version, bucket_bytes)
         except WorkerGroupError as e:
+            dead = self._dead_engines()
+            if dead:  # the ranks failed because an engine they were sending to is gone
+                raise RoleDied(f"a rollout engine died (engine {dead} during weight sync)") from e
             raise RoleDied(str(e)) from e
         versions = self._get([e.weight_version.remote() for e in self.engines], "rollout engine")
         if versions != [version] * len(self.engines):
             raise RuntimeError(f"engines hold weight versions {versions}, expected {version}")
         return {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
+
+
+    def _dead_engines(self) -> list[int]:
+        dead = []
+        for i, engine in enumerate(self.engines):
+            try:
+                ray.get(engine.weight_version.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(i)
+        return dead
 
 
 def _in_bundle(pg, index: int):
