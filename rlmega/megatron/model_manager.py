@@ -209,13 +209,15 @@ class MegatronModelManager:
     def load_megatron_copy_params(self): self._onload("main params")
 
     # ---- checkpoints and export -------------------------------------------------------------
-    def save_checkpoint(self, ckpt_dir: str | Path, step: int, extra: dict | None = None) -> Path:
-        return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra)
+    def save_checkpoint(self, ckpt_dir: str | Path, step: int, extra: dict | None = None,
+                        extra_models: dict[str, list] | None = None) -> Path:
+        return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra, extra_models)
 
-    def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False) -> tuple[int, dict]:
+    def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False,
+                        extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
         """Everything (same layout), or with ``model_only`` just the weights (any layout)."""
         step, extra = checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
-                                      None if model_only else self.scheduler)
+                                      None if model_only else self.scheduler, extra_models)
         if model_only and self.optimizer is not None:
             self.optimizer.reload_model_params()  # bf16: refresh the fp32 master copies
         return step, extra

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -25,7 +26,7 @@ from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, Opti
 from rlmega.data.micro_batches import build_micro_batch, scatter_responses
 from rlmega.data.packing import padding_efficiency, plan_micro_batches
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.megatron import policy
+from rlmega.megatron import checkpoint, policy
 from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
@@ -43,6 +44,9 @@ class MegatronActor:
         self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
         self.policy: MegatronModelManager | None = None
         self.reference: MegatronModelManager | None = None
+        # False once the reference may differ from model.path (a copy after the warm start, a
+        # Polyak update, a reference restored from a checkpoint): from then on checkpoints carry it.
+        self.reference_moved = False
 
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, with_reference: bool = True) -> None:
@@ -200,18 +204,32 @@ class MegatronActor:
     # ---- reference policy, checkpoints, export ----------------------------------------------
     @torch.no_grad()
     def update_ref_policy(self, rate: float | None = None) -> None:
-        """ref <- (1 - rate) * ref + rate * policy (Polyak); rate 1 copies the policy."""
+        """ref <- (1 - rate) * ref + rate * policy (Polyak); rate 1 copies the policy exactly.
+
+        ``rate`` None uses actor.ref_update_rate (the driver calls it once per RL step).
+        """
         rate = self.cfg.ref_update_rate if rate is None else rate
         if self.reference is None or rate == 0:
             return
+        with self._reference_onloaded():
+            for chunk_ref, chunk in zip(self.reference.unwrapped(), self.policy.unwrapped()):
+                for (name, r), (_, p) in zip(chunk_ref.named_parameters(), chunk.named_parameters()):
+                    if rate == 1.0:
+                        r.copy_(p)  # exact, even where the old reference held inf/NaN
+                    else:
+                        r.mul_(1.0 - rate).add_(p, alpha=rate)
+        self.reference_moved = True
+
+    @contextmanager
+    def _reference_onloaded(self):
         offloaded = "params" in self.reference.offloaded
         if offloaded:
             self.reference.onload_params()
-        for chunk_ref, chunk in zip(self.reference.unwrapped(), self.policy.unwrapped()):
-            for (name, r), (_, p) in zip(chunk_ref.named_parameters(), chunk.named_parameters()):
-                r.mul_(1.0 - rate).add_(p, alpha=rate)
-        if offloaded:
-            self.reference.offload_params()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.reference.offload_params()
 
     def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
         """Stream the policy's weights, in HF names and layout, to the rollout engines.
@@ -239,10 +257,22 @@ class MegatronActor:
         return sent
 
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
-        return self.policy.save_checkpoint(root, step, extra)
+        """Policy, optimizer, schedule, RNG and ``extra``; plus the reference once it has moved away
+        from model.path (otherwise resuming rebuilds it from there, and the checkpoint stays half the size)."""
+        if self.reference is None or not self.reference_moved:
+            return self.policy.save_checkpoint(root, step, extra)
+        with self._reference_onloaded():
+            return self.policy.save_checkpoint(root, step, extra, extra_models={"reference": self.reference.model})
 
     def load_checkpoint(self, root, model_only: bool = False):
-        return self.policy.load_checkpoint(root, model_only)
+        """Restore what ``save_checkpoint`` wrote; a saved reference replaces the one from model.path."""
+        path = checkpoint.latest(root) or root
+        if self.reference is None or "reference" not in checkpoint.saved_models(path):
+            return self.policy.load_checkpoint(path, model_only)
+        with self._reference_onloaded():
+            out = self.policy.load_checkpoint(path, model_only, extra_models={"reference": self.reference.model})
+        self.reference_moved = True
+        return out
 
     def export_hf(self, out_dir, overwrite: bool = False):
         return self.policy.export_hf(out_dir, overwrite)

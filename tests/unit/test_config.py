@@ -58,12 +58,12 @@ def test_defaults_load_and_validate():
 
 
 def test_yaml_then_overrides_take_precedence(tmp_path):
-    path = write_yaml(tmp_path, "trainer:\n  total_steps: 5\n  seed: 7\noptimizer:\n  lr: 3e-4\n")
+    path = write_yaml(tmp_path, "trainer:\n  total_steps: 5\n  save_every: 7\noptimizer:\n  lr: 3e-4\n")
     cfg = load_config(path, ["trainer.total_steps=10", "reward.kwargs.tolerance=0.5"])
     assert cfg.trainer.total_steps == 10  # override beats YAML
-    assert cfg.trainer.seed == 7  # YAML beats default
+    assert cfg.trainer.save_every == 7  # YAML beats default
     assert cfg.optimizer.lr == pytest.approx(3e-4)  # 3e-4 is read as a float, not a string
-    assert cfg.trainer.micro_batch_size == TrainerConfig().micro_batch_size  # default kept
+    assert cfg.trainer.eval_every == TrainerConfig().eval_every  # default kept
     assert cfg.reward.kwargs == {"tolerance": 0.5}
 
 
@@ -157,14 +157,22 @@ def test_world_size_must_divide_tp_times_pp():
 
 def test_samples_per_step_must_divide_into_global_batches():
     # 2 prompts x 4 samples = 8, not a multiple of 3
-    msg = rejects("trainer.global_batch_size=3", "trainer.micro_batch_size=1", field="trainer.global_batch_size")
+    msg = rejects("trainer.global_batch_size=3", field="trainer.global_batch_size")
     assert "[1, 2, 4, 8]" in msg
 
 
-def test_global_batch_must_divide_into_micro_batches_per_dp_rank():
-    # DP=4: 8 samples / (micro 4 x DP 4) does not split
-    msg = rejects("parallelism.world_size=4", "trainer.micro_batch_size=4", field="trainer.micro_batch_size")
-    assert "data_parallel_size = 4 x 4" in msg
+def test_every_data_parallel_rank_needs_a_sample():
+    # DP=4 but 2 samples per optimizer step
+    msg = rejects("parallelism.world_size=4", "trainer.global_batch_size=2", field="trainer.global_batch_size")
+    assert "DP=4" in msg and "trainer.global_batch_size >= 4" in msg
+
+
+@pytest.mark.parametrize("field", ["trainer.micro_batch_size", "trainer.seed"])
+def test_removed_fields_name_what_acts_instead(field):
+    # They were validated but never used (issue 9): a config setting one learns what to set instead.
+    msg = rejects(f"{field}=2", field=field)
+    assert "no longer a config field" in msg
+    assert ("actor.max_tokens_per_micro_batch" if "micro" in field else "data.seed") in msg
 
 
 def test_unsupported_head_dim_on_cpu(tmp_path):
@@ -186,9 +194,9 @@ def test_model_path_without_config_json(tmp_path):
 
 def test_all_problems_reported_together():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["trainer.micro_batch_size=0", "rollout.top_p=1.5", "rollout.temperature=0"])
+        load_config(None, ["trainer.save_every=-1", "rollout.top_p=1.5", "rollout.temperature=0"])
     fields = sorted(p.split(":")[0] for p in e.value.problems)
-    assert fields == ["rollout.temperature", "rollout.top_p", "trainer.micro_batch_size"]
+    assert fields == ["rollout.temperature", "rollout.top_p", "trainer.save_every"]
 
 
 def test_vllm_cpu_head_sizes_match_installed_vllm():
@@ -196,8 +204,54 @@ def test_vllm_cpu_head_sizes_match_installed_vllm():
     assert tuple(cpu_attn.CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
 
 
-def test_interleaved_schedule_needs_micro_batches_multiple_of_pp(tmp_path):
-    model = write_model(tmp_path)  # tiny yaml: PP2, DP1, global batch 8 -> micro batch 8 gives 1 micro-batch
-    msg = rejects(f"model.path={model}", "parallelism.virtual_pipeline_model_parallel_size=2",
-                  "trainer.micro_batch_size=8", path=TINY_YAML, field="trainer.global_batch_size")
-    assert "multiple of PP=2" in msg
+def test_interleaved_schedule_needs_pp_micro_batches_per_rank(tmp_path):
+    # The rule plan_micro_batches enforces mid-run (each DP rank needs a multiple of PP micro-batches,
+    # so at least PP samples) fails at load. PP2 x VPP2 with DP2: 2 samples per optimizer step give
+    # each rank one sample, and 4 warm-start prompts give each rank 2 (fine).
+    model = write_model(tmp_path)
+    base = [f"model.path={model}", "parallelism.tensor_model_parallel_size=1",
+            "parallelism.virtual_pipeline_model_parallel_size=2", "trainer.prompts_per_step=4", "rollout.n=4"]
+    msg = rejects(*base, "trainer.global_batch_size=2", path=TINY_YAML, field="trainer.global_batch_size")
+    assert "interleaved" in msg and "at least PP=2" in msg and "trainer.global_batch_size >= 4" in msg
+    load_config(TINY_YAML, [*base, "trainer.global_batch_size=4"])
+    # the warm start's batches are prompts, not samples
+    msg = rejects(*base, "trainer.prompts_per_step=3", "rollout.n=4", "trainer.global_batch_size=4",
+                  "trainer.warmup_sft_steps=5", path=TINY_YAML, field="trainer.prompts_per_step")
+    assert "warm-start" in msg
+
+
+def test_interleaved_rule_matches_the_planner(tmp_path):
+    """What load accepts, plan_micro_batches accepts, and what load rejects, the planner refuses."""
+    from rlmega.data.packing import plan_micro_batches
+
+    model = write_model(tmp_path)
+    for gbs in (2, 4, 8):
+        overrides = [f"model.path={model}", "parallelism.tensor_model_parallel_size=1",
+                     "parallelism.virtual_pipeline_model_parallel_size=2", "rollout.n=4", "trainer.prompts_per_step=4",
+                     f"trainer.global_batch_size={gbs}"]
+        try:
+            load_config(TINY_YAML, overrides)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        try:  # DP = 4 / (TP1 x PP2) = 2; 1-token samples always fit the budget
+            plan_micro_batches([5] * gbs, max_tokens=10_000, dp_size=2, multiple_of=2)
+            planned = True
+        except ValueError:
+            planned = False
+        assert accepted == planned, gbs
+
+
+def test_resume_must_be_a_complete_checkpoint(tmp_path):
+    msg = rejects(f"trainer.resume={tmp_path / 'nope'}", field="trainer.resume")
+    assert "is not a folder" in msg
+    (tmp_path / "step_00000002.partial").mkdir()
+    msg = rejects(f"trainer.resume={tmp_path / 'step_00000002.partial'}", field="trainer.resume")
+    assert "unfinished save" in msg
+    (tmp_path / "step_00000002").mkdir()
+    msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
+    assert "no metadata.json" in msg
+    (tmp_path / "step_00000002" / "metadata.json").write_text("{}")
+    assert load_config(None, [f"trainer.resume={tmp_path / 'step_00000002'}"]).trainer.resume
+    (tmp_path / "latest").write_text("step_00000002")
+    load_config(None, [f"trainer.resume={tmp_path}"])  # a checkpoints root: its latest

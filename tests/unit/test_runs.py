@@ -1,5 +1,6 @@
 """RunDir: metrics lines, rewrite on resume, checkpoint pruning, TensorBoard and wandb (offline)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,24 @@ def test_wandb_offline_run_gets_the_metrics_and_resumes_the_same_id(tmp_path, mo
     assert again._wandb.id == run_id
     again.close()
     assert wandb.run is None
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    d = root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    (d / "metadata.json").write_text("{}")  # what Megatron's dist checkpointing writes last
+    return d
+
+
+def test_resume_picks_the_named_checkpoint_over_the_run_dirs_latest(tmp_path):
+    # Issue 9: asked for step 15 in a run dir whose latest is 17, the run resumed at 17.
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    s15, s17 = _fake_checkpoint(run.checkpoints, 15), _fake_checkpoint(run.checkpoints, 17)
+    (run.checkpoints / "latest").write_text(s17.name)
+    assert run.checkpoint_to_resume(str(s15)) == s15
+    assert run.checkpoint_to_resume("auto") == s17
+    assert run.checkpoint_to_resume("none") is None
+    other = RunDir(tmp_path / "other", tensorboard=False)  # another run's checkpoint, a fresh run dir
+    assert other.checkpoint_to_resume(str(s15)) == s15
+    assert other.checkpoint_to_resume(str(run.checkpoints)) == s17  # a checkpoints root: its latest
+    assert other.checkpoint_to_resume("auto") is None
