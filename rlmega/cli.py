@@ -1,7 +1,7 @@
 """The `rlmega` command.
 
     rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py)
-    rlmega check-config CONFIG [key=value ...]   validate a config, print it resolved
+    rlmega check-config CONFIG [key=value ...]   validate a config (and that it can run here), print it resolved
     rlmega demo [--steps N] [--run-dir DIR]      the `make demo` job (see the README)
 """
 from __future__ import annotations
@@ -13,9 +13,11 @@ from pathlib import Path
 
 def _check_config(args) -> int:
     from rlmega.config import ConfigError, dump_config, load_config
+    from rlmega.config.preflight import preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
+        preflight(cfg)
     except ConfigError as e:
         print(f"rlmega: {e}", file=sys.stderr)
         return 2

@@ -17,12 +17,20 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
+from rlmega.config.preflight import preflight
 from rlmega.data.prompts import load_prompt_data
 from rlmega.launch.roles import RoleDied, Roles
 from rlmega.runs import RunDir
 from rlmega.step import evaluate, rl_step, sft_batch
 
 log = logging.getLogger("rlmega")
+
+# Exit codes of `rlmega train` (README, "When things go wrong").
+EXIT_OK, EXIT_RUNTIME, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class InputError(RuntimeError):
+    """A problem with what the user gave (data rows, files) found after the config checks."""
 
 
 def train(cfg: RLConfig) -> RunDir:
@@ -31,7 +39,10 @@ def train(cfg: RLConfig) -> RunDir:
                  config=dataclasses.asdict(cfg))
     run.write_config(dump_config(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
+    try:
+        data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
+    except (ValueError, OSError) as e:  # a bad row, an unreadable file: the user's input, named by file and row
+        raise InputError(f"prompt data: {e}") from e
     with Roles(cfg) as roles:
         start, history = resume(roles, run, data, cfg)
         if start == 0 and t.warmup_sft_steps:
@@ -106,17 +117,21 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, [*args.overrides, *(["trainer.resume=auto"] if args.resume else [])])
+        preflight(cfg)  # model, reward fn, data files, run dir, devices: before any worker starts
     except ConfigError as e:
         print(f"rlmega: {e}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     try:
         run = train(cfg)
+    except InputError as e:
+        print(f"rlmega: {e}", file=sys.stderr)
+        return EXIT_INPUT
     except KeyboardInterrupt:
         print("rlmega: interrupted; every worker was released", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except RoleDied as e:
         print(f"rlmega: {e}; every other worker was released", file=sys.stderr)
-        return 1
+        return EXIT_RUNTIME
     print(f"rlmega: done. metrics {run.metrics_path}, final policy {run.path / 'hf_final'}")
     return 0
 

@@ -96,7 +96,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
     ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
-    ("cluster.reward_cpus", _GT0),
+    ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
     ("trainer.save_every", _GE0),
@@ -254,6 +254,12 @@ def validate(cfg: RLConfig) -> None:
             out.append(problem(f"data.{name}", f"prompt file {path!r} does not exist",
                                'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
 
+    longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if cfg.actor.max_tokens_per_micro_batch < longest:
+        out.append(problem("actor.max_tokens_per_micro_batch",
+                           f"{cfg.actor.max_tokens_per_micro_batch} tokens per micro-batch, but one sample may have "
+                           f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
+                           f"set actor.max_tokens_per_micro_batch >= {longest}, or lower rollout.max_*_tokens"))
     if not bad_ranges:  # the arithmetic below divides by these sizes
         out += _layout_problems(cfg)
     if cfg.model.path:

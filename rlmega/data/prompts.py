@@ -98,7 +98,8 @@ def _jsonl_objects(path: str) -> Iterator[Tuple[str, Any, str]]:
             row += 1
             where = f"row {row}" if row == lineno else f"row {row} (line {lineno})"
             try:
-                line = raw.decode("utf-8")
+                # utf-8-sig on the first line: editors that save "UTF-8 with BOM" put one there
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 yield where, None, f"not valid UTF-8 ({e.reason} at byte {e.start}). Fix: re-encode the file as UTF-8"
                 continue

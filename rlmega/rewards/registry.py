@@ -13,7 +13,11 @@ from typing import Callable
 
 
 class RewardResolveError(ValueError):
-    """A dotted path that does not lead to a callable."""
+    """A dotted path that does not lead to a callable; ``what`` went wrong and the ``fix``."""
+
+    def __init__(self, message: str, what: str = "", fix: str = ""):
+        super().__init__(message)
+        self.what, self.fix = what, fix
 
 
 def _missing_module(e: ModuleNotFoundError, module: str) -> bool:
@@ -24,7 +28,7 @@ def _missing_module(e: ModuleNotFoundError, module: str) -> bool:
 def resolve(dotted_path: str, field: str = "reward.fn") -> Callable:
     """The callable at `dotted_path` ("package.module.function"); RewardResolveError otherwise."""
     def fail(what: str, fix: str) -> RewardResolveError:
-        return RewardResolveError(f"{field}={dotted_path!r}: {what}. Fix: {fix}")
+        return RewardResolveError(f"{field}={dotted_path!r}: {what}. Fix: {fix}", f"{dotted_path!r}: {what}", fix)
 
     parts = dotted_path.split(".") if isinstance(dotted_path, str) else []
     if len(parts) < 2 or not all(p.isidentifier() for p in parts):

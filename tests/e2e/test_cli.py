@@ -17,9 +17,16 @@ def _run(*args, timeout=300):
 
 
 def test_check_config_prints_the_resolved_config(tmp_path):
-    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), "model.path=''", "trainer.total_steps=7")
+    from rlmega.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
+    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}", "trainer.total_steps=7",
+               f"trainer.run_dir={tmp_path / 'run'}")
     assert out.returncode == 0, out.stderr
     assert re.search(r"total_steps: 7\b", out.stdout)
+    # check-config also checks the config can run here (preflight): a model folder must be given
+    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), "model.path=''")
+    assert out.returncode == 2 and "model.path: is not set" in out.stderr, out.stderr
 
 
 def test_check_config_rejects_a_bad_field_with_exit_2():

@@ -297,3 +297,11 @@ def test_sampler_state_checks():
         s.load_state_dict({**state, "position": 10})
     with pytest.raises(ValueError):
         PromptSampler(0, 3)
+
+
+def test_utf8_bom_on_the_first_line_is_accepted(tmp_path):
+    # "UTF-8 with BOM" (common editors) used to reject row 1 with an invalid-JSON hint (issue 10).
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n')
+    rows, skipped = load_rows(str(path))
+    assert [r["label"] for r in rows] == ["3", "4"] and skipped.count == 0

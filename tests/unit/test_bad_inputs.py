@@ -1,0 +1,158 @@
+"""Bad input, tried as a new user would: every case fails before any worker starts, with exit code 2
+and a message naming the field, the file or the row (issue 10).
+
+Each case runs `rlmega train` in this process (``rlmega.train.main``) on configs/tiny_cpu.yaml with a
+real tiny model. ``Roles`` (what starts Ray and every worker) is replaced by a tripwire: reaching it
+fails the case, so "caught before workers start" is checked, not assumed.
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+import rlmega.train as train_mod
+from rlmega.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    model = make_tiny_model(d / "model", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0)
+    no_weights = d / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((model / "config.json").read_text())
+    mixtral = d / "mixtral"
+    mixtral.mkdir()
+    cfg = json.loads((model / "config.json").read_text())
+    (mixtral / "config.json").write_text(json.dumps({**cfg, "architectures": ["MixtralForCausalLM"]}))
+    for f in model.iterdir():
+        if f.name != "config.json":
+            (mixtral / f.name).write_bytes(f.read_bytes())
+    files = {
+        "good.jsonl": '{"prompt": "1+2=", "label": "3"}\n' * 4,
+        "bad_json_row3.jsonl": '{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n{"prompt": "oops"\n',
+        "null_label_row2.jsonl": '{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": null}\n',
+        "empty_prompt_row2.jsonl": '{"prompt": "1+2=", "label": "3"}\n{"prompt": "  ", "label": "4"}\n',
+        "bad_message_row1.jsonl": '{"prompt": [{"role": "user"}], "label": "3"}\n',
+        "no_prompt_col.jsonl": '{"question": "1+2=", "label": "3"}\n',
+        "no_label_col.jsonl": '{"prompt": "1+2=", "answer": "3"}\n',
+        "array.jsonl": '[{"prompt": "1+2=", "label": "3"}]\n',
+        "empty.jsonl": "\n\n",
+        "prompts.txt": "1+2=\n",
+        "fake.parquet": "this is not parquet\n",
+        "a_file": "x",
+        "too_long.jsonl": json.dumps({"prompt": "1+2=" * 40, "label": "3"}) + "\n",
+    }
+    for name, text in files.items():
+        (d / name).write_text(text)
+    (d / "config_list.yaml").write_text("- 1\n- 2\n")
+    (d / "config_bad.yaml").write_text("trainer: [unclosed\n")
+    return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral)}
+
+
+# (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
+CASES = [
+    ("unknown key", ["trainer.total_stepz=7"], None, "trainer.total_stepz: unknown key"),
+    ("zero steps", ["trainer.total_steps=0"], None, "trainer.total_steps:"),
+    ("grpo needs n >= 2", ["rollout.n=1"], None, "rollout.n:"),
+    ("top_p > 1", ["rollout.top_p=1.5"], None, "rollout.top_p:"),
+    ("temperature 0", ["rollout.temperature=0"], None, "rollout.temperature:"),
+    ("negative lr", ["optimizer.lr=-1"], None, "optimizer.lr:"),
+    ("min_lr > lr", ["optimizer.min_lr=1"], None, "optimizer.min_lr:"),
+    ("world not TPxPP", ["parallelism.world_size=6"], None, "parallelism.world_size:"),
+    ("TP vs heads", ["parallelism.tensor_model_parallel_size=3", "parallelism.world_size=6"], None,
+     "parallelism.tensor_model_parallel_size:"),
+    ("PP vs layers", ["parallelism.pipeline_model_parallel_size=3", "parallelism.world_size=6"], None,
+     "parallelism.pipeline_model_parallel_size:"),
+    ("VPP without PP", ["parallelism.pipeline_model_parallel_size=1", "parallelism.world_size=2",
+                        "parallelism.virtual_pipeline_model_parallel_size=2"], None,
+     "parallelism.virtual_pipeline_model_parallel_size:"),
+    ("bad choice", ["algorithm.policy_loss=foo"], None, "algorithm.policy_loss:"),
+    ("dual clip <= 1", ["algorithm.dual_clip_c=0.5"], None, "algorithm.dual_clip_c:"),
+    ("batch split", ["trainer.global_batch_size=3"], None, "trainer.global_batch_size:"),
+    ("removed micro_batch_size", ["trainer.micro_batch_size=2"], None, "trainer.micro_batch_size: no longer"),
+    ("removed trainer.seed", ["trainer.seed=1"], None, "trainer.seed: no longer"),
+    ("port out of range", ["logging.dashboard_port=70000"], None, "logging.dashboard_port:"),
+    ("zero cpus", ["cluster.num_cpus=0"], None, "cluster.num_cpus:"),
+    ("token budget < sample", ["actor.max_tokens_per_micro_batch=50"], None, "actor.max_tokens_per_micro_batch:"),
+    ("resume missing", ["trainer.resume={d}/nope"], None, "trainer.resume:"),
+    ("resume not a checkpoint", ["trainer.resume={d}"], None, "trainer.resume:"),
+    ("data file missing", ["data.train_path={d}/nope.jsonl"], None, "data.train_path:"),
+    ("reward not dotted", ["reward.fn=score"], None, "reward.fn:"),
+    ("dtype choice", ["model.dtype=float16"], None, "model.dtype:"),
+    ("device choice", ["rollout.device=tpu"], None, "rollout.device:"),
+    ("ref rate > 1", ["actor.ref_update_rate=2"], None, "actor.ref_update_rate:"),
+    ("keep 0 checkpoints", ["trainer.keep_last_checkpoints=0"], None, "trainer.keep_last_checkpoints:"),
+    ("no response tokens", ["rollout.max_response_tokens=0"], None, "rollout.max_response_tokens:"),
+    ("config file missing", [], "{d}/nope.yaml", "config file:"),
+    ("config not a mapping", [], "{d}/config_list.yaml", "config file:"),
+    ("config not YAML", [], "{d}/config_bad.yaml", "config file:"),
+    ("override without =", ["trainer.total_steps"], None, "override:"),
+    ("section as a value", ["trainer=5"], None, "trainer:"),
+    # --- preflight: the config is consistent, but cannot run here ---
+    ("model.path empty", ["model.path=''"], None, "model.path: is not set"),
+    ("model.path missing", ["model.path={d}/nope"], None, "model.path:"),
+    ("model without weights", ["model.path={no_weights}"], None, "has no weights"),
+    ("unsupported architecture", ["model.path={mixtral}"], None, "MixtralForCausalLM"),
+    ("reward typo", ["reward.fn=rlmega.rewards.arithmetic.scor"], None, "did you mean rlmega.rewards.arithmetic.score"),
+    ("reward module missing", ["reward.fn=no_such_pkg.rewards.score"], None, "reward.fn:"),
+    ("reward not callable", ["reward.fn=rlmega.data.prompts.JSONL_SUFFIXES"], None, "not a callable"),
+    ("run_dir is a file", ["trainer.run_dir={d}/a_file"], None, "trainer.run_dir:"),
+    ("run_dir under a file", ["trainer.run_dir={d}/a_file/run"], None, "trainer.run_dir:"),
+    ("run_dir not writable", ["trainer.run_dir=/proc/rlmega_run"], None, "trainer.run_dir:"),
+    ("dashboard host", ["logging.dashboard_host=no-such-host.invalid"], None, "logging.dashboard_host:"),
+    ("cuda without a GPU", ["rollout.device=cuda"], None, "rollout.device: cuda, but this machine has no CUDA GPU"),
+    ("placement never fits", ["cluster.num_cpus=1"], None, "cluster.num_cpus:"),
+    ("unknown data format", ["data.train_path={d}/prompts.txt"], None, "data.train_path:"),
+    ("not parquet", ["data.train_path={d}/fake.parquet"], None, "fake.parquet"),
+    ("no prompt column", ["data.train_path={d}/no_prompt_col.jsonl"], None, "data.prompt_key:"),
+    ("no label column", ["data.train_path={d}/no_label_col.jsonl"], None, "data.label_key:"),
+    ("JSON array", ["data.train_path={d}/array.jsonl"], None, "data.train_path:"),
+    ("empty data file", ["data.train_path={d}/empty.jsonl"], None, "data.train_path:"),
+    ("eval file columns", ["data.train_path={d}/good.jsonl", "data.eval_path={d}/no_label_col.jsonl"], None,
+     "data.label_key:"),
+    # --- rows: found while the data loads, still before any worker ---
+    ("bad JSON in row 3", ["data.train_path={d}/bad_json_row3.jsonl"], None, "bad_json_row3.jsonl, row 3"),
+    ("null label in row 2", ["data.train_path={d}/null_label_row2.jsonl"], None, "null_label_row2.jsonl, row 2"),
+    ("empty prompt in row 2", ["data.train_path={d}/empty_prompt_row2.jsonl"], None, "empty_prompt_row2.jsonl, row 2"),
+    ("bad chat message", ["data.train_path={d}/bad_message_row1.jsonl"], None, "bad_message_row1.jsonl, row 1"),
+    ("every prompt too long", ["data.train_path={d}/too_long.jsonl", "rollout.max_prompt_tokens=16"], None,
+     "rollout.max_prompt_tokens"),
+]
+
+
+class WorkersWouldStart(AssertionError):
+    pass
+
+
+def _tripwire(*args, **kwargs):
+    raise WorkersWouldStart("Roles was reached: this bad input was not caught before the workers start")
+
+
+@pytest.mark.parametrize("overrides, config, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_before_workers_with_exit_2_and_names_it(env, overrides, config, expected, monkeypatch,
+                                                                 capsys, tmp_path):
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    fill = lambda s: s.format(**env)  # noqa: E731
+    argv = [fill(config) if config else TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
+            "trainer.resume=none", *map(fill, overrides)]
+    rc = train_mod.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert expected in err, err
+    assert "Traceback" not in err and "Fix" in err, err  # one clear message with its fix, no traceback
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 40
+
+
+def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
+    # The tripwire is reached only when every check passes: the checks do not reject good input.
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
+                        f"data.train_path={env['d']}/good.jsonl", "trainer.resume=none"])
