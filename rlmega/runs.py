@@ -35,12 +35,13 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.path / "tensorboard"))
+        self._tb = self._tensorboard() if tensorboard else None
         self._wandb = _start_wandb(self.path, wandb_project, config) if wandb_project else None
+
+    def _tensorboard(self, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.path / "tensorboard"), purge_step=purge_step)
 
     def write_config(self, text: str) -> None:
         tmp = self.path / "config.yaml.tmp"
@@ -62,11 +63,20 @@ class RunDir:
             self._wandb.log({k: v for k, v in _clean(metrics).items() if k != "step"}, step=metrics["step"])
 
     def rewrite_metrics(self, history: list[dict]) -> None:
+        """On resume: the metrics of the steps up to the checkpoint, and nothing after them.
+
+        metrics.jsonl is rewritten (write, then rename); TensorBoard's event files are append-only,
+        so a purge marker at the first step after the history hides the killed run's later
+        points (SummaryWriter's purge_step), as TensorBoard documents for restarts.
+        """
         tmp = self.metrics_path.with_name("metrics.jsonl.tmp")
         with open(tmp, "w") as f:
             for m in history:
                 f.write(json.dumps(_clean(m), sort_keys=True) + "\n")
         os.replace(tmp, self.metrics_path)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._tensorboard(purge_step=1 + max((m["step"] for m in history), default=0))
 
     def read_metrics(self) -> list[dict]:
         if not self.metrics_path.exists():

@@ -65,3 +65,30 @@ def test_resume_picks_the_named_checkpoint_over_the_run_dirs_latest(tmp_path):
     assert other.checkpoint_to_resume(str(s15)) == s15
     assert other.checkpoint_to_resume(str(run.checkpoints)) == s17  # a checkpoints root: its latest
     assert other.checkpoint_to_resume("auto") is None
+
+
+def _tensorboard_steps(path: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    # Issue 10: the killed run's steps 4-5 stayed in the event files, so steps 4 and 5 showed twice.
+    run = RunDir(tmp_path / "r", tensorboard=True)
+    for step in range(1, 6):
+        run.log({"step": step, "loss": float(step)})
+    run.close()  # killed after step 5; the last checkpoint is at step 3
+    resumed = RunDir(tmp_path / "r", tensorboard=True)
+    resumed.rewrite_metrics([{"step": s, "loss": float(s)} for s in range(1, 4)])
+    for step in (4, 5):
+        resumed.log({"step": step, "loss": 10.0 * step})
+    resumed.close()
+    assert _tensorboard_steps(tmp_path / "r", "loss") == [1, 2, 3, 4, 5]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "r" / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == [1.0, 2.0, 3.0, 40.0, 50.0]
