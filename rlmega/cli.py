@@ -3,6 +3,7 @@
     rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py)
     rlmega check-config CONFIG [key=value ...]   validate a config (and that it can run here), print it resolved
     rlmega demo [--steps N] [--run-dir DIR]      the `make demo` job (see the README)
+    rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
 """
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def _demo(args) -> int:
                        f"trainer.total_steps={args.steps}"])
 
 
+def _stop(args) -> int:
+    from rlmega.stopping import request_stop
+
+    try:
+        path = request_stop(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"rlmega stop: {e}", file=sys.stderr)
+        return 2
+    print(f"rlmega stop: asked the run in {args.run_dir} to stop after its current step ({path}); "
+          "it checkpoints, releases its workers and exits with code 3")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
@@ -63,6 +77,9 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=60)
     d.set_defaults(fn=_demo)
     sub.add_parser("train", help="run RL training: rlmega train CONFIG [key=value ...] [--resume]")
+    st = sub.add_parser("stop", help="ask a running `rlmega train` to checkpoint and stop after its current step")
+    st.add_argument("run_dir", help="the run's trainer.run_dir")
+    st.set_defaults(fn=_stop)
     args = p.parse_args(argv)
     return args.fn(args)
 

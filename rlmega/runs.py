@@ -35,6 +35,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
+        self.stopped: str | None = None  # why the run ended before trainer.total_steps, if it did
         self._tb = self._tensorboard() if tensorboard else None
         self._wandb = _start_wandb(self.path, wandb_project, config) if wandb_project else None
 

@@ -40,7 +40,7 @@ def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
         samples = roles.generate([p.token_ids for p in prompts], seed=sample_seed(cfg.rollout.seed, step))
     with t("reward"):
         texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=False)
-        rewards = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
+        rewards, reward_errors = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
     batch = batch_from_samples(samples, rewards)
     with t("logprob"):
         old = roles.call_actors("compute_logprobs", batch)
@@ -67,6 +67,7 @@ def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
                                                              "grad_norm", "padding_fraction")},
         "lr": train[-1]["lr"], "skipped_steps": sum(m["skipped"] for m in train),
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
+        "reward_errors": sum(e is not None for e in reward_errors),
         "tokens_per_s": tokens / t["time_step"], **t,
         "_prefill_tokens": sum(len(s.prompt_ids) for s in samples), "_decode_tokens": sum(len(s.response_ids) for s in samples),
     }
@@ -76,7 +77,7 @@ def evaluate(roles, prompts: list, tokenizer, max_tokens: int) -> float:
     """Greedy accuracy: the mean reward of one temperature-0 answer per prompt."""
     samples = roles.generate([p.token_ids for p in prompts], seed=0, n=1, temperature=0.0, max_tokens=max_tokens)
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=False)
-    rewards = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
+    rewards, _ = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
     return float(sum(rewards) / max(len(rewards), 1))
 
 

@@ -22,11 +22,12 @@ from rlmega.data.prompts import load_prompt_data
 from rlmega.launch.roles import RoleDied, Roles
 from rlmega.runs import RunDir
 from rlmega.step import evaluate, rl_step, sft_batch
+from rlmega.stopping import StopRequest
 
 log = logging.getLogger("rlmega")
 
 # Exit codes of `rlmega train` (README, "When things go wrong").
-EXIT_OK, EXIT_RUNTIME, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_RUNTIME, EXIT_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class InputError(RuntimeError):
@@ -43,10 +44,12 @@ def train(cfg: RLConfig) -> RunDir:
         data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
     except (ValueError, OSError) as e:  # a bad row, an unreadable file: the user's input, named by file and row
         raise InputError(f"prompt data: {e}") from e
+    stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
     with Roles(cfg) as roles:
+        stop.install()  # after Ray's start-up, which installs handlers of its own
         start, history = resume(roles, run, data, cfg)
         if start == 0 and t.warmup_sft_steps:
-            warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr)
+            warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr, stop)
             # KL regularises toward the policy RL starts from, not the untuned model.path.
             roles.call_actors("update_ref_policy", 1.0)
         roles.sync_weights(version=start)
@@ -58,8 +61,10 @@ def train(cfg: RLConfig) -> RunDir:
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
         bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
+        done = saved = start
         for step in bar:
-            if roles.manager.should_stop():
+            if stop.requested() or roles.manager.should_stop():
+                roles.manager.set_should_stop(True)
                 break
             metrics = rl_step(roles, data.next_prompts(), step, cfg, tokenizer)
             if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
@@ -71,13 +76,25 @@ def train(cfg: RLConfig) -> RunDir:
             run.log(history[-1])
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.2e}",
                             **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
-            if t.save_every and ((step + 1) % t.save_every == 0 or step + 1 == t.total_steps):
-                roles.call_actors("save_checkpoint", str(run.checkpoints), step + 1,
-                                  {"data": data.state_dict(), "history": history})
-                run.prune_checkpoints(t.keep_last_checkpoints)
-        roles.call_actors("export_hf", str(run.path / "hf_final"), True)
+            done = step + 1
+            if t.save_every and (done % t.save_every == 0 or done == t.total_steps):
+                saved = save(roles, run, done, data, history, t.keep_last_checkpoints)
+        if done < t.total_steps:  # stopped on request: keep every finished step, then leave
+            if done > saved:
+                save(roles, run, done, data, history, t.keep_last_checkpoints)
+            run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
+        else:
+            roles.call_actors("export_hf", str(run.path / "hf_final"), True)
+        stop.uninstall()
     run.close()
     return run
+
+
+def save(roles: Roles, run: RunDir, step: int, data, history: list, keep: int) -> int:
+    """Checkpoint after ``step`` RL steps (model, optimizer, RNG, data position, metrics history)."""
+    roles.call_actors("save_checkpoint", str(run.checkpoints), step, {"data": data.state_dict(), "history": history})
+    run.prune_checkpoints(keep)
+    return step
 
 
 def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
@@ -92,10 +109,15 @@ def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
     return step, list(extra["history"])
 
 
-def warm_start(roles: Roles, data, tokenizer, steps: int, lr: float | None) -> None:
-    """A short supervised warm start on the prompts' labels (random weights learn nothing by RL)."""
+def warm_start(roles: Roles, data, tokenizer, steps: int, lr: float | None, stop: StopRequest) -> None:
+    """A short supervised warm start on the prompts' labels (random weights learn nothing by RL).
+
+    A stop request ends it early; the run then stops before RL with no checkpoint (a resume would
+    start over, as the warm start belongs to step 0)."""
     bar = tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0)
     for i in bar:
+        if stop.requested():
+            return
         metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer), lr)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 
@@ -132,8 +154,12 @@ def main(argv=None) -> int:
     except RoleDied as e:
         print(f"rlmega: {e}; every other worker was released", file=sys.stderr)
         return EXIT_RUNTIME
+    if run.stopped:
+        print(f"rlmega: {run.stopped}; checkpoint {run.latest_checkpoint()}, every worker released. "
+              f"Continue with: rlmega train {args.config} ... --resume", file=sys.stderr)
+        return EXIT_STOPPED
     print(f"rlmega: done. metrics {run.metrics_path}, final policy {run.path / 'hf_final'}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

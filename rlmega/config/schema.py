@@ -119,6 +119,11 @@ class RewardConfig:
     """Number of RewardWorkers scoring in parallel."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the reward function."""
+    timeout_s: float = 60.0
+    """Seconds one item's scoring may take; past it the item counts as failed (see on_error)."""
+    on_error: Literal["zero", "fail"] = "zero"
+    """An item whose scoring raised, timed out or gave no finite number: "zero" scores it 0, flags it
+    and counts it in the step's reward_errors metric; "fail" ends the run naming the item."""
 
 
 @dataclass

@@ -94,7 +94,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("rollout.seed", _GE0),
     ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
-    ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1),
+    ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1), ("reward.timeout_s", _GT0),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
     ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),

@@ -110,7 +110,8 @@ class Roles:
         for i, value in enumerate(concurrency):
             self.manager.set_kv_cache_max_concurrency(i, value)
         Reward = ray.remote(num_cpus=c.reward_cpus)(RewardWorker)
-        self.rewarders = [Reward.remote(self.cfg.reward.fn, self.cfg.reward.kwargs)
+        self.rewarders = [Reward.remote(self.cfg.reward.fn, self.cfg.reward.kwargs, self.cfg.reward.timeout_s,
+                                        self.cfg.reward.on_error)
                           for _ in range(self.cfg.reward.num_workers)]
 
     def close(self) -> None:
@@ -176,10 +177,12 @@ class Roles:
                 out.append(s)
         return out
 
-    def score(self, items: list[tuple[str, str]]) -> list[float]:
+    def score(self, items: list[tuple[str, str]]) -> tuple[list[float], list[str | None]]:
+        """(reward, error or None) for every (response text, label), in order (RewardWorker.score)."""
         shares = _split(items, len(self.rewarders))
         refs = [w.score.remote(share) for w, share in zip(self.rewarders, shares) if share]
-        return [x for part in self._get(refs, "reward worker") for x in part]
+        parts = self._get(refs, "reward worker")
+        return [x for p in parts for x in p["rewards"]], [e for p in parts for e in p["errors"]]
 
     def sync_weights(self, version: int, bucket_bytes: int = 512 << 20) -> dict:
         try:

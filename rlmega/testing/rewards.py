@@ -4,3 +4,28 @@
 def digit_fraction(response_text: str, label: str, **kwargs) -> float:
     """Fraction of the response's characters that are digits (an arithmetic answer is all digits)."""
     return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
+
+
+def flaky(response_text: str, label: str, **kwargs) -> float:
+    """1.0, but raises on a label "raise", sleeps ``hang_s`` on "hang" and returns text on "text"."""
+    if label == "raise":
+        raise ZeroDivisionError("label says raise")
+    if label == "hang":
+        import time
+
+        time.sleep(kwargs.get("hang_s", 5.0))
+    if label == "text":
+        return "not a number"
+    return 1.0
+
+
+def faulty_arithmetic(response_text: str, label: str, hang_s: float = 30.0, **kwargs) -> float:
+    """digit_fraction, except that it raises when the response's length is a multiple of 3 and hangs
+    for ``hang_s`` when it is 1 more than a multiple of 3: user code failing on some inputs of a run."""
+    if len(response_text) % 3 == 0:
+        raise KeyError(f"no rule for {response_text!r}")
+    if len(response_text) % 3 == 1:
+        import time
+
+        time.sleep(hang_s)
+    return digit_fraction(response_text, label)

@@ -21,7 +21,7 @@ from rlmega.tiny_model import make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"step", "reward_mean", "reward_std", "response_length", "loss", "pg_clipfrac", "ppo_kl", "kl_ref",
           "entropy", "grad_norm", "lr", "time_generate", "time_reward", "time_logprob", "time_train", "time_sync",
-          "time_step", "tokens_per_s", "logprob_diff_max", "logprob_diff_mean"}
+          "time_step", "tokens_per_s", "logprob_diff_max", "logprob_diff_mean", "reward_errors"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,60 @@ def test_resume_from_a_path_of_another_run(model, straight, tmp_path):
     for key in ("loss", "reward_mean", "grad_norm", "kl_ref"):
         assert got[2][key] == want[2][key], f"step 3 {key}: {got[2][key]} vs {want[2][key]}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_a_faulty_reward_function_scores_zero_and_the_run_goes_on(model, tmp_path):
+    # Issue 10: a reward fn raising on some inputs ended the run at step 1; a hanging one blocked 1800 s.
+    run = tmp_path / "faulty_reward"
+    start = time.monotonic()
+    _run(_cmd(model, run, 2, "reward.fn=rlmega.testing.rewards.faulty_arithmetic", "reward.timeout_s=1",
+              "reward.kwargs.hang_s=20", "trainer.save_every=0", "trainer.warmup_sft_steps=0"))
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["reward_errors"] > 0 for m in metrics), [m["reward_errors"] for m in metrics]
+    assert time.monotonic() - start < 300
+
+
+def _wait_for_steps(proc, run, n, timeout=400):
+    deadline = time.monotonic() + timeout
+    while not ((run / "metrics.jsonl").exists() and len([m for m in _metrics(run) if m["step"] > 0]) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before step {n}"
+        time.sleep(0.5)
+
+
+def test_sigterm_and_rlmega_stop_checkpoint_and_exit_3_resumably(model, tmp_path):
+    # Issue 10: SIGTERM ended a run with exit 134 (Ray's C++ handler), losing the steps since the last
+    # checkpoint. Now: the current step finishes, a checkpoint is written, workers are released, exit 3.
+    tag = f"stop-{os.getpid()}"
+    run = tmp_path / "stopped"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RLMEGA_TEST_TAG": tag}
+    proc = subprocess.Popen(_cmd(model, run, 50, "trainer.save_every=0"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    _wait_for_steps(proc, run, 1)
+    os.kill(proc.pid, signal.SIGTERM)  # the driver only, as `kill PID` or a container stop does
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 3, err[-3000:]
+    assert "stopped at step" in err and "SIGTERM" in err, err[-2000:]
+    steps = [m["step"] for m in _metrics(run) if m["step"] > 0]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"  # nothing lost
+    time.sleep(5)
+    assert not _tagged_processes(tag)
+
+    # resume from that checkpoint, then stop from another shell with `rlmega stop RUN_DIR`
+    proc = subprocess.Popen([*_cmd(model, run, 50, "trainer.save_every=0"), "--resume"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    _wait_for_steps(proc, run, steps[-1] + 1)
+    out = subprocess.run([sys.executable, "-m", "rlmega.cli", "stop", str(run)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 3, err[-3000:]
+    again = [m["step"] for m in _metrics(run) if m["step"] > 0]
+    assert again == list(range(1, again[-1] + 1)) and again[-1] > steps[-1]  # continuous, no step twice
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{again[-1]:08d}"
+    assert not (run / "STOP").exists()
+    time.sleep(5)
+    assert not _tagged_processes(tag)
 
 
 def _tagged_processes(tag: str) -> set[int]:

@@ -80,3 +80,45 @@ def test_resolve_errors_name_the_path_and_the_failure(pkg):
 def test_resolve_uses_a_custom_field_name():
     with pytest.raises(RewardResolveError, match=r"^judge\.fn='x': "):
         resolve("x", field="judge.fn")
+
+
+# --- RewardWorker: one item's failure never ends the run (issue 10) ---------------------------------
+
+
+def test_worker_scores_items_and_isolates_raising_and_non_numeric_ones():
+    from rlmega.workers.reward import RewardWorker
+
+    w = RewardWorker("rlmega.testing.rewards.flaky", timeout_s=5)
+    out = w.score([("a", "ok"), ("b", "raise"), ("c", "text"), ("d", "ok")])
+    assert out["rewards"] == [1.0, 0.0, 0.0, 1.0]
+    assert out["errors"][0] is None and out["errors"][3] is None
+    assert out["errors"][1] == "ZeroDivisionError: label says raise"
+    assert "not a number" in out["errors"][2]
+    assert RewardWorker("rlmega.rewards.arithmetic.score").score([]) == {"rewards": [], "errors": []}
+
+
+def test_a_hanging_item_times_out_alone():
+    import time
+
+    from rlmega.workers.reward import MAX_THREADS, RewardWorker
+
+    w = RewardWorker("rlmega.testing.rewards.flaky", kwargs={"hang_s": 3.0}, timeout_s=0.3)
+    items = [("x", "hang")] * (MAX_THREADS + 2) + [("y", "ok")] * 5  # more hung items than threads
+    start = time.monotonic()
+    out = w.score(items)
+    took = time.monotonic() - start
+    assert out["rewards"] == [0.0] * (MAX_THREADS + 2) + [1.0] * 5
+    assert all("reward.timeout_s=0.3s" in e for e in out["errors"][:MAX_THREADS + 2])
+    assert out["errors"][-5:] == [None] * 5
+    assert took < 2.5, took  # nobody waited for the 3 s sleeps
+
+
+def test_fail_mode_names_function_item_and_fix():
+    from rlmega.workers.reward import RewardError, RewardWorker
+
+    w = RewardWorker("rlmega.testing.rewards.flaky", on_error="fail")
+    with pytest.raises(RewardError) as e:
+        w.score([("a", "ok"), ("b", "raise")])
+    msg = str(e.value)
+    assert "rlmega.testing.rewards.flaky" in msg and "item 1" in msg and "ZeroDivisionError" in msg
+    assert "reward.on_error=zero" in msg
