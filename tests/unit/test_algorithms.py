@@ -81,6 +81,52 @@ def test_singleton_groups_give_zero_for_every_estimator():
         close(advantages.compute(name, rewards, groups), [0.0, 0.0, 0.0])
 
 
+def _mixed_groups(seed, dtype=torch.float32):
+    """Many unanimous groups of non-representable rewards (0.1, 0.7, 1.1, 1/3, ...) and sizes 2..64,
+    interleaved with ordinary groups, ids shuffled. Returns rewards (N,), group ids (N,), unanimous (N,) bool."""
+    g = torch.Generator().manual_seed(seed)
+    values = [0.1, 0.7, 1.1, 1 / 3, 2 / 3, 0.3, -0.9, 7.7, 1e3 / 3]
+    rewards, groups, unanimous = [], [], []
+    for gid in range(120):
+        size = int(torch.randint(2, 65, (1,), generator=g))
+        if gid % 3:  # two thirds unanimous
+            r = torch.full((size,), values[int(torch.randint(len(values), (1,), generator=g))], dtype=F64)
+        else:
+            r = torch.rand(size, generator=g, dtype=F64) * 3
+        rewards.append(r)
+        groups.append(torch.full((size,), gid, dtype=torch.int64))
+        unanimous.append(torch.full((size,), bool(gid % 3)))
+    perm = torch.randperm(sum(len(r) for r in rewards), generator=g)
+    return torch.cat(rewards).to(dtype)[perm], torch.cat(groups)[perm], torch.cat(unanimous)[perm]
+
+
+@pytest.mark.parametrize("name", advantages.ESTIMATORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_unanimous_groups_get_exactly_zero_and_others_match_float64(name, dtype):
+    # Before the fix, float32 grpo gave unanimous groups of 0.1/0.7/1.1 advantages up to ~0.6, all of one
+    # sign: the mean is one rounding step off and (r - mean) / (std ~1e-7 + 1e-6) blows it up.
+    for seed in range(3):
+        rewards, groups, unanimous = _mixed_groups(seed, dtype)
+        adv = advantages.compute(name, rewards, groups)
+        assert adv.dtype == dtype
+        assert torch.equal(adv[unanimous], torch.zeros_like(adv[unanimous])), adv[unanimous].abs().max()
+        # the same rewards (as given, converted exactly) through float64 arithmetic, rounded once at the end
+        want = advantages.compute(name, rewards.double(), groups).to(dtype)
+        assert torch.equal(adv, want)
+        assert adv[~unanimous].abs().min() > 0
+
+
+def test_reinforce_plus_plus_float64_reference_by_hand():
+    # every group unanimous except one {0.1, 0.7}: minus group mean [-.3, .3], others 0 (exactly);
+    # population std over N=6: sqrt(2 * .09 / 6) = sqrt(.03) -> +-.3 / (sqrt(.03) + 1e-6) = +-1.7320408
+    rewards = t(0.1, 0.7, 0.1, 0.1, 1 / 3, 1 / 3, dtype=torch.float32)
+    adv = advantages.reinforce_plus_plus(rewards, ids(0, 0, 1, 1, 2, 2))
+    d = float(torch.tensor(0.7, dtype=torch.float32)) - float(torch.tensor(0.1, dtype=torch.float32))
+    s = math.sqrt(2 * (d / 2) ** 2 / 6) + 1e-6
+    assert torch.equal(adv[2:], torch.zeros(4))
+    close(adv[:2], [-d / 2 / s, d / 2 / s], atol=1e-7)
+
+
 def test_compute_dispatches_and_rejects_unknown():
     close(advantages.compute("grpo", REWARDS, GROUPS), advantages.grpo(REWARDS, GROUPS))
     close(advantages.compute("grpo_no_std", REWARDS, GROUPS), advantages.grpo(REWARDS, GROUPS, norm_by_std=False))
