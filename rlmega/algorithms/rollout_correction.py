@@ -16,6 +16,8 @@ drop tokens by the mismatch ratio
              sequence ratio is the GEOMETRIC MEAN of its token ratios over the sequence's masked tokens,
              exp(mean_t log rho_t) (verl `rollout_rs="geometric"`), not their product: the product
              drifts exponentially with length, so one [lo, hi] could not serve short and long answers.
+             The geometric mean averages the mismatch out, so its useful bounds are much tighter than
+             a token's (verl documents 1.0001 - 1.001 as typical upper thresholds for it).
 
 Dropped tokens leave the loss AND its denominators (as verl's `modified_response_mask`): the trainer
 multiplies the loss mask by `keep`, so a batch with many dropped tokens is not diluted by zeros.

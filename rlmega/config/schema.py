@@ -139,7 +139,9 @@ class AlgorithmConfig:
     rollout_is_bounds_low: float = 0.5
     """Masked IS: lowest token (mis_token) or sequence (mis_seq) ratio that is kept; in (0, 1]."""
     rollout_is_bounds_high: float = 2.0
-    """Masked IS: highest token (mis_token) or sequence (mis_seq) ratio that is kept; >= 1."""
+    """Masked IS: highest token (mis_token) or sequence (mis_seq) ratio that is kept; >= 1. The
+    defaults [0.5, 2] suit token ratios; a geometric mean over a long sequence moves far less, and
+    verl suggests bounds as tight as [0.999, 1.001] for it (its rollout_rs="geometric")."""
 
     def resolve_defaults(self) -> "AlgorithmConfig":
         """Fill the fields left null with the policy_loss's published defaults (POLICY_LOSS_DEFAULTS),
