@@ -16,7 +16,8 @@ import torch
 ESTIMATORS = ("grpo", "grpo_no_std", "rloo", "reinforce_plus_plus")
 
 
-def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(rewards: torch.Tensor,
+                 group_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample view of group statistics, all (N,): group size, group mean, group sum of squared
     deviations, and whether the sample's group carries signal (>= 2 members that are not all equal).
 

@@ -171,7 +171,8 @@ class MegatronActor:
         numerator, count = losses.aggregate(total, mask, seq_ids, n, a.loss_agg_mode)
         zero = torch.zeros((), dtype=torch.float64)
         stats = {
-            "tokens": response_mask.sum(), "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
+            "tokens": response_mask.sum(),
+            "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
             "clipped": (st["clipped"] * mask).sum(), "ppo_kl": (st["ppo_kl"] * mask).sum(),
             "entropy": (entropy.detach() * response_mask).sum(), "kl_ref": (kl_metric * response_mask).sum(),
             "rc_tokens": response_mask.sum() if rc is not None else zero,

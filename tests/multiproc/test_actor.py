@@ -296,7 +296,8 @@ def test_rollout_correction_truncates_and_masks_as_fabricated(hf_model):
     assert r["rollout_is_masked"] == 0.0
     assert abs(r["pg_loss"] - float(-(adv * ratio.clamp(max=2) * mask).sum() / n_tok)) < 1e-6
     # MIS: dropped tokens leave the numerator and the denominator
-    for mode, keep in (("mis_token", (ratio >= 0.5) & (ratio <= 2)), ("mis_seq", (seq_ratio >= 0.5) & (seq_ratio <= 2))):
+    in_bounds = {"mis_token": (ratio >= 0.5) & (ratio <= 2), "mis_seq": (seq_ratio >= 0.5) & (seq_ratio <= 2)}
+    for mode, keep in in_bounds.items():
         r, kept = results[mode], keep.double() * mask
         assert r["rollout_is_masked"] == float((mask - kept).sum() / n_tok) > 0, mode
         assert r["rollout_is_truncated"] == 0.0
