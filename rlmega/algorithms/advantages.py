@@ -1,11 +1,14 @@
 """Sequence-level advantage estimators for outcome rewards (one scalar reward per sample).
 
-Every estimator maps `rewards: (N,)` float and `group_ids: (N,)` int64 to advantages `(N,)`.
+Every estimator maps `rewards: (N,)` float and `group_ids: (N,)` int64 to advantages `(N,)` in the
+rewards' float dtype. Group statistics are always computed in float64 and a group whose rewards are
+all equal (max == min) gets advantage exactly 0 under every estimator: it carries no signal.
 Samples that share a group id answer the same prompt; ids need not be contiguous or sorted.
 `to_tokens` then spreads one advantage per sequence over that sequence's response tokens.
 
 Pure functions: tensors and scalars in, tensors out; no config objects, no process groups.
 """
+import math
 from typing import Tuple
 
 import torch
@@ -13,11 +16,15 @@ import torch
 ESTIMATORS = ("grpo", "grpo_no_std", "rloo", "reinforce_plus_plus")
 
 
-def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample view of group statistics, all (N,): group size, group mean, group sum of squared deviations.
+def _group_stats(rewards: torch.Tensor,
+                 group_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample view of group statistics, all (N,): group size, group mean, group sum of squared
+    deviations, and whether the sample's group carries signal (>= 2 members that are not all equal).
 
     Deviations are summed around the mean (two passes) rather than via E[r^2] - E[r]^2, which cancels
-    catastrophically when rewards are large and nearly equal.
+    catastrophically when rewards are large and nearly equal. Even so the mean of n equal values is
+    not always that value in floating point (sum then divide rounds twice), so "all equal" is decided
+    exactly, by comparing the group's max with its min, never from a tiny std.
     """
     # unique(return_inverse) renumbers arbitrary ids to 0..G-1 so index_add_ can use them as slots.
     _, inverse = torch.unique(group_ids, return_inverse=True)  # (N,) in [0, G)
@@ -27,62 +34,87 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> Tuple[torch.
     total = torch.zeros_like(count).index_add_(0, inverse, rewards)  # (G,)
     mean = (total / count)[inverse]  # (N,)
     sq_dev = torch.zeros_like(count).index_add_(0, inverse, (rewards - mean) ** 2)[inverse]  # (N,)
-    return count[inverse], mean, sq_dev
+    g_max = torch.full_like(count, -math.inf).scatter_reduce(0, inverse, rewards, "amax")[inverse]  # (N,)
+    g_min = torch.full_like(count, math.inf).scatter_reduce(0, inverse, rewards, "amin")[inverse]  # (N,)
+    informative = (count[inverse] > 1) & (g_max > g_min)
+    return count[inverse], mean, sq_dev, informative
 
 
-def _as_float(rewards: torch.Tensor) -> torch.Tensor:
-    # Integer rewards (0/1 correctness) would make every mean round down to 0.
-    return rewards if rewards.is_floating_point() else rewards.float()
+def _as_float64(rewards: torch.Tensor) -> torch.Tensor:
+    """Group statistics are computed in float64 whatever the input: in float32 the rounding of a
+    group mean (one ulp, ~1e-8 relative) is a visible fraction of a small std, and integer rewards
+    (0/1 correctness) would make every mean round down to 0."""
+    return rewards.to(torch.float64)
+
+
+def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
+    """The input's float dtype; integer rewards give float32."""
+    return rewards.dtype if rewards.is_floating_point() else torch.float32
+
+
+def _grpo64(r: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """grpo on float64 rewards (N,) -> float64 advantages (N,), exactly 0 for groups without signal."""
+    count, mean, sq_dev, informative = _group_stats(r, group_ids)
+    centered = r - mean  # (N,)
+    if norm_by_std:
+        # clamp only avoids 0/0 for singletons; their value is replaced by 0 just below.
+        std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))  # (N,)
+        centered = centered / (std + eps)
+    return torch.where(informative, centered, torch.zeros_like(centered))
 
 
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
          eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps), or r_i - mean_g without std.
 
-    rewards: (N,) float, group_ids: (N,) int64 -> advantages: (N,).
+    rewards: (N,) float or int, group_ids: (N,) int64 -> advantages: (N,) in the rewards' float dtype
+    (float32 for integer rewards), computed in float64 and rounded once.
     std_g is the UNBIASED (Bessel-corrected, divide by n-1) group std, as torch.std in verl and
     DeepSeek's GRPO. A group of one sample has no baseline (its mean is itself and its unbiased
-    std is undefined), so it gets advantage 0. A group whose rewards are all equal gets 0 too.
+    std is undefined), so it gets advantage 0. A group whose rewards are all equal (max == min) gets
+    exactly 0: without that, float rounding of the mean divided by std ~1e-7 + eps gave such groups
+    same-signed advantages up to ~0.6 in float32 (a biased push, not noise).
     """
-    rewards = _as_float(rewards)
-    count, mean, sq_dev = _group_stats(rewards, group_ids)
-    centered = rewards - mean  # (N,)
-    if norm_by_std:
-        # clamp only avoids 0/0 for singletons; their value is replaced by 0 just below.
-        std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))  # (N,)
-        centered = centered / (std + eps)
-    return torch.where(count > 1, centered, torch.zeros_like(centered))
+    return _grpo64(_as_float64(rewards), group_ids, norm_by_std, eps).to(_out_dtype(rewards))
 
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the OTHER samples of the group.
 
-    rewards: (N,) float, group_ids: (N,) int64 -> advantages: (N,).
-    Leave-one-out keeps the baseline independent of the sample it scores, so the estimate is unbiased.
-    Algebraically r_i - (sum_g - r_i)/(n-1) = n/(n-1) * (r_i - mean_g). A group of one has no
-    other sample to compare with and gets 0.
+    rewards: (N,) float or int, group_ids: (N,) int64 -> advantages: (N,) in the rewards' float dtype,
+    computed in float64. Leave-one-out keeps the baseline independent of the sample it scores, so
+    the estimate is unbiased. Algebraically r_i - (sum_g - r_i)/(n-1) = n/(n-1) * (r_i - mean_g).
+    A group of one has no other sample to compare with, and a group of equal rewards has nothing to
+    compare: both get exactly 0.
     """
-    rewards = _as_float(rewards)
-    count, mean, _ = _group_stats(rewards, group_ids)
-    others_mean = (count * mean - rewards) / (count - 1).clamp(min=1)  # (N,)
-    return torch.where(count > 1, rewards - others_mean, torch.zeros_like(rewards))
+    r = _as_float64(rewards)
+    count, mean, _, informative = _group_stats(r, group_ids)
+    others_mean = (count * mean - r) / (count - 1).clamp(min=1)  # (N,)
+    adv = torch.where(informative, r - others_mean, torch.zeros_like(r))
+    return adv.to(_out_dtype(rewards))
 
 
 def reinforce_plus_plus(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++-baseline (Hu et al. 2025, as in OpenRLHF `reinforce_baseline`).
 
-    rewards: (N,) float, group_ids: (N,) int64 -> advantages: (N,).
+    rewards: (N,) float or int, group_ids: (N,) int64 -> advantages: (N,) in the rewards' float dtype,
+    computed in float64.
     Step 1 subtracts the group mean (the prompt's baseline; no per-group std, which GRPO uses and which
-    blows up near-unanimous groups). Step 2 whitens over the WHOLE batch: subtract the batch mean and
-    divide by the batch population std (divide by N), like OpenRLHF's whitening. After step 1 every
-    group sums to 0, so the batch mean is 0 up to rounding; re-centering is kept so the output has
-    mean 0 and std 1 as the paper writes it. Singletons get 0 in step 1 and stay (up to rounding) 0.
+    blows up near-unanimous groups); singletons and unanimous groups get exactly 0. Step 2 whitens
+    over the WHOLE batch: subtract the batch mean and divide by the batch population std (divide by
+    N), like OpenRLHF's whitening. After step 1 every group sums to 0, so the batch mean is 0 up to
+    float64 rounding; re-centering is kept so the output has mean 0 and std 1 as the paper writes it,
+    and the samples that step 1 zeroed are zeroed again afterwards: the re-centering would otherwise
+    hand them the (rounding-noise) batch mean, and whitening would scale it into a push.
     OpenRLHF whitens over tokens, weighting long responses more; this whitens over samples, so every
     sample counts once.
     """
-    centered = grpo(rewards, group_ids, norm_by_std=False)  # (N,) r - group mean, 0 for singletons
+    r = _as_float64(rewards)
+    informative = _group_stats(r, group_ids)[3]  # (N,)
+    centered = _grpo64(r, group_ids, norm_by_std=False, eps=eps)  # (N,) r - group mean, 0 without signal
     centered = centered - centered.mean()
-    return centered / (centered.std(unbiased=False) + eps)
+    whitened = centered / (centered.std(unbiased=False) + eps)
+    return torch.where(informative, whitened, torch.zeros_like(whitened)).to(_out_dtype(rewards))
 
 
 def compute(name: str, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

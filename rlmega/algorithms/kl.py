@@ -5,6 +5,25 @@ divergence", 2020). Tokens are sampled from the policy, so with log_ratio = ref 
     k2 = 0.5 * log_ratio^2              biased, low variance, >= 0
     k3 = exp(log_ratio) - log_ratio - 1 unbiased, low variance, >= 0 (verl's "low_var_kl")
 
+"Unbiased" is about the VALUE: E_{y~pi}[k1] = E_{y~pi}[k3] = KL(pi||ref). As a LOSS TERM what matters
+is the expected GRADIENT, taken through logp with the sampled tokens held fixed, and the three differ.
+Write p = pi(y), q = ref(y), sum over the vocabulary, and use sum_y grad p = grad 1 = 0:
+
+    k1: grad k1 = grad log p.  E_pi = sum p grad log p = sum grad p = 0.
+        Zero expected gradient on-policy: k1 in the loss regularises nothing (only noise).
+    k2: grad k2 = (log p - log q) grad log p.  E_pi = sum (log p - log q) grad p
+        = grad sum p (log p - log q) - sum p grad log p = grad KL(pi||ref).
+        The gradient of the REVERSE KL, the same direction the `kl_ref` metric reports.
+    k3: grad k3 = (1 - q/p) grad log p.  E_pi = sum (p - q) grad log p = -sum q grad log p
+        = grad sum q (log q - log p) = grad KL(ref||pi).
+        The gradient of the FORWARD KL (mass-covering), although its value estimates KL(pi||ref).
+
+So in the loss: k2 when the penalty should act on the KL that is reported, k3 for the forward KL
+(verl's "low_var_kl" default), never k1 (the config refuses it). In the reward (algorithm.kl_in_reward)
+only the value counts and k1/k3 are the unbiased choices. These are per-position statements: each
+token's distribution given its prefix; tests/unit/test_algorithms.py checks them exactly on a small
+categorical distribution with autograd. The `kl_ref` metric is always the k3 value (unbiased, >= 0).
+
 Pure functions over flat token tensors (T,); masking and averaging belong to `losses.aggregate`.
 """
 import torch

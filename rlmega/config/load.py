@@ -78,6 +78,9 @@ def _as_config_error(e: OmegaConfBaseException, source: str) -> ConfigError:
                "remove it (see rlmega/config/schema.py for the fields)")
         return ConfigError([problem(key, f"unknown key (in {source})", fix)])
     hint = _field_hint(key)
+    if typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = inner[0] if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal else hint
     if typing.get_origin(hint) is typing.Literal:
         fix = f"use one of: {', '.join(map(str, typing.get_args(hint)))}"
     elif hint is not None:
@@ -130,6 +133,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _as_config_error(e, "the merged config") from None
+    cfg.algorithm.resolve_defaults()  # null = the policy loss's default; dumped and printed resolved
     validate(cfg)
     return cfg
 

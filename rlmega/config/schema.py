@@ -87,28 +87,73 @@ class RolloutConfig:
     """Sampling seed; engine i uses seed + i."""
 
 
+# (clip_eps_low, clip_eps_high, loss_agg_mode) each policy loss uses when the user sets none of them.
+# GSPO (Zheng et al. 2025, sec. 5.1): clip range 3e-4 / 4e-4 on the sequence ratio and a sequence-level
+# objective (each sequence's token mean, then the mean over sequences). PPO: the usual 0.2 and token-mean.
+POLICY_LOSS_DEFAULTS = {
+    "ppo_clip": (0.2, 0.2, "token-mean"),
+    "dual_clip": (0.2, 0.2, "token-mean"),
+    "gspo": (3e-4, 4e-4, "seq-mean-token-mean"),
+}
+
+
 @dataclass
 class AlgorithmConfig:
     advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus"] = "grpo"
     """How rewards become advantages (see rlmega.algorithms.advantages)."""
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = "ppo_clip"
     """Policy-gradient surrogate (see rlmega.algorithms.losses)."""
-    clip_eps_low: float = 0.2
-    """Lower ratio clip: ratio >= 1 - clip_eps_low."""
-    clip_eps_high: float = 0.2
-    """Upper ratio clip: ratio <= 1 + clip_eps_high (raise it for DAPO's clip-higher)."""
+    clip_eps_low: Optional[float] = None
+    """Lower ratio clip: ratio >= 1 - clip_eps_low. null = the policy_loss's published default:
+    0.2 for ppo_clip/dual_clip, 3e-4 for gspo (the GSPO paper's, on its sequence ratio). A value you
+    set always wins; `rlmega check-config` prints the resolved value."""
+    clip_eps_high: Optional[float] = None
+    """Upper ratio clip: ratio <= 1 + clip_eps_high (raise it for DAPO's clip-higher). null = the
+    policy_loss's published default: 0.2 for ppo_clip/dual_clip, 4e-4 for gspo. A set value wins."""
     dual_clip_c: float = 3.0
     """Dual-clip bound on the loss for negative advantages; must be > 1."""
     kl_coef: float = 0.0
     """Weight of the KL penalty against the reference policy; 0 skips the reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
+    """Per-token KL estimator (Schulman's k1/k2/k3; rlmega.algorithms.kl derives their gradients).
+    In the loss, k2's expected gradient is that of KL(pi||ref), the KL the `kl_ref` metric reports,
+    hence the default; k3's is that of the forward KL(ref||pi); k1's is 0 on-policy, so k1 in the
+    loss is refused. In the reward (kl_in_reward=true) only the value matters: k1 and k3 are unbiased
+    estimates of KL(pi||ref), k2 is not."""
     kl_in_reward: bool = False
     """Subtract kl_coef * KL from the reward instead of adding a KL term to the loss."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus in the loss."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses are reduced to a scalar."""
+    loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]] = None
+    """How per-token losses are reduced to a scalar. null = the policy_loss's published default:
+    token-mean for ppo_clip/dual_clip, seq-mean-token-mean for gspo (the paper's sequence-level
+    objective). A value you set always wins."""
+    rollout_correction: Literal["none", "tis", "mis_token", "mis_seq"] = "none"
+    """Correction for the mismatch between the rollout engine's and the trainer's log-probs of the
+    same policy (rlmega.algorithms.rollout_correction; needs the rollout log-probs, which vLLM
+    returns). "tis": weight each token's policy-gradient loss by min(pi_old/pi_rollout, rollout_is_cap);
+    "mis_token": drop tokens whose ratio leaves [rollout_is_bounds_low, rollout_is_bounds_high];
+    "mis_seq": drop whole sequences whose geometric-mean ratio leaves those bounds. "none": off."""
+    rollout_is_cap: float = 2.0
+    """TIS cap C on the token ratio pi_old/pi_rollout (>= 1; verl's rollout_is_threshold, 2.0)."""
+    rollout_is_bounds_low: float = 0.5
+    """Masked IS: lowest token (mis_token) or sequence (mis_seq) ratio that is kept; in (0, 1]."""
+    rollout_is_bounds_high: float = 2.0
+    """Masked IS: highest token (mis_token) or sequence (mis_seq) ratio that is kept; >= 1. The
+    defaults [0.5, 2] suit token ratios; a geometric mean over a long sequence moves far less, and
+    verl suggests bounds as tight as [0.999, 1.001] for it (its rollout_rs="geometric")."""
+
+    def resolve_defaults(self) -> "AlgorithmConfig":
+        """Fill the fields left null with the policy_loss's published defaults (POLICY_LOSS_DEFAULTS),
+        in place; returns self. Values already set are kept. Idempotent."""
+        low, high, agg = POLICY_LOSS_DEFAULTS.get(self.policy_loss, POLICY_LOSS_DEFAULTS["ppo_clip"])
+        if self.clip_eps_low is None:
+            self.clip_eps_low = low
+        if self.clip_eps_high is None:
+            self.clip_eps_high = high
+        if self.loss_agg_mode is None:
+            self.loss_agg_mode = agg
+        return self
 
 
 @dataclass

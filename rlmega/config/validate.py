@@ -95,6 +95,9 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
     ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1), ("reward.timeout_s", _GT0),
+    ("algorithm.rollout_is_cap", (lambda v: v >= 1, ">= 1 (a cap below 1 would shrink on-policy tokens)")),
+    ("algorithm.rollout_is_bounds_low", (lambda v: 0 < v <= 1, "in (0, 1] (ratio 1, no mismatch, must be kept)")),
+    ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
     ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
@@ -117,6 +120,11 @@ def _choice_problems(cfg: RLConfig) -> List[str]:
     for sec in dataclasses.fields(cfg):
         section = getattr(cfg, sec.name)
         for name, hint in typing.get_type_hints(type(section)).items():
+            value, args = getattr(section, name), typing.get_args(hint)
+            if typing.get_origin(hint) is typing.Union and type(None) in args:  # Optional[Literal[...]]
+                if value is None:
+                    continue
+                hint = next(a for a in args if a is not type(None))
             if typing.get_origin(hint) is typing.Literal and getattr(section, name) not in typing.get_args(hint):
                 choices = ", ".join(typing.get_args(hint))
                 out.append(problem(f"{sec.name}.{name}", f"{getattr(section, name)!r} is not a valid choice",
@@ -219,7 +227,12 @@ def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
 
 
 def validate(cfg: RLConfig) -> None:
-    """Raise one ConfigError listing every problem in `cfg`; return None when it is valid."""
+    """Raise one ConfigError listing every problem in `cfg`; return None when it is valid.
+
+    Fills the algorithm fields left null with the policy loss's defaults first (in place), so a config
+    built in Python is checked, and used, with the same values a loaded one gets.
+    """
+    cfg.algorithm.resolve_defaults()
     out = _choice_problems(cfg)
     bad_ranges = []
     for field, ok, rule in _RANGES:
@@ -236,6 +249,11 @@ def validate(cfg: RLConfig) -> None:
         out.append(problem("rollout.n", f"{alg.advantage_estimator} baselines compare samples of one prompt, "
                            f"but n={cfg.rollout.n}",
                            "set rollout.n >= 2, or algorithm.advantage_estimator=reinforce_plus_plus"))
+    if alg.kl_estimator == "k1" and alg.kl_coef > 0 and not alg.kl_in_reward:
+        out.append(problem("algorithm.kl_estimator", "k1 as a loss term has zero expected gradient on-policy "
+                           "(E_pi[grad log pi] = 0), so the KL penalty would regularise nothing",
+                           "use algorithm.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (gradient of "
+                           "KL(ref||pi)), or keep k1 with algorithm.kl_in_reward=true"))
     if not all(cfg.reward.fn.split(".")) or "." not in cfg.reward.fn:
         out.append(problem("reward.fn", f"{cfg.reward.fn!r} is not a dotted path",
                            "write it as package.module.function, e.g. rlmega.rewards.arithmetic.score"))

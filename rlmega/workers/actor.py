@@ -14,6 +14,7 @@ token budget) and every rank returns the same full result.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import torch
 
 from rlmega.algorithms import kl as kl_lib
 from rlmega.algorithms import losses
+from rlmega.algorithms import rollout_correction as rc_lib
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.micro_batches import build_micro_batch, scatter_responses
 from rlmega.data.packing import padding_efficiency, plan_micro_batches
@@ -32,7 +34,18 @@ from rlmega.megatron.model_manager import MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
                                     tensor_parallel_rank)
 
-_STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref")
+_STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref",
+              "rc_tokens", "rc_ratio", "rc_truncated", "rc_masked")
+
+
+def _rollout_correction_metrics(s: dict) -> dict:
+    """Token means of the rollout-correction statistics; NaN (unknown) when no token had rollout log-probs."""
+    n = s["rc_tokens"]
+    if n <= 0:
+        return {"rollout_is_ratio": float("nan"), "rollout_is_truncated": float("nan"),
+                "rollout_is_masked": float("nan")}
+    return {"rollout_is_ratio": s["rc_ratio"] / n, "rollout_is_truncated": s["rc_truncated"] / n,
+            "rollout_is_masked": s["rc_masked"] / n}
 
 
 class MegatronActor:
@@ -40,6 +53,9 @@ class MegatronActor:
                  actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
                  lr_decay_steps: int = 1000, hf_config: dict | None = None):
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
+        # null clip ranges / aggregation = the policy loss's published default (a copy: the caller's
+        # config is left as given)
+        algorithm = dataclasses.replace(algorithm).resolve_defaults()
         self.cfg, self.algo, self.temperature = actor, algorithm, temperature
         self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
         self.policy: MegatronModelManager | None = None
@@ -85,7 +101,8 @@ class MegatronActor:
     def _gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, batch: RolloutBatch) -> list[torch.Tensor]:
         """Per-token values of this rank's samples -> the full batch's per-sample list, on every rank."""
         order = [i for mb in mbs for i in mb["indices"]]
-        lens = [batch.response_lens()[i] for i in order]
+        all_lens = batch.response_lens()  # once: it walks the whole batch
+        lens = [all_lens[i] for i in order]
         flat = None
         if outs is not None:
             pieces = {}
@@ -126,25 +143,46 @@ class MegatronActor:
     # ---- training ---------------------------------------------------------------------------
     def _loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None):
         a, mask, seq_ids, n = self.algo, mb["loss_mask"], mb["seq_ids"], mb["num_seqs"]
+        response_mask = mask  # every response token: the denominator of the token statistics
+        weight, rc = None, None
+        if "rollout_logprobs" in mb:
+            weight, keep, rc = rc_lib.correct(a.rollout_correction, mb["old_logprobs"], mb["rollout_logprobs"],
+                                              mask, seq_ids, n, a.rollout_is_cap, a.rollout_is_bounds_low,
+                                              a.rollout_is_bounds_high)
+            if a.rollout_correction in ("mis_token", "mis_seq"):
+                mask = mask * keep  # dropped tokens leave every loss term and its denominator (as verl)
+        elif a.rollout_correction != "none":
+            raise ValueError(f"algorithm.rollout_correction={a.rollout_correction} needs the rollout log-probs "
+                             "in the batch (RolloutBatch.rollout_logprobs)")
         if a.policy_loss == "gspo":
             pg, st = losses.gspo(logprobs, mb["old_logprobs"], mb["advantages"], mask, seq_ids, n,
                                  a.clip_eps_low, a.clip_eps_high)
         else:
             pg, st = losses.ppo_clip(logprobs, mb["old_logprobs"], mb["advantages"], mask, a.clip_eps_low,
                                      a.clip_eps_high, a.dual_clip_c if a.policy_loss == "dual_clip" else None)
+        if a.rollout_correction == "tis":
+            pg = pg * weight  # truncated IS weight, detached: corrects the sampling distribution
         total = pg
-        kl = torch.zeros_like(logprobs)
+        kl_metric = torch.zeros_like(logprobs)
         if "ref_logprobs" in mb:
-            kl = kl_lib.kl_penalty(logprobs, mb["ref_logprobs"], a.kl_estimator) * mask
             if a.kl_coef > 0 and not a.kl_in_reward:
-                total = total + a.kl_coef * kl
+                total = total + a.kl_coef * kl_lib.kl_penalty(logprobs, mb["ref_logprobs"], a.kl_estimator) * mask
+            # the metric is always k3's value, the unbiased (>= 0) estimate of KL(pi||ref), whatever
+            # estimator the loss uses (k2's value is biased; see rlmega.algorithms.kl)
+            kl_metric = kl_lib.kl_penalty(logprobs.detach(), mb["ref_logprobs"], "k3")
         if a.entropy_coef > 0:
             total = total + losses.entropy_bonus(entropy, mask, a.entropy_coef)
         numerator, count = losses.aggregate(total, mask, seq_ids, n, a.loss_agg_mode)
+        zero = torch.zeros((), dtype=torch.float64)
         stats = {
-            "tokens": mask.sum(), "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
+            "tokens": response_mask.sum(),
+            "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
             "clipped": (st["clipped"] * mask).sum(), "ppo_kl": (st["ppo_kl"] * mask).sum(),
-            "entropy": (entropy.detach() * mask).sum(), "kl_ref": (kl.detach() * mask).sum(),
+            "entropy": (entropy.detach() * response_mask).sum(), "kl_ref": (kl_metric * response_mask).sum(),
+            "rc_tokens": response_mask.sum() if rc is not None else zero,
+            "rc_ratio": rc["ratio"].sum() if rc is not None else zero,
+            "rc_truncated": rc["truncated"].sum() if rc is not None else zero,
+            "rc_masked": rc["masked"].sum() if rc is not None else zero,
         }
         return numerator, count, stats
 
@@ -154,7 +192,8 @@ class MegatronActor:
         zero = torch.zeros((), dtype=torch.float64)
         nll = -(logprobs * mask).sum()
         stats = {"tokens": mask.sum(), "pg_loss": nll.detach(), "clipped": zero, "ppo_kl": zero,
-                 "entropy": (entropy.detach() * mask).sum(), "kl_ref": zero}
+                 "entropy": (entropy.detach() * mask).sum(), "kl_ref": zero,
+                 "rc_tokens": zero, "rc_ratio": zero, "rc_truncated": zero, "rc_masked": zero}
         return nll, int(mask.sum().item()), stats
 
     def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
@@ -170,6 +209,10 @@ class MegatronActor:
             raise ValueError("train_step needs batch.advantages and batch.old_logprobs")
         if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and batch.ref_logprobs is None:
             raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
+        if self.algo.rollout_correction != "none" and batch.rollout_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction={self.algo.rollout_correction} needs "
+                             "batch.rollout_logprobs (the engine's log-probs of the sampled tokens); "
+                             "set algorithm.rollout_correction=none for batches without them")
         return self._step(batch, self._loss, self.temperature)
 
     def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None) -> dict:
@@ -198,7 +241,7 @@ class MegatronActor:
             "loss": loss, "pg_loss": s["pg_loss"] / max(s["count"], 1.0), "pg_clipfrac": s["clipped"] / tokens,
             "ppo_kl": s["ppo_kl"] / tokens, "entropy": s["entropy"] / tokens, "kl_ref": s["kl_ref"] / tokens,
             "grad_norm": grad_norm, "lr": lr, "tokens": int(s["tokens"]), "padding_fraction": 1.0 - efficiency,
-            "skipped": 0.0 if ok else 1.0,
+            "skipped": 0.0 if ok else 1.0, **_rollout_correction_metrics(s),
         }
 
     # ---- reference policy, checkpoints, export ----------------------------------------------

@@ -209,3 +209,99 @@ def test_warm_start_lr_does_not_touch_the_rl_schedule(hf_model):
     sft_lr, steps_after_sft, rl_lr = run_on_ranks(_warm_start_lr_body, 1, args=(hf_model,), timeout_s=300)[0]
     assert sft_lr == 0.05 and steps_after_sft == 0
     assert rl_lr == 3e-3  # the scheduled LR is back for the first RL step
+
+
+# ---- rollout correction and the cost of gathering responses ----------------------------------
+
+from rlmega.data.rollout_batch import RolloutBatch  # noqa: E402
+
+
+class _CountingBatch(RolloutBatch):
+    """A RolloutBatch that counts response_lens() calls (each walks the whole batch)."""
+    calls = 0
+
+    def response_lens(self):
+        type(self).calls += 1
+        return super().response_lens()
+
+
+# Per-sample ratio pi_old / pi_rollout fabricated by rollout = old - log(factor); "mixed" alternates
+# 3 and 1/3 over the sample's tokens (geometric mean 1 or 3^(1/3) <= 1.45: inside [.5, 2]).
+RC_FACTORS = [3.0, 1.0, 0.25, 1.0, "mixed", 1.0, 3.0, 1.0, 1.0, 0.4]
+
+
+def _token_ratios(batch):
+    out = []
+    for i, m in enumerate(batch.response_mask):
+        f = RC_FACTORS[i]
+        out.append(torch.tensor([3.0 if k % 2 == 0 else 1 / 3 for k in range(len(m))]) if f == "mixed"
+                   else torch.full((len(m),), f))
+    return out
+
+
+def _rollout_correction_body(path):
+    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.workers.actor import MegatronActor
+
+    # lr 0: the policy stays put, so every call below scores the same parameters with ratio pi/pi_old = 1
+    actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(1, 1, None, 1), OptimizerConfig(lr=0.0),
+                          ActorConfig(max_tokens_per_micro_batch=40), AlgorithmConfig(), temperature=0.8)
+    actor.setup(with_reference=False)
+    base = random_batch(N, seed=7)  # 4 of 5 groups carry a nonzero advantage
+    counting = _CountingBatch(**{f.name: getattr(base, f.name) for f in dataclasses.fields(RolloutBatch)})
+    _CountingBatch.calls = 0
+    old = actor.compute_logprobs(counting)
+    lens_calls = _CountingBatch.calls
+    rollout = [o - r.log() for o, r in zip(old, _token_ratios(base))]
+    plain = dataclasses.replace(base, old_logprobs=old)
+    with_rollout = dataclasses.replace(plain, rollout_logprobs=rollout)
+    results = {"absent": actor.train_step(plain)}
+    for mode in ("none", "tis", "mis_token", "mis_seq"):
+        actor.algo = dataclasses.replace(actor.algo, rollout_correction=mode)
+        results[mode] = actor.train_step(with_rollout)
+    try:
+        actor.train_step(plain)  # mis_seq is still set, and this batch has no rollout log-probs
+        error = None
+    except ValueError as e:
+        error = str(e)
+    actor.teardown()
+    return results, lens_calls, error
+
+
+def test_rollout_correction_truncates_and_masks_as_fabricated(hf_model):
+    results, lens_calls, error = run_on_ranks(_rollout_correction_body, 1, args=(hf_model,), timeout_s=300)[0]
+    # response_lens() walks the batch: once per gather, not once per sample (it was N = 10 calls)
+    assert lens_calls == 1, lens_calls
+    assert error is not None and "algorithm.rollout_correction=mis_seq" in error and "rollout_logprobs" in error
+    # "none" ignores the rollout log-probs: bit-identical to a batch without them
+    for key in ("loss", "grad_norm", "pg_loss", "entropy", "tokens"):
+        assert results["none"][key] == results["absent"][key], key
+    assert math.isnan(results["absent"]["rollout_is_ratio"])
+
+    batch = random_batch(N, seed=7)
+    mask = torch.cat(batch.response_mask).double()
+    adv = torch.cat(batch.advantages).double()
+    ratio = torch.cat(_token_ratios(batch)).double()
+    seq_ratio = torch.cat([torch.full((len(r),), float(torch.exp((r.log() * m).sum() / m.sum())))
+                           for r, m in zip(_token_ratios(batch), batch.response_mask)]).double()
+    n_tok = mask.sum()
+    # float32 log-probs make exp(old - rollout) 3 +- a few ulp: 1e-6 is what that allows
+    for mode in ("none", "tis", "mis_token", "mis_seq"):
+        assert abs(results[mode]["rollout_is_ratio"] - float((ratio * mask).sum() / n_tok)) < 1e-6, mode
+        assert results[mode]["ppo_kl"] == 0.0  # the policy did not move: pi / pi_old = 1 on every token
+
+    # TIS: every token's loss -A (ratio 1) is weighted by min(ratio, 2); the denominator is unchanged
+    r = results["tis"]
+    assert r["rollout_is_truncated"] == float(((ratio > 2) * mask).sum() / n_tok) > 0
+    assert r["rollout_is_masked"] == 0.0
+    assert abs(r["pg_loss"] - float(-(adv * ratio.clamp(max=2) * mask).sum() / n_tok)) < 1e-6
+    # MIS: dropped tokens leave the numerator and the denominator
+    in_bounds = {"mis_token": (ratio >= 0.5) & (ratio <= 2), "mis_seq": (seq_ratio >= 0.5) & (seq_ratio <= 2)}
+    for mode, keep in in_bounds.items():
+        r, kept = results[mode], keep.double() * mask
+        assert r["rollout_is_masked"] == float((mask - kept).sum() / n_tok) > 0, mode
+        assert r["rollout_is_truncated"] == 0.0
+        assert abs(r["pg_loss"] - float(-(adv * kept).sum() / kept.sum())) < 1e-6, mode
+        assert abs(r["loss"] - r["pg_loss"]) < 1e-7  # no KL or entropy term here
+    assert results["mis_token"]["rollout_is_masked"] > results["mis_seq"]["rollout_is_masked"]  # "mixed" sample
+    assert len({round(results[m]["pg_loss"], 9) for m in ("none", "tis", "mis_token", "mis_seq")}) == 4

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlmega.algorithms import advantages, kl, losses
+from rlmega.algorithms import advantages, kl, losses, rollout_correction
 
 F64 = torch.float64
 
@@ -81,6 +81,52 @@ def test_singleton_groups_give_zero_for_every_estimator():
         close(advantages.compute(name, rewards, groups), [0.0, 0.0, 0.0])
 
 
+def _mixed_groups(seed, dtype=torch.float32):
+    """Many unanimous groups of non-representable rewards (0.1, 0.7, 1.1, 1/3, ...) and sizes 2..64,
+    interleaved with ordinary groups, ids shuffled. Returns rewards (N,), group ids (N,), unanimous (N,) bool."""
+    g = torch.Generator().manual_seed(seed)
+    values = [0.1, 0.7, 1.1, 1 / 3, 2 / 3, 0.3, -0.9, 7.7, 1e3 / 3]
+    rewards, groups, unanimous = [], [], []
+    for gid in range(120):
+        size = int(torch.randint(2, 65, (1,), generator=g))
+        if gid % 3:  # two thirds unanimous
+            r = torch.full((size,), values[int(torch.randint(len(values), (1,), generator=g))], dtype=F64)
+        else:
+            r = torch.rand(size, generator=g, dtype=F64) * 3
+        rewards.append(r)
+        groups.append(torch.full((size,), gid, dtype=torch.int64))
+        unanimous.append(torch.full((size,), bool(gid % 3)))
+    perm = torch.randperm(sum(len(r) for r in rewards), generator=g)
+    return torch.cat(rewards).to(dtype)[perm], torch.cat(groups)[perm], torch.cat(unanimous)[perm]
+
+
+@pytest.mark.parametrize("name", advantages.ESTIMATORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_unanimous_groups_get_exactly_zero_and_others_match_float64(name, dtype):
+    # Before the fix, float32 grpo gave unanimous groups of 0.1/0.7/1.1 advantages up to ~0.6, all of one
+    # sign: the mean is one rounding step off and (r - mean) / (std ~1e-7 + 1e-6) blows it up.
+    for seed in range(3):
+        rewards, groups, unanimous = _mixed_groups(seed, dtype)
+        adv = advantages.compute(name, rewards, groups)
+        assert adv.dtype == dtype
+        assert torch.equal(adv[unanimous], torch.zeros_like(adv[unanimous])), adv[unanimous].abs().max()
+        # the same rewards (as given, converted exactly) through float64 arithmetic, rounded once at the end
+        want = advantages.compute(name, rewards.double(), groups).to(dtype)
+        assert torch.equal(adv, want)
+        assert adv[~unanimous].abs().min() > 0
+
+
+def test_reinforce_plus_plus_float64_reference_by_hand():
+    # every group unanimous except one {0.1, 0.7}: minus group mean [-.3, .3], others 0 (exactly);
+    # population std over N=6: sqrt(2 * .09 / 6) = sqrt(.03) -> +-.3 / (sqrt(.03) + 1e-6) = +-1.7320408
+    rewards = t(0.1, 0.7, 0.1, 0.1, 1 / 3, 1 / 3, dtype=torch.float32)
+    adv = advantages.reinforce_plus_plus(rewards, ids(0, 0, 1, 1, 2, 2))
+    d = float(torch.tensor(0.7, dtype=torch.float32)) - float(torch.tensor(0.1, dtype=torch.float32))
+    s = math.sqrt(2 * (d / 2) ** 2 / 6) + 1e-6
+    assert torch.equal(adv[2:], torch.zeros(4))
+    close(adv[:2], [-d / 2 / s, d / 2 / s], atol=1e-7)
+
+
 def test_compute_dispatches_and_rejects_unknown():
     close(advantages.compute("grpo", REWARDS, GROUPS), advantages.grpo(REWARDS, GROUPS))
     close(advantages.compute("grpo_no_std", REWARDS, GROUPS), advantages.grpo(REWARDS, GROUPS, norm_by_std=False))
@@ -121,6 +167,38 @@ def test_k3_nonnegative_and_finite_on_random_and_extreme_inputs():
     assert torch.isfinite(k3).all() and (k3 >= 0).all()
     # clamp: ref - logp = -100 -> -20: e^-20 + 20 - 1; +100 -> +20: e^20 - 21.
     close(kl.kl_penalty(t(0.0, -100.0), t(-100.0, 0.0), "k3"), [math.exp(-20) + 19, math.exp(20) - 21])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kl_estimator_expected_gradients_exactly(seed):
+    # A categorical policy pi = softmax(theta) over 7 tokens and a fixed reference. The expected loss
+    # of a per-token estimator k under on-policy sampling is sum_y sg(pi(y)) * k(y): the sampling
+    # distribution is not differentiated (the tokens are given), only logp inside k is. Its exact
+    # gradient (no sampling) must be 0 for k1, grad KL(pi||ref) for k2, grad KL(ref||pi) for k3.
+    g = torch.Generator().manual_seed(seed)
+    theta0, ref_logits = torch.randn(7, generator=g, dtype=F64), 2 * torch.randn(7, generator=g, dtype=F64)
+    ref_logp = torch.log_softmax(ref_logits, -1)
+
+    def grad_of(fn):
+        theta = theta0.clone().requires_grad_(True)
+        logp = torch.log_softmax(theta, -1)
+        (grad,) = torch.autograd.grad(fn(logp), theta)
+        return grad
+
+    def expected(estimator):
+        return lambda logp: (logp.exp().detach() * kl.kl_penalty(logp, ref_logp, estimator)).sum()
+
+    reverse = grad_of(lambda logp: (logp.exp() * (logp - ref_logp)).sum())  # grad KL(pi||ref)
+    forward = grad_of(lambda logp: (ref_logp.exp() * (ref_logp - logp)).sum())  # grad KL(ref||pi)
+    assert reverse.abs().max() > 0.05 and (reverse - forward).abs().max() > 0.05  # the claims can fail
+    close(grad_of(expected("k1")), torch.zeros(7), atol=1e-15)
+    close(grad_of(expected("k2")), reverse, atol=1e-14)
+    close(grad_of(expected("k3")), forward, atol=1e-14)
+    # and the values: k1 and k3 are unbiased for KL(pi||ref), k2 is not
+    pi = torch.softmax(theta0, -1)
+    kl_rev = float((pi * (pi.log() - ref_logp)).sum())
+    for est in ("k1", "k3"):
+        close((pi * kl.kl_penalty(pi.log(), ref_logp, est)).sum(), kl_rev, atol=1e-14)
 
 
 def test_kl_rejects_unknown_estimator():
@@ -303,3 +381,74 @@ def test_aggregate_split_into_micro_batches_matches_one_batch(mode):
     # The naive mean of per-micro-batch means differs: the pair is what makes the split irrelevant.
     naive = sum(p[0] / p[1] for p in parts) / 2
     assert abs(float(naive - expected)) > 1e-3
+
+
+# ---------------------------------------------------------------- rollout correction
+
+# Log-ratios old - rollout chosen so each ratio is a round number: ln 3 -> 3, -ln 4 -> 0.25.
+LN = math.log
+
+
+def test_tis_weights_are_the_ratio_capped_at_c():
+    # ratios [1, 3, .25, 1.5, (masked)], cap 2 -> weights [1, 2, .25, 1.5, 0]; only the 3 is truncated.
+    # The masked token has rollout -inf (e.g. an engine that did not score it): it must stay 0, not NaN.
+    old = t(0.0, LN(3), -LN(4), LN(1.5), 5.0)
+    rollout = t(0.0, 0.0, 0.0, 0.0, -math.inf)
+    mask = t(1, 1, 1, 1, 0)
+    w, st = rollout_correction.tis(old, rollout, mask, cap=2.0)
+    close(w, [1.0, 2.0, 0.25, 1.5, 0.0], atol=1e-12)
+    close(st["ratio"], [1.0, 3.0, 0.25, 1.5, 0.0], atol=1e-12)
+    close(st["truncated"], [0, 1, 0, 0, 0])
+    close(st["masked"], [0, 0, 0, 0, 0])
+
+
+def test_tis_weight_is_detached():
+    old = t(LN(3), LN(1.5)).requires_grad_(True)
+    w, _ = rollout_correction.tis(old, t(0.0, 0.0), t(1, 1), cap=2.0)
+    assert not w.requires_grad
+
+
+def test_mis_token_drops_tokens_outside_bounds():
+    # ratios [1, 3, .25, 1.5, .6]; bounds [.5, 2] keep [1, 0, 0, 1, 1]; the last token is off the mask.
+    old = t(0.0, LN(3), -LN(4), LN(1.5), LN(0.6))
+    mask = t(1, 1, 1, 1, 0)
+    keep, st = rollout_correction.mis_token(old, torch.zeros(5, dtype=F64), mask, low=0.5, high=2.0)
+    close(keep, [1, 0, 0, 1, 0])
+    close(st["masked"], [0, 1, 1, 0, 0])
+    close(st["truncated"], [0, 0, 0, 0, 0])
+
+
+def test_mis_seq_uses_the_geometric_mean_over_masked_tokens():
+    # seq 0: token ratios 3 and 1/3 -> geometric mean 1 -> kept (token-level MIS would drop both);
+    # seq 1: ratios 2 and 4 -> sqrt(8) = 2.83 > 2 -> dropped whole;
+    # seq 2: one ratio .6 plus an off-mask token with ratio e^20 and an out-of-range id -> .6, kept.
+    old = t(LN(3), -LN(3), LN(2), LN(4), LN(0.6), 30.0)
+    seq_ids = ids(0, 0, 1, 1, 2, 99)
+    mask = t(1, 1, 1, 1, 1, 0)
+    zero = torch.zeros(6, dtype=F64)
+    close(rollout_correction.sequence_log_ratio(old, zero, mask, seq_ids, 3), [0.0, LN(math.sqrt(8)), LN(0.6)],
+          atol=1e-12)
+    keep, st = rollout_correction.mis_seq(old, zero, mask, seq_ids, 3, low=0.5, high=2.0)
+    close(keep, [1, 1, 0, 0, 1, 0])
+    close(st["masked"], [0, 0, 1, 1, 0, 0])
+    close(st["ratio"], [3.0, 1 / 3, 2.0, 4.0, 0.6, 0.0], atol=1e-12)  # token ratios, for the mean-ratio metric
+    keep, _ = rollout_correction.mis_seq(old, zero, mask, seq_ids, 3, low=0.5, high=3.0)
+    close(keep, [1, 1, 1, 1, 1, 0])
+
+
+def test_rollout_correction_dispatch():
+    old, ro, mask = t(LN(3), 0.0), t(0.0, 0.0), t(1, 1)
+    w, keep, st = rollout_correction.correct("tis", old, ro, mask, ids(0, 1), 2, cap=2.0)
+    close(w, [2.0, 1.0], atol=1e-12)
+    close(keep, [1, 1])
+    w, keep, st = rollout_correction.correct("mis_token", old, ro, mask, ids(0, 1), 2)
+    close(w, [1, 1])
+    close(keep, [0, 1])
+    w, keep, st = rollout_correction.correct("mis_seq", old, ro, mask, ids(0, 0), 1)
+    close(keep, [1, 1])  # geometric mean sqrt(3) = 1.73 is inside [.5, 2]
+    w, keep, st = rollout_correction.correct("none", old, ro, mask, ids(0, 1), 2)
+    close(w, [1, 1])
+    close(keep, [1, 1])
+    close(st["ratio"], [3.0, 1.0], atol=1e-12)
+    with pytest.raises(ValueError, match="tis.*mis_token.*mis_seq"):
+        rollout_correction.correct("is", old, ro, mask, ids(0, 1), 2)

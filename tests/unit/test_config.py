@@ -5,6 +5,7 @@ import os
 import pytest
 
 from rlmega.config import (
+    AlgorithmConfig,
     VLLM_CPU_HEAD_SIZES,
     ConfigError,
     RLConfig,
@@ -50,7 +51,7 @@ def rejects(*overrides, path=None, field):
 
 def test_defaults_load_and_validate():
     cfg = load_config()
-    assert cfg == RLConfig()
+    assert cfg == RLConfig(algorithm=AlgorithmConfig().resolve_defaults())
     assert isinstance(cfg.trainer, TrainerConfig)
     assert cfg.parallelism.data_parallel_size == 1
     assert cfg.reward.fn == "rlmega.rewards.arithmetic.score"
@@ -255,3 +256,64 @@ def test_resume_must_be_a_complete_checkpoint(tmp_path):
     assert load_config(None, [f"trainer.resume={tmp_path / 'step_00000002'}"]).trainer.resume
     (tmp_path / "latest").write_text("step_00000002")
     load_config(None, [f"trainer.resume={tmp_path}"])  # a checkpoints root: its latest
+
+
+# --- algorithm: KL in the loss, GSPO defaults, rollout correction --------------------------------
+
+
+def test_k1_in_the_loss_is_refused_and_allowed_in_the_reward():
+    # k1's expected gradient on-policy is 0 (tests/unit/test_algorithms.py shows it): as a loss term it
+    # regularises nothing.
+    msg = rejects("algorithm.kl_estimator=k1", "algorithm.kl_coef=0.1", field="algorithm.kl_estimator")
+    assert "kl_in_reward=true" in msg and "k2" in msg
+    load_config(None, ["algorithm.kl_estimator=k1", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"])
+    load_config(None, ["algorithm.kl_estimator=k1"])  # kl_coef 0: no KL term at all
+    for est in ("k2", "k3"):
+        load_config(None, [f"algorithm.kl_estimator={est}", "algorithm.kl_coef=0.1"])
+    cfg = RLConfig()
+    cfg.algorithm.kl_estimator, cfg.algorithm.kl_coef = "k1", 0.05  # built in Python: checked too
+    with pytest.raises(ConfigError, match="algorithm.kl_estimator: "):
+        validate(cfg)
+
+
+def test_default_kl_estimator_is_k2():
+    assert load_config().algorithm.kl_estimator == "k2"
+
+
+def test_gspo_gets_the_papers_clip_range_and_sequence_aggregation(tmp_path):
+    alg = load_config(None, ["algorithm.policy_loss=gspo"]).algorithm
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    for loss in ("ppo_clip", "dual_clip"):
+        alg = load_config(None, [f"algorithm.policy_loss={loss}"]).algorithm
+        assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (0.2, 0.2, "token-mean")
+    # an explicit value wins, field by field, from YAML or the command line
+    path = write_yaml(tmp_path, "algorithm:\n  policy_loss: gspo\n  clip_eps_high: 1.0e-3\n")
+    alg = load_config(path, ["algorithm.loss_agg_mode=token-mean"]).algorithm
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (3e-4, 1e-3, "token-mean")
+    # the dump (what check-config prints and the run dir keeps) holds the resolved values
+    text = dump_config(load_config(None, ["algorithm.policy_loss=gspo"]))
+    assert "clip_eps_low: 0.0003" in text and "loss_agg_mode: seq-mean-token-mean" in text
+
+
+def test_algorithm_defaults_resolve_for_configs_built_in_python():
+    assert AlgorithmConfig().resolve_defaults().clip_eps_low == 0.2
+    alg = AlgorithmConfig(policy_loss="gspo", clip_eps_low=0.01).resolve_defaults()
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (0.01, 4e-4, "seq-mean-token-mean")
+    cfg = RLConfig(algorithm=AlgorithmConfig(policy_loss="gspo"))
+    validate(cfg)
+    assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
+    cfg.algorithm.loss_agg_mode = "token-sum"
+    with pytest.raises(ConfigError, match="algorithm.loss_agg_mode: "):
+        validate(cfg)
+    rejects("algorithm.loss_agg_mode=token-sum", field="algorithm.loss_agg_mode")
+
+
+def test_rollout_correction_settings_are_checked():
+    for mode in ("none", "tis", "mis_token", "mis_seq"):
+        assert load_config(None, [f"algorithm.rollout_correction={mode}"]).algorithm.rollout_correction == mode
+    assert load_config().algorithm.rollout_correction == "none"  # off by default
+    rejects("algorithm.rollout_correction=is", field="algorithm.rollout_correction")
+    rejects("algorithm.rollout_is_cap=0.5", field="algorithm.rollout_is_cap")
+    rejects("algorithm.rollout_is_bounds_low=0", field="algorithm.rollout_is_bounds_low")
+    rejects("algorithm.rollout_is_bounds_low=1.5", field="algorithm.rollout_is_bounds_low")
+    rejects("algorithm.rollout_is_bounds_high=0.9", field="algorithm.rollout_is_bounds_high")

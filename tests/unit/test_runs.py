@@ -1,5 +1,6 @@
 """RunDir: metrics lines, rewrite on resume, checkpoint pruning, TensorBoard and wandb (offline)."""
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,9 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
     for step in range(1, 6):
         run.log({"step": step, "loss": float(step)})
     run.close()  # killed after step 5; the last checkpoint is at step 3
+    # TensorBoard orders event files by name (start second, then a per-process counter that sorts as
+    # text): a real resume starts seconds later, so wait past the second to model that.
+    time.sleep(1.1)
     resumed = RunDir(tmp_path / "r", tensorboard=True)
     resumed.rewrite_metrics([{"step": s, "loss": float(s)} for s in range(1, 4)])
     for step in (4, 5):
