@@ -95,7 +95,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
     ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
-    ("cluster.reward_cpus", _GT0),
+    ("cluster.reward_cpus", _GT0), ("cluster.gpus_per_node", _GE1),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
     ("trainer.micro_batch_size", _GE1), ("trainer.seed", _GE0), ("trainer.save_every", _GE0),
@@ -167,6 +167,17 @@ def _layout_problems(cfg: RLConfig) -> List[str]:
                                "change trainer.global_batch_size or trainer.micro_batch_size, "
                                "or disable interleaving"))
     return out
+
+
+def _placement_problems(cfg: RLConfig) -> List[str]:
+    """Trainer ranks and engines fit the nodes (rlmega.launch.placement builds the plan Ray gets)."""
+    from rlmega.launch.placement import PlacementError, placement_plan
+
+    try:
+        placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    except PlacementError as e:
+        return [str(e)]
+    return []
 
 
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
@@ -242,6 +253,7 @@ def validate(cfg: RLConfig) -> None:
 
     if not bad_ranges:  # the arithmetic below divides by these sizes
         out += _layout_problems(cfg)
+        out += _placement_problems(cfg)
     if cfg.model.path:
         try:
             shape = read_model_shape(cfg.model.path)

@@ -63,8 +63,10 @@ class WorkerGroup:
             if placement_group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+                # One group (bundle index = rank), or each rank's own (group, bundle index).
+                pg, bundle = placement_group[rank] if isinstance(placement_group, list) else (placement_group, rank)
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=rank)
+                    placement_group=pg, placement_group_bundle_index=bundle)
             self.hosts.append(Host.options(**opts).remote(rank, world_size, env))
         master = self._get([self.hosts[0].address.remote()])[0]
         # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
