@@ -4,10 +4,13 @@ workers and the coordinator.
     with Roles(cfg) as roles:                        # embedded local Ray, or attach to cluster.address
         samples = roles.generate(prompt_ids, seed=7)
         rewards = roles.score(texts_and_labels)
-        roles.sync_weights(version=1)
+        roles.train_phase()                          # engines sleep, trainer onloads (colocated GPUs)
+        roles.call_actors("train_step", batch)
+        roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
 
-Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
-placement group, stops the dashboard and shuts Ray down if this process started it. A dead engine
+Where each rank and engine runs comes from rlmega.launch.placement (one placement group per node on
+GPUs). Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
+placement groups, stops the dashboard and shuts Ray down if this process started it. A dead engine
 or rank surfaces as ``RoleDied`` naming it, within ``call_timeout_s`` at the latest.
 """
 from __future__ import annotations
@@ -204,7 +207,6 @@ class Roles:
         if versions != [version] * len(self.engines):
             raise RuntimeError(f"engines hold weight versions {versions}, expected {version}")
         return {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
-
 
     # ---- colocated phases (GPU: engines and trainer take turns on the same devices) ---------
     # generate -> train_phase [engines sleep, trainer onloads] -> log-probs, train ->
