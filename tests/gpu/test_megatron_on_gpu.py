@@ -40,11 +40,12 @@ def _binding_body():
     import torch.distributed as dist
 
     from rlmega.megatron import policy
-    from rlmega.megatron.runtime import device_ordinal, init_megatron, teardown_megatron
+    from rlmega.megatron.runtime import collective_device, device_ordinal, init_megatron, teardown_megatron
 
     init_megatron(1, 1)
     out = {"backend": dist.get_backend(), "device": torch.cuda.current_device(),
-           "ordinal": device_ordinal(0, 1, torch.cuda.device_count())}
+           "ordinal": device_ordinal(0, 1, torch.cuda.device_count()),
+           "collective_device": str(collective_device("nccl"))}
     # Host data through the helpers that used to hand CPU tensors to NCCL.
     out["shared"] = policy.share_from_last_stage(torch.tensor([1.0, 2.0]), 2).tolist()
     out["summed"] = policy.sum_over_data_parallel(torch.tensor([3.0])).tolist()
@@ -56,6 +57,7 @@ def _binding_body():
 def test_nccl_init_and_device_binding():
     out = run_on_ranks(_binding_body, 1, timeout_s=300)[0]
     assert out["backend"] == "nccl" and out["device"] == out["ordinal"] == 0
+    assert out["collective_device"] == "cuda:0"
     assert out["shared"] == [1.0, 2.0] and out["summed"] == [3.0] and out["gathered"] == [1.0, 1.0]
 
 
