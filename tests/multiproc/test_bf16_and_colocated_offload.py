@@ -81,7 +81,8 @@ def test_bf16_step_runs_with_fp32_main_params_and_fp32_logprobs(hf_model, tmp_pa
     assert facts["grad_dtypes"] == {"torch.float32"}  # DDP reduces grads in fp32
     assert facts["main_param_dtypes"] == {"torch.float32"} and facts["main_params"] > 0
     assert facts["logprob_dtypes"] == {"torch.float32"}
-    print(f"bf16 vs fp32 log-probs: max {facts['logprob_err']:.2e}, mean {facts['logprob_err_mean']:.2e}")
+    print(f"bf16 vs fp32 log-probs: max {facts['logprob_err']:.2e}, mean {facts['logprob_err_mean']:.2e}; "
+          f"bf16 SFT losses {facts['sft_losses']}")
     assert facts["logprob_err"] < BF16_LOGPROB_ATOL
     losses = facts["sft_losses"]
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0], losses
