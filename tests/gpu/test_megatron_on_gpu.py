@@ -8,7 +8,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from rlmega.testing.multiproc import run_on_ranks
