@@ -38,6 +38,7 @@ def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
     start = time.perf_counter()
     with t("generate"):
         samples = roles.generate([p.token_ids for p in prompts], seed=sample_seed(cfg.rollout.seed, step))
+    roles.train_phase()  # colocated GPUs: engines sleep, the trainer onloads (no-ops otherwise)
     with t("reward"):
         texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=False)
         rewards, reward_errors = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
@@ -55,7 +56,7 @@ def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
         n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)
         train = [roles.call_actors("train_step", mini) for mini in batch.split(n_mini) if len(mini)]
     with t("sync"):
-        roles.sync_weights(version=step + 1)
+        roles.rollout_phase(version=step + 1)  # trainer offloads, engines wake, weights sync
     parity = logprob_diff(batch.rollout_logprobs, old, batch.response_mask)
     tokens = batch.num_tokens()
     t["time_step"] = time.perf_counter() - start

@@ -228,6 +228,11 @@ class ActorConfig:
     """Polyak rate, applied after every RL step: ref <- (1 - rate) * ref + rate * policy. 0 = frozen.
     The reference starts as the policy RL starts from (model.path, or the policy after
     trainer.warmup_sft_steps); once it differs from model.path, checkpoints carry it."""
+    offload_while_generating: Optional[bool] = None
+    """Release the policy's parameters, gradients and optimizer state to host memory (and empty the CUDA
+    cache) while the rollout engines generate; onload them for log-probs and training. None: on exactly
+    when engines share the trainer's GPUs (cluster.colocate and rollout.device=cuda); True on CPU only
+    exercises the path (it costs a host copy per step)."""
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
 
@@ -264,6 +269,9 @@ class ClusterConfig:
     """CPUs of the embedded local Ray (default: all of this machine's)."""
     colocate: bool = True
     """Rollout engines share the trainer ranks' resources (GPU: the same devices) instead of their own."""
+    gpus_per_node: int = 8
+    """GPUs of each cluster node (rollout.device=cuda): trainer ranks fill nodes in rank order and a vLLM
+    engine's tensor-parallel group never spans nodes (rlmega.launch.placement)."""
     actor_cpus_per_rank: float = 0.5
     """Ray CPUs reserved for each trainer rank."""
     engine_cpus: float = 0.5

@@ -100,6 +100,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
     ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
+    ("cluster.gpus_per_node", _GE1),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
     ("trainer.save_every", _GE0),
@@ -185,6 +186,17 @@ def _micro_batch_problems(cfg: RLConfig, dp: int, pp: int, vpp: int) -> List[str
                                + (", or disable interleaving (virtual_pipeline_model_parallel_size=null)"
                                   if vpp > 1 else ", or use fewer data-parallel ranks")))
     return out
+
+
+def _placement_problems(cfg: RLConfig) -> List[str]:
+    """Trainer ranks and engines fit the nodes (rlmega.launch.placement builds the plan Ray gets)."""
+    from rlmega.launch.placement import PlacementError, placement_plan
+
+    try:
+        placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    except PlacementError as e:
+        return [str(e)]
+    return []
 
 
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
@@ -280,6 +292,7 @@ def validate(cfg: RLConfig) -> None:
                            f"set actor.max_tokens_per_micro_batch >= {longest}, or lower rollout.max_*_tokens"))
     if not bad_ranges:  # the arithmetic below divides by these sizes
         out += _layout_problems(cfg)
+        out += _placement_problems(cfg)
     if cfg.model.path:
         try:
             shape = read_model_shape(cfg.model.path)

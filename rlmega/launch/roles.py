@@ -4,14 +4,18 @@ workers and the coordinator.
     with Roles(cfg) as roles:                        # embedded local Ray, or attach to cluster.address
         samples = roles.generate(prompt_ids, seed=7)
         rewards = roles.score(texts_and_labels)
-        roles.sync_weights(version=1)
+        roles.train_phase()                          # engines sleep, trainer onloads (colocated GPUs)
+        roles.call_actors("train_step", batch)
+        roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
 
-Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
-placement group, stops the dashboard and shuts Ray down if this process started it. A dead engine
+Where each rank and engine runs comes from rlmega.launch.placement (one placement group per node on
+GPUs). Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
+placement groups, stops the dashboard and shuts Ray down if this process started it. A dead engine
 or rank surfaces as ``RoleDied`` naming it, within ``call_timeout_s`` at the latest.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -20,6 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rlmega.config.schema import RLConfig
+from rlmega.launch.placement import Slot, placement_plan
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.actor import MegatronActor
@@ -42,7 +47,10 @@ class Roles:
         self.engines: list = []
         self.rewarders: list = []
         self.manager: ActorManager | None = None
-        self.pg = None
+        self.pgs: list = []
+        self.swaps = False  # the trainer releases its device memory while engines generate
+        self.engines_asleep = False
+        self.trainer_released = False
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "Roles":
@@ -68,40 +76,33 @@ class Roles:
             ray.init(num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
                      log_to_driver=False)
             self.started_ray = True
-        gpu = r.device == "cuda"
-        # One bundle per trainer rank; engines share those bundles when colocated (GPU: the same
-        # device, half each, taking turns through sleep/wake), or get bundles of their own.
-        hosts = {i % p.world_size for i in range(r.num_engines)} if c.colocate else set()
-        bundles = [{"CPU": c.actor_cpus_per_rank + (c.engine_cpus if i in hosts else 0), **({"GPU": 1} if gpu else {})}
-                   for i in range(p.world_size)]
-        if not c.colocate:
-            bundles += [{"CPU": c.engine_cpus, **({"GPU": r.tensor_parallel_size} if gpu else {})}
-                        for _ in range(r.num_engines)]
-        self.pg = placement_group(bundles, strategy="PACK")
+        plan = placement_plan(p, r, c)
+        self.pgs = [placement_group(bundles, strategy=plan.strategy) for bundles in plan.groups]
         try:
-            ray.get(self.pg.ready(), timeout=self.pg_timeout_s)
+            ray.get([pg.ready() for pg in self.pgs], timeout=self.pg_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RoleDied(
-                f"Ray could not place {len(bundles)} bundles {bundles} within {self.pg_timeout_s:.0f}s "
-                f"(cluster has {ray.cluster_resources()}). Fix: lower cluster.*_cpus, or give the "
-                "cluster more resources (cluster.num_cpus for the embedded one)") from None
+                f"Ray could not place the node groups {plan.groups} ({plan.strategy}) within {self.pg_timeout_s:.0f}s "
+                f"(cluster has {ray.cluster_resources()}). Fix: lower cluster.*_cpus, check cluster.gpus_per_node, "
+                "or give the cluster more resources (cluster.num_cpus for the embedded one)") from None
         self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
                                     port=self.cfg.logging.dashboard_port)
+        # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
+        offload = self.cfg.actor.offload_while_generating
+        self.swaps = (c.colocate and r.device == "cuda") if offload is None else offload
         self.actors = WorkerGroup(
             MegatronActor, p.world_size, kwargs=dict(
-                model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer, actor=self.cfg.actor,
+                model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer,
+                actor=dataclasses.replace(self.cfg.actor, offload_while_generating=self.swaps),
                 algorithm=self.cfg.algorithm, temperature=r.temperature,
                 lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step()),
-            num_cpus=c.actor_cpus_per_rank, num_gpus=(0.5 if c.colocate else 1) if gpu else 0,
-            placement_group=self.pg,
+            num_cpus=c.actor_cpus_per_rank, num_gpus=plan.ranks[0].gpus,
+            placement_group=[(self.pgs[s.group], s.bundles[0]) for s in plan.ranks],
             timeout_s=self.call_timeout_s)
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
         Engine = ray.remote(RolloutWorker)
-        for i in range(r.num_engines):
-            bundle = i % p.world_size if c.colocate else p.world_size + i
-            self.engines.append(Engine.options(
-                num_cpus=c.engine_cpus, num_gpus=(0.5 if c.colocate else r.tensor_parallel_size) if gpu else 0,
-                scheduling_strategy=_in_bundle(self.pg, bundle)).remote(
+        for i, slot in enumerate(plan.engines):
+            self.engines.append(Engine.options(**_engine_options(self.pgs[slot.group], slot)).remote(
                 self.cfg.model.path, device=r.device, dtype=self.cfg.model.dtype,
                 max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
                 kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -127,12 +128,12 @@ class Roles:
             except Exception:
                 pass
             self.actors = None
-        if self.pg is not None:
+        for pg in self.pgs:
             try:
-                remove_placement_group(self.pg)
+                remove_placement_group(pg)
             except Exception:
                 pass
-            self.pg = None
+        self.pgs = []
         if self.manager is not None:
             self.manager.cleanup()
             self.manager = None
@@ -154,7 +155,12 @@ class Roles:
             raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s") from e
 
     def call_actors(self, method: str, *args, **kwargs):
-        """Rank 0's result (every rank returns the same)."""
+        """Rank 0's result (every rank returns the same). Brings a released trainer back first."""
+        if self.trainer_released:
+            self.train_phase()
+        return self._call_actors(method, *args, **kwargs)
+
+    def _call_actors(self, method: str, *args, **kwargs):
         try:
             return self.actors.call(method, *args, **kwargs)[0]
         except WorkerGroupError as e:
@@ -164,6 +170,9 @@ class Roles:
                  temperature: float | None = None, max_tokens: int | None = None) -> list:
         """Samples for every prompt (split across engines in contiguous shares), prompt order kept."""
         r = self.cfg.rollout
+        if self.engines_asleep:
+            self._release_trainer(keep_params=False)
+            self._wake_engines()
         shares = _split(list(range(len(prompts))), len(self.engines))
         refs = [e.generate.remote([prompts[i] for i in share], n=n or r.n,
                                   temperature=r.temperature if temperature is None else temperature,
@@ -185,6 +194,10 @@ class Roles:
         return [x for p in parts for x in p["rewards"]], [e for p in parts for e in p["errors"]]
 
     def sync_weights(self, version: int, bucket_bytes: int = 512 << 20) -> dict:
+        """Stream the trainer's weights into every engine (both must be resident: see rollout_phase)."""
+        if self.trainer_released:
+            self.train_phase()
+        self._wake_engines()
         try:
             sent = self.actors.call("sync_model_to_rollout", RayTransport(self.engines, self.call_timeout_s),
                                     version, bucket_bytes)
@@ -198,6 +211,35 @@ class Roles:
             raise RuntimeError(f"engines hold weight versions {versions}, expected {version}")
         return {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
 
+    # ---- colocated phases (GPU: engines and trainer take turns on the same devices) ---------
+    # generate -> train_phase [engines sleep, trainer onloads] -> log-probs, train ->
+    # rollout_phase [trainer offloads grads + optimizer state, empty_cache; engines wake; weights
+    # sync; trainer offloads its params] -> generate ...
+    # Every call is made on CPU too (engines answer sleep with False, the actor offloads only when
+    # actor.offload_while_generating resolves to True), so CPU runs exercise the order.
+    def train_phase(self) -> None:
+        """Engines free their GPU memory, the trainer takes its parameters and state back."""
+        if not self.engines_asleep:
+            self.engines_asleep = any(self._get([e.sleep.remote() for e in self.engines], "rollout engine"))
+        self._call_actors("onload_for_training")
+        self.trainer_released = False
+
+    def rollout_phase(self, version: int) -> dict:
+        """After training: release the trainer, wake the engines and send them the new weights."""
+        self._release_trainer(keep_params=True)  # the sync below still reads the parameters
+        self._wake_engines()
+        sent = self.sync_weights(version)
+        self._release_trainer(keep_params=False)
+        return sent
+
+    def _release_trainer(self, keep_params: bool) -> None:
+        self._call_actors("offload_for_rollout", keep_params=keep_params)
+        self.trainer_released = self.swaps and not keep_params
+
+    def _wake_engines(self) -> None:
+        if self.engines_asleep:
+            self._get([e.wake_up.remote() for e in self.engines], "rollout engine")
+            self.engines_asleep = False
 
     def _dead_engines(self) -> list[int]:
         dead = []
@@ -209,10 +251,25 @@ class Roles:
         return dead
 
 
-def _in_bundle(pg, index: int):
+def _engine_options(pg, slot: Slot) -> dict:
+    """Ray options of one engine actor in its placement slot.
+
+    vLLM TP = 1: the actor itself takes its share of its bundle's GPU. TP = k > 1: the actor takes no
+    GPU; vLLM's Ray executor starts one worker per bundle of the slot (VLLM_RAY_BUNDLE_INDICES, each
+    taking VLLM_RAY_PER_WORKER_GPUS) inside the actor's placement group, which it finds because the
+    actor captures child tasks (vllm/config/parallel.py picks the "ray" backend in a placement group).
+    """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+    many = len(slot.bundles) > 1
+    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus,
+                   scheduling_strategy=PlacementGroupSchedulingStrategy(
+                       placement_group=pg, placement_group_bundle_index=slot.bundles[0],
+                       placement_group_capture_child_tasks=many))
+    if many:
+        options["runtime_env"] = {"env_vars": {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundles)),
+                                               "VLLM_RAY_PER_WORKER_GPUS": str(slot.gpus)}}
+    return options
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -6,7 +6,7 @@
     lp = group.call("compute_logprobs", batch)[0]    # every rank returns the same full result
 
 Rank 0's node address and a free port on it become MASTER_ADDR/MASTER_PORT; each actor gets
-RANK, WORLD_SIZE, LOCAL_RANK before the worker object is built. A call that raises on any rank
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE before the worker object is built. A call that raises on any rank
 raises here with that rank named; a dead actor becomes WorkerGroupError instead of a hang.
 """
 from __future__ import annotations
@@ -37,9 +37,11 @@ class _RankHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, master: tuple[str, int], local_rank: int, cls, args: tuple, kwargs: dict) -> None:
+    def start(self, master: tuple[str, int], local_rank: int, local_world_size: int, cls, args: tuple,
+              kwargs: dict) -> None:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank))
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
+                          LOCAL_WORLD_SIZE=str(local_world_size))
         self.worker = cls(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs) -> Any:
@@ -61,14 +63,19 @@ class WorkerGroup:
             if placement_group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+                # One group (bundle index = rank), or each rank's own (group, bundle index).
+                pg, bundle = placement_group[rank] if isinstance(placement_group, list) else (placement_group, rank)
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=rank)
+                    placement_group=pg, placement_group_bundle_index=bundle)
             self.hosts.append(Host.options(**opts).remote(rank, world_size, env))
         master = self._get([self.hosts[0].address.remote()])[0]
-        # LOCAL_RANK: the rank's index among the ranks on its node (for GPU binding).
+        # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
+        # node, as torchrun sets them. Each actor sees only its own GPU (Ray sets
+        # CUDA_VISIBLE_DEVICES), so runtime.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
         nodes = self._get([h.address.remote() for h in self.hosts])
         local = [sum(1 for n in nodes[:r] if n[0] == nodes[r][0]) for r in range(world_size)]
-        self._get([h.start.remote(master, local[r], cls, tuple(args), kwargs or {})
+        per_node = [sum(1 for n in nodes if n[0] == nodes[r][0]) for r in range(world_size)]
+        self._get([h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})
                    for r, h in enumerate(self.hosts)])
 
     def _get(self, refs: list) -> list:

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from rlmega.megatron.runtime import for_collective
+
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
     """Summed next-token loss of one micro-batch and its token count. output, loss_mask: (b, t).
@@ -73,6 +75,7 @@ def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int
     total = torch.zeros(2, dtype=torch.float64)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         total += torch.stack([d["lm loss"] for d in losses]).double().sum(0)
+    total = for_collective(total)  # NCCL on GPUs: reduce on the device
     dist.all_reduce(total)  # sums over pipeline stages (non-last add 0), TP copies and DP
     return float(total[0] / total[1])
 

@@ -27,6 +27,7 @@ from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
 
 from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.megatron import checkpoint, offload
@@ -88,7 +89,8 @@ class MegatronModelManager:
             **self.gpt_kwargs,
         )
 
-    def build_model_chunks(self) -> list[GPTModel]:
+    def build_model_chunks(self) -> list[torch.nn.Module]:
+        """This rank's chunks: GPTModel, wrapped in Float16Module for bf16."""
         chunks = []
         for i in range(self.vpp):
             stage = i if self.vpp > 1 else None
@@ -99,6 +101,11 @@ class MegatronModelManager:
             ))
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
+        if self.transformer_config.bf16:
+            # Megatron's mixed precision (as its get_model does): bf16 parameters and compute, inputs
+            # cast on the first stage, logits handed back in fp32 on the last. The optimizer keeps fp32
+            # main params (bf16=True below) and DDP reduces grads in fp32; log-probs and losses are fp32.
+            chunks = [Float16Module(self.transformer_config, c) for c in chunks]
         return chunks
 
     def setup_model_and_optimizer(self, load_weights: bool = True, with_optimizer: bool = True) -> None:

@@ -22,6 +22,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.runtime import for_collective
 from rlmega.megatron.vocab_parallel import entropy, token_logprobs
 
 # loss_fn(micro_batch, logprobs (T,), entropy (T,) | None) -> (numerator, count, {name: sum})
@@ -105,26 +106,36 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
 
 
 def share_from_last_stage(values: torch.Tensor | None, numel: int) -> torch.Tensor:
-    """The last pipeline stage's flat float tensor, on every stage of this pipeline."""
+    """The last pipeline stage's flat float tensor (float64, on the host), on every stage of this pipeline.
+
+    The broadcast runs on the collective's device (``runtime.for_collective``): NCCL on GPUs.
+    """
     pp = ps.get_pipeline_model_parallel_world_size()
     if values is None:
         values = torch.empty(numel, dtype=torch.float64)
+    values = values.double()
     if pp > 1:
-        src = ps.get_pipeline_model_parallel_last_rank()
-        values = values.double().contiguous()
-        dist.broadcast(values, src=src, group=ps.get_pipeline_model_parallel_group())
-    return values
+        group = ps.get_pipeline_model_parallel_group()
+        values = for_collective(values, group)
+        dist.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+    return values.cpu()
 
 
 def all_gather_data_parallel(obj) -> list:
-    """One Python object from each data-parallel rank, in DP-rank order, on every rank."""
-    group = ps.get_data_parallel_group()
+    """One Python object from each data-parallel rank, in DP-rank order, on every rank.
+
+    Host objects travel over Megatron's gloo copy of the data-parallel group (created by
+    ``initialize_model_parallel``), so NCCL never sees host tensors and no device copy is made.
+    """
+    group = ps.get_data_parallel_group_gloo()
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def sum_over_data_parallel(values: torch.Tensor) -> torch.Tensor:
-    values = values.double().contiguous()
-    dist.all_reduce(values, group=ps.get_data_parallel_group())
-    return values
+    """Element-wise sum over data-parallel ranks; float64 on the host."""
+    group = ps.get_data_parallel_group()
+    values = for_collective(values.double(), group)
+    dist.all_reduce(values, group=group)
+    return values.cpu()

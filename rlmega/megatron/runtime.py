@@ -2,8 +2,9 @@
 
 Each trainer rank calls ``init_megatron(tp, pp, vpp, seed)`` once, after its launcher (torchrun,
 a Ray actor, ``rlmega.testing.multiproc``) has set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` (and ``LOCAL_RANK`` on GPUs). Without a GPU it uses gloo and switches on the
-CPU layer (``cpu_support``); with GPUs it uses NCCL and binds the rank to ``LOCAL_RANK``.
+``MASTER_PORT`` (and ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` on GPUs). Without a GPU it uses gloo and
+switches on the CPU layer (``cpu_support``); with GPUs it uses NCCL and binds the rank to the GPU
+``device_ordinal`` picks (torchrun: all of the node's GPUs visible; Ray: one GPU per actor).
 ``teardown_megatron()`` undoes it, so one process can set up several layouts in a row.
 """
 from __future__ import annotations
@@ -42,6 +43,47 @@ def barrier() -> None:
     dist.barrier()
 
 
+def device_ordinal(local_rank: int, local_world_size: int, visible_devices: int) -> int:
+    """The CUDA ordinal this rank binds to, among the GPUs this process can see.
+
+    * torchrun (and Slurm): every process sees all of its node's GPUs, so rank ``local_rank`` of
+      ``local_world_size`` takes GPU ``local_rank``.
+    * Ray: each trainer actor sees only the GPU Ray gave it (``CUDA_VISIBLE_DEVICES`` holds one id),
+      so whatever its index among the node's ranks, its GPU is ordinal 0.
+    Anything else (more local ranks than visible GPUs, several but not all visible) is a launch
+    mistake, reported here rather than as an invalid-ordinal or duplicate-GPU error inside NCCL.
+    """
+    if visible_devices < 1:
+        raise RuntimeError("no CUDA device is visible to this rank: check CUDA_VISIBLE_DEVICES "
+                           "(Ray: give trainer actors num_gpus > 0)")
+    if not 0 <= local_rank < max(local_world_size, 1):
+        raise RuntimeError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
+    if local_world_size <= visible_devices:
+        return local_rank
+    if visible_devices == 1:
+        return 0
+    raise RuntimeError(
+        f"{local_world_size} ranks on this node but {visible_devices} GPUs visible to LOCAL_RANK={local_rank}: "
+        "run at most one rank per GPU (torchrun --nproc-per-node <= GPUs) or give each rank exactly one "
+        "GPU through CUDA_VISIBLE_DEVICES")
+
+
+def collective_device(backend: str) -> torch.device:
+    """Where a tensor must live for a collective on a group with ``backend``.
+
+    NCCL moves device memory only (a CPU tensor fails with "No backend type associated with device
+    type cpu"); gloo works on host tensors. Megatron's groups are NCCL on GPUs, gloo here.
+    """
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def for_collective(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """``tensor`` (contiguous) on the device collectives over ``group`` take; callers move results back."""
+    return tensor.to(collective_device(dist.get_backend(group))).contiguous()
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the default process group from the launcher's environment (idempotent)."""
     if dist.is_initialized():
@@ -53,7 +95,9 @@ def init_distributed(timeout_s: float = 600.0) -> None:
             "torchrun, through rlmega's Ray launcher, or rlmega.testing.multiproc.run_on_ranks"
         )
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        torch.cuda.set_device(device_ordinal(local_rank, local_world, torch.cuda.device_count()))
         backend = "nccl"
     else:
         backend = "gloo"

@@ -319,3 +319,34 @@ class MegatronActor:
 
     def export_hf(self, out_dir, overwrite: bool = False):
         return self.policy.export_hf(out_dir, overwrite)
+
+    # ---- colocated GPUs: give the device to the rollout engines and take it back --------------
+    # (kind, offload method, onload method) of MegatronModelManager, in offload order.
+    _PHASE_KINDS = (("grads", "offload_grads", "onload_grads"),
+                    ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
+                    ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
+                    ("params", "offload_params", "onload_params"))
+
+    def offload_for_rollout(self, keep_params: bool = False) -> dict:
+        """Move the policy's state to host memory and return the freed memory to the CUDA driver.
+
+        Does nothing unless ``actor.offload_while_generating`` (Roles resolves its None). With
+        ``keep_params`` the parameters stay, because a weight sync to the engines still reads them.
+        Returns the kinds now on the host and the device bytes still allocated.
+        """
+        if self.cfg.offload_while_generating:
+            for kind, offload_fn, _ in self._PHASE_KINDS:
+                if kind not in self.policy.offloaded and not (keep_params and kind == "params"):
+                    getattr(self.policy, offload_fn)()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the caching allocator would otherwise keep the freed blocks
+        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        return {"offloaded": sorted(self.policy.offloaded), "device_bytes": allocated}
+
+    def onload_for_training(self) -> dict:
+        """Bring back what ``offload_for_rollout`` released (the optimizer state stays on the host
+        when ``actor.offload_optimizer`` keeps it there between steps: the train step loads it)."""
+        for kind, _, onload_fn in self._PHASE_KINDS:
+            if kind in self.policy.offloaded and not (kind == "optimizer state" and self.cfg.offload_optimizer):
+                getattr(self.policy, onload_fn)()
+        return {"offloaded": sorted(self.policy.offloaded)}

@@ -1,0 +1,130 @@
+"""Where every trainer rank and rollout engine runs: a pure plan, turned into Ray placement groups by Roles.
+
+    plan = placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    plan.groups            # per node group: its bundles' Ray resources, e.g. [{"CPU": 4, "GPU": 1}, ...]
+    plan.ranks[r]          # Slot(group, bundles=(b,), gpus=0.5, cpus=4): trainer rank r
+    plan.engines[i]        # Slot(group, bundles=(b0, b0+1), gpus=0.5, ...): engine i, one bundle per vLLM TP worker
+
+On GPUs (``rollout.device=cuda``) a *group* is one node: it is a STRICT_PACK placement group of at
+most ``cluster.gpus_per_node`` one-GPU bundles, so every bundle of a group lands on the same node and
+two full groups on different nodes. Trainer ranks fill the groups in rank order (rank r: group
+r // G, bundle r % G), as torchrun would. A vLLM engine with tensor parallel size k takes k bundles
+of ONE group, so its TP group never spans nodes (its NCCL all-reduces stay on NVLink).
+
+* colocated (``cluster.colocate``): engines share the trainer's bundles and GPUs, half a GPU each
+  (Ray's fractional GPUs keep both on the same physical device); they take turns through sleep/wake.
+  Engines are spread over the groups round robin (engine i: group i % groups), each taking the next
+  free k consecutive bundles there, so generation uses every node.
+* separate: engines get one-GPU bundles of their own, in groups after the trainer's, packed k at a
+  time into as few nodes as they need.
+
+On the CPU there is one group (strategy PACK) of one bundle per trainer rank, plus one per engine
+when not colocated; colocated engines share trainer bundles round robin. No GPUs are asked for.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One process's place: the bundles it occupies in one group and what it asks of each."""
+
+    group: int
+    """Index of its placement group (on GPUs: one node)."""
+    bundles: tuple[int, ...]
+    """Bundle indices in that group: one for a trainer rank, k for an engine with vLLM TP = k."""
+    gpus: float
+    """GPUs taken from each bundle (by the rank, or by each of the engine's TP workers)."""
+    cpus: float
+    """CPUs the process takes from its first bundle."""
+
+
+@dataclass
+class PlacementPlan:
+    groups: list[list[dict]] = field(default_factory=list)
+    """Per group, the Ray resources of each of its bundles."""
+    ranks: list[Slot] = field(default_factory=list)
+    engines: list[Slot] = field(default_factory=list)
+    strategy: str = "PACK"
+    """Ray strategy of every group: STRICT_PACK on GPUs (a group is a node), PACK on the CPU."""
+
+    def gpus(self, slot: Slot) -> list[tuple[int, int]]:
+        """(group, bundle) of each GPU a slot uses: on GPUs every bundle is exactly one device."""
+        return [(slot.group, b) for b in slot.bundles]
+
+
+class PlacementError(ValueError):
+    """A layout that cannot be placed; the message names the config field and the fix."""
+
+
+def placement_plan(parallel, rollout, cluster) -> PlacementPlan:
+    """The plan for the config sections ``parallelism``, ``rollout`` and ``cluster``."""
+    if rollout.device == "cuda":
+        return _gpu_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines, rollout.tensor_parallel_size,
+                         cluster.colocate, cluster.gpus_per_node, cluster.actor_cpus_per_rank, cluster.engine_cpus)
+    return _cpu_plan(parallel.world_size, rollout.num_engines, cluster.colocate,
+                     cluster.actor_cpus_per_rank, cluster.engine_cpus)
+
+
+def _cpu_plan(world: int, engines: int, colocate: bool, rank_cpus: float, engine_cpus: float) -> PlacementPlan:
+    plan = PlacementPlan(strategy="PACK")
+    bundles = [{"CPU": rank_cpus} for _ in range(world)]
+    plan.ranks = [Slot(0, (r,), 0.0, rank_cpus) for r in range(world)]
+    for i in range(engines):
+        if colocate:
+            b = i % world
+            bundles[b]["CPU"] += engine_cpus
+        else:
+            b = len(bundles)
+            bundles.append({"CPU": engine_cpus})
+        plan.engines.append(Slot(0, (b,), 0.0, engine_cpus))
+    plan.groups = [bundles]
+    return plan
+
+
+def _gpu_plan(world: int, trainer_tp: int, engines: int, tp: int, colocate: bool, per_node: int, rank_cpus: float,
+              engine_cpus: float) -> PlacementPlan:
+    if world > per_node and per_node % trainer_tp:
+        raise PlacementError(
+            f"parallelism.tensor_model_parallel_size: Megatron TP groups of {trainer_tp} ranks would span "
+            f"nodes of cluster.gpus_per_node={per_node}. Fix: use a tensor_model_parallel_size dividing {per_node}")
+    if tp > per_node:
+        raise PlacementError(
+            f"rollout.tensor_parallel_size: {tp} is more than one node's cluster.gpus_per_node={per_node} "
+            "(a vLLM TP group never spans nodes). Fix: lower rollout.tensor_parallel_size")
+    plan = PlacementPlan(strategy="STRICT_PACK")
+    trainer_nodes = math.ceil(world / per_node)
+    sizes = [min(per_node, world - n * per_node) for n in range(trainer_nodes)]
+    plan.groups = [[{"CPU": rank_cpus, "GPU": 1} for _ in range(s)] for s in sizes]
+    share = 0.5 if colocate else 1.0  # colocated: the trainer and the engine's worker halve each GPU
+    plan.ranks = [Slot(r // per_node, (r % per_node,), share, rank_cpus) for r in range(world)]
+    if colocate:
+        capacity = [s // tp for s in sizes]  # engines each node can hold without sharing a GPU twice
+        if engines > sum(capacity):
+            raise PlacementError(
+                f"rollout.num_engines: {engines} colocated engines of tensor_parallel_size={tp} need "
+                f"{engines * tp} GPUs in whole-node groups of {tp}, the trainer's nodes offer {sum(capacity)} "
+                f"such engines. Fix: set rollout.num_engines <= {sum(capacity)}, or cluster.colocate=false")
+        used = [0] * trainer_nodes
+        node = 0
+        for _ in range(engines):
+            while used[node] >= capacity[node]:  # round robin over nodes that still have room
+                node = (node + 1) % trainer_nodes
+            first = used[node] * tp
+            used[node] += 1
+            plan.groups[node][first]["CPU"] += engine_cpus
+            plan.engines.append(Slot(node, tuple(range(first, first + tp)), share, engine_cpus))
+            node = (node + 1) % trainer_nodes
+        return plan
+    per_engine_node = per_node // tp
+    for i in range(engines):
+        node, k = trainer_nodes + i // per_engine_node, i % per_engine_node
+        if node == len(plan.groups):
+            plan.groups.append([])
+        first = len(plan.groups[node])
+        plan.groups[node] += [{"GPU": 1, **({"CPU": engine_cpus} if j == 0 else {})} for j in range(tp)]
+        plan.engines.append(Slot(node, tuple(range(first, first + tp)), 1.0, engine_cpus))
+        assert first == k * tp
+    return plan

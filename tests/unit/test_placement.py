@@ -1,0 +1,104 @@
+"""Placement plans (rlmega.launch.placement) of the shipped GPU configs and of CPU runs, checked rank by rank."""
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rlmega.config import load_config
+from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
+from rlmega.launch.placement import PlacementError, placement_plan
+from test_gpu_configs import LLAMA3_8B, QWEN2_7B  # pytest puts tests/unit on sys.path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(tmp_path, name, hf, *overrides):
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return load_config(ROOT / "configs" / name, [f"model.path={tmp_path}", "data.train_path=''", "data.eval_path=''",
+                                                 f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+
+
+def _check_gpu_sharing(plan, engine_workers_per_gpu):
+    """Every GPU holds exactly one trainer rank and engine_workers_per_gpu engine TP workers; every
+    bundle asks Ray for exactly one GPU; the fractions on one GPU add up to at most one."""
+    ranks = Counter(g for s in plan.ranks for g in plan.gpus(s))
+    engines = Counter(g for s in plan.engines for g in plan.gpus(s))
+    all_gpus = {(n, b) for n, group in enumerate(plan.groups) for b, bundle in enumerate(group)}
+    assert all(bundle["GPU"] == 1 for group in plan.groups for bundle in group)
+    for gpu in all_gpus:
+        load = ranks[gpu] * plan.ranks[0].gpus + engines[gpu] * (plan.engines[0].gpus if plan.engines else 0)
+        assert load <= 1.0, gpu
+    assert set(ranks.values()) == {1}
+    assert set(engines.values()) <= {engine_workers_per_gpu}
+
+
+def test_qwen2_7b_two_nodes_colocated(tmp_path):
+    cfg = _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B)
+    plan = placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    assert plan.strategy == "STRICT_PACK" and [len(g) for g in plan.groups] == [8, 8]
+    # Trainer rank r: node r // 8, GPU r % 8, half of it (the engine takes the other half).
+    assert [(s.group, s.bundles) for s in plan.ranks] == [(r // 8, (r % 8,)) for r in range(16)]
+    assert {s.gpus for s in plan.ranks} == {0.5}
+    # 8 engines of vLLM TP2: alternate nodes, two adjacent GPUs of one node each.
+    assert [(s.group, s.bundles) for s in plan.engines] == [
+        (0, (0, 1)), (1, (0, 1)), (0, (2, 3)), (1, (2, 3)), (0, (4, 5)), (1, (4, 5)), (0, (6, 7)), (1, (6, 7))]
+    assert {s.gpus for s in plan.engines} == {0.5}
+    _check_gpu_sharing(plan, engine_workers_per_gpu=1)
+    # CPUs: a rank's 4 on every bundle, an engine's 2 on its first bundle.
+    assert [b["CPU"] for b in plan.groups[0]] == [6, 4, 6, 4, 6, 4, 6, 4]
+
+
+def test_llama3_8b_one_node_colocated_and_separate(tmp_path):
+    cfg = _load(tmp_path, "llama3_8b_tp2pp2vpp2.yaml", LLAMA3_8B)
+    plan = placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    assert [len(g) for g in plan.groups] == [8]
+    assert [(s.group, s.bundles, s.gpus) for s in plan.ranks] == [(0, (r,), 0.5) for r in range(8)]
+    assert [(s.group, s.bundles) for s in plan.engines] == [(0, (0, 1)), (0, (2, 3)), (0, (4, 5)), (0, (6, 7))]
+    _check_gpu_sharing(plan, engine_workers_per_gpu=1)
+
+    # The layout its header describes with cluster.colocate=false: engines on a second node of their own.
+    cfg = _load(tmp_path, "llama3_8b_tp2pp2vpp2.yaml", LLAMA3_8B, "cluster.colocate=false")
+    plan = placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    assert [len(g) for g in plan.groups] == [8, 8]
+    assert [(s.group, s.bundles, s.gpus) for s in plan.ranks] == [(0, (r,), 1.0) for r in range(8)]
+    assert [(s.group, s.bundles, s.gpus) for s in plan.engines] == [
+        (1, (0, 1), 1.0), (1, (2, 3), 1.0), (1, (4, 5), 1.0), (1, (6, 7), 1.0)]
+    assert plan.groups[1] == [{"GPU": 1, "CPU": 0.5}, {"GPU": 1}] * 4
+
+
+def test_an_engine_tp_group_never_spans_nodes():
+    # 2 nodes of 4 GPUs, colocated engines of TP 3: one per node fits, a third would straddle.
+    par, clu = ParallelismConfig(world_size=8), ClusterConfig(gpus_per_node=4)
+    plan = placement_plan(par, RolloutConfig(device="cuda", num_engines=2, tensor_parallel_size=3), clu)
+    assert [(s.group, s.bundles) for s in plan.engines] == [(0, (0, 1, 2)), (1, (0, 1, 2))]
+    with pytest.raises(PlacementError, match="rollout.num_engines: 3 colocated engines"):
+        placement_plan(par, RolloutConfig(device="cuda", num_engines=3, tensor_parallel_size=3), clu)
+
+
+def test_trainer_ranks_fill_whole_nodes_and_engines_alternate_nodes():
+    # 12 ranks: a full node and half of another; Megatron's TP groups (3 ranks) would straddle nodes.
+    plan = placement_plan(ParallelismConfig(world_size=12), RolloutConfig(device="cuda"), ClusterConfig())
+    assert [len(g) for g in plan.groups] == [8, 4] and plan.ranks[11].group == 1
+    with pytest.raises(PlacementError, match="parallelism.tensor_model_parallel_size: Megatron TP groups of 3"):
+        placement_plan(ParallelismConfig(tensor_model_parallel_size=3, world_size=12), RolloutConfig(device="cuda"),
+                       ClusterConfig())
+    plan = placement_plan(ParallelismConfig(world_size=16), RolloutConfig(device="cuda", num_engines=3),
+                          ClusterConfig())
+    assert [(s.group, s.bundles) for s in plan.engines] == [(0, (0,)), (1, (0,)), (0, (1,))]
+
+
+def test_cpu_plan_is_one_pack_group_without_gpus():
+    plan = placement_plan(ParallelismConfig(world_size=2), RolloutConfig(num_engines=3),
+                          ClusterConfig(actor_cpus_per_rank=0.5, engine_cpus=0.25))
+    assert plan.strategy == "PACK" and plan.groups == [[{"CPU": 1.0}, {"CPU": 0.75}]]
+    assert [s.bundles for s in plan.engines] == [(0,), (1,), (0,)]
+    assert all(s.gpus == 0 for s in plan.ranks + plan.engines)
+    plan = placement_plan(ParallelismConfig(world_size=2), RolloutConfig(num_engines=1),
+                          ClusterConfig(colocate=False))
+    assert plan.groups == [[{"CPU": 0.5}] * 3] and plan.engines[0].bundles == (2,)
+
+
+def test_a_layout_that_cannot_be_placed_fails_when_the_config_loads(tmp_path):
+    with pytest.raises(ValueError, match="rollout.num_engines: 9 colocated engines"):
+        _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B, "rollout.num_engines=9")
