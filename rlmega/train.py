@@ -20,14 +20,20 @@ from rlmega.config import ConfigError, RLConfig, dump_config, load_config
 from rlmega.config.preflight import preflight
 from rlmega.data.prompts import load_prompt_data
 from rlmega.launch.roles import RoleDied, Roles
+from rlmega.megatron.checkpoint import CheckpointSpaceError
 from rlmega.runs import RunDir
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.stopping import StopRequest
+from rlmega.workers.reward import RewardError
 
 log = logging.getLogger("rlmega")
 
 # Exit codes of `rlmega train` (README, "When things go wrong").
 EXIT_OK, EXIT_RUNTIME, EXIT_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+# What a worker raises on purpose, with a message that says it all: no traceback for these.
+EXPECTED_WORKER_ERRORS = (RewardError, FloatingPointError, CheckpointSpaceError)
 
 
 class InputError(RuntimeError):
@@ -153,6 +159,8 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except RoleDied as e:
         print(f"rlmega: {e}; every other worker was released", file=sys.stderr)
+        if e.remote_traceback and not isinstance(e.cause, EXPECTED_WORKER_ERRORS):  # a bug: keep its traceback
+            print(f"--- traceback in {e.worker} ---\n{e.remote_traceback}", file=sys.stderr)
         return EXIT_RUNTIME
     if run.stopped:
         print(f"rlmega: {run.stopped}; checkpoint {run.latest_checkpoint()}, every worker released. "

@@ -25,6 +25,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rlmega.config.schema import RLConfig
 from rlmega.launch.placement import Slot, placement_plan
+from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.actor import MegatronActor
@@ -35,8 +36,8 @@ from rlmega.workers.rollout import RolloutWorker
 log = logging.getLogger("rlmega")
 
 
-class RoleDied(RuntimeError):
-    pass
+class RoleDied(WorkerFailed):
+    """A worker of the run raised, died or hung: ``worker`` names it (see launch/errors.py)."""
 
 
 class Roles:
@@ -146,13 +147,14 @@ class Roles:
         t = self.cfg.trainer
         return max(1, t.prompts_per_step * self.cfg.rollout.n // t.global_batch_size)
 
-    def _get(self, refs: list, what: str) -> list:
+    def _get(self, refs: list, what: str, names: list[str] | None = None) -> list:
+        """Results of calls on ``what`` workers (names[i] for refs[i], default "<what> i")."""
         try:
-            return ray.get(refs, timeout=self.call_timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise RoleDied(f"a {what} died: {str(e).splitlines()[0]}") from e
+            return first_failure(refs, names or [f"{what} {i}" for i in range(len(refs))], self.call_timeout_s)
+        except WorkerFailed as e:
+            raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
-            raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s") from e
+            raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s", what) from e
 
     def call_actors(self, method: str, *args, **kwargs):
         """Rank 0's result (every rank returns the same). Brings a released trainer back first."""
@@ -164,7 +166,7 @@ class Roles:
         try:
             return self.actors.call(method, *args, **kwargs)[0]
         except WorkerGroupError as e:
-            raise RoleDied(str(e)) from e
+            raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 
     def generate(self, prompts: list[list[int]], seed: int, n: int | None = None,
                  temperature: float | None = None, max_tokens: int | None = None) -> list:
@@ -204,8 +206,9 @@ class Roles:
         except WorkerGroupError as e:
             dead = self._dead_engines()
             if dead:  # the ranks failed because an engine they were sending to is gone
-                raise RoleDied(f"a rollout engine died (engine {dead} during weight sync)") from e
-            raise RoleDied(str(e)) from e
+                names = ", ".join(f"rollout engine {i}" for i in dead)
+                raise RoleDied(f"{names} died during the weight sync", names) from e
+            raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
         versions = self._get([e.weight_version.remote() for e in self.engines], "rollout engine")
         if versions != [version] * len(self.engines):
             raise RuntimeError(f"engines hold weight versions {versions}, expected {version}")

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import ray
 
+from rlmega.launch.errors import WorkerFailed, first_failure
 
-class WorkerGroupError(RuntimeError):
-    pass
+
+class WorkerGroupError(WorkerFailed):
+    """A rank raised (``cause``, ``remote_traceback``), died, or did not answer; ``worker`` names it."""
 
 
 class _RankHost:
@@ -81,21 +82,13 @@ class WorkerGroup:
     def _get(self, refs: list) -> list:
         """All results, but fail as soon as ANY rank fails: its peers may be blocked in a
         collective waiting for it, and would only give up at the process-group timeout."""
-        deadline = time.monotonic() + self.timeout_s
         try:
-            pending = list(refs)
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
-                if not ready:
-                    raise ray.exceptions.GetTimeoutError("timed out")
-                ray.get(ready[0])  # raises now if this rank failed
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise WorkerGroupError(f"a trainer rank died: {e}") from e
-        except ray.exceptions.RayTaskError as e:
-            raise WorkerGroupError(f"a trainer rank raised: {e}") from e
+            return first_failure(refs, [f"trainer rank {r}" for r in range(len(refs))], self.timeout_s)
+        except WorkerFailed as e:
+            raise WorkerGroupError(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
-            raise WorkerGroupError(f"trainer ranks did not answer within {self.timeout_s:.0f}s") from e
+            raise WorkerGroupError(f"trainer ranks did not answer within {self.timeout_s:.0f}s",
+                                   "trainer ranks") from e
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank with the same arguments (put in the object store once)."""

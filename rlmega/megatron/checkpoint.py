@@ -13,6 +13,7 @@ Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -122,8 +123,26 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
                   "extra": extra or {}, "layout": _coords()[0],
                   "extra_models": sorted(extra_models or {})}
-    dist_checkpointing.save(sd, str(partial))
-    dist.barrier()  # every rank's shards are on disk
+    try:
+        dist_checkpointing.save(sd, str(partial))  # collective: a failure on any rank raises on every rank
+        dist.barrier()  # every rank's shards are on disk
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        # Judge the filesystem before the cleanup frees it again: every rank raised here (the save
+        # gathers failures), so the barrier orders all the checks before rank 0 removes the folder.
+        full = _out_of_space(e, root)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # `latest` still names the last good checkpoint
+        if full:
+            free = shutil.disk_usage(root).free
+            raise CheckpointSpaceError(
+                f"no space left on device while writing checkpoint {partial} ({free / 2**20:.1f} MiB free there); "
+                f"the partial save was removed and {root / 'latest'} still names the last good checkpoint "
+                f"({latest(root).name if latest(root) else 'none yet'}). Fix: free space, or point "
+                "trainer.run_dir at a larger filesystem, then resume") from e
+        raise
     if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -131,6 +150,31 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
         _write_atomic(root / "latest", final.name)
     dist.barrier()
     return final
+
+
+class CheckpointSpaceError(OSError):
+    """The filesystem filled up during a checkpoint save (the save was undone)."""
+
+
+def _out_of_space(error: BaseException, root: Path) -> bool:
+    """ENOSPC anywhere in the error (torch's CheckpointException keeps per-rank failures apart from
+    its cause chain, and may hold none on this rank), or a filesystem with next to nothing left."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, (tuple, list)):  # failures may hold (exception, traceback) pairs
+            todo += list(e)
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+    try:
+        return shutil.disk_usage(root).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _restore_adam_step(optimizer, saved: dict) -> None:

@@ -1,0 +1,56 @@
+"""Worker failures, told whole: which worker, what it raised, and its traceback.
+
+Ray wraps an exception raised inside an actor method in ``RayTaskError``, whose text is a long
+remote traceback with the original message somewhere in it, and a dead actor in ``RayActorError``.
+The driver turns both into one line naming the worker and the original exception's type and
+message; the remote traceback stays on the error for the cases where it helps (unexpected errors).
+"""
+from __future__ import annotations
+
+import ray
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised or died. ``worker`` names it, ``cause`` is the original exception (None when it
+    died), ``remote_traceback`` is the worker's traceback text ("" when it died)."""
+
+    def __init__(self, message: str, worker: str, cause: BaseException | None = None, remote_traceback: str = ""):
+        super().__init__(message)
+        self.worker, self.cause, self.remote_traceback = worker, cause, remote_traceback
+
+
+def describe(error: BaseException, worker: str) -> WorkerFailed:
+    """A RayTaskError / RayActorError from ``worker`` ("trainer rank 2", "rollout engine 0") as WorkerFailed."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, WorkerFailed):  # raised by a worker that relayed another's failure
+            return cause
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(error).splitlines()[0]
+        return WorkerFailed(f"{worker} raised {what}", worker, cause, getattr(error, "traceback_str", "") or str(error))
+    if isinstance(error, ray.exceptions.RayActorError):
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return WorkerFailed(f"{worker} died: {first}", worker)
+    return WorkerFailed(f"{worker}: {type(error).__name__}: {error}", worker, error)
+
+
+def first_failure(refs: list, names: list[str], timeout: float | None) -> list:
+    """ray.get(refs), but the first failing ref raises WorkerFailed naming its worker (names[i]).
+
+    Waits for any ref at a time, so a worker that failed is reported at once even while its peers
+    are blocked (e.g. in a collective waiting for it). GetTimeoutError when nothing is ready in time.
+    """
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError("timed out")
+        try:
+            ray.get(ready[0])
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise describe(e, names[index[ready[0]]]) from e
+    return ray.get(refs)
