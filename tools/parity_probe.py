@@ -17,14 +17,15 @@ logit scale).
     # the warm-started model is kept in OUT/model (delete OUT/trained.ok to redo it)
 
 Takes ~6 min on 2 CPU cores (warm start ~75 s, engine ~60 s, each Megatron layout ~60 s).
-Measured (850 warm-start steps, 256 samples, 889 tokens), max |diff| vs vLLM: transformers 1.6e-5,
-Megatron mb16 1.6e-5, Megatron mb512 1.1e-4 before RoPE followed position_ids, 1.7e-5 after.
+Measured (256 samples, ~900 tokens), max |diff| vs vLLM:
+  model                              transformers  Megatron mb16  mb512 before / after the RoPE fix
+  this warm start (850 steps)        1.6e-5        1.6e-5         1.1e-4 / 1.7e-5
+  `rlmega demo --steps 25` hf_final  1.0e-5        1.5e-5         1.2e-4 / 1.4e-5 (TP2xPP2)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import time
 from pathlib import Path
