@@ -63,7 +63,7 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert FIELDS <= m.keys(), FIELDS - m.keys()
-        assert m["logprob_diff_max"] <= 1e-3 and m["logprob_diff_mean"] <= 1e-4, m  # parity every step
+        assert m["logprob_diff_max"] <= 5e-6 and m["logprob_diff_mean"] <= 1e-6, m  # float32 parity: 5x measured
     assert all(m["reward_std"] > 0 for m in metrics)  # rewards vary, so advantages are not all 0
     # The reference is the warm-started policy: before step 1's update the two are the same weights.
     assert metrics[0]["kl_ref"] == 0.0
