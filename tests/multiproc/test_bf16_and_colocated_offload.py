@@ -129,5 +129,6 @@ def test_offload_for_rollout_frees_everything_and_training_continues_bit_exactly
     assert released["kinds"] == (["grads", "main params", "optimizer state"],
                                  ["grads", "main params", "optimizer state", "params"])
     assert released["after onload"] == []
-    assert cycled == plain
+    # bit-exact training; NaN-valued metrics (rollout_is_* without rollout log-probs) compare as equal
+    assert [json.dumps(m, sort_keys=True) for m in cycled] == [json.dumps(m, sort_keys=True) for m in plain]
     assert all(torch.equal(a, b) for a, b in zip(params, params_plain))

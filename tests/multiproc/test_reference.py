@@ -35,7 +35,7 @@ def _diff(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def _body(path, ckpt):
+def _train_and_save_body(path, ckpt):
     batch = random_batch(8, seed=2)
     actor = _actor(path, rate=0.25)
     hf_ref = actor.compute_ref_logprobs(batch)
@@ -51,26 +51,33 @@ def _body(path, ckpt):
     saved_ref = actor.compute_ref_logprobs(batch)
     actor.save_checkpoint(ckpt, 1, {"note": "x"})
     actor.teardown()
+    return dict(moved=moved, after_copy=after_copy, polyak_moved=polyak_moved, saved_ref=saved_ref)
 
-    fresh = _actor(path, rate=0.25)  # a resumed run: reference rebuilt from model.path first
+
+def _resume_body(path, ckpt, saved_ref):
+    # A resumed run, in fresh processes as a real one: the reference is rebuilt from model.path first.
+    batch = random_batch(8, seed=2)
+    fresh = _actor(path, rate=0.25)
     fresh_before_load = _diff(fresh.compute_ref_logprobs(batch), saved_ref)
     step, extra = fresh.load_checkpoint(ckpt)
     restored = _diff(fresh.compute_ref_logprobs(batch), saved_ref)
     still_offloaded = "params" in fresh.reference.offloaded
     fresh.teardown()
-    return dict(moved=moved, after_copy=after_copy, polyak_moved=polyak_moved, fresh_before_load=fresh_before_load,
-                restored=restored, step=step, extra=extra, still_offloaded=still_offloaded)
+    return dict(fresh_before_load=fresh_before_load, restored=restored, step=step, extra=extra,
+                still_offloaded=still_offloaded)
 
 
 def test_reference_follows_warm_start_polyak_and_checkpoints(hf_model, tmp_path):
-    r = run_on_ranks(_body, 2, args=(hf_model, str(tmp_path / "ckpt")), timeout_s=400)[0]
+    ckpt = str(tmp_path / "ckpt")
+    r = run_on_ranks(_train_and_save_body, 2, args=(hf_model, ckpt), timeout_s=400)[0]
     assert r["moved"] > 1e-3  # the warm start changed the policy
     assert r["after_copy"] == 0.0  # reference == policy, bit for bit, after the copy
     assert r["polyak_moved"] > 1e-6  # the Polyak update moved the reference toward the trained policy
-    assert r["fresh_before_load"] > 1e-3  # model.path's reference is not the one that was saved ...
-    assert r["restored"] == 0.0  # ... and the checkpoint brings the saved one back exactly
-    assert r["step"] == 1 and r["extra"] == {"note": "x"}
-    assert r["still_offloaded"]  # loading kept the reference's offload state
+    q = run_on_ranks(_resume_body, 2, args=(hf_model, ckpt, r["saved_ref"]), timeout_s=400)[0]
+    assert q["fresh_before_load"] > 1e-3  # model.path's reference is not the one that was saved ...
+    assert q["restored"] == 0.0  # ... and the checkpoint brings the saved one back exactly
+    assert q["step"] == 1 and q["extra"] == {"note": "x"}
+    assert q["still_offloaded"]  # loading kept the reference's offload state
 
 
 def _no_move_body(path, ckpt):
