@@ -195,7 +195,6 @@ def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, 
         pytest.fail(f"the driver hung for 60 s after a {process} died")
     assert proc.returncode == 1, err[-3000:]
     assert re.search(named, err), err[-3000:]  # named, not "a worker"
-    assert "Traceback" not in err.split("every other worker was released")[0][-500:]
     assert time.monotonic() - killed_at < 60
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     time.sleep(5)  # Ray's own processes exit right after the driver
