@@ -251,6 +251,10 @@ class DataConfig:
     """Render string prompts as one user message with the chat template (message lists always use it)."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row stops loading with its file and row number ("error"), or is counted and skipped."""
+    strict: bool = False
+    """A prompt longer than rollout.max_prompt_tokens, or with characters the tokenizer cannot
+    represent, stops loading with its file and row; false: it is dropped (too long) or kept without
+    those characters, counted and warned about with the first rows."""
     shuffle: bool = True
     """Draw prompts in a new seeded permutation each epoch; False keeps file order."""
     seed: int = 0

@@ -32,6 +32,9 @@ Row = Dict[str, Any]  # {"prompt": str | Messages, "label": Any}
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 MAX_SKIP_REASONS = 5  # reasons kept in Skipped; the count covers all of them
+# Roles chat templates know; anything else is most likely a typo ("usr") that a template would drop
+# or render as plain text.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass
@@ -56,9 +59,11 @@ def _check_row(obj: Any, prompt_key: str, label_key: str) -> Tuple[Optional[Row]
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}. Fix: write one object per line"
     keys = sorted(map(str, obj))
-    if prompt_key not in obj or obj[prompt_key] is None:
+    if prompt_key not in obj:
         return None, (f"missing prompt key {prompt_key!r} (row keys: {keys}). "
                       f"Fix: add {prompt_key!r} to the row, or set data.prompt_key to the prompt column")
+    if obj[prompt_key] is None:
+        return None, f"prompt {prompt_key!r} is null. Fix: give the row a prompt, or remove it"
     prompt = obj[prompt_key]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -71,14 +76,19 @@ def _check_row(obj: Any, prompt_key: str, label_key: str) -> Tuple[Optional[Row]
                 return None, (f"message {i} of prompt {prompt_key!r} is {_short(m)}, not a "
                               '{"role": str, "content": str} object. '
                               'Fix: write chat prompts as [{"role": "user", "content": "..."}, ...]')
+            if m["role"] not in CHAT_ROLES:
+                return None, (f"message {i} of prompt {prompt_key!r} has role {m['role']!r}. "
+                              f"Fix: use one of {', '.join(CHAT_ROLES)}")
         prompt = [dict(m) for m in prompt]
     else:
         return None, (f"prompt {prompt_key!r} has type {type(prompt).__name__}; expected a string or a list of "
                       '{"role", "content"} messages. Fix: convert the prompt column, or point data.prompt_key '
                       "at the right column")
-    if label_key not in obj or obj[label_key] is None:
+    if label_key not in obj:
         return None, (f"missing label key {label_key!r} (row keys: {keys}). "
                       f"Fix: add {label_key!r} to the row, or set data.label_key to the label column")
+    if obj[label_key] is None:
+        return None, f"label {label_key!r} is null. Fix: give the row a label, or remove it"
     return {"prompt": prompt, "label": obj[label_key]}, ""
 
 
@@ -119,7 +129,11 @@ def _parquet_objects(path: str, prompt_key: str, label_key: str) -> Iterator[Tup
         import pyarrow.parquet as pq
     except ImportError as e:  # pragma: no cover - pyarrow is a core dependency
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid & co. name no file
+        raise BadRowError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}). Fix: write it with "
+                          "pandas.DataFrame.to_parquet or pyarrow, or use JSON Lines (.jsonl)") from e
     columns = pf.schema_arrow.names
     for key, what in ((prompt_key, "prompt"), (label_key, "label")):
         if key not in columns:  # a file-level problem: no row could be good, so skipping makes no sense
@@ -162,6 +176,7 @@ def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label",
         if not problem:
             row, problem = _check_row(obj, prompt_key, label_key)
         if row is not None:
+            row["where"] = f"{path}, {where}"  # for problems found later (tokenization, length)
             rows.append(row)
         elif on_bad_row == "error":
             raise BadRowError(f"{path}, {where}: {problem} (or set data.on_bad_row=skip to skip bad rows)")
@@ -203,24 +218,40 @@ class PromptDataset:
     """
 
     def __init__(self, rows: Sequence[Row], tokenizer, max_prompt_tokens: int, apply_chat_template: bool = False,
-                 source: str = "prompt rows"):
+                 source: str = "prompt rows", strict: bool = False):
+        """``strict``: a prompt that is too long, or loses characters the tokenizer cannot represent,
+        is an error naming its row; otherwise it is counted and warned about (with the first rows)."""
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} must be >= 1")
         self.max_prompt_tokens = max_prompt_tokens
         self.source = source
         self._prompts: List[Prompt] = []
         self.num_filtered = 0
-        lengths = []
+        self.num_lossy = 0  # prompts whose characters did not all survive tokenization (kept)
+        too_long, lossy, lengths = [], [], []
         for index, row in enumerate(rows):
             text, ids = self._tokenize(tokenizer, row["prompt"], apply_chat_template)
+            where = row.get("where", f"{source}, row {index + 1}")
             lengths.append(len(ids))
             if 0 < len(ids) <= max_prompt_tokens:
                 self._prompts.append(Prompt(index=index, token_ids=ids, label=row["label"], text=text))
+                if _lost_characters(tokenizer, text, ids):
+                    lossy.append(where)
             else:
                 self.num_filtered += 1
-        if self.num_filtered:
-            logger.warning("%s: dropped %d of %d prompts longer than max_prompt_tokens=%d (or empty)",
-                           source, self.num_filtered, len(lengths), max_prompt_tokens)
+                too_long.append(f"{where} ({len(ids)} tokens)")
+        self.num_lossy = len(lossy)
+        problems = [(too_long, f"longer than max_prompt_tokens={max_prompt_tokens} (or empty)",
+                     "raise rollout.max_prompt_tokens, shorten or remove those rows", "dropped"),
+                    (lossy, "with characters the tokenizer cannot represent (they would be dropped silently)",
+                     "use a model whose tokenizer covers them, or clean the text", "kept without them")]
+        for found, what, fix, done in problems:
+            if found and strict:
+                raise BadRowError(f"{found[0]}: prompt {what}; {len(found)} such prompt(s) in {source}, e.g. "
+                                  f"{', '.join(found[:3])}. Fix: {fix} (or set data.strict=false to go on)")
+            if found:
+                logger.warning("%s: %d of %d prompts %s, %s; first: %s", source, len(found), len(lengths), what,
+                               done, "; ".join(found[:3]))
         if not self._prompts:
             if not lengths:
                 raise ValueError(f"{source}: no prompts to tokenize")
@@ -253,6 +284,14 @@ class PromptDataset:
 
     def __iter__(self) -> Iterator[Prompt]:
         return iter(self._prompts)
+
+
+def _lost_characters(tokenizer, text: str, ids: List[int]) -> bool:
+    """True when decoding the ids does not give the text back: the tokenizer dropped characters
+    (an unknown-token id decodes to its placeholder, also a change). Whitespace the tokenizer
+    normalises is not a loss worth a warning, so it is ignored."""
+    back = tokenizer.decode(ids, skip_special_tokens=False)
+    return "".join(back.split()) != "".join(text.split())
 
 
 class PromptSampler:
@@ -347,7 +386,8 @@ def load_prompt_dataset(cfg, tokenizer, max_prompt_tokens: int, split: str = "tr
         source = "synthetic arithmetic"
         if split == "eval":
             rows, source = _synthetic_eval_rows(cfg, rows), "synthetic arithmetic (held out)"
-    return PromptDataset(rows, tokenizer, max_prompt_tokens, cfg.apply_chat_template, source=source)
+    return PromptDataset(rows, tokenizer, max_prompt_tokens, cfg.apply_chat_template, source=source,
+                         strict=cfg.strict)
 
 
 class PromptData:

@@ -47,34 +47,39 @@ CHAT = [{"role": "system", "content": "add."}, {"role": "user", "content": "1+2=
 # --- loading ----------------------------------------------------------------------------------
 
 
+def _plain(rows):
+    return [{k: v for k, v in r.items() if k != "where"} for r in rows]
+
+
 def test_jsonl_rows_in_file_order_blank_lines_ignored(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3", "extra": 1}, "",
                                               "   ", {"prompt": CHAT, "label": 3}])
     rows, skipped = load_rows(path, "prompt", "label", "error")
-    assert rows == [{"prompt": "1+2=", "label": "3"}, {"prompt": CHAT, "label": 3}]
+    assert rows == [{"prompt": "1+2=", "label": "3", "where": f"{path}, row 1"},
+                    {"prompt": CHAT, "label": 3, "where": f"{path}, row 2 (line 4)"}]  # where: for later messages
     assert skipped.count == 0 and skipped.reasons == []
 
 
 def test_custom_keys(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": "1+2=", "answer": "3"}])
     rows, _ = load_rows(path, prompt_key="question", label_key="answer")
-    assert rows == [{"prompt": "1+2=", "label": "3"}]
+    assert _plain(rows) == [{"prompt": "1+2=", "label": "3"}]
 
 
 def test_parquet_strings_and_messages(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", [{"q": "1+2=", "a": "3", "other": 0.5},
                                                   {"q": "4+4=", "a": "8", "other": 1.5}])
     rows, skipped = load_rows(path, "q", "a")
-    assert rows == [{"prompt": "1+2=", "label": "3"}, {"prompt": "4+4=", "label": "8"}]
-    assert skipped.count == 0
+    assert _plain(rows) == [{"prompt": "1+2=", "label": "3"}, {"prompt": "4+4=", "label": "8"}]
+    assert rows[1]["where"] == f"{path}, row 2" and skipped.count == 0
     chat = write_parquet(tmp_path / "chat.parquet", [{"prompt": CHAT, "label": "3"}])
-    assert load_rows(chat)[0] == [{"prompt": CHAT, "label": "3"}]  # list<struct> -> list of dicts
+    assert _plain(load_rows(chat)[0]) == [{"prompt": CHAT, "label": "3"}]  # list<struct> -> list of dicts
 
 
 def test_parquet_bad_rows_name_row(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", [{"prompt": "1+2=", "label": "3"}, {"prompt": "1+1=", "label": None}])
-    with pytest.raises(BadRowError, match=r"p\.parquet, row 2: missing label key 'label'.*Fix:"):
-        load_rows(path)
+    with pytest.raises(BadRowError, match=r"p\.parquet, row 2: label 'label' is null.*Fix:"):
+        load_rows(path)  # it used to say "missing label key" for a column that is there
     rows, skipped = load_rows(path, on_bad_row="skip")
     assert len(rows) == 1 and skipped.count == 1
 
@@ -97,7 +102,9 @@ BAD_ROWS = [
     ('{"prompt": [{"role": "user"}], "label": "3"}', "message 0"),
     ('{"prompt": [{"role": "user", "content": 5}], "label": "3"}', "message 0"),
     ('{"prompt": "1+2="}', "missing label key 'label'"),
-    ('{"prompt": "1+2=", "label": null}', "missing label key 'label'"),
+    ('{"prompt": "1+2=", "label": null}', "label 'label' is null"),
+    ('{"prompt": null, "label": "3"}', "prompt 'prompt' is null"),
+    ('{"prompt": [{"role": "usr", "content": "1+2="}], "label": "3"}', "has role 'usr'"),
 ]
 
 
@@ -305,3 +312,28 @@ def test_utf8_bom_on_the_first_line_is_accepted(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n')
     rows, skipped = load_rows(str(path))
     assert [r["label"] for r in rows] == ["3", "4"] and skipped.count == 0
+
+
+def test_a_file_that_is_not_parquet_is_named(tmp_path):
+    path = tmp_path / "fake.parquet"
+    path.write_text("not parquet at all\n")
+    with pytest.raises(BadRowError, match=r"fake\.parquet: not a readable Parquet file.*Fix:"):
+        load_rows(str(path))
+
+
+def test_lossy_and_too_long_prompts_are_named_by_row(tokenizer, tmp_path, caplog):
+    # The character-level tiny tokenizer has no "@": encoding drops it silently (issue 10).
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3"}, {"prompt": "1@2=", "label": "3"},
+                                              {"prompt": "1" * 30, "label": "x"}])
+    rows, _ = load_rows(path)
+    with caplog.at_level("WARNING"):
+        ds = PromptDataset(rows, tokenizer, max_prompt_tokens=8, source=path)
+    assert len(ds) == 2 and ds.num_filtered == 1 and ds.num_lossy == 1
+    text = caplog.text
+    assert f"{path}, row 2" in text and "cannot represent" in text  # lossy: warned, named, kept
+    assert f"{path}, row 3 (30 tokens)" in text  # too long: warned with its row
+    with pytest.raises(BadRowError, match=r"row 3 \(30 tokens\): prompt longer than max_prompt_tokens=8"):
+        PromptDataset(rows, tokenizer, max_prompt_tokens=8, source=path, strict=True)
+    with pytest.raises(BadRowError, match=r"row 2: prompt with characters the tokenizer cannot represent"):
+        PromptDataset(rows, tokenizer, max_prompt_tokens=64, source=path, strict=True)
+    assert PromptDataset(rows[:1], tokenizer, 8, strict=True).num_lossy == 0
