@@ -182,8 +182,11 @@ def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, 
     proc = subprocess.Popen(_cmd(model, run, 50), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", "RLMEGA_TEST_TAG": tag},
                             start_new_session=True)
-    _wait_for_steps(proc, run, 2)  # the step-2 checkpoint is written before step 3 starts
-    time.sleep(2)  # into step 3
+    _wait_for_steps(proc, run, 2)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "latest").exists():  # step 2's checkpoint is written after its metrics
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint after step 2"
+        time.sleep(0.2)
     victims = [p for p in _tagged_processes(tag) if process.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert victims, f"no {process} process found"
     os.kill(int(victims[-1]), signal.SIGKILL)
@@ -196,7 +199,12 @@ def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, 
     assert proc.returncode == 1, err[-3000:]
     assert re.search(named, err), err[-3000:]  # named, not "a worker"
     assert time.monotonic() - killed_at < 60
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    # steps take about a second here, so which step the kill lands in varies: the last complete
+    # checkpoint stays in place and loadable, whichever it is
+    from rlmega.runs import find_checkpoint
+
+    kept = find_checkpoint(run / "checkpoints")
+    assert 2 <= int(kept.name.split("_")[1]) <= max(m["step"] for m in _metrics(run))
     time.sleep(5)  # Ray's own processes exit right after the driver
     leaked = _tagged_processes(tag)
     assert not leaked, f"processes left behind: {[Path(f'/proc/{p}/cmdline').read_bytes()[:80] for p in leaked]}"
