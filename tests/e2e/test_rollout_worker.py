@@ -178,7 +178,8 @@ def test_logprobs_match_transformers(run, model_dir, temperature):
                       for ref, s in zip(_hf_logprobs(model, samples, temperature), samples)])
     print(f"\nT={temperature}: {diff.numel()} tokens, max |diff| {diff.max():.2e}, mean {diff.mean():.2e}")
     assert diff.numel() == len(samples) * 24
-    assert diff.max() <= 1e-3 and diff.mean() <= 1e-4
+    # float32 on both sides: measured max 4.8e-7 here; 5x-10x of what is measured, not 1000x (issue 9)
+    assert diff.max() <= 5e-6 and diff.mean() <= 1e-6
 
 
 @pytest.mark.timeout(400)
