@@ -1,9 +1,8 @@
 """Stopping a run cleanly: signals and ``rlmega stop RUN_DIR``.
 
-    stop = StopRequest(run_dir)     # in the driver, after Ray has started (it installs handlers too)
-    stop.install()
-    ...  if stop.requested(): finish this step, checkpoint, release the workers, exit EXIT_STOPPED
-    stop.uninstall()
+    stop = StopRequest(run_dir)
+    with Roles(cfg) as roles, stop:  # handlers installed after Ray's start-up (it installs its own)
+        ...  if stop.requested(): finish this step, checkpoint, release the workers, exit EXIT_STOPPED
 
 SIGTERM (``kill``, a container stop, ``scancel`` of the batch shell), SIGINT (Ctrl-C) and SIGUSR1
 (what Slurm sends before the time limit with ``#SBATCH --signal=B:USR1@120``) all ask the driver to
@@ -41,6 +40,13 @@ class StopRequest:
         self.reason: str | None = None
         self._previous: dict = {}
         self.file.unlink(missing_ok=True)  # a stop asked of an earlier run is not for this one
+
+    def __enter__(self) -> "StopRequest":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     def install(self) -> None:
         for sig in SIGNALS:

@@ -51,8 +51,7 @@ def train(cfg: RLConfig) -> RunDir:
     except (ValueError, OSError) as e:  # a bad row, an unreadable file: the user's input, named by file and row
         raise InputError(f"prompt data: {e}") from e
     stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
-    with Roles(cfg) as roles:
-        stop.install()  # after Ray's start-up, which installs handlers of its own
+    with Roles(cfg) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
         start, history = resume(roles, run, data, cfg)
         if start == 0 and t.warmup_sft_steps:
             warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr, stop)
@@ -91,7 +90,6 @@ def train(cfg: RLConfig) -> RunDir:
             run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
         else:
             roles.call_actors("export_hf", str(run.path / "hf_final"), True)
-        stop.uninstall()
     run.close()
     return run
 
