@@ -231,8 +231,9 @@ class ActorConfig:
     offload_while_generating: Optional[bool] = None
     """Release the policy's parameters, gradients and optimizer state to host memory (and empty the CUDA
     cache) while the rollout engines generate; onload them for log-probs and training. None: on exactly
-    when engines share the trainer's GPUs (cluster.colocate and rollout.device=cuda); True on CPU only
-    exercises the path (it costs a host copy per step)."""
+    when engines share the trainer's GPUs (cluster.colocate and rollout.device=cuda). True with
+    rollout.device=cpu is refused at load: through Roles on CPU the release fails after a weight sync
+    (a known defect; the actor-level offload itself is tested in tests/multiproc)."""
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
 
