@@ -5,6 +5,9 @@ prompts -> n responses each -> rewards -> old/ref log-probs -> advantages -> tra
 sync weights to the engines -> log -> checkpoint every k steps -> evaluate every m steps.
 ``trainer.resume=auto`` (or ``--resume``) continues from RUN_DIR's latest checkpoint exactly;
 ``trainer.resume=PATH`` starts from that checkpoint (of this run or another).
+
+Under ``torchrun --nproc-per-node K -m rlmega.train CONFIG ...`` the trainer ranks are torchrun's
+processes: rank 0 runs this driver loop, the others serve its calls (launch/torchrun_group.py).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from transformers import AutoTokenizer
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
 from rlmega.config.preflight import preflight
 from rlmega.data.prompts import load_prompt_data
-from rlmega.launch.roles import RoleDied, Roles
+from rlmega.launch import torchrun_group
+from rlmega.launch.errors import WorkerFailed
+from rlmega.launch.roles import Roles
 from rlmega.megatron.checkpoint import CheckpointSpaceError
 from rlmega.runs import RunDir
 from rlmega.step import evaluate, rl_step, sft_batch
@@ -135,6 +140,17 @@ def report(manager, metrics: dict, total_steps: int) -> None:
 
 
 def main(argv=None) -> int:
+    rank = torchrun_group.rank()  # None unless torchrun started this process
+    if rank:  # ranks 1..: serve rank 0, the driver (launch/torchrun_group.py)
+        return torchrun_group.serve()
+    try:
+        return _main(argv)
+    finally:
+        if rank == 0:  # whatever happened, let the serving ranks go
+            torchrun_group.release_ranks()
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rlmega train", description=__doc__.splitlines()[0])
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=10")
@@ -155,7 +171,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("rlmega: interrupted; every worker was released", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except RoleDied as e:
+    except WorkerFailed as e:  # RoleDied, or a trainer rank failing while Roles starts them
         print(f"rlmega: {e}; every other worker was released", file=sys.stderr)
         if e.remote_traceback and not isinstance(e.cause, EXPECTED_WORKER_ERRORS):  # a bug: keep its traceback
             print(f"--- traceback in {e.worker} ---\n{e.remote_traceback}", file=sys.stderr)

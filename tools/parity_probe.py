@@ -127,7 +127,7 @@ def megatron_logprobs(model_dir: str, samples: list, tp: int, pp: int, temperatu
     from rlmega.workers.actor import MegatronActor
     from rlmega.workers.rollout import Sample
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     group = WorkerGroup(MegatronActor, tp * pp, kwargs=dict(
         model=ModelConfig(path=model_dir), parallel=ParallelismConfig(tp, pp, None, tp * pp),
         optimizer=OptimizerConfig(lr=1e-5), actor=ActorConfig(max_tokens_per_micro_batch=mb_tokens),

@@ -158,11 +158,22 @@ def _devices_and_cluster(cfg: RLConfig) -> List[str]:
     return out
 
 
+def _torchrun(cfg: RLConfig) -> List[str]:
+    """Under torchrun its processes are the trainer ranks (launch/torchrun_group.py): as many as the config's."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return []
+    started, world = int(os.environ["WORLD_SIZE"]), cfg.parallelism.world_size
+    if started == world:
+        return []
+    return [problem("parallelism.world_size", f"is {world} but torchrun started {started} processes",
+                    f"start torchrun with --nnodes x --nproc-per-node = {world}, or set parallelism.world_size={started}")]
+
+
 def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
     d = cfg.data
     out = (_model(cfg) + _reward(cfg) + _data_file("data.train_path", d.train_path, d.prompt_key, d.label_key)
            + _data_file("data.eval_path", d.eval_path, d.prompt_key, d.label_key) + _run_dir(cfg)
-           + _dashboard(cfg) + _devices_and_cluster(cfg))
+           + _dashboard(cfg) + _devices_and_cluster(cfg) + _torchrun(cfg))
     if out:
         raise ConfigError(out)

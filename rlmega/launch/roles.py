@@ -24,6 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rlmega.config.schema import RLConfig
+from rlmega.launch import torchrun_group
 from rlmega.launch.placement import Slot, placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
@@ -74,10 +75,16 @@ class Roles:
         else:
             # Ray CPUs are reservations, not cores: an embedded cluster declares at least what the
             # roles reserve, so a 2-core laptop runs the same layout a cluster would (slower).
-            ray.init(num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
-                     log_to_driver=False)
+            # address="local": a new Ray of our own, even when `ray start` left a cluster on this
+            # machine (with no address, ray.init would attach to it).
+            ray.init(address="local", num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)),
+                     include_dashboard=False, log_to_driver=False)
             self.started_ray = True
-        plan = placement_plan(p, r, c)
+        # Under torchrun the trainer ranks are its processes, not Ray actors: Ray places the engines
+        # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).
+        on_torchrun = torchrun_group.rank() is not None
+        plan = (placement_plan(dataclasses.replace(p, world_size=0), r, dataclasses.replace(c, colocate=False))
+                if on_torchrun else placement_plan(p, r, c))
         self.pgs = [placement_group(bundles, strategy=plan.strategy) for bundles in plan.groups]
         try:
             ray.get([pg.ready() for pg in self.pgs], timeout=self.pg_timeout_s)
@@ -91,15 +98,21 @@ class Roles:
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
         offload = self.cfg.actor.offload_while_generating
         self.swaps = (c.colocate and r.device == "cuda") if offload is None else offload
-        self.actors = WorkerGroup(
-            MegatronActor, p.world_size, kwargs=dict(
-                model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer,
-                actor=dataclasses.replace(self.cfg.actor, offload_while_generating=self.swaps),
-                algorithm=self.cfg.algorithm, temperature=r.temperature,
-                lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step()),
-            num_cpus=c.actor_cpus_per_rank, num_gpus=plan.ranks[0].gpus,
-            placement_group=[(self.pgs[s.group], s.bundles[0]) for s in plan.ranks],
-            timeout_s=self.call_timeout_s)
+        actor_kwargs = dict(
+            model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer,
+            actor=dataclasses.replace(self.cfg.actor, offload_while_generating=self.swaps),
+            algorithm=self.cfg.algorithm, temperature=r.temperature,
+            lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step())
+        if on_torchrun:
+            self.actors = torchrun_group.TorchrunGroup(
+                MegatronActor, p.world_size, kwargs=actor_kwargs, timeout_s=self.call_timeout_s,
+                ray_address=ray.get_runtime_context().gcs_address)
+        else:
+            self.actors = WorkerGroup(
+                MegatronActor, p.world_size, kwargs=actor_kwargs,
+                num_cpus=c.actor_cpus_per_rank, num_gpus=plan.ranks[0].gpus,
+                placement_group=[(self.pgs[s.group], s.bundles[0]) for s in plan.ranks],
+                timeout_s=self.call_timeout_s)
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
         Engine = ray.remote(RolloutWorker)
         for i, slot in enumerate(plan.engines):

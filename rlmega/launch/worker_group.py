@@ -1,6 +1,6 @@
 """A group of Ray actors that form one torch.distributed world: one rank each.
 
-    ray.init(...)                                    # rlmega.launch.cluster does this
+    ray.init(...)                                    # rlmega.launch.roles does this
     group = WorkerGroup(MegatronActor, world_size=4, kwargs={...}, num_cpus=0.5)
     group.call("setup")                              # same call on every rank, results in rank order
     lp = group.call("compute_logprobs", batch)[0]    # every rank returns the same full result

@@ -73,6 +73,36 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
     assert list((straight / "tensorboard").iterdir())
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
+def _same_numbers(a: dict, b: dict) -> dict:
+    """The metrics of two runs that differ (times aside): {name: (a, b)}."""
+    timing = {"tokens_per_s"}
+    return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys()
+            if not k.startswith("time") and k not in timing and a.get(k) != b.get(k)}
+
+
+@pytest.mark.slow
+def test_torchrun_trainer_ranks_give_exactly_the_numbers_of_ray_actors(model, straight, tmp_path):
+    """`torchrun --nproc-per-node 4 -m rlmega.train ...`: rank 0 drives, ranks 1-3 serve it, the engine and
+    the reward worker run on rank 0's embedded Ray. Its first 2 steps equal the Ray-hosted run's, exactly."""
+    run = tmp_path / "torchrun"
+    _run([*TORCHRUN, "4", "-m", "rlmega.train", *_cmd(model, run, 2)[3:]])
+    mine, ray_hosted = _metrics(run), _metrics(straight)[:2]
+    assert [m["step"] for m in mine] == [1, 2]
+    for a, b in zip(mine, ray_hosted):
+        assert _same_numbers(a, b) == {}, (a["step"], _same_numbers(a, b))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp_path):
+    out = subprocess.run([*TORCHRUN, "2", "-m", "rlmega.train", *_cmd(model, tmp_path / "r", 2)[3:]],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode != 0  # the serving rank was released: no hang
+    assert "parallelism.world_size: is 4 but torchrun started 2 processes. Fix: start torchrun with --nnodes x --nproc-per-node = 4" in out.stderr, out.stderr[-3000:]
+
+
 def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_path):
     run = tmp_path / "resumed"
     proc = subprocess.Popen(_cmd(model, run, 4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"ffn {inter}, vocab {args.vocab_size} (untied): {n_params:,} params = {nbytes / BYTES_GB:.3f} GB float32",
           flush=True)
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     log_dir = Path(tmp.name) / "send-logs"
     log_dir.mkdir()
     results: dict = {"model": {"hidden_size": h, "num_layers": args.num_layers, "num_heads": args.num_heads,

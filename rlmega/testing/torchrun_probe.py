@@ -1,0 +1,48 @@
+"""A torchrun job that drives TorchrunGroup without Megatron or Ray (tests/multiproc/test_torchrun_group.py).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 3 -m rlmega.testing.torchrun_probe
+
+Rank 0 builds a Probe on every rank, checks that calls return every rank's answer in rank order,
+then calls ``fail`` in which rank 2 raises while rank 0's own share hangs (as it would in a
+collective waiting for rank 2): the group must report rank 2 by name at once. Prints one JSON line.
+"""
+import json
+import os
+import sys
+import time
+
+from rlmega.launch import torchrun_group
+
+
+class Probe:
+    def __init__(self, tag: str):
+        self.tag, self.rank = tag, int(os.environ["RANK"])
+
+    def whoami(self, x: int) -> tuple:
+        return (self.tag, self.rank, x * 10)
+
+    def fail(self, rank: int) -> None:
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} fails on purpose")
+        if self.rank == 0:
+            time.sleep(600)  # rank 0 stuck, as in a collective with the failed rank
+
+
+def main() -> int:
+    if torchrun_group.rank():
+        return torchrun_group.serve()
+    group = torchrun_group.TorchrunGroup(Probe, torchrun_group.world_size(), ("t",), ray_address=None, timeout_s=60)
+    out = {"calls": group.call("whoami", 7)}
+    start = time.monotonic()
+    try:
+        group.call("fail", 2)
+    except torchrun_group.WorkerGroupError as e:
+        out.update(error=str(e), worker=e.worker, cause=type(e.cause).__name__, traceback="fails on purpose" in e.remote_traceback)
+    out["seconds_to_report"] = time.monotonic() - start
+    group.shutdown()
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # rank 0's share still sleeps in its worker thread: leave without joining it
+
+
+if __name__ == "__main__":
+    sys.exit(main())
