@@ -163,10 +163,18 @@ def _torchrun(cfg: RLConfig) -> List[str]:
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
         return []
     started, world = int(os.environ["WORLD_SIZE"]), cfg.parallelism.world_size
-    if started == world:
-        return []
-    return [problem("parallelism.world_size", f"is {world} but torchrun started {started} processes",
-                    f"start torchrun with --nnodes x --nproc-per-node = {world}, or set parallelism.world_size={started}")]
+    out = []
+    if started != world:
+        out.append(problem("parallelism.world_size", f"is {world} but torchrun started {started} processes",
+                           f"start torchrun with --nnodes x --nproc-per-node = {world}, "
+                           f"or set parallelism.world_size={started}"))
+    if cfg.rollout.device == "cuda" and not cfg.cluster.address:
+        # An embedded Ray would hand the engines GPUs that torchrun's ranks already use (both count from 0).
+        out.append(problem("cluster.address", "is empty, so rank 0 would start a Ray that shares the trainer "
+                           "ranks' GPUs with the rollout engines", "under torchrun, start a Ray cluster on GPUs "
+                           "the trainer ranks do not use (other nodes, or CUDA_VISIBLE_DEVICES) and set "
+                           "cluster.address to it"))
+    return out
 
 
 def preflight(cfg: RLConfig) -> None:

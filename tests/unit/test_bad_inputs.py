@@ -157,3 +157,25 @@ def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
     with pytest.raises(WorkersWouldStart):
         train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
                         f"data.train_path={env['d']}/good.jsonl", "trainer.resume=none"])
+
+
+def test_under_torchrun_a_wrong_process_count_and_gpu_engines_without_a_cluster_are_refused(env, monkeypatch, capsys,
+                                                                                            tmp_path):
+    """Rank 0 of a torchrun job: the checks name both problems, and the serving ranks are told to exit."""
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    rc = train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
+                         "rollout.device=cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "parallelism.world_size: is 4 but torchrun started 2 processes" in err, err
+    assert "cluster.address: is empty, so rank 0 would start a Ray that shares the trainer ranks' GPUs" in err, err
+    assert pickle.loads(dist.PrefixStore("rlmega/0", store).get("exit")) == 0  # ranks 1.. released
