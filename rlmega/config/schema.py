@@ -6,7 +6,7 @@ built in Python. Each component receives its own section (e.g. `cfg.rollout`), n
 The defaults describe a tiny single-process CPU run.
 """
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 
 @dataclass
@@ -266,6 +266,12 @@ class DataConfig:
     """Operands of the synthetic problems have 1..synthetic_digits digits."""
 
 
+# Variables a worker on another node needs from the driver's shell: model-hub and logging credentials and
+# caches, and the interfaces NCCL/gloo must use on multi-homed nodes.
+FORWARD_ENV = ("HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "WANDB_API_KEY", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
+               "NCCL_DEBUG", "NCCL_IB_HCA")
+
+
 @dataclass
 class ClusterConfig:
     address: str = ""
@@ -277,6 +283,14 @@ class ClusterConfig:
     gpus_per_node: int = 8
     """GPUs of each cluster node (rollout.device=cuda): trainer ranks fill nodes in rank order and a vLLM
     engine's tensor-parallel group never spans nodes (rlmega.launch.placement)."""
+    cpu_ranks_per_node: int = 0
+    """CPU runs (rollout.device=cpu) on several nodes: trainer ranks per node. 0 keeps every rank and engine
+    in one placement group (PACK: one node if it fits, the embedded Ray's case); N > 0 gives each node N
+    ranks in rank order, one node per group, engines round robin over those nodes (rlmega.launch.placement).
+    On GPUs cluster.gpus_per_node decides instead."""
+    forward_env: List[str] = field(default_factory=lambda: list(FORWARD_ENV))
+    """Environment variables the driver passes on to every worker when attached to a cluster (cluster.address),
+    those it has set: workers on other nodes do not inherit the driver's environment."""
     actor_cpus_per_rank: float = 0.5
     """Ray CPUs reserved for each trainer rank."""
     engine_cpus: float = 0.5

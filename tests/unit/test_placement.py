@@ -102,3 +102,37 @@ def test_cpu_plan_is_one_pack_group_without_gpus():
 def test_a_layout_that_cannot_be_placed_fails_when_the_config_loads(tmp_path):
     with pytest.raises(ValueError, match="rollout.num_engines: 9 colocated engines"):
         _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B, "rollout.num_engines=9")
+
+
+def test_cpu_ranks_per_node_makes_one_group_per_node_and_spreads_engines():
+    # 4 ranks of TP2, 2 per node: each TP group (ranks 0-1, 2-3) is one node; 3 engines alternate nodes.
+    par, roll = ParallelismConfig(tensor_model_parallel_size=2, world_size=4), RolloutConfig(num_engines=3)
+    plan = placement_plan(par, roll, ClusterConfig(cpu_ranks_per_node=2, actor_cpus_per_rank=0.5, engine_cpus=0.25))
+    assert plan.strategy == "STRICT_PACK" and plan.one_node_per_group
+    assert [(s.group, s.bundles) for s in plan.ranks] == [(0, (0,)), (0, (1,)), (1, (0,)), (1, (1,))]
+    assert [(s.group, s.bundles) for s in plan.engines] == [(0, (0,)), (1, (0,)), (0, (1,))]
+    assert plan.groups == [[{"CPU": 0.75}, {"CPU": 0.75}], [{"CPU": 0.75}, {"CPU": 0.5}]]
+    assert all(s.gpus == 0 for s in plan.ranks + plan.engines)
+    # not colocated: each engine a bundle of its own on its node; vLLM TP does not change a CPU engine's bundle
+    plan = placement_plan(par, RolloutConfig(num_engines=2, tensor_parallel_size=2), ClusterConfig(cpu_ranks_per_node=2, colocate=False))
+    assert [(s.group, s.bundles) for s in plan.engines] == [(0, (2,)), (1, (2,))]
+    assert [len(g) for g in plan.groups] == [3, 3]
+    # the default keeps the single PACK group, which Ray may put on any node
+    assert not placement_plan(par, roll, ClusterConfig()).one_node_per_group
+
+
+def test_cpu_ranks_per_node_refuses_tp_groups_across_nodes_and_gpu_runs():
+    with pytest.raises(PlacementError, match="TP groups of 2 ranks would span nodes of cluster.cpu_ranks_per_node=3"):
+        placement_plan(ParallelismConfig(tensor_model_parallel_size=2, world_size=6), RolloutConfig(),
+                       ClusterConfig(cpu_ranks_per_node=3))
+    with pytest.raises(PlacementError, match="cluster.cpu_ranks_per_node: 2 applies to CPU runs only"):
+        placement_plan(ParallelismConfig(world_size=4), RolloutConfig(device="cuda"), ClusterConfig(cpu_ranks_per_node=2))
+
+
+def test_cpu_ranks_per_node_is_checked_when_the_config_loads(tmp_path):
+    cfg = _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B)
+    with pytest.raises(ValueError, match="cluster.cpu_ranks_per_node: 4 applies to CPU runs only"):
+        _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B, "cluster.cpu_ranks_per_node=4")
+    with pytest.raises(ValueError, match="cluster.cpu_ranks_per_node"):
+        _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B, "cluster.cpu_ranks_per_node=-1")
+    assert cfg.cluster.forward_env and "HF_TOKEN" in cfg.cluster.forward_env
