@@ -31,7 +31,7 @@ def _clean(metrics: dict) -> dict:
 class RunDir:
     def __init__(self, path: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
                  config: dict | None = None):
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # workers on other nodes resolve relative paths from another cwd
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"

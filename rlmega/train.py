@@ -23,6 +23,7 @@ from rlmega.config import ConfigError, RLConfig, dump_config, load_config
 from rlmega.config.preflight import preflight
 from rlmega.data.prompts import load_prompt_data
 from rlmega.launch import torchrun_group
+from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.megatron.checkpoint import CheckpointSpaceError
@@ -165,7 +166,7 @@ def _main(argv=None) -> int:
         return EXIT_INPUT
     try:
         run = train(cfg)
-    except InputError as e:
+    except (InputError, ClusterError) as e:  # ClusterError: too few nodes, or folders the nodes do not share
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:

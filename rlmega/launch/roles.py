@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from rlmega.config.schema import RLConfig
 from rlmega.launch import torchrun_group
+from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.placement import Slot, placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
@@ -43,6 +43,9 @@ class RoleDied(WorkerFailed):
 
 class Roles:
     def __init__(self, cfg: RLConfig, call_timeout_s: float = 1800.0, pg_timeout_s: float = 120.0):
+        # Workers resolve a relative model.path from their own cwd: on another node that is not the driver's.
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, path=os.path.abspath(cfg.model.path) if cfg.model.path else ""))
         self.cfg, self.call_timeout_s, self.pg_timeout_s = cfg, call_timeout_s, pg_timeout_s
         self.started_ray = False
         self.actors: WorkerGroup | None = None
@@ -70,29 +73,17 @@ class Roles:
         c, p, r = self.cfg.cluster, self.cfg.parallelism, self.cfg.rollout
         needed = (p.world_size * c.actor_cpus_per_rank + r.num_engines * c.engine_cpus
                   + self.cfg.reward.num_workers * c.reward_cpus)
-        if c.address:
-            ray.init(address=c.address, log_to_driver=False)
-        else:
-            # Ray CPUs are reservations, not cores: an embedded cluster declares at least what the
-            # roles reserve, so a 2-core laptop runs the same layout a cluster would (slower).
-            # address="local": a new Ray of our own, even when `ray start` left a cluster on this
-            # machine (with no address, ray.init would attach to it).
-            ray.init(address="local", num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)),
-                     include_dashboard=False, log_to_driver=False)
-            self.started_ray = True
+        self.started_ray = connect(c, needed)
         # Under torchrun the trainer ranks are its processes, not Ray actors: Ray places the engines
         # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).
         on_torchrun = torchrun_group.rank() is not None
         plan = (placement_plan(dataclasses.replace(p, world_size=0), r, dataclasses.replace(c, colocate=False))
                 if on_torchrun else placement_plan(p, r, c))
-        self.pgs = [placement_group(bundles, strategy=plan.strategy) for bundles in plan.groups]
-        try:
-            ray.get([pg.ready() for pg in self.pgs], timeout=self.pg_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RoleDied(
-                f"Ray could not place the node groups {plan.groups} ({plan.strategy}) within {self.pg_timeout_s:.0f}s "
-                f"(cluster has {ray.cluster_resources()}). Fix: lower cluster.*_cpus, check cluster.gpus_per_node, "
-                "or give the cluster more resources (cluster.num_cpus for the embedded one)") from None
+        self.pgs, bundle_nodes = place_groups(plan, self.pg_timeout_s)
+        engine_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.engines]
+        if not self.started_ray:  # an embedded Ray is this machine alone
+            check_shared_paths(self.cfg.trainer.run_dir, self.cfg.model.path,
+                               [bundle_nodes[s.group][s.bundles[0]] for s in plan.ranks], engine_nodes)
         self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
                                     port=self.cfg.logging.dashboard_port)
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
@@ -113,6 +104,9 @@ class Roles:
                 num_cpus=c.actor_cpus_per_rank, num_gpus=plan.ranks[0].gpus,
                 placement_group=[(self.pgs[s.group], s.bundles[0]) for s in plan.ranks],
                 timeout_s=self.call_timeout_s)
+        log.info("placement: trainer ranks on nodes %s; rollout engines on nodes %s",
+                 _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
+                 _by_node(node_names(engine_nodes)))
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
         Engine = ray.remote(RolloutWorker)
         for i, slot in enumerate(plan.engines):
@@ -286,6 +280,14 @@ def _engine_options(pg, slot: Slot) -> dict:
         options["runtime_env"] = {"env_vars": {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundles)),
                                                "VLLM_RAY_PER_WORKER_GPUS": str(slot.gpus)}}
     return options
+
+
+def _by_node(names: list[str]) -> str:
+    """'node-a: 0 1, node-b: 2 3' for the node name of each worker index."""
+    out: dict[str, list[str]] = {}
+    for i, name in enumerate(names):
+        out.setdefault(name, []).append(str(i))
+    return ", ".join(f"{name}: {' '.join(ix)}" for name, ix in out.items())
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -32,11 +32,12 @@ class _RankHost:
         os.environ.update(env)
         self.worker = None
 
-    def address(self) -> tuple[str, int]:
+    def address(self) -> tuple[str, int, str]:
+        """(node IP, a free port there, Ray node id)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), port, ray.get_runtime_context().get_node_id()
 
     def start(self, master: tuple[str, int], local_rank: int, local_world_size: int, cls, args: tuple,
               kwargs: dict) -> None:
@@ -69,13 +70,15 @@ class WorkerGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle)
             self.hosts.append(Host.options(**opts).remote(rank, world_size, env))
-        master = self._get([self.hosts[0].address.remote()])[0]
+        master = self._get([self.hosts[0].address.remote()])[0][:2]
         # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
         # node, as torchrun sets them. Each actor sees only its own GPU (Ray sets
         # CUDA_VISIBLE_DEVICES), so runtime.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
-        nodes = self._get([h.address.remote() for h in self.hosts])
-        local = [sum(1 for n in nodes[:r] if n[0] == nodes[r][0]) for r in range(world_size)]
-        per_node = [sum(1 for n in nodes if n[0] == nodes[r][0]) for r in range(world_size)]
+        # Nodes are told apart by Ray node id: simulated nodes of one machine share an IP.
+        self.node_ids = [a[2] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
+        nodes = self.node_ids
+        local = [sum(1 for n in nodes[:r] if n == nodes[r]) for r in range(world_size)]
+        per_node = [nodes.count(nodes[r]) for r in range(world_size)]
         self._get([h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})
                    for r, h in enumerate(self.hosts)])
 
