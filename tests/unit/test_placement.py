@@ -117,6 +117,9 @@ def test_cpu_ranks_per_node_makes_one_group_per_node_and_spreads_engines():
     plan = placement_plan(par, RolloutConfig(num_engines=2, tensor_parallel_size=2), ClusterConfig(cpu_ranks_per_node=2, colocate=False))
     assert [(s.group, s.bundles) for s in plan.engines] == [(0, (2,)), (1, (2,))]
     assert [len(g) for g in plan.groups] == [3, 3]
+    # no Ray trainer ranks (torchrun's ranks): the engines alone, in one group
+    plan = placement_plan(ParallelismConfig(world_size=0), RolloutConfig(num_engines=2), ClusterConfig(cpu_ranks_per_node=2, colocate=False))
+    assert plan.ranks == [] and plan.groups == [[{"CPU": 0.5}, {"CPU": 0.5}]]
     # the default keeps the single PACK group, which Ray may put on any node
     assert not placement_plan(par, roll, ClusterConfig()).one_node_per_group
 
