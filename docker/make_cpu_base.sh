@@ -3,7 +3,7 @@
 # from an apt mirror with debootstrap, then `docker import`; like python:3.11-slim it has python3.11,
 # its venv module and its headers (torch.compile's kernels include Python.h). Needs root, debootstrap and a Docker daemon.
 #   sudo docker/make_cpu_base.sh [TAG]          # default TAG rlmega-base:bookworm
-#   docker build -f docker/Dockerfile.cpu --build-arg BASE=rlmega-base:bookworm -t rlmega:cpu .
+#   docker build -f docker/Dockerfile.cpu --build-arg BASE_IMAGE=rlmega-base:bookworm -t rlmega:cpu .
 # MIRROR overrides the Debian mirror (default: the one apt here uses, else deb.debian.org).
 # The CA certificates this machine adds (/usr/local/share/ca-certificates, e.g. a TLS-intercepting
 # proxy's) go into the image too, and pip there uses the system bundle, so pip inside the build
