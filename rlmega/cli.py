@@ -2,7 +2,7 @@
 
     rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py)
     rlmega check-config CONFIG [key=value ...]   validate a config (and that it can run here), print it resolved
-    rlmega demo [--steps N] [--run-dir DIR]      the `make demo` job (see the README)
+    rlmega demo [--steps N] [--run-dir DIR] [key=value ...]   the `make demo` job (see the README)
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _demo(args) -> int:
         make_tiny_model(model, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0, overwrite=True)
         print(f"rlmega demo: made tiny model in {model}", flush=True)
     return train_main([str(config), f"model.path={model}", f"trainer.run_dir={run_dir}",
-                       f"trainer.total_steps={args.steps}"])
+                       f"trainer.total_steps={args.steps}", *args.overrides])
 
 
 def _stop(args) -> int:
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="run the foundation demo (what `make demo` runs)")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--steps", type=int, default=60)
+    d.add_argument("overrides", nargs="*", help="dotlist overrides of configs/demo_cpu.yaml, e.g. "
+                   "trainer.warmup_sft_steps=20 optimizer.lr_warmup_steps=20 (a short run)")
     d.set_defaults(fn=_demo)
     sub.add_parser("train", help="run RL training: rlmega train CONFIG [key=value ...] [--resume]")
     st = sub.add_parser("stop", help="ask a running `rlmega train` to checkpoint and stop after its current step")

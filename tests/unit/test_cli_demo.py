@@ -1,0 +1,17 @@
+"""`rlmega demo` hands its overrides to the trainer after its own (a short demo: the Docker image test)."""
+import rlmega.train
+from rlmega import cli
+
+
+def test_demo_passes_overrides_after_its_own(tmp_path, monkeypatch):
+    run_dir = tmp_path / "demo"
+    (run_dir / "tiny_model").mkdir(parents=True)
+    (run_dir / "tiny_model" / "config.json").write_text("{}")  # the demo makes its model only once
+    seen = []
+    monkeypatch.setattr(rlmega.train, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["demo", "--run-dir", str(run_dir), "--steps", "2",
+                     "trainer.warmup_sft_steps=10", "optimizer.lr_warmup_steps=10"]) == 0
+    (argv,) = seen
+    assert argv[0].endswith("configs/demo_cpu.yaml")
+    assert argv[1:] == [f"model.path={run_dir / 'tiny_model'}", f"trainer.run_dir={run_dir}", "trainer.total_steps=2",
+                        "trainer.warmup_sft_steps=10", "optimizer.lr_warmup_steps=10"]
