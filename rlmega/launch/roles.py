@@ -74,7 +74,9 @@ class Roles:
         else:
             # Ray CPUs are reservations, not cores: an embedded cluster declares at least what the
             # roles reserve, so a 2-core laptop runs the same layout a cluster would (slower).
-            ray.init(num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
+            # address="local": without it ray.init joins whatever `ray start` last wrote to
+            # /tmp/ray/ray_current_cluster (another user's cluster, or a dead one: a ValueError).
+            ray.init(address="local", num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
                      log_to_driver=False)
             self.started_ray = True
         plan = placement_plan(p, r, c)
