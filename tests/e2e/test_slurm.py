@@ -27,12 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "tools" / "slurm" / "rlmega.sbatch"
 TAG = f"slurm-{os.getpid()}"  # in the environment of every process a job starts (sbatch --export=ALL)
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
+SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # the daemons live in sbin
+
+
+def _exe(name: str) -> str | None:
+    return shutil.which(name, path=SEARCH)
 
 pytestmark = pytest.mark.slow
 
 
 def _why_not() -> str | None:
-    missing = [d for d in DAEMONS if not shutil.which(d)]
+    missing = [d for d in DAEMONS if not _exe(d)]
     if missing:
         return (f"Slurm is not installed ({', '.join(missing)} not found): `make test` installs slurm-wlm "
                 "and munge with apt when run as root")
@@ -142,7 +147,7 @@ def slurm():
         shutil.chown(munge, "munge", "munge")
         shutil.chown(munge / "munge.key", "munge", "munge")
         procs.append(subprocess.Popen(
-            ["munged", "--foreground", f"--socket={munge}/munge.socket", f"--key-file={munge}/munge.key",
+            [_exe("munged"), "--foreground", f"--socket={munge}/munge.socket", f"--key-file={munge}/munge.key",
              f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"],
             user="munge", group="munge", extra_groups=[], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for d in ("state", "spool"):
@@ -156,7 +161,7 @@ def slurm():
             assert time.monotonic() < deadline and procs[0].poll() is None, "munged did not start"
             time.sleep(0.2)
         for daemon in ("slurmctld", "slurmd"):
-            procs.append(subprocess.Popen([daemon, "-D", "-f", str(base / "slurm.conf")], env=s.env,
+            procs.append(subprocess.Popen([_exe(daemon), "-D", "-f", str(base / "slurm.conf")], env=s.env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 60
         while s("sinfo", "-h", "-o", "%T", check=False).strip() != "idle":
