@@ -3,9 +3,10 @@ this machine, one node with CPUs=2, under a private slurm.conf in a temp folder 
 installs the packages when run as root; without them, or without root, these tests skip).
 
 A job running the tiny TP2 x PP2 config is cancelled with a plain `scancel` once it has a
-checkpoint: nothing of it may stay behind and the checkpoint must load. A second job on the same
-run dir resumes it (trainer.resume=auto) and finishes: COMPLETED, exit 0, every step once, the final
-policy written. Cost: about 2.3 min on a 2-core machine (plus ~10 s for `make slurm`'s apt-get).
+checkpoint: nothing of it may stay behind and the checkpoint must be complete. A second job on the
+same run dir (--resume) continues from it and finishes: COMPLETED, exit 0, every step once, the
+final policy written. A bad config fails its job with exit 2 before Ray starts. Cost: about 2 min
+on a 2-core machine (plus ~10 s for `make slurm`'s apt-get); 4.5 min when other runs share the cores.
 """
 import json
 import os
@@ -261,7 +262,7 @@ def test_scancel_leaves_no_process_and_a_resumable_checkpoint(slurm, cancelled):
 def test_the_resubmitted_job_resumes_and_finishes(slurm, model, cancelled):
     run, _, _, _ = cancelled
     before = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    job = slurm.sbatch(*_train_args(model, run, 3), job_env=_job_env(slurm))  # tiny_cpu.yaml: trainer.resume=auto
+    job = slurm.sbatch(*_train_args(model, run, 3), "--resume", job_env=_job_env(slurm))
     info = slurm.wait_gone(job, timeout=400)
     out = slurm.output(job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, out[-4000:])
@@ -271,3 +272,13 @@ def test_the_resubmitted_job_resumes_and_finishes(slurm, model, cancelled):
     assert (run / "hf_final" / "config.json").exists()
     assert "rlmega.sbatch: Ray stopped on 1 node(s); exit 0" in out
     assert not _tagged_processes()
+
+
+def test_a_bad_config_fails_the_job_with_exit_2_before_ray_starts(slurm, model, tmp_path):
+    job = slurm.sbatch(*_train_args(model, tmp_path / "bad", 3), "parallelism.tensor_model_parallel_size=3",
+                       job_env=_job_env(slurm))
+    info = slurm.wait_gone(job, timeout=120)
+    out = slurm.output(job)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), (info, out[-3000:])
+    assert "parallelism.tensor_model_parallel_size" in out and "Fix:" in out, out[-3000:]
+    assert "Ray head" not in out, out[-3000:]  # nothing started
