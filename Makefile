@@ -7,7 +7,7 @@ EXTRAS ?= cpu,dev
 comma  := ,
 STAMP  := $(VENV)/.rlmega-installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo test install clean chromium
+.PHONY: demo test install clean chromium slurm
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ $(STAMP): setup.py Makefile
 demo: $(STAMP)
 	$(VENV)/bin/rlmega demo
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium slurm
 	@# pytest exits 5 when it collected no test: a suite that ran nothing is a failure too.
 	$(PY) -m pytest; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc
 
@@ -34,6 +34,11 @@ test: $(STAMP) chromium
 # (CI); otherwise say so and go on (that test skips).
 chromium:
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || echo "chromium not installed: the browser test will skip"
+
+# tests/e2e/test_slurm.py starts munged, slurmctld and slurmd here and sbatches tools/slurm/rlmega.sbatch:
+# install Debian's slurm-wlm and munge if missing and we are root (CI, about 10 s); otherwise that test skips.
+slurm:
+	@command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || echo "slurm-wlm/munge not installed: the Slurm test will skip"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
