@@ -42,7 +42,7 @@ def hf_model(tmp_path_factory):
 def engines(hf_model):
     from rlmega.workers.rollout import RolloutWorker
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     Engine = ray.remote(num_cpus=0.5)(RolloutWorker)
     handles = [Engine.remote(hf_model, max_model_len=64, seed=i, kv_cache_space_gb=1) for i in range(2)]
     yield handles
