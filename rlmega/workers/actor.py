@@ -201,7 +201,7 @@ class MegatronActor:
 
         ``lr``: a constant learning rate outside the RL schedule (which it neither uses nor advances).
         """
-        return self._step(batch, self._sft_loss, temperature=1.0, lr=lr)
+        return self._step(batch, self._sft_loss, temperature=1.0, lr=lr, entropy_grad=False)
 
     def train_step(self, batch: RolloutBatch) -> dict:
         """One RL optimizer step on the whole batch (needs advantages and old_logprobs)."""
@@ -213,14 +213,16 @@ class MegatronActor:
             raise ValueError(f"algorithm.rollout_correction={self.algo.rollout_correction} needs "
                              "batch.rollout_logprobs (the engine's log-probs of the sampled tokens); "
                              "set algorithm.rollout_correction=none for batches without them")
-        return self._step(batch, self._loss, self.temperature)
+        return self._step(batch, self._loss, self.temperature, entropy_grad=self.algo.entropy_coef > 0)
 
-    def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None) -> dict:
+    def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None,
+              entropy_grad: bool = True) -> dict:
+        """One optimizer step. ``entropy_grad``: the loss uses the entropy (else it is a metric only)."""
         if self.cfg.offload_optimizer and "optimizer state" in self.policy.offloaded:
             self.policy.onload_optimizer_state()
         mbs, efficiency = self._plan(batch)
-        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature,
-                                          loss_fn, with_entropy=True)
+        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature, loss_fn,
+                                          with_entropy=True, entropy_grad=entropy_grad)
         keys = ("numerator", "count", *_STAT_KEYS)
         sums = None if outs is None else torch.stack([sum(o[k] for o in outs) for k in keys])
         sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))

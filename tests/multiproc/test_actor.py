@@ -23,14 +23,16 @@ def hf_model(tmp_path_factory):
                                num_kv_heads=2, num_layers=4, seed=5))
 
 
-def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, **actor_kw):
+def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, algorithm=None, **actor_kw):
+    """``algorithm``: AlgorithmConfig fields that replace this file's (KL 0.05 k3, entropy 0.01)."""
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.workers.actor import MegatronActor
 
     actor = MegatronActor(
         ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world or tp * pp),
         OptimizerConfig(lr=3e-3, clip_grad=1.0), ActorConfig(max_tokens_per_micro_batch=max_tokens, **actor_kw),
-        AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3"), temperature=0.8,
+        AlgorithmConfig(**{"kl_coef": 0.05, "entropy_coef": 0.01, "kl_estimator": "k3", **(algorithm or {})}),
+        temperature=0.8,
     )
     actor.setup()
     return actor
@@ -97,6 +99,31 @@ def test_train_step_matches_single_process(hf_model, reference, name):
     for rank, (metrics, old) in enumerate(results):
         _assert_same_run(metrics, ref_metrics, f"{name} rank {rank}")
         assert max((a - b).abs().max().item() for a, b in zip(old, ref_old)) <= 1e-5
+
+
+def _entropy_body(path):
+    """The same step from the same weights with entropy_coef 0 (entropy a metric, no graph) and 0.5."""
+    from rlmega.megatron.runtime import teardown_megatron
+
+    batch = random_batch(N, seed=1)
+    mask = torch.cat(batch.response_mask)
+    out = {}
+    for coef in (0.0, 0.5):
+        actor = _actor(path, max_tokens=16, algorithm={"entropy_coef": coef, "kl_coef": 0.0})
+        old, ent = actor.compute_logprobs(batch, with_entropy=True)
+        m = actor.train_step(dataclasses.replace(batch, old_logprobs=old))
+        out[coef] = (m, float((torch.cat(ent) * mask).sum() / mask.sum()))
+        teardown_megatron(destroy_process_group=False)  # the next actor joins the same gloo group
+    return out
+
+
+def test_entropy_is_reported_at_coefficient_zero_and_trained_above_it(hf_model):
+    out = run_on_ranks(_entropy_body, 1, args=(hf_model,), timeout_s=300)[0]
+    for coef, (m, want) in out.items():  # the metric: the token-mean entropy compute_logprobs gives
+        assert abs(m["entropy"] - want) <= 1e-6 * want, (coef, m["entropy"], want)
+    (m0, _), (m5, _) = out[0.0], out[0.5]
+    assert m0["pg_loss"] == m5["pg_loss"]  # same policy, same batch: only the entropy bonus differs
+    assert m5["loss"] < m0["loss"] and m5["grad_norm"] != m0["grad_norm"]  # the bonus reaches the gradient
 
 
 def _packing_body(path):
