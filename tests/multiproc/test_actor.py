@@ -101,6 +101,73 @@ def test_train_step_matches_single_process(hf_model, reference, name):
         assert max((a - b).abs().max().item() for a, b in zip(old, ref_old)) <= 1e-5
 
 
+# ---- one optimizer step per RL step: the old log-probs come from the train forward itself ------
+
+ON_POLICY_CASES = {  # name: (tp, pp, vpp, world, max_tokens, algorithm overrides)
+    "budget_16": (1, 1, None, 1, 16, {}),
+    "tp2_dp2": (2, 1, None, 4, 40, {}),
+    "tp2_pp2": (2, 2, None, 4, 24, {}),
+    "pp2_vpp2_dp2": (1, 2, 2, 4, 24, {}),
+    # the entropy only a metric (computed without a graph), rollout correction weighting the loss
+    "tis_no_entropy_bonus": (1, 1, None, 1, 16, {"entropy_coef": 0.0, "rollout_correction": "tis"}),
+}
+
+
+def _on_policy_body(path, tp, pp, vpp, world, max_tokens, algorithm):
+    """The same RL step from the same weights twice, one actor after the other in the same process
+    group: compute_logprobs + train_step(old), then train_step(optimizer_steps_per_rl_step=1)."""
+    from rlmega.megatron import offload
+    from rlmega.megatron.runtime import teardown_megatron
+
+    batch = random_batch(N, seed=1)
+    runs, errors = {}, []
+    for kind in ("old", "on_policy"):
+        actor = _actor(path, tp, pp, vpp, world, max_tokens, algorithm=algorithm)
+        old = actor.compute_logprobs(batch)  # on the on-policy side too: what train_step must return
+        b = dataclasses.replace(batch, ref_logprobs=actor.compute_ref_logprobs(batch))
+        if actor.algo.rollout_correction != "none":  # pi_old / pi_rollout from e^-1 to e: some truncated at 2
+            b = dataclasses.replace(b, rollout_logprobs=[o - torch.linspace(-1, 1, len(o)) for o in old])
+        if kind == "old":
+            m = actor.train_step(dataclasses.replace(b, old_logprobs=old))
+        else:
+            for steps in (None, 2):  # not stated, or several optimizer steps: old log-probs required
+                try:
+                    actor.train_step(b, optimizer_steps_per_rl_step=steps)
+                except ValueError as e:
+                    errors.append(str(e))
+            m = actor.train_step(b, optimizer_steps_per_rl_step=1)
+        weights = [p.detach().clone() for p in offload.model_params(actor.policy.model)]
+        runs[kind] = (m, old, weights)
+        teardown_megatron(destroy_process_group=False)  # the next actor joins the same gloo group
+    return runs, errors
+
+
+@pytest.mark.parametrize("name", list(ON_POLICY_CASES))
+def test_on_policy_train_step_equals_compute_logprobs_then_train_step(hf_model, name):
+    tp, pp, vpp, world, budget, algorithm = ON_POLICY_CASES[name]
+    results = run_on_ranks(_on_policy_body, world, args=(hf_model, tp, pp, vpp, world, budget, algorithm),
+                           timeout_s=300)
+    # Measured (float32, CPU, every case here): the no-grad forward of compute_logprobs and the
+    # train forward give bit-identical log-probs, hence the same ratio (exactly 1), loss, gradients
+    # and updated weights. So the comparisons are exact; a kernel that differs between the two
+    # forwards (some GPU ones) would need a tolerance instead.
+    for rank, (runs, errors) in enumerate(results):
+        (m_old, lp_old, w_old), (m_on, lp_ref, w_on) = runs["old"], runs["on_policy"]
+        returned = m_on.pop("old_logprobs")
+        assert "old_logprobs" not in m_old
+        assert len(returned) == N and all(torch.equal(a, b) for a, b in zip(returned, lp_ref)), f"{name} rank {rank}"
+        assert all(torch.equal(a, b) for a, b in zip(lp_old, lp_ref))  # both sides started from the same policy
+        assert m_on.keys() == m_old.keys()
+        for key, want in m_old.items():
+            got = m_on[key]
+            assert got == want or (math.isnan(got) and math.isnan(want)), f"{name} rank {rank} {key}: {got} vs {want}"
+        assert m_on["ppo_kl"] == 0.0 and m_on["pg_clipfrac"] == 0.0 and m_on["grad_norm"] > 0
+        assert len(w_on) == len(w_old) and all(torch.equal(a, b) for a, b in zip(w_on, w_old)), f"{name} rank {rank}"
+        if algorithm.get("rollout_correction") == "tis":
+            assert 0 < m_on["rollout_is_truncated"] < 1
+        assert len(errors) == 2 and all("optimizer_steps_per_rl_step=" in e and "old_logprobs" in e for e in errors)
+
+
 def _entropy_body(path):
     """The same step from the same weights with entropy_coef 0 (entropy a metric, no graph) and 0.5."""
     from rlmega.megatron.runtime import teardown_megatron
