@@ -43,18 +43,25 @@ def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
         texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=False)
         rewards, reward_errors = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
     batch = batch_from_samples(samples, rewards)
+    n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)  # optimizer steps in this RL step
+    kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
+    # One optimizer step: the policy before it scores the train forward itself, so train_step takes
+    # the old log-probs from there (detached) instead of a separate forward, and returns them.
+    on_policy = n_mini == 1 and not kl_reward
     with t("logprob"):
-        old = roles.call_actors("compute_logprobs", batch)
+        old = None if on_policy else roles.call_actors("compute_logprobs", batch)
         ref = roles.call_actors("compute_ref_logprobs", batch) if a.kl_coef > 0 else None
     seq_rewards = batch.rewards.clone()
-    if ref is not None and a.kl_in_reward:  # KL as a per-sequence reward penalty
+    if kl_reward:  # KL as a per-sequence reward penalty
         seq_rewards -= a.kl_coef * torch.stack([kl_lib.kl_penalty(o, r, a.kl_estimator).sum() for o, r in zip(old, ref)])
     seq_adv = adv_lib.compute(a.advantage_estimator, seq_rewards, batch.group_ids)
     batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref,
-                                advantages=[torch.full_like(o, float(x)) for o, x in zip(old, seq_adv)])
+                                advantages=[torch.full((n,), float(x)) for n, x in zip(batch.response_lens(), seq_adv)])
     with t("train"):
-        n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)
-        train = [roles.call_actors("train_step", mini) for mini in batch.split(n_mini) if len(mini)]
+        train = [roles.call_actors("train_step", mini, optimizer_steps_per_rl_step=n_mini)
+                 for mini in batch.split(n_mini) if len(mini)]
+    if on_policy:
+        old = train[0].pop("old_logprobs")  # the policy's before this step's update, as compute_logprobs gives
     with t("sync"):
         roles.rollout_phase(version=step + 1)  # trainer offloads, engines wake, weights sync
     parity = logprob_diff(batch.rollout_logprobs, old, batch.response_mask)

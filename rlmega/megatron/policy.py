@@ -105,10 +105,14 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
 
 
 def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
-                        loss_fn: LossFn, with_entropy: bool) -> list[dict] | None:
+                        loss_fn: LossFn, with_entropy: bool, entropy_grad: bool = True,
+                        keep_logprobs: bool = False) -> list[dict] | None:
     """Forward + backward of all micro-batches (gradients land in Megatron DDP's buffers).
 
     Returns each micro-batch's stats (sums) on the last pipeline stage, None elsewhere.
+    ``entropy_grad`` False: the entropy is only a metric, computed without building its graph.
+    ``keep_logprobs``: each micro-batch's stats also hold "logprobs" (T,), this forward's
+    log-probs, detached (float32, on the host), as ``forward_logprobs`` returns them.
     """
 
     def step(data_iterator, chunk):
@@ -118,11 +122,16 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
         def loss(output):
             labels = mb["labels"].to(output.device)
             lp = token_logprobs(output[0], labels, vocab_size, temperature)
-            ent = entropy(output[0], vocab_size, temperature) if with_entropy else None
+            ent = None
+            if with_entropy:
+                with torch.set_grad_enabled(entropy_grad):  # no graph when it is only a metric
+                    ent = entropy(output[0], vocab_size, temperature)
             numerator, count, stats = loss_fn(mb, lp, ent)
             stats = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in stats.items()}
             stats["numerator"] = numerator.detach().double().cpu()
             stats["count"] = torch.tensor(float(count), dtype=torch.float64)
+            if keep_logprobs:
+                stats["logprobs"] = lp.detach().cpu()
             return numerator, torch.tensor(int(count), dtype=torch.int), stats
 
         return logits, loss

@@ -11,10 +11,16 @@ token budget) and every rank returns the same full result.
     ref = actor.compute_ref_logprobs(batch)
     metrics = actor.train_step(replace(batch, old_logprobs=old, ref_logprobs=ref, advantages=adv))
     actor.update_ref_policy(0.05)
+
+An RL step of one optimizer step needs no separate old-log-prob forward (train_step explains why):
+
+    metrics = actor.train_step(replace(batch, ref_logprobs=ref, advantages=adv), optimizer_steps_per_rl_step=1)
+    old = metrics["old_logprobs"]                   # what compute_logprobs would have returned
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from contextlib import contextmanager
@@ -141,12 +147,15 @@ class MegatronActor:
                 self.reference.offload_params()
 
     # ---- training ---------------------------------------------------------------------------
-    def _loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None):
+    def _loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None, on_policy: bool = False):
+        """The RL loss of one micro-batch. ``on_policy``: the old log-probs are this forward's own,
+        detached (see train_step): the PPO ratio is exactly 1 and the clip inactive."""
         a, mask, seq_ids, n = self.algo, mb["loss_mask"], mb["seq_ids"], mb["num_seqs"]
         response_mask = mask  # every response token: the denominator of the token statistics
+        old = logprobs.detach() if on_policy else mb["old_logprobs"]  # (T,)
         weight, rc = None, None
         if "rollout_logprobs" in mb:
-            weight, keep, rc = rc_lib.correct(a.rollout_correction, mb["old_logprobs"], mb["rollout_logprobs"],
+            weight, keep, rc = rc_lib.correct(a.rollout_correction, old, mb["rollout_logprobs"],
                                               mask, seq_ids, n, a.rollout_is_cap, a.rollout_is_bounds_low,
                                               a.rollout_is_bounds_high)
             if a.rollout_correction in ("mis_token", "mis_seq"):
@@ -155,10 +164,10 @@ class MegatronActor:
             raise ValueError(f"algorithm.rollout_correction={a.rollout_correction} needs the rollout log-probs "
                              "in the batch (RolloutBatch.rollout_logprobs)")
         if a.policy_loss == "gspo":
-            pg, st = losses.gspo(logprobs, mb["old_logprobs"], mb["advantages"], mask, seq_ids, n,
+            pg, st = losses.gspo(logprobs, old, mb["advantages"], mask, seq_ids, n,
                                  a.clip_eps_low, a.clip_eps_high)
         else:
-            pg, st = losses.ppo_clip(logprobs, mb["old_logprobs"], mb["advantages"], mask, a.clip_eps_low,
+            pg, st = losses.ppo_clip(logprobs, old, mb["advantages"], mask, a.clip_eps_low,
                                      a.clip_eps_high, a.dual_clip_c if a.policy_loss == "dual_clip" else None)
         if a.rollout_correction == "tis":
             pg = pg * weight  # truncated IS weight, detached: corrects the sampling distribution
@@ -201,26 +210,51 @@ class MegatronActor:
 
         ``lr``: a constant learning rate outside the RL schedule (which it neither uses nor advances).
         """
-        return self._step(batch, self._sft_loss, temperature=1.0, lr=lr)
+        return self._step(batch, self._sft_loss, temperature=1.0, lr=lr, entropy_grad=False)
 
-    def train_step(self, batch: RolloutBatch) -> dict:
-        """One RL optimizer step on the whole batch (needs advantages and old_logprobs)."""
-        if batch.advantages is None or batch.old_logprobs is None:
-            raise ValueError("train_step needs batch.advantages and batch.old_logprobs")
+    def train_step(self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None) -> dict:
+        """One RL optimizer step on the whole batch (needs advantages, and old_logprobs unless on-policy).
+
+        Old log-probs are the policy's before the RL step's first update: the PPO ratio's
+        denominator and the rollout-correction weights' numerator. The batch carries them
+        (compute_logprobs) unless the caller says this call is the RL step's only optimizer step
+        (``optimizer_steps_per_rl_step=1``, only the caller knows how it splits the step). Then
+        ``old_logprobs`` may be None: the policy before this update is the one running this very
+        forward, so its log-probs, detached, are the old ones (ratio exactly 1; the same numbers
+        as a separate no-grad forward, see tests/multiproc/test_actor.py), and the result holds
+        them as "old_logprobs": per sample, batch order, on every rank, as compute_logprobs returns.
+        """
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages")
+        on_policy = batch.old_logprobs is None
+        if on_policy and optimizer_steps_per_rl_step != 1:
+            raise ValueError(
+                "train_step needs batch.old_logprobs (compute_logprobs) unless it is the RL step's only "
+                f"optimizer step; it was told optimizer_steps_per_rl_step={optimizer_steps_per_rl_step}: "
+                "the steps after the first must compare with the policy before the first, which this "
+                "forward no longer is. Pass optimizer_steps_per_rl_step=1 only for a single step.")
         if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and batch.ref_logprobs is None:
             raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
         if self.algo.rollout_correction != "none" and batch.rollout_logprobs is None:
             raise ValueError(f"algorithm.rollout_correction={self.algo.rollout_correction} needs "
                              "batch.rollout_logprobs (the engine's log-probs of the sampled tokens); "
                              "set algorithm.rollout_correction=none for batches without them")
-        return self._step(batch, self._loss, self.temperature)
+        loss_fn = functools.partial(self._loss, on_policy=on_policy)
+        return self._step(batch, loss_fn, self.temperature, entropy_grad=self.algo.entropy_coef > 0,
+                          return_logprobs=on_policy)
 
-    def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None) -> dict:
+    def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None,
+              entropy_grad: bool = True, return_logprobs: bool = False) -> dict:
+        """One optimizer step. ``entropy_grad``: the loss uses the entropy (else it is a metric only).
+        ``return_logprobs``: the result holds this forward's log-probs as "old_logprobs"."""
         if self.cfg.offload_optimizer and "optimizer state" in self.policy.offloaded:
             self.policy.onload_optimizer_state()
         mbs, efficiency = self._plan(batch)
-        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature,
-                                          loss_fn, with_entropy=True)
+        outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature, loss_fn,
+                                          with_entropy=True, entropy_grad=entropy_grad,
+                                          keep_logprobs=return_logprobs)
+        # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
+        old = self._gather_responses(mbs, outs, "logprobs", batch) if return_logprobs else None
         keys = ("numerator", "count", *_STAT_KEYS)
         sums = None if outs is None else torch.stack([sum(o[k] for o in outs) for k in keys])
         sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
@@ -242,6 +276,7 @@ class MegatronActor:
             "ppo_kl": s["ppo_kl"] / tokens, "entropy": s["entropy"] / tokens, "kl_ref": s["kl_ref"] / tokens,
             "grad_norm": grad_norm, "lr": lr, "tokens": int(s["tokens"]), "padding_fraction": 1.0 - efficiency,
             "skipped": 0.0 if ok else 1.0, **_rollout_correction_metrics(s),
+            **({"old_logprobs": old} if return_logprobs else {}),
         }
 
     # ---- reference policy, checkpoints, export ----------------------------------------------

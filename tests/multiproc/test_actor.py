@@ -23,14 +23,16 @@ def hf_model(tmp_path_factory):
                                num_kv_heads=2, num_layers=4, seed=5))
 
 
-def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, **actor_kw):
+def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, algorithm=None, **actor_kw):
+    """``algorithm``: AlgorithmConfig fields that replace this file's (KL 0.05 k3, entropy 0.01)."""
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.workers.actor import MegatronActor
 
     actor = MegatronActor(
         ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world or tp * pp),
         OptimizerConfig(lr=3e-3, clip_grad=1.0), ActorConfig(max_tokens_per_micro_batch=max_tokens, **actor_kw),
-        AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3"), temperature=0.8,
+        AlgorithmConfig(**{"kl_coef": 0.05, "entropy_coef": 0.01, "kl_estimator": "k3", **(algorithm or {})}),
+        temperature=0.8,
     )
     actor.setup()
     return actor
@@ -97,6 +99,98 @@ def test_train_step_matches_single_process(hf_model, reference, name):
     for rank, (metrics, old) in enumerate(results):
         _assert_same_run(metrics, ref_metrics, f"{name} rank {rank}")
         assert max((a - b).abs().max().item() for a, b in zip(old, ref_old)) <= 1e-5
+
+
+# ---- one optimizer step per RL step: the old log-probs come from the train forward itself ------
+
+ON_POLICY_CASES = {  # name: (tp, pp, vpp, world, max_tokens, algorithm overrides)
+    "budget_16": (1, 1, None, 1, 16, {}),
+    "tp2_dp2": (2, 1, None, 4, 40, {}),
+    "tp2_pp2": (2, 2, None, 4, 24, {}),
+    "pp2_vpp2_dp2": (1, 2, 2, 4, 24, {}),
+    # the entropy only a metric (computed without a graph), rollout correction weighting the loss
+    "tis_no_entropy_bonus": (1, 1, None, 1, 16, {"entropy_coef": 0.0, "rollout_correction": "tis"}),
+}
+
+
+def _on_policy_body(path, tp, pp, vpp, world, max_tokens, algorithm):
+    """The same RL step from the same weights twice, one actor after the other in the same process
+    group: compute_logprobs + train_step(old), then train_step(optimizer_steps_per_rl_step=1)."""
+    from rlmega.megatron import offload
+    from rlmega.megatron.runtime import teardown_megatron
+
+    batch = random_batch(N, seed=1)
+    runs, errors = {}, []
+    for kind in ("old", "on_policy"):
+        actor = _actor(path, tp, pp, vpp, world, max_tokens, algorithm=algorithm)
+        old = actor.compute_logprobs(batch)  # on the on-policy side too: what train_step must return
+        b = dataclasses.replace(batch, ref_logprobs=actor.compute_ref_logprobs(batch))
+        if actor.algo.rollout_correction != "none":  # pi_old / pi_rollout from e^-1 to e: some truncated at 2
+            b = dataclasses.replace(b, rollout_logprobs=[o - torch.linspace(-1, 1, len(o)) for o in old])
+        if kind == "old":
+            m = actor.train_step(dataclasses.replace(b, old_logprobs=old))
+        else:
+            for steps in (None, 2):  # not stated, or several optimizer steps: old log-probs required
+                try:
+                    actor.train_step(b, optimizer_steps_per_rl_step=steps)
+                except ValueError as e:
+                    errors.append(str(e))
+            m = actor.train_step(b, optimizer_steps_per_rl_step=1)
+        weights = [p.detach().clone() for p in offload.model_params(actor.policy.model)]
+        runs[kind] = (m, old, weights)
+        teardown_megatron(destroy_process_group=False)  # the next actor joins the same gloo group
+    return runs, errors
+
+
+@pytest.mark.parametrize("name", list(ON_POLICY_CASES))
+def test_on_policy_train_step_equals_compute_logprobs_then_train_step(hf_model, name):
+    tp, pp, vpp, world, budget, algorithm = ON_POLICY_CASES[name]
+    results = run_on_ranks(_on_policy_body, world, args=(hf_model, tp, pp, vpp, world, budget, algorithm),
+                           timeout_s=300)
+    # Measured (float32, CPU, every case here): the no-grad forward of compute_logprobs and the
+    # train forward give bit-identical log-probs, hence the same ratio (exactly 1), loss, gradients
+    # and updated weights. So the comparisons are exact; a kernel that differs between the two
+    # forwards (some GPU ones) would need a tolerance instead.
+    for rank, (runs, errors) in enumerate(results):
+        (m_old, lp_old, w_old), (m_on, lp_ref, w_on) = runs["old"], runs["on_policy"]
+        returned = m_on.pop("old_logprobs")
+        assert "old_logprobs" not in m_old
+        assert len(returned) == N and all(torch.equal(a, b) for a, b in zip(returned, lp_ref)), f"{name} rank {rank}"
+        assert all(torch.equal(a, b) for a, b in zip(lp_old, lp_ref))  # both sides started from the same policy
+        assert m_on.keys() == m_old.keys()
+        for key, want in m_old.items():
+            got = m_on[key]
+            assert got == want or (math.isnan(got) and math.isnan(want)), f"{name} rank {rank} {key}: {got} vs {want}"
+        assert m_on["ppo_kl"] == 0.0 and m_on["pg_clipfrac"] == 0.0 and m_on["grad_norm"] > 0
+        assert len(w_on) == len(w_old) and all(torch.equal(a, b) for a, b in zip(w_on, w_old)), f"{name} rank {rank}"
+        if algorithm.get("rollout_correction") == "tis":
+            assert 0 < m_on["rollout_is_truncated"] < 1
+        assert len(errors) == 2 and all("optimizer_steps_per_rl_step=" in e and "old_logprobs" in e for e in errors)
+
+
+def _entropy_body(path):
+    """The same step from the same weights with entropy_coef 0 (entropy a metric, no graph) and 0.5."""
+    from rlmega.megatron.runtime import teardown_megatron
+
+    batch = random_batch(N, seed=1)
+    mask = torch.cat(batch.response_mask)
+    out = {}
+    for coef in (0.0, 0.5):
+        actor = _actor(path, max_tokens=16, algorithm={"entropy_coef": coef, "kl_coef": 0.0})
+        old, ent = actor.compute_logprobs(batch, with_entropy=True)
+        m = actor.train_step(dataclasses.replace(batch, old_logprobs=old))
+        out[coef] = (m, float((torch.cat(ent) * mask).sum() / mask.sum()))
+        teardown_megatron(destroy_process_group=False)  # the next actor joins the same gloo group
+    return out
+
+
+def test_entropy_is_reported_at_coefficient_zero_and_trained_above_it(hf_model):
+    out = run_on_ranks(_entropy_body, 1, args=(hf_model,), timeout_s=300)[0]
+    for coef, (m, want) in out.items():  # the metric: the token-mean entropy compute_logprobs gives
+        assert abs(m["entropy"] - want) <= 1e-6 * want, (coef, m["entropy"], want)
+    (m0, _), (m5, _) = out[0.0], out[0.5]
+    assert m0["pg_loss"] == m5["pg_loss"]  # same policy, same batch: only the entropy bonus differs
+    assert m5["loss"] < m0["loss"] and m5["grad_norm"] != m0["grad_norm"]  # the bonus reaches the gradient
 
 
 def _packing_body(path):
