@@ -27,6 +27,7 @@ from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.megatron.checkpoint import CheckpointSpaceError
+from rlmega.profiling import profiled
 from rlmega.runs import RunDir
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.stopping import StopRequest
@@ -77,7 +78,8 @@ def train(cfg: RLConfig) -> RunDir:
             if stop.requested() or roles.manager.should_stop():
                 roles.manager.set_should_stop(True)
                 break
-            metrics = rl_step(roles, data.next_prompts(), step, cfg, tokenizer)
+            with profiled(roles, run.path / "profile", step + 1, cfg.logging.profile_steps):
+                metrics = rl_step(roles, data.next_prompts(), step, cfg, tokenizer)
             if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
                 roles.call_actors("update_ref_policy")
             if t.eval_every and data.eval_prompts and (step + 1) % t.eval_every == 0:

@@ -214,6 +214,9 @@ class LoggingConfig:
     """Address the ActorManager dashboard binds to."""
     dashboard_port: int = 0
     """Dashboard port; 0 picks a free one."""
+    profile_steps: List[int] = field(default_factory=list)
+    """RL steps (1-based, as in metrics.jsonl) to trace with the torch profiler: every trainer rank and
+    every rollout engine writes a Chrome trace under RUN_DIR/profile/step_N/ (open in Perfetto)."""
 
 
 @dataclass

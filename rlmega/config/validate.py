@@ -269,6 +269,10 @@ def validate(cfg: RLConfig) -> None:
     if not all(cfg.reward.fn.split(".")) or "." not in cfg.reward.fn:
         out.append(problem("reward.fn", f"{cfg.reward.fn!r} is not a dotted path",
                            "write it as package.module.function, e.g. rlmega.rewards.arithmetic.score"))
+    outside = [n for n in cfg.logging.profile_steps if not 1 <= n <= tr.total_steps]
+    if outside:
+        out.append(problem("logging.profile_steps", f"{outside} outside the run's steps 1..{tr.total_steps}",
+                           "list RL step numbers as metrics.jsonl counts them, e.g. [2, 3]"))
     if not tr.run_dir:
         out.append(problem("trainer.run_dir", "is empty", "set trainer.run_dir to a folder, e.g. runs/my_run"))
     if tr.resume not in ("none", "auto"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -56,6 +57,7 @@ class Roles:
         self.swaps = False  # the trainer releases its device memory while engines generate
         self.engines_asleep = False
         self.trainer_released = False
+        self._profile_name = ""  # the profile being recorded (logging.profile_steps)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "Roles":
@@ -114,7 +116,7 @@ class Roles:
                 self.cfg.model.path, device=r.device, dtype=self.cfg.model.dtype,
                 max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
                 kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_parallel_size))
+                tensor_parallel_size=r.tensor_parallel_size, profile_dir=self._engine_profile_dir()))
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
             self.manager.set_kv_cache_max_concurrency(i, value)
@@ -250,6 +252,27 @@ class Roles:
         if self.engines_asleep:
             self._get([e.wake_up.remote() for e in self.engines], "rollout engine")
             self.engines_asleep = False
+
+    # ---- profiling (logging.profile_steps, rlmega/profiling.py) --------------------------------
+    def _engine_profile_dir(self) -> str | None:
+        """Where engines write traces (fixed when they start; stop_profile files them by step)."""
+        if not self.cfg.logging.profile_steps:
+            return None
+        return str(Path(self.cfg.trainer.run_dir).resolve() / "profile" / "engines")
+
+    def start_profile(self, name: str) -> None:
+        self._call_actors("start_profile")
+        self._get([e.start_profile.remote(f"{name}_engine{i}") for i, e in enumerate(self.engines)], "rollout engine")
+        self._profile_name = name
+
+    def stop_profile(self, out_dir: str) -> list[str]:
+        """Every rank's and engine's trace of this profile, in ``out_dir``; returns their paths."""
+        paths = self.actors.call("stop_profile", out_dir)
+        self._get([e.stop_profile.remote() for e in self.engines], "rollout engine")
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for f in sorted(Path(self._engine_profile_dir()).glob(f"{self._profile_name}_engine*")):
+            paths.append(str(f.replace(Path(out_dir) / f.name.removeprefix(f"{self._profile_name}_"))))
+        return paths
 
     def _dead_engines(self) -> list[int]:
         dead = []

@@ -39,6 +39,7 @@ from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
                                     tensor_parallel_rank)
+from rlmega.profiling import TraceRecorder
 
 _STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref",
               "rc_tokens", "rc_ratio", "rc_truncated", "rc_masked")
@@ -361,6 +362,17 @@ class MegatronActor:
                     ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
                     ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
                     ("params", "offload_params", "onload_params"))
+
+    # ---- profiling (logging.profile_steps) --------------------------------------------------
+    def start_profile(self) -> None:
+        self._trace = TraceRecorder()
+        self._trace.start()
+
+    def stop_profile(self, out_dir: str) -> str:
+        """Write this rank's trace to ``out_dir/trainer_rank{R}.json``; returns its path."""
+        import torch.distributed as dist
+
+        return self._trace.stop(f"{out_dir}/trainer_rank{dist.get_rank()}.json")
 
     def offload_for_rollout(self, keep_params: bool = False) -> dict:
         """Move the policy's state to host memory and return the freed memory to the CUDA driver.

@@ -90,7 +90,7 @@ class RolloutWorker:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, enable_prefix_caching: bool = False):
+                 enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
@@ -113,6 +113,11 @@ class RolloutWorker:
         else:
             engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
 
+        if profile_dir:  # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)
+            from vllm.config import ProfilerConfig
+
+            engine_kwargs["profiler_config"] = ProfilerConfig(profiler="torch",
+                                                              torch_profiler_dir=os.path.abspath(profile_dir))
         from vllm import LLM
 
         self._llm = LLM(
@@ -188,6 +193,13 @@ class RolloutWorker:
         self._llm.collective_rpc(_reload_weights, args=(payload,))
         self._llm.reset_prefix_cache()
         self._version = version
+
+    def start_profile(self, prefix: str) -> None:
+        """Trace the engine until stop_profile (needs profile_dir); files are named ``prefix``_..."""
+        self._llm.start_profile(prefix)
+
+    def stop_profile(self) -> None:
+        self._llm.stop_profile()
 
     def weight_version(self) -> int:
         return self._version

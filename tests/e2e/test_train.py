@@ -54,7 +54,7 @@ def _metrics(run_dir):
 @pytest.fixture(scope="module")
 def straight(model, tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
-    _run(_cmd(model, run, 4))
+    _run(_cmd(model, run, 4, "logging.profile_steps=[2]"))  # tracing step 2 changes no number (torchrun test)
     return run
 
 
@@ -71,6 +71,20 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
     assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (straight / "hf_final" / "config.json").exists()
     assert list((straight / "tensorboard").iterdir())
+
+
+def test_profile_steps_write_a_trace_per_rank_and_engine(straight):
+    import gzip
+
+    traces = straight / "profile" / "step_2"
+    for rank in range(4):
+        events = json.loads((traces / f"trainer_rank{rank}.json").read_text())["traceEvents"]
+        # the rank's share of the step: forward/backward ops (aten::) ran while it was traced
+        assert any(e.get("name", "").startswith("aten::") for e in events), rank
+    engine = sorted(traces.glob("engine0_*.json.gz"))
+    assert len(engine) == 1, sorted(p.name for p in traces.iterdir())
+    assert json.loads(gzip.decompress(engine[0].read_bytes()))["traceEvents"]
+    assert not (straight / "profile" / "step_1").exists() and not list((straight / "profile" / "engines").iterdir())
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]

@@ -57,6 +57,8 @@ def env(tmp_path_factory):
 CASES = [
     ("unknown key", ["trainer.total_stepz=7"], None, "trainer.total_stepz: unknown key"),
     ("zero steps", ["trainer.total_steps=0"], None, "trainer.total_steps:"),
+    ("profile step past the end", ["logging.profile_steps=[2,9]"], None,
+     "logging.profile_steps: [9] outside the run's steps 1..4"),
     ("grpo needs n >= 2", ["rollout.n=1"], None, "rollout.n:"),
     ("top_p > 1", ["rollout.top_p=1.5"], None, "rollout.top_p:"),
     ("temperature 0", ["rollout.temperature=0"], None, "rollout.temperature:"),
