@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 
 from tqdm import tqdm
@@ -145,8 +144,6 @@ def report(manager, metrics: dict, total_steps: int) -> None:
 
 def main(argv=None) -> int:
     rank = torchrun_group.rank()  # None unless torchrun started this process
-    if rank is not None:  # a trainer rank: no inductor compile pool to orphan (see launch/worker_group.py)
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if rank:  # ranks 1..: serve rank 0, the driver (launch/torchrun_group.py)
         return torchrun_group.serve()
     try:

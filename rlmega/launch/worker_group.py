@@ -56,10 +56,7 @@ class WorkerGroup:
                  placement_group=None, timeout_s: float = 1800.0):
         self.world_size, self.timeout_s = world_size, timeout_s
         # One intra-op thread per rank unless told otherwise: ranks share the node's cores.
-        # TORCHINDUCTOR_COMPILE_THREADS=1: Megatron's fused functions are torch.compile'd; with more
-        # threads inductor starts a pool of compile processes that outlive a rank killed with
-        # SIGKILL (seen: 4 x 300 MB orphans after every kill -9 of the driver).
-        env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1)
         Host = ray.remote(_RankHost)
         self.hosts = []
