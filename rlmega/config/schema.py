@@ -300,6 +300,13 @@ class ClusterConfig:
     """Ray CPUs reserved for each rollout engine."""
     reward_cpus: float = 0.25
     """Ray CPUs reserved for each reward worker."""
+    threads_per_rank: Optional[int] = None
+    """Intra-op threads of each trainer rank (torch.set_num_threads). None: on CPU runs the node's CPUs /
+    the trainer ranks on it, at least 1 (the loop is synchronous: ranks compute while engines wait, so
+    each phase may use the whole node; rlmega/launch/threads.py); with GPUs 1."""
+    threads_per_engine: Optional[int] = None
+    """Intra-op threads of each CPU rollout engine with rollout.tensor_parallel_size 1 (vLLM runs in the
+    engine's process). None: the node's CPUs / the engines on it, at least 1."""
 
 
 @dataclass

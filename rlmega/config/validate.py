@@ -79,6 +79,7 @@ def _divisors(n: int) -> List[int]:
 _Rule = Tuple[str, Callable[[object], bool], str]
 _GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
 _UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
+_NONE_OR_GE1 = (lambda v: v is None or v >= 1, "null (automatic) or >= 1")
 _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("parallelism.tensor_model_parallel_size", _GE1), ("parallelism.pipeline_model_parallel_size", _GE1),
     ("parallelism.virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
@@ -99,6 +100,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.rollout_is_bounds_low", (lambda v: 0 < v <= 1, "in (0, 1] (ratio 1, no mismatch, must be kept)")),
     ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
+    ("cluster.threads_per_rank", _NONE_OR_GE1), ("cluster.threads_per_engine", _NONE_OR_GE1),
     ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
     ("cluster.gpus_per_node", _GE1), ("cluster.cpu_ranks_per_node", _GE0),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),

@@ -1,14 +1,17 @@
 """Token-budget micro-batching and sequence packing (pure torch/python, no process groups).
 
     plan = plan_micro_batches(batch.lengths(), max_tokens=8192, dp_size=2, multiple_of=pp)
-    for idx in plan[dp_rank]:                      # one micro-batch = one packed row
+    for idx in plan[dp_rank]:                      # one micro-batch = one packed row (THD) ...
         row = pack([batch.tokens[i] for i in idx], row_multiple=tp)
         ...  logits = model(row["tokens"], row["position_ids"], packed_seq_params(row["cu_seqlens"]))
         per_seq = unpack(token_logprobs, row["cu_seqlens"])
+    rows = split_rows(idx, batch.lengths())        # ... or rows no longer than its longest sample (dense mask)
 
 A packed row holds S sequences back to back, then right padding: ``[a a | b b b | pad]``.
-Attention must stay inside each sequence: Transformer Engine reads ``cu_seqlens`` (THD format);
-the dense fallback is ``block_causal_mask``.
+Attention must stay inside each sequence: Transformer Engine reads ``cu_seqlens`` (THD format,
+attention per sequence, so one long row costs nothing extra); the dense fallback is
+``block_causal_mask``, whose cost grows with the square of the row: there a micro-batch is
+several short rows (``split_rows``).
 """
 from __future__ import annotations
 
@@ -101,14 +104,36 @@ def _split_fullest(bins: list[list[int]], lengths: list[int]) -> list[list[int]]
     return bins[:b] + halves + bins[b + 1 :]
 
 
-def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_multiple: int = 1) -> float:
-    """Real tokens / computed tokens, each micro-batch one row padded up to ``row_multiple``."""
+def split_rows(indices: list[int], lengths) -> list[list[int]]:
+    """One micro-batch's samples -> rows of at most its longest sample's length (first-fit-decreasing).
+
+    Why rows at all: with a dense block-causal mask (the CPU path) attention costs the square of
+    the row, whoever is in it, so one 2048-token row of 40-token sequences pays 50x the attention
+    of the sequences alone. Rows no longer than the longest sample cost no more attention than
+    that sample's own row, and FFD leaves no more padding than one sequence per row would: packed
+    into these rows, a micro-batch never costs more than the unpacked one. Returns the rows in
+    order, each ascending; ``lengths[i]`` is sample i's length (a list or a dict).
+    """
+    if not indices:
+        return []
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    return [sorted(row) for row in _first_fit_decreasing(order, lengths, lengths[order[0]])]
+
+
+def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_multiple: int = 1,
+                       rows: bool = False) -> float:
+    """Real tokens / computed tokens of a plan.
+
+    A micro-batch is one row padded up to ``row_multiple``, or with ``rows`` the (B, S) block of
+    its ``split_rows``, each row padded to the longest row (rounded up to ``row_multiple``).
+    """
     real = computed = 0
     for rank in plan:
         for mb in rank:
-            tokens = sum(lengths[i] for i in mb)
-            real += tokens
-            computed += -(-tokens // row_multiple) * row_multiple
+            real += sum(lengths[i] for i in mb)
+            groups = split_rows(mb, lengths) if rows else [mb]
+            longest = max(sum(lengths[i] for i in g) for g in groups)
+            computed += len(groups) * (-(-longest // row_multiple) * row_multiple)
     return real / computed if computed else 1.0
 
 

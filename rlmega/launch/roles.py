@@ -24,7 +24,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from rlmega.config.schema import RLConfig
-from rlmega.launch import torchrun_group
+from rlmega.launch import threads, torchrun_group
 from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.placement import Slot, placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
@@ -83,9 +83,10 @@ class Roles:
                 if on_torchrun else placement_plan(p, r, c))
         self.pgs, bundle_nodes = place_groups(plan, self.pg_timeout_s)
         engine_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.engines]
+        rank_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.ranks]
         if not self.started_ray:  # an embedded Ray is this machine alone
-            check_shared_paths(self.cfg.trainer.run_dir, self.cfg.model.path,
-                               [bundle_nodes[s.group][s.bundles[0]] for s in plan.ranks], engine_nodes)
+            check_shared_paths(self.cfg.trainer.run_dir, self.cfg.model.path, rank_nodes, engine_nodes)
+        rank_threads, engine_threads = self._threads(rank_nodes, engine_nodes, on_torchrun)
         self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
                                     port=self.cfg.logging.dashboard_port)
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
@@ -95,7 +96,8 @@ class Roles:
             model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer,
             actor=dataclasses.replace(self.cfg.actor, offload_while_generating=self.swaps),
             algorithm=self.cfg.algorithm, temperature=r.temperature,
-            lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step())
+            lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step(),
+            num_threads=rank_threads)
         if on_torchrun:
             self.actors = torchrun_group.TorchrunGroup(
                 MegatronActor, p.world_size, kwargs=actor_kwargs, timeout_s=self.call_timeout_s,
@@ -116,7 +118,8 @@ class Roles:
                 self.cfg.model.path, device=r.device, dtype=self.cfg.model.dtype,
                 max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
                 kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_parallel_size, profile_dir=self._engine_profile_dir()))
+                tensor_parallel_size=r.tensor_parallel_size, profile_dir=self._engine_profile_dir(),
+                num_threads=engine_threads[i]))
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
             self.manager.set_kv_cache_max_concurrency(i, value)
@@ -124,6 +127,30 @@ class Roles:
         self.rewarders = [Reward.remote(self.cfg.reward.fn, self.cfg.reward.kwargs, self.cfg.reward.timeout_s,
                                         self.cfg.reward.on_error)
                           for _ in range(self.cfg.reward.num_workers)]
+
+    def _threads(self, rank_nodes: list[str], engine_nodes: list[str], on_torchrun: bool) -> tuple[int, list]:
+        """Intra-op threads of the trainer ranks (one number: every rank gets the same) and of each
+        engine (None: vLLM's own workers, TP > 1 or CUDA). See rlmega/launch/threads.py."""
+        c, r = self.cfg.cluster, self.cfg.rollout
+        cpus = {n["NodeID"]: n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]}
+        if self.started_ray:  # this machine: the embedded Ray may count more CPUs than it has, to fit the actors
+            cpus = {n: min(v, len(os.sched_getaffinity(0))) for n, v in cpus.items()}
+        if c.threads_per_rank is not None:
+            rank = c.threads_per_rank
+        elif r.device == "cuda":
+            rank = 1
+        elif on_torchrun:  # the ranks are torchrun's, on nodes like this one
+            rank = threads.share(len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        else:
+            rank = min(threads.per_process(rank_nodes, cpus))
+        if r.device == "cuda" or r.tensor_parallel_size > 1:
+            engines = [None] * len(engine_nodes)
+        elif c.threads_per_engine is not None:
+            engines = [c.threads_per_engine] * len(engine_nodes)
+        else:
+            engines = threads.per_process(engine_nodes, cpus)
+        log.info("intra-op threads: %d per trainer rank, %s per engine", rank, engines)
+        return rank, engines
 
     def close(self) -> None:
         for handle in [*self.engines, *self.rewarders]:

@@ -31,16 +31,24 @@ LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor,
 
 
 def _forward(model, mb: dict) -> torch.Tensor:
-    """Logits (1, T, V/tp) of one packed row."""
+    """Logits (B*S, V/tp) of one micro-batch's packed rows (B, S), row-major like its per-token fields."""
     device = next(model.parameters()).device
     tokens, positions = mb["tokens"].to(device), mb["position_ids"].to(device)
     if "attention_mask" not in mb:  # Transformer Engine: THD packing, no dense mask
         cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
-        return model(tokens, positions, None, packed_seq_params=params)
-    with _rope_at(model, positions):
-        return model(tokens, positions, mb["attention_mask"].to(device))
+        logits = model(tokens, positions, None, packed_seq_params=params)
+    else:
+        with _rope_at(model, positions):
+            logits = model(tokens, positions, mb["attention_mask"].to(device))
+    # not the last pipeline stage: hidden states (S, B, H), passed on as they are
+    return logits.flatten(0, 1) if _is_last_stage(model) else logits
+
+
+def _is_last_stage(chunk) -> bool:
+    """This model chunk computes logits (the last chunk of the last pipeline stage)."""
+    return unwrap(chunk).post_process
 
 
 @contextmanager
@@ -53,13 +61,16 @@ def _rope_at(model, positions: torch.Tensor):
     transformers rotate by p*f with p the position inside the sequence. On the demo's trained model,
     with 512-token rows, that cost 1.2e-4 in log-probs against the engine; 1.4e-5 now, as much as
     vLLM vs transformers (tools/parity_probe.py).
-    The angles come from Megatron's own get_emb (same interleaving and scaling), indexed by position.
+    The angles come from Megatron's own get_emb (same interleaving and scaling), indexed by position;
+    with B rows each row has its own: (S, B, 1, dim), which broadcasts over heads in Megatron's
+    ``t * cos(freqs)`` as its (S, 1, 1, dim) does over the batch.
     """
     rope = getattr(unwrap(model), "rotary_pos_emb", None)
     if rope is None:
         yield
         return
-    emb = rope.get_emb(int(positions.max()) + 1)[positions[0]]  # (T, 1, 1, dim): one packed row
+    table = rope.get_emb(int(positions.max()) + 1)  # (L, 1, 1, dim)
+    emb = table[positions.t()].squeeze(3) if positions.shape[0] > 1 else table[positions[0]]  # (S, B|1, 1, dim)
     rope.forward = lambda *args, **kwargs: emb  # shadows the class's (cached) forward for this row
     try:
         yield
@@ -93,9 +104,9 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
         logits = _forward(chunk, mb)
 
         def collect(output):
-            out = {"logprobs": token_logprobs(output[0], mb["labels"].to(output.device), vocab_size, temperature)}
+            out = {"logprobs": token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)}
             if with_entropy:
-                out["entropy"] = entropy(output[0], vocab_size, temperature)
+                out["entropy"] = entropy(output, vocab_size, temperature)
             return output.sum() * 0.0, torch.ones((), dtype=torch.int), {k: v.cpu() for k, v in out.items()}
 
         return logits, collect
@@ -121,11 +132,11 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
 
         def loss(output):
             labels = mb["labels"].to(output.device)
-            lp = token_logprobs(output[0], labels, vocab_size, temperature)
+            lp = token_logprobs(output, labels, vocab_size, temperature)
             ent = None
             if with_entropy:
                 with torch.set_grad_enabled(entropy_grad):  # no graph when it is only a metric
-                    ent = entropy(output[0], vocab_size, temperature)
+                    ent = entropy(output, vocab_size, temperature)
             numerator, count, stats = loss_fn(mb, lp, ent)
             stats = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in stats.items()}
             stats["numerator"] = numerator.detach().double().cpu()

@@ -58,7 +58,11 @@ def _rollout_correction_metrics(s: dict) -> dict:
 class MegatronActor:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
                  actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
-                 lr_decay_steps: int = 1000, hf_config: dict | None = None):
+                 lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
+        """``num_threads``: this process's intra-op threads (torch.set_num_threads), set here because
+        the actor is built at its process's start (WorkerGroup, torchrun); None leaves them."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
         # null clip ranges / aggregation = the policy loss's published default (a copy: the caller's
         # config is left as given)
@@ -103,7 +107,7 @@ class MegatronActor:
         plan = plan_micro_batches(batch.lengths(), self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple)
         thd = self.policy.use_te
         mbs = [build_micro_batch(batch, idx, dense_mask=not thd) for idx in plan[dp_rank]]
-        return mbs, padding_efficiency(batch.lengths(), plan)
+        return mbs, padding_efficiency(batch.lengths(), plan, rows=not thd)
 
     def _gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, batch: RolloutBatch) -> list[torch.Tensor]:
         """Per-token values of this rank's samples -> the full batch's per-sample list, on every rank."""

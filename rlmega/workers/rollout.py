@@ -90,9 +90,12 @@ class RolloutWorker:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None):
+                 enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
+                 num_threads: int | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
+        if num_threads is not None:  # before vLLM: its CPU worker forbids changing them afterwards
+            torch.set_num_threads(num_threads)
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
         self._version, self._tp = 0, tensor_parallel_size
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # vLLM layer -> HF name -> tensor

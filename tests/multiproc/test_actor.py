@@ -205,14 +205,21 @@ def _packing_body(path):
         mb = build_micro_batch(batch, [i])
         out = policy.forward_logprobs(actor.policy.model, [mb], actor.vocab_size, actor.temperature)
         singles.append(scatter_responses(out[0]["logprobs"], mb)[i])
-    _, eff = actor._plan(batch)
+    mbs, eff = actor._plan(batch)
+    lengths = batch.lengths()
+    # (real tokens, B, S, longest sample) of each micro-batch as the actor built it
+    blocks = [(sum(lengths[i] for i in mb["indices"]), *mb["tokens"].shape, max(lengths[i] for i in mb["indices"]))
+              for mb in mbs]
     actor.teardown()
-    return packed, singles, eff
+    return packed, singles, eff, blocks
 
 
 def test_packed_logprobs_equal_unpacked_and_transformers(hf_model):
-    packed, singles, efficiency = run_on_ranks(_packing_body, 1, args=(hf_model,), timeout_s=300)[0]
-    assert efficiency == 1.0  # packed rows carry no padding
+    packed, singles, efficiency, blocks = run_on_ranks(_packing_body, 1, args=(hf_model,), timeout_s=300)[0]
+    # dense-mask rows: several per micro-batch, none longer than its micro-batch's longest sample,
+    # and the reported padding is the rows' own
+    assert all(S <= longest for _, _, S, longest in blocks) and max(B for _, B, _, _ in blocks) > 1, blocks
+    assert efficiency == sum(real for real, *_ in blocks) / sum(B * S for _, B, S, _ in blocks) < 1.0
     assert max((p - s).abs().max().item() for p, s in zip(packed, singles)) <= 1e-5
     batch = random_batch(N, seed=2)
     hf = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)

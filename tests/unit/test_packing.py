@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlmega.data.packing import block_causal_mask, pack, padding_efficiency, plan_micro_batches, unpack
+from rlmega.data.packing import block_causal_mask, pack, padding_efficiency, plan_micro_batches, split_rows, unpack
 
 
 def random_lengths(n, lo=1, hi=100, seed=0):
@@ -54,6 +54,29 @@ def test_plan_ffd_is_tight():
     lower_bound = -(-sum(lengths) // 512)
     assert len(plan[0]) <= lower_bound + 1
     assert padding_efficiency(lengths, plan, row_multiple=1) == 1.0
+
+
+def test_split_rows_hand_computed():
+    # longest 9: FFD of [9, 5, 4, 3, 2] into rows of 9 -> {9}, {5, 4}, {3, 2}
+    lengths = {10: 5, 11: 9, 12: 2, 13: 4, 14: 3}
+    assert split_rows([10, 11, 12, 13, 14], lengths) == [[11], [10, 13], [12, 14]]
+    assert split_rows([], lengths) == []
+    # a plan's padding with rows: 23 real tokens in a (3, 9) block
+    assert padding_efficiency([5, 9, 2, 4, 3], [[[0, 1, 2, 3, 4]]], rows=True) == 23 / 27
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_rows_never_cost_more_than_one_sequence_per_row(seed):
+    """Rows of at most the longest sample: no more attention (sum of row^2) and no more padded
+    tokens than one sequence per row padded to the longest, and every sample exactly once."""
+    lengths = random_lengths(40, seed=seed)
+    rows = split_rows(list(range(40)), lengths)
+    assert sorted(i for r in rows for i in r) == list(range(40))
+    longest = max(lengths)
+    fills = [sum(lengths[i] for i in r) for r in rows]
+    assert max(fills) <= longest
+    assert len(rows) * max(fills) <= 40 * longest  # padded tokens: (B, S) block vs one row per sample
+    assert sum(f * f for f in fills) <= 40 * longest * longest
 
 
 def test_plan_multiple_of_splits_most_populated_bin():

@@ -139,3 +139,11 @@ def test_cpu_ranks_per_node_is_checked_when_the_config_loads(tmp_path):
     with pytest.raises(ValueError, match="cluster.cpu_ranks_per_node"):
         _load(tmp_path, "qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B, "cluster.cpu_ranks_per_node=-1")
     assert cfg.cluster.forward_env and "HF_TOKEN" in cfg.cluster.forward_env
+
+
+def test_threads_split_each_node_among_its_processes():
+    from rlmega.launch import threads
+
+    assert threads.per_process(["a", "a", "b"], {"a": 4, "b": 2}) == [2, 2, 2]
+    assert threads.per_process(["a"] * 4, {"a": 2}) == [1] * 4  # never below one
+    assert threads.per_process(["a", "b"], {"a": 3.5}) == [3, 1]  # fractional Ray CPUs; unknown node: 1
