@@ -315,7 +315,7 @@ class MegatronActor:
 
         Collective: every rank calls it. In data-parallel replica 0, each pipeline stage gathers its
         TP shards one parameter at a time (no rank ever holds the whole model) and its TP rank 0
-        sends size-bounded buckets through ``transport``.
+        sends size-bounded buckets through ``transport``, then flushes it (every bucket loaded).
         The other replicas hold the same weights and skip the gathers: a TP group lies within one
         replica and the gathers are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors).
         Every rank meets at the closing barrier. Returns what this rank did: ``gathered`` HF tensors
@@ -336,6 +336,8 @@ class MegatronActor:
                     sent["tensors"] += 1
                     sent["bytes"] += t.numel() * t.element_size()
                     sent["names_and_shapes"].append((name, tuple(t.shape)))
+            if sender:
+                transport.flush()  # a pipelined transport may still be loading the last buckets
         barrier()  # every stage's buckets are loaded when any rank returns
         sent["seconds"] = time.perf_counter() - start
         return sent
