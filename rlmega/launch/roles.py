@@ -318,6 +318,10 @@ def _engine_options(pg, slot: Slot) -> dict:
     GPU; vLLM's Ray executor starts one worker per bundle of the slot (VLLM_RAY_BUNDLE_INDICES, each
     taking VLLM_RAY_PER_WORKER_GPUS) inside the actor's placement group, which it finds because the
     actor captures child tasks (vllm/config/parallel.py picks the "ray" backend in a placement group).
+
+    No max_concurrency, async methods or task retries: the pipelined RayTransport relies on Ray
+    running one caller's update_weights calls in the order they were sent, which holds only for
+    a single-threaded, in-order actor (rlmega/sync/transports.py).
     """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -8,12 +8,15 @@ from one sender rank per stage and hands each bucket to a transport:
                                      once, as raw bytes, and every engine reads it from there
                                      (zero-copy on a node)
 
-A transport is picklable (it travels to the trainer ranks) and has one method,
-``send(bucket, version)``, that returns once every engine has taken the bucket. On GPUs the next
+A transport is picklable (it travels to the trainer ranks) and has two methods:
+``send(bucket, version)`` hands a bucket over (it may return before the engines have loaded it),
+and ``flush()`` returns once every engine has loaded everything sent, or raises naming the engine
+that failed. The sender calls ``flush()`` before the sync's closing barrier. On GPUs the next
 transport is vLLM's own weight-transfer engine over NCCL/CUDA IPC; the interface stays the same.
 """
 from __future__ import annotations
 
+import collections
 import warnings
 from typing import Sequence
 
@@ -56,13 +59,62 @@ class DirectTransport:
         for engine in self.engines:
             engine.update_weights(bucket, version)
 
+    def flush(self) -> None:
+        """Nothing to wait for: ``send`` loaded the bucket."""
+
 
 class RayTransport:
-    def __init__(self, engines: Sequence, timeout_s: float = 600.0):
-        self.engines, self.timeout_s = list(engines), timeout_s
+    """Buckets through Ray's object store, pipelined: the engines load bucket k while the sender
+    gathers and puts bucket k+1.
+
+    At most ``max_in_flight`` buckets (default 2) are unacknowledged: before putting bucket k+2 the
+    sender waits until every engine has loaded bucket k, so the object store holds at most two
+    buckets per sender whatever the model's size. Each engine loads one sender's buckets in the order
+    they were sent: a Ray actor that is neither async nor multi-threaded (the engines: no
+    max_concurrency, see rlmega/launch/roles.py ``_engine_options``) runs one caller's tasks in
+    submission order (Ray's ``allow_out_of_order_execution`` is False for it), and the engines do
+    not retry tasks (retries may run out of order). A fused vLLM layer split across buckets waits
+    in the engine until its last piece arrives (RolloutWorker.update_weights), so even another
+    order could not expose a half-loaded layer.
+    """
+
+    def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight}: at least 1 (the bucket being loaded)")
+        self.engines, self.timeout_s, self.max_in_flight = list(engines), timeout_s, max_in_flight
+        self._in_flight: collections.deque = collections.deque()  # (refs, version, first name), oldest first
 
     def send(self, bucket: Bucket, version: int) -> None:
+        while len(self._in_flight) >= self.max_in_flight:
+            self._wait(*self._in_flight.popleft())
+        ref = self._put(bucket)  # once, shared by all engines
+        refs = [e.update_weights.remote(ref, version) for e in self.engines]
+        self._in_flight.append((refs, version, bucket[0][0]))
+
+    def flush(self) -> None:
+        try:
+            while self._in_flight:
+                self._wait(*self._in_flight.popleft())
+        finally:
+            self._in_flight.clear()  # after an error the rest is abandoned, not waited on again
+
+    def _put(self, bucket: Bucket):
         import ray
 
-        ref = ray.put(_RawBucket(bucket))  # once, shared by all engines
-        ray.get([e.update_weights.remote(ref, version) for e in self.engines], timeout=self.timeout_s)
+        return ray.put(_RawBucket(bucket))
+
+    def _wait(self, refs: list, version: int, first: str) -> None:
+        """Return once every engine has loaded one bucket; raise naming the engine that did not."""
+        import ray
+
+        what = f"the bucket starting with {first!r} (weights version {version})"
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if late:
+            late_ids = {r.hex() for r in late}
+            names = ", ".join(f"rollout engine {i}" for i, r in enumerate(refs) if r.hex() in late_ids)
+            raise TimeoutError(f"{names} did not load {what} within {self.timeout_s:g} s")
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except Exception as e:
+                raise RuntimeError(f"rollout engine {i} failed to load {what}: {e}") from e

@@ -11,3 +11,6 @@ class CorruptingTransport:
     def send(self, bucket, version: int) -> None:
         bucket = [(n, t + self.delta if n == self.tensor_name else t) for n, t in bucket]
         self.inner.send(bucket, version)
+
+    def flush(self) -> None:
+        self.inner.flush()

