@@ -128,8 +128,9 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float) -> tor
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
-              mode: str) -> Tuple[torch.Tensor, float]:
-    """Reduce one micro-batch's per-token loss to (numerator: scalar tensor, denominator: float).
+              mode: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reduce one micro-batch's per-token loss to (numerator, denominator), both 0-dim tensors on
+    the loss's device (a Python float would make the host wait for the device every micro-batch).
 
     per_token, mask: (T,); seq_ids: (T,) int64; num_seqs: S; mode in AGGREGATIONS.
       token-mean:          (sum_t l*m,                              sum_t m)
@@ -145,10 +146,10 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor
         raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
     if mode == "token-mean":
         numerator = torch.where(mask > 0, per_token * mask, torch.zeros_like(per_token)).sum()
-        return numerator, float(mask.sum())
+        return numerator, mask.sum()
     seq_sum = _segment_sum(per_token, seq_ids, mask, num_seqs)  # (S,)
     seq_len = _segment_sum(torch.ones_like(mask), seq_ids, mask, num_seqs)  # (S,) masked token counts
     present = seq_len > 0  # sequences with no response token (e.g. truncated prompt) do not count
     if mode == "seq-mean-token-mean":
         seq_sum = torch.where(present, seq_sum / seq_len.clamp(min=1.0), torch.zeros_like(seq_sum))
-    return seq_sum.sum(), float(present.sum())
+    return seq_sum.sum(), present.sum().to(seq_sum.dtype)

@@ -200,7 +200,7 @@ class Roles:
 
     def _call_actors(self, method: str, *args, **kwargs):
         try:
-            return self.actors.call(method, *args, **kwargs)[0]
+            return self.actors.call_rank0(method, *args, **kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 

@@ -106,7 +106,8 @@ class _Host:
             self.worker = cls(*args, **kwargs)
             return None
         method, args, kwargs = payload
-        return getattr(self.worker, method)(*args, **kwargs)
+        out = getattr(self.worker, method)(*args, **kwargs)
+        return None if kind == "call_rank0" and rank() else out  # see TorchrunGroup.call_rank0
 
 
 def serve(poll_s: float = 0.02) -> int:
@@ -156,6 +157,11 @@ class TorchrunGroup:
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank with the same arguments; results in rank order."""
         return self._send(("call", (method, args, kwargs)))
+
+    def call_rank0(self, method: str, *args, **kwargs) -> Any:
+        """``call``, but only rank 0's result is kept: the others store None through the TCPStore
+        (every rank returns the same full result; see WorkerGroup.call_rank0)."""
+        return self._send(("call_rank0", (method, args, kwargs)))[0]
 
     def _send(self, command: tuple) -> list:
         k, self.k = self.k, self.k + 1

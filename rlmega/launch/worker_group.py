@@ -49,6 +49,10 @@ class _RankHost:
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def call_quiet(self, method: str, *args, **kwargs) -> None:
+        """``call``, keeping the result here (see WorkerGroup.call_rank0)."""
+        getattr(self.worker, method)(*args, **kwargs)
+
 
 class WorkerGroup:
     def __init__(self, cls, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
@@ -97,6 +101,14 @@ class WorkerGroup:
         """Call ``method`` on every rank with the same arguments (put in the object store once)."""
         args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
         return self._get([h.call.remote(method, *args, **kwargs) for h in self.hosts])
+
+    def call_rank0(self, method: str, *args, **kwargs) -> Any:
+        """``call`` on every rank, but only rank 0's result comes back; the others answer None once
+        done (or their error). Every rank returns the same full result, and a large one (a batch's
+        log-probs) would otherwise travel to the driver once per rank."""
+        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        return self._get([self.hosts[0].call.remote(method, *args, **kwargs)]
+                         + [h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]])[0]
 
     def shutdown(self) -> None:
         for h in self.hosts:

@@ -26,8 +26,8 @@ from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.runtime import for_collective
 from rlmega.megatron.vocab_parallel import entropy, token_logprobs
 
-# loss_fn(micro_batch, logprobs (T,), entropy (T,) | None) -> (numerator, count, {name: sum})
-LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, int, dict]]
+# loss_fn(micro_batch, logprobs (T,), entropy (T,) | None) -> (numerator, count, {name: sum}), 0-dim tensors
+LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
 def _forward(model, mb: dict) -> torch.Tensor:
@@ -97,7 +97,7 @@ def _run(model: list, micro_batches: list[dict], step_fn, forward_only: bool) ->
 @torch.no_grad()
 def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
                      with_entropy: bool = False) -> list[dict] | None:
-    """Per micro-batch {"logprobs": (T,), "entropy": (T,)} on the last stage; None elsewhere."""
+    """Per micro-batch {"logprobs": (T,), "entropy": (T,)} (on the model's device) on the last stage; None elsewhere."""
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -107,7 +107,7 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
             out = {"logprobs": token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)}
             if with_entropy:
                 out["entropy"] = entropy(output, vocab_size, temperature)
-            return output.sum() * 0.0, torch.ones((), dtype=torch.int), {k: v.cpu() for k, v in out.items()}
+            return output.sum() * 0.0, torch.ones((), dtype=torch.int), out  # on the device: no sync per micro-batch
 
         return logits, collect
 
@@ -123,7 +123,7 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
     Returns each micro-batch's stats (sums) on the last pipeline stage, None elsewhere.
     ``entropy_grad`` False: the entropy is only a metric, computed without building its graph.
     ``keep_logprobs``: each micro-batch's stats also hold "logprobs" (T,), this forward's
-    log-probs, detached (float32, on the host), as ``forward_logprobs`` returns them.
+    log-probs, detached (float32), as ``forward_logprobs`` returns them. All on the model's device.
     """
 
     def step(data_iterator, chunk):
@@ -131,24 +131,31 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
         logits = _forward(chunk, mb)
 
         def loss(output):
-            labels = mb["labels"].to(output.device)
-            lp = token_logprobs(output, labels, vocab_size, temperature)
+            fields = _per_token_on(mb, output.device)
+            lp = token_logprobs(output, fields["labels"], vocab_size, temperature)
             ent = None
             if with_entropy:
                 with torch.set_grad_enabled(entropy_grad):  # no graph when it is only a metric
                     ent = entropy(output, vocab_size, temperature)
-            numerator, count, stats = loss_fn(mb, lp, ent)
-            stats = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in stats.items()}
-            stats["numerator"] = numerator.detach().double().cpu()
-            stats["count"] = torch.tensor(float(count), dtype=torch.float64)
+            numerator, count, stats = loss_fn(fields, lp, ent)
+            # Everything stays on the device (the caller sums over micro-batches, then copies once):
+            # reading a number here would make the host wait for the device every micro-batch.
+            stats = {k: torch.as_tensor(v, dtype=torch.float64, device=output.device).detach() for k, v in stats.items()}
+            stats["numerator"] = numerator.detach().double()
+            stats["count"] = count.detach().double()
             if keep_logprobs:
-                stats["logprobs"] = lp.detach().cpu()
-            return numerator, torch.tensor(int(count), dtype=torch.int), stats
+                stats["logprobs"] = lp.detach()
+            return numerator, count.detach().round().int(), stats
 
         return logits, loss
 
     outs = _run(model, micro_batches, step, forward_only=False)
     return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def _per_token_on(mb: dict, device) -> dict:
+    """The micro-batch with its flat per-token fields (labels, masks, advantages, ...) on ``device``."""
+    return {k: v.to(device) if torch.is_tensor(v) and v.dim() == 1 else v for k, v in mb.items()}
 
 
 def share_from_last_stage(values: torch.Tensor | None, numel: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 3 -m rlmega.testing.torchrun_probe
 
-Rank 0 builds a Probe on every rank, checks that calls return every rank's answer in rank order,
-then calls ``fail`` in which rank 2 raises while rank 0's own share hangs (as it would in a
+Rank 0 builds a Probe on every rank, checks that calls return every rank's answer in rank order
+(``call_rank0``: rank 0's only, the others send None but run it too), then calls ``fail`` in which rank 2 raises while rank 0's own share hangs (as it would in a
 collective waiting for rank 2): the group must report rank 2 by name at once. Prints one JSON line.
 """
 import json
@@ -16,10 +16,14 @@ from rlmega.launch import torchrun_group
 
 class Probe:
     def __init__(self, tag: str):
-        self.tag, self.rank = tag, int(os.environ["RANK"])
+        self.tag, self.rank, self.calls = tag, int(os.environ["RANK"]), 0
 
     def whoami(self, x: int) -> tuple:
+        self.calls += 1
         return (self.tag, self.rank, x * 10)
+
+    def count(self) -> int:
+        return self.calls
 
     def fail(self, rank: int) -> None:
         if self.rank == rank:
@@ -33,6 +37,9 @@ def main() -> int:
         return torchrun_group.serve()
     group = torchrun_group.TorchrunGroup(Probe, torchrun_group.world_size(), ("t",), ray_address=None, timeout_s=60)
     out = {"calls": group.call("whoami", 7)}
+    out["rank0"] = group.call_rank0("whoami", 8)
+    out["rank0_raw"] = group._send(("call_rank0", ("whoami", (9,), {})))  # what each rank sent back
+    out["counts"] = group.call("count")  # every rank ran all three
     start = time.monotonic()
     try:
         group.call("fail", 2)

@@ -187,7 +187,7 @@ class MegatronActor:
         if a.entropy_coef > 0:
             total = total + losses.entropy_bonus(entropy, mask, a.entropy_coef)
         numerator, count = losses.aggregate(total, mask, seq_ids, n, a.loss_agg_mode)
-        zero = torch.zeros((), dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
         stats = {
             "tokens": response_mask.sum(),
             "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
@@ -203,12 +203,12 @@ class MegatronActor:
     def _sft_loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None):
         """Supervised next-token loss on the response tokens (token mean over the batch)."""
         mask = mb["loss_mask"]
-        zero = torch.zeros((), dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
         nll = -(logprobs * mask).sum()
         stats = {"tokens": mask.sum(), "pg_loss": nll.detach(), "clipped": zero, "ppo_kl": zero,
                  "entropy": (entropy.detach() * mask).sum(), "kl_ref": zero,
                  "rc_tokens": zero, "rc_ratio": zero, "rc_truncated": zero, "rc_masked": zero}
-        return nll, int(mask.sum().item()), stats
+        return nll, mask.sum(), stats
 
     def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
         """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start).

@@ -16,6 +16,8 @@ def test_calls_reach_every_rank_and_a_failing_rank_is_named_at_once():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["calls"] == [["t", 0, 70], ["t", 1, 70], ["t", 2, 70]]
+    assert result["rank0"] == ["t", 0, 80] and result["rank0_raw"] == [["t", 0, 90], None, None]
+    assert result["counts"] == [3, 3, 3]
     assert result["error"] == "trainer rank 2 raised ValueError: rank 2 fails on purpose"
     assert result["worker"] == "trainer rank 2" and result["cause"] == "ValueError" and result["traceback"]
     # rank 0's share sleeps 600 s: the failure is seen by watching the store, not by waiting for it

@@ -1,0 +1,27 @@
+"""WorkerGroup (launch/worker_group.py) on a real local Ray: ``call`` returns every rank's answer in rank
+order; ``call_rank0`` runs on every rank but brings back rank 0's answer only, and still names a rank
+that raises."""
+import pytest
+import ray
+
+from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
+from rlmega.testing.torchrun_probe import Probe
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_call_rank0_runs_everywhere_and_returns_rank_0s_answer(local_ray):
+    group = WorkerGroup(Probe, 3, args=("w",), num_cpus=0.1)
+    try:
+        assert group.call("whoami", 7) == [("w", 0, 70), ("w", 1, 70), ("w", 2, 70)]
+        assert group.call_rank0("whoami", 8) == ("w", 0, 80)
+        assert group.call("count") == [2, 2, 2]  # the other ranks ran it too
+        with pytest.raises(WorkerGroupError, match="trainer rank 1 raised ValueError: rank 1 fails on purpose"):
+            group.call_rank0("fail", 1)
+    finally:
+        group.shutdown()
