@@ -42,11 +42,12 @@ picks each step's 8 problems, and the TRL side gets them as a JSON file with ``s
 Rounds interleave the sides (the machine is noisy): round r runs one TRL process for ``--steps``
 steps and one rlmega process for as many, TRL first in even rounds and rlmega first in odd ones.
 Each process's first ``--warmup`` steps are left out; medians are over all the other steps of a side.
-Each process starts from the same random model and the same prompts, so rounds repeat one another.
+Each process starts from the same random model and the same prompts; round r samples with seed r on
+both sides (rollout.seed; TRL's seed), so the rounds' response lengths differ and average out.
 
 Printed per process (round, side), then per side (medians over measured steps), all in seconds:
 
-    step_s      each measured step's wall time (rlmega: metrics.jsonl time_step; TRL: the callback).
+    step_s      each step's wall time (rlmega: metrics.jsonl time_step; TRL: the callback).
     generate    sampling the 64 responses (rlmega: vLLM engine; TRL: model.generate + decode).
     reward      scoring them.
     logprob     the frozen reference's log-probs (+ advantages); rlmega computes no separate old
@@ -56,7 +57,8 @@ Printed per process (round, side), then per side (medians over measured steps), 
     resp_len    mean response length in tokens (a random model's lengths decide the cost: compare them).
     wall_s      the whole process, start-up and shutdown included (not in the ratio).
 
-and the ratio median(TRL step_s) / median(rlmega step_s) against the target (>= 1.5): PASS or MISS.
+then each round's ratio of medians, and the ratio median(TRL step_s) / median(rlmega step_s) over all
+rounds against the target (>= 1.5): PASS or MISS.
 Response lengths differing by more than 15% are flagged, since then the sides did different work.
 The default (2 rounds x 3 steps a side) takes about 10-15 minutes on a quiet 2-core machine; it prints
 its runtime. ``--json OUT`` also writes every number.
@@ -157,7 +159,7 @@ def _run(name: str, cmd: list[str], env: dict, log: Path, timeout: float) -> flo
 def run_rlmega(args, overrides: list[str], work: Path, rnd: int) -> dict:
     run_dir = work / f"rlmega-r{rnd}"
     cmd = [sys.executable, "-m", "rlmega.cli", "train", str(CONFIG), *overrides,
-           f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.steps}"]
+           f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.steps}", f"rollout.seed={rnd}"]
     wall = _run("rlmega", cmd, _rlmega_env(), work / f"rlmega-r{rnd}.log", args.timeout)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "time_step": r["time_step"], **{f"time_{p}": r[f"time_{p}"] for p in PHASES},
@@ -173,7 +175,7 @@ def run_trl(args, cfg, prompts_file: Path, work: Path, rnd: int) -> dict:
            "--threads", str(args.trl_threads), "--micro-batch", str(args.trl_micro_batch),
            "--generation", args.trl_generation, "--num-generations", str(cfg.rollout.n),
            "--max-completion-length", str(cfg.rollout.max_response_tokens),
-           "--beta", str(cfg.algorithm.kl_coef), "--lr", str(cfg.optimizer.lr)]
+           "--beta", str(cfg.algorithm.kl_coef), "--lr", str(cfg.optimizer.lr), "--seed", str(rnd)]
     wall = _run("TRL", cmd, _trl_env(), work / f"trl-r{rnd}.log", args.timeout)
     steps = json.loads(out.read_text())["steps"]
     for s in steps:
@@ -200,6 +202,12 @@ def report(res: dict, warmup: int) -> None:
             wall = f"{r['wall_s']:7.1f}" if i == 0 else " " * 7
             print(f"{r['round']:>5} {r['side']:>6} {wall} " + " ".join(f"{s[f'time_{p}']:8.2f}" for p in PHASES)
                   + f" {s['response_length']:8.1f}  {s['time_step']:.2f}{tag}")
+    print()
+    for rnd in sorted({r["round"] for r in res["runs"]}):
+        per = {side: summarize([r for r in res["runs"] if r["round"] == rnd], side, warmup) for side in ("trl", "rlmega")}
+        if per["trl"] and per["rlmega"]:
+            print(f"round {rnd}: TRL/rlmega {per['trl']['step_s'] / per['rlmega']['step_s']:.2f} "
+                  f"(median step {per['trl']['step_s']:.2f} / {per['rlmega']['step_s']:.2f} s)")
     print(f"\nmedians over the measured steps (each process's first {warmup} left out):")
     print(f"{'side':>6} {'steps':>5} {'step_s':>8} " + " ".join(f"{c:>8}" for c in (*PHASES, "resp_len")))
     s = res["summary"]

@@ -49,6 +49,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0, help="TRL's seed: here, only the sampling's")
     p.add_argument("--generation", choices=["generate", "continuous_batching"], default="generate",
                    help="model.generate (padded batch, KV cache) or transformers' continuous batching")
     args = p.parse_args(argv)
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="trl-grpo-bench-") as tmp:
         config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, seed=0,
+            output_dir=tmp, use_cpu=True, seed=args.seed,
             # The defaults are bf16 autocast (~10x slower on this CPU) and gradient checkpointing
             # (recomputes every forward): both off, float32 like rlmega.
             bf16=False, gradient_checkpointing=False,
