@@ -30,13 +30,16 @@ picks each step's 8 problems, and the TRL side gets them as a JSON file with ``s
 * TRL 1.16: tools/bench/trl_grpo_side.py in TRL's venv, GRPOTrainer at its fastest CPU setting we found:
   ``bf16=False`` (the default bf16 autocast made a step 400+ s here) and ``gradient_checkpointing=False``
   (the default recomputes every forward); float32 like rlmega; torch threads = this machine's cores
-  (``--trl-threads``); one micro-batch of all 64 samples (TRL pads every sample of a step to the
-  step's longest before splitting, so smaller micro-batches only shrink the matmuls); plain
+  (``--trl-threads``; on a busy machine 1 can beat 2: generate's many small ops stall whenever one
+  OpenMP thread is descheduled, 8x the CPU time in one trial under load; compare both on a quiet
+  machine and keep TRL's faster); one micro-batch of all 64 samples (TRL pads every sample of a step
+  to the step's longest before splitting, so smaller micro-batches only shrink the matmuls); plain
   ``model.generate`` with its KV cache (``use_cache`` is on by default; TRL's vLLM path needs a CUDA
   vLLM server, and transformers' continuous batching, ``--trl-generation continuous_batching``,
-  was no faster on this CPU); sdpa attention (transformers' default); ``dataloader_num_workers=0``
-  (8 strings a step: a worker only adds start-up); no old-log-prob forward (TRL skips it when
-  generation and the optimizer step line up, as here); logging every step, no saving, report_to none.
+  took as much or more CPU time in a trial here); sdpa attention (transformers' default);
+  ``dataloader_num_workers=0`` (8 strings a step: a worker only adds start-up); no old-log-prob
+  forward (TRL skips it when generation and the optimizer step line up, as here); logging every step,
+  no saving, report_to none.
   Its step is timed from ``on_step_begin`` to ``on_step_end``: generation included.
 
 Rounds interleave the sides (the machine is noisy): round r runs one TRL process for ``--steps``
@@ -60,8 +63,9 @@ Printed per process (round, side), then per side (medians over measured steps), 
 then each round's ratio of medians, and the ratio median(TRL step_s) / median(rlmega step_s) over all
 rounds against the target (>= 1.5): PASS or MISS.
 Response lengths differing by more than 15% are flagged, since then the sides did different work.
-The default (2 rounds x 3 steps a side) takes about 10-15 minutes on a quiet 2-core machine; it prints
-its runtime. ``--json OUT`` also writes every number.
+The default (2 rounds x 3 steps a side) should take 10-15 minutes on a quiet 2-core machine (an
+estimate: ``--rounds 2 --steps 2`` took 18 minutes on a 2-core machine at load ~15, where TRL's steps
+were 150-280 s); it prints its runtime. ``--json OUT`` also writes every number.
 """
 from __future__ import annotations
 
