@@ -109,9 +109,9 @@ def main(argv=None) -> None:
                         "time_train": step_s - phases["generate_and_score"]})
 
         def on_log(self, args_, state, control, logs=None, **kw):  # after on_step_end (logging_steps=1)
-            if out and logs and "completions/mean_length" in logs:
+            if out and logs and "completions/mean_length" in logs:  # not the closing train_runtime log
                 out[-1].update(response_length=logs["completions/mean_length"], reward_mean=logs.get("reward"))
-            print(json.dumps(out[-1] if out else logs), flush=True)
+                print(json.dumps(out[-1]), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="trl-grpo-bench-") as tmp:
         config = GRPOConfig(
