@@ -7,7 +7,7 @@ EXTRAS ?= cpu,dev
 comma  := ,
 STAMP  := $(VENV)/.rlmega-installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo test install clean chromium slurm
+.PHONY: demo test install clean chromium slurm bench-trl-env bench-grpo
 
 install: $(STAMP)
 
@@ -39,6 +39,23 @@ chromium:
 # install Debian's slurm-wlm and munge if missing and we are root (CI, about 10 s); otherwise that test skips.
 slurm:
 	@command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || echo "slurm-wlm/munge not installed: the Slurm test will skip"
+
+# TRL for tools/bench/grpo_vs_trl.py only, in its own venv: TRL is not a dependency of rlmega.
+TRL_VENV  := runs/bench/trl-venv
+TRL_STAMP := $(TRL_VENV)/.trl-installed
+
+bench-trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	@# torch pinned first, as for .venv: the same CPU build on both sides of the comparison.
+	$(TRL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install --quiet trl==1.16.0
+	$(TRL_VENV)/bin/python -c 'import torch, trl; print("TRL venv:", trl.__version__, torch.__version__)'
+	touch $@
+
+bench-grpo: $(STAMP) $(TRL_STAMP)
+	$(PY) tools/bench/grpo_vs_trl.py --trl-python $(TRL_VENV)/bin/python --json runs/bench/grpo_vs_trl.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
