@@ -54,8 +54,16 @@ def _metrics(run_dir):
 @pytest.fixture(scope="module")
 def straight(model, tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
-    _run(_cmd(model, run, 4, "logging.profile_steps=[2]"))  # tracing step 2 changes no number (torchrun test)
+    out = _run(_cmd(model, run, 4, "logging.profile_steps=[2]"))  # tracing step 2 changes no number (torchrun test)
+    (run / "driver.log").write_text(out.stderr)
     return run
+
+
+def test_ranks_and_the_engine_share_the_machines_cores(straight):
+    # 4 ranks and 1 engine take turns on this machine's cores (rlmega/launch/threads.py)
+    cores = len(os.sched_getaffinity(0))
+    assert f"intra-op threads: {max(1, cores // 4)} per trainer rank, [{cores}] per engine" in \
+        (straight / "driver.log").read_text()
 
 
 def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
