@@ -64,14 +64,15 @@ then each round's ratio of medians, and the ratio median(TRL step_s) / median(rl
 rounds against the target (>= 1.5): PASS or MISS.
 Response lengths differing by more than 15% are flagged, since then the sides did different work.
 The default (2 rounds x 3 steps a side) should take 10-15 minutes on a quiet 2-core machine (an
-estimate: ``--rounds 2 --steps 2`` took 18 minutes on a 2-core machine at load ~15, where TRL's steps
-were 150-280 s); it prints its runtime. ``--json OUT`` also writes every number.
+estimate: it took 17 minutes on a 2-core machine shared with other jobs, load 4-10, where TRL's steps
+took 57-207 s as the load varied); it prints its runtime. ``--json OUT`` also writes every number.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -266,8 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlmega.config import load_config
     from rlmega.tiny_model import make_tiny_model
 
-    tmp = tempfile.TemporaryDirectory(prefix="rlmega-grpo-vs-trl-")
-    work = Path(tmp.name)
+    work = Path(tempfile.mkdtemp(prefix="rlmega-grpo-vs-trl-"))  # removed on success; kept with its logs on failure
     model_dir = Path(args.model_dir).resolve() if args.model_dir else work / "model"
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, seed=0, overwrite=True, **shape)
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
         print(f"wrote {args.json}")
-    tmp.cleanup()
+    shutil.rmtree(work, ignore_errors=True)
     return res
 
 
