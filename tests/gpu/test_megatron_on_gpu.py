@@ -2,15 +2,20 @@
 device tensors, a bf16 train step with the distributed optimizer, offload/onload really freeing
 device memory, CUDA RNG state in checkpoints, and the MFU benchmark.
 
-Each test runs its body in a fresh spawned rank (rlmega.testing.multiproc), as training does.
+Each test runs its body in a fresh spawned rank (rlmega.testing.multiproc), as training does:
+spawned, not forked from run_on_ranks' forkserver, whose preloaded imports may touch the CUDA driver
+(a forked child then cannot use CUDA).
 """
+import functools
 import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
-from rlmega.testing.multiproc import run_on_ranks
+from rlmega.testing import multiproc
+
+run_on_ranks = functools.partial(multiproc.run_on_ranks, start_method="spawn")
 
 ROOT = Path(__file__).resolve().parents[2]
 # A small Qwen2 shape built in code (random init, no weights): big enough that its state is
