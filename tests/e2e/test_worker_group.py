@@ -25,3 +25,19 @@ def test_call_rank0_runs_everywhere_and_returns_rank_0s_answer(local_ray):
             group.call_rank0("fail", 1)
     finally:
         group.shutdown()
+
+
+def test_roles_thread_split_and_its_overrides(local_ray):
+    import os
+
+    from rlmega.config.schema import RLConfig
+    from rlmega.launch.roles import Roles
+
+    roles = Roles(RLConfig())
+    roles.started_ray = True  # this machine: Ray's 2 CPUs, at most the cores we have
+    node, cpus = ray.get_runtime_context().get_node_id(), min(2, len(os.sched_getaffinity(0)))
+    assert roles._threads([node, node], [node], on_torchrun=False) == (max(1, cpus // 2), [cpus])
+    roles.cfg.cluster.threads_per_rank, roles.cfg.cluster.threads_per_engine = 3, 5
+    assert roles._threads([node, node], [node], on_torchrun=False) == (3, [5])
+    roles.cfg.rollout.tensor_parallel_size = 2  # vLLM's own worker processes: left alone
+    assert roles._threads([node], [node], on_torchrun=False) == (3, [None])
