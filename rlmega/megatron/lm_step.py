@@ -74,7 +74,7 @@ def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int
     # and hand the number to every rank so callers need no rank arithmetic.
     total = torch.zeros(2, dtype=torch.float64)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        total += torch.stack([d["lm loss"] for d in losses]).double().sum(0)
+        total += torch.stack([d["lm loss"] for d in losses]).double().sum(0).cpu()
     total = for_collective(total)  # NCCL on GPUs: reduce on the device
     dist.all_reduce(total)  # sums over pipeline stages (non-last add 0), TP copies and DP
     return float(total[0] / total[1])
