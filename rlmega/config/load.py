@@ -113,6 +113,9 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+_LIST_SECTIONS = {"tasks"}  # top-level keys that hold a list of sections, not one section
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Defaults, then the YAML file at `path` (if given), then `overrides` ("a.b=value"), validated."""
     if isinstance(overrides, str):  # a lone string would be split into characters
@@ -121,7 +124,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
     layers = [(_read_yaml(path), path)] if path is not None else []
     layers.append((_read_overrides(overrides), "command-line overrides"))
     for layer, source in layers:
-        for key in set(layer) & {f.name for f in dataclasses.fields(RLConfig)}:
+        for key in set(layer) & {f.name for f in dataclasses.fields(RLConfig)} - _LIST_SECTIONS:
             if not isinstance(layer.get(key), DictConfig):  # OmegaConf's own error here names no field
                 raise ConfigError([problem(key, f"{layer.get(key)!r} is not a section (in {source})",
                                            f"write {key} as a mapping of its fields, e.g. {key}.<field>=value")])

@@ -269,6 +269,92 @@ class DataConfig:
     """Operands of the synthetic problems have 1..synthetic_digits digits."""
 
 
+JUDGER_KINDS = ("native", "http", "ray", "model")
+
+
+@dataclass
+class JudgerConfig:
+    """One judger of an agent loop: scores a finished trajectory, returns named scores and a reward."""
+
+    name: str = "reward"
+    """Name of this judger's score in a trajectory's scores and in the metrics (score/<name>)."""
+    kind: Literal["native", "http", "ray", "model"] = "native"
+    """native: a dotted-path function (sync or async) in the agent loop's process; ray: the same function
+    in num_actors Ray actors behind a least-loaded router; http: POST to url; model: a judge model served by
+    its own vLLM engine."""
+    fn: str = ""
+    """native / ray: dotted path of fn(response_text, label, **kwargs) -> float, or a dict of named scores
+    holding "reward" (see rlmega/judgers/). "" with kind native or ray: reward.fn."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for fn (native, ray) or fields added to the JSON body (http)."""
+    weight: float = 1.0
+    """This judger's weight in the task's reward: reward = sum(weight * judger reward) / sum(weights)."""
+    timeout_s: float = 60.0
+    """Seconds one trajectory's judging may take; past it the score is 0 with an error flag."""
+    url: str = ""
+    """http: the endpoint; the body is {"response", "label", "prompt", "metadata", **kwargs}, the answer
+    a JSON object with "reward" (and any other named scores)."""
+    num_actors: int = 1
+    """ray: actors serving this judger (requests go to the least loaded)."""
+    cpus_per_actor: float = 0.25
+    """ray / model: Ray CPUs each judger actor (or the judge engine) reserves."""
+    memory_mb_per_actor: int = 0
+    """ray / model: Ray memory (MiB) each actor reserves; 0 reserves none."""
+    model_path: str = ""
+    """model: the judge model's HF folder."""
+    prompt_template: str = "{response}={label}?"
+    """model: the judge's prompt; {prompt}, {response} and {label} are filled in."""
+    max_tokens: int = 4
+    """model: tokens the judge generates (greedy); its reward is parsed from them (see judgers/model.py)."""
+
+
+@dataclass
+class AgentLoopConfig:
+    """How one prompt becomes a group of trajectories (rlmega/agents/), and who judges them."""
+
+    kind: Literal["single_turn", "tool"] = "single_turn"
+    """single_turn: one generation per trajectory; tool: a multi-turn loop that runs tool calls
+    (<tool>name:args</tool>) and appends their results (<result>...</result>, masked out of the loss)."""
+    tools: List[str] = field(default_factory=lambda: ["calculator"])
+    """tool: the tools the model may call, by name (rlmega.agents.tools.TOOLS)."""
+    max_turns: int = 4
+    """tool: model turns per trajectory; a trajectory still calling tools then ends with reason max_turns."""
+    max_total_tokens: int = 0
+    """tool: response tokens (model + tool) per trajectory; 0 = rollout.max_response_tokens. Reaching it
+    ends the trajectory with reason max_tokens."""
+    tool_timeout_s: float = 2.0
+    """tool: seconds one tool call may run (the Python evaluator is killed past it)."""
+    tool_memory_mb: int = 256
+    """tool: address-space limit of the Python evaluator's process."""
+    num_ray_actors: int = 0
+    """0: the loop runs in the driver's process; 1: in one Ray actor; N > 1: N actors behind a
+    least-loaded router. Each actor reserves cpus_per_actor and memory_mb_per_actor."""
+    cpus_per_actor: float = 0.25
+    """Ray CPUs each agent-loop actor reserves."""
+    memory_mb_per_actor: int = 0
+    """Ray memory (MiB) each agent-loop actor reserves; 0 reserves none."""
+    max_generation_retries: int = 2
+    """A generation request that fails (engine error) is retried this many times; then its whole group
+    is dropped and counted (generation_failures, groups_dropped), never trained on with reward 0."""
+    judgers: List[JudgerConfig] = field(default_factory=list)
+    """This loop's judgers, combined by weight; empty: one judger from the reward section
+    (kind ray with reward.num_workers actors, reward.fn, reward.kwargs, reward.timeout_s)."""
+
+
+@dataclass
+class TaskConfig:
+    """One task of a mixed run: its prompts, its agent loop (which owns its judgers), its share."""
+
+    name: str = "default"
+    """Name in the metrics (task/<name>/reward_mean, ...) and on the dashboard."""
+    weight: float = 1.0
+    """Share of each step's prompts: trainer.prompts_per_step split by weight (largest remainder)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The task's prompts (same fields as the data section)."""
+    agent_loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    """The task's agent loop and its judgers."""
+
+
 # Variables a worker on another node needs from the driver's shell: model-hub and logging credentials and
 # caches, and the interfaces NCCL/gloo must use on multi-homed nodes.
 FORWARD_ENV = ("HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "WANDB_API_KEY", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
@@ -322,3 +408,7 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    agent_loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    """The agent loop of the default task (data + agent_loop) when tasks is empty."""
+    tasks: List[TaskConfig] = field(default_factory=list)
+    """Several tasks mixed in each batch by weight; empty: one task "default" from data and agent_loop."""
