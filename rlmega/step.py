@@ -1,6 +1,6 @@
 """One RL step, as the driver runs it: generate, reward, log-probs, advantages, train, sync.
 
-The roles (actor ranks, engines, reward workers) do the work; this file only moves data between
+The roles (actor ranks, engines, agent loops and their judgers) do the work; this file only moves data between
 them and times each phase. ``rl_step`` returns the step's metrics (see README for the keys).
 """
 from __future__ import annotations
@@ -13,8 +13,12 @@ import torch
 
 from rlmega.algorithms import advantages as adv_lib
 from rlmega.algorithms import kl as kl_lib
+from rlmega.agents.loop import GroupRequest
+from rlmega.agents.metrics import rollout_metrics
+from rlmega.agents.sft import sft_example
+from rlmega.agents.trajectory import batch_from_groups
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.data.samples import batch_from_samples
+from rlmega.workers.reward import RewardError
 from rlmega.sync.parity import logprob_diff
 
 _SEED_STRIDE = 1_000_003  # per-step engine seeds: far apart, reproducible on resume
@@ -32,17 +36,27 @@ def sample_seed(base: int, step: int) -> int:
     return base + step * _SEED_STRIDE
 
 
-def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
-    """prompts: data.prompts.Prompt items (token_ids, label). Returns the step's metrics."""
+def group_requests(picked: list, n: int, base_seed: int, sampling: dict | None = None) -> list:
+    """[(task, GroupRequest)] for the step's prompts; group i samples with seeds base_seed + i*n + j."""
+    return [(task, GroupRequest(prompt_index=i, prompt_ids=list(p.token_ids), label=p.label, prompt_text=p.text,
+                                seed=None if base_seed is None else base_seed + i * n, n=n, sampling=sampling))
+            for i, (task, p) in enumerate(picked)]
+
+
+def rl_step(roles, picked: list, step: int, cfg, task_names: list) -> dict:
+    """picked: [(task name, data.prompts.Prompt)] of this step. Returns the step's metrics."""
     a, t = cfg.algorithm, Timers()
     start = time.perf_counter()
-    with t("generate"):
-        samples = roles.generate([p.token_ids for p in prompts], seed=sample_seed(cfg.rollout.seed, step))
+    failures_before = roles.generation_failures()
+    with t("generate"):  # generation and judging, overlapped in the agent loops
+        groups = roles.rollout(group_requests(picked, cfg.rollout.n, sample_seed(cfg.rollout.seed, step)))
     roles.train_phase()  # colocated GPUs: engines sleep, the trainer onloads (no-ops otherwise)
-    with t("reward"):
-        texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=False)
-        rewards, reward_errors = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
-    batch = batch_from_samples(samples, rewards)
+    check_judgements(groups, cfg.reward.on_error)
+    rollout = rollout_metrics(groups, task_names)
+    batch = batch_from_groups(groups)
+    if len(batch) == 0:
+        raise RuntimeError(f"step {step + 1}: every group was dropped ({[g.error for g in groups][:3]} ...): "
+                           "the engines fail every request; see the engine logs")
     n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)  # optimizer steps in this RL step
     kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
     # One optimizer step: the policy before it scores the train forward itself, so train_step takes
@@ -76,28 +90,48 @@ def rl_step(roles, prompts: list, step: int, cfg, tokenizer) -> dict:
                                                              "rollout_is_truncated", "rollout_is_masked")},
         "lr": train[-1]["lr"], "skipped_steps": sum(m["skipped"] for m in train),
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
-        "reward_errors": sum(e is not None for e in reward_errors),
+        "reward_errors": rollout["judge_errors"], "generation_failures": roles.generation_failures() - failures_before,
+        **rollout,
         "tokens_per_s": tokens / t["time_step"], **t,
-        "_prefill_tokens": sum(len(s.prompt_ids) for s in samples), "_decode_tokens": sum(len(s.response_ids) for s in samples),
+        "_prefill_tokens": sum(len(x.prompt_ids) for g in groups for x in g.trajectories),
+        "_decode_tokens": sum(int(m.sum()) for m in batch.response_mask),
     }
 
 
-def evaluate(roles, prompts: list, tokenizer, max_tokens: int) -> float:
-    """Greedy accuracy: the mean reward of one temperature-0 answer per prompt."""
-    samples = roles.generate([p.token_ids for p in prompts], seed=0, n=1, temperature=0.0, max_tokens=max_tokens)
-    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=False)
-    rewards, _ = roles.score([(text, prompts[s.prompt_index].label) for text, s in zip(texts, samples)])
-    return float(sum(rewards) / max(len(rewards), 1))
+def evaluate(roles, eval_prompts: dict, max_tokens: int) -> dict:
+    """Greedy accuracy per task: the mean reward of one temperature-0 trajectory per eval prompt, through
+    the task's agent loop; "eval_accuracy" is the mean over every task's prompts."""
+    picked = [(task, p) for task, prompts in eval_prompts.items() for p in prompts]
+    groups = roles.rollout(group_requests(picked, 1, 0, dict(temperature=0.0, max_tokens=max_tokens)))
+    rewards: dict = {task: [] for task in eval_prompts}
+    for g in groups:
+        rewards[g.task] += [x.reward for x in g.trajectories] if g.error is None else [0.0]  # a lost answer is wrong
+    out = {f"task/{k}/eval_accuracy": sum(v) / len(v) for k, v in rewards.items() if len(eval_prompts) > 1}
+    out["eval_accuracy"] = sum(sum(v) for v in rewards.values()) / max(sum(len(v) for v in rewards.values()), 1)
+    return out
 
 
-def sft_batch(prompts: list, tokenizer) -> RolloutBatch:
-    """Prompts with their labels (+ eos) as the responses: a supervised warm-start batch."""
-    tokens, plens = [], []
-    for p in prompts:
-        answer = tokenizer.encode(str(p.label), add_special_tokens=False) + [tokenizer.eos_token_id]
-        tokens.append(torch.tensor(list(p.token_ids) + answer, dtype=torch.int64))
+def check_judgements(groups, on_error: str) -> None:
+    """reward.on_error=fail: a trajectory a judger failed on ends the run, naming it."""
+    if on_error != "fail":
+        return
+    for g in groups:
+        for x in g.trajectories:
+            if x.judge_error is not None:
+                raise RewardError(f"task {g.task!r}, prompt {g.prompt_index} (label {g.label!r}): {x.judge_error}. "
+                                  "Fix: correct the judger, or set reward.on_error=zero to score such items 0 "
+                                  "and go on")
+
+
+def sft_batch(picked: list, tokenizer, loop_cfgs: dict) -> RolloutBatch:
+    """[(task, Prompt)] with targets in each task's agent-loop format (rlmega/agents/sft.py: the label +
+    EOS, or a calculator call, its masked result and the label): a supervised warm-start batch."""
+    tokens, plens, masks = [], [], []
+    for task, p in picked:
+        ids, mask = sft_example(list(p.token_ids), p.text, p.label, loop_cfgs[task], tokenizer)
+        tokens.append(torch.tensor(list(p.token_ids) + ids, dtype=torch.int64))
         plens.append(len(p.token_ids))
-    n = len(prompts)
-    return RolloutBatch(tokens=tokens, prompt_lens=torch.tensor(plens),
-                        response_mask=[torch.ones(len(x) - p) for x, p in zip(tokens, plens)],
+        masks.append(torch.tensor(mask, dtype=torch.float32))
+    n = len(picked)
+    return RolloutBatch(tokens=tokens, prompt_lens=torch.tensor(plens), response_mask=masks,
                         group_ids=torch.arange(n), sample_ids=torch.arange(n))

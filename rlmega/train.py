@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
 from rlmega.config.preflight import preflight
-from rlmega.data.prompts import load_prompt_data
+from rlmega.agents.tasks import Tasks
 from rlmega.launch import torchrun_group
 from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
@@ -54,7 +54,7 @@ def train(cfg: RLConfig) -> RunDir:
     run.write_config(dump_config(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     try:
-        data = load_prompt_data(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens, t.prompts_per_step)
+        data = Tasks(cfg, tokenizer)  # every task's prompts (cfg.tasks, or data + agent_loop)
     except (ValueError, OSError) as e:  # a bad row, an unreadable file: the user's input, named by file and row
         raise InputError(f"prompt data: {e}") from e
     stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
@@ -65,9 +65,8 @@ def train(cfg: RLConfig) -> RunDir:
             # KL regularises toward the policy RL starts from, not the untuned model.path.
             roles.call_actors("update_ref_policy", 1.0)
         roles.sync_weights(version=start)
-        if start == 0 and t.eval_every and data.eval_prompts:  # the baseline the run is judged against
-            history.append({"step": 0, "eval_accuracy": evaluate(roles, data.eval_prompts, tokenizer,
-                                                                  cfg.rollout.max_response_tokens)})
+        if start == 0 and t.eval_every and data.eval_prompts():  # the baseline the run is judged against
+            history.append({"step": 0, **evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens)})
             run.log(history[-1])
             print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
@@ -79,11 +78,11 @@ def train(cfg: RLConfig) -> RunDir:
                 roles.manager.set_should_stop(True)
                 break
             with profiled(roles, run.path / "profile", step + 1, cfg.logging.profile_steps):
-                metrics = rl_step(roles, data.next_prompts(), step, cfg, tokenizer)
+                metrics = rl_step(roles, data.next_prompts(), step, cfg, data.names)
             if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
                 roles.call_actors("update_ref_policy")
-            if t.eval_every and data.eval_prompts and (step + 1) % t.eval_every == 0:
-                metrics["eval_accuracy"] = evaluate(roles, data.eval_prompts, tokenizer, cfg.rollout.max_response_tokens)
+            if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
+                metrics.update(evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens))
             report(roles.manager, metrics, t.total_steps)
             history.append({k: v for k, v in metrics.items() if not k.startswith("_")})
             run.log(history[-1])
@@ -130,7 +129,8 @@ def warm_start(roles: Roles, data, tokenizer, steps: int, lr: float | None, stop
     for i in bar:
         if stop.requested():
             return
-        metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer), lr)
+        loops = {name: data.config(name).agent_loop for name in data.names}
+        metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer, loops), lr)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 
 
@@ -168,6 +168,9 @@ def _main(argv=None) -> int:
         return EXIT_INPUT
     try:
         run = train(cfg)
+    except RewardError as e:  # reward.on_error=fail and a judger failed (the driver judges in process too)
+        print(f"rlmega: {e}", file=sys.stderr)
+        return EXIT_RUNTIME
     except (InputError, ClusterError) as e:  # ClusterError: too few nodes, or folders the nodes do not share
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_INPUT

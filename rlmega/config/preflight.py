@@ -29,10 +29,13 @@ WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 
 def roles_cpus(cfg: RLConfig) -> float:
-    """Ray CPUs the run's roles reserve (trainer ranks, engines, reward workers)."""
+    """Ray CPUs the run's roles reserve (trainer ranks, engines, agent-loop and judger actors)."""
+    from rlmega.agents.placement import agent_cpus
+    from rlmega.agents.tasks import task_configs
+
     c = cfg.cluster
     return (cfg.parallelism.world_size * c.actor_cpus_per_rank + cfg.rollout.num_engines * c.engine_cpus
-            + cfg.reward.num_workers * c.reward_cpus)
+            + agent_cpus(task_configs(cfg), cfg.reward, c.reward_cpus))
 
 
 def _model(cfg: RLConfig) -> List[str]:
@@ -152,7 +155,7 @@ def _devices_and_cluster(cfg: RLConfig) -> List[str]:
     if c.num_cpus is not None and c.num_cpus < roles_cpus(cfg):
         out.append(problem("cluster.num_cpus", f"{c.num_cpus} CPUs, but the roles reserve {roles_cpus(cfg):g} "
                            f"(world_size x actor_cpus_per_rank + num_engines x engine_cpus + "
-                           f"reward.num_workers x reward_cpus): Ray could never place them",
+                           f"agent-loop and judger actors): Ray could never place them",
                            f"set cluster.num_cpus >= {roles_cpus(cfg):g} (Ray CPUs are reservations, not cores), "
                            "lower cluster.*_cpus, or leave cluster.num_cpus unset"))
     return out

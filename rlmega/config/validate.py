@@ -303,6 +303,9 @@ def validate(cfg: RLConfig) -> None:
                            f"{cfg.actor.max_tokens_per_micro_batch} tokens per micro-batch, but one sample may have "
                            f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
                            f"set actor.max_tokens_per_micro_batch >= {longest}, or lower rollout.max_*_tokens"))
+    from rlmega.agents.validate import task_problems  # here: rlmega.agents imports this module
+
+    out += task_problems(cfg)
     if not bad_ranges:  # the arithmetic below divides by these sizes
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)

@@ -2,8 +2,7 @@
 workers and the coordinator.
 
     with Roles(cfg) as roles:                        # embedded local Ray, or attach to cluster.address
-        samples = roles.generate(prompt_ids, seed=7)
-        rewards = roles.score(texts_and_labels)
+        groups = roles.rollout([("default", GroupRequest(...)), ...])   # agent loops: judged trajectories
         roles.train_phase()                          # engines sleep, trainer onloads (colocated GPUs)
         roles.call_actors("train_step", batch)
         roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
@@ -23,16 +22,19 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, LoopSpec
+from rlmega.agents.placement import effective_judgers, task_bundles
+from rlmega.agents.tasks import task_configs
+from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import RLConfig
 from rlmega.launch import threads, torchrun_group
-from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
+from rlmega.launch.cluster import ClusterError, check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.placement import Slot, placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.actor import MegatronActor
 from rlmega.workers.coordinator import ActorManager
-from rlmega.workers.reward import RewardWorker
 from rlmega.workers.rollout import RolloutWorker
 
 log = logging.getLogger("rlmega")
@@ -51,7 +53,8 @@ class Roles:
         self.started_ray = False
         self.actors: WorkerGroup | None = None
         self.engines: list = []
-        self.rewarders: list = []
+        self.hosts: dict[str, AgentLoopHost] = {}  # task name -> its agent loop (rlmega/agents/)
+        self.background: BackgroundLoop | None = None
         self.manager: ActorManager | None = None
         self.pgs: list = []
         self.swaps = False  # the trainer releases its device memory while engines generate
@@ -73,9 +76,7 @@ class Roles:
 
     def _start(self) -> None:
         c, p, r = self.cfg.cluster, self.cfg.parallelism, self.cfg.rollout
-        needed = (p.world_size * c.actor_cpus_per_rank + r.num_engines * c.engine_cpus
-                  + self.cfg.reward.num_workers * c.reward_cpus)
-        self.started_ray = connect(c, needed)
+        self.started_ray = connect(c, roles_cpus(self.cfg))
         # Under torchrun the trainer ranks are its processes, not Ray actors: Ray places the engines
         # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).
         on_torchrun = torchrun_group.rank() is not None
@@ -123,10 +124,44 @@ class Roles:
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
             self.manager.set_kv_cache_max_concurrency(i, value)
-        Reward = ray.remote(num_cpus=c.reward_cpus)(RewardWorker)
-        self.rewarders = [Reward.remote(self.cfg.reward.fn, self.cfg.reward.kwargs, self.cfg.reward.timeout_s,
-                                        self.cfg.reward.on_error)
-                          for _ in range(self.cfg.reward.num_workers)]
+        self._start_agent_loops()
+
+    def _start_agent_loops(self) -> None:
+        """Every task's agent loop (here or in its actors) with its judgers, their actors in one placement
+        group of the run ("agents"); see rlmega/agents/placement.py."""
+        from ray.util.placement_group import placement_group
+
+        r, plans = self.cfg.rollout, []
+        for task in task_configs(self.cfg):
+            judgers = effective_judgers(task.agent_loop, self.cfg.reward, self.cfg.cluster.reward_cpus)
+            loops, judges = task_bundles(task.agent_loop, judgers)
+            plans.append((task, judgers, loops, judges))
+        bundles = [b for _, _, loops, judges in plans for b in loops + [x for inst in judges for x in inst]]
+        pg = None
+        if bundles:
+            pg = placement_group(bundles, strategy="PACK")
+            self.pgs.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=self.pg_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise ClusterError(f"the agent-loop and judger actors' {len(bundles)} bundles "
+                                   f"({sum(b['CPU'] for b in bundles):g} CPUs) could not be placed within "
+                                   f"{self.pg_timeout_s:.0f}s. Fix: lower agent_loop.cpus_per_actor / the judgers' "
+                                   "cpus_per_actor, or give the cluster more CPUs") from None
+        self.background = BackgroundLoop()
+        index = 0
+        for task, judgers, loops, judges in plans:
+            loop_bundles = [(pg, index + i) for i in range(len(loops))]
+            index += len(loops)
+            judger_bundles = []
+            for inst in judges:
+                judger_bundles.append([(pg, index + i) for i in range(len(inst))])
+                index += len(inst)
+            spec = LoopSpec(task=task.name, agent_loop=dataclasses.replace(task.agent_loop, judgers=judgers),
+                            reward=self.cfg.reward, model_path=self.cfg.model.path,
+                            sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                          max_tokens=r.max_response_tokens), n=r.n)
+            self.hosts[task.name] = AgentLoopHost(spec, self.engines, loop_bundles, judger_bundles)
 
     def _threads(self, rank_nodes: list[str], engine_nodes: list[str], on_torchrun: bool) -> tuple[int, list]:
         """Intra-op threads of the trainer ranks (one number: every rank gets the same) and of each
@@ -153,12 +188,18 @@ class Roles:
         return rank, engines
 
     def close(self) -> None:
-        for handle in [*self.engines, *self.rewarders]:
+        for host in self.hosts.values():
+            host.close()
+        self.hosts = {}
+        if self.background is not None:
+            self.background.close()
+            self.background = None
+        for handle in self.engines:
             try:
                 ray.kill(handle)
             except Exception:  # already dead
                 pass
-        self.engines, self.rewarders = [], []
+        self.engines = []
         if self.actors is not None:
             try:
                 self.actors.shutdown()
@@ -204,32 +245,23 @@ class Roles:
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 
-    def generate(self, prompts: list[list[int]], seed: int, n: int | None = None,
-                 temperature: float | None = None, max_tokens: int | None = None) -> list:
-        """Samples for every prompt (split across engines in contiguous shares), prompt order kept."""
-        r = self.cfg.rollout
+    def rollout(self, requests: list) -> list:
+        """Judged trajectory groups for ``requests`` [(task name, GroupRequest)], in request order: every
+        group is in flight at once, each through its task's agent loop (rlmega/agents/)."""
+        import asyncio
+
         if self.engines_asleep:
             self._release_trainer(keep_params=False)
             self._wake_engines()
-        shares = _split(list(range(len(prompts))), len(self.engines))
-        refs = [e.generate.remote([prompts[i] for i in share], n=n or r.n,
-                                  temperature=r.temperature if temperature is None else temperature,
-                                  top_p=r.top_p, top_k=r.top_k, max_tokens=max_tokens or r.max_response_tokens,
-                                  seed=seed + share[0] * 1000 if share else seed)
-                for e, share in zip(self.engines, shares) if share]
-        out = []
-        for share, samples in zip([s for s in shares if s], self._get(refs, "rollout engine")):
-            for s in samples:  # engine-local prompt index -> global
-                s.prompt_index = share[s.prompt_index]
-                out.append(s)
-        return out
 
-    def score(self, items: list[tuple[str, str]]) -> tuple[list[float], list[str | None]]:
-        """(reward, error or None) for every (response text, label), in order (RewardWorker.score)."""
-        shares = _split(items, len(self.rewarders))
-        refs = [w.score.remote(share) for w, share in zip(self.rewarders, shares) if share]
-        parts = self._get(refs, "reward worker")
-        return [x for p in parts for x in p["rewards"]], [e for p in parts for e in p["errors"]]
+        async def run_all():
+            return await asyncio.gather(*[self.hosts[task].run_group(req) for task, req in requests])
+
+        return self.background.run(run_all(), timeout=self.call_timeout_s)
+
+    def generation_failures(self) -> int:
+        """Failed generation tries so far (retried or, after the retries, their group dropped)."""
+        return sum(h.generation_failures() for h in self.hosts.values())
 
     def sync_weights(self, version: int, bucket_bytes: int = 512 << 20) -> dict:
         """Stream the trainer's weights into every engine (both must be resident: see rollout_phase)."""
@@ -342,14 +374,3 @@ def _by_node(names: list[str]) -> str:
     for i, name in enumerate(names):
         out.setdefault(name, []).append(str(i))
     return ", ".join(f"{name}: {' '.join(ix)}" for name, ix in out.items())
-
-
-def _split(items: list, parts: int) -> list[list]:
-    """Contiguous, near-equal shares (earlier shares get the extra item)."""
-    k, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + k + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out

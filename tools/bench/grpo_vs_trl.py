@@ -52,7 +52,7 @@ Printed per process (round, side), then per side (medians over measured steps), 
 
     step_s      each step's wall time (rlmega: metrics.jsonl time_step; TRL: the callback).
     generate    sampling the 64 responses (rlmega: vLLM engine; TRL: model.generate + decode).
-    reward      scoring them.
+    reward      scoring them (rlmega: 0, its agent loops judge each response as it finishes: in generate).
     logprob     the frozen reference's log-probs (+ advantages); rlmega computes no separate old
                 log-probs on-policy, nor does TRL here.
     train       forward + backward + optimizer step (TRL: time_step minus the phases above).
@@ -167,7 +167,8 @@ def run_rlmega(args, overrides: list[str], work: Path, rnd: int) -> dict:
            f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.steps}", f"rollout.seed={rnd}"]
     wall = _run("rlmega", cmd, _rlmega_env(), work / f"rlmega-r{rnd}.log", args.timeout)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [{"step": r["step"], "time_step": r["time_step"], **{f"time_{p}": r[f"time_{p}"] for p in PHASES},
+    # rlmega's agent loops judge while they generate: its time_generate holds both, time_reward is 0.
+    steps = [{"step": r["step"], "time_step": r["time_step"], **{f"time_{p}": r.get(f"time_{p}", 0.0) for p in PHASES},
               "response_length": r["response_length"], "reward_mean": r["reward_mean"]}
              for r in rows if "time_step" in r]
     return {"side": "rlmega", "round": rnd, "wall_s": wall, "steps": steps}

@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
             raise SystemExit(1) from None
     rows = []
     for s in run["steps"]:
-        work_s = sum(s[f"time_{ph}"] for ph in PHASES)
+        work_s = sum(s.get(f"time_{ph}", 0.0) for ph in PHASES)  # time_generate includes judging
         rows.append({"step": s["step"], "time_step": s["time_step"], "work_s": work_s,
                      "overhead_s": s["time_step"] - work_s, "share": (s["time_step"] - work_s) / s["time_step"]})
     measured = rows[args.warmup:]

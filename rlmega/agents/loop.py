@@ -1,0 +1,149 @@
+"""AgentLoop: turn one prompt into a judged group of n trajectories through the engine router.
+
+    loop = make_agent_loop(task="default", cfg=agent_loop_cfg, router=router, judger=judger,
+                           tokenizer=tokenizer, sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=32))
+    group = await loop.run_group(GroupRequest(prompt_index=0, prompt_ids=[...], label="46", seed=7), n=4)
+
+Seeds: trajectory j of a group uses ``request.seed + j`` for its first turn (the driver gives group i
+the seed ``step_seed + i * n``: exactly the per-sample seeds of the former batched generate, so the
+single-turn loop samples the same tokens); turn t > 0 adds ``t * TURN_SEED_STRIDE``.
+
+Single turn: one generation; the response is judged as decoded. Tool loop (kind "tool"): each model
+turn stops at "</tool>" (or EOS / max tokens); a complete ``<tool>name:args</tool>`` runs the tool and
+``<result>...</result>`` is tokenized once and appended with response_mask 0; the conversation is never
+re-tokenized. It ends when a turn makes no call (reason: the turn's finish reason), after max_turns
+turns still calling ("max_turns"), or at max_total_tokens response tokens ("max_tokens"). Judgers see
+the text after the last tool result (the answer); the whole transcript is in metadata["transcript"].
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from rlmega.agents.router import EngineRouter, GenerationFailed
+from rlmega.agents.tool_protocol import CALL_CLOSE, RESULT_CLOSE, format_result, parse_call
+from rlmega.agents.tools import get_tool
+from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
+from rlmega.judgers.base import JudgeItem
+
+TURN_SEED_STRIDE = 7_919_993  # far from the per-sample seed steps, so turns of nearby samples never share a seed
+
+
+@dataclasses.dataclass
+class GroupRequest:
+    """One prompt to turn into a group: its position in the step (group id), tokens, label, seed."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    label: Any
+    seed: int | None
+    prompt_text: str = ""
+    n: int | None = None
+    """Trajectories in the group; None: the loop's default (rollout.n)."""
+    sampling: dict | None = None
+    """Overrides of the loop's sampling (evaluation: temperature 0, n 1)."""
+
+
+class AgentLoop:
+    """Base: runs ``_trajectory`` n times concurrently, judges each, and groups them."""
+
+    def __init__(self, task: str, cfg, router: EngineRouter, judger, tokenizer, sampling: dict, n: int):
+        self.task, self.cfg, self.router, self.judger, self.tokenizer = task, cfg, router, judger, tokenizer
+        self.sampling, self.n = dict(sampling), n
+
+    async def run_group(self, req: GroupRequest) -> TrajectoryGroup:
+        group = TrajectoryGroup(task=self.task, prompt_index=req.prompt_index, label=req.label)
+        sampling = {**self.sampling, **(req.sampling or {})}
+        n = req.n or self.n
+        try:
+            trajs = await asyncio.gather(*[
+                self._trajectory(req, sampling, None if req.seed is None else req.seed + j) for j in range(n)])
+        except GenerationFailed as e:  # never a zero-reward row: the whole group goes
+            group.error = str(e)
+            return group
+        judgements = await asyncio.gather(*[self.judger.judge(self._item(req, t)) for t in trajs])
+        for t, j in zip(trajs, judgements):
+            t.scores, t.reward, t.judge_error = dict(j.scores), float(j.reward), j.error
+        group.trajectories = list(trajs)
+        return group
+
+    def _item(self, req: GroupRequest, t: Trajectory) -> JudgeItem:
+        return JudgeItem(prompt_text=req.prompt_text, response_text=t.response_text, label=req.label,
+                         prompt_ids=list(req.prompt_ids), response_ids=list(t.response_ids),
+                         metadata={"task": self.task, "finish_reason": t.finish_reason, **t.metadata})
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _trajectory(self, req: GroupRequest, sampling: dict, seed: int | None) -> Trajectory:
+        raise NotImplementedError
+
+
+class SingleTurnAgentLoop(AgentLoop):
+    async def _trajectory(self, req, sampling, seed):
+        s = await self.router.generate(req.prompt_ids, {**sampling, "seed": seed})
+        t = Trajectory(prompt_ids=list(req.prompt_ids), finish_reason=s.finish_reason, num_turns=1)
+        t.append(s.response_ids, s.logprobs, s.weight_version, model=True)
+        t.response_text = self._decode(t.response_ids)
+        return t
+
+
+class ToolAgentLoop(AgentLoop):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = {name: get_tool(name) for name in self.cfg.tools}
+
+    async def _trajectory(self, req, sampling, seed):
+        cfg = self.cfg
+        budget = cfg.max_total_tokens or sampling["max_tokens"]
+        t = Trajectory(prompt_ids=list(req.prompt_ids))
+        context = list(req.prompt_ids)
+        for turn in range(cfg.max_turns):
+            left = budget - len(t.response_ids)
+            if left <= 0:
+                t.finish_reason = "max_tokens"
+                break
+            turn_seed = None if seed is None else (seed + turn * TURN_SEED_STRIDE) % 2**31
+            s = await self.router.generate(context, {**sampling, "max_tokens": left, "seed": turn_seed,
+                                                     "stop": [CALL_CLOSE]})
+            t.append(s.response_ids, s.logprobs, s.weight_version, model=True)
+            context += s.response_ids
+            t.num_turns += 1
+            text = self._decode(s.response_ids)
+            call = parse_call(text) if s.finish_reason == "stop" and text.rstrip().endswith(CALL_CLOSE) else None
+            if call is None:  # an answer (or a turn cut at max tokens): the trajectory is done
+                t.finish_reason = "max_tokens" if s.finish_reason == "length" and left < sampling["max_tokens"] \
+                    else s.finish_reason
+                break
+            output = await self._run_tool(call)
+            t.tool_calls += 1
+            t.tool_errors += output.startswith("error")
+            ids = self.tokenizer.encode(format_result(output), add_special_tokens=False)  # tokenized once
+            if len(t.response_ids) + len(ids) > budget:  # the result does not fit: keep what does, stop
+                ids = ids[: budget - len(t.response_ids)]
+                t.append(ids, None, -1, model=False)
+                t.finish_reason = "max_tokens"
+                break
+            t.append(ids, None, -1, model=False)
+            context += ids
+        else:
+            t.finish_reason = "max_turns"
+        transcript = self._decode(t.response_ids)
+        t.metadata = {"transcript": transcript, "tool_calls": t.tool_calls}
+        t.response_text = transcript.rsplit(RESULT_CLOSE, 1)[-1]  # the answer after the last tool result
+        return t
+
+    async def _run_tool(self, call) -> str:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"error: unknown tool {call.name!r}" if call.name else "error: malformed tool call"
+        # Tools block (the Python evaluator waits on its process): off the event loop.
+        return await asyncio.to_thread(tool.run, call.args, self.cfg.tool_timeout_s, self.cfg.tool_memory_mb)
+
+
+LOOPS = {"single_turn": SingleTurnAgentLoop, "tool": ToolAgentLoop}
+
+
+def make_agent_loop(task: str, cfg, router, judger, tokenizer, sampling: dict, n: int) -> AgentLoop:
+    return LOOPS[cfg.kind](task, cfg, router, judger, tokenizer, sampling, n)

@@ -1,0 +1,54 @@
+"""Ray resources of the agent side: agent-loop actors and the judgers' actors, as placement-group
+bundles of the run (one group, "agents", beside the trainer's and the engines').
+
+Every agent-loop instance (the driver's, or each of num_ray_actors actors) builds its own judgers, so a
+ray judger with num_actors k under a loop with N actors starts N x k judger actors.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from rlmega.config.schema import JudgerConfig
+
+
+def effective_judgers(loop_cfg, reward_cfg, reward_cpus: float) -> list[JudgerConfig]:
+    """The loop's judgers; none given: one from the reward section (ray with reward.num_workers actors of
+    cluster.reward_cpus each, or native when num_workers is 0). An empty fn means reward.fn."""
+    if not loop_cfg.judgers:
+        kind = "ray" if reward_cfg.num_workers > 0 else "native"
+        return [JudgerConfig(name="reward", kind=kind, fn=reward_cfg.fn, kwargs=dict(reward_cfg.kwargs),
+                             timeout_s=reward_cfg.timeout_s, num_actors=max(1, reward_cfg.num_workers),
+                             cpus_per_actor=reward_cpus)]
+    return [j if j.fn or j.kind not in ("native", "ray") else dataclasses.replace(j, fn=reward_cfg.fn)
+            for j in loop_cfg.judgers]
+
+
+def _bundle(cpus: float, memory_mb: int) -> dict:
+    return {"CPU": cpus, **({"memory": memory_mb * 2**20} if memory_mb else {})}
+
+
+def judger_bundles(judgers: list[JudgerConfig]) -> list[dict]:
+    """One bundle per actor the judgers start (ray: num_actors; model: its engine)."""
+    out = []
+    for j in judgers:
+        if j.kind == "ray":
+            out += [_bundle(j.cpus_per_actor, j.memory_mb_per_actor)] * j.num_actors
+        elif j.kind == "model":
+            out.append(_bundle(j.cpus_per_actor, j.memory_mb_per_actor))
+    return out
+
+
+def task_bundles(loop_cfg, judgers: list[JudgerConfig]) -> tuple[list[dict], list[list[dict]]]:
+    """(the loop's actor bundles, the judger bundles of each loop instance)."""
+    n = loop_cfg.num_ray_actors
+    loops = [_bundle(loop_cfg.cpus_per_actor, loop_cfg.memory_mb_per_actor)] * n
+    return loops, [judger_bundles(judgers) for _ in range(max(1, n))]
+
+
+def agent_cpus(task_cfgs, reward_cfg, reward_cpus: float) -> float:
+    """Ray CPUs every agent-loop and judger actor of the run reserves."""
+    total = 0.0
+    for t in task_cfgs:
+        loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, reward_cfg, reward_cpus))
+        total += sum(b["CPU"] for b in loops) + sum(b["CPU"] for inst in judges for b in inst)
+    return total

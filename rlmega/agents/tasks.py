@@ -1,0 +1,76 @@
+"""Tasks: several (prompts, agent loop with its judgers, weight) mixed in every step's batch.
+
+    tasks = Tasks(cfg, tokenizer)                 # cfg.tasks, or one task "default" from data + agent_loop
+    picked = tasks.next_prompts()                 # [(task name, Prompt)], prompts_per_step of them
+    tasks.state_dict() / load_state_dict(...)     # every task's sampler position, for exact resume
+
+Each step takes ``counts[k]`` prompts from task k: trainer.prompts_per_step split by weight with the
+largest-remainder rule (fixed per run, so a batch always holds the same mix and resume is exact);
+validation refuses a task whose share rounds to 0 prompts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rlmega.config.schema import TaskConfig
+from rlmega.data.prompts import PromptData, load_prompt_data
+
+
+def task_configs(cfg) -> list[TaskConfig]:
+    """cfg.tasks, or the default task made of the data and agent_loop sections."""
+    return list(cfg.tasks) or [TaskConfig(name="default", weight=1.0, data=cfg.data, agent_loop=cfg.agent_loop)]
+
+
+def split_by_weight(total: int, weights: list[float]) -> list[int]:
+    """``total`` items shared by weight, largest remainder first (ties: earlier task).
+
+    split_by_weight(4, [1, 1]) -> [2, 2]; split_by_weight(5, [2, 1]) -> [3, 2]; sums to total."""
+    s = float(sum(weights))
+    exact = [total * w / s for w in weights]
+    counts = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class Tasks:
+    def __init__(self, cfg, tokenizer):
+        self.configs = task_configs(cfg)
+        self.counts = split_by_weight(cfg.trainer.prompts_per_step, [t.weight for t in self.configs])
+        self.data: dict[str, PromptData] = {
+            t.name: load_prompt_data(t.data, tokenizer, cfg.rollout.max_prompt_tokens, k)
+            for t, k in zip(self.configs, self.counts)}
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.configs]
+
+    def next_prompts(self) -> list[tuple[str, object]]:
+        return [(name, p) for name, d in self.data.items() for p in d.next_prompts()]
+
+    def warmup_prompts(self, i: int) -> list[tuple[str, object]]:
+        return [(name, p) for name, d in self.data.items() for p in d.warmup_prompts(i)]
+
+    def eval_prompts(self) -> dict[str, list]:
+        return {name: d.eval_prompts for name, d in self.data.items() if d.eval_prompts}
+
+    def config(self, name: str) -> TaskConfig:
+        return next(t for t in self.configs if t.name == name)
+
+    def state_dict(self) -> dict:
+        if len(self.data) == 1 and "default" in self.data:  # the layout checkpoints had before tasks
+            return self.data["default"].state_dict()
+        return {"tasks": {name: d.state_dict() for name, d in self.data.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "tasks" not in state:
+            self.data[self.names[0]].load_state_dict(state)
+            return
+        missing = set(self.data) - set(state["tasks"])
+        if missing:
+            raise ValueError(f"the checkpoint has no data position for task(s) {sorted(missing)}; "
+                             "resume with the tasks the run was started with")
+        for name, d in self.data.items():
+            d.load_state_dict(state["tasks"][name])

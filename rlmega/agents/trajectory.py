@@ -1,0 +1,78 @@
+"""What an agent loop returns: trajectories (one prompt, one response made of model and tool
+tokens), grouped by prompt, and their conversion to the trainer's RolloutBatch.
+
+A response is token in, token out: model tokens exactly as sampled (with their rollout log-probs
+and the weight version they were sampled with) and tool tokens tokenized once and appended, with
+``response_mask`` 0 so the loss, the log-prob parity and the KL never see them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from rlmega.data.rollout_batch import RolloutBatch
+
+# Why a trajectory ended: the model stopped (EOS / stop token), its last turn hit max_tokens, the
+# tool loop ran out of turns or of total tokens.
+FINISH_REASONS = ("stop", "length", "max_turns", "max_tokens")
+
+
+@dataclasses.dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    """Model and tool tokens, in order."""
+    response_mask: list[float] = dataclasses.field(default_factory=list)
+    """Per response token: 1.0 sampled by the model, 0.0 tool output."""
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    """Per response token: the engine's log-prob (0.0 for tool tokens)."""
+    versions: list[int] = dataclasses.field(default_factory=list)
+    """Per response token: the weight version it was sampled with (-1 for tool tokens)."""
+    finish_reason: str = ""
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    response_text: str = ""
+    """What the judgers score: the whole response (single turn) or the final answer after the last tool
+    result (tool loop; the full transcript is in metadata["transcript"])."""
+    metadata: dict = dataclasses.field(default_factory=dict)
+    scores: dict = dataclasses.field(default_factory=dict)
+    reward: float = 0.0
+    judge_error: str | None = None
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, version: int, model: bool) -> None:
+        """Add a model turn (its sampled ids and log-probs) or a tool result (model=False)."""
+        self.response_ids.extend(ids)
+        self.response_mask.extend([1.0 if model else 0.0] * len(ids))
+        self.logprobs.extend(logprobs if model else [0.0] * len(ids))
+        self.versions.extend([version if model else -1] * len(ids))
+
+
+@dataclasses.dataclass
+class TrajectoryGroup:
+    """The n trajectories of one prompt, or why the group could not be produced."""
+
+    task: str
+    prompt_index: int
+    """The prompt's position in the step (its GRPO group id)."""
+    label: Any
+    trajectories: list[Trajectory] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    """Set when a generation failed after its retries: the group is dropped, never trained on."""
+
+
+def batch_from_groups(groups: Sequence[TrajectoryGroup]) -> RolloutBatch:
+    """The trainer's batch from the groups that succeeded; a trajectory without response tokens is
+    dropped (nothing to score). Group ids are the prompts' indices in the step."""
+    kept = [(g, t) for g in groups if g.error is None for t in g.trajectories if t.response_ids]
+    return RolloutBatch(
+        tokens=[torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.int64) for _, t in kept],
+        prompt_lens=torch.tensor([len(t.prompt_ids) for _, t in kept], dtype=torch.int64),
+        response_mask=[torch.tensor(t.response_mask, dtype=torch.float32) for _, t in kept],
+        rollout_logprobs=[torch.tensor(t.logprobs, dtype=torch.float32) for _, t in kept],
+        rewards=torch.tensor([t.reward for _, t in kept], dtype=torch.float32),
+        group_ids=torch.tensor([g.prompt_index for g, _ in kept], dtype=torch.int64),
+        sample_ids=torch.arange(len(kept), dtype=torch.int64),
+    )

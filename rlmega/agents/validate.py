@@ -1,0 +1,75 @@
+"""Load-time checks of the agent side: agent loops (their tools, limits, hosting), their judgers and the
+task mix. Called by rlmega.config.validate; each problem names the field and the fix."""
+from __future__ import annotations
+
+import os
+
+from rlmega.config.validate import problem
+
+
+def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
+    from rlmega.agents.tools import TOOL_NAMES
+    from rlmega.judgers.validate import validate_judgers
+
+    out = []
+    if loop.num_ray_actors < 0:
+        out.append(problem(f"{field}.num_ray_actors", f"{loop.num_ray_actors} is negative",
+                           "0 runs the loop in the driver's process, 1 in one Ray actor, N > 1 in N actors"))
+    if loop.kind == "tool":
+        for i, name in enumerate(loop.tools):
+            if name not in TOOL_NAMES:
+                out.append(problem(f"{field}.tools[{i}]", f"no tool named {name!r}",
+                                   f"use one of {', '.join(TOOL_NAMES)}"))
+        if not loop.tools:
+            out.append(problem(f"{field}.tools", "a tool loop without tools", "name at least one tool, e.g. [calculator]"))
+        if loop.max_turns < 1:
+            out.append(problem(f"{field}.max_turns", f"{loop.max_turns}", "set max_turns >= 1"))
+        if loop.max_total_tokens < 0 or loop.max_total_tokens > rollout.max_response_tokens:
+            out.append(problem(f"{field}.max_total_tokens",
+                               f"{loop.max_total_tokens}, outside 0..rollout.max_response_tokens "
+                               f"({rollout.max_response_tokens}): the engine holds at most that many response tokens",
+                               "set it within that range (0 = rollout.max_response_tokens)"))
+        for name in ("tool_timeout_s", "tool_memory_mb"):
+            if getattr(loop, name) <= 0:
+                out.append(problem(f"{field}.{name}", f"{getattr(loop, name)} is not positive", "set it > 0"))
+    if loop.cpus_per_actor <= 0 and loop.num_ray_actors > 0:
+        out.append(problem(f"{field}.cpus_per_actor", f"{loop.cpus_per_actor}", "set cpus_per_actor > 0"))
+    if loop.memory_mb_per_actor < 0:
+        out.append(problem(f"{field}.memory_mb_per_actor", f"{loop.memory_mb_per_actor}", "set it >= 0 (0: none)"))
+    if loop.max_generation_retries < 0:
+        out.append(problem(f"{field}.max_generation_retries", f"{loop.max_generation_retries}", "set it >= 0"))
+    out += validate_judgers(loop.judgers, f"{field}.judgers", reward)
+    return out
+
+
+def task_problems(cfg) -> list[str]:
+    """The agent_loop section (default task) or every task of cfg.tasks, and the mix's weights."""
+    from rlmega.agents.tasks import split_by_weight
+
+    if not cfg.tasks:
+        return agent_loop_problems(cfg.agent_loop, "agent_loop", cfg.rollout, cfg.reward)
+    out, names = [], set()
+    for i, t in enumerate(cfg.tasks):
+        f = f"tasks[{i}]"
+        if not t.name or t.name in names:
+            out.append(problem(f"{f}.name", f"{t.name!r} is empty or used by an earlier task", "give each task its own name"))
+        names.add(t.name)
+        if t.weight < 0:
+            out.append(problem(f"{f}.weight", f"{t.weight} is negative", "give each task a weight >= 0"))
+        out += agent_loop_problems(t.agent_loop, f"{f}.agent_loop", cfg.rollout, cfg.reward)
+        for key in ("train_path", "eval_path"):
+            path = getattr(t.data, key)
+            if path and not os.path.isfile(path):
+                out.append(problem(f"{f}.data.{key}", f"prompt file {path!r} does not exist",
+                                   'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
+    weights = [t.weight for t in cfg.tasks]
+    if not sum(weights) > 0:
+        out.append(problem("tasks", f"the task weights {weights} do not sum to a positive number",
+                           "give at least one task a positive weight"))
+    elif not out:
+        for t, k in zip(cfg.tasks, split_by_weight(cfg.trainer.prompts_per_step, weights)):
+            if k == 0 and t.weight > 0:
+                out.append(problem(f"tasks[{cfg.tasks.index(t)}].weight",
+                                   f"task {t.name!r} gets 0 of trainer.prompts_per_step={cfg.trainer.prompts_per_step} "
+                                   "prompts per step", "raise its weight or trainer.prompts_per_step"))
+    return out

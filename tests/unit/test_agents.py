@@ -1,0 +1,98 @@
+"""The agent side's pure parts: the task split, trajectories -> the trainer's batch (tool tokens masked),
+the rollout metrics, warm-start targets in the tool format, and Tasks' resumable positions."""
+import math
+
+import pytest
+import torch
+
+from rlmega.agents.metrics import rollout_metrics
+from rlmega.agents.sft import sft_example
+from rlmega.agents.tasks import Tasks, split_by_weight
+from rlmega.agents.trajectory import Trajectory, TrajectoryGroup, batch_from_groups
+from rlmega.config.schema import AgentLoopConfig, RLConfig, TaskConfig
+from rlmega.tiny_model import make_tokenizer
+
+
+def test_split_by_weight_is_largest_remainder_and_sums_to_the_total():
+    assert split_by_weight(4, [1, 1]) == [2, 2]
+    assert split_by_weight(5, [2, 1]) == [3, 2]  # exact 3.33 / 1.67: the larger remainder takes the last one
+    assert split_by_weight(7, [1, 1, 1]) == [3, 2, 2]  # ties go to the earlier task
+    assert split_by_weight(3, [1, 0]) == [3, 0]
+    for total in range(0, 20):
+        assert sum(split_by_weight(total, [0.3, 1.7, 2.0])) == total
+
+
+def _traj(model_ids, tool_ids, reward, reason="stop", scores=None, error=None):
+    t = Trajectory(prompt_ids=[1, 2, 3], finish_reason=reason, num_turns=2 if tool_ids else 1,
+                   tool_calls=1 if tool_ids else 0, scores=scores or {"correct": reward}, reward=reward,
+                   judge_error=error)
+    t.append(model_ids, [-0.5] * len(model_ids), 3, model=True)
+    if tool_ids:
+        t.append(tool_ids, None, -1, model=False)
+        t.append([9], [-0.1], 3, model=True)
+    return t
+
+
+def test_batch_from_groups_masks_tool_tokens_and_drops_failed_groups():
+    ok = TrajectoryGroup("calc", 0, "46", [_traj([5, 6], [7, 7, 7], 1.0), _traj([5], [], 0.0)])
+    failed = TrajectoryGroup("calc", 1, "3", error="generation failed 3 times")
+    other = TrajectoryGroup("plain", 2, "9", [_traj([4, 4], [], 0.5)])
+    batch = batch_from_groups([ok, failed, other])
+    assert len(batch) == 3 and batch.group_ids.tolist() == [0, 0, 2]
+    assert batch.response_mask[0].tolist() == [1, 1, 0, 0, 0, 1]  # the tool result [7, 7, 7] is out of the loss
+    assert batch.rollout_logprobs[0].tolist() == [-0.5, -0.5, 0, 0, 0, pytest.approx(-0.1)]
+    assert batch.tokens[0].tolist() == [1, 2, 3, 5, 6, 7, 7, 7, 9]
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.5]
+    assert ok.trajectories[0].versions == [3, 3, -1, -1, -1, 3]
+
+
+def test_rollout_metrics_per_task_scores_finish_reasons_and_drops():
+    groups = [TrajectoryGroup("calc", 0, "1", [_traj([5, 6], [7, 7], 1.0), _traj([5], [], 0.0, "length", error="x")]),
+              TrajectoryGroup("calc", 1, "1", error="lost"),
+              TrajectoryGroup("plain", 2, "1", [_traj([4], [], 0.5, "stop")])]
+    m = rollout_metrics(groups, ["calc", "plain", "unused"])
+    assert m["groups_dropped"] == 1 and m["judge_errors"] == 1
+    assert m["task/calc/reward_mean"] == 0.5 and m["task/plain/reward_mean"] == 0.5
+    assert m["task/calc/response_length"] == (5 + 1) / 2
+    assert math.isnan(m["task/unused/reward_mean"])
+    assert m["score/correct"] == pytest.approx(1.5 / 3)
+    assert m["finish/stop"] == pytest.approx(2 / 3) and m["finish/length"] == pytest.approx(1 / 3)
+    assert m["tool_calls_mean"] == pytest.approx(1 / 3)
+
+
+def test_tool_warm_start_target_masks_the_result_the_model_never_writes():
+    tok = make_tokenizer()
+    loop = AgentLoopConfig(kind="tool", tools=["calculator"])
+    ids, mask = sft_example(tok.encode("12+34="), "12+34=", "46", loop, tok)
+    text = tok.decode(ids)
+    assert text == "<tool>calculator:12+34</tool><result>46</result>46</s>"
+    masked = tok.decode([i for i, m in zip(ids, mask) if m == 0])
+    assert masked == "<result>46</result>"
+    single, smask = sft_example(tok.encode("12+34="), "12+34=", "46", AgentLoopConfig(), tok)
+    assert tok.decode(single) == "46</s>" and smask == [1.0] * 3
+
+
+def test_tasks_mix_by_weight_and_resume_their_positions():
+    tok = make_tokenizer()
+    cfg = RLConfig()
+    cfg.trainer.prompts_per_step = 6
+    cfg.tasks = [TaskConfig(name="a", weight=2.0), TaskConfig(name="b", weight=1.0)]
+    cfg.tasks[1].data.seed = 7
+    tasks = Tasks(cfg, tok)
+    assert tasks.counts == [4, 2]
+    first = tasks.next_prompts()
+    assert [name for name, _ in first] == ["a"] * 4 + ["b"] * 2
+    state = tasks.state_dict()
+    later = [tasks.next_prompts() for _ in range(3)]
+    again = Tasks(cfg, tok)
+    again.load_state_dict(state)
+    assert [[(n, p.index) for n, p in x] for x in later] == [[(n, p.index) for n, p in again.next_prompts()]
+                                                            for _ in range(3)]
+    with pytest.raises(ValueError, match="task"):
+        Tasks(cfg, tok).load_state_dict({"tasks": {"a": state["tasks"]["a"]}})
+
+
+def test_a_single_default_task_keeps_the_checkpoint_layout_of_before():
+    tok = make_tokenizer()
+    tasks = Tasks(RLConfig(), tok)
+    assert tasks.names == ["default"] and "sampler" in tasks.state_dict()
