@@ -90,3 +90,26 @@ def test_an_engine_that_does_not_answer_times_out_naming_the_engine(cluster):
     transport.send(_buckets(1)[0], 1)
     with pytest.raises(TimeoutError, match=r"rollout engine 0 did not load .*'b0.weight'.*within 0.5 s"):
         transport.flush()
+
+
+def test_sent_views_of_a_flat_buffer_arrive_intact_and_the_buffer_stays_releasable(cluster):
+    """At TP 1 on CPU the bucket's tensors are views of the policy's flat parameter buffer (bf16 and
+    fp32 here, one tensor not contiguous, one empty). Sending them must not pin that buffer: the
+    colocated release resizes its storage to 0 right after the sync (rlmega.megatron.offload).
+    Tensor.numpy() pinned it for good ("Trying to resize storage that is not resizable")."""
+    from rlmega.megatron import offload
+
+    flat, flat16 = torch.randn(1000), torch.randn(300).to(torch.bfloat16)
+    bucket = [("w", flat[100:400].view(20, 15)), ("wt", flat[:600].view(20, 30).t()), ("n", flat16[10:42]),
+              ("empty", flat[0:0].view(0, 4))]
+    engine = cluster.remote(delay=0.0)
+    transport = RayTransport([engine])
+    transport.send(bucket, 1)
+    transport.flush()
+    sums = [float(sum(t.sum() for _, t in bucket))]
+    assert [c["sum"] for c in ray.get(engine.log.remote())] == sums  # the engine read the same values
+    expected = flat.clone(), flat16.clone()
+    saved = offload.offload_tensors([flat, flat16])  # raised before the fix
+    assert flat.untyped_storage().nbytes() == flat16.untyped_storage().nbytes() == 0
+    offload.onload_tensors(saved)
+    assert torch.equal(flat, expected[0]) and torch.equal(flat16, expected[1])
