@@ -234,9 +234,8 @@ class ActorConfig:
     offload_while_generating: Optional[bool] = None
     """Release the policy's parameters, gradients and optimizer state to host memory (and empty the CUDA
     cache) while the rollout engines generate; onload them for log-probs and training. None: on exactly
-    when engines share the trainer's GPUs (cluster.colocate and rollout.device=cuda). True with
-    rollout.device=cpu is refused at load: through Roles on CPU the release fails after a weight sync
-    (a known defect; the actor-level offload itself is tested in tests/multiproc)."""
+    when engines share the trainer's GPUs (cluster.colocate and rollout.device=cuda). True on CPU runs
+    the same release/sync/onload cycle (nothing to gain there; it is how CPU tests exercise it)."""
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
 

@@ -290,13 +290,6 @@ def validate(cfg: RLConfig) -> None:
             out.append(problem(f"data.{name}", f"prompt file {path!r} does not exist",
                                'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
 
-    if cfg.actor.offload_while_generating and cfg.rollout.device == "cpu":
-        # Known defect (seen through Roles on CPU): after a weight sync the policy's parameter storages
-        # are no longer resizable ("Trying to resize storage that is not resizable"), so the release
-        # fails. Refused until fixed; the GPU path (the reason for the knob) has not run anywhere yet.
-        out.append(problem("actor.offload_while_generating",
-                           "true with rollout.device=cpu fails at the first release after a weight sync "
-                           "(a known defect on CPU)", "leave it null (off on CPU) or set it to false"))
     longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.actor.max_tokens_per_micro_batch < longest:
         out.append(problem("actor.max_tokens_per_micro_batch",

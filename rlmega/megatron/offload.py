@@ -38,7 +38,14 @@ def offload_tensors(tensors: Iterable[torch.Tensor]) -> Saved:
     """Copy the storages behind ``tensors`` to host memory and free them."""
     saved: Saved = []
     pin = torch.cuda.is_available()
-    for storage in _distinct_storages(tensors):
+    storages = _distinct_storages(tensors)
+    fixed = [s for s in storages if not s.resizable()]
+    if fixed:  # checked before anything moves: a failure half-way would free some storages and lose their copies
+        raise RuntimeError(
+            f"{len(fixed)} of {len(storages)} storages ({sum(s.nbytes() for s in fixed)} bytes) are not resizable, "
+            "so they cannot be released; torch marks a storage so when Tensor.numpy() or torch.from_numpy() "
+            "shares its memory with numpy")
+    for storage in storages:
         host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
         host.copy_(_bytes_view(storage), non_blocking=pin)
         saved.append((storage, host))

@@ -52,7 +52,7 @@ def engines(hf_model):
     ray.shutdown()
 
 
-def _group(hf_model, tp, pp, vpp, dp=1, mb_tokens=64):
+def _group(hf_model, tp, pp, vpp, dp=1, mb_tokens=64, **actor_kw):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.launch.worker_group import WorkerGroup
     from rlmega.workers.actor import MegatronActor
@@ -60,7 +60,7 @@ def _group(hf_model, tp, pp, vpp, dp=1, mb_tokens=64):
     world = tp * pp * dp
     group = WorkerGroup(MegatronActor, world, kwargs=dict(
         model=ModelConfig(path=hf_model), parallel=ParallelismConfig(tp, pp, vpp, world),
-        optimizer=OptimizerConfig(lr=1e-2), actor=ActorConfig(max_tokens_per_micro_batch=mb_tokens),
+        optimizer=OptimizerConfig(lr=1e-2), actor=ActorConfig(max_tokens_per_micro_batch=mb_tokens, **actor_kw),
         algorithm=AlgorithmConfig(), temperature=T), num_cpus=0.25)
     group.call("setup", with_reference=False)
     return group
@@ -82,6 +82,15 @@ def _sample_and_compare(group, engines, seed=0, n=2):
         actor_lp = group.call("compute_logprobs", batch)[0]
         results.append((batch, logprob_diff(batch.rollout_logprobs, actor_lp, batch.response_mask)))
     return results
+
+
+def _train_step(group, batch):
+    rewards = torch.tensor([float(sum(s.tolist()) % 2) for s in batch.tokens])  # arbitrary, fixed
+    seq_adv = advantages.grpo(rewards, batch.group_ids)
+    old = group.call("compute_logprobs", batch)[0]
+    train = dataclasses.replace(batch, old_logprobs=old, rewards=rewards,
+                                advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)])
+    return group.call("train_step", train)[0]
 
 
 LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2_pp2": (2, 2, None),
@@ -107,13 +116,7 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
         for batch, diff in before:
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} before training: {diff}"
 
-        batch = before[0][0]
-        rewards = torch.tensor([float(sum(s.tolist()) % 2) for s in batch.tokens])  # arbitrary, fixed
-        seq_adv = advantages.grpo(rewards, batch.group_ids)
-        old = group.call("compute_logprobs", batch)[0]
-        train = dataclasses.replace(batch, old_logprobs=old, rewards=rewards,
-                                    advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)])
-        group.call("train_step", train)
+        _train_step(group, before[0][0])
         _sync(group, engines)
         after = _sample_and_compare(group, engines)
         print(name, "parity before", [d for _, d in before], "after", [d for _, d in after])
@@ -121,6 +124,36 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} after training: {diff}"
             changed = any(not torch.equal(x, y) for x, y in zip(b0.rollout_logprobs, b1.rollout_logprobs))
             assert changed, f"{name}: the engine's output did not change after syncing trained weights"
+    finally:
+        group.shutdown()
+
+
+def test_trainer_releases_its_weights_after_a_ray_sync_and_trains_on(hf_model, engines):
+    """actor.offload_while_generating on CPU, in Roles' colocated order (rollout_phase, train_phase).
+
+    At TP 1 on CPU the synced tensors are views of the policy's own parameter storage. The transport
+    once shared them with numpy through Tensor.numpy(), which makes a storage non-resizable for good:
+    the release after the sync then failed ("Trying to resize storage that is not resizable").
+    """
+    group = _group(hf_model, 1, 1, None, offload_while_generating=True)
+    try:
+        _sync(group, engines)
+        batch = _sample_and_compare(group, engines)[0][0]
+        for cycle in range(2):
+            metrics = _train_step(group, batch)
+            assert all(map(torch.isfinite, map(torch.tensor, [metrics["loss"], metrics["grad_norm"]]))), metrics
+            # rollout_phase: release all but the params, sync, release the params
+            kept = group.call("offload_for_rollout", keep_params=True)[0]
+            assert kept["offloaded"] == ["grads", "main params", "optimizer state"], (cycle, kept)
+            _sync(group, engines)
+            synced = group.call("compute_logprobs", batch)[0]  # the params are still on the device here
+            released = group.call("offload_for_rollout")[0]
+            assert released["offloaded"] == ["grads", "main params", "optimizer state", "params"], (cycle, released)
+            # train_phase: take everything back; the weights are the synced ones, bit for bit
+            assert group.call("onload_for_training")[0]["offloaded"] == [], cycle
+            assert all(torch.equal(a, b) for a, b in zip(group.call("compute_logprobs", batch)[0], synced)), cycle
+            for b, diff in _sample_and_compare(group, engines, seed=cycle + 1):
+                assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"cycle {cycle}: {diff}"
     finally:
         group.shutdown()
 

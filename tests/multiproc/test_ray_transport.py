@@ -36,6 +36,19 @@ class SlowEngine:
         return self.calls
 
 
+class KeepingEngine:
+    """Keeps a copy of every tensor it is sent (what the engine's weight loader would read)."""
+
+    def __init__(self):
+        self.got = []
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        self.got += [(n, t.clone()) for n, t in named_tensors]
+
+    def received(self) -> list:
+        return self.got
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray import cloudpickle
@@ -90,3 +103,29 @@ def test_an_engine_that_does_not_answer_times_out_naming_the_engine(cluster):
     transport.send(_buckets(1)[0], 1)
     with pytest.raises(TimeoutError, match=r"rollout engine 0 did not load .*'b0.weight'.*within 0.5 s"):
         transport.flush()
+
+
+def test_sent_views_of_a_flat_buffer_arrive_intact_and_the_buffer_stays_releasable(cluster):
+    """At TP 1 on CPU the bucket's tensors are views of the policy's flat parameter buffer (bf16 and
+    fp32 here, one tensor not contiguous, one empty). Sending them must not pin that buffer: the
+    colocated release resizes its storage to 0 right after the sync (rlmega.megatron.offload).
+    Tensor.numpy() pinned it for good ("Trying to resize storage that is not resizable")."""
+    from rlmega.megatron import offload
+
+    gen = torch.Generator().manual_seed(0)
+    flat, flat16 = torch.randn(1000, generator=gen), torch.randn(300, generator=gen).to(torch.bfloat16)
+    bucket = [("w", flat[100:400].view(20, 15)), ("wt", flat[:600].view(20, 30).t()), ("n", flat16[10:42]),
+              ("empty", flat[0:0].view(0, 4))]
+    engine = ray.remote(num_cpus=0.1)(KeepingEngine).remote()
+    transport = RayTransport([engine])
+    transport.send(bucket, 1)
+    transport.flush()
+    got = ray.get(engine.received.remote())
+    assert [n for n, _ in got] == [n for n, _ in bucket]
+    for (name, sent), (_, t) in zip(bucket, got):  # same values, dtype and shape, bit for bit
+        assert t.dtype == sent.dtype and t.shape == sent.shape and torch.equal(t, sent), name
+    expected = flat.clone(), flat16.clone()
+    saved = offload.offload_tensors([flat, flat16])  # raised before the fix
+    assert flat.untyped_storage().nbytes() == flat16.untyped_storage().nbytes() == 0
+    offload.onload_tensors(saved)
+    assert torch.equal(flat, expected[0]) and torch.equal(flat16, expected[1])

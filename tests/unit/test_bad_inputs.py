@@ -89,7 +89,6 @@ CASES = [
     ("ref rate > 1", ["actor.ref_update_rate=2"], None, "actor.ref_update_rate:"),
     ("keep 0 checkpoints", ["trainer.keep_last_checkpoints=0"], None, "trainer.keep_last_checkpoints:"),
     ("no response tokens", ["rollout.max_response_tokens=0"], None, "rollout.max_response_tokens:"),
-    ("offload on CPU", ["actor.offload_while_generating=true"], None, "actor.offload_while_generating:"),
     ("config file missing", [], "{d}/nope.yaml", "config file:"),
     ("config not a mapping", [], "{d}/config_list.yaml", "config file:"),
     ("config not YAML", [], "{d}/config_bad.yaml", "config file:"),
