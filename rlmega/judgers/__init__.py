@@ -11,9 +11,9 @@ http.py (POST to a service), model.py (a judge model on its own vLLM engine). co
 agent loop's judgers by weight; factory.py builds them from JudgerConfig; validate.py checks the config
 at load. Failures never raise: they score 0 with an error string naming the judger (base.py).
 """
-from rlmega.judgers.base import Judgement, Judger, JudgeItem
+from rlmega.judgers.base import JudgeError, Judgement, Judger, JudgeItem
 from rlmega.judgers.composite import CompositeJudger
 from rlmega.judgers.factory import build_judger
 from rlmega.judgers.validate import validate_judgers
 
-__all__ = ["Judger", "JudgeItem", "Judgement", "CompositeJudger", "build_judger", "validate_judgers"]
+__all__ = ["Judger", "JudgeItem", "Judgement", "JudgeError", "CompositeJudger", "build_judger", "validate_judgers"]

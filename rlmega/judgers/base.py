@@ -52,6 +52,11 @@ class Judgement:
         return self.error is None
 
 
+class JudgeError(RuntimeError):
+    """A judger's own machinery failed (an actor died, a service answered 500, an engine failed): its
+    message is the whole story, so the error string carries no exception type name."""
+
+
 # What a subclass's _judge may return: a number, a mapping of named scores holding "reward", or a
 # ready Judgement (a Ray actor's, already named and checked).
 RawVerdict = Union[float, int, Mapping[str, Any], Judgement]
@@ -119,7 +124,8 @@ class Judger:
         try:
             await self.ready()  # before the item's clock starts: a judge engine may take minutes to start
         except Exception as e:
-            return failed(self.name, self._error(f"not ready: {type(e).__name__}: {e}"))
+            why = str(e) if isinstance(e, JudgeError) else f"{type(e).__name__}: {e}"
+            return failed(self.name, self._error(f"not ready: {why}"))
         start = time.monotonic()
         try:
             raw = await asyncio.wait_for(self._judge(item), self.deadline_s)
@@ -131,6 +137,8 @@ class Judger:
                     within = f"{self.deadline_s:g}s ({within} plus the round trip)"
                 return failed(self.name, self._error(f"no result within {within}"))
             return failed(self.name, self._error(f"{type(e).__name__}: {e}"))
+        except JudgeError as e:
+            return failed(self.name, self._error(str(e)))
         except Exception as e:  # user code: keep its type and message for the error flag
             return failed(self.name, self._error(f"{type(e).__name__}: {e}"))
 

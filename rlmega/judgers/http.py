@@ -17,7 +17,7 @@ import asyncio
 
 import httpx
 
-from rlmega.judgers.base import Judger, JudgeItem, RawVerdict
+from rlmega.judgers.base import JudgeError, Judger, JudgeItem, RawVerdict
 
 
 class HttpJudger(Judger):
@@ -44,13 +44,13 @@ class HttpJudger(Judger):
                 "metadata": item.metadata, **self.kwargs}
         answer = await self._client_for_this_loop().post(self.url, json=body)
         if not answer.is_success:
-            raise RuntimeError(f"HTTP {answer.status_code} from {self.url}: {answer.text[:200]!r}")
+            raise JudgeError(f"HTTP {answer.status_code} from {self.url}: {answer.text[:200]!r}")
         try:
             verdict = answer.json()
         except ValueError:
-            raise ValueError(f"{self.url} answered {answer.text[:200]!r}, not JSON") from None
+            raise JudgeError(f"{self.url} answered {answer.text[:200]!r}, not JSON") from None
         if not isinstance(verdict, dict):
-            raise ValueError(f"{self.url} answered {verdict!r}, not a JSON object with 'reward'")
+            raise JudgeError(f"{self.url} answered {str(verdict)[:200]}, not a JSON object with 'reward'")
         return verdict
 
     async def aclose(self) -> None:

@@ -25,7 +25,7 @@ import os
 
 import ray
 
-from rlmega.judgers.base import Judger, JudgeItem, RawVerdict
+from rlmega.judgers.base import JudgeError, Judger, JudgeItem, RawVerdict
 from rlmega.judgers.ray_actors import first_line
 from rlmega.judgers.verdict import check_template, parse_verdict
 
@@ -78,9 +78,9 @@ class ModelJudger(Judger):
             try:
                 await asyncio.wait_for(self._started, self.startup_timeout_s)
             except TimeoutError:
-                raise RuntimeError(f"its engine did not start within {self.startup_timeout_s:g}s") from None
+                raise JudgeError(f"its engine did not start within {self.startup_timeout_s:g}s") from None
             except Exception as e:
-                raise RuntimeError(f"its engine failed to start: {first_line(e)}") from None
+                raise JudgeError(f"its engine failed to start: {first_line(e)}") from None
             self._is_ready = True
 
     def judge_prompt(self, item: JudgeItem) -> str:
@@ -90,7 +90,7 @@ class ModelJudger(Judger):
         """What the judge model says about `item` (decoded, special tokens dropped)."""
         ids = self.tokenizer.encode(self.judge_prompt(item))
         if len(ids) + self.max_tokens > self.max_model_len:
-            raise ValueError(f"the judge prompt has {len(ids)} tokens; with max_tokens={self.max_tokens} that "
+            raise JudgeError(f"the judge prompt has {len(ids)} tokens; with max_tokens={self.max_tokens} that "
                              f"exceeds the engine's max_model_len={self.max_model_len}")
         return self.tokenizer.decode(await self._generate(ids), skip_special_tokens=True)
 
@@ -125,7 +125,7 @@ class ModelJudger(Judger):
             samples = await self.engine.generate.remote(
                 prompts=[ids for ids, _ in batch], n=1, temperature=0.0, max_tokens=self.max_tokens)
         except Exception as e:
-            error = RuntimeError(f"judge engine failed: {first_line(e)}")
+            error = JudgeError(f"judge engine failed: {first_line(e)}")
             for _, f in batch:
                 if not f.done():
                     f.set_exception(error)

@@ -9,7 +9,7 @@ For functions too heavy for the agent loop's process (math-verify with sympy, a 
 are exactly the native judger's; the actor is asynchronous, so it scores many items at once (a plain
 function in a thread each, see native.py). Each actor reserves `cpus_per_actor` CPUs and
 `memory_mb_per_actor` MiB (none when 0) and, given a placement group, sits in it (bundle
-`bundle_indices[i % len]`, or any bundle with room).
+`bundle_indices[i % len]`, or any bundle with room): its bundles must hold those CPUs and that memory.
 
 Routing: an item goes to the actor with the fewest items in flight (ties: round robin).
 
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from typing import Sequence
 
 import ray
 from ray.exceptions import RayActorError
 
-from rlmega.judgers.base import Judgement, Judger, JudgeItem, RawVerdict
+from rlmega.judgers.base import JudgeError, Judgement, Judger, JudgeItem, RawVerdict
 from rlmega.judgers.native import NativeJudger
 from rlmega.rewards.registry import resolve
 
@@ -54,8 +55,10 @@ class JudgeActor:
     async def judge(self, item: JudgeItem) -> Judgement:
         return await self.judger.judge(item)
 
-    async def ready(self) -> bool:
-        return True
+    async def ready(self) -> dict:
+        """Where this actor runs: its process id and placement group (None outside one)."""
+        pg = ray.get_runtime_context().get_placement_group_id()
+        return {"pid": os.getpid(), "placement_group": pg}
 
 
 class RayJudger(Judger):
@@ -114,7 +117,7 @@ class RayJudger(Judger):
         done = await asyncio.wait_for(asyncio.gather(*self._started, return_exceptions=True),
                                       self.restart_timeout_s)
         if all(isinstance(d, BaseException) for d in done):
-            raise RuntimeError(f"none of its {len(done)} actors started: {first_line(done[0])}")
+            raise JudgeError(f"none of its {len(done)} actors started: {first_line(done[0])}")
         self._is_ready = True
 
     def _pick(self) -> int:
@@ -152,11 +155,11 @@ class RayJudger(Judger):
             actor = await self._replace(index, actor)
         except Exception as e:
             why = "no answer" if isinstance(e, TimeoutError) else first_line(e)
-            raise RuntimeError(f"actor {index} died: {died}; its restart failed ({why})") from None
+            raise JudgeError(f"actor {index} died: {died}; its restart failed ({why})") from None
         try:
             return await self._call(index, actor, item)
         except RayActorError as e:
-            raise RuntimeError(f"actor {index} died: {died}; its restart died too: {first_line(e)}") from None
+            raise JudgeError(f"actor {index} died: {died}; its restart died too: {first_line(e)}") from None
 
     def close(self) -> None:
         for actor in self._actors:

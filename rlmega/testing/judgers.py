@@ -33,3 +33,9 @@ def exit_on_label(response_text: str, label, **kwargs) -> float:
 def no_reward(response_text: str, label, **kwargs) -> dict:
     """Named scores without the required "reward"."""
     return {"score": 1.0}
+
+
+def pid_scores(response_text: str, label, delay_s: float = 0.0, **kwargs) -> dict:
+    """reward 1, and the process that judged (to see which Ray actor an item went to)."""
+    time.sleep(delay_s)
+    return {"reward": 1.0, "pid": os.getpid()}
