@@ -7,7 +7,10 @@
 A judger is user code (a function, a service, a model), so one trajectory's failure must not end a
 run: `Judger.judge` never raises. It runs the subclass's `_judge` under `asyncio.wait_for(timeout_s)`
 and turns an exception, a timeout or an unusable value into reward 0, `scores={name: 0.0}` and an
-error string that names the judger and why; the caller counts and flags such items.
+error string that names the judger and why ("judger 'math' (native): ZeroDivisionError: ...";
+a judger's own machinery failing raises JudgeError, whose message stands without a type name); the
+caller counts and flags such items. `ready()` (actors or an engine starting) is awaited first, outside
+the item's clock.
 
 Score names: a judger's reward is always `scores[name]`; the other named scores a function or service
 returns ({"reward": r, "format": f}) become `scores["<name>/format"]`. Prefixing at the source keeps the

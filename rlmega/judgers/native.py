@@ -68,8 +68,11 @@ class NativeJudger(Judger):
     async def _judge(self, item: JudgeItem) -> RawVerdict:
         if self.is_async:
             return await self.fn(item.response_text, item.label, **self.kwargs)
-        return await run_in_daemon_thread(self.fn, (item.response_text, item.label), self.kwargs,
-                                          thread_name=f"judger-{self.name}")
+        value = await run_in_daemon_thread(self.fn, (item.response_text, item.label), self.kwargs,
+                                           thread_name=f"judger-{self.name}")
+        if inspect.isawaitable(value):  # a wrapped async function (a partial, a decorator) returns a coroutine
+            value = await value
+        return value
 
     def __repr__(self) -> str:
         return f"NativeJudger(name={self.name!r}, fn={self.fn_path!r}, timeout_s={self.timeout_s:g})"
