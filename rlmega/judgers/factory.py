@@ -27,9 +27,15 @@ def default_judgers(reward_cfg: RewardConfig) -> list[JudgerConfig]:
                          num_actors=max(reward_cfg.num_workers, 1))]
 
 
+def actors_of(c: JudgerConfig) -> int:
+    """Ray actors judger `c` starts: ray num_actors, model one (its engine), native and http none."""
+    return c.num_actors if c.kind == "ray" else 1 if c.kind == "model" else 0
+
+
 def make_judger(c: JudgerConfig, reward_cfg: RewardConfig, placement_group=None,
-                engine_kwargs: dict | None = None) -> Judger:
-    """One judger of kind c.kind (imports only what that kind needs: Ray, httpx, transformers)."""
+                engine_kwargs: dict | None = None, bundles: list | None = None) -> Judger:
+    """One judger of kind c.kind (imports only what that kind needs: Ray, httpx, transformers).
+    `bundles`: None, or one (placement group, bundle index) per actor it starts (actors_of(c))."""
     common = dict(timeout_s=c.timeout_s, weight=c.weight)
     if c.kind == "native":
         from rlmega.judgers.native import NativeJudger
@@ -40,7 +46,7 @@ def make_judger(c: JudgerConfig, reward_cfg: RewardConfig, placement_group=None,
 
         return RayJudger(c.name, c.fn or reward_cfg.fn, kwargs=c.kwargs, num_actors=c.num_actors,
                          cpus_per_actor=c.cpus_per_actor, memory_mb_per_actor=c.memory_mb_per_actor,
-                         placement_group=placement_group, **common)
+                         placement_group=placement_group, bundles=bundles, **common)
     if c.kind == "http":
         from rlmega.judgers.http import HttpJudger
 
@@ -50,19 +56,22 @@ def make_judger(c: JudgerConfig, reward_cfg: RewardConfig, placement_group=None,
 
         engine_kwargs = dict(engine_kwargs or {})
         num_gpus = 1.0 if engine_kwargs.get("device") == "cuda" else 0.0
+        pg, index = bundles[0] if bundles else (placement_group, -1)
         return ModelJudger(c.name, c.model_path, prompt_template=c.prompt_template, max_tokens=c.max_tokens,
                            cpus_per_actor=c.cpus_per_actor, memory_mb_per_actor=c.memory_mb_per_actor,
-                           num_gpus=num_gpus, placement_group=placement_group, engine_kwargs=engine_kwargs,
+                           num_gpus=num_gpus, placement_group=pg, bundle_index=index, engine_kwargs=engine_kwargs,
                            **common)
     raise ValueError(f"judger {c.name!r}: unknown kind {c.kind!r}")
 
 
 def build_judger(cfgs: Sequence[JudgerConfig], reward_cfg: RewardConfig, placement_group=None, *,
-                 engine_kwargs: dict | None = None, field_prefix: str = "agent_loop.judgers") -> CompositeJudger:
-    """The CompositeJudger of one agent loop. `placement_group` (None: none) holds the ray and model
-    judgers' actors; `engine_kwargs` go to a model judge's RolloutWorker (device, max_model_len,
-    kv_cache_space_gb, ...; default a CPU engine). ConfigError when the list is invalid. If one judger
-    fails to start, those already started are closed before the error propagates."""
+                 bundles: Sequence[tuple] | None = None, engine_kwargs: dict | None = None,
+                 field_prefix: str = "agent_loop.judgers") -> CompositeJudger:
+    """The CompositeJudger of one agent loop. Placement of the ray and model judgers' actors: `bundles`,
+    one (placement group, bundle index) per actor in judger order (rlmega.agents.placement.judger_bundles),
+    or else `placement_group` (any bundle with room), or else none. `engine_kwargs` go to a model judge's
+    RolloutWorker (device, max_model_len, kv_cache_space_gb, ...; default a CPU engine). ConfigError when
+    the list is invalid. If one judger fails to start, those already started are closed first."""
     from rlmega.config.validate import ConfigError
 
     if cfgs:
@@ -74,10 +83,16 @@ def build_judger(cfgs: Sequence[JudgerConfig], reward_cfg: RewardConfig, placeme
                     for p in validate_judgers(cfgs, field_prefix, reward_cfg)]
     if problems:
         raise ConfigError(problems)
+    needed = sum(actors_of(c) for c in cfgs)
+    if bundles and len(bundles) != needed:
+        raise ValueError(f"{len(bundles)} placement bundles for the judgers' {needed} actors")
     judgers: list[Judger] = []
+    start = 0
     try:
         for c in cfgs:
-            judgers.append(make_judger(c, reward_cfg, placement_group, engine_kwargs))
+            mine = list(bundles[start:start + actors_of(c)]) if bundles else None
+            start += actors_of(c)
+            judgers.append(make_judger(c, reward_cfg, placement_group, engine_kwargs, mine))
     except BaseException:
         for j in judgers:
             j.close()

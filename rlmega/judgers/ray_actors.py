@@ -8,8 +8,9 @@ For functions too heavy for the agent loop's process (math-verify with sympy, a 
 (`JudgeActor`) hosts a NativeJudger, so scores, score names, the per-item timeout and the error strings
 are exactly the native judger's; the actor is asynchronous, so it scores many items at once (a plain
 function in a thread each, see native.py). Each actor reserves `cpus_per_actor` CPUs and
-`memory_mb_per_actor` MiB (none when 0) and, given a placement group, sits in it (bundle
-`bundle_indices[i % len]`, or any bundle with room): its bundles must hold those CPUs and that memory.
+`memory_mb_per_actor` MiB (none when 0). Placement: `bundles`, one (placement group, bundle index)
+per actor (as rlmega.agents.placement lays them out), or `placement_group` (any bundle with room), or
+neither; a bundle must hold its actor's CPUs and memory.
 
 Routing: an item goes to the actor with the fewest items in flight (ties: round robin).
 
@@ -56,9 +57,11 @@ class JudgeActor:
         return await self.judger.judge(item)
 
     async def ready(self) -> dict:
-        """Where this actor runs: its process id and placement group (None outside one)."""
-        pg = ray.get_runtime_context().get_placement_group_id()
-        return {"pid": os.getpid(), "placement_group": pg}
+        """Where this actor runs: its process id, placement group (None outside one) and the Ray
+        resources it holds (in a bundle they are named e.g. CPU_group_<bundle>_<group id>)."""
+        ctx = ray.get_runtime_context()
+        return {"pid": os.getpid(), "placement_group": ctx.get_placement_group_id(),
+                "resources": ctx.get_assigned_resources()}
 
 
 class RayJudger(Judger):
@@ -66,7 +69,7 @@ class RayJudger(Judger):
 
     def __init__(self, name: str, fn: str, *, kwargs: dict | None = None, timeout_s: float = 60.0,
                  weight: float = 1.0, num_actors: int = 1, cpus_per_actor: float = 0.25,
-                 memory_mb_per_actor: int = 0, placement_group=None, bundle_indices: Sequence[int] | None = None,
+                 memory_mb_per_actor: int = 0, placement_group=None, bundles: Sequence[tuple] | None = None,
                  restart_timeout_s: float = 60.0):
         super().__init__(name, timeout_s=timeout_s, weight=weight)
         if num_actors < 1:
@@ -78,7 +81,9 @@ class RayJudger(Judger):
         resolve(fn, field=f"judger {name!r} fn")  # a bad path fails here, in the driver, not in N actors
         self.fn_path, self.kwargs = fn, dict(kwargs or {})
         self.restart_timeout_s, self.restarts = float(restart_timeout_s), 0
-        self._placement_group, self._bundles = placement_group, list(bundle_indices or [])
+        if bundles is not None and len(bundles) != num_actors:
+            raise ValueError(f"judger {name!r}: {len(bundles)} placement bundles for {num_actors} actors")
+        self._placement_group, self._bundles = placement_group, list(bundles or [])
         self._options = {"num_cpus": cpus_per_actor}
         if memory_mb_per_actor > 0:
             self._options["memory"] = int(memory_mb_per_actor) * _MiB
@@ -100,12 +105,12 @@ class RayJudger(Judger):
 
     def _start(self, index: int):
         options = dict(self._options)
-        if self._placement_group is not None:
+        pg, bundle = self._bundles[index] if self._bundles else (self._placement_group, -1)
+        if pg is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundle = self._bundles[index % len(self._bundles)] if self._bundles else -1
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self._placement_group, placement_group_bundle_index=bundle)
+                placement_group=pg, placement_group_bundle_index=bundle)
         return self._actor_class.options(**options).remote(self.name, self.fn_path, self.kwargs, self.timeout_s,
                                                           index)
 
