@@ -4,7 +4,9 @@
 
 The function is `fn(response_text, label, **kwargs)` returning a number, or a dict of named scores
 that holds "reward" (rlmega/judgers/base.py names them). It is resolved when the judger is built, so a
-bad dotted path fails then, not at the first trajectory.
+bad dotted path fails then, not at the first trajectory. A function that names a parameter `prompt`
+or `metadata` also gets the item's prompt text or metadata there (a tool loop's whole transcript is
+metadata["transcript"]); opt-in by name, so plain reward functions (reward.fn) stay two-argument.
 
 An `async def` function is awaited on the caller's event loop (it must not block it). A plain function
 runs in a thread of its own, so a slow or hung one never stalls the loop. Why not `asyncio.to_thread`:
@@ -22,6 +24,17 @@ from typing import Any, Callable
 
 from rlmega.judgers.base import Judger, JudgeItem, RawVerdict
 from rlmega.rewards.registry import resolve
+
+
+# Parameters a function may name to get more of the item: parameter -> JudgeItem field.
+ITEM_PARAMETERS = {"prompt": "prompt_text", "metadata": "metadata"}
+
+
+def _parameters(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # some builtins have no signature
+        return set()
 
 
 def run_in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict, thread_name: str = "judger"
@@ -64,11 +77,15 @@ class NativeJudger(Judger):
         self.fn = resolve(fn, field=f"judger {name!r} fn") if isinstance(fn, str) else fn
         self.kwargs = dict(kwargs or {})
         self.is_async = inspect.iscoroutinefunction(self.fn)
+        self.wants = {p for p in ITEM_PARAMETERS if p in _parameters(self.fn) and p not in self.kwargs}
 
     async def _judge(self, item: JudgeItem) -> RawVerdict:
+        kwargs = self.kwargs
+        if self.wants:
+            kwargs = {**kwargs, **{p: getattr(item, ITEM_PARAMETERS[p]) for p in self.wants}}
         if self.is_async:
-            return await self.fn(item.response_text, item.label, **self.kwargs)
-        value = await run_in_daemon_thread(self.fn, (item.response_text, item.label), self.kwargs,
+            return await self.fn(item.response_text, item.label, **kwargs)
+        value = await run_in_daemon_thread(self.fn, (item.response_text, item.label), kwargs,
                                            thread_name=f"judger-{self.name}")
         if inspect.isawaitable(value):  # a wrapped async function (a partial, a decorator) returns a coroutine
             value = await value

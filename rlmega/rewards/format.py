@@ -64,11 +64,15 @@ def tool_calls(text: str) -> list[str] | None:
         pos = end + len(TOOL_CLOSE)
 
 
-def tool_format(response_text: str, label=None, tools: list[str] | None = None, **kwargs) -> float:
+def tool_format(response_text: str, label=None, tools: list[str] | None = None, metadata: dict | None = None,
+                **kwargs) -> float:
     """1.0 when every <tool>...</tool> in the response is `name:args`: the name an identifier (one of
     `tools` when given, e.g. the agent loop's tool list) and args not blank; the tags must pair up.
-    A response without tool calls scores 1.0 (nothing is malformed); pair it with a task reward."""
-    calls = tool_calls(response_text)
+    A response without tool calls scores 1.0 (nothing is malformed); pair it with a task reward.
+    Judged as a judger, it reads a tool loop's whole transcript (metadata["transcript"]): the loop's
+    response_text is only the answer after the last tool result."""
+    text = (metadata or {}).get("transcript", response_text)
+    calls = tool_calls(text)
     if calls is None:
         return 0.0
     for body in calls:

@@ -164,6 +164,21 @@ def test_native_bad_results_and_a_timeout_error_raised_by_the_function():
     assert run(NativeJudger("n", nan).judge(item("1"))).error == "judger 'n' (native): ValueError: the result is nan"
 
 
+def test_native_functions_that_ask_for_the_prompt_or_metadata_get_them():
+    # A tool loop judges the answer after the last tool result; the transcript rides in metadata.
+    j = NativeJudger("tools", "rlmega.rewards.format.tool_format", kwargs={"tools": ["calculator"]})
+    good = item("42", metadata={"transcript": "<tool>calculator:40+2</tool><result>42</result>42"})
+    bad = item("42", metadata={"transcript": "<tool>calculator</tool><result>error</result>42"})
+    assert [v.reward for v in run(j.judge_many([good, bad, item("42")]))] == [1.0, 0.0, 1.0]
+    assert j.wants == {"metadata"}
+
+    def sees(response, label, prompt, metadata):
+        return float(prompt == "q=" and metadata == {"turns": 2})
+
+    assert run(NativeJudger("s", sees).judge(item("x", metadata={"turns": 2}))).reward == 1.0
+    assert NativeJudger("a", "rlmega.rewards.arithmetic.score").wants == set()  # **kwargs does not opt in
+
+
 def test_native_bad_path_fails_at_construction():
     with pytest.raises(ValueError, match=r"judger 'm' fn='rlmega.rewards.math.scroe'.*did you mean"):
         NativeJudger("m", "rlmega.rewards.math.scroe")
