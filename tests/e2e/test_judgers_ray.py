@@ -97,13 +97,13 @@ def test_killed_actor_is_restarted_and_the_run_goes_on(local_ray):
 
 
 def test_a_function_that_kills_its_actor_is_reported_by_name(local_ray):
-    # The item that kills its actor kills the replacement too: it is reported with the actor's slot.
-    # Items that were in flight on the dead actor are retried on the replacement and succeed.
+    # The item that kills its actor kills the replacement too (its one retry): reported with the slot.
     judger = RayJudger("crash", "rlmega.testing.judgers.exit_on_label", num_actors=1, timeout_s=10)
     try:
         out = asyncio.run(judger.judge_many([item("x", "exit")]))
         assert out[0].reward == 0.0
-        assert out[0].error.startswith("judger 'crash' (ray): actor 0 died: ") and "its restart died too" in out[0].error
+        assert out[0].error.startswith("judger 'crash' (ray): actor 0 died: ")
+        assert "its restart died too" in out[0].error
         assert judger.restarts == 1
         assert asyncio.run(judger.judge(item("x", "fine"))).reward == 1.0  # the slot is restarted again
         assert judger.restarts == 2
