@@ -1,8 +1,24 @@
 """Reward functions, addressed from configs by dotted path (`reward.fn: rlmega.rewards.arithmetic.score`).
 
-A reward function is `fn(response_text: str, label, **kwargs) -> float`: the generated text after
-the prompt, the dataset row's label, and `reward.kwargs`. `resolve(path)` imports one.
+A reward function is `fn(response_text: str, label, **kwargs) -> float` (or a dict of named scores
+holding "reward", for judgers): the generated text after the prompt, the dataset row's label, and
+`reward.kwargs` (or a judger's kwargs). `resolve(path)` imports one.
+
+Built in (BUILT_IN, by dotted path; each module is imported only when named):
+  rlmega.rewards.arithmetic.score   the synthetic addition task's exact-answer check
+  rlmega.rewards.math.score         math answers compared by math-verify (\\boxed{...}, LaTeX, plain)
+  rlmega.rewards.format.boxed       exactly one \\boxed{...}
+  rlmega.rewards.format.ends_with_eos  the response ended by itself
+  rlmega.rewards.format.tool_format    every <tool>name:args</tool> call well formed
 """
 from rlmega.rewards.registry import RewardResolveError, resolve
 
-__all__ = ["resolve", "RewardResolveError"]
+BUILT_IN = (
+    "rlmega.rewards.arithmetic.score",
+    "rlmega.rewards.math.score",
+    "rlmega.rewards.format.boxed",
+    "rlmega.rewards.format.ends_with_eos",
+    "rlmega.rewards.format.tool_format",
+)
+
+__all__ = ["resolve", "RewardResolveError", "BUILT_IN"]

@@ -1,0 +1,19 @@
+"""Judgers: score finished trajectories with named scores and a reward (DESIGN.md, "Rollouts as agents").
+
+    from rlmega.judgers import JudgeItem, build_judger
+    judge = build_judger(cfg.agent_loop.judgers, cfg.reward)          # a CompositeJudger
+    verdict = await judge.judge(JudgeItem(prompt_text, response_text, label))
+    verdict.reward, verdict.scores, verdict.error
+
+Kinds (one module each, imported only when used): native.py (a dotted-path function in this process),
+ray_actors.py (the same function in N Ray actors, least-outstanding routing, dead actors restarted),
+http.py (POST to a service), model.py (a judge model on its own vLLM engine). composite.py combines an
+agent loop's judgers by weight; factory.py builds them from JudgerConfig; validate.py checks the config
+at load. Failures never raise: they score 0 with an error string naming the judger (base.py).
+"""
+from rlmega.judgers.base import JudgeError, Judgement, Judger, JudgeItem
+from rlmega.judgers.composite import CompositeJudger
+from rlmega.judgers.factory import build_judger
+from rlmega.judgers.validate import validate_judgers
+
+__all__ = ["Judger", "JudgeItem", "Judgement", "JudgeError", "CompositeJudger", "build_judger", "validate_judgers"]

@@ -1,0 +1,110 @@
+"""Checks of an agent loop's judger list, run when the config loads (called from rlmega/config/validate.py).
+
+    problems = validate_judgers(cfg.agent_loop.judgers, "agent_loop.judgers", cfg.reward)
+    # ["agent_loop.judgers[1].url: kind http needs a url. Fix: ...", ...]
+
+Each problem names the field (`<prefix>[i].<field>`, or the list itself for whole-list rules) and the
+fix, in the style of rlmega.config.validate. Dotted paths are imported (registry.resolve), and a model
+judge's folder is looked at (config.json), so a bad judger fails at load, not at the first trajectory.
+Nothing heavy is imported: no Ray, vLLM or transformers.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+from rlmega.config.schema import JUDGER_KINDS, JudgerConfig, RewardConfig
+from rlmega.judgers.verdict import check_template
+from rlmega.rewards.registry import RewardResolveError, resolve
+
+
+def problem(field: str, what: str, fix: str) -> str:
+    # Imported on use: rlmega.config.validate imports this module, and a top-level import back would be
+    # circular (its `problem` is not yet defined while its own imports run).
+    from rlmega.config.validate import problem as config_problem
+
+    return config_problem(field, what, fix)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
+    out = []
+    if c.kind not in JUDGER_KINDS:
+        out.append(problem(f"{f}.kind", f"unknown kind {c.kind!r}", f"choose one of {', '.join(JUDGER_KINDS)}"))
+    if not isinstance(c.name, str) or not c.name or "/" in c.name:
+        out.append(problem(f"{f}.name", f"{c.name!r} is not a usable name",
+                           "give a non-empty name without '/' (scores are named <judger>/<score>)"))
+    if not (_number(c.timeout_s) and c.timeout_s > 0):
+        out.append(problem(f"{f}.timeout_s", f"{c.timeout_s!r} is not > 0",
+                           "give the seconds one trajectory's judging may take, e.g. 60"))
+    if not (_number(c.weight) and c.weight >= 0):
+        out.append(problem(f"{f}.weight", f"{c.weight!r} is not a number >= 0",
+                           "give a weight >= 0 (0 computes and logs the score without rewarding it)"))
+    if not isinstance(c.kwargs, dict):
+        out.append(problem(f"{f}.kwargs", f"{c.kwargs!r} is not a mapping", "give keyword arguments as a mapping"))
+
+    if c.kind in ("native", "ray"):
+        fn = c.fn or reward_cfg.fn
+        via = "" if c.fn else f" (fn is empty, so reward.fn={reward_cfg.fn!r} is used)"
+        try:
+            resolve(fn, field=f"{f}.fn")
+        except RewardResolveError as e:
+            out.append(problem(f"{f}.fn", e.what + via, e.fix))
+    if c.kind == "ray":
+        if not (isinstance(c.num_actors, int) and c.num_actors >= 1):
+            out.append(problem(f"{f}.num_actors", f"{c.num_actors!r} is not >= 1",
+                               "give at least 1 actor, or kind native to judge in the agent loop's process"))
+    if c.kind in ("ray", "model"):
+        if not (_number(c.cpus_per_actor) and c.cpus_per_actor >= 0):
+            out.append(problem(f"{f}.cpus_per_actor", f"{c.cpus_per_actor!r} is not >= 0",
+                               "give the Ray CPUs each actor reserves, e.g. 0.25"))
+        if not (isinstance(c.memory_mb_per_actor, int) and c.memory_mb_per_actor >= 0):
+            out.append(problem(f"{f}.memory_mb_per_actor", f"{c.memory_mb_per_actor!r} is not an integer >= 0",
+                               "give MiB per actor, or 0 to reserve none"))
+    if c.kind == "http":
+        if not c.url:
+            out.append(problem(f"{f}.url", "kind http needs a url", "give the service's endpoint, "
+                               "e.g. http://judge:8000/score"))
+        elif not str(c.url).startswith(("http://", "https://")):
+            out.append(problem(f"{f}.url", f"{c.url!r} is not an http(s) URL", "start it with http:// or https://"))
+    if c.kind == "model":
+        if not c.model_path:
+            out.append(problem(f"{f}.model_path", "kind model needs a model_path",
+                               "give the judge model's Hugging Face folder"))
+        elif not os.path.isfile(os.path.join(c.model_path, "config.json")):
+            out.append(problem(f"{f}.model_path", f"no config.json in {c.model_path!r}",
+                               "point it at a Hugging Face model folder (one with config.json)"))
+        try:
+            check_template(c.prompt_template)
+        except ValueError as e:
+            out.append(problem(f"{f}.prompt_template", str(e),
+                               "use only {prompt}, {response} and {label}; write a literal brace as {{ or }}"))
+        if not (isinstance(c.max_tokens, int) and c.max_tokens >= 1):
+            out.append(problem(f"{f}.max_tokens", f"{c.max_tokens!r} is not >= 1",
+                               "give the tokens the judge may generate, e.g. 4"))
+    return out
+
+
+def validate_judgers(cfgs: Sequence[JudgerConfig], field_prefix: str, reward_cfg: RewardConfig) -> list[str]:
+    """One `field: problem. Fix: ...` line per problem of the judger list at `field_prefix`
+    (e.g. "agent_loop.judgers" or "tasks[0].agent_loop.judgers"); [] when it is fine or empty (an
+    empty list means one judger from the reward section, checked with that section)."""
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    for i, c in enumerate(cfgs):
+        f = f"{field_prefix}[{i}]"
+        out += _check_one(c, f, reward_cfg)
+        if c.name in seen:
+            out.append(problem(f"{f}.name", f"duplicate name {c.name!r} (also {field_prefix}[{seen[c.name]}])",
+                               "give each judger of a loop its own name: it names its score"))
+        else:
+            seen[c.name] = i
+    weights = [c.weight for c in cfgs]
+    if cfgs and all(_number(w) and w >= 0 for w in weights) and not sum(weights) > 0:
+        out.append(problem(f"{field_prefix}", f"the weights {weights} sum to {sum(weights):g}",
+                           "give at least one judger a weight > 0 (the reward divides by their sum)"))
+    return out
