@@ -56,11 +56,13 @@ class AgentLoop:
         group = TrajectoryGroup(task=self.task, prompt_index=req.prompt_index, label=req.label)
         sampling = {**self.sampling, **(req.sampling or {})}
         n = req.n or self.n
-        try:
-            trajs = await asyncio.gather(*[
-                self._trajectory(req, sampling, None if req.seed is None else req.seed + j) for j in range(n)])
-        except GenerationFailed as e:  # never a zero-reward row: the whole group goes
-            group.error = str(e)
+        trajs = await asyncio.gather(*[self._trajectory(req, sampling, None if req.seed is None else req.seed + j)
+                                       for j in range(n)], return_exceptions=True)  # let every try finish
+        failed = [t for t in trajs if isinstance(t, BaseException)]
+        if failed:  # never a zero-reward row: the whole group goes
+            if not all(isinstance(e, GenerationFailed) for e in failed):
+                raise next(e for e in failed if not isinstance(e, GenerationFailed))
+            group.error = str(failed[0])
             return group
         judgements = await asyncio.gather(*[self.judger.judge(self._item(req, t)) for t in trajs])
         for t, j in zip(trajs, judgements):

@@ -12,15 +12,13 @@ from rlmega.config.schema import JudgerConfig
 
 
 def effective_judgers(loop_cfg, reward_cfg, reward_cpus: float) -> list[JudgerConfig]:
-    """The loop's judgers; none given: one from the reward section (ray with reward.num_workers actors of
-    cluster.reward_cpus each, or native when num_workers is 0). An empty fn means reward.fn."""
-    if not loop_cfg.judgers:
-        kind = "ray" if reward_cfg.num_workers > 0 else "native"
-        return [JudgerConfig(name="reward", kind=kind, fn=reward_cfg.fn, kwargs=dict(reward_cfg.kwargs),
-                             timeout_s=reward_cfg.timeout_s, num_actors=max(1, reward_cfg.num_workers),
-                             cpus_per_actor=reward_cpus)]
-    return [j if j.fn or j.kind not in ("native", "ray") else dataclasses.replace(j, fn=reward_cfg.fn)
-            for j in loop_cfg.judgers]
+    """The loop's judgers; none given: the reward section's (rlmega.judgers.factory.default_judgers), its
+    actors reserving cluster.reward_cpus each."""
+    from rlmega.judgers.factory import default_judgers
+
+    if loop_cfg.judgers:
+        return list(loop_cfg.judgers)
+    return [dataclasses.replace(j, cpus_per_actor=reward_cpus) for j in default_judgers(reward_cfg)]
 
 
 def _bundle(cpus: float, memory_mb: int) -> dict:

@@ -67,8 +67,25 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def _as_config_error(e: OmegaConfBaseException, source: str) -> ConfigError:
-    key = e.full_key or "<root>"
+def _locate(tree, e: OmegaConfBaseException, path: str = "") -> str | None:
+    """The full path (e.g. tasks[0].agent_loop.judgers[1].kind) of the value OmegaConf rejected when it
+    names only the leaf: the key of that name whose value the message quotes."""
+    leaf = (e.full_key or "").rsplit(".", 1)[-1]
+    if not leaf or "." in (e.full_key or ""):
+        return None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    for k, v in items:
+        sub = f"{path}[{k}]" if isinstance(tree, list) else f"{path}.{k}" if path else str(k)
+        if k == leaf and not isinstance(v, (dict, list)) and f"'{v}'" in str(e):
+            return sub
+        found = _locate(v, e, sub)
+        if found:
+            return found
+    return None
+
+
+def _as_config_error(e: OmegaConfBaseException, source: str, where: str | None = None) -> ConfigError:
+    key = where or e.full_key or "<root>"
     what = (str(e.msg or e) or type(e).__name__).splitlines()[0]
     if isinstance(e, ConfigKeyError) and key in REMOVED:
         return ConfigError([problem(key, f"no longer a config field (in {source})", REMOVED[key])])
@@ -131,7 +148,9 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
-            raise _as_config_error(e, source) from None
+            # Inside a list of sections (tasks, agent_loop.judgers) OmegaConf names only the leaf key.
+            where = _locate(OmegaConf.to_container(layer), e)
+            raise _as_config_error(e, source, where) from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 
-def make_tool_model(out_dir, steps: int = 300, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> Path:
+def make_tool_model(out_dir, steps: int = 150, batch: int = 16, lr: float = 3e-3, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlmega.agents.sft import sft_example
@@ -23,7 +23,7 @@ def make_tool_model(out_dir, steps: int = 300, batch: int = 32, lr: float = 3e-3
     from rlmega.data.arithmetic import make_problems
     from rlmega.tiny_model import make_tiny_model
 
-    path = make_tiny_model(out_dir, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=seed,
+    path = make_tiny_model(out_dir, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2, seed=seed,
                            overwrite=True)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
