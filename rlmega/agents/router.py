@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class EngineRouter:
         self.max_retries = max_retries
         self.failures = 0  # failed tries (retried or not), for the metrics
         self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]  # routers in several processes share the engines: ids stay unique
 
     def _pick(self, avoid: int | None = None) -> int:
         order = sorted(range(len(self.engines)), key=lambda i: (i == avoid, self.outstanding[i], i))
@@ -52,7 +54,7 @@ class EngineRouter:
             self.outstanding[i] += 1
             try:
                 sample = await call(self.engines[i], "generate_one", list(prompt_ids),
-                                    request_id=f"r{next(self._ids)}", **sampling)
+                                    request_id=f"{self._prefix}-{next(self._ids)}", **sampling)
             except Exception as e:  # an engine error or a dead engine: try another (the same seed)
                 last_error, avoid = e, i
                 self.failures += 1
