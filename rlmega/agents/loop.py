@@ -23,7 +23,7 @@ from typing import Any
 
 from rlmega.agents.router import EngineRouter, GenerationFailed
 from rlmega.agents.tool_protocol import CALL_CLOSE, RESULT_CLOSE, format_result, parse_call
-from rlmega.agents.tools import get_tool
+from rlmega.agents.tools import run_call
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
 from rlmega.judgers.base import JudgeItem
 
@@ -92,10 +92,6 @@ class SingleTurnAgentLoop(AgentLoop):
 
 
 class ToolAgentLoop(AgentLoop):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tools = {name: get_tool(name) for name in self.cfg.tools}
-
     async def _trajectory(self, req, sampling, seed):
         cfg = self.cfg
         budget = cfg.max_total_tokens or sampling["max_tokens"]
@@ -137,11 +133,8 @@ class ToolAgentLoop(AgentLoop):
         return t
 
     async def _run_tool(self, call) -> str:
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return f"error: unknown tool {call.name!r}" if call.name else "error: malformed tool call"
         # Tools block (the Python evaluator waits on its process): off the event loop.
-        return await asyncio.to_thread(tool.run, call.args, self.cfg.tool_timeout_s, self.cfg.tool_memory_mb)
+        return await asyncio.to_thread(run_call, call, self.cfg.tools, self.cfg.tool_timeout_s, self.cfg.tool_memory_mb)
 
 
 LOOPS = {"single_turn": SingleTurnAgentLoop, "tool": ToolAgentLoop}

@@ -15,8 +15,8 @@ import ray
 from rlmega.agents.hosting import AgentLoopHost, LoopSpec
 from rlmega.agents.loop import GroupRequest
 from rlmega.agents.metrics import rollout_metrics
-from rlmega.agents.tool_protocol import RESULT_CLOSE, RESULT_OPEN, parse_call
-from rlmega.agents.tools import get_tool
+from rlmega.agents.tool_protocol import RESULT_CLOSE, RESULT_OPEN, format_result, parse_call
+from rlmega.agents.tools import run_call
 from rlmega.agents.trajectory import batch_from_groups
 from rlmega.config.schema import AgentLoopConfig, JudgerConfig, RewardConfig
 from rlmega.data.arithmetic import make_problems
@@ -110,7 +110,7 @@ def test_tool_results_are_masked_out_and_are_the_tools_real_output(model, engine
             turns = tok.decode(t.response_ids).split(RESULT_CLOSE)
             for span, turn in zip(spans, turns):
                 call = parse_call(turn.split(RESULT_OPEN)[0])
-                expected = f"{RESULT_OPEN}{get_tool('calculator').run(call.args)}{RESULT_CLOSE}"
+                expected = format_result(run_call(call, ["calculator"]))
                 assert tok.decode(span) == expected[: len(tok.decode(span))]  # cut only at max tokens
                 calls += 1
             assert all(v == -1 for v, m in zip(t.versions, t.response_mask) if not m)
