@@ -90,6 +90,18 @@ def _engine_body(model_dir: str) -> dict:
     out["pending_after_second"] = w.pending_weights()
     out["version_restored"] = w.weight_version()
     out["restored"] = _as_dicts(w.generate(**probe))
+    # A sync's buckets from 6 threads at once, in shuffled order, split inside fused layers (as a
+    # threaded Ray actor receives them): zero lm_head first, then the originals must come back whole.
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    w.update_weights([("lm_head.weight", torch.zeros_like(original["lm_head.weight"]))], version=3)
+    shuffled = random.Random(0).sample(names, len(names))
+    buckets = [shuffled[k::6] for k in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda b: w.update_weights([(n, original[n]) for n in b], version=4), buckets))
+    out["pending_after_threads"] = w.pending_weights()
+    out["restored_by_threads"] = _as_dicts(w.generate(**probe))
     tm["3_update_weights"] = time.perf_counter() - t
 
     # 3b. serving single requests: many threads at once, abort, stop strings (tests below).
@@ -252,6 +264,9 @@ def test_update_weights_in_place_and_streamed(run):
     assert strip(run["restored"]) == strip(run["before"])
     assert [s["weight_version"] for s in run["before"] + run["zeroed"] + run["restored"]] == \
         [0] * len(run["before"]) + [1] * len(run["zeroed"]) + [2] * len(run["restored"])
+    # buckets from 6 threads at once, in any order, fused layers split across them
+    assert run["pending_after_threads"] == []
+    assert strip(run["restored_by_threads"]) == strip(run["before"])
 
 
 @pytest.mark.timeout(400)
