@@ -149,7 +149,7 @@ class RolloutWorker:
         self._version, self._tp = 0, tensor_parallel_size
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # vLLM layer -> HF name -> tensor
         self._pending_lock = threading.Lock()  # buckets of one sync may arrive on several threads
-        self._live: dict[str, asyncio.Event] = {}  # request id -> set when it has ended (loop thread only)
+        self._live: dict[str, list[asyncio.Event]] = {}  # request id -> one per request, set when it ends
         self._ids = itertools.count()
 
         # vLLM reads these when it is imported and when the engine starts, so set them first.
@@ -255,7 +255,8 @@ class RolloutWorker:
 
         ``stop``: stop strings; the response ends with the tokens that complete one (included), and
         only such a request pays for detokenizing. ``request_id`` (unique among requests in flight;
-        one is made up when None) is what ``abort`` takes.
+        one is made up when None) is what ``abort`` takes; requests may share one, as in vLLM, and an
+        abort then ends them all.
         """
         self._check_no_pending()
         _warn_truncation(top_p, top_k)
@@ -271,20 +272,22 @@ class RolloutWorker:
 
     def num_outstanding(self) -> int:
         """Requests in flight (sent to the engine, not yet returned)."""
-        return len(self._live)
+        return sum(len(v) for v in list(self._live.values()))
 
     async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt_index: int) -> Sample:
         from vllm.inputs import TokensPrompt
 
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        done = self._live[request_id] = asyncio.Event()
+        done = asyncio.Event()  # the loop thread alone touches _live: no lock
+        self._live.setdefault(request_id, []).append(done)
         version, final = self._version, None
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
                 final = out  # FINAL_ONLY: the one output, when the request has ended
         finally:
-            del self._live[request_id]
+            live = self._live[request_id]
+            live.remove(done)
+            if not live:
+                del self._live[request_id]
             done.set()
         c = final.outputs[0]
         ids = list(c.token_ids)
@@ -296,15 +299,15 @@ class RolloutWorker:
         )
 
     async def _abort(self, request_id: str) -> bool:
-        done = self._live.get(request_id)
-        if done is None:
+        ending = list(self._live.get(request_id, []))
+        if not ending:
             return False
         # A request still being registered by AsyncLLM.generate (an await before the engine knows
-        # it) misses an abort, so abort again until it has ended.
-        while not done.is_set():
+        # it) misses an abort, so abort again until each has ended.
+        while not all(done.is_set() for done in ending):
             await self._engine.abort(request_id)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout=0.05)
+                await asyncio.wait_for(asyncio.gather(*[d.wait() for d in ending]), timeout=0.05)
         return True
 
     # ---- weights ----------------------------------------------------------------------------
