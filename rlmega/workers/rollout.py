@@ -62,8 +62,8 @@ Caveats:
 - On CUDA, processed modes turn off FlashInfer's fused top-k/top-p sampler (it cannot return
   processed logits), so sampling uses the PyTorch path: a small cost for correct log-probs.
 
-Weights: ``update_weights`` sends HF-named tensors into the running engine, one safetensors blob
-per call, through ``collective_rpc`` into a method that vLLM mixes into its worker (the
+Weights: ``update_weights`` sends HF-named tensors into the running engine, one safetensors file in
+shared memory per call, through ``collective_rpc`` into a method that vLLM mixes into its worker (the
 ``worker_extension_cls`` engine argument: rlmega/workers/vllm_extension.py). There they go to
 ``worker.model_runner.reload_weights`` (vllm/model_executor/model_loader/reload/). That path
 restores each vLLM layer on the meta device, buffers what arrives and processes (repacks) a layer
@@ -113,7 +113,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from rlmega.workers.vllm_extension import EXTENSION, pack_weights
+from rlmega.workers.vllm_extension import EXTENSION, stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -212,13 +212,14 @@ class RolloutWorker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         config = args.create_engine_config()
-        if self._tp > 1:
-            # The engine core is a child process, not a Ray worker: it cannot see this actor's
-            # placement group itself, and vLLM's Ray executor must place its workers in it.
-            with contextlib.suppress(ImportError):
-                from ray.util import get_current_placement_group
+        if self._tp > 1 and config.parallel_config.distributed_executor_backend == "ray":
+            # vLLM chose its Ray executor because this actor runs in a placement group, but the engine
+            # core that starts that executor is a child process, not a Ray worker, and cannot see the
+            # group itself: hand it over, so that vLLM's workers go into this slot's bundles.
+            # TODO(gpu): not yet run on a TP > 1 GPU engine.
+            from ray.util import get_current_placement_group
 
-                config.parallel_config.placement_group = get_current_placement_group()
+            config.parallel_config.placement_group = get_current_placement_group()
         return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
 
     def _run(self, coro):
@@ -324,8 +325,11 @@ class RolloutWorker:
         with self._pending_lock:
             ready = list(self._complete_layers(iter(named_tensors)))
         if ready:
-            payload = pack_weights(ready)  # bytes: what crosses vLLM's process boundaries intact
-            self._run(self._engine.collective_rpc("rlmega_reload_weights", args=(payload,)))
+            path = stage_weights(ready)  # a file in shared memory: see rlmega/workers/vllm_extension.py
+            try:
+                self._run(self._engine.collective_rpc("rlmega_reload_weights", args=(path,)))
+            finally:
+                os.unlink(path)
             self._run(self._engine.reset_prefix_cache())
         self._version = version
 

@@ -29,10 +29,11 @@ the warm-up and each number below is the best of the others.
     send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
       put_s       ``ray.put``: serializing the buckets into the object store;
       wait_s      waiting for the engine to load buckets (before putting bucket k+2, and in flush).
-    engine_s    inside RolloutWorker.update_weights, summed over the sync's buckets: packing the
-                bucket as safetensors bytes, sending it to vLLM's model process (collective_rpc),
-                vLLM's ``reload_weights`` there + prefix-cache reset. engine_s - reload_s is what
-                loading in buckets, across processes (and rlmega's per-layer holding back) adds.
+    engine_s    inside RolloutWorker.update_weights, summed over the sync's buckets: writing the
+                bucket as a safetensors file in shared memory, the call into vLLM's model process
+                (collective_rpc), vLLM's ``reload_weights`` there from that file + prefix-cache
+                reset. engine_s - reload_s is what loading in buckets, across processes (and
+                rlmega's per-layer holding back) adds.
     other_s     sync_s - gather_s - send_s: the barrier, Ray's calls and noise; negative with PP,
                 where the stages gather and send concurrently, so the parts overlap.
 
