@@ -85,11 +85,16 @@ def _engine(model_dir: str, prompts: list, n: int, temperature: float, max_token
         # prompt_logprobs (the prefill path; raw log-probs, equal to processed ones at T=1).
         alone = []
         from vllm import SamplingParams, TokensPrompt
-        for s in batched:
+
+        async def prefill(ids: list, request_id: str):  # on the worker's engine loop (w._run)
+            async for out in w._engine.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(
+                    max_tokens=1, prompt_logprobs=0, temperature=1.0), request_id):
+                final = out
+            return final
+
+        for k, s in enumerate(batched):
             full = list(s["prompt_ids"]) + list(s["response_ids"])
-            out = w._llm.generate([TokensPrompt(prompt_token_ids=full)],
-                                  SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0),
-                                  use_tqdm=False)[0]
+            out = w._run(prefill(full, f"probe-{k}"))
             plp = out.prompt_logprobs  # per prompt position: {token: Logprob} or None (first)
             alone.append([plp[len(s["prompt_ids"]) + k][t].logprob for k, t in enumerate(s["response_ids"])])
         w.shutdown()

@@ -40,6 +40,10 @@ from rlmega.workers.rollout import RolloutWorker
 log = logging.getLogger("rlmega")
 
 
+# Calls one engine actor runs at once (threads; most wait on the engine): requests in flight per engine.
+ENGINE_MAX_CONCURRENCY = 1024
+
+
 class RoleDied(WorkerFailed):
     """A worker of the run raised, died or hung: ``worker`` names it (see launch/errors.py)."""
 
@@ -124,6 +128,9 @@ class Roles:
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
             self.manager.set_kv_cache_max_concurrency(i, value)
+        # What the models compute with, as vLLM's processes report it (threads per model worker)
+        log.info("engine model threads: %s", self._get([e.engine_threads.remote() for e in self.engines],
+                                                       "rollout engine"))
         self._start_agent_loops()
 
     def _start_agent_loops(self) -> None:
@@ -351,14 +358,19 @@ def _engine_options(pg, slot: Slot) -> dict:
     taking VLLM_RAY_PER_WORKER_GPUS) inside the actor's placement group, which it finds because the
     actor captures child tasks (vllm/config/parallel.py picks the "ray" backend in a placement group).
 
-    No max_concurrency, async methods or task retries: the pipelined RayTransport relies on Ray
-    running one caller's update_weights calls in the order they were sent, which holds only for
-    a single-threaded, in-order actor (rlmega/sync/transports.py).
+    ``max_concurrency=ENGINE_MAX_CONCURRENCY``: a threaded actor, so that many callers' ``generate_one``
+    (and ``generate``, ``abort``) calls are in the engine at once and vLLM batches them continuously;
+    each call's thread waits on the engine's own asyncio loop (rlmega/workers/rollout.py). Order
+    between calls no longer matters: the pipelined RayTransport's buckets used to need Ray's in-order
+    execution of one caller's update_weights calls, but RolloutWorker.update_weights is thread-safe
+    and holds back every fused layer until all its tensors arrived, whatever order or threads they
+    come in, and RayTransport.flush still waits for every bucket before the sync reports its version.
+    No task retries: a retried update_weights or generate would run twice.
     """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     many = len(slot.bundles) > 1
-    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus,
+    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus, max_concurrency=ENGINE_MAX_CONCURRENCY,
                    scheduling_strategy=PlacementGroupSchedulingStrategy(
                        placement_group=pg, placement_group_bundle_index=slot.bundles[0],
                        placement_group_capture_child_tasks=many))

@@ -99,13 +99,11 @@ class RayTransport:
 
     At most ``max_in_flight`` buckets (default 2) are unacknowledged: before putting bucket k+2 the
     sender waits until every engine has loaded bucket k, so the object store holds at most two
-    buckets per sender whatever the model's size. Each engine loads one sender's buckets in the order
-    they were sent: a Ray actor that is neither async nor multi-threaded (the engines: no
-    max_concurrency, see rlmega/launch/roles.py ``_engine_options``) runs one caller's tasks in
-    submission order (Ray's ``allow_out_of_order_execution`` is False for it), and the engines do
-    not retry tasks (retries may run out of order). A fused vLLM layer split across buckets waits
-    in the engine until its last piece arrives (RolloutWorker.update_weights), so even another
-    order could not expose a half-loaded layer.
+    buckets per sender whatever the model's size. The engines are threaded actors (max_concurrency,
+    see rlmega/launch/roles.py ``_engine_options``), so the buckets in flight may load at once and in
+    any order: RolloutWorker.update_weights is thread-safe, and a fused vLLM layer split across
+    buckets waits in the engine until its last piece arrives, so no order exposes a half-loaded
+    layer. The engines do not retry tasks (a retried bucket would load twice).
     """
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):

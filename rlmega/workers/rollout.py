@@ -1,13 +1,38 @@
 """RolloutWorker: one vLLM engine that generates samples and takes new weights in place.
 
-A plain class; Ray hosts it in ``rlmega/launch/``, tests drive it directly (in a fresh process each:
-vLLM keeps process-wide state).
+A plain class; Ray hosts it in ``rlmega/launch/`` as a threaded actor, tests drive it directly (in a
+fresh process each: vLLM keeps process-wide state).
 
     worker = RolloutWorker("/path/to/hf_model", device="cpu", max_model_len=512, seed=0)
     samples = worker.generate([[1, 5, 7], [1, 9]], n=4, temperature=1.0, max_tokens=64)
+    sample = worker.generate_one([1, 5, 7], max_tokens=64, seed=3, request_id="a")  # from any thread
+    worker.abort("a")                       # from another thread: "a" returns what it has, "abort"
     worker.update_weights(actor.export_hf_weights(), version=step)   # may be called per bucket
     worker.kv_cache_max_concurrency()                                 # e.g. 137.5
     worker.shutdown()
+
+The engine: vLLM's ``AsyncLLM``, on a private asyncio loop
+---------------------------------------------------------
+The worker owns an ``AsyncLLM`` whose event loop runs in a daemon thread started by ``__init__``.
+Every public method is synchronous and thread-safe: it submits a coroutine to that loop
+(``asyncio.run_coroutine_threadsafe``) and waits for its result. So a caller that is not async
+(the tests, the driver) uses it as before, and a Ray actor with ``max_concurrency`` > 1 (one
+thread per call) lets many callers' ``generate_one`` run at once: vLLM schedules whatever requests
+are in flight together (continuous batching), whoever sent them. ``generate`` is ``n`` x prompts
+such single requests, sent together.
+
+Seeds: vLLM gives the j-th child of an ``n > 1`` request ``seed + j`` (``ParentRequest.
+_get_child_sampling_params``, vllm/v1/engine/parallel_sampling.py) and a seeded request its own
+generator, so prompt i sample j with seed ``seed + i * n + j`` is the same random stream as the
+old ``LLM.generate(n=n)`` with seed ``seed + i * n`` gave it (tests/e2e/test_rollout_worker.py
+checks token-for-token equality with outputs recorded from that code).
+
+Processes: the engine core (scheduler and, on CPU and at TP 1 on GPU, the model) is a child process,
+``VLLM::EngineCore``; at TP > 1 its model workers are its children. ``shutdown`` stops them all. They
+also go when this process dies without it (SIGKILL, a Ray actor killed): vLLM's model workers watch
+the engine core (a death pipe), but the engine core does not watch this process, and was left running
+(measured), so a thread in it polls this process and kills it (``rlmega_watch_owner`` in
+rlmega/workers/vllm_extension.py): within a second here, measured with ``ps``.
 
 Log-probs: which ones vLLM returns, and why ``logprobs_mode="processed_logprobs"``
 --------------------------------------------------------------------------------
@@ -37,7 +62,9 @@ Caveats:
 - On CUDA, processed modes turn off FlashInfer's fused top-k/top-p sampler (it cannot return
   processed logits), so sampling uses the PyTorch path: a small cost for correct log-probs.
 
-Weights: ``update_weights`` streams HF-named tensors into the running engine through
+Weights: ``update_weights`` sends HF-named tensors into the running engine, one safetensors file in
+shared memory per call, through ``collective_rpc`` into a method that vLLM mixes into its worker (the
+``worker_extension_cls`` engine argument: rlmega/workers/vllm_extension.py). There they go to
 ``worker.model_runner.reload_weights`` (vllm/model_executor/model_loader/reload/). That path
 restores each vLLM layer on the meta device, buffers what arrives and processes (repacks) a layer
 once all its elements are loaded. A layer only *partly* present in one reload is materialised with
@@ -47,24 +74,46 @@ once all its elements are loaded. A layer only *partly* present in one reload is
 ``q_proj.weight`` and ``k_proj.weight`` (or ``q_proj.weight`` and ``q_proj.bias``) would corrupt the
 layer. So this worker holds back the tensors of every vLLM layer until all of its HF tensors have
 arrived (across calls), and reloads only complete layers. Whole layers may come in any number of
-calls in any order; ``generate`` refuses to run while a layer is incomplete. (Layers are found from
+calls in any order, from any number of threads at once (the held-back tensors sit behind a lock);
+``generate`` refuses to run while a layer is incomplete. (Layers are found from
 the vLLM model's parameter names and ``packed_modules_mapping``; a name that maps to no vLLM layer,
 such as a tied ``lm_head.weight``, is passed straight to vLLM, which decides.)
 
 One hazard seen on CPU: weights that make NaNs leave NaN in the KV-cache blocks they wrote, and
 vLLM's CPU attention reads whole blocks, so the next generations after a fix may still be NaN until
 those blocks are recycled. After a NaN incident, restart the engine rather than trust a reload.
+
+CPU threads: the model computes in a process vLLM spawns, not here, and vLLM's CPU worker forbids
+``torch.set_num_threads`` (vllm/v1/worker/cpu_worker.py). vLLM's own choice on CPU is a separate
+model-worker process pinned by its executor (``VLLM_CPU_OMP_THREADS_BIND=auto``: one thread per
+physical core of the first NUMA node, less one core kept for the engine core;
+vllm/utils/ompmultiprocessing.py): one thread on a 2-core machine, and every engine of a node pinned
+to the same cores. So ``num_threads`` reaches the model's process through the environment it is
+spawned with: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (no pinning: trainer ranks take turns on the same
+cores) and ``OMP_NUM_THREADS=num_threads``, which torch reads when the spawned process imports it.
+Both are set only while the engine starts (a spawned process copies the environment then) and
+restored after, so nothing else in this process changes. ``num_threads=None`` gives this process's
+own torch thread count, as the in-process engine had. A ``VLLM_CPU_OMP_THREADS_BIND`` already in
+the environment is the user's choice and is left alone. ``engine_threads()`` reports what the model
+got. Without pinning, the separate model-worker process has no purpose, so on CPU the model runs in
+the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, see ``__init__``).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from rlmega.workers.vllm_extension import EXTENSION, stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +125,16 @@ class Sample:
     """One sampled response to one prompt."""
 
     prompt_index: int
-    """Index of the prompt in the list given to ``generate``."""
+    """Index of the prompt in the list given to ``generate`` (0 from ``generate_one``)."""
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
     """One per response token: log_softmax(logits / temperature)[sampled token] (see module doc)."""
     finish_reason: str
-    """``"stop"`` (EOS or a stop token, kept as the last response token), ``"length"`` (max_tokens),
-    or whatever else vLLM reports (``"abort"``)."""
+    """``"stop"`` (EOS, a stop token or a stop string, kept as the end of the response), ``"length"``
+    (max_tokens), ``"abort"`` (``abort``: the tokens sampled until then), or whatever else vLLM reports."""
+    weight_version: int = 0
+    """The engine's weight version (``update_weights``) when the request started."""
 
 
 class RolloutWorker:
@@ -94,16 +145,20 @@ class RolloutWorker:
                  num_threads: int | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
-        if num_threads is not None:  # before vLLM: its CPU worker forbids changing them afterwards
-            torch.set_num_threads(num_threads)
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
         self._version, self._tp = 0, tensor_parallel_size
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # vLLM layer -> HF name -> tensor
+        self._pending_lock = threading.Lock()  # buckets of one sync may arrive on several threads
+        self._live: dict[str, list[asyncio.Event]] = {}  # request id -> one per request, set when it ends
+        self._ids = itertools.count()
 
         # vLLM reads these when it is imported and when the engine starts, so set them first.
-        # In-process engine core: collective_rpc then runs in this process, so update_weights
-        # hands tensors over without serialising them.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # AsyncLLM always runs its engine core in a child process. On CPU, "0" keeps the model in that
+        # process too (the uniproc executor, as vLLM does on GPUs at TP 1); with "1" vLLM's CPU platform
+        # starts one more process for it (platforms/cpu.py), only so that it can pin its threads, which
+        # this worker turns off (see CPU threads in the module doc). Measured here: that process costs
+        # ~6 s of CPU at every engine start (it imports torch and vLLM again) and 2 s more at shutdown.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if device == "cpu" else "1"
         engine_kwargs: dict = {}
         if device == "cpu":
             # The env var holds whole GiB only (int() in vllm/envs.py and platforms/cpu.py) and wins
@@ -121,22 +176,55 @@ class RolloutWorker:
 
             # No Python stacks (vLLM's default has them): ops and shapes, like the trainer ranks' traces;
             # stacks made one traced step's engine trace 16 MB and the step ~30 s slower here.
+            # ignore_frontend: the engine's trace only, not also one of this process's asyncio loop.
             engine_kwargs["profiler_config"] = ProfilerConfig(
                 profiler="torch", torch_profiler_dir=os.path.abspath(profile_dir),
-                torch_profiler_with_stack=False, torch_profiler_record_shapes=True)
-        from vllm import LLM
+                torch_profiler_with_stack=False, torch_profiler_record_shapes=True, ignore_frontend=True)
+        from vllm.engine.arg_utils import AsyncEngineArgs
 
-        self._llm = LLM(
+        args = AsyncEngineArgs(
             model=self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T): see the module doc
             # Off by default: a prefix-cache hit reuses KV computed in another batch, and exact
             # resume (same seeds, same weights -> same samples) must not depend on cache history.
             enable_prefix_caching=enable_prefix_caching,
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=True,  # no periodic throughput lines in the logs
             **engine_kwargs,
         )
-        self.vocab_size = self._llm.llm_engine.model_config.get_vocab_size()
-        self._layer_members = self._expected_hf_names_by_layer()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True)
+        self._thread.start()
+        try:
+            with _engine_threads(device, num_threads):
+                self._engine = self._run(self._start_engine(args))
+            # Every process vLLM started goes when this one does, even by SIGKILL (see shutdown).
+            self._engine_pids = self._run(self._engine.collective_rpc("rlmega_watch_owner", args=(os.getpid(),)))
+            self.vocab_size = self._engine.model_config.get_vocab_size()
+            self._layer_members = self._expected_hf_names_by_layer()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _start_engine(self, args):
+        """Runs on the loop, so AsyncLLM starts its output handler there."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        config = args.create_engine_config()
+        if self._tp > 1 and config.parallel_config.distributed_executor_backend == "ray":
+            # vLLM chose its Ray executor because this actor runs in a placement group, but the engine
+            # core that starts that executor is a child process, not a Ray worker, and cannot see the
+            # group itself: hand it over, so that vLLM's workers go into this slot's bundles.
+            # TODO(gpu): not yet run on a TP > 1 GPU engine.
+            from ray.util import get_current_placement_group
+
+            config.parallel_config.placement_group = get_current_placement_group()
+        return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
+
+    def _run(self, coro):
+        """Run ``coro`` on the engine's loop and wait for its result (from any thread but the loop's)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -144,47 +232,88 @@ class RolloutWorker:
                  seed: int | None = None, ignore_eos: bool = False) -> list[Sample]:
         """Sample ``n`` responses per prompt (token ids in, token ids out), prompt-major order.
 
-        ``seed`` makes the call reproducible: prompt i uses seed + i * n and vLLM gives its j-th
-        sample seed + i * n + j, so no two samples share a random stream.
+        ``seed`` makes the call reproducible: prompt i sample j uses seed + i * n + j, so no two
+        samples share a random stream (and each gets the stream ``LLM.generate(n=n)`` gave it).
         """
-        from vllm import SamplingParams
+        self._check_no_pending()
+        _warn_truncation(top_p, top_k)
+        base = f"gen{next(self._ids)}"
+
+        async def all_samples():
+            return await asyncio.gather(*[
+                self._generate(list(p), _params(temperature, top_p, top_k, max_tokens, stop_token_ids, None,
+                                                None if seed is None else seed + i * n + j, ignore_eos),
+                               f"{base}-{i}-{j}", prompt_index=i)
+                for i, p in enumerate(prompts) for j in range(n)])
+
+        return self._run(all_samples())
+
+    def generate_one(self, prompt_ids: list[int], *, temperature: float = 1.0, top_p: float = 1.0,
+                     top_k: int = -1, max_tokens: int = 32, stop_token_ids: list[int] | None = None,
+                     stop: list[str] | None = None, seed: int | None = None, ignore_eos: bool = False,
+                     request_id: str | None = None) -> Sample:
+        """One response to one prompt; blocks this thread only (call it from many threads at once).
+
+        ``stop``: stop strings; the response ends with the tokens that complete one (included), and
+        only such a request pays for detokenizing. ``request_id`` (unique among requests in flight;
+        one is made up when None) is what ``abort`` takes; requests may share one, as in vLLM, and an
+        abort then ends them all.
+        """
+        self._check_no_pending()
+        _warn_truncation(top_p, top_k)
+        params = _params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed, ignore_eos)
+        return self._run(self._generate(list(prompt_ids), params, request_id or f"one{next(self._ids)}", 0))
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in flight: its ``generate_one`` returns the tokens so far, ``"abort"``.
+
+        Returns once the request has ended: True, or False if no such request was in flight.
+        """
+        return self._run(self._abort(request_id))
+
+    def num_outstanding(self) -> int:
+        """Requests in flight (sent to the engine, not yet returned)."""
+        return sum(len(v) for v in list(self._live.values()))
+
+    async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt_index: int) -> Sample:
         from vllm.inputs import TokensPrompt
 
-        self._check_no_pending()
-        if top_p < 1.0 or top_k > 0:
-            warnings.warn(
-                f"top_p={top_p}, top_k={top_k}: vLLM's processed log-probs are renormalised over the "
-                "kept tokens, so they are not the trainer's full-vocabulary log_softmax(logits / T)",
-                stacklevel=2,
-            )
-        params = [
-            SamplingParams(
-                n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                max_tokens=max_tokens, stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos,
-                seed=None if seed is None else seed + i * n,
-                logprobs=0,        # the sampled token's log-prob only
-                detokenize=False,  # token ids in and out; stop strings are not used
-            )
-            for i in range(len(prompts))
-        ]
-        outputs = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        done = asyncio.Event()  # the loop thread alone touches _live: no lock
+        self._live.setdefault(request_id, []).append(done)
+        version, final = self._version, None
+        try:
+            async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
+                final = out  # FINAL_ONLY: the one output, when the request has ended
+        finally:
+            live = self._live[request_id]
+            live.remove(done)
+            if not live:
+                del self._live[request_id]
+            done.set()
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        return Sample(
+            prompt_index=prompt_index, prompt_ids=prompt_ids, response_ids=ids,
+            # logprobs=0: one {token_id: Logprob} per position, holding the sampled token.
+            logprobs=[step[t].logprob for t, step in zip(ids, c.logprobs or [])],
+            finish_reason=str(c.finish_reason), weight_version=version,
         )
-        samples = []
-        for i, out in enumerate(outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                samples.append(Sample(
-                    prompt_index=i, prompt_ids=list(prompts[i]), response_ids=ids,
-                    # logprobs=0: one {token_id: Logprob} per position, holding the sampled token.
-                    logprobs=[step[t].logprob for t, step in zip(ids, c.logprobs)],
-                    finish_reason=str(c.finish_reason),
-                ))
-        return samples
+
+    async def _abort(self, request_id: str) -> bool:
+        ending = list(self._live.get(request_id, []))
+        if not ending:
+            return False
+        # A request still being registered by AsyncLLM.generate (an await before the engine knows
+        # it) misses an abort, so abort again until each has ended.
+        while not all(done.is_set() for done in ending):
+            await self._engine.abort(request_id)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*[d.wait() for d in ending]), timeout=0.05)
+        return True
 
     # ---- weights ----------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load HF-named tensors in place; any iterable (a generator streams without a copy).
+        """Load HF-named tensors in place (any iterable); thread-safe, buckets in any order.
 
         A partial set is fine, and one call may end inside a fused vLLM layer: that layer's tensors
         wait here until the rest arrive in a later call (see the module doc). Prefix cache reset.
@@ -192,29 +321,35 @@ class RolloutWorker:
         # TODO(gpu): vLLM's weight-transfer API (init_weight_transfer_engine / update_weights over
         # NCCL or CUDA IPC, vllm/distributed/weight_transfer/) avoids the host round trip on GPU.
         # reload_weights is correct on both devices, so it is the path for now.
-        stream = self._complete_layers(iter(named_tensors))
-        # One in-process worker consumes the generator directly (no copy, one layer buffered at a
-        # time); TP > 1 workers live in other processes and need a picklable list.
-        payload = stream if self._tp == 1 else list(stream)
-        self._llm.collective_rpc(_reload_weights, args=(payload,))
-        self._llm.reset_prefix_cache()
+        named_tensors = list(named_tensors)  # a generator is read outside the lock
+        with self._pending_lock:
+            ready = list(self._complete_layers(iter(named_tensors)))
+        if ready:
+            path = stage_weights(ready)  # a file in shared memory: see rlmega/workers/vllm_extension.py
+            try:
+                self._run(self._engine.collective_rpc("rlmega_reload_weights", args=(path,)))
+            finally:
+                os.unlink(path)
+            self._run(self._engine.reset_prefix_cache())
         self._version = version
 
     def start_profile(self, prefix: str) -> None:
         """Trace the engine until stop_profile (needs profile_dir); files are named ``prefix``_..."""
-        self._llm.start_profile(prefix)
+        self._run(self._engine.start_profile(prefix))
 
     def stop_profile(self) -> None:
-        self._llm.stop_profile()
+        self._run(self._engine.stop_profile())
 
     def weight_version(self) -> int:
         return self._version
 
     def pending_weights(self) -> list[str]:
         """HF names held back because their vLLM layer is still incomplete."""
-        return sorted(name for group in self._pending.values() for name in group)
+        with self._pending_lock:
+            return sorted(name for group in self._pending.values() for name in group)
 
     def _complete_layers(self, named_tensors: Iterator[tuple[str, torch.Tensor]]):
+        """Pass through whole vLLM layers only (the caller holds ``_pending_lock``)."""
         for name, tensor in named_tensors:
             layer = self._layer_of(name)
             members = self._layer_members.get(layer)
@@ -228,8 +363,8 @@ class RolloutWorker:
                 yield from group.items()
 
     def _check_no_pending(self) -> None:
-        if self._pending:
-            names = self.pending_weights()
+        names = self.pending_weights()
+        if names:
             raise RuntimeError(
                 f"{len(names)} weights wait for the rest of their fused vLLM layer (e.g. {names[:4]}); "
                 "send the missing q/k/v, gate/up or bias tensors with update_weights before generating"
@@ -237,7 +372,7 @@ class RolloutWorker:
 
     def _expected_hf_names_by_layer(self) -> dict[str, set[str]]:
         """vLLM layer name -> the HF tensor names that fill it (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
-        vllm_names, packed = self._llm.collective_rpc(_param_names_and_packing)[0]
+        vllm_names, packed = self._run(self._engine.collective_rpc("rlmega_param_names_and_packing"))[0]
         self._shard_to_fused = {s: fused for fused, shards in packed.items() for s in shards}
         layers: dict[str, set[str]] = {}
         for name in vllm_names:
@@ -262,13 +397,17 @@ class RolloutWorker:
         vLLM computes it when it sizes the KV cache (``get_max_concurrency_for_kv_cache_config`` in
         vllm/v1/core/kv_cache_utils.py: num_blocks / blocks per max_model_len request), logs it as
         "Maximum concurrency for N tokens per request" and stores it in
-        ``cache_config.kv_cache_max_concurrency`` (``update_kv_cache_capacity``); with a separate
-        engine-core process the client copies it back (vllm/v1/engine/core_client.py).
+        ``cache_config.kv_cache_max_concurrency`` (``update_kv_cache_capacity``); the engine core is a
+        separate process, and the client copies it back (vllm/v1/engine/core_client.py).
         """
-        value = self._llm.llm_engine.vllm_config.cache_config.kv_cache_max_concurrency
+        value = self._engine.vllm_config.cache_config.kv_cache_max_concurrency
         if value is None:
             raise RuntimeError("vLLM did not record kv_cache_max_concurrency (KV cache not sized yet?)")
         return float(value)
+
+    def engine_threads(self) -> list[int]:
+        """Intra-op threads of each vLLM model worker (what ``num_threads`` set; see the module doc)."""
+        return self._run(self._engine.collective_rpc("rlmega_num_threads"))
 
     def sleep(self, level: int = 1) -> bool:
         """Free accelerator memory (1: offload weights, drop KV cache; 2: drop both).
@@ -278,37 +417,83 @@ class RolloutWorker:
         """
         if self.device != "cuda":
             return False
-        self._llm.sleep(level=level)
+        self._run(self._engine.sleep(level=level))
         return True
 
     def wake_up(self) -> bool:
         if self.device != "cuda":
             return False
-        self._llm.wake_up()
-        self._llm.reset_prefix_cache()
+        self._run(self._engine.wake_up())
+        self._run(self._engine.reset_prefix_cache())
         return True
 
     def shutdown(self) -> None:
-        """Tear the engine down (engine core, executor, distributed groups) so another can start."""
-        llm, self._llm = getattr(self, "_llm", None), None
-        if llm is None:
-            return
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception as exc:  # teardown is best effort: report, never mask the caller's error
-            logger.warning("vLLM engine shutdown raised %r", exc)
-        del llm
+        """Stop the engine core and its model workers (child processes) and the loop thread.
+
+        Without it (an actor killed with SIGKILL) the children still go: see the module doc.
+        """
+        engine, self._engine = getattr(self, "_engine", None), None
+        loop = getattr(self, "_loop", None)
+        if engine is not None:
+            try:  # on the loop: AsyncLLM cancels its output handler there
+                self._run(_shutdown_engine(engine))
+            except Exception as exc:  # teardown is best effort: report, never mask the caller's error
+                logger.warning("vLLM engine shutdown raised %r", exc)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                loop.close()
+        del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-# Run on every vLLM worker through collective_rpc(fn, args): fn(worker, *args).
-def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    worker.model_runner.reload_weights(weights_iterator=weights)
+async def _shutdown_engine(engine) -> None:
+    engine.shutdown()
 
 
-def _param_names_and_packing(worker) -> tuple[list[str], dict[str, list[str]]]:
-    model = worker.model_runner.get_model()
-    packed = getattr(model, "packed_modules_mapping", None) or {}
-    return [name for name, _ in model.named_parameters()], {k: list(v) for k, v in packed.items()}
+def _params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed, ignore_eos):
+    """SamplingParams for one response (n=1) whose log-probs are the sampled tokens' own."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos, seed=seed,
+        logprobs=0,  # the sampled token's log-prob only
+        # Token ids in and out; stop strings are matched on text, so only then detokenize.
+        stop=list(stop or []), detokenize=bool(stop), include_stop_str_in_output=bool(stop),
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, as LLM.generate asks
+    )
+
+
+def _warn_truncation(top_p: float, top_k: int) -> None:
+    if top_p < 1.0 or top_k > 0:
+        warnings.warn(
+            f"top_p={top_p}, top_k={top_k}: vLLM's processed log-probs are renormalised over the "
+            "kept tokens, so they are not the trainer's full-vocabulary log_softmax(logits / T)",
+            stacklevel=3,
+        )
+
+
+@contextlib.contextmanager
+def _engine_threads(device: str, num_threads: int | None):
+    """The environment vLLM's model worker is spawned with, for its thread count (see the module doc)."""
+    env: dict[str, str] = {}
+    if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "OMP_NUM_THREADS": str(num_threads or torch.get_num_threads())}
+    elif num_threads is not None and device == "cuda":
+        env = {"OMP_NUM_THREADS": str(num_threads)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

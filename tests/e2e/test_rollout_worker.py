@@ -90,7 +90,24 @@ def _engine_body(model_dir: str) -> dict:
     out["pending_after_second"] = w.pending_weights()
     out["version_restored"] = w.weight_version()
     out["restored"] = _as_dicts(w.generate(**probe))
+    # A sync's buckets from 6 threads at once, in shuffled order, split inside fused layers (as a
+    # threaded Ray actor receives them): zero lm_head first, then the originals must come back whole.
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    w.update_weights([("lm_head.weight", torch.zeros_like(original["lm_head.weight"]))], version=3)
+    shuffled = random.Random(0).sample(names, len(names))
+    buckets = [shuffled[k::6] for k in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda b: w.update_weights([(n, original[n]) for n in b], version=4), buckets))
+    out["pending_after_threads"] = w.pending_weights()
+    out["restored_by_threads"] = _as_dicts(w.generate(**probe))
     tm["3_update_weights"] = time.perf_counter() - t
+
+    # 3b. serving single requests: many threads at once, abort, stop strings (tests below).
+    t = time.perf_counter()
+    out.update(_single_requests(w))
+    tm["3b_single_requests"] = time.perf_counter() - t
 
     # 4. capacity and sleep mode.
     t = time.perf_counter()
@@ -107,6 +124,46 @@ def _engine_body(model_dir: str) -> dict:
     w2.shutdown()
     tm["5_shutdown_and_restart"] = time.perf_counter() - t
     tm["child_total"] = time.perf_counter() - t0
+    return out
+
+
+def _single_requests(w) -> dict:
+    """generate_one from 8 threads vs one after another; abort; stop strings; generate vs generate_one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: dict = {}
+    one = dict(max_tokens=16, ignore_eos=True)
+    jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(8)]
+    out["sequential"] = [dict(vars(w.generate_one(p, seed=s, **one))) for p, s in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        out["concurrent"] = [dict(vars(x)) for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)]
+    out["outstanding_after"] = w.num_outstanding()
+
+    # generate's prompt i sample j is generate_one with seed + i * n + j
+    out["generate_n3"] = _as_dicts(w.generate(PROMPTS, n=3, max_tokens=12, seed=40))
+    out["generate_n3_singles"] = [dict(vars(w.generate_one(p, max_tokens=12, seed=40 + i * 3 + j)))
+                                  for i, p in enumerate(PROMPTS) for j in range(3)]
+
+    # abort: two long requests sharing an id (vLLM allows it) among others, aborted after a while
+    long = dict(max_tokens=MAX_MODEL_LEN - len(PROMPTS[0]), ignore_eos=True)
+    with ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(w.generate_one, PROMPTS[1], seed=s, **long) for s in range(3)]
+        victims = [pool.submit(w.generate_one, PROMPTS[0], seed=s, request_id="victim", **long) for s in (8, 9)]
+        deadline = time.monotonic() + 60
+        while w.num_outstanding() < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["outstanding_during"] = w.num_outstanding()
+        time.sleep(0.2)
+        out["abort_returned"] = w.abort("victim")
+        out["aborted"] = [dict(vars(f.result(timeout=60))) for f in victims]
+        out["not_aborted"] = [dict(vars(f.result(timeout=120))) for f in others]
+    out["abort_unknown"] = w.abort("no-such-request")
+    out["long_max_tokens"] = long["max_tokens"]
+
+    # stop strings: single characters of the tiny tokenizer (one token each), a third of the vocabulary
+    out["stop_strings"] = list("abcdefghijklmnopqrst")
+    out["stop_samples"] = [dict(vars(w.generate_one(PROMPTS[0], max_tokens=16, stop=out["stop_strings"], seed=s)))
+                           for s in range(8)]
     return out
 
 
@@ -202,7 +259,14 @@ def test_update_weights_in_place_and_streamed(run):
                                           "model.layers.0.self_attn.q_proj.weight"]
     assert run["generate_while_pending"].startswith("RuntimeError")
     assert run["pending_after_second"] == []
-    assert run["restored"] == run["before"]  # same seed, same weights: identical tokens and log-probs
+    # same seed, same weights: identical tokens and log-probs; each sample says which weights made it
+    strip = lambda samples: [{k: v for k, v in s.items() if k != "weight_version"} for s in samples]
+    assert strip(run["restored"]) == strip(run["before"])
+    assert [s["weight_version"] for s in run["before"] + run["zeroed"] + run["restored"]] == \
+        [0] * len(run["before"]) + [1] * len(run["zeroed"]) + [2] * len(run["restored"])
+    # buckets from 6 threads at once, in any order, fused layers split across them
+    assert run["pending_after_threads"] == []
+    assert strip(run["restored_by_threads"]) == strip(run["before"])
 
 
 @pytest.mark.timeout(400)
@@ -214,3 +278,69 @@ def test_concurrency_sleep_and_restart(run):
     second = run["second_engine"]
     assert second["concurrency"] == pytest.approx(run["concurrency"] / 2)
     assert len(second["samples"]) == 1 and second["samples"][0]["response_ids"]
+
+
+OLD = json.loads((Path(__file__).parent / "data" / "llm_generate_before_asyncllm.json").read_text())
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", ["plain", "stopped", "parity_0.7", "top_p"])
+def test_generate_gives_the_samples_of_the_old_llm_generate(run, case):
+    # Before AsyncLLM, generate was one LLM.generate(n=n) (prompt i seeded seed + i * n, vLLM's child j
+    # seed + i * n + j); now n single requests per prompt with those seeds: the same tokens, finish
+    # reasons and (measured: bit for bit) log-probs. The tolerance covers other CPUs' float rounding.
+    got = run["parity"][0.7] if case == "parity_0.7" else run[case]
+    want = OLD[case]
+    assert [(s["response_ids"], s["finish_reason"], s["prompt_index"]) for s in got] == \
+        [(ids, reason, i) for ids, _, reason, i in want]
+    diff = max(abs(a - b) for s, (_, lps, _, _) in zip(got, want) for a, b in zip(s["logprobs"], lps))
+    assert diff <= 1e-6, diff
+    assert all(s["weight_version"] == 0 for s in got)
+
+
+@pytest.mark.timeout(400)
+def test_generate_one_from_many_threads_equals_one_after_another(run):
+    seq, conc = run["sequential"], run["concurrent"]
+    assert [s["response_ids"] for s in conc] == [s["response_ids"] for s in seq]
+    # batched with 7 others vs alone: float32 sums in another order, nothing more
+    diff = max(abs(a - b) for x, y in zip(conc, seq) for a, b in zip(x["logprobs"], y["logprobs"]))
+    assert diff <= 1e-5, diff
+    assert all(len(s["response_ids"]) == 16 and s["finish_reason"] == "length" for s in conc)
+    assert len({tuple(s["response_ids"]) for s in conc}) == len(conc)  # 8 seeds, 8 streams
+    assert run["outstanding_after"] == 0
+    # generate is those single requests: prompt i sample j == generate_one(seed + i * n + j)
+    assert [s["response_ids"] for s in run["generate_n3"]] == [s["response_ids"] for s in run["generate_n3_singles"]]
+    assert [s["prompt_index"] for s in run["generate_n3"]] == [i for i in range(len(PROMPTS)) for _ in range(3)]
+
+
+@pytest.mark.timeout(400)
+def test_abort_returns_the_partial_sample(run):
+    n = run["long_max_tokens"]
+    print(f"\naborted after {[len(s['response_ids']) for s in run['aborted']]} of {n} tokens")
+    assert run["outstanding_during"] == 5
+    assert run["abort_returned"] is True and run["abort_unknown"] is False
+    for aborted in run["aborted"]:  # both requests of that id
+        assert aborted["finish_reason"] == "abort"
+        assert 0 < len(aborted["response_ids"]) < n
+        assert len(aborted["logprobs"]) == len(aborted["response_ids"])
+        assert aborted["prompt_ids"] == PROMPTS[0]
+    # the others ran to the end
+    assert all(s["finish_reason"] == "length" and len(s["response_ids"]) == n for s in run["not_aborted"])
+
+
+@pytest.mark.timeout(400)
+def test_stop_strings_end_the_response_and_are_kept(run, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    stops = set(run["stop_strings"])
+    ended = 0
+    for s in run["stop_samples"]:
+        text = [tok.decode([t]) for t in s["response_ids"]]
+        assert len(s["logprobs"]) == len(s["response_ids"])
+        assert not stops & set(text[:-1])  # nothing before the end matched
+        if s["finish_reason"] == "stop" and text and text[-1] in stops:
+            ended += 1  # the stop string is the response's last token, kept
+        else:
+            assert s["finish_reason"] == "length" or s["response_ids"][-1] == EOS_ID, s
+    assert ended >= 6, run["stop_samples"]  # P(none of 20 of 59 tokens in 16) ~ 0.2% each

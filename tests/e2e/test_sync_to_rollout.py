@@ -40,10 +40,12 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(hf_model):
+    from rlmega.launch.roles import ENGINE_MAX_CONCURRENCY
     from rlmega.workers.rollout import RolloutWorker
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    Engine = ray.remote(num_cpus=0.5)(RolloutWorker)
+    # threaded, as Roles starts them: a sync's buckets in flight load concurrently
+    Engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY)(RolloutWorker)
     handles = [Engine.remote(hf_model, max_model_len=64, seed=i, kv_cache_space_gb=1) for i in range(2)]
     yield handles
     for h in handles:

@@ -62,8 +62,10 @@ def straight(model, tmp_path_factory):
 def test_ranks_and_the_engine_share_the_machines_cores(straight):
     # 4 ranks and 1 engine take turns on this machine's cores (rlmega/launch/threads.py)
     cores = len(os.sched_getaffinity(0))
-    assert f"intra-op threads: {max(1, cores // 4)} per trainer rank, [{cores}] per engine" in \
-        (straight / "driver.log").read_text()
+    log = (straight / "driver.log").read_text()
+    assert f"intra-op threads: {max(1, cores // 4)} per trainer rank, [{cores}] per engine" in log
+    # and the engine's model (in a process vLLM spawned) really computes with them
+    assert f"engine model threads: [[{cores}]]" in log
 
 
 def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):

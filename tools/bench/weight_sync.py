@@ -16,10 +16,10 @@ the warm-up and each number below is the best of the others.
 
     sync_s      a full ``sync_model_to_rollout`` into the engine: the max over ranks of the
                 ``seconds`` each rank returns (gather + send + flush + the closing barrier).
-    reload_s    the engine's floor: inside the engine actor, vLLM's ``reload_weights`` (as
-                RolloutWorker.update_weights calls it: ``collective_rpc`` into the in-process
-                worker) of the whole HF state dict, held in the engine's memory in the order the
-                syncs deliver it, in one call. Nothing gathered, serialized or sent.
+    reload_s    the engine's floor: inside vLLM's model process, its ``reload_weights`` (what
+                RolloutWorker.update_weights ends in) of the whole HF state dict, held in that
+                process's memory in the order the syncs deliver it, in one call. Nothing gathered,
+                serialized or sent.
     ratio       sync_s / reload_s: what the sync costs over the engine's own reload. The target
                 is <= 1.3 at TP1 (PASS/MISS, for the production transport ``ray``).
     GB/s        bytes sent (the HF state dict) / sync_s.
@@ -29,9 +29,11 @@ the warm-up and each number below is the best of the others.
     send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
       put_s       ``ray.put``: serializing the buckets into the object store;
       wait_s      waiting for the engine to load buckets (before putting bucket k+2, and in flush).
-    engine_s    inside RolloutWorker.update_weights, summed over the sync's buckets: vLLM's
-                ``reload_weights`` per bucket + prefix-cache reset. engine_s - reload_s is what
-                loading in buckets (and rlmega's per-layer holding back) adds inside the engine.
+    engine_s    inside RolloutWorker.update_weights, summed over the sync's buckets: writing the
+                bucket as a safetensors file in shared memory, the call into vLLM's model process
+                (collective_rpc), vLLM's ``reload_weights`` there from that file + prefix-cache
+                reset. engine_s - reload_s is what loading in buckets, across processes (and
+                rlmega's per-layer holding back) adds.
     other_s     sync_s - gather_s - send_s: the barrier, Ray's calls and noise; negative with PP,
                 where the stages gather and send concurrently, so the parts overlap.
 
@@ -126,7 +128,7 @@ def make_transport(kind: str, engines, log_dir: str):
 
 
 def _timed_rollout_worker_cls():
-    from rlmega.workers.rollout import RolloutWorker, _reload_weights
+    from rlmega.workers.rollout import RolloutWorker
 
     class TimedRolloutWorker(RolloutWorker):
         """RolloutWorker that records when each update_weights call starts and ends (wall clock),
@@ -154,22 +156,16 @@ def _timed_rollout_worker_cls():
             self._timings.append({"start": start, "end": time.time(), "first": named_tensors[0][0]})
 
         def time_reload(self) -> float:
-            """Seconds of vLLM's reload_weights of the whole HF state dict, already in this process.
+            """Seconds of vLLM's reload_weights of the whole HF state dict, already in the model's process.
 
-            The tensors are the model folder's (what the trainer, untrained, holds), copied into
-            this process's own memory once, and reloaded through the same collective_rpc as
-            update_weights uses, in one call: the engine's floor for a sync.
+            The tensors are the model folder's (what the trainer, untrained, holds), read into the
+            process that holds the model once, in the order the syncs delivered them, and reloaded
+            there in one call, timed there (vllm_extension.RolloutExtension.rlmega_time_reload): the
+            engine's floor for a sync, without the serialising and IPC that update_weights adds.
             """
-            if getattr(self, "_held", None) is None:
-                from safetensors.torch import load_file
-
-                tensors = load_file(f"{self.model_path}/model.safetensors")
-                order = getattr(self, "_order", {})
-                names = sorted(tensors, key=lambda n: (order.get(n, len(order)), n))
-                self._held = [(n, tensors[n].clone()) for n in names]
-            t0 = time.perf_counter()
-            self._llm.collective_rpc(_reload_weights, args=(iter(self._held),))
-            return time.perf_counter() - t0
+            order = getattr(self, "_order", {})
+            names = sorted(order, key=order.get)
+            return max(self._run(self._engine.collective_rpc("rlmega_time_reload", args=(self.model_path, names))))
 
         def profile_next_update(self) -> None:
             self._profile_next = True

@@ -1,0 +1,149 @@
+"""Methods that run inside each vLLM worker process, for RolloutWorker.
+
+RolloutWorker's AsyncLLM keeps its engine core, and the model, in other processes, so it cannot
+hand the model a Python generator as the in-process ``LLM`` could. vLLM's documented hook for code
+that must run next to the model is the ``worker_extension_cls`` engine argument: vLLM mixes this
+class into its worker class, and ``await engine.collective_rpc("method", args=(...))`` calls the
+method on every worker (one per TP rank) and returns their results as a list.
+
+Arguments cross process boundaries msgpack-encoded (to the engine core, and at TP > 1 on through the
+executor's message queue to the workers): a torch tensor arrives as a list there, bytes arrive
+intact. Weights therefore go as a file: ``stage_weights`` writes one safetensors file per call in
+shared memory (/dev/shm: RAM, not disk), the call carries its path, and the worker reads the tensors
+from it. Measured on a 0.4 GB model (2-core CPU machine): the same bucket as safetensors *bytes*
+inside the call took 1.9 to 2.1 s from ``save`` to loaded (serialised, copied into msgpack, through
+the socket, copied out, parsed), the file 0.4 to 1.0 s, vLLM's own reload of it 0.16 to 0.8 s
+(the machine was shared; ranges are 5 runs). The file lives only for the call: the sender deletes it
+when the call returns, and the engine core deletes what a dead owner left (``rlmega_watch_owner``).
+All workers must see the file: they share the engine's node (TP within a node).
+
+Names carry an ``rlmega_`` prefix: vLLM's own worker already has methods such as ``update_weights``
+(its weight-transfer API), and an extension must not shadow them.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import tempfile
+import time
+import uuid
+
+import torch
+
+EXTENSION = "rlmega.workers.vllm_extension.RolloutExtension"  # the engine argument's value
+SHM = "/dev/shm"
+_PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies
+
+
+def stage_weights(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """Write HF-named tensors as one safetensors file for the engine's workers; returns its path.
+
+    /dev/shm when it has room for twice the file (Docker gives containers 64 MB by default), else the
+    temporary directory: there the page cache serves the worker, as the file is read at once.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+    size = sum(t.nbytes for t in tensors.values())
+    directory = tempfile.gettempdir()
+    if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > 2 * size + (64 << 20):
+        directory = SHM
+    path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _staged_by(pid: int) -> list[str]:
+    return [p for d in (SHM, tempfile.gettempdir()) for p in glob.glob(os.path.join(d, f"{_PREFIX}{pid}-*"))]
+
+
+class RolloutExtension:
+    """Mixed into vLLM's worker: ``self`` is the worker, ``self.model_runner`` its model runner."""
+
+    def rlmega_reload_weights(self, path: str) -> int:
+        """Load the HF-named tensors of a ``stage_weights`` file in place; returns how many it held.
+
+        ``reload_weights`` (not ``model.load_weights``) because the CPU backend repacks linear
+        weights after loading (see rlmega/workers/rollout.py). Tensors are read one at a time from
+        the mapped file, as vLLM asks for them.
+        """
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
+        return len(names)
+
+    def rlmega_param_names_and_packing(self) -> tuple[list[str], dict[str, list[str]]]:
+        """The vLLM model's parameter names and its ``packed_modules_mapping`` (fused -> HF shards)."""
+        model = self.model_runner.get_model()
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        return [name for name, _ in model.named_parameters()], {k: list(v) for k, v in packed.items()}
+
+    def rlmega_watch_owner(self, owner_pid: int, interval_s: float = 0.5) -> int:
+        """Kill this process (and the engine core above it) once the RolloutWorker's process is gone.
+
+        vLLM's engine core does not watch the process that started it: a RolloutWorker killed with
+        SIGKILL (a Ray actor killed, OOM) left it running, idle or finishing its requests (measured).
+        So a daemon thread here polls the owner and kills what it would orphan: this process, and, when
+        this is a model worker under the engine core (the multiprocess executor), the engine core too
+        (the other workers follow it through vLLM's death pipe), after deleting weight files the owner
+        staged and could not delete. A dead owner is one that has exited or is a zombie; psutil checks
+        the creation time, so a reused pid is not the owner. Returns this pid.
+        """
+        import threading
+
+        import psutil
+
+        owner = psutil.Process(owner_pid)
+        me = psutil.Process()
+        victims = [me]
+        parent = me.parent()
+        if parent is not None and parent.pid != owner_pid and parent.ppid() == owner_pid:
+            victims.insert(0, parent)
+
+        def gone() -> bool:
+            try:
+                return not owner.is_running() or owner.status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return True
+
+        def watch() -> None:
+            while not gone():
+                time.sleep(interval_s)
+            for path in _staged_by(owner_pid):  # a bucket the owner was sending when it died
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            for p in victims:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+
+        threading.Thread(target=watch, name="rlmega-owner-watch", daemon=True).start()
+        return os.getpid()
+
+    def rlmega_num_threads(self) -> int:
+        """Intra-op threads this worker computes with (RolloutWorker's ``num_threads``)."""
+        return torch.get_num_threads()
+
+    def rlmega_time_reload(self, model_path: str, order: list[str]) -> float:
+        """Seconds of one ``reload_weights`` of the model folder's whole state dict, held here.
+
+        The weight-sync benchmark's floor (tools/bench/weight_sync.py): the tensors are read into this
+        worker's memory once (in ``order``, the order syncs deliver them, then the rest), so the time is
+        vLLM's own reload alone: nothing gathered, serialised or sent.
+        """
+        held = getattr(self, "_rlmega_held", None)
+        if held is None:
+            from safetensors.torch import load_file
+
+            tensors = load_file(f"{model_path}/model.safetensors")
+            rank = {n: i for i, n in enumerate(order)}
+            names = sorted(tensors, key=lambda n: (rank.get(n, len(rank)), n))
+            held = self._rlmega_held = [(n, tensors[n].clone()) for n in names]
+        t0 = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=iter(held))
+        return time.perf_counter() - t0
