@@ -199,8 +199,8 @@ class RolloutWorker:
         try:
             with _engine_threads(device, num_threads):
                 self._engine = self._run(self._start_engine(args))
-            # Every process vLLM started goes when this one does, even by SIGKILL (see shutdown).
-            self._engine_pids = self._run(self._engine.collective_rpc("rlmega_watch_owner", args=(os.getpid(),)))
+            # Every process vLLM started goes when this one does, even by SIGKILL (module doc: Processes).
+            self._run(self._engine.collective_rpc("rlmega_watch_owner", args=(os.getpid(),)))
             self.vocab_size = self._engine.model_config.get_vocab_size()
             self._layer_members = self._expected_hf_names_by_layer()
         except BaseException:
