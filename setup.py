@@ -23,6 +23,8 @@ CORE = [
     "tensorboard",  # event files next to metrics.jsonl
     "fastapi",  # the coordinator's dashboard
     "uvicorn",
+    "httpx",  # HTTP judgers (rlmega/judgers/http.py)
+    "math-verify==0.9.0",  # the math answer verifier (rlmega/rewards/math.py)
 ]
 
 EXTRAS = {
