@@ -18,7 +18,7 @@ from rlmega.agents.metrics import rollout_metrics
 from rlmega.agents.sft import sft_example
 from rlmega.agents.trajectory import batch_from_groups
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.workers.reward import RewardError
+from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff
 
 _SEED_STRIDE = 1_000_003  # per-step engine seeds: far apart, reproducible on resume

@@ -31,7 +31,7 @@ from rlmega.profiling import profiled
 from rlmega.runs import RunDir
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.stopping import StopRequest
-from rlmega.workers.reward import RewardError
+from rlmega.judgers.base import RewardError
 
 log = logging.getLogger("rlmega")
 

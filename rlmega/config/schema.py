@@ -161,7 +161,8 @@ class RewardConfig:
     fn: str = "rlmega.rewards.arithmetic.score"
     """Dotted path `package.module.function` of the reward function."""
     num_workers: int = 1
-    """Number of RewardWorkers scoring in parallel."""
+    """Ray actors of the default judger (an agent loop without judgers): reward.fn in each, items to the least
+    loaded; 0 runs it in the agent loop's process."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the reward function."""
     timeout_s: float = 60.0

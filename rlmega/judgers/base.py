@@ -55,6 +55,10 @@ class Judgement:
         return self.error is None
 
 
+class RewardError(RuntimeError):
+    """A judger failed on a trajectory and reward.on_error=fail: the run ends naming it (rlmega.step)."""
+
+
 class JudgeError(RuntimeError):
     """A judger's own machinery failed (an actor died, a service answered 500, an engine failed): its
     message is the whole story, so the error string carries no exception type name."""

@@ -96,3 +96,16 @@ def test_a_single_default_task_keeps_the_checkpoint_layout_of_before():
     tok = make_tokenizer()
     tasks = Tasks(RLConfig(), tok)
     assert tasks.names == ["default"] and "sampler" in tasks.state_dict()
+
+
+def test_on_error_fail_ends_the_run_naming_task_prompt_label_and_fix():
+    from rlmega.judgers.base import RewardError
+    from rlmega.step import check_judgements
+
+    bad = TrajectoryGroup("calc", 3, "46", [_traj([5], [], 0.0), _traj([5], [], 0.0, error="judger 'c': ZeroDivisionError")])
+    check_judgements([bad], "zero")  # counted, not raised
+    with pytest.raises(RewardError) as e:
+        check_judgements([bad], "fail")
+    msg = str(e.value)
+    assert "task 'calc'" in msg and "prompt 3" in msg and "'46'" in msg and "ZeroDivisionError" in msg
+    assert "reward.on_error=zero" in msg
