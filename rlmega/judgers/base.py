@@ -55,6 +55,10 @@ class Judgement:
         return self.error is None
 
 
+class _FunctionTimeout(Exception):
+    """A TimeoutError raised by the judged code itself (its __cause__), not by the judger's deadline."""
+
+
 class RewardError(RuntimeError):
     """A judger failed on a trajectory and reward.on_error=fail: the run ends naming it (rlmega.step)."""
 
@@ -133,21 +137,29 @@ class Judger:
         except Exception as e:
             why = str(e) if isinstance(e, JudgeError) else f"{type(e).__name__}: {e}"
             return failed(self.name, self._error(f"not ready: {why}"))
-        start = time.monotonic()
         try:
-            raw = await asyncio.wait_for(self._judge(item), self.deadline_s)
+            raw = await asyncio.wait_for(self._own_timeouts_apart(item), self.deadline_s)
             return to_judgement(self.name, raw)
-        except TimeoutError as e:
-            if time.monotonic() - start >= self.deadline_s:  # wait_for's, not one the function raised
-                within = f"timeout_s={self.timeout_s:g}s"
-                if self.deadline_s != self.timeout_s:
-                    within = f"{self.deadline_s:g}s ({within} plus the round trip)"
-                return failed(self.name, self._error(f"no result within {within}"))
-            return failed(self.name, self._error(f"{type(e).__name__}: {e}"))
+        except TimeoutError:  # only wait_for's own: the function's are _FunctionTimeout here
+            within = f"timeout_s={self.timeout_s:g}s"
+            if self.deadline_s != self.timeout_s:
+                within = f"{self.deadline_s:g}s ({within} plus the round trip)"
+            return failed(self.name, self._error(f"no result within {within}"))
+        except _FunctionTimeout as e:
+            cause = e.__cause__
+            return failed(self.name, self._error(f"{type(cause).__name__}: {cause}"))
         except JudgeError as e:
             return failed(self.name, self._error(str(e)))
         except Exception as e:  # user code: keep its type and message for the error flag
             return failed(self.name, self._error(f"{type(e).__name__}: {e}"))
+
+    async def _own_timeouts_apart(self, item: JudgeItem) -> RawVerdict:
+        # A TimeoutError the judged function raises itself must not read as the deadline passing (timing
+        # the call cannot tell them apart under load: the first version did, and failed that way).
+        try:
+            return await self._judge(item)
+        except TimeoutError as e:
+            raise _FunctionTimeout() from e
 
     async def judge_many(self, items: list[JudgeItem]) -> list[Judgement]:
         """`judge` on every item concurrently; verdicts in item order."""
