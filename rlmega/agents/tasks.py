@@ -10,7 +10,6 @@ validation refuses a task whose share rounds to 0 prompts.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from rlmega.config.schema import TaskConfig
