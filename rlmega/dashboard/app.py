@@ -71,6 +71,12 @@ def prometheus_text(s: dict) -> str:
     family("rlmega_eta_seconds", "gauge", "Estimated seconds to the last step.", [({}, prog["eta_s"])])
     family("rlmega_queue_size", "gauge", "Items waiting in each registered queue.",
            [({"queue": n}, q["size"]) for n, q in s["queues"].items()])
+    # Cumulative, yet a gauge: the name is the one dashboards query, and a counter would want "_total".
+    family("rlmega_staleness_trajectories", "gauge",
+           "Trajectories trained since the start, by staleness (trainer step - sampling weight version).",
+           [({"staleness": k}, n) for k, n in s["staleness"]["cumulative"].items()])
+    family("rlmega_busy_fraction", "gauge", "Fraction of the last step's wall time each role was busy.",
+           [({"role": r}, s["busy"][r]) for r in ("engine", "trainer")])
     family("rlmega_kv_cache_max_concurrency", "gauge", "vLLM KV-cache max concurrency per engine.",
            [({"engine": e}, v) for e, v in s["kv_cache_max_concurrency"].items()])
     # Metric names become label values in the Prometheus name charset ("reward/mean" -> "reward_mean").

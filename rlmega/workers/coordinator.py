@@ -1,4 +1,4 @@
-"""ActorManager: the run's coordinator (stop flag, queue sizes, token/timing stats, dashboard).
+"""ActorManager: the run's coordinator (stop flag, queues, token/timing/staleness stats, dashboard).
 
 A plain, thread-safe class. ``rlmega/launch/`` hosts it as a Ray actor; tests and single-process
 runs use it in-process. Every worker reports into it; the dashboard (``rlmega.dashboard``) only
@@ -6,12 +6,16 @@ reads ``status()``.
 
     manager = ActorManager()                       # dashboard on 127.0.0.1, a free port
     print(f"dashboard: http://127.0.0.1:{manager.get_dashboard_port()}/")
-    manager.register_queue("rollouts", rollout_queue.qsize)
+    manager.register_queue("prompts", prompt_queue.qsize)    # size over time, polled every second
     manager.report_token_statistics(prefill_tokens=4096, decode_tokens=16384, seconds=3.2)
     manager.report_batch_generation_time(step, 3.2)
     manager.report_training_step_time(step, 5.1)
     manager.report_metrics(step, {"reward_mean": 0.41, "kl_ref": 0.003})
     manager.report_progress(step, total_steps)
+    # Asynchronous mode: trajectories trained at `step` by staleness (trainer version - the oldest
+    # weight version that sampled them), and how busy engines and trainer were during the step.
+    manager.report_staleness(step, {0: 48, 1: 14, 2: 2})
+    manager.report_busy(step, engine_fraction=0.93, trainer_fraction=0.71)
     if manager.should_stop(): ...
     manager.cleanup()                              # stops the server and the polling thread
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import socket
 import threading
 import time
@@ -30,6 +35,7 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 QUEUE_HISTORY_LEN = 120  # samples per queue: 2 minutes at the default 1 s poll
+BUSY_HISTORY_LEN = 500  # steps of busy fractions kept for the chart
 
 
 class ActorManager:
@@ -53,6 +59,10 @@ class ActorManager:
         self._total_steps: int | None = None
         self._queue_fns: dict[str, Callable[[], int]] = {}
         self._queues: dict[str, dict[str, Any]] = {}
+        self._staleness_total: dict[int, int] = {}  # staleness -> trajectories, over the run
+        self._staleness_last: dict[int, int] = {}
+        self._staleness_last_step: int | None = None
+        self._busy: deque[tuple[int, float, float]] = deque(maxlen=BUSY_HISTORY_LEN)
 
         self._stop_event = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="rlmega-queue-poll", daemon=True)
@@ -156,6 +166,51 @@ class ActorManager:
             self._progress = [self._progress[0], entry] if self._progress else [entry]
             self._total_steps = int(total_steps)
 
+    # ---- asynchronous mode: staleness, busy fractions --------------------------------------------
+    def report_staleness(self, step: int, counts: dict[int, int]) -> None:
+        """Trajectories trained at ``step`` by staleness (0 = on-policy): ``{staleness: count}``.
+        Adds to the run's histogram; ``last`` holds ``step``'s counts (reports for the same step,
+        e.g. one per micro-batch, add up; a new step replaces them)."""
+        step = _step(step)
+        if not isinstance(counts, dict):
+            raise ValueError(f"counts must be a dict {{staleness: count}}, got {type(counts).__name__}")
+        clean: dict[int, int] = {}
+        for k, n in counts.items():  # all checked before anything is recorded
+            if not _is_int(k) or k < 0:
+                raise ValueError(f"counts: staleness must be an int >= 0, got {k!r}")
+            if not _is_int(n) or n < 0:
+                raise ValueError(f"counts: count for staleness {k} must be an int >= 0, got {n!r}")
+            clean[int(k)] = int(n)
+        with self._lock:
+            if step != self._staleness_last_step:
+                self._staleness_last, self._staleness_last_step = {}, step
+            for k, n in clean.items():
+                self._staleness_total[k] = self._staleness_total.get(k, 0) + n
+                self._staleness_last[k] = self._staleness_last.get(k, 0) + n
+
+    def report_busy(self, step: int, engine_fraction: float, trainer_fraction: float) -> None:
+        """Fractions (0..1) of ``step``'s wall time the engines spent generating and the trainer
+        computing. A second report for the same step replaces the first."""
+        step = _step(step)
+        for name, f in (("engine_fraction", engine_fraction), ("trainer_fraction", trainer_fraction)):
+            real = isinstance(f, numbers.Real) and not isinstance(f, bool)
+            if not (real and 0.0 <= f <= 1.0):  # NaN fails the comparison too
+                raise ValueError(f"{name} must be a number in [0, 1], got {f!r}")
+        fracs = (float(engine_fraction), float(trainer_fraction))
+        with self._lock:
+            if self._busy and self._busy[-1][0] == step:
+                self._busy.pop()
+            self._busy.append((step, *fracs))
+
+    def _async_status_locked(self) -> dict:
+        keys = lambda d: {str(k): d[k] for k in sorted(d)}  # noqa: E731  JSON keys are strings
+        last = self._busy[-1] if self._busy else (None, None, None)
+        return {"staleness": {"cumulative": keys(self._staleness_total),
+                              "last_step": self._staleness_last_step,
+                              "last": keys(self._staleness_last)},
+                "busy": {"step": last[0], "engine": last[1], "trainer": last[2],
+                         "history": [list(h) for h in self._busy]}}
+
     # ---- queues ----------------------------------------------------------------------------------
     def register_queue(self, name: str, size_fn: Callable[[], int]) -> None:
         """Poll ``size_fn()`` every ``poll_interval_s`` (first poll right away)."""
@@ -202,6 +257,7 @@ class ActorManager:
                 "latest_metrics": dict(self._metrics_history[-1]) if self._metrics_history else {},
                 "metrics_history": [dict(r) for r in self._metrics_history],
                 "progress": self._progress_locked(),
+                **self._async_status_locked(),
             }
         return _json_safe(out) if json_safe else out
 
@@ -265,6 +321,16 @@ class ActorManager:
         self._port = None
         if self._poller.is_alive() and self._poller is not threading.current_thread():
             self._poller.join(timeout=10)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _step(step: Any) -> int:
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return int(step)
 
 
 def _json_safe(x: Any) -> Any:

@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from rlmega.dashboard.app import prometheus_text
 from rlmega.workers import coordinator
 from rlmega.workers.coordinator import ActorManager
 
@@ -142,6 +143,93 @@ def test_queue_polling_picks_up_changes():
     assert [h[1] for h in m.status()["queues"]["rollouts"]["history"]][-1] == 1
     m.cleanup()
     assert not m._poller.is_alive()
+
+
+def test_staleness_histogram_accumulates_and_last_step_is_replaced():
+    m = ActorManager(dashboard=False)
+    assert m.status()["staleness"] == {"cumulative": {}, "last_step": None, "last": {}}  # a sync run
+    m.report_staleness(1, {1: 2, 0: 30})
+    m.report_staleness(2, {2: 2, 0: 20, 1: 10})
+    m.report_staleness(2, {0: 5})  # the same step in pieces: adds up
+    st = m.status()["staleness"]
+    assert st == {"cumulative": {"0": 55, "1": 12, "2": 2}, "last_step": 2, "last": {"0": 25, "1": 10, "2": 2}}
+    assert list(st["cumulative"]) == ["0", "1", "2"]  # in staleness order, whatever the report order
+    m.report_staleness(3, {0: 40, 11: 1})
+    st = m.status()["staleness"]
+    assert st["last_step"] == 3 and st["last"] == {"0": 40, "11": 1}  # step 2's counts are gone
+    assert st["cumulative"] == {"0": 95, "1": 12, "2": 2, "11": 1}
+    assert list(st["cumulative"]) == ["0", "1", "2", "11"]  # numeric order, not "11" before "2"
+    json.dumps(m.status(), allow_nan=False)
+    m.cleanup()
+
+
+@pytest.mark.parametrize("args, name", [
+    ((1, {-1: 3}), "staleness must be an int >= 0"),
+    ((1, {0.5: 3}), "staleness must be an int >= 0"),
+    ((1, {"1": 3}), "staleness must be an int >= 0"),
+    ((1, {0: 4, 1: -2}), "count for staleness 1"),
+    ((1, {0: 2.5}), "count for staleness 0"),
+    ((1, [(0, 3)]), "counts must be a dict"),
+    ((-1, {0: 3}), "step must be an int >= 0"),
+])
+def test_report_staleness_rejects_bad_input_and_records_nothing(args, name):
+    m = ActorManager(dashboard=False)
+    m.report_staleness(0, {0: 1})
+    with pytest.raises(ValueError, match=name):
+        m.report_staleness(*args)
+    assert m.status()["staleness"] == {"cumulative": {"0": 1}, "last_step": 0, "last": {"0": 1}}
+    m.cleanup()
+
+
+def test_busy_latest_and_bounded_history():
+    m = ActorManager(dashboard=False)
+    assert m.status()["busy"] == {"step": None, "engine": None, "trainer": None, "history": []}
+    m.report_busy(1, engine_fraction=0.5, trainer_fraction=0.25)
+    m.report_busy(2, 0.75, 1.0)
+    m.report_busy(2, 0.875, 0.5)  # the same step again: replaces, does not add a point
+    assert m.status()["busy"] == {"step": 2, "engine": 0.875, "trainer": 0.5,
+                                  "history": [[1, 0.5, 0.25], [2, 0.875, 0.5]]}
+    for step in range(3, coordinator.BUSY_HISTORY_LEN + 11):
+        m.report_busy(step, 0.0, 1)
+    b = m.status()["busy"]
+    assert len(b["history"]) == coordinator.BUSY_HISTORY_LEN
+    assert b["history"][0][0] == 11 and b["history"][-1] == [coordinator.BUSY_HISTORY_LEN + 10, 0.0, 1.0]
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        m.report_busy(-1, 0.5, 0.5)
+    json.dumps(m.status(), allow_nan=False)
+    m.cleanup()
+
+
+@pytest.mark.parametrize("bad", [-0.01, 1.01, float("nan"), float("inf"), "0.5", None, True])
+@pytest.mark.parametrize("name", ["engine_fraction", "trainer_fraction"])
+def test_report_busy_rejects_a_fraction_outside_0_1(name, bad):
+    m = ActorManager(dashboard=False)
+    kwargs = {"engine_fraction": 0.5, "trainer_fraction": 0.5, name: bad}
+    with pytest.raises(ValueError, match=name):
+        m.report_busy(1, **kwargs)
+    assert m.status()["busy"]["history"] == []
+    m.cleanup()
+
+
+def test_prometheus_staleness_and_busy():
+    m = ActorManager(dashboard=False)
+    quiet = prometheus_text(m.status(json_safe=False))
+    assert "rlmega_staleness" not in quiet and "rlmega_busy" not in quiet  # nothing reported yet
+    m.report_staleness(1, {0: 30, 2: 2})
+    m.report_staleness(2, {0: 20, 1: 10})
+    m.report_busy(2, 0.875, 0.5)
+    lines = prometheus_text(m.status(json_safe=False)).splitlines()
+    assert [l for l in lines if "rlmega_staleness" in l] == [
+        "# HELP rlmega_staleness_trajectories Trajectories trained since the start, by staleness "
+        "(trainer step - sampling weight version).",
+        "# TYPE rlmega_staleness_trajectories gauge",
+        'rlmega_staleness_trajectories{staleness="0"} 50',
+        'rlmega_staleness_trajectories{staleness="1"} 10',
+        'rlmega_staleness_trajectories{staleness="2"} 2']
+    assert [l for l in lines if l.startswith("rlmega_busy")] == [
+        'rlmega_busy_fraction{role="engine"} 0.875', 'rlmega_busy_fraction{role="trainer"} 0.5']
+    assert "# TYPE rlmega_busy_fraction gauge" in lines
+    m.cleanup()
 
 
 def test_api_status_and_metrics_over_http(manager):
