@@ -2,8 +2,13 @@
 
 Inline in a module rather than a .html file so it ships with the package without package_data.
 The script polls ``api/status`` (relative, so the page also works behind a path-prefix proxy)
-every 2 s and fills elements with stable ids (``tokens-per-s``, ``step``, ``eta``, ``queue-<name>``,
-``kv-engine-<id>``, ``metric-<name>``, ``chart-reward_mean`` ...) that tests read back.
+every 2 s and fills elements with stable ids that tests read back: ``tokens-per-s``, ``step``,
+``eta``, ``queue-<name>`` and its chart ``chart-queue-<name>``, ``kv-engine-<id>``,
+``metric-<name>``, ``chart-reward_mean``; asynchronous mode: ``staleness-<k>`` (trajectories at
+staleness k, over the run), ``staleness-last-<k>``, ``staleness-mean``, ``staleness-last-step``,
+``staleness-chart`` (bars ``staleness-bar-<k>``), ``busy-engine``, ``busy-trainer`` (percent) and
+``chart-busy`` (lines ``chart-busy-line-engine``, ``chart-busy-line-trainer``). Names in ids pass
+through ``safeId`` (anything outside ``[A-Za-z0-9_-]`` becomes ``_``).
 """
 
 PAGE_HTML = r"""<!doctype html>
@@ -31,6 +36,7 @@ PAGE_HTML = r"""<!doctype html>
   th { color: #667; font-weight: 500; }
   .empty { color: #99a; font-style: italic; }
   svg text { font-size: 11px; fill: #667; }
+  .sub { font-size: 12px; color: #667; margin: 8px 0 0; }
 </style>
 </head>
 <body>
@@ -64,7 +70,19 @@ PAGE_HTML = r"""<!doctype html>
       <tr><td>batch generation</td><td id="batch-generation-last">–</td><td id="batch-generation-mean">–</td><td id="batch-generation-count">–</td></tr>
     </table>
   </section>
-  <section><h2>Queues</h2><div id="queues"></div></section>
+  <section><h2>Queues</h2><div id="queues"></div><div id="queue-charts"></div></section>
+  <section>
+    <h2>Staleness</h2>
+    <div>mean <b id="staleness-mean">–</b> steps &middot; last step <b id="staleness-last-step">–</b></div>
+    <div id="staleness-chart"></div>
+    <div id="staleness"></div>
+  </section>
+  <section>
+    <h2>Busy</h2>
+    <div>engines <b id="busy-engine">–</b> &middot; trainer <b id="busy-trainer">–</b>
+      of the last step's wall time</div>
+    <div id="chart-busy"></div>
+  </section>
   <section><h2>KV-cache max concurrency</h2><div id="kv"></div></section>
   <section><h2>Latest metrics <span id="metrics-step"></span></h2><div id="metrics"></div></section>
   <div class="charts">
@@ -113,23 +131,8 @@ function kvTable(container, rows, prefix, header) {
   container.append(t);
 }
 
-// Inline SVG line chart of history[key] against step.
-function lineChart(container, history, key, w = 720, h = 200, small = false) {
-  const pts = history.filter((r) => typeof r[key] === "number").map((r) => [r.step, r[key]]);
-  container.replaceChildren();
-  if (!pts.length) {
-    const p = document.createElement("div"); p.className = "empty"; p.textContent = "no data yet";
-    container.append(p); return container;
-  }
-  const stride = Math.ceil(pts.length / 2000);  // keep the DOM small on long runs
-  const P = pts.filter((_, i) => i % stride === 0 || i === pts.length - 1);
-  const pad = small ? 2 : 40;
-  const xs = P.map((p) => p[0]), ys = P.map((p) => p[1]);
-  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  if (x1 === x0) { x0 -= 1; x1 += 1; }
-  if (y1 === y0) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
-  const X = (x) => pad + (x - x0) / (x1 - x0) * (w - 2 * pad);
-  const Y = (y) => h - pad / (small ? 1 : 2) - (y - y0) / (y1 - y0) * (h - (small ? 2 : 1.5) * pad);
+// An <svg> of w x h and a helper that appends elements to it.
+function newSvg(w, h) {
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`); svg.setAttribute("width", "100%");
   const el = (tag, attrs, text) => {
@@ -138,24 +141,101 @@ function lineChart(container, history, key, w = 720, h = 200, small = false) {
     if (text !== undefined) e.textContent = text;
     svg.append(e); return e;
   };
-  if (!small) {
-    el("line", { x1: pad, y1: Y(y0), x2: w - pad, y2: Y(y0), stroke: "#ccd" });
-    el("line", { x1: pad, y1: Y(y0), x2: pad, y2: Y(y1), stroke: "#ccd" });
-    el("text", { x: pad - 4, y: Y(y1) + 4, "text-anchor": "end" }, fmt(y1));
-    el("text", { x: pad - 4, y: Y(y0) + 4, "text-anchor": "end" }, fmt(y0));
-    el("text", { x: pad, y: h - 4 }, "step " + fmt(x0));
-    el("text", { x: w - pad, y: h - 4, "text-anchor": "end" }, "step " + fmt(x1));
-  }
-  const line = el("polyline", { fill: "none", stroke: "#3b6fd8", "stroke-width": small ? 1.5 : 2,
-                                points: P.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(" ") });
-  if (container.id) line.id = container.id + "-line";
-  if (!small) {
+  return [svg, el];
+}
+function empty(container, text) {
+  const p = document.createElement("div"); p.className = "empty"; p.textContent = text;
+  container.replaceChildren(p);
+}
+const COLOURS = ["#3b6fd8", "#e07b24", "#2e7d32"];
+
+// Inline SVG line chart of history[key] against history[].step, one line per key. Options: w, h,
+// yMin/yMax (always inside the range shown), xFmt/yFmt (axis labels). Line ids: the container's
+// id + "-line" for one key, + "-line-<key>" for several.
+function lineChart(container, history, keys, opt = {}) {
+  const { w = 720, h = 200, yMin, yMax, xFmt = (x) => "step " + fmt(x), yFmt = fmt } = opt;
+  keys = [].concat(keys);
+  const series = keys.map((key) => history.filter((r) => typeof r[key] === "number").map((r) => [r.step, r[key]]));
+  if (!series.some((pts) => pts.length)) { empty(container, "no data yet"); return container; }
+  const stride = Math.ceil(Math.max(...series.map((pts) => pts.length)) / 2000);  // keep the DOM small on long runs
+  const S = series.map((pts) => pts.filter((_, i) => i % stride === 0 || i === pts.length - 1));
+  const xs = S.flat().map((p) => p[0]), ys = S.flat().map((p) => p[1]);
+  if (yMin !== undefined) ys.push(yMin);
+  if (yMax !== undefined) ys.push(yMax);
+  const pad = 40;
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
+  const X = (x) => pad + (x - x0) / (x1 - x0) * (w - 2 * pad);
+  const Y = (y) => h - pad / 2 - (y - y0) / (y1 - y0) * (h - 1.5 * pad);
+  const [svg, el] = newSvg(w, h);
+  el("line", { x1: pad, y1: Y(y0), x2: w - pad, y2: Y(y0), stroke: "#ccd" });
+  el("line", { x1: pad, y1: Y(y0), x2: pad, y2: Y(y1), stroke: "#ccd" });
+  el("text", { x: pad - 4, y: Y(y1) + 4, "text-anchor": "end" }, yFmt(y1));
+  el("text", { x: pad - 4, y: Y(y0) + 4, "text-anchor": "end" }, yFmt(y0));
+  el("text", { x: pad, y: h - 4 }, xFmt(x0));
+  el("text", { x: w - pad, y: h - 4, "text-anchor": "end" }, xFmt(x1));
+  S.forEach((P, i) => {
+    if (!P.length) return;
+    const colour = COLOURS[i % COLOURS.length];
+    const line = el("polyline", { fill: "none", stroke: colour, "stroke-width": 2,
+                                  points: P.map((p) => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(" ") });
+    if (container.id) line.id = container.id + "-line" + (keys.length > 1 ? "-" + safeId(keys[i]) : "");
     const [lx, ly] = P[P.length - 1];
-    el("circle", { cx: X(lx), cy: Y(ly), r: 3, fill: "#3b6fd8" });
-    el("text", { x: X(lx) - 6, y: Y(ly) - 8, "text-anchor": "end", fill: "#1d2330" }, fmt(ly));
-  }
-  container.append(svg);
+    el("circle", { cx: X(lx), cy: Y(ly), r: 3, fill: colour });
+    el("text", { x: X(lx) - 6, y: Y(ly) - 8, "text-anchor": "end", fill: "#1d2330" }, yFmt(ly));
+    if (keys.length > 1) el("text", { x: pad + 6 + 70 * i, y: 14, fill: colour }, "— " + keys[i]);  // legend
+  });
+  container.replaceChildren(svg);
   return container;
+}
+
+// Inline SVG bar chart of [[label, value], ...]; bar ids idPrefix + label.
+function barChart(container, bars, idPrefix, w = 360, h = 140) {
+  const [svg, el] = newSvg(w, h);
+  const top = Math.max(...bars.map(([, v]) => v)) || 1, slot = (w - 20) / bars.length;
+  const base = h - 18, H = (v) => v / top * (base - 16);
+  bars.forEach(([label, v], i) => {
+    const x = 10 + i * slot, bw = Math.max(slot * 0.7, 1);
+    el("rect", { id: idPrefix + safeId(label), x: x + (slot - bw) / 2, y: base - H(v), width: bw,
+                 height: H(v), fill: "#3b6fd8" });
+    el("text", { x: x + slot / 2, y: base - H(v) - 3, "text-anchor": "middle", fill: "#1d2330" }, fmt(v));
+    el("text", { x: x + slot / 2, y: h - 4, "text-anchor": "middle" }, label);
+  });
+  el("line", { x1: 10, y1: base, x2: w - 10, y2: base, stroke: "#ccd" });
+  container.replaceChildren(svg);
+}
+
+const pct = (f) => (typeof f === "number" ? `${+(100 * f).toFixed(1)}%` : "–");
+
+function renderStaleness(st) {
+  const total = st.cumulative, keys = Object.keys(total).map(Number);
+  set("staleness-last-step", fmt(st.last_step));
+  if (!keys.length) {  // a synchronous run never reports staleness
+    set("staleness-mean", "–");
+    empty($("staleness-chart"), "none reported (a synchronous run trains on-policy)");
+    $("staleness").replaceChildren();
+    return;
+  }
+  // Every k from 0 to the largest seen, so a gap shows as a zero bar (unless the range is absurd).
+  const kMax = Math.max(...keys);
+  const ks = kMax <= 64 ? Array.from({ length: kMax + 1 }, (_, k) => k) : keys.sort((a, b) => a - b);
+  const n = (d, k) => d[String(k)] || 0;
+  const count = ks.reduce((a, k) => a + n(total, k), 0);
+  set("staleness-mean", count ? fmt(ks.reduce((a, k) => a + k * n(total, k), 0) / count) : "–");
+  barChart($("staleness-chart"), ks.map((k) => [String(k), n(total, k)]), "staleness-bar-");
+  const t = document.createElement("table"), hr = t.insertRow();
+  for (const h of ["staleness", "trajectories", "share", `step ${fmt(st.last_step)}`]) {
+    const th = document.createElement("th"); th.textContent = h; hr.append(th);
+  }
+  for (const k of ks) {
+    const r = t.insertRow();
+    r.insertCell().textContent = String(k);
+    const c = r.insertCell(); c.id = `staleness-${k}`; c.textContent = fmt(n(total, k));
+    r.insertCell().textContent = count ? pct(n(total, k) / count) : "–";
+    const l = r.insertCell(); l.id = `staleness-last-${k}`; l.textContent = fmt(n(st.last, k));
+  }
+  $("staleness").replaceChildren(t);
 }
 
 function render(s) {
@@ -182,11 +262,15 @@ function render(s) {
     set(id + "-last", fmt(k.last)); set(id + "-mean", fmt(k.mean)); set(id + "-count", fmt(k.count));
   }
 
-  kvTable($("queues"), Object.entries(s.queues).map(([n, q]) => {
-    const spark = document.createElement("div"); spark.style.width = "120px";
-    lineChart(spark, q.history.map(([ts, size]) => ({ step: ts, size })), "size", 120, 24, true);
-    return [n, q.size === null && q.error ? q.error : q.size, spark];
-  }), "queue-", ["queue", "size", "recent"]);
+  kvTable($("queues"), Object.entries(s.queues).map(([n, q]) => [n, q.size === null && q.error ? q.error : q.size]),
+          "queue-", ["queue", "size"]);
+  $("queue-charts").replaceChildren(...Object.entries(s.queues).map(([n, q]) => {
+    const title = document.createElement("div"); title.className = "sub"; title.textContent = `${n} over time`;
+    const chart = document.createElement("div"); chart.id = "chart-queue-" + safeId(n);
+    lineChart(chart, q.history.map(([ts, size]) => ({ step: ts, size })), "size",
+              { w: 360, h: 110, yMin: 0, xFmt: (x) => "t " + fmtDuration(x) });
+    const box = document.createElement("div"); box.append(title, chart); return box;
+  }));
   kvTable($("kv"), Object.entries(s.kv_cache_max_concurrency), "kv-engine-", ["engine", "max concurrency"]);
   set("metrics-step", s.latest_metrics.step === undefined ? "" : `(step ${s.latest_metrics.step})`);
   kvTable($("metrics"), Object.entries(s.latest_metrics).filter(([k]) => k !== "step"), "metric-",
@@ -194,6 +278,11 @@ function render(s) {
 
   lineChart($("chart-reward_mean"), s.metrics_history, "reward_mean");
   lineChart($("chart-kl_ref"), s.metrics_history, "kl_ref");
+
+  renderStaleness(s.staleness);
+  set("busy-engine", pct(s.busy.engine)); set("busy-trainer", pct(s.busy.trainer));
+  lineChart($("chart-busy"), s.busy.history.map(([step, engine, trainer]) => ({ step, engine, trainer })),
+            ["engine", "trainer"], { w: 360, h: 140, yMin: 0, yMax: 1, yFmt: pct });
 }
 
 async function poll() {

@@ -8,6 +8,7 @@ screenshot (path printed; run with -s) for a human look. Skips when Chromium is 
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,6 @@ class FrozenClock:
         return self.t
 
     def sleep(self, s):
-        import time
         time.sleep(s)
 
 
@@ -90,7 +90,7 @@ def test_page_renders_reported_numbers_and_charts(tmp_path, clock):
         ys = [float(p.split(",")[1]) for p in points]
         assert len(ys) == len(rewards) and ys == sorted(ys, reverse=True) and ys[0] > ys[-1]
         assert re.search(r'id="chart-kl_ref">.*?<svg.*?<polyline', dom, re.S)
-        assert '">no data yet<' not in dom
+        assert not re.search(r'id="chart-(reward_mean|kl_ref)"><div class="empty">', dom)
 
         shot = tmp_path / "dashboard.png"
         _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,900", url)
@@ -100,12 +100,94 @@ def test_page_renders_reported_numbers_and_charts(tmp_path, clock):
         manager.cleanup()
 
 
+def _points(dom: str, line_id: str) -> list[tuple[float, float]]:
+    """The (x, y) points of the polyline with this id, the last one for each x: a queue is polled
+    several times per (frozen) second, and a poll that read the size just before the test changed
+    it may stamp it with the new time; the test moves the clock first, so the right size comes last."""
+    tag = re.search(rf'<polyline[^>]*\bid="{re.escape(line_id)}"[^>]*>', dom)
+    assert tag, f"no polyline id={line_id!r} in the DOM"
+    points = re.search(r'points="([^"]+)"', tag.group(0)).group(1).split()
+    pts = [tuple(map(float, p.split(","))) for p in points]
+    return list(dict(pts).items())
+
+
+def _height(dom: str, rect_id: str) -> float:
+    tag = re.search(rf'<rect[^>]*id="{re.escape(rect_id)}"[^>]*>', dom)
+    assert tag, f"no rect id={rect_id!r} in the DOM"
+    return float(re.search(r'height="([^"]+)"', tag.group(0)).group(1))
+
+
+def test_page_renders_staleness_busy_and_queue_charts(tmp_path, clock):
+    manager = ActorManager(poll_interval_s=0.25)  # 120 samples: 30 s before the first rolls off
+    try:
+        sizes = {"prompts": 8, "results": 0}
+        manager.register_queue("prompts", lambda: sizes["prompts"])
+        manager.register_queue("results", lambda: sizes["results"])
+        # One sample a (frozen-clock) second; wait for the poller to record each one.
+        for prompts, results in [(6, 2), (6, 5), (1, 3)]:
+            clock.t += 1  # before the sizes change: see _points
+            sizes.update(prompts=prompts, results=results)
+            deadline = time.monotonic() + 10
+            while [manager.status()["queues"][n]["history"][-1][1] for n in sizes] != [prompts, results]:
+                assert time.monotonic() < deadline, "the poller did not pick up the new sizes"
+                time.sleep(0.02)
+        manager.report_staleness(1, {0: 30, 1: 2})
+        manager.report_staleness(2, {0: 20, 1: 10, 2: 2})
+        manager.report_staleness(3, {0: 25, 2: 7, 4: 1})  # nothing at 3: a zero bar, not a gap
+        for step, (engine, trainer) in enumerate([(0.5, 0.25), (0.75, 0.5), (0.875, 0.625)], start=1):
+            manager.report_busy(step, engine, trainer)
+
+        dom = _chromium(tmp_path, "--dump-dom", f"http://127.0.0.1:{manager.get_dashboard_port()}/")
+        cumulative = {0: 75, 1: 12, 2: 9, 3: 0, 4: 1}
+        expected = {**{f"staleness-{k}": str(n) for k, n in cumulative.items()},
+                    "staleness-last-0": "25", "staleness-last-1": "0", "staleness-last-2": "7",
+                    "staleness-last-4": "1", "staleness-last-step": "3",
+                    "staleness-mean": "0.3505",  # (1 x 12 + 2 x 9 + 4 x 1) / 97 trajectories
+                    "busy-engine": "87.5%", "busy-trainer": "62.5%",
+                    "queue-prompts": "1", "queue-results": "3"}
+        assert {k: _text(dom, k) for k in expected} == expected
+        assert 'id="staleness-5"' not in dom  # bars stop at the largest staleness reported
+
+        # Bars in proportion to the counts.
+        heights = {k: _height(dom, f"staleness-bar-{k}") for k in cumulative}
+        assert heights[0] > 0 and heights[3] == 0
+        for k in (1, 2, 4):
+            assert heights[k] / heights[0] == pytest.approx(cumulative[k] / cumulative[0])
+        assert re.search(r'id="staleness-chart"><svg', dom)
+
+        # Busy: one line per role, a point per step; the engines stay above the trainer (y grows down).
+        engine = sorted(_points(dom, "chart-busy-line-engine"))  # left to right
+        trainer = sorted(_points(dom, "chart-busy-line-trainer"))
+        assert len(engine) == len(trainer) == 3
+        assert all(e[0] == t[0] and e[1] < t[1] for e, t in zip(engine, trainer))
+        assert [p[1] for p in engine] == sorted((p[1] for p in engine), reverse=True)  # rising
+
+        # Queues: a chart each, a point per second, higher for a bigger queue.
+        for name, history in {"prompts": [8, 6, 6, 1], "results": [0, 2, 5, 3]}.items():
+            assert re.search(rf'id="chart-queue-{name}"><svg', dom)
+            pts = _points(dom, f"chart-queue-{name}-line")
+            assert len(pts) == len(history) and [p[0] for p in pts] == sorted(p[0] for p in pts)
+            rank = lambda xs: sorted(range(len(xs)), key=lambda i: xs[i])  # noqa: E731
+            assert rank([-p[1] for p in pts]) == rank(history)
+
+        shot = tmp_path / "dashboard-async.png"
+        _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,1200",
+                  f"http://127.0.0.1:{manager.get_dashboard_port()}/")
+        print(f"dashboard screenshot: {shot}")
+    finally:
+        manager.cleanup()
+
+
 def test_page_without_metrics_says_no_data_yet(tmp_path):
     manager = ActorManager()
     try:
         dom = _chromium(tmp_path, "--dump-dom", f"http://127.0.0.1:{manager.get_dashboard_port()}/")
-        for chart in ("chart-reward_mean", "chart-kl_ref"):
+        for chart in ("chart-reward_mean", "chart-kl_ref", "chart-busy"):
             assert re.search(rf'id="{chart}"><div class="empty">no data yet</div>', dom), dom
+        # A synchronous run never reports staleness or busy fractions: the page says so.
+        assert re.search(r'id="staleness-chart"><div class="empty">none reported', dom), dom
+        assert not re.search(r'id="(staleness-\d|chart-queue-)', dom)  # no bars, no queues
+        assert [_text(dom, i) for i in ("busy-engine", "busy-trainer", "staleness-mean")] == ["–"] * 3
         assert _text(dom, "run-state") == "running"  # the status arrived; the charts are just empty
     finally:
         manager.cleanup()
