@@ -270,11 +270,39 @@ class Roles:
         """Failed generation tries so far (retried or, after the retries, their group dropped)."""
         return sum(h.generation_failures() for h in self.hosts.values())
 
-    def sync_weights(self, version: int, bucket_bytes: int = 512 << 20) -> dict:
-        """Stream the trainer's weights into every engine (both must be resident: see rollout_phase)."""
+    def sync_weights(self, version: int, bucket_bytes: int = 512 << 20, in_flight: str | None = None) -> dict:
+        """Stream the trainer's weights into every engine (both must be resident: see rollout_phase).
+
+        ``in_flight``: None, for a sync between rollouts (no request in flight, or they take the
+        new weights as they come); "finish" or "abort", for requests in flight: every engine is paused
+        first (``RolloutWorker.pause_generation``: new requests wait; "finish" lets the ones in flight
+        end on the old weights, "abort" cuts them to resume on the new ones) and resumed after, also
+        when the sync fails. Returns bytes, seconds and, with ``in_flight``, "preempted": how many
+        requests the engines cut ("abort") or let finish ("finish") for it.
+        """
+        if in_flight not in (None, "finish", "abort"):
+            raise ValueError(f"in_flight={in_flight!r}: choose None, 'finish' or 'abort'")
         if self.trainer_released:
             self.train_phase()
         self._wake_engines()
+        if in_flight is None:
+            return self._send_weights(version, bucket_bytes)
+        failed = True
+        try:  # pausing inside: engines paused before one of them failed are resumed too
+            preempted = sum(self._get([e.pause_generation.remote(in_flight == "abort") for e in self.engines],
+                                      "rollout engine"))
+            sent = self._send_weights(version, bucket_bytes)
+            failed = False
+        finally:
+            try:
+                self._get([e.resume_generation.remote() for e in self.engines], "rollout engine")
+            except Exception:
+                if not failed:
+                    raise
+                log.warning("resuming the engines after a failed weight sync failed too", exc_info=True)
+        return {**sent, "preempted": preempted}
+
+    def _send_weights(self, version: int, bucket_bytes: int) -> dict:
         try:
             sent = self.actors.call("sync_model_to_rollout", RayTransport(self.engines, self.call_timeout_s),
                                     version, bucket_bytes)

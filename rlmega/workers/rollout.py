@@ -8,6 +8,10 @@ fresh process each: vLLM keeps process-wide state).
     sample = worker.generate_one([1, 5, 7], max_tokens=64, seed=3, request_id="a")  # from any thread
     worker.abort("a")                       # from another thread: "a" returns what it has, "abort"
     worker.update_weights(actor.export_hf_weights(), version=step)   # may be called per bucket
+    n = worker.pause_generation(abort_in_flight=True)   # a sync while requests are in flight:
+    worker.update_weights(new_weights, version=step + 1)  # they resume on the new weights
+    worker.resume_generation()
+    worker.busy_seconds()                                             # for an engine busy fraction
     worker.kv_cache_max_concurrency()                                 # e.g. 137.5
     worker.shutdown()
 
@@ -79,6 +83,31 @@ calls in any order, from any number of threads at once (the held-back tensors si
 the vLLM model's parameter names and ``packed_modules_mapping``; a name that maps to no vLLM layer,
 such as a tied ``lm_head.weight``, is passed straight to vLLM, which decides.)
 
+In-flight weight syncs: ``pause_generation`` / ``resume_generation``
+--------------------------------------------------------------------
+An asynchronous pipeline syncs weights while requests are in flight. ``pause_generation`` closes a
+gate: a request sent from then on waits (its call blocks, it does not fail) until
+``resume_generation`` reopens it; ``update_weights`` works as ever in between. What happens to the
+requests already in flight is the caller's choice:
+
+- ``abort_in_flight=False`` ("finish"): they run to their end on the old weights; the pause
+  returns once they all have.
+- ``abort_in_flight=True`` ("abort", partial rollout): each is aborted in the engine, but its
+  caller does not see that: the request waits at the gate, then goes on as a new engine request
+  on prompt + tokens so far, with ``max_tokens`` less what it has, on the new weights. The caller
+  gets one ``Sample``: ids, log-probs and ``token_versions`` of all parts end to end (each token
+  keeps the version it was sampled with), the last part's finish reason, ``resumes`` counting the
+  cuts. A continuation of a seeded request gets another seed (``_continuation``). A stop string
+  spanning the cut is not matched (vLLM matches stop strings on the text of one request), and a
+  part cut the moment it ended on its own keeps its own finish reason.
+
+``abort(request_id)`` is the user's and always wins: such a request returns what it has, "abort",
+and is never resumed (also when it was waiting at the gate). A request is one ``_Request`` in
+``_live``; the gate, ``_live`` and the busy clock (``busy_seconds``: wall time with at least one
+engine request running) are touched on the loop thread only, and a request checks the gate and
+marks its part running with no ``await`` in between, so a pause sees every request either running
+(and counts it) or waiting at the gate. One sync at a time: pauses do not nest.
+
 One hazard seen on CPU: weights that make NaNs leave NaN in the KV-cache blocks they wrote, and
 vLLM's CPU attention reads whole blocks, so the next generations after a fix may still be NaN until
 those blocks are recycled. After a NaN incident, restart the engine rather than trust a reload.
@@ -108,6 +137,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 
@@ -135,6 +165,11 @@ class Sample:
     (max_tokens), ``"abort"`` (``abort``: the tokens sampled until then), or whatever else vLLM reports."""
     weight_version: int = 0
     """The engine's weight version (``update_weights``) when the request started."""
+    token_versions: list[int] = dataclasses.field(default_factory=list)
+    """One per response token: the weight version it was sampled with. All ``weight_version``
+    unless a weight sync cut the request and it resumed (``RolloutWorker.pause_generation``)."""
+    resumes: int = 0
+    """How many times a weight sync cut this request and it went on with the new weights."""
 
 
 class RolloutWorker:
@@ -149,7 +184,13 @@ class RolloutWorker:
         self._version, self._tp = 0, tensor_parallel_size
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # vLLM layer -> HF name -> tensor
         self._pending_lock = threading.Lock()  # buckets of one sync may arrive on several threads
-        self._live: dict[str, list[asyncio.Event]] = {}  # request id -> one per request, set when it ends
+        # Loop thread only (no lock): request id -> the requests holding it; the gate new engine
+        # requests pass (cleared by pause_generation); the busy clock (engine requests running, and
+        # since when at least one has, and the seconds of busy intervals already closed).
+        self._live: dict[str, list[_Request]] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._running, self._busy_since, self._busy_closed = 0, 0.0, 0.0
         self._ids = itertools.count()
 
         # vLLM reads these when it is imported and when the engine starts, so set them first.
@@ -212,6 +253,10 @@ class RolloutWorker:
         """Run ``coro`` on the engine's loop and wait for its result (from any thread but the loop's)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _on_loop(self, fn):
+        """``fn()`` on the engine's loop (where the gate, ``_live`` and the busy clock live)."""
+        return self._run(_call(fn))
+
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_tokens: int = 32, stop_token_ids: list[int] | None = None,
@@ -258,8 +303,42 @@ class RolloutWorker:
         return self._run(_abort(self, request_id))
 
     def num_outstanding(self) -> int:
-        """Requests in flight (sent to the engine, not yet returned)."""
-        return sum(len(v) for v in list(self._live.values()))
+        """Requests sent and not yet returned (also those waiting at a paused gate)."""
+        return self._on_loop(lambda: sum(len(v) for v in self._live.values()))
+
+    def pause_generation(self, abort_in_flight: bool) -> int:
+        """Stop sending requests to the engine, for a weight sync; ``resume_generation`` undoes it.
+
+        New requests wait (their calls block) until ``resume_generation``. The requests in flight:
+        ``abort_in_flight=False``: run to their end on the current weights; returns, once they all
+        have, how many there were. ``abort_in_flight=True``: are cut now and resume on the weights of
+        resume time, from prompt + tokens so far with the tokens left (one ``Sample`` per request in
+        the end; see the module doc); returns how many were cut (a request that ended on its own at
+        that moment, or had no token left, just ends). A stop string spanning a cut is not matched.
+        ``update_weights`` works while paused. One sync at a time: do not call it again before
+        ``resume_generation``.
+        """
+        return self._run(_pause(self, abort_in_flight))
+
+    def resume_generation(self) -> None:
+        """Reopen the gate: waiting and cut requests go on (cut ones with the weights now loaded)."""
+        self._on_loop(self._gate.set)
+
+    def busy_seconds(self) -> float:
+        """Wall seconds (monotonic) since the engine started with at least one engine request running.
+
+        Requests waiting at a paused gate do not count. Divide by wall time for a busy fraction.
+        """
+        return self._on_loop(lambda: self._busy_closed + (time.monotonic() - self._busy_since
+                                                          if self._running else 0.0))
+
+    def _count_running(self, delta: int) -> None:
+        """One engine request more (+1) or less (-1) running; opens and closes busy intervals (loop only)."""
+        if self._running == 0 and delta > 0:
+            self._busy_since = time.monotonic()
+        self._running += delta
+        if self._running == 0:
+            self._busy_closed += time.monotonic() - self._busy_since
 
 
     # ---- weights ----------------------------------------------------------------------------
@@ -420,41 +499,136 @@ async def _start_engine(self, args):
         config.parallel_config.placement_group = get_current_placement_group()
     return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
 
+
+class _Request:
+    """One ``generate``/``generate_one`` request while the worker holds it (loop thread only)."""
+
+    def __init__(self):
+        self.part: asyncio.Event | None = None  # the engine request now or last running; set once ended
+        self.preempted = False  # pause_generation(abort_in_flight=True) aborted that engine request
+        self.cut = False        # ... and this request goes on after the pause (known when ``part`` is set)
+        self.aborted = asyncio.Event()  # abort(): end with what it has, never resume
+        self.done = asyncio.Event()     # returned to its caller
+
+
 async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt_index: int) -> Sample:
     from vllm.inputs import TokensPrompt
 
-    done = asyncio.Event()  # the loop thread alone touches _live: no lock
-    self._live.setdefault(request_id, []).append(done)
-    version, final = self._version, None
+    req = _Request()
+    self._live.setdefault(request_id, []).append(req)
+    ids, logprobs, versions = [], [], []
+    reason, first_version, resumes, part_params = "abort", None, 0, params
     try:
-        async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
-            final = out  # FINAL_ONLY: the one output, when the request has ended
+        # One engine request per part: a pause with abort_in_flight cuts the part running, and the
+        # next continues from prompt + tokens so far (module doc: In-flight weight syncs). From the
+        # gate check to req.part there is no await, so a pause sees this request running or waiting.
+        while await _wait_for_gate(self, req):  # False: abort() ended it while it waited
+            if req.cut:
+                resumes += 1
+                part_params = _continuation(params, len(ids), resumes)
+            version = self._version
+            first_version = version if first_version is None else first_version
+            req.part, req.preempted, req.cut = asyncio.Event(), False, False
+            self._count_running(+1)
+            try:
+                final = None
+                async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids),
+                                                       part_params, request_id):
+                    final = out  # FINAL_ONLY: the one output, when the part has ended
+                c = final.outputs[0]
+                new = list(c.token_ids)
+                ids += new
+                # logprobs=0: one {token_id: Logprob} per position, holding the sampled token.
+                logprobs += [step[t].logprob for t, step in zip(new, c.logprobs or [])]
+                versions += [version] * len(new)
+                reason = str(c.finish_reason)
+                # Aborted by a pause, not by abort(), nor ended on its own as the abort came: go on,
+                # unless no token is left to sample (max_tokens, or the model's length: vLLM's own cap).
+                if reason == "abort" and req.preempted and not req.aborted.is_set():
+                    if len(ids) >= params.max_tokens or len(prompt_ids) + len(ids) >= self.max_model_len:
+                        reason = "length"
+                    else:
+                        req.cut = True
+            finally:
+                self._count_running(-1)
+                req.part.set()  # pause_generation reads req.cut once this is set
+            if not req.cut:
+                break
     finally:
         live = self._live[request_id]
-        live.remove(done)
+        live.remove(req)
         if not live:
             del self._live[request_id]
-        done.set()
-    c = final.outputs[0]
-    ids = list(c.token_ids)
+        req.done.set()
     return Sample(
-        prompt_index=prompt_index, prompt_ids=prompt_ids, response_ids=ids,
-        # logprobs=0: one {token_id: Logprob} per position, holding the sampled token.
-        logprobs=[step[t].logprob for t, step in zip(ids, c.logprobs or [])],
-        finish_reason=str(c.finish_reason), weight_version=version,
+        prompt_index=prompt_index, prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
+        finish_reason=reason, weight_version=self._version if first_version is None else first_version,
+        token_versions=versions, resumes=resumes,
     )
+
+
+async def _wait_for_gate(self, req: _Request) -> bool:
+    """Until the gate is open (at once if it is: no await); False if abort() ended ``req`` meanwhile."""
+    while not self._gate.is_set() and not req.aborted.is_set():
+        waits = [asyncio.ensure_future(self._gate.wait()), asyncio.ensure_future(req.aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+    return not req.aborted.is_set()
+
+
+def _continuation(params, sampled: int, resumes: int):
+    """SamplingParams of a cut request's next part: the tokens left, and another seed if seeded."""
+    params = params.clone()
+    params.max_tokens -= sampled
+    if params.seed is not None:
+        # vLLM gives a seeded request its own generator: with the same seed the continuation would draw
+        # the very random numbers the first part drew for its first tokens, samples correlated with
+        # that part's instead of fresh ones. A large prime step keeps the new seed away from those of
+        # the neighbouring requests (generate seeds them seed + i * n + j).
+        params.seed = (params.seed + resumes * _RESUME_SEED_STEP) % 2**31
+    return params
+
+
+_RESUME_SEED_STEP = 1_000_000_007  # a prime
+
+
+async def _pause(self, abort_in_flight: bool) -> int:
+    self._gate.clear()  # from here no engine request starts: new and cut requests wait at the gate
+    running = [(rid, req, req.part) for rid, reqs in self._live.items() for req in reqs
+               if req.part is not None and not req.part.is_set()]
+    if not abort_in_flight:
+        await asyncio.gather(*[part.wait() for _, _, part in running])
+        return len(running)
+    for _, req, _ in running:
+        req.preempted = True
+    # As in _abort: an engine request still being registered misses an abort, so abort again.
+    while not all(part.is_set() for _, _, part in running):
+        await self._engine.abort(list({rid for rid, _, part in running if not part.is_set()}))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*[part.wait() for _, _, part in running]), timeout=0.05)
+    return sum(req.cut for _, req, _ in running)
+
 
 async def _abort(self, request_id: str) -> bool:
     ending = list(self._live.get(request_id, []))
     if not ending:
         return False
+    for req in ending:
+        req.aborted.set()  # never resumed; one waiting at the gate returns at once
     # A request still being registered by AsyncLLM.generate (an await before the engine knows
     # it) misses an abort, so abort again until each has ended.
-    while not all(done.is_set() for done in ending):
+    while not all(req.done.is_set() for req in ending):
         await self._engine.abort(request_id)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*[d.wait() for d in ending]), timeout=0.05)
+            await asyncio.wait_for(asyncio.gather(*[req.done.wait() for req in ending]), timeout=0.05)
     return True
+
+
+async def _call(fn):
+    return fn()
 
 
 async def _shutdown_engine(engine) -> None:
