@@ -143,6 +143,24 @@ class AlgorithmConfig:
     defaults [0.5, 2] suit token ratios; a geometric mean over a long sequence moves far less, and
     verl suggests bounds as tight as [0.999, 1.001] for it (its rollout_rs="geometric")."""
 
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: a group whose judged rewards are all equal (all right or all wrong: zero
+    advantage, no gradient) is dropped and more prompts are drawn to refill the batch, in up to
+    max_sampling_rounds rounds (rlmega/agents/produce.py). Counted: groups_filtered, sampling_rounds."""
+    max_sampling_rounds: int = 3
+    """dynamic_sampling: rounds of drawing prompts per batch (the first included); a batch still short
+    after them trains on the groups it has (metric groups_short) rather than looping forever on a task
+    the policy has solved or cannot start (verl's max_num_gen_batches)."""
+    overlong: Literal["none", "mask", "penalty"] = "none"
+    """Responses cut at the token budget (finish reason length / max_tokens): "mask" drops them from the
+    loss (DAPO's overlong filtering; they still count in their group's baseline); "penalty" adds DAPO's
+    soft overlong punishment to the reward (rlmega.algorithms.dapo.overlong_penalty); "none": nothing."""
+    overlong_buffer_tokens: Optional[int] = None
+    """penalty: the last this many tokens of the budget are penalised linearly, from 0 to
+    -overlong_penalty_factor at the budget. null: a fifth of the budget (DAPO: 4096 of 20480)."""
+    overlong_penalty_factor: float = 1.0
+    """penalty: the penalty at the budget (DAPO: 1.0)."""
+
     def resolve_defaults(self) -> "AlgorithmConfig":
         """Fill the fields left null with the policy_loss's published defaults (POLICY_LOSS_DEFAULTS),
         in place; returns self. Values already set are kept. Idempotent."""
@@ -389,10 +407,38 @@ class ClusterConfig:
     threads_per_rank: Optional[int] = None
     """Intra-op threads of each trainer rank (torch.set_num_threads). None: on CPU runs the node's CPUs /
     the trainer ranks on it, at least 1 (the loop is synchronous: ranks compute while engines wait, so
-    each phase may use the whole node; rlmega/launch/threads.py); with GPUs 1."""
+    each phase may use the whole node; rlmega/launch/threads.py; produce.strategy=async: the node's CPUs
+    / its ranks and engines together); with GPUs 1."""
     threads_per_engine: Optional[int] = None
     """Intra-op threads of each CPU rollout engine with rollout.tensor_parallel_size 1 (vLLM runs in the
-    engine's process). None: the node's CPUs / the engines on it, at least 1."""
+    engine's process). None: the node's CPUs / the engines on it (async: / its ranks and engines), at least 1."""
+
+
+@dataclass
+class ProduceConfig:
+    """How trajectories are produced for the trainer (rlmega/agents/produce.py)."""
+
+    strategy: Literal["sync", "async"] = "sync"
+    """sync: each step generates its batch with the latest weights, then trains (generation and training
+    take turns). async: the agent loops keep producing batches into a buffer while the trainer trains;
+    batch b may be generated with weights up to max_staleness versions older than the ones that train on
+    it. Engines and trainer should then have resources of their own (cluster.colocate=false on GPUs)."""
+    max_staleness: int = 1
+    """async: k, the most weight versions a trajectory's oldest token may lag the trainer (1: one-step-off).
+    Batch b starts only once the engines hold version >= b - k, so k also bounds how far production runs
+    ahead. A buffered trajectory found staler (a resume with a smaller k) is handled by on_stale."""
+    on_stale: Literal["drop", "requeue"] = "drop"
+    """async: a group older than max_staleness when the trainer takes it is dropped (counted in
+    stale_dropped) or generated again with the current weights (stale_requeued)."""
+    in_flight: Literal["finish", "abort"] = "finish"
+    """async: at a weight sync, requests in flight finish on the old weights (the sync waits for them), or
+    are aborted and resumed on the new weights (partial rollout: their tokens keep the version each was
+    sampled with; the rollout correction uses the per-token rollout log-probs)."""
+    deterministic: bool = False
+    """async: a fixed schedule. Batch b is generated entirely with weights version max(0, b - k) and each
+    sync waits for the batches of older versions, so a run gives the same numbers every time and a
+    resumed run those of an uninterrupted one (float32, CPU). false: batches take the newest weights
+    available and syncs never wait for generation (faster; versions then depend on timing)."""
 
 
 @dataclass
@@ -410,5 +456,6 @@ class RLConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     agent_loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """The agent loop of the default task (data + agent_loop) when tasks is empty."""
+    produce: ProduceConfig = field(default_factory=ProduceConfig)
     tasks: List[TaskConfig] = field(default_factory=list)
     """Several tasks mixed in each batch by weight; empty: one task "default" from data and agent_loop."""

@@ -109,6 +109,8 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),
     ("data.seed", _GE0), ("data.synthetic_size", _GE1), ("data.synthetic_digits", _GE1),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
+    ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
+    ("algorithm.max_sampling_rounds", _GE1), ("algorithm.overlong_penalty_factor", _GE0),
 ]]
 
 
@@ -296,6 +298,7 @@ def validate(cfg: RLConfig) -> None:
                            f"{cfg.actor.max_tokens_per_micro_batch} tokens per micro-batch, but one sample may have "
                            f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
                            f"set actor.max_tokens_per_micro_batch >= {longest}, or lower rollout.max_*_tokens"))
+    out += _produce_problems(cfg)
     from rlmega.agents.validate import task_problems  # here: rlmega.agents imports this module
 
     out += task_problems(cfg)
@@ -312,3 +315,31 @@ def validate(cfg: RLConfig) -> None:
                 out += _model_problems(cfg, shape)
     if out:
         raise ConfigError(out)
+
+
+def _produce_problems(cfg: RLConfig) -> List[str]:
+    """Asynchronous production and DAPO's dynamic sampling / overlong handling (rlmega/agents/produce.py)."""
+    out, pr, alg, r = [], cfg.produce, cfg.algorithm, cfg.rollout
+    if pr.strategy == "async":
+        if pr.deterministic and pr.in_flight == "abort":
+            out.append(problem("produce.in_flight", "abort (partial rollout) cuts requests wherever a sync finds "
+                               "them, which a deterministic schedule cannot reproduce; with produce.deterministic "
+                               "no request is in flight at a sync anyway",
+                               "set produce.in_flight=finish, or produce.deterministic=false"))
+        offload = cfg.actor.offload_while_generating
+        swaps = (cfg.cluster.colocate and r.device == "cuda") if offload is None else offload
+        if swaps:
+            out.append(problem("produce.strategy", "async generates while the trainer trains, but the trainer "
+                               "releases its memory to the engines while they generate and the engines sleep "
+                               "while it trains (cluster.colocate on GPUs, actor.offload_while_generating)",
+                               "set cluster.colocate=false (engines on GPUs of their own), or "
+                               "actor.offload_while_generating=false if both fit on the shared GPUs, or "
+                               "produce.strategy=sync"))
+    if alg.dynamic_sampling and r.n < 2:
+        out.append(problem("algorithm.dynamic_sampling", f"drops groups whose rewards are all equal, and a group "
+                           f"of rollout.n={r.n} always is", "set rollout.n >= 2, or dynamic_sampling=false"))
+    buf = alg.overlong_buffer_tokens
+    if buf is not None and not 1 <= buf <= r.max_response_tokens:
+        out.append(problem("algorithm.overlong_buffer_tokens", f"{buf} must be in [1, rollout.max_response_tokens="
+                           f"{r.max_response_tokens}]", "set it inside the budget, or null (a fifth of it)"))
+    return out
