@@ -1,7 +1,9 @@
-"""One RL step, as the driver runs it: generate, reward, log-probs, advantages, train, sync.
+"""One RL step, as the driver runs it: take the step's judged batch from the producer, log-probs,
+advantages, train, sync.
 
-The roles (actor ranks, engines, agent loops and their judgers) do the work; this file only moves data between
-them and times each phase. ``rl_step`` returns the step's metrics (see README for the keys).
+The roles (actor ranks, engines, agent loops and their judgers) do the work and the producer
+(rlmega/agents/produce.py) makes the batches; this file only moves data between them and times each
+phase. ``rl_step`` returns the step's metrics (see README for the keys).
 """
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import torch
 
 from rlmega.algorithms import advantages as adv_lib
 from rlmega.algorithms import kl as kl_lib
-from rlmega.agents.loop import GroupRequest
-from rlmega.agents.metrics import rollout_metrics
+from rlmega.agents.metrics import rollout_metrics, staleness_metrics
+from rlmega.agents.produce import group_requests
 from rlmega.agents.sft import sft_example
-from rlmega.agents.trajectory import batch_from_groups
+from rlmega.agents.tasks import task_configs
+from rlmega.agents.trajectory import batch_from_groups, kept_trajectories
+from rlmega.algorithms import dapo
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff
 
-_SEED_STRIDE = 1_000_003  # per-step engine seeds: far apart, reproducible on resume
+TRUNCATED = ("length", "max_tokens")  # finish reasons of a response cut at its token budget
 
 
 class Timers(dict):
@@ -32,24 +36,16 @@ class Timers(dict):
         self[f"time_{name}"] = time.perf_counter() - start
 
 
-def sample_seed(base: int, step: int) -> int:
-    return base + step * _SEED_STRIDE
-
-
-def group_requests(picked: list, n: int, base_seed: int, sampling: dict | None = None) -> list:
-    """[(task, GroupRequest)] for the step's prompts; group i samples with seeds base_seed + i*n + j."""
-    return [(task, GroupRequest(prompt_index=i, prompt_ids=list(p.token_ids), label=p.label, prompt_text=p.text,
-                                seed=None if base_seed is None else base_seed + i * n, n=n, sampling=sampling))
-            for i, (task, p) in enumerate(picked)]
-
-
-def rl_step(roles, picked: list, step: int, cfg, task_names: list) -> dict:
-    """picked: [(task name, data.prompts.Prompt)] of this step. Returns the step's metrics."""
+def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
+    """Train on batch ``step`` from the producer (rlmega/agents/produce.py), then sync the new weights.
+    Returns the step's metrics; None when production stopped (should_stop) before the batch was made."""
     a, t = cfg.algorithm, Timers()
-    start = time.perf_counter()
-    failures_before = roles.generation_failures()
-    with t("generate"):  # generation and judging, overlapped in the agent loops
-        groups = roles.rollout(group_requests(picked, cfg.rollout.n, sample_seed(cfg.rollout.seed, step)))
+    start, busy = time.perf_counter(), roles.engine_busy_seconds()
+    with t("wait"):  # sync: the batch's generation and judging; async: what of it training did not hide
+        produced = producer.take(step)
+    if produced is None:
+        return None
+    groups = produced.groups
     roles.train_phase()  # colocated GPUs: engines sleep, the trainer onloads (no-ops otherwise)
     check_judgements(groups, cfg.reward.on_error)
     rollout = rollout_metrics(groups, task_names)
@@ -57,6 +53,8 @@ def rl_step(roles, picked: list, step: int, cfg, task_names: list) -> dict:
     if len(batch) == 0:
         raise RuntimeError(f"step {step + 1}: every group was dropped ({[g.error for g in groups][:3]} ...): "
                            "the engines fail every request; see the engine logs")
+    judged = batch.rewards  # the metrics report the judges' rewards, before any length shaping
+    batch, shaping = shape_overlong(batch, [(g.task, x) for g, x in kept_trajectories(groups)], cfg)
     n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)  # optimizer steps in this RL step
     kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
     # One optimizer step: the policy before it scores the train forward itself, so train_step takes
@@ -76,26 +74,57 @@ def rl_step(roles, picked: list, step: int, cfg, task_names: list) -> dict:
                  for mini in batch.split(n_mini) if len(mini)]
     if on_policy:
         old = train[0].pop("old_logprobs")  # the policy's before this step's update, as compute_logprobs gives
-    with t("sync"):
-        roles.rollout_phase(version=step + 1)  # trainer offloads, engines wake, weights sync
+    with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)
+        synced = producer.sync(step + 1)
     parity = logprob_diff(batch.rollout_logprobs, old, batch.response_mask)
     tokens = batch.num_tokens()
     t["time_step"] = time.perf_counter() - start
+    t["time_generate"] = produced.stats["time_generate"]  # the batch's own production, overlapped or not
+    busy_fraction = (roles.engine_busy_seconds() - busy) / (t["time_step"] * max(len(roles.engines), 1))
     return {
         "step": step + 1,
-        "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+        "reward_mean": float(judged.mean()), "reward_std": float(judged.std()) if len(batch) > 1 else 0.0,
         "response_length": float(sum(batch.response_lens()) / max(len(batch), 1)),
         **{k: sum(m[k] for m in train) / len(train) for k in ("loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy",
                                                              "grad_norm", "padding_fraction", "rollout_is_ratio",
                                                              "rollout_is_truncated", "rollout_is_masked")},
         "lr": train[-1]["lr"], "skipped_steps": sum(m["skipped"] for m in train),
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
-        "reward_errors": rollout["judge_errors"], "generation_failures": roles.generation_failures() - failures_before,
-        **rollout,
+        "groups_trained": sum(g.error is None for g in groups),
+        "reward_errors": rollout["judge_errors"], "generation_failures": produced.stats["generation_failures"],
+        **rollout, **shaping, **synced,
+        **{k: produced.stats[k] for k in ("sampling_rounds", "prompts_drawn", "groups_filtered", "groups_short",
+                                          "stale_dropped", "stale_requeued")},
+        **staleness_metrics(groups, step),
+        "engine_busy_fraction": min(1.0, max(0.0, busy_fraction)),  # clock readings on two machines' processes
+        "trainer_busy_fraction": min(1.0, (t["time_logprob"] + t["time_train"]) / t["time_step"]),
         "tokens_per_s": tokens / t["time_step"], **t,
         "_prefill_tokens": sum(len(x.prompt_ids) for g in groups for x in g.trajectories),
         "_decode_tokens": sum(int(m.sum()) for m in batch.response_mask),
     }
+
+
+def shape_overlong(batch: RolloutBatch, rows: list, cfg) -> tuple[RolloutBatch, dict]:
+    """algorithm.overlong on a batch whose rows are ``rows`` [(task, Trajectory)]: "mask" zeroes the
+    response mask of responses cut at their budget (out of the loss and its denominators), "penalty"
+    adds DAPO's soft length penalty to every reward. The budget of a task's response is its agent loop's
+    max_total_tokens, else rollout.max_response_tokens. Returns (batch, metrics)."""
+    a = cfg.algorithm
+    cut = [t.finish_reason in TRUNCATED for _, t in rows]
+    out = {"overlong_fraction": sum(cut) / max(len(rows), 1)}
+    if a.overlong == "mask":
+        batch = dataclasses.replace(batch, response_mask=[m * 0 if c else m for m, c in zip(batch.response_mask, cut)])
+    elif a.overlong == "penalty":
+        loops = {task.name: task.agent_loop for task in task_configs(cfg)}
+        penalty = torch.zeros(len(rows))
+        for i, (task, t) in enumerate(rows):
+            budget = loops[task].max_total_tokens or cfg.rollout.max_response_tokens
+            buffer = min(a.overlong_buffer_tokens or dapo.default_buffer(budget), budget)
+            penalty[i] = dapo.overlong_penalty(torch.tensor([len(t.response_ids)]), budget, buffer,
+                                               a.overlong_penalty_factor)[0]
+        batch = dataclasses.replace(batch, rewards=batch.rewards + penalty)
+        out["overlong_penalty_mean"] = float(penalty.mean())
+    return batch, out
 
 
 def evaluate(roles, eval_prompts: dict, max_tokens: int) -> dict:

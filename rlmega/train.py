@@ -1,8 +1,9 @@
 """The RL driver: ``rlmega train CONFIG [key=value ...]`` or ``python -m rlmega.train CONFIG ...``.
 
-With no ``cluster.address`` it starts an embedded local Ray; with one it attaches. Per step:
-prompts -> n responses each -> rewards -> old/ref log-probs -> advantages -> train step(s) ->
-sync weights to the engines -> log -> checkpoint every k steps -> evaluate every m steps.
+With no ``cluster.address`` it starts an embedded local Ray; with one it attaches. Per step: the
+producer's batch (prompts -> n judged responses each; produce.strategy=async makes it while earlier steps
+train) -> old/ref log-probs -> advantages -> train step(s) -> sync weights to the engines -> evaluate
+every m steps -> log -> checkpoint every k steps.
 ``trainer.resume=auto`` (or ``--resume``) continues from RUN_DIR's latest checkpoint exactly;
 ``trainer.resume=PATH`` starts from that checkpoint (of this run or another).
 
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
 from rlmega.config.preflight import preflight
+from rlmega.agents.produce import Producer
 from rlmega.agents.tasks import Tasks
 from rlmega.launch import torchrun_group
 from rlmega.launch.cluster import ClusterError
@@ -59,7 +61,7 @@ def train(cfg: RLConfig) -> RunDir:
         raise InputError(f"prompt data: {e}") from e
     stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
     with Roles(cfg) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
-        start, history = resume(roles, run, data, cfg)
+        start, history, produced = resume(roles, run, data, cfg)
         if start == 0 and t.warmup_sft_steps:
             warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr, stop)
             # KL regularises toward the policy RL starts from, not the untuned model.path.
@@ -71,14 +73,18 @@ def train(cfg: RLConfig) -> RunDir:
             print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
+        producer = Producer(roles, data, cfg, start, produced)  # sync, or async: generates while we train
+        producer.advance(start)
         bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
         done = saved = start
         for step in bar:
             if stop.requested() or roles.manager.should_stop():
-                roles.manager.set_should_stop(True)
+                roles.manager.set_should_stop(True)  # the producer polls it: no new batch starts
                 break
             with profiled(roles, run.path / "profile", step + 1, cfg.logging.profile_steps):
-                metrics = rl_step(roles, data.next_prompts(), step, cfg, data.names)
+                metrics = rl_step(roles, producer, step, cfg, data.names)
+            if metrics is None:  # should_stop came while waiting: the batch was never made
+                break
             if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
                 roles.call_actors("update_ref_policy")
             if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
@@ -90,34 +96,40 @@ def train(cfg: RLConfig) -> RunDir:
                             **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
             done = step + 1
             if t.save_every and (done % t.save_every == 0 or done == t.total_steps):
-                saved = save(roles, run, done, data, history, t.keep_last_checkpoints)
+                saved = save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
+            producer.advance(done)  # the engines hold weights `done`: the schedule's next batches may start
         if done < t.total_steps:  # stopped on request: keep every finished step, then leave
             if done > saved:
-                save(roles, run, done, data, history, t.keep_last_checkpoints)
+                save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
             run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
         else:
             roles.call_actors("export_hf", str(run.path / "hf_final"), True)
+        producer.close()
     run.close()
     return run
 
 
-def save(roles: Roles, run: RunDir, step: int, data, history: list, keep: int) -> int:
-    """Checkpoint after ``step`` RL steps (model, optimizer, RNG, data position, metrics history)."""
-    roles.call_actors("save_checkpoint", str(run.checkpoints), step, {"data": data.state_dict(), "history": history})
+def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history: list, keep: int) -> int:
+    """Checkpoint after ``step`` RL steps: model, optimizer, RNG, metrics history, and the producer's
+    state (buffered batches, the next batch) with the data position it drew to (nothing in production)."""
+    producer.pause()  # until the next advance
+    extra = {"data": data.state_dict(), "history": history, "producer": producer.state_dict()}
+    roles.call_actors("save_checkpoint", str(run.checkpoints), step, extra)
     run.prune_checkpoints(keep)
     return step
 
 
-def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list]:
-    """(first step to run, metrics history) from the checkpoint trainer.resume names, or (0, [])."""
+def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list, dict | None]:
+    """(first step to run, metrics history, producer state) from the checkpoint trainer.resume names,
+    or (0, [], None)."""
     path = run.checkpoint_to_resume(cfg.trainer.resume)
     if path is None:
-        return 0, []
+        return 0, [], None
     step, extra = roles.call_actors("load_checkpoint", str(path))
     data.load_state_dict(extra["data"])
     run.rewrite_metrics(extra["history"])
     print(f"rlmega: resumed from {path} at step {step}", flush=True)
-    return step, list(extra["history"])
+    return step, list(extra["history"]), extra.get("producer")  # checkpoints before async have none
 
 
 def warm_start(roles: Roles, data, tokenizer, steps: int, lr: float | None, stop: StopRequest) -> None:
@@ -140,6 +152,9 @@ def report(manager, metrics: dict, total_steps: int) -> None:
     manager.report_token_statistics(metrics["_prefill_tokens"], metrics["_decode_tokens"], metrics["time_generate"])
     manager.report_training_step_time(metrics["step"], metrics["time_train"])
     manager.report_batch_generation_time(metrics["step"], metrics["time_generate"])
+    manager.report_staleness(metrics["step"], {int(k.split("/")[1]): int(v) for k, v in metrics.items()
+                                               if k.startswith("staleness/")})
+    manager.report_busy(metrics["step"], metrics["engine_busy_fraction"], metrics["trainer_busy_fraction"])
 
 
 def main(argv=None) -> int:

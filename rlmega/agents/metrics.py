@@ -4,13 +4,16 @@ Keys: task/<name>/reward_mean, task/<name>/response_length (response tokens, mod
 score/<judger score> (mean over trajectories), judge_errors (trajectories a judger failed on),
 groups_dropped (groups lost to failed generations), finish/<reason> (fraction of trajectories),
 turns_mean, tool_calls_mean (tool loops). Dropped groups count nowhere else.
+
+``staleness_metrics``: staleness_mean, staleness_max, staleness/<k> (trajectories k weight versions
+behind the trainer) and partial_rollouts (trajectories whose sampled tokens span several versions).
 """
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from typing import Sequence
 
-from rlmega.agents.trajectory import TrajectoryGroup
+from rlmega.agents.trajectory import TrajectoryGroup, staleness
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup], task_names: Sequence[str]) -> dict:
@@ -33,4 +36,15 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], task_names: Sequence[str]
     out.update({f"finish/{r}": c / n for r, c in sorted(Counter(t.finish_reason for _, t in kept).items())})
     out["turns_mean"] = sum(t.num_turns for _, t in kept) / n
     out["tool_calls_mean"] = sum(t.tool_calls for _, t in kept) / n
+    return out
+
+
+def staleness_metrics(groups: Sequence[TrajectoryGroup], step: int) -> dict:
+    """Of the trajectories trained at ``step`` (0-based: the trainer holds weights version ``step``)."""
+    kept = [t for g in groups if g.error is None for t in g.trajectories]
+    values = [staleness(t, step) for t in kept]
+    out: dict = {"staleness_mean": sum(values) / len(values) if values else 0.0,
+                 "staleness_max": max(values, default=0),
+                 "partial_rollouts": sum(len({v for v in t.versions if v >= 0}) > 1 for t in kept)}
+    out.update({f"staleness/{k}": c for k, c in sorted(Counter(values).items())})
     return out

@@ -42,12 +42,18 @@ class Trajectory:
     reward: float = 0.0
     judge_error: str | None = None
 
-    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, version: int, model: bool) -> None:
-        """Add a model turn (its sampled ids and log-probs) or a tool result (model=False)."""
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, versions: Sequence[int] | int,
+               model: bool) -> None:
+        """Add a model turn (its sampled ids, log-probs and the weight version of each token, or one
+        version for all) or a tool result (model=False)."""
+        if isinstance(versions, int):
+            versions = [versions] * len(ids)
+        if model and len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(versions)} weight versions")
         self.response_ids.extend(ids)
         self.response_mask.extend([1.0 if model else 0.0] * len(ids))
         self.logprobs.extend(logprobs if model else [0.0] * len(ids))
-        self.versions.extend([version if model else -1] * len(ids))
+        self.versions.extend(list(versions) if model else [-1] * len(ids))
 
 
 @dataclasses.dataclass
@@ -63,10 +69,23 @@ class TrajectoryGroup:
     """Set when a generation failed after its retries: the group is dropped, never trained on."""
 
 
+def staleness(t: Trajectory, step: int) -> int:
+    """Weight versions between the trainer at ``step`` (its weights are version ``step``) and the
+    trajectory's oldest sampled token; 0 for a trajectory without sampled tokens."""
+    sampled = [v for v in t.versions if v >= 0]
+    return step - min(sampled) if sampled else 0
+
+
+def kept_trajectories(groups: Sequence[TrajectoryGroup]) -> list[tuple[TrajectoryGroup, Trajectory]]:
+    """The rows of ``batch_from_groups``, in order: trajectories with response tokens of the groups that
+    succeeded."""
+    return [(g, t) for g in groups if g.error is None for t in g.trajectories if t.response_ids]
+
+
 def batch_from_groups(groups: Sequence[TrajectoryGroup]) -> RolloutBatch:
     """The trainer's batch from the groups that succeeded; a trajectory without response tokens is
     dropped (nothing to score). Group ids are the prompts' indices in the step."""
-    kept = [(g, t) for g in groups if g.error is None for t in g.trajectories if t.response_ids]
+    kept = kept_trajectories(groups)
     return RolloutBatch(
         tokens=[torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.int64) for _, t in kept],
         prompt_lens=torch.tensor([len(t.prompt_ids) for _, t in kept], dtype=torch.int64),

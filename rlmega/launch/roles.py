@@ -62,6 +62,8 @@ class Roles:
         self.manager: ActorManager | None = None
         self.pgs: list = []
         self.swaps = False  # the trainer releases its device memory while engines generate
+        # Async production generates while the trainer trains: the engines never sleep for it.
+        self.keep_engines_awake = cfg.produce.strategy == "async"
         self.engines_asleep = False
         self.trainer_released = False
         self._profile_name = ""  # the profile being recorded (logging.profile_steps)
@@ -183,12 +185,16 @@ class Roles:
             rank = 1
         elif on_torchrun:  # the ranks are torchrun's, on nodes like this one
             rank = threads.share(len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        elif self.keep_engines_awake:  # async: ranks and engines compute at the same time, sharing the node
+            rank = min(threads.per_process(rank_nodes + engine_nodes, cpus)[: len(rank_nodes)])
         else:
             rank = min(threads.per_process(rank_nodes, cpus))
         if r.device == "cuda" or r.tensor_parallel_size > 1:
             engines = [None] * len(engine_nodes)
         elif c.threads_per_engine is not None:
             engines = [c.threads_per_engine] * len(engine_nodes)
+        elif self.keep_engines_awake:
+            engines = threads.per_process(rank_nodes + engine_nodes, cpus)[len(rank_nodes):]
         else:
             engines = threads.per_process(engine_nodes, cpus)
         log.info("intra-op threads: %d per trainer rank, %s per engine", rank, engines)
@@ -266,6 +272,10 @@ class Roles:
 
         return self.background.run(run_all(), timeout=self.call_timeout_s)
 
+    def engine_busy_seconds(self) -> float:
+        """Seconds the engines have had requests in flight, summed over engines (busy fractions)."""
+        return sum(self._get([e.busy_seconds.remote() for e in self.engines], "rollout engine"))
+
     def generation_failures(self) -> int:
         """Failed generation tries so far (retried or, after the retries, their group dropped)."""
         return sum(h.generation_failures() for h in self.hosts.values())
@@ -325,16 +335,17 @@ class Roles:
     # actor.offload_while_generating resolves to True), so CPU runs exercise the order.
     def train_phase(self) -> None:
         """Engines free their GPU memory, the trainer takes its parameters and state back."""
-        if not self.engines_asleep:
+        if not self.engines_asleep and not self.keep_engines_awake:
             self.engines_asleep = any(self._get([e.sleep.remote() for e in self.engines], "rollout engine"))
         self._call_actors("onload_for_training")
         self.trainer_released = False
 
-    def rollout_phase(self, version: int) -> dict:
-        """After training: release the trainer, wake the engines and send them the new weights."""
+    def rollout_phase(self, version: int, in_flight: str | None = None) -> dict:
+        """After training: release the trainer, wake the engines and send them the new weights
+        (``in_flight``: what happens to requests in flight, see sync_weights)."""
         self._release_trainer(keep_params=True)  # the sync below still reads the parameters
         self._wake_engines()
-        sent = self.sync_weights(version)
+        sent = self.sync_weights(version, in_flight=in_flight)
         self._release_trainer(keep_params=False)
         return sent
 

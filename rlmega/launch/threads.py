@@ -6,6 +6,8 @@ node gives Ray: a rank gets the node's CPUs / the ranks on that node, an engine 
 the engines on it (each at least 1). Forcing one thread per rank left half of a 2-core machine
 idle at world size 1. With GPUs the ranks keep one host thread (torchrun's default): their work
 runs on the device. ``cluster.threads_per_rank`` / ``cluster.threads_per_engine`` override.
+Asynchronous production (produce.strategy=async) generates while the ranks train: there ranks and
+engines share a node's CPUs, every process of either kind counted (launch/roles.py).
 """
 from __future__ import annotations
 

@@ -29,3 +29,11 @@ def faulty_arithmetic(response_text: str, label: str, hang_s: float = 30.0, **kw
 
         time.sleep(hang_s)
     return digit_fraction(response_text, label)
+
+
+def digit_fraction_or_one(response_text: str, label: str, **kwargs) -> float:
+    """1.0 for every response to a prompt whose label ends in 0-4 (such groups are uniform: DAPO's dynamic
+    sampling drops them), digit_fraction otherwise."""
+    if str(label)[-1:] in "01234":
+        return 1.0
+    return digit_fraction(response_text, label)

@@ -6,7 +6,8 @@ reads ``status()``.
 
     manager = ActorManager()                       # dashboard on 127.0.0.1, a free port
     print(f"dashboard: http://127.0.0.1:{manager.get_dashboard_port()}/")
-    manager.register_queue("prompts", prompt_queue.qsize)    # size over time, polled every second
+    manager.register_queue("rollouts", rollout_queue.qsize)   # size over time, polled every second
+                                                             # (besides its own two: prompts, results)
     manager.report_token_statistics(prefill_tokens=4096, decode_tokens=16384, seconds=3.2)
     manager.report_batch_generation_time(step, 3.2)
     manager.report_training_step_time(step, 5.1)
@@ -31,6 +32,8 @@ import threading
 import time
 from collections import deque
 from typing import Any, Callable
+
+from rlmega.agents.buffer import PromptQueue, ResultQueue
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,11 @@ class ActorManager:
         self._stop_event = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="rlmega-queue-poll", daemon=True)
         self._poller.start()
+        # The run's own queues (rlmega/agents/buffer.py): the producer fills them, the trainer drains
+        # "results"; hosted here so that the dashboard charts them like any registered queue.
+        self.prompts, self.results = PromptQueue(), ResultQueue()
+        self.register_queue("prompts", self.prompts.size)
+        self.register_queue("results", self.results.size)
         self._server = self._server_thread = None
         self._port: int | None = None
         if dashboard:

