@@ -169,6 +169,7 @@ def run_rlmega(args, overrides: list[str], work: Path, rnd: int) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # rlmega's agent loops judge while they generate: its time_generate holds both, time_reward is 0.
     steps = [{"step": r["step"], "time_step": r["time_step"], **{f"time_{p}": r.get(f"time_{p}", 0.0) for p in PHASES},
+              "time_wait": r.get("time_wait", r.get("time_generate", 0.0)),  # the step waiting for its batch
               "response_length": r["response_length"], "reward_mean": r["reward_mean"]}
              for r in rows if "time_step" in r]
     return {"side": "rlmega", "round": rnd, "wall_s": wall, "steps": steps}

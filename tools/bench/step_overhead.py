@@ -8,7 +8,10 @@ It runs ``rlmega train configs/bench_grpo_cpu.yaml`` (the workload of tools/benc
 21M-parameter Qwen2, 8 prompts x 8 samples, up to 128 new tokens, KL to a reference; the default layout)
 and reads metrics.jsonl. Per step:
 
-    overhead_s = time_step - (time_generate + time_reward + time_logprob + time_train + time_sync)
+    overhead_s = time_step - (time_wait + time_logprob + time_train + time_sync)
+
+(time_wait: the step waiting for its batch from the producer, i.e. generation and judging in the
+synchronous loop; judging happens inside it, so there is no separate reward phase.)
 
 what the driver does between the roles' work: decoding responses for the reward, building the
 batch, advantages, splitting into optimizer steps, the train/rollout parity metric, Ray's call and
@@ -29,7 +32,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
-from grpo_vs_trl import PHASES, SideFailed, run_rlmega  # noqa: E402  (the same rlmega side)
+from grpo_vs_trl import SideFailed, run_rlmega  # noqa: E402  (the same rlmega side)
 
 TARGET = 0.05
 
@@ -63,7 +66,7 @@ def main(argv=None) -> dict:
             raise SystemExit(1) from None
     rows = []
     for s in run["steps"]:
-        work_s = sum(s.get(f"time_{ph}", 0.0) for ph in PHASES)  # time_generate includes judging
+        work_s = s["time_wait"] + sum(s.get(f"time_{ph}", 0.0) for ph in ("logprob", "train", "sync"))
         rows.append({"step": s["step"], "time_step": s["time_step"], "work_s": work_s,
                      "overhead_s": s["time_step"] - work_s, "share": (s["time_step"] - work_s) / s["time_step"]})
     measured = rows[args.warmup:]

@@ -1,0 +1,221 @@
+"""Benchmark: asynchronous vs synchronous RL (median step time, final accuracy), and rlmega vs TRL end to
+end, as ratios measured in one run.
+
+    .venv/bin/python tools/bench/async_rl.py                       # both workloads, ~40 min on 2 cores
+    .venv/bin/python tools/bench/async_rl.py --workload demo       # the demo workload alone
+    .venv/bin/python tools/bench/async_rl.py --workload grpo --trl-python /path/to/trl-venv/bin/python
+    .venv/bin/python tools/bench/async_rl.py --smoke               # tiny and short, a few minutes: what CI runs
+
+Modes (MODES): ``sync`` (produce.strategy=sync, the serial loop), ``async_k1`` and ``async_k2``
+(produce.strategy=async with max_staleness 1 and 2, in ASYNC_OVERRIDES' schedule: the fast one, requests in
+flight at a sync finish on the old weights, TIS rollout correction).
+
+Workloads:
+  demo  what `make demo` runs (configs/demo_cpu.yaml: a tiny model made on the spot, TP2 x PP2 on 4 CPU
+        ranks + 1 engine, 850 warm-start steps, 60 GRPO steps of 32 prompts x 8, held-out eval every 10),
+        one process per mode. Reported: median time_step over the RL steps (the first --warmup left out),
+        the ratio to sync's (target <= 0.7), and each mode's final held-out accuracy (target: async's no
+        lower than sync's). Each process is a full demo run, so its accuracy is the one a user would get.
+  grpo  issue 12's workload (configs/bench_grpo_cpu.yaml, described in tools/bench/grpo_vs_trl.py):
+        --grpo-steps steps per process, --rounds rounds; each round runs every mode and TRL once, in an
+        order rotated per round (the machine is noisy). Reported: median time_step per mode and the
+        end-to-end ratio median(TRL step) / median(rlmega step) per mode (target >= 3 for async).
+
+Both workloads' rlmega processes are `rlmega train` of this checkout; per-step times come from their
+metrics.jsonl (time_step: waiting for the batch, log-probs, training and the weight sync; in async mode
+generation overlaps training, so time_generate is no longer a part of it). ``--json OUT`` writes every
+number. Modes run whole processes one after another (a run's steps cannot interleave with another's);
+the demo's rounds rotate the order like the grpo workload's.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("grpo_vs_trl", ROOT / "tools/bench/grpo_vs_trl.py")
+gvt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gvt)
+
+ASYNC_OVERRIDES = ["produce.strategy=async", "produce.in_flight=finish", "algorithm.rollout_correction=tis"]
+MODES = {"sync": ["produce.strategy=sync"],
+         "async_k1": [*ASYNC_OVERRIDES, "produce.max_staleness=1"],
+         "async_k2": [*ASYNC_OVERRIDES, "produce.max_staleness=2"]}
+TARGET_ASYNC_RATIO, TARGET_TRL_RATIO = 0.7, 3.0
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _steps(rows: list[dict]) -> list[dict]:
+    keep = ("step", "time_step", "time_wait", "time_generate", "time_logprob", "time_train", "time_sync",
+            "response_length", "reward_mean", "staleness_mean", "engine_busy_fraction", "trainer_busy_fraction")
+    return [{k: r.get(k, 0.0) for k in keep} for r in rows if "time_step" in r]
+
+
+def run_demo(mode: str, args, work: Path, rnd: int) -> dict:
+    run_dir = work / f"demo-{mode}-r{rnd}"
+    cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(run_dir), *args.demo_extra,
+           *MODES[mode], "trainer.resume=none"]
+    wall = gvt._run(f"demo {mode}", cmd, gvt._rlmega_env(), work / f"demo-{mode}-r{rnd}.log", args.timeout)
+    rows = _rows(run_dir)
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+    return {"workload": "demo", "side": mode, "round": rnd, "wall_s": wall, "steps": _steps(rows),
+            "evals": evals, "final_accuracy": evals[-1][1] if evals else None}
+
+
+def run_grpo(mode: str, args, overrides: list[str], work: Path, rnd: int) -> dict:
+    sub = argparse.Namespace(steps=args.grpo_steps, timeout=args.timeout)
+    (work / mode).mkdir(exist_ok=True)
+    out = gvt.run_rlmega(sub, [*overrides, *MODES[mode]], work / mode, rnd)
+    out.update(workload="grpo", side=mode, steps=_steps(_rows(work / mode / f"rlmega-r{rnd}")))
+    return out
+
+
+def median_step(runs: list[dict], workload: str, side: str, warmup: int) -> float | None:
+    steps = [s["time_step"] for r in runs if r["workload"] == workload and r["side"] == side for s in r["steps"][warmup:]]
+    return statistics.median(steps) if steps else None
+
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    out: dict = {}
+    for workload in ("demo", "grpo"):
+        sides = sorted({r["side"] for r in runs if r["workload"] == workload})
+        if not sides:
+            continue
+        med = {s: median_step(runs, workload, s, warmup) for s in sides}
+        w = out[workload] = {"median_step_s": med}
+        if med.get("sync"):
+            w["ratio_to_sync"] = {s: med[s] / med["sync"] for s in MODES if s != "sync" and med.get(s)}
+        if workload == "demo":
+            acc = {s: statistics.fmean(r["final_accuracy"] for r in runs if r["workload"] == "demo"
+                                       and r["side"] == s and r["final_accuracy"] is not None) for s in sides}
+            w["final_accuracy"] = acc
+        if med.get("trl"):
+            w["trl_over"] = {s: med["trl"] / med[s] for s in MODES if med.get(s)}
+    return out
+
+
+def report(res: dict) -> None:
+    print(f"\n{'workload':>8} {'side':>9} {'round':>5} {'wall_s':>7} {'steps':>5} {'median step_s':>13} "
+          f"{'wait':>6} {'gen':>6} {'train':>6} {'sync':>6} {'eng busy':>8} {'final acc':>9}")
+    warmup = res["warmup"]
+    for r in res["runs"]:
+        steps = r["steps"][warmup:]
+        med = (lambda k: statistics.median(s.get(k, 0.0) for s in steps) if steps else float("nan"))
+        acc = f"{r['final_accuracy']:.3f}" if r.get("final_accuracy") is not None else "-"
+        print(f"{r['workload']:>8} {r['side']:>9} {r['round']:>5} {r['wall_s']:7.0f} {len(steps):>5} "
+              f"{med('time_step'):13.2f} {med('time_wait'):6.2f} {med('time_generate'):6.2f} "
+              f"{med('time_train'):6.2f} {med('time_sync'):6.2f} {med('engine_busy_fraction'):8.2f} {acc:>9}")
+    s = res["summary"]
+    for workload, w in s.items():
+        print(f"\n{workload}: median step " + ", ".join(f"{k} {v:.2f} s" for k, v in w["median_step_s"].items()))
+        for mode, ratio in w.get("ratio_to_sync", {}).items():
+            verdict = ""
+            if workload == "demo":
+                acc_ok = w["final_accuracy"].get(mode, -1) >= w["final_accuracy"].get("sync", 2)
+                verdict = (f"  target <= {TARGET_ASYNC_RATIO} at accuracy >= sync's: "
+                           f"{'PASS' if ratio <= TARGET_ASYNC_RATIO and acc_ok else 'MISS'}")
+            print(f"  {mode}/sync step time {ratio:.2f}{verdict}")
+        if "final_accuracy" in w:
+            print("  final held-out accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in w["final_accuracy"].items()))
+        for mode, ratio in w.get("trl_over", {}).items():
+            tag = f"  target >= {TARGET_TRL_RATIO}: {'PASS' if ratio >= TARGET_TRL_RATIO else 'MISS'}" \
+                if mode != "sync" else ""
+            print(f"  TRL/rlmega {mode} (median step) {ratio:.2f}{tag}")
+        if workload == "grpo" and "trl_over" not in w:
+            print(f"  TRL: skipped ({res['trl_skipped']})")
+    print(f"\nbenchmark runtime {res['runtime_s']:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["demo", "grpo", "both"], default="both")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--rounds", type=int, default=1, help="each round: one process per mode (and TRL)")
+    p.add_argument("--grpo-steps", type=int, default=4, help="steps per grpo-workload process")
+    p.add_argument("--warmup", type=int, default=1, help="first RL steps of each process left out of the medians")
+    p.add_argument("--trl-python", default=gvt.DEFAULT_TRL_PYTHON, help="python of TRL's venv (grpo_vs_trl.py)")
+    p.add_argument("--trl-threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one process may take")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help="world size 1, a short warm start, 3 RL steps, demo "
+                   "workload only, no TRL: a few minutes; CI runs it")
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
+    args.demo_extra = []
+    if args.smoke:
+        args.workload, args.warmup = "demo", 1
+        args.demo_extra = ["--steps", "3", "trainer.warmup_sft_steps=20", "optimizer.lr_warmup_steps=20",
+                           "trainer.eval_every=3", "trainer.save_every=0", "parallelism.tensor_model_parallel_size=1",
+                           "parallelism.pipeline_model_parallel_size=1", "parallelism.world_size=1"]
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="rlmega-async-bench-"))  # removed on success; kept with its logs on failure
+    runs: list[dict] = []
+    versions, why = (None, "--smoke") if args.smoke else gvt.trl_versions(args.trl_python)
+    try:
+        for rnd in range(args.rounds):
+            order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
+            if args.workload in ("demo", "both"):
+                for mode in order:
+                    print(f"round {rnd}: demo {mode} ...", flush=True)
+                    runs.append(run_demo(mode, args, work, rnd))
+                    print(f"  final accuracy {runs[-1]['final_accuracy']}, process {runs[-1]['wall_s']:.0f} s", flush=True)
+            if args.workload in ("grpo", "both"):
+                from rlmega.tiny_model import make_tiny_model
+
+                model = work / "grpo_model"
+                if not (model / "config.json").exists():
+                    make_tiny_model(model, seed=0, overwrite=True, hidden_size=512, num_layers=8, num_heads=8,
+                                    num_kv_heads=8)
+                overrides = [f"model.path={model}"]
+                sides = order + (["trl"] if versions else [])
+                for side in (sides if rnd % 2 == 0 else sides[::-1]):
+                    print(f"round {rnd}: grpo {side} ...", flush=True)
+                    if side == "trl":
+                        runs.append(_trl(args, overrides, work, rnd))
+                    else:
+                        runs.append(run_grpo(side, args, overrides, work, rnd))
+                    print("  steps " + ", ".join(f"{s['time_step']:.1f}" for s in runs[-1]["steps"]), flush=True)
+    except gvt.SideFailed as e:
+        print(f"async_rl: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    res = {"runs": runs, "warmup": args.warmup, "modes": {m: MODES[m] for m in modes},
+           "trl_skipped": why or None, "summary": summarize(runs, args.warmup), "runtime_s": time.perf_counter() - t0}
+    report(res)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.json}")
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def _trl(args, overrides: list[str], work: Path, rnd: int) -> dict:
+    """TRL's GRPOTrainer on the grpo workload, as grpo_vs_trl.py runs it (its best CPU settings)."""
+    from rlmega.config import load_config
+
+    cfg = load_config(str(gvt.CONFIG), overrides)
+    prompts = work / "prompts.json"
+    prompts.write_text(json.dumps(gvt.step_prompts(cfg, args.grpo_steps)))
+    sub = argparse.Namespace(trl_python=args.trl_python, steps=args.grpo_steps, threads=args.trl_threads,
+                             trl_threads=args.trl_threads, trl_micro_batch=64, trl_generation="generate",
+                             timeout=args.timeout)
+    out = gvt.run_trl(sub, cfg, prompts, work, rnd)
+    out.update(workload="grpo", side="trl")
+    return out
+
+
+if __name__ == "__main__":
+    main()
