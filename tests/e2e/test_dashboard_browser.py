@@ -184,9 +184,12 @@ def test_page_without_metrics_says_no_data_yet(tmp_path):
         dom = _chromium(tmp_path, "--dump-dom", f"http://127.0.0.1:{manager.get_dashboard_port()}/")
         for chart in ("chart-reward_mean", "chart-kl_ref", "chart-busy"):
             assert re.search(rf'id="{chart}"><div class="empty">no data yet</div>', dom), dom
-        # A synchronous run never reports staleness or busy fractions: the page says so.
+        # Before a step reports staleness or busy fractions the page says so; the queues charted are the
+        # coordinator's own two (both empty).
         assert re.search(r'id="staleness-chart"><div class="empty">none reported', dom), dom
-        assert not re.search(r'id="(staleness-\d|chart-queue-)', dom)  # no bars, no queues
+        assert not re.search(r'id="staleness-\d', dom)  # no bars
+        assert sorted(set(re.findall(r'id="chart-queue-(\w+)"', dom))) == ["prompts", "results"]
+        assert _text(dom, "queue-prompts") == _text(dom, "queue-results") == "0"
         assert [_text(dom, i) for i in ("busy-engine", "busy-trainer", "staleness-mean")] == ["–"] * 3
         assert _text(dom, "run-state") == "running"  # the status arrived; the charts are just empty
     finally:

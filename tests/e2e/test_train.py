@@ -102,7 +102,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def _same_numbers(a: dict, b: dict) -> dict:
     """The metrics of two runs that differ (times aside): {name: (a, b)}."""
-    timing = {"tokens_per_s"}
+    timing = {"tokens_per_s", "engine_busy_fraction", "trainer_busy_fraction"}
     return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys()
             if not k.startswith("time") and k not in timing and a.get(k) != b.get(k)}
 
