@@ -73,38 +73,37 @@ def train(cfg: RLConfig) -> RunDir:
             print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
-        producer = Producer(roles, data, cfg, start, produced)  # sync, or async: generates while we train
-        producer.advance(start)
-        bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
-        done = saved = start
-        for step in bar:
-            if stop.requested() or roles.manager.should_stop():
-                roles.manager.set_should_stop(True)  # the producer polls it: no new batch starts
-                break
-            with profiled(roles, run.path / "profile", step + 1, cfg.logging.profile_steps):
-                metrics = rl_step(roles, producer, step, cfg, data.names)
-            if metrics is None:  # should_stop came while waiting: the batch was never made
-                break
-            if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
-                roles.call_actors("update_ref_policy")
-            if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
-                metrics.update(evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens))
-            report(roles.manager, metrics, t.total_steps)
-            history.append({k: v for k, v in metrics.items() if not k.startswith("_")})
-            run.log(history[-1])
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.2e}",
-                            **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
-            done = step + 1
-            if t.save_every and (done % t.save_every == 0 or done == t.total_steps):
-                saved = save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
-            producer.advance(done)  # the engines hold weights `done`: the schedule's next batches may start
-        if done < t.total_steps:  # stopped on request: keep every finished step, then leave
-            if done > saved:
-                save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
-            run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
-        else:
-            roles.call_actors("export_hf", str(run.path / "hf_final"), True)
-        producer.close()
+        with Producer(roles, data, cfg, start, produced) as producer:  # sync, or async: generates while we train
+            producer.advance(start)
+            bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
+            done = saved = start
+            for step in bar:
+                if stop.requested() or roles.manager.should_stop():
+                    roles.manager.set_should_stop(True)  # the producer polls it: no new batch starts
+                    break
+                with profiled(roles, run.path / "profile", step + 1, cfg.logging.profile_steps):
+                    metrics = rl_step(roles, producer, step, cfg, data.names)
+                if metrics is None:  # should_stop came while waiting: the batch was never made
+                    break
+                if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
+                    roles.call_actors("update_ref_policy")
+                if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
+                    metrics.update(evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens))
+                report(roles.manager, metrics, t.total_steps)
+                history.append({k: v for k, v in metrics.items() if not k.startswith("_")})
+                run.log(history[-1])
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.2e}",
+                                **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
+                done = step + 1
+                if t.save_every and (done % t.save_every == 0 or done == t.total_steps):
+                    saved = save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
+                producer.advance(done)  # the engines hold weights `done`: the schedule's next batches may start
+            if done < t.total_steps:  # stopped on request: keep every finished step, then leave
+                if done > saved:
+                    save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
+                run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
+            else:
+                roles.call_actors("export_hf", str(run.path / "hf_final"), True)
     run.close()
     return run
 

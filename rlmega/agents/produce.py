@@ -1,14 +1,13 @@
 """The producer: makes the trainer's batches through the agent loops, synchronously or asynchronously
 (produce.strategy), with DAPO's dynamic sampling (algorithm.dynamic_sampling).
 
-    producer = Producer(roles, data, cfg, start=step, state=extra.get("producer"))
-    producer.advance(step)                  # the engines hold weights `step`: batches up to step + k may start
-    batch = producer.take(step)             # batch `step`, the one RL step `step` trains on (waits for it)
-    ... log-probs, train ...
-    producer.sync(step + 1)                 # the new weights into the engines, as the schedule allows
-    producer.pause(); producer.state_dict() # at a checkpoint: nothing in production, the buffer as data
-    producer.advance(step + 1)
-    producer.close()
+    with Producer(roles, data, cfg, start=step, state=extra.get("producer")) as producer:  # close()s on exit
+        producer.advance(step)              # the engines hold weights `step`: batches up to step + k may start
+        batch = producer.take(step)         # batch `step`, the one RL step `step` trains on (waits for it)
+        ... log-probs, train ...
+        producer.sync(step + 1)             # the new weights into the engines, as the schedule allows
+        producer.pause(); producer.state_dict()  # at a checkpoint: nothing in production, the buffer as data
+        producer.advance(step + 1)
 
 One coroutine on the agent loops' event loop makes batch after batch (its groups all in flight at once)
 into the coordinator's result queue. Batch b may start once the engines hold weights version >= b - k:
@@ -116,7 +115,6 @@ class Producer:
                     raise ProductionStalled(f"batch {step} did not arrive within {self.timeout_s:.0f}s "
                                             f"(producing batch {self._producing}); see the engine logs")
                 self._cond.wait(_POLL_S)
-        batch.stats["time_wait"] = time.perf_counter() - start
         return self._handle_stale(batch, step)
 
     def sync(self, version: int) -> dict:
@@ -138,6 +136,12 @@ class Producer:
         """After ``pause``: the next batch to make and the finished batches not yet trained on."""
         with self._cond:
             return {"next_batch": self._next, "buffer": [b.to_state() for b in self.results.batches()]}
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         with self._cond:
@@ -242,8 +246,13 @@ class Producer:
             if not alg.dynamic_sampling or _valid(kept) >= want or rounds >= alg.max_sampling_rounds:
                 break
         if alg.dynamic_sampling:  # the first `want` good groups in draw order (failed ones met on the way stay: counted)
-            end = next((i + 1 for i in range(len(kept)) if _valid(kept[: i + 1]) == want), len(kept))
-            kept = kept[:end]
+            valid, cut = 0, len(kept)
+            for i, (_, g) in enumerate(kept):
+                valid += g.error is None
+                if valid == want:
+                    cut = i + 1
+                    break
+            kept = kept[:cut]
         for i, ((_, req), g) in enumerate(kept):  # group ids 0.. in the batch
             req.prompt_index = g.prompt_index = i
         stats = {"time_generate": time.perf_counter() - start, "sampling_rounds": rounds, "prompts_drawn": drawn,

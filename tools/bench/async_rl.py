@@ -23,8 +23,10 @@ Workloads:
 
 Both workloads' rlmega processes are `rlmega train` of this checkout; per-step times come from their
 metrics.jsonl (time_step: waiting for the batch, log-probs, training and the weight sync; in async mode
-generation overlaps training, so time_generate is no longer a part of it). ``--json OUT`` writes every
-number. Modes run whole processes one after another (a run's steps cannot interleave with another's);
+generation overlaps training, so time_generate is no longer a part of it). "cpu busy" is the machine's
+busy share of its cores over each whole process (warm start and start-up included; every process on the
+machine counted): near 1.0 the run is bound by the cores, and overlapping cannot help. ``--json OUT``
+writes every number. Modes run whole processes one after another (a run's steps cannot interleave with another's);
 the demo's rounds rotate the order like the grpo workload's.
 """
 from __future__ import annotations
@@ -62,22 +64,40 @@ def _steps(rows: list[dict]) -> list[dict]:
     return [{k: r.get(k, 0.0) for k in keep} for r in rows if "time_step" in r]
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of this machine so far (/proc/stat); (0, 0) where there is none."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_busy(before: tuple[int, int]) -> float | None:
+    """The machine's busy share of its CPUs since ``before`` (all processes, ours and others')."""
+    busy, total = cpu_times()
+    return (busy - before[0]) / (total - before[1]) if total > before[1] else None
+
+
 def run_demo(mode: str, args, work: Path, rnd: int) -> dict:
     run_dir = work / f"demo-{mode}-r{rnd}"
     cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(run_dir), *args.demo_extra,
            *MODES[mode], "trainer.resume=none"]
+    cpu = cpu_times()
     wall = gvt._run(f"demo {mode}", cmd, gvt._rlmega_env(), work / f"demo-{mode}-r{rnd}.log", args.timeout)
     rows = _rows(run_dir)
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
-    return {"workload": "demo", "side": mode, "round": rnd, "wall_s": wall, "steps": _steps(rows),
+    return {"workload": "demo", "side": mode, "round": rnd, "wall_s": wall, "cpu_busy": cpu_busy(cpu), "steps": _steps(rows),
             "evals": evals, "final_accuracy": evals[-1][1] if evals else None}
 
 
 def run_grpo(mode: str, args, overrides: list[str], work: Path, rnd: int) -> dict:
     sub = argparse.Namespace(steps=args.grpo_steps, timeout=args.timeout)
     (work / mode).mkdir(exist_ok=True)
+    cpu = cpu_times()
     out = gvt.run_rlmega(sub, [*overrides, *MODES[mode]], work / mode, rnd)
-    out.update(workload="grpo", side=mode, steps=_steps(_rows(work / mode / f"rlmega-r{rnd}")))
+    out.update(workload="grpo", side=mode, cpu_busy=cpu_busy(cpu), steps=_steps(_rows(work / mode / f"rlmega-r{rnd}")))
     return out
 
 
@@ -107,15 +127,16 @@ def summarize(runs: list[dict], warmup: int) -> dict:
 
 def report(res: dict) -> None:
     print(f"\n{'workload':>8} {'side':>9} {'round':>5} {'wall_s':>7} {'steps':>5} {'median step_s':>13} "
-          f"{'wait':>6} {'gen':>6} {'train':>6} {'sync':>6} {'eng busy':>8} {'final acc':>9}")
+          f"{'wait':>6} {'gen':>6} {'train':>6} {'sync':>6} {'eng busy':>8} {'cpu busy':>8} {'final acc':>9}")
     warmup = res["warmup"]
     for r in res["runs"]:
         steps = r["steps"][warmup:]
         med = (lambda k: statistics.median(s.get(k, 0.0) for s in steps) if steps else float("nan"))
         acc = f"{r['final_accuracy']:.3f}" if r.get("final_accuracy") is not None else "-"
+        cpu = f"{r['cpu_busy']:.2f}" if r.get("cpu_busy") is not None else "-"
         print(f"{r['workload']:>8} {r['side']:>9} {r['round']:>5} {r['wall_s']:7.0f} {len(steps):>5} "
               f"{med('time_step'):13.2f} {med('time_wait'):6.2f} {med('time_generate'):6.2f} "
-              f"{med('time_train'):6.2f} {med('time_sync'):6.2f} {med('engine_busy_fraction'):8.2f} {acc:>9}")
+              f"{med('time_train'):6.2f} {med('time_sync'):6.2f} {med('engine_busy_fraction'):8.2f} {cpu:>8} {acc:>9}")
     s = res["summary"]
     for workload, w in s.items():
         print(f"\n{workload}: median step " + ", ".join(f"{k} {v:.2f} s" for k, v in w["median_step_s"].items()))
@@ -212,8 +233,9 @@ def _trl(args, overrides: list[str], work: Path, rnd: int) -> dict:
     sub = argparse.Namespace(trl_python=args.trl_python, steps=args.grpo_steps, threads=args.trl_threads,
                              trl_threads=args.trl_threads, trl_micro_batch=64, trl_generation="generate",
                              timeout=args.timeout)
+    cpu = cpu_times()
     out = gvt.run_trl(sub, cfg, prompts, work, rnd)
-    out.update(workload="grpo", side="trl")
+    out.update(workload="grpo", side="trl", cpu_busy=cpu_busy(cpu))
     return out
 
 
