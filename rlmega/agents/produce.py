@@ -167,8 +167,7 @@ class Producer:
         self._loop.call_soon_threadsafe(self._wake.set)
 
     def _handle_stale(self, batch: ProducedBatch, step: int) -> ProducedBatch:
-        stale = [i for i, g in enumerate(batch.groups)
-                 if g.error is None and any(staleness(t, step) > self.k for t in g.trajectories)]
+        stale = stale_groups(batch, step, self.k)
         batch.stats.update(stale_dropped=0, stale_requeued=0)
         if not stale:
             return batch
@@ -178,14 +177,7 @@ class Producer:
                 batch.groups[i] = g
             batch.stats["stale_requeued"] = len(stale)
         else:
-            keep = [i for i in range(len(batch.groups)) if i not in set(stale)]
-            batch.groups = [batch.groups[i] for i in keep]
-            batch.requests = [batch.requests[i] for i in keep]
-            batch.stats["stale_dropped"] = len(stale)
-            if not batch.groups:
-                raise RuntimeError(f"batch {step}: every group is older than produce.max_staleness={self.k} "
-                                   "(a checkpoint of a run with a larger k?). Fix: produce.on_stale=requeue generates "
-                                   "them again with the current weights")
+            drop_groups(batch, stale, self.k)
         log.warning("batch %d: %d group(s) older than max_staleness %d %s", step, len(stale), self.k,
                     "generated again" if self.on_stale == "requeue" else "dropped")
         return batch
@@ -270,6 +262,26 @@ class Producer:
                 self.prompts.done(b)
 
         return await asyncio.gather(*[one(task, req) for task, req in requests])
+
+
+def stale_groups(batch: ProducedBatch, step: int, k: int) -> list[int]:
+    """Indices of the batch's groups with a trajectory more than ``k`` versions behind the trainer at ``step``."""
+    return [i for i, g in enumerate(batch.groups)
+            if g.error is None and any(staleness(t, step) > k for t in g.trajectories)]
+
+
+def drop_groups(batch: ProducedBatch, indices: list[int], k: int) -> None:
+    """produce.on_stale=drop: remove those groups (and their requests) in place, counted in the stats; a
+    batch left with no group cannot train: an error saying what to do."""
+    out = set(indices)
+    keep = [i for i in range(len(batch.groups)) if i not in out]
+    batch.groups = [batch.groups[i] for i in keep]
+    batch.requests = [batch.requests[i] for i in keep]
+    batch.stats["stale_dropped"] = len(out)
+    if not batch.groups:
+        raise RuntimeError(f"batch {batch.index}: every group is older than produce.max_staleness={k} (a checkpoint "
+                           "of a run with a larger k?). Fix: produce.on_stale=requeue generates them again with the "
+                           "current weights")
 
 
 def _valid(kept: list) -> int:

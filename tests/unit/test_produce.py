@@ -9,7 +9,7 @@ import torch
 from rlmega.agents.buffer import ProducedBatch, PromptQueue, ResultQueue
 from rlmega.agents.loop import GroupRequest
 from rlmega.agents.metrics import staleness_metrics
-from rlmega.agents.produce import group_requests, sample_seed
+from rlmega.agents.produce import drop_groups, group_requests, sample_seed, stale_groups
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup, batch_from_groups, staleness
 from rlmega.algorithms import dapo
 from rlmega.config.schema import RLConfig
@@ -130,3 +130,18 @@ def test_overlong_mask_drops_cut_responses_from_the_loss_and_penalty_shapes_rewa
     cfg.algorithm.overlong_buffer_tokens, cfg.algorithm.overlong_penalty_factor = 5, 2.0
     shaped, _ = shape_overlong(batch, rows, cfg)
     assert shaped.rewards.tolist() == pytest.approx([0.0 - 2.0, 1.0 - 1.6, 2.0], abs=1e-7)  # float32: -0.6 is 2.4e-8 off
+
+
+def test_stale_groups_are_found_by_their_oldest_token_and_dropped_with_their_requests():
+    groups = [TrajectoryGroup(task="t", prompt_index=i, label=str(i), trajectories=[_traj([v])])
+              for i, v in enumerate([[3, 3], [1, 3], [2, 2]])]
+    groups.append(TrajectoryGroup(task="t", prompt_index=3, label="3", error="engine died"))  # no tokens: not stale
+    reqs = [("t", GroupRequest(prompt_index=i, prompt_ids=[1], label=str(i), seed=i)) for i in range(4)]
+    batch = ProducedBatch(index=4, groups=groups, requests=reqs, stats={})
+    assert stale_groups(batch, step=4, k=1) == [1, 2]  # 4 - 1 = 3 and 4 - 2 = 2 versions behind
+    assert stale_groups(batch, step=4, k=3) == []
+    drop_groups(batch, [1, 2], k=1)
+    assert [g.label for g in batch.groups] == ["0", "3"] and [r.label for _, r in batch.requests] == ["0", "3"]
+    assert batch.stats["stale_dropped"] == 2
+    with pytest.raises(RuntimeError, match="batch 4: every group is older than produce.max_staleness=0.*on_stale=requeue"):
+        drop_groups(batch, [0, 1], k=0)
