@@ -53,7 +53,7 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     if len(batch) == 0:
         raise RuntimeError(f"step {step + 1}: every group was dropped ({[g.error for g in groups][:3]} ...): "
                            "the engines fail every request; see the engine logs")
-    judged = batch.rewards  # the metrics report the judges' rewards, before any length shaping
+    generated = batch  # the metrics report the judges' rewards and every sampled token, before any shaping
     batch, shaping = shape_overlong(batch, [(g.task, x) for g, x in kept_trajectories(groups)], cfg)
     n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)  # optimizer steps in this RL step
     kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
@@ -83,7 +83,8 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     busy_fraction = (roles.engine_busy_seconds() - busy) / (t["time_step"] * max(len(roles.engines), 1))
     return {
         "step": step + 1,
-        "reward_mean": float(judged.mean()), "reward_std": float(judged.std()) if len(batch) > 1 else 0.0,
+        "reward_mean": float(generated.rewards.mean()),
+        "reward_std": float(generated.rewards.std()) if len(batch) > 1 else 0.0,
         "response_length": float(sum(batch.response_lens()) / max(len(batch), 1)),
         **{k: sum(m[k] for m in train) / len(train) for k in ("loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy",
                                                              "grad_norm", "padding_fraction", "rollout_is_ratio",
@@ -96,11 +97,11 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         **{k: produced.stats[k] for k in ("sampling_rounds", "prompts_drawn", "groups_filtered", "groups_short",
                                           "stale_dropped", "stale_requeued")},
         **staleness_metrics(groups, step),
-        "engine_busy_fraction": min(1.0, max(0.0, busy_fraction)),  # clock readings on two machines' processes
+        "engine_busy_fraction": min(1.0, max(0.0, busy_fraction)),  # the engines' clocks against the driver's
         "trainer_busy_fraction": min(1.0, (t["time_logprob"] + t["time_train"]) / t["time_step"]),
         "tokens_per_s": tokens / t["time_step"], **t,
         "_prefill_tokens": sum(len(x.prompt_ids) for g in groups for x in g.trajectories),
-        "_decode_tokens": sum(int(m.sum()) for m in batch.response_mask),
+        "_decode_tokens": sum(int(m.sum()) for m in generated.response_mask),
     }
 
 
