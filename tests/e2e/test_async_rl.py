@@ -123,7 +123,10 @@ def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_pa
     assert all(m["staleness_max"] <= 1 for m in metrics), [m["staleness_max"] for m in metrics]
     assert sum(m["preempted_requests"] for m in metrics) > 0
     assert sum(m["partial_rollouts"] for m in metrics) > 0  # trajectories whose tokens span two versions
-    assert all(0 < m["engine_busy_fraction"] <= 1 and 0 < m["trainer_busy_fraction"] <= 1 for m in metrics)
+    assert all(0 <= m["engine_busy_fraction"] <= 1 and 0 < m["trainer_busy_fraction"] <= 1 for m in metrics)
+    # the last step may find its batch finished during the step before: no batch is left to make, so
+    # its engines can be idle for the whole step (a timing, seen in CI); earlier steps generate
+    assert any(m["engine_busy_fraction"] > 0 for m in metrics), [m["engine_busy_fraction"] for m in metrics]
 
 
 def test_dynamic_sampling_refills_the_batch(model, tmp_path):
