@@ -15,6 +15,8 @@ import itertools
 import logging
 import uuid
 
+from rlmega.workers.rollout import GENERATION_GROUP
+
 log = logging.getLogger(__name__)
 
 
@@ -22,12 +24,13 @@ class GenerationFailed(RuntimeError):
     """A request failed on every try; its group must be dropped, not trained on."""
 
 
-async def call(handle, method: str, *args, **kwargs):
-    """Await ``handle.method(*args, **kwargs)`` on a Ray actor handle or a local object (in a thread:
-    a local RolloutWorker blocks until its request finishes)."""
-    fn = getattr(handle, method)
+async def generate_one(engine, *args, **kwargs):
+    """Await ``engine.generate_one(*args, **kwargs)`` on a Ray actor handle (in the engine's generation
+    concurrency group: rlmega/launch/roles.py ``engine_actor_class``) or on a local RolloutWorker (in a
+    thread: it blocks until its request finishes)."""
+    fn = engine.generate_one
     if hasattr(fn, "remote"):
-        return await fn.remote(*args, **kwargs)
+        return await fn.options(concurrency_group=GENERATION_GROUP).remote(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
@@ -53,7 +56,7 @@ class EngineRouter:
             i = self._pick(avoid)
             self.outstanding[i] += 1
             try:
-                sample = await call(self.engines[i], "generate_one", list(prompt_ids),
+                sample = await generate_one(self.engines[i], list(prompt_ids),
                                     request_id=f"{self._prefix}-{next(self._ids)}", **sampling)
             except Exception as e:  # an engine error or a dead engine: try another (the same seed)
                 last_error, avoid = e, i

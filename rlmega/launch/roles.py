@@ -35,13 +35,27 @@ from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.actor import MegatronActor
 from rlmega.workers.coordinator import ActorManager
-from rlmega.workers.rollout import RolloutWorker
+from rlmega.workers.rollout import GENERATION_GROUP, RolloutWorker
 
 log = logging.getLogger("rlmega")
 
 
-# Calls one engine actor runs at once (threads; most wait on the engine): requests in flight per engine.
+# Generation calls one engine actor runs at once (threads; most wait on the engine): requests in flight
+# per engine, in its GENERATION_GROUP. Its other calls (weight buckets, pause/resume, versions) have
+# threads of their own, ENGINE_CONTROL_CONCURRENCY: enough for every sender's buckets in flight
+# (RayTransport: 2 per trainer rank) on big layouts.
 ENGINE_MAX_CONCURRENCY = 1024
+ENGINE_CONTROL_CONCURRENCY = 256
+
+
+def engine_actor_class(generation_threads: int = ENGINE_MAX_CONCURRENCY):
+    """RolloutWorker as a Ray actor class whose generation calls run in their own concurrency group.
+
+    Requests waiting at a paused engine (an in-flight weight sync) hold their threads; in a group of
+    their own they can never take the threads the sync that reopens the engine needs. Start it with
+    ``.options(max_concurrency=ENGINE_CONTROL_CONCURRENCY, ...)`` for the other calls.
+    """
+    return ray.remote(concurrency_groups={GENERATION_GROUP: generation_threads})(RolloutWorker)
 
 
 class RoleDied(WorkerFailed):
@@ -119,7 +133,7 @@ class Roles:
                  _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
                  _by_node(node_names(engine_nodes)))
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
-        Engine = ray.remote(RolloutWorker)
+        Engine = engine_actor_class()
         for i, slot in enumerate(plan.engines):
             self.engines.append(Engine.options(**_engine_options(self.pgs[slot.group], slot)).remote(
                 self.cfg.model.path, device=r.device, dtype=self.cfg.model.dtype,
@@ -397,9 +411,11 @@ def _engine_options(pg, slot: Slot) -> dict:
     taking VLLM_RAY_PER_WORKER_GPUS) inside the actor's placement group, which it finds because the
     actor captures child tasks (vllm/config/parallel.py picks the "ray" backend in a placement group).
 
-    ``max_concurrency=ENGINE_MAX_CONCURRENCY``: a threaded actor, so that many callers' ``generate_one``
-    (and ``generate``, ``abort``) calls are in the engine at once and vLLM batches them continuously;
-    each call's thread waits on the engine's own asyncio loop (rlmega/workers/rollout.py). Order
+    A threaded actor (``engine_actor_class``): ENGINE_MAX_CONCURRENCY threads in its generation group,
+    so that many callers' ``generate_one`` (and ``generate``) calls are in the engine at once and vLLM
+    batches them continuously, and ``max_concurrency=ENGINE_CONTROL_CONCURRENCY`` for the other calls
+    (``abort``, weight buckets, pause/resume); each call's thread waits on the engine's own asyncio
+    loop (rlmega/workers/rollout.py). Order
     between calls no longer matters: the pipelined RayTransport's buckets used to need Ray's in-order
     execution of one caller's update_weights calls, but RolloutWorker.update_weights is thread-safe
     and holds back every fused layer until all its tensors arrived, whatever order or threads they
@@ -409,7 +425,7 @@ def _engine_options(pg, slot: Slot) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     many = len(slot.bundles) > 1
-    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus, max_concurrency=ENGINE_MAX_CONCURRENCY,
+    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus, max_concurrency=ENGINE_CONTROL_CONCURRENCY,
                    scheduling_strategy=PlacementGroupSchedulingStrategy(
                        placement_group=pg, placement_group_bundle_index=slot.bundles[0],
                        placement_group_capture_child_tasks=many))

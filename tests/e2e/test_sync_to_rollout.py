@@ -40,12 +40,11 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(hf_model):
-    from rlmega.launch.roles import ENGINE_MAX_CONCURRENCY
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.launch.roles import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     # threaded, as Roles starts them: a sync's buckets in flight load concurrently
-    Engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_MAX_CONCURRENCY)(RolloutWorker)
+    Engine = engine_actor_class().options(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)
     handles = [Engine.remote(hf_model, max_model_len=64, seed=i, kv_cache_space_gb=1) for i in range(2)]
     yield handles
     for h in handles:
