@@ -97,9 +97,12 @@ requests already in flight is the caller's choice:
   on prompt + tokens so far, with ``max_tokens`` less what it has, on the new weights. The caller
   gets one ``Sample``: ids, log-probs and ``token_versions`` of all parts end to end (each token
   keeps the version it was sampled with), the last part's finish reason, ``resumes`` counting the
-  cuts. A continuation of a seeded request gets another seed (``_continuation``). A stop string
-  spanning the cut is not matched (vLLM matches stop strings on the text of one request), and a
-  part cut the moment it ended on its own keeps its own finish reason.
+  cuts. A continuation of a seeded request gets another seed (``_continuation``). vLLM matches stop
+  strings on the text of one engine request, so a stop string begun before a cut and completed after
+  it is matched here instead, once the part after the cut has ended (``_stop_across_cuts``): the
+  response ends with the token that completes it, "stop", as an uncut request would (the tokens the
+  part sampled after it are dropped). A part cut the moment it ended on its own keeps its own finish
+  reason.
 
 ``abort(request_id)`` is the user's and always wins: such a request returns what it has, "abort",
 and is never resumed (also when it was waiting at the gate). A request is one ``_Request`` in
@@ -324,7 +327,8 @@ class RolloutWorker:
         have, how many there were. ``abort_in_flight=True``: are cut now and resume on the weights of
         resume time, from prompt + tokens so far with the tokens left (one ``Sample`` per request in
         the end; see the module doc); returns how many were cut (a request that ended on its own at
-        that moment, or had no token left, just ends). A stop string spanning a cut is not matched.
+        that moment, or had no token left, just ends). A stop string spanning a cut ends the
+        response where an uncut request would have ended (module doc).
         ``update_weights`` works while paused. One sync at a time: do not call it again before
         ``resume_generation``.
         """
@@ -526,7 +530,7 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
 
     req = _Request()
     self._live.setdefault(request_id, []).append(req)
-    ids, logprobs, versions = [], [], []
+    ids, logprobs, versions, cuts = [], [], [], []  # cuts: len(ids) at each cut
     reason, first_version, resumes, part_params = "abort", None, 0, params
     try:
         # One engine request per part: a pause with abort_in_flight cuts the part running, and the
@@ -559,6 +563,14 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
                         reason = "length"
                     else:
                         req.cut = True
+                if cuts and params.stop:  # a stop string across an earlier cut ends the response there
+                    end = _stop_across_cuts(self._engine.tokenizer, ids, cuts, params.stop,
+                                            params.skip_special_tokens)
+                    if end is not None:
+                        del ids[end:], logprobs[end:], versions[end:]
+                        reason, req.cut = "stop", False
+                if req.cut:
+                    cuts.append(len(ids))
             finally:
                 self._count_running(-1)
                 req.part.set()  # pause_generation reads req.cut once this is set
@@ -587,6 +599,33 @@ async def _wait_for_gate(self, req: _Request) -> bool:
             for w in waits:
                 w.cancel()
     return not req.aborted.is_set()
+
+
+def _stop_across_cuts(tokenizer, ids: list[int], cuts: list[int], stop: list[str],
+                      skip_special_tokens: bool) -> int | None:
+    """Length of ``ids`` up to the token that first completes a stop string spanning one of ``cuts``
+    (positions in ``ids`` where a request was cut and resumed), or None.
+
+    Each engine request's own stop strings vLLM has matched; one spanning a cut ends within the
+    longest stop string's length after it, so the text is decoded token by token from the cut until
+    that many characters past it, and checked as vLLM's detokenizer checks each new token's text
+    (``check_stop_strings``, include_stop_str_in_output as ``_params`` asks). A match found there
+    wholly after the cut is one vLLM ended that part on: the same end.
+    """
+    from vllm.v1.engine.detokenizer import check_stop_strings
+
+    longest, first = max(map(len, stop)), None
+    for cut in cuts:
+        before = prev = tokenizer.decode(ids[:cut], skip_special_tokens=skip_special_tokens)
+        for end in range(cut + 1, len(ids) + 1 if first is None else min(first, len(ids) + 1)):
+            text = tokenizer.decode(ids[:end], skip_special_tokens=skip_special_tokens)
+            if check_stop_strings(text, len(text) - len(prev), stop, True) is not None:
+                first = end
+                break
+            if len(text) - len(before) >= longest:  # any later match lies wholly after the cut
+                break
+            prev = text
+    return first
 
 
 def _continuation(params, sampled: int, resumes: int):

@@ -28,6 +28,7 @@ PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35]]
 STOP_IDS = list(range(10, 30))  # a third of the vocabulary: most samples stop early
 EOS_ID = 2  # "</s>" in rlmega.tiny_model's tokenizer
 INFLIGHT_TOKENS = 64  # requests in flight across a weight sync: 0.2-1 s each here, as load varies
+STOP_AT = 40  # a stop string of the first 40 tokens' text: a cut after ~8 tokens lands inside it
 
 
 def _as_dicts(samples) -> list[dict]:
@@ -264,8 +265,23 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     for abort_in_flight in (False, True):
         out["empty_pauses"].append(w.pause_generation(abort_in_flight))
         w.resume_generation()
-    pool.shutdown()
     w.update_weights(original.items(), version=v0 + 3)
+
+    # a stop string spanning a cut: the text of the greedy response's first STOP_AT tokens, so any cut
+    # before them falls inside it. Resumed on the same weights the tokens are the uncut ones, and the
+    # response must end where the uncut request ends (vLLM sees each part's text alone).
+    ref = w.generate_one(PROMPTS[1], temperature=0.0, max_tokens=INFLIGHT_TOKENS, ignore_eos=True)
+    out["stop_text"] = w._engine.tokenizer.decode(ref.response_ids[:STOP_AT], skip_special_tokens=True)
+    greedy_stop = dict(temperature=0.0, max_tokens=INFLIGHT_TOKENS, ignore_eos=True, stop=[out["stop_text"]])
+    out["stop_ref"], out["stop_greedy"] = dict(vars(w.generate_one(PROMPTS[1], **greedy_stop))), ref.response_ids
+    fut = pool.submit(w.generate_one, PROMPTS[1], **greedy_stop)
+    _wait_outstanding(w, 1)
+    _probe(w)
+    out["stop_cut_count"] = w.pause_generation(abort_in_flight=True)
+    w.update_weights(original.items(), version=v0 + 4)
+    w.resume_generation()
+    out["stop_cut"] = dict(vars(fut.result(timeout=60)))
+    pool.shutdown()
     return out
 
 
@@ -514,6 +530,20 @@ def test_pause_abort_resumes_requests_on_the_new_weights(run):
 
 
 @pytest.mark.timeout(400)
+def test_a_stop_string_across_a_cut_ends_the_response_as_if_uncut(run):
+    r = run["inflight"]
+    ref, cut = r["stop_ref"], r["stop_cut"]
+    # uncut: vLLM ends the response with the token that completes the stop string
+    assert (ref["response_ids"], ref["finish_reason"]) == (r["stop_greedy"][:STOP_AT], "stop")
+    assert r["stop_cut_count"] == 1 and cut["resumes"] == 1
+    k = cut["token_versions"].count(r["v0"] + 3)
+    print(f"\ncut after {k} of the stop string's {STOP_AT} tokens")
+    assert 0 < k < STOP_AT  # the cut fell inside the stop string
+    assert (cut["response_ids"], cut["finish_reason"]) == (ref["response_ids"], "stop")
+    assert len(cut["logprobs"]) == len(cut["token_versions"]) == STOP_AT
+
+
+@pytest.mark.timeout(400)
 def test_user_abort_is_not_resumed(run):
     r = run["inflight"]
     assert r["mine_count"] == 1 and r["abort_mine"] is True and r["abort_queued"] is True
@@ -538,3 +568,23 @@ def test_busy_seconds_counts_running_requests_only(run):
     assert running1 - running0 >= 0.5 * r["probe_s"]  # the open interval counts
     assert after_pause - running1 >= 0.5 * r["finish_pause_s"]  # busy all through the pause
     assert paused == after_pause  # a request waiting at the gate is not busy
+
+
+def test_stop_across_cuts_finds_the_first_stop_string_spanning_a_cut():
+    from rlmega.tiny_model import make_tokenizer
+    from rlmega.workers.rollout import _stop_across_cuts
+
+    tok = make_tokenizer()
+    ids = tok.encode("xxabyycdzzab")
+    assert tok.decode(ids) == "xxabyycdzzab" and len(ids) == 12  # one token per character
+
+    def end(cuts, stop):
+        return _stop_across_cuts(tok, ids, cuts, stop, True)
+
+    assert end([3], ["ab"]) == 4           # "a" | "b": ends with the "b"
+    assert end([3], ["ab", "xab"]) == 4    # both complete at the "b"
+    assert end([3], ["yyc"]) is None       # wholly after the cut: vLLM's own match in that part
+    assert end([3, 7], ["cd"]) == 8        # spans the second cut
+    assert end([3, 7], ["ab", "cd"]) == 4  # the first to complete
+    assert end([2], ["ab"]) == 4           # just after the cut: where vLLM ended that part too
+    assert end([11], ["zab"]) == 12 and end([11], ["xx", "cd"]) is None  # earlier ones: vLLM ended there
