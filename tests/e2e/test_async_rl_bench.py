@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_smoke_reports_every_mode_with_ratios_and_accuracy(tmp_path):
     out = tmp_path / "async.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench/async_rl.py"), "--smoke", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench/async_rl.py"), "--smoke", "--vary-seed", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -30,4 +30,5 @@ def test_smoke_reports_every_mode_with_ratios_and_accuracy(tmp_path):
     demo = r["summary"]["demo"]
     assert set(demo["median_step_s"]) == {"sync", "async_k1", "async_k2"} and all(v > 0 for v in demo["median_step_s"].values())
     assert set(demo["ratio_to_sync"]) == {"async_k1", "async_k2"}
+    assert demo["final_accuracy_rounds"] == {run["side"]: [run["final_accuracy"]] for run in r["runs"]}
     assert "async_k1/sync step time" in proc.stdout and "final held-out accuracy" in proc.stdout

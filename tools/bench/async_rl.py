@@ -27,7 +27,11 @@ generation overlaps training, so time_generate is no longer a part of it). "cpu 
 busy share of its cores over each whole process (warm start and start-up included; every process on the
 machine counted): near 1.0 the run is bound by the cores, and overlapping cannot help. ``--json OUT``
 writes every number. Modes run whole processes one after another (a run's steps cannot interleave with another's);
-the demo's rounds rotate the order like the grpo workload's.
+the demo's rounds rotate the order like the grpo workload's. One demo run's final accuracy is one sample of
+a noisy quantity (100 held-out problems: a standard error of ~5 points): ``--rounds R --vary-seed`` runs
+every mode with sampling seeds 0..R-1 and reports each round's accuracy and their mean.
+
+    .venv/bin/python tools/bench/async_rl.py --workload demo --modes sync,async_k1 --rounds 3 --vary-seed
 """
 from __future__ import annotations
 
@@ -82,8 +86,9 @@ def cpu_busy(before: tuple[int, int]) -> float | None:
 
 def run_demo(mode: str, args, work: Path, rnd: int) -> dict:
     run_dir = work / f"demo-{mode}-r{rnd}"
+    seed = [f"rollout.seed={rnd}"] if args.vary_seed else []
     cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(run_dir), *args.demo_extra,
-           *MODES[mode], "trainer.resume=none"]
+           *MODES[mode], *seed, "trainer.resume=none"]
     cpu = cpu_times()
     wall = gvt._run(f"demo {mode}", cmd, gvt._rlmega_env(), work / f"demo-{mode}-r{rnd}.log", args.timeout)
     rows = _rows(run_dir)
@@ -117,9 +122,10 @@ def summarize(runs: list[dict], warmup: int) -> dict:
         if med.get("sync"):
             w["ratio_to_sync"] = {s: med[s] / med["sync"] for s in MODES if s != "sync" and med.get(s)}
         if workload == "demo":
-            acc = {s: statistics.fmean(r["final_accuracy"] for r in runs if r["workload"] == "demo"
-                                       and r["side"] == s and r["final_accuracy"] is not None) for s in sides}
-            w["final_accuracy"] = acc
+            rounds = {s: [r["final_accuracy"] for r in runs if r["workload"] == "demo" and r["side"] == s
+                          and r["final_accuracy"] is not None] for s in sides}
+            w["final_accuracy"] = {s: statistics.fmean(a) for s, a in rounds.items() if a}
+            w["final_accuracy_rounds"] = rounds
         if med.get("trl"):
             w["trl_over"] = {s: med["trl"] / med[s] for s in MODES if med.get(s)}
     return out
@@ -149,6 +155,9 @@ def report(res: dict) -> None:
             print(f"  {mode}/sync step time {ratio:.2f}{verdict}")
         if "final_accuracy" in w:
             print("  final held-out accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in w["final_accuracy"].items()))
+            if any(len(a) > 1 for a in w["final_accuracy_rounds"].values()):
+                print("    per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in a)
+                                                   for k, a in w["final_accuracy_rounds"].items()))
         for mode, ratio in w.get("trl_over", {}).items():
             tag = f"  target >= {TARGET_TRL_RATIO}: {'PASS' if ratio >= TARGET_TRL_RATIO else 'MISS'}" \
                 if mode != "sync" else ""
@@ -168,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trl-python", default=gvt.DEFAULT_TRL_PYTHON, help="python of TRL's venv (grpo_vs_trl.py)")
     p.add_argument("--trl-threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--timeout", type=float, default=3600, help="seconds one process may take")
+    p.add_argument("--vary-seed", action="store_true", help="demo round r samples with rollout.seed=r, so "
+                   "that rounds sample the final accuracy's spread (without it a round repeats the same seed)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="world size 1, a short warm start, 3 RL steps, demo "
                    "workload only, no TRL: a few minutes; CI runs it")
