@@ -57,7 +57,7 @@ class EngineRouter:
             self.outstanding[i] += 1
             try:
                 sample = await generate_one(self.engines[i], list(prompt_ids),
-                                    request_id=f"{self._prefix}-{next(self._ids)}", **sampling)
+                                            request_id=f"{self._prefix}-{next(self._ids)}", **sampling)
             except Exception as e:  # an engine error or a dead engine: try another (the same seed)
                 last_error, avoid = e, i
                 self.failures += 1
