@@ -64,8 +64,8 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         old = None if on_policy else roles.call_actors("compute_logprobs", batch)
         ref = roles.call_actors("compute_ref_logprobs", batch) if a.kl_coef > 0 else None
     seq_rewards = batch.rewards.clone()
-    if kl_reward:  # KL as a per-sequence reward penalty
-        seq_rewards -= a.kl_coef * torch.stack([kl_lib.kl_penalty(o, r, a.kl_estimator).sum() for o, r in zip(old, ref)])
+    if kl_reward:  # KL as a per-sequence reward penalty, over the tokens the loss trains on (not tool output)
+        seq_rewards -= a.kl_coef * kl_lib.sequence_kl(old, ref, batch.response_mask, a.kl_estimator)
     seq_adv = adv_lib.compute(a.advantage_estimator, seq_rewards, batch.group_ids)
     batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref,
                                 advantages=[torch.full((n,), float(x)) for n, x in zip(batch.response_lens(), seq_adv)])

@@ -24,8 +24,11 @@ only the value counts and k1/k3 are the unbiased choices. These are per-position
 token's distribution given its prefix; tests/unit/test_algorithms.py checks them exactly on a small
 categorical distribution with autograd. The `kl_ref` metric is always the k3 value (unbiased, >= 0).
 
-Pure functions over flat token tensors (T,); masking and averaging belong to `losses.aggregate`.
+Pure functions over flat token tensors (T,); masking and averaging belong to `losses.aggregate`,
+except `sequence_kl`, the per-sequence penalty of algorithm.kl_in_reward (a reward, not a loss term).
 """
+from typing import Sequence
+
 import torch
 
 ESTIMATORS = ("k1", "k2", "k3")
@@ -54,3 +57,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+
+
+def sequence_kl(logprobs: Sequence[torch.Tensor], ref_logprobs: Sequence[torch.Tensor],
+                masks: Sequence[torch.Tensor], estimator: str) -> torch.Tensor:
+    """Per-sequence KL penalty of algorithm.kl_in_reward: the sum of the per-token estimate over the
+    tokens the loss trains on.
+
+    logprobs, ref_logprobs, masks: N tensors, sample i's (L_i,) over its response tokens; masks 1.0 on
+    model-sampled tokens, 0.0 on tool output and on every token of a response algorithm.overlong=mask took
+    out (the RolloutBatch's response_mask) -> (N,) float. Masked tokens add nothing, even where their
+    estimate is inf/NaN: tool tokens were never sampled by the policy, so their log-probs say nothing
+    about KL(pi||ref), and a sample out of the loss must not be penalised through its reward either.
+    """
+    out = [torch.where(m > 0, kl_penalty(lp, ref, estimator), torch.zeros_like(lp)).sum()
+           for lp, ref, m in zip(logprobs, ref_logprobs, masks, strict=True)]
+    return torch.stack(out) if out else torch.zeros(0)

@@ -201,6 +201,38 @@ def test_kl_estimator_expected_gradients_exactly(seed):
         close((pi * kl.kl_penalty(pi.log(), ref_logp, est)).sum(), kl_rev, atol=1e-14)
 
 
+def test_kl_in_reward_counts_only_the_tokens_the_loss_trains_on():
+    """algorithm.kl_in_reward's per-sequence penalty over a tool loop's batch: tool output (mask 0 inside
+    the response) and a response overlong=mask took out add nothing (rlmega.step, issue 22 item 14)."""
+    import dataclasses
+
+    from rlmega.agents.trajectory import Trajectory, TrajectoryGroup, batch_from_groups
+    from rlmega.config.schema import AlgorithmConfig, RLConfig
+    from rlmega.step import shape_overlong
+
+    tool = Trajectory(prompt_ids=[1, 2], finish_reason="stop")
+    tool.append([3, 4], [-1.0, -2.0], 0, model=True)   # a tool call: sampled
+    tool.append([5, 6, 7], None, 0, model=False)        # the tool's result: not sampled
+    tool.append([8], [-0.5], 0, model=True)             # the answer: sampled
+    cut = Trajectory(prompt_ids=[1], finish_reason="length")  # hit the budget: overlong=mask drops it
+    cut.append([3, 4], [-1.0, -1.0], 0, model=True)
+    groups = [TrajectoryGroup("t", 0, "x", [tool, cut])]
+    cfg = dataclasses.replace(RLConfig(), algorithm=AlgorithmConfig(overlong="mask"))
+    batch, _ = shape_overlong(batch_from_groups(groups), [("t", x) for x in (tool, cut)], cfg)
+    assert [m.tolist() for m in batch.response_mask] == [[1, 1, 0, 0, 0, 1], [0, 0]]
+    # the trainer's old log-probs score the tool tokens too (they are in the sequence); the reference
+    # disagrees with them wildly there (a NaN as well), which must not matter
+    old = [t(-1.0, -2.0, -9.0, -9.0, -9.0, -0.5), t(-1.0, -1.0)]
+    ref = [t(-2.0, -1.0, 0.0, float("nan"), -1.0, -0.5), t(-3.0, -3.0)]
+    # sample 0, k1 = logp - ref on tokens 0, 1, 5: 1 - 1 + 0 = 0; k3: (e^-1 - 0) + (e - 2) + 0
+    close(kl.sequence_kl(old, ref, batch.response_mask, "k1"), [0.0, 0.0])
+    close(kl.sequence_kl(old, ref, batch.response_mask, "k3"), [math.exp(-1) + math.e - 2, 0.0])
+    # what the step summed before: every response token, tool output and dropped responses included
+    unmasked = [float(kl.kl_penalty(o, r, "k1").sum()) for o, r in zip(old, ref)]
+    assert not all(math.isfinite(u) and abs(u) < 1e-9 for u in unmasked)
+    assert kl.sequence_kl([], [], [], "k3").shape == (0,)
+
+
 def test_kl_rejects_unknown_estimator():
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl.kl_penalty(t(0.0), t(0.0), "k4")
