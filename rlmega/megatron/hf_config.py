@@ -3,7 +3,7 @@
     shape = ModelShape.from_hf(hf_config_dict, tp=2)
     tcfg, gpt_kwargs = megatron_config_from_hf(hf_config_dict, tp=2, pp=2, vpp=None)
 
-Supported: Llama (LlamaForCausalLM) and Qwen2 (Qwen2ForCausalLM): GQA, RoPE theta and Llama-3
+Supported: Llama (LlamaForCausalLM) and Qwen2 (Qwen2ForCausalLM), also named only by model_type: GQA, RoPE theta and Llama-3
 RoPE scaling, RMSNorm eps, SwiGLU, Qwen2's QKV bias, tied or untied embeddings. The vocabulary is
 padded to a multiple of lcm(128, TP) so every TP rank holds an equal slice and the padded size
 (hence a checkpoint) is the same for TP = 1, 2, 4, 8.
@@ -17,7 +17,8 @@ import torch
 
 from megatron.core.transformer import TransformerConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+from rlmega.config.hf_support import architecture, unsupported_reason
+
 VOCAB_PAD_MULTIPLE = 128
 
 # Fusions are CUDA kernels; off where the local (non-Transformer-Engine) spec runs.
@@ -62,19 +63,10 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf: dict, tp: int = 1) -> "ModelShape":
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}: rlmega converts "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
-        if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-            raise UnsupportedModelError("Llama with attention_bias/mlp_bias is not supported")
-        if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-            raise UnsupportedModelError("Qwen2 with use_sliding_window=true is not supported")
+        reason = unsupported_reason(hf)  # the same words as the config preflight's
+        if reason:
+            raise UnsupportedModelError(reason)
+        arch = architecture(hf)  # also a config.json with only model_type (llama, qwen2)
         heads = hf["num_attention_heads"]
         return cls(
             architecture=arch,

@@ -236,6 +236,8 @@ class RolloutWorker:
                 torch_profiler_with_stack=False, torch_profiler_record_shapes=True, ignore_frontend=True)
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        from rlmega.config.hf_support import architecture_overrides
+
         args = AsyncEngineArgs(
             model=self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
@@ -245,6 +247,7 @@ class RolloutWorker:
             enable_prefix_caching=enable_prefix_caching,
             worker_extension_cls=EXTENSION,
             disable_log_stats=True,  # no periodic throughput lines in the logs
+            hf_overrides=architecture_overrides(self.model_path),  # config.json with only model_type
             **engine_kwargs,
         )
         self._loop = asyncio.new_event_loop()

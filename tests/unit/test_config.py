@@ -317,3 +317,22 @@ def test_rollout_correction_settings_are_checked():
     rejects("algorithm.rollout_is_bounds_low=0", field="algorithm.rollout_is_bounds_low")
     rejects("algorithm.rollout_is_bounds_low=1.5", field="algorithm.rollout_is_bounds_low")
     rejects("algorithm.rollout_is_bounds_high=0.9", field="algorithm.rollout_is_bounds_high")
+
+
+@pytest.mark.parametrize("model_type, arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+def test_a_config_json_with_only_model_type_maps_to_its_causal_lm(tmp_path, model_type, arch):
+    """Issue 22 D: no `architectures`, only model_type: the preflight, Megatron's model and vLLM's engine
+    (through hf_overrides; without it vLLM builds the backbone, LlamaModel) all take the causal LM."""
+    from rlmega.config.hf_support import architecture_overrides, unsupported_reason
+    from rlmega.megatron.hf_config import ModelShape
+
+    hf = {"model_type": model_type, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
+          "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 64}
+    assert unsupported_reason(hf) is None
+    shape = ModelShape.from_hf(hf)
+    assert (shape.architecture, shape.qkv_bias) == (arch, arch == "Qwen2ForCausalLM")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert architecture_overrides(str(tmp_path)) == {"architectures": [arch]}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [arch]}))
+    assert architecture_overrides(str(tmp_path)) == {}  # named already: nothing overridden
+    assert "unsupported architecture 'mistral'" in unsupported_reason({**hf, "model_type": "mistral"})
