@@ -1,22 +1,40 @@
 """The child side of the `python` tool: checks, evaluates and renders one Python expression.
 
-The parent (rlmega.agents.tools.PythonTool) runs this file as a script in a fresh interpreter,
+The parent (rlmega.agents.tools.run_python) runs this file as a script in a fresh interpreter,
 
-    python -I -S rlmega/agents/python_sandbox.py      (stdin: "MEMORY_MB CPU_S\\nEXPRESSION")
+    python -I -S rlmega/agents/python_sandbox.py   (stdin: "MEMORY_MB CPU_S LAYERS_OFF\\nEXPRESSION")
 
-so it imports only the standard library: with -I -S neither rlmega nor site-packages is on the path.
-The script caps its own address space (RLIMIT_AS) and CPU time (RLIMIT_CPU) before it compiles the
-expression, then writes "ok\\nTEXT" or "error\\nEXCEPTION_TYPE\\nMESSAGE" to stdout. The parent
-enforces the wall-clock limit by killing the process.
+with an empty environment, in an empty temporary working directory it removes afterwards. The
+script imports only the standard library: with -I -S neither rlmega nor site-packages is on the path.
+Before it compiles the expression the script shuts itself in (confine), then writes "ok\\nTEXT" or
+"error\\nEXCEPTION_TYPE\\nMESSAGE" (both bounded) to stdout. The parent enforces the wall-clock
+limit by killing the process and reads at most a few KiB of what it writes.
 
-What keeps the expression in its box (each layer assumes the others may fail):
-- check_source, run by the parent before a process is spawned: no "__" anywhere (no dunder
+What keeps the expression in its box. The first two layers are Python-level and one bypass away
+from arbitrary code, so each layer below them holds on its own (tests/unit/test_tool_sandbox.py
+turns the others off and attacks it):
+- filter: check_source, run by the parent before a process is spawned: no "__" anywhere (no dunder
   attributes, no __import__), eval syntax only (no statements, so no import), attributes only
   from ALLOWED_ATTRIBUTES -- math's public names and the public methods of the built-in value
   types -- which leaves out the introspection attributes (gi_frame, f_back, f_globals, ...)
   that reach a frame with the real builtins;
 - evaluation with SAFE_BUILTINS as the only builtins (no open, getattr, type, vars, ...);
-- a separate, short-lived process with memory, CPU, file-size and core-dump limits.
+- environment (parent): an empty environment, so no HF_TOKEN, RAY_AUTH_TOKEN or the like;
+- workdir (parent): an empty temporary working directory, removed after the call;
+- network: a network namespace of its own (unshare(CLONE_NEWNET); CLONE_NEWUSER too when not root),
+  where no interface is up, not even loopback. Where the kernel refuses both, the child says so on
+  stderr (the parent logs it once) and the files layer still refuses every socket;
+- files: RLIMIT_NOFILE = 3, so no new file descriptor at all (no file, socket, pipe; only the
+  stdin/stdout/stderr it has), and RLIMIT_FSIZE = 0 (no bytes written to a file);
+- processes: RLIMIT_NPROC = 0, so fork fails. The kernel does not enforce it for root, hence:
+- user: when started as root, the child drops to the user nobody (no supplementary groups) and
+  sets no_new_privs; it then can neither raise the limits above (hard limits are lowered first) nor
+  read another user's files or /proc/PID/environ, nor gain privileges through a setuid program;
+- always: the memory (RLIMIT_AS), CPU-time (RLIMIT_CPU) and core-dump limits of a short-lived process.
+Not contained: an exec of a program (exec is not fork; it keeps every limit above, and with no
+free file descriptor a dynamically linked one cannot even load its libraries); signals to other
+processes of the user nobody (e.g. concurrent tool calls). Blocking those needs seccomp, which the
+standard library does not offer.
 
 Values are rendered in the tiny model's alphabet where that is cheap (render): True/False/None
 as true/false/none, lists, tuples, sets and dicts with parentheses instead of brackets and braces.
@@ -115,32 +133,109 @@ def render(value: object, max_chars: int = MAX_OUTPUT_CHARS) -> str:
     return "".join(parts)
 
 
-def _limit_resources(memory_mb: int, cpu_s: int) -> None:
+# The layers a test may switch off (tests/unit/test_tool_sandbox.py); the parent applies the first three.
+LAYERS = ("filter", "environment", "workdir", "network", "files", "processes", "user")
+CHILD_LAYERS = ("network", "files", "processes", "user")
+MAX_ERROR_CHARS = 200  # an exception's message is cut to this in the child: KeyError('a'*5*10**7)
+_CLONE_NEWNET, _CLONE_NEWUSER, _PR_SET_NO_NEW_PRIVS = 0x40000000, 0x10000000, 38
+_NOBODY = 65534  # uid and gid, when the user database cannot say
+
+
+def _unshare_network(libc) -> str | None:
+    """Enter a new network namespace (only a loopback, down); why not, when the kernel refuses."""
+    import ctypes
+    import os
+
+    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET  # unprivileged: via a user ns
+    if libc.unshare(flags) == 0:
+        return None
+    return f"no network namespace (unshare: {os.strerror(ctypes.get_errno())})"
+
+
+def _nobody() -> tuple[int, int]:
+    """nobody's uid and gid; looked up before the files layer closes /etc/passwd off."""
+    try:
+        import pwd
+
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except (ImportError, KeyError):
+        return _NOBODY, _NOBODY
+
+
+def _drop_to_nobody(libc, uid: int, gid: int) -> None:
+    """As root: become nobody, so that the kernel enforces RLIMIT_NPROC and the lowered hard limits."""
+    import os
+
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # a setuid program gains nothing
+        raise OSError("prctl(PR_SET_NO_NEW_PRIVS) failed")
+    if os.geteuid() != 0:
+        return  # already unprivileged: the limits hold as they are
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)  # also the saved uid: no way back
+    if 0 in (os.getuid(), os.geteuid(), os.getgid(), os.getegid()):
+        raise OSError("could not drop root")
+
+
+def confine(memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset()) -> list[str]:
+    """Shut this process in before it evaluates anything (see the module docstring), in the order
+    that works: namespaces while still privileged, limits (hard ones included) while root can still
+    lower them, the user last. Returns notes on layers the kernel refused (for the parent's log);
+    raises when a layer that must hold cannot be set."""
+    import ctypes
     import resource
 
+    notes = []
+    libc = ctypes.CDLL(None, use_errno=True)  # dlopen(NULL): no file to open
+    nobody = _nobody()
+    if "network" not in layers_off:
+        note = _unshare_network(libc)
+        if note is not None:
+            notes.append(note)
     memory = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))  # SIGXCPU, then SIGKILL
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no file writes, should one ever open
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would otherwise dump core
+    if "files" not in layers_off:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no bytes into any file
+        resource.setrlimit(resource.RLIMIT_NOFILE, (3, 3))  # stdin, stdout, stderr: no new descriptor
+    if "processes" not in layers_off:
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork fails (for any user but root)
+    if "user" not in layers_off:
+        _drop_to_nobody(libc, *nobody)
+    return notes
+
+
+def _error_message(e: BaseException) -> str:
+    """str(e) cut to MAX_ERROR_CHARS, so a 50 MB KeyError is never written to the pipe."""
+    try:
+        message = str(e)
+    except BaseException:  # noqa: BLE001 -- a __str__ that fails (or runs out of memory)
+        return "(message could not be shown)"
+    return message[:MAX_ERROR_CHARS] + " ..." if len(message) > MAX_ERROR_CHARS else message
 
 
 def main() -> int:
-    header, _, source = sys.stdin.read().partition("\n")
-    memory_mb, cpu_s = (int(x) for x in header.split())
-    _limit_resources(memory_mb, cpu_s)
+    header, _, source = sys.stdin.buffer.read().decode("utf-8", errors="replace").partition("\n")
+    memory_mb, cpu_s, layers_off = header.split()
+    notes = confine(int(memory_mb), int(cpu_s), frozenset(layers_off.split(",")))
+    if notes:
+        sys.stderr.write("".join(f"sandbox: {note}\n" for note in notes))
+        sys.stderr.flush()
     error = None
     try:
         text = render(evaluate(source))
     except BaseException as e:  # noqa: BLE001 -- every failure is the expression's answer
         # Only strings survive the except block, so the traceback (holding e.g. the half-built
         # list that ran out of memory) is freed before the answer is written.
-        error = (type(e).__name__, str(e))
+        error = (type(e).__name__[:MAX_ERROR_CHARS], _error_message(e))
     if error is not None:
         text = None
-        sys.stdout.write(f"error\n{error[0]}\n{error[1]}")
+        answer = f"error\n{error[0]}\n{error[1]}"
     else:
-        sys.stdout.write(f"ok\n{text}")
+        answer = f"ok\n{text}"
+    sys.stdout.buffer.write(answer.encode("utf-8", errors="replace"))
     sys.stdout.flush()
     return 0
 

@@ -90,16 +90,26 @@ def truncate(text: str, max_chars: int) -> str:
     return text[:max_chars - len(TRUNCATION_MARK)] + TRUNCATION_MARK
 
 
+def escape_markers(text: str) -> str:
+    """`text` with a space after the "<" of every protocol marker in it ("</result>" becomes
+    "< /result>"), so a tool's output can neither close the result it sits in nor open a call or
+    a result. One pass is enough: each marker holds exactly one "<", its first character, so
+    breaking one occurrence cannot form another, and cutting the escaped text cannot either."""
+    for marker in (CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE):
+        text = text.replace(marker, f"{marker[0]} {marker[1:]}")
+    return text
+
+
 def format_result(text: str, max_chars: int = 200) -> str:
-    """`<result>text</result>`, the text cut to `max_chars` characters (the cut marked) so one tool
-    answer cannot eat the trajectory's token budget. The text is not escaped: tools here never
-    print the result markers."""
-    return f"{RESULT_OPEN}{truncate(text, max_chars)}{RESULT_CLOSE}"
+    """`<result>text</result>`, the text's markers escaped (escape_markers: tool output is written
+    by model code) and cut to `max_chars` characters (the cut marked) so one tool answer cannot
+    eat the trajectory's token budget."""
+    return f"{RESULT_OPEN}{truncate(escape_markers(text), max_chars)}{RESULT_CLOSE}"
 
 
 def parse_result(text: str) -> str | None:
     """The body of the last `<result>...</result>` in `text`, or None (the inverse of format_result
-    for untruncated text; handy for tests and transcripts)."""
+    for untruncated text without markers; handy for tests and transcripts)."""
     end = text.rfind(RESULT_CLOSE)
     start = text.rfind(RESULT_OPEN, 0, end) if end >= 0 else -1
     return None if start < 0 else text[start + len(RESULT_OPEN):end]

@@ -5,19 +5,27 @@
     run_call(parse_call(turn_text), allowed=cfg.tools,    # the text to wrap in <result>...</result>
              timeout_s=cfg.tool_timeout_s, memory_mb=cfg.tool_memory_mb)
 
-A tool's `run` never raises: whatever goes wrong becomes its answer, "error: ..." in lower-case
-text, because the model is the one who has to read it (and the tiny test model's tokenizer drops
-upper case and most punctuation; see tool_protocol.VOCAB_CHARACTERS). Outputs are unbounded in
-principle; the loop's format_result cuts them.
+A tool's `run` never raises for what the model wrote: whatever goes wrong becomes its answer,
+"error: ..." in lower-case text, because the model is the one who has to read it (and the tiny
+test model's tokenizer drops upper case and most punctuation; see tool_protocol.VOCAB_CHARACTERS).
+Limits out of range (NaN, inf, absurd sizes) are the caller's bug and raise ValueError. The
+python tool's output is bounded (python_sandbox.MAX_OUTPUT_CHARS, MAX_CHILD_BYTES read); the
+loop's format_result cuts every output further and escapes the protocol's markers in it.
 """
 from __future__ import annotations
 
 import ast
+import logging
 import math
 import operator
+import os
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,8 +34,33 @@ from typing import Callable
 from rlmega.agents import python_sandbox
 from rlmega.agents.tool_protocol import ToolCall, to_vocab
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MEMORY_MB = 256
+# Bounds on a call's limits: a tool call holds up its trajectory, and an address-space limit near
+# the machine's memory is no limit. The config's validation uses the same bounds (limit_problem).
+MAX_TIMEOUT_S = 600.0
+MIN_MEMORY_MB, MAX_MEMORY_MB = 16, 65536
+
+
+def limit_problem(timeout_s: object, memory_mb: object) -> tuple[str, str] | None:
+    """(field, what is wrong with it) for tool limits out of range, or None when both are fine."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails every comparison: refused here
+        return "tool_timeout_s", f"{timeout_s!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not (
+            MIN_MEMORY_MB <= memory_mb <= MAX_MEMORY_MB):
+        return "tool_memory_mb", f"{memory_mb!r} is not a whole number of MiB in [{MIN_MEMORY_MB}, {MAX_MEMORY_MB}]"
+    return None
+
+
+def check_limits(timeout_s: object, memory_mb: object) -> None:
+    """ValueError naming the field when a tool call's limits are out of range (a caller's bug,
+    not the model's: unlike the tool's answer, it raises)."""
+    problem = limit_problem(timeout_s, memory_mb)
+    if problem is not None:
+        raise ValueError(f"{problem[0]}={problem[1]}")
 
 
 class ToolError(Exception):
@@ -46,7 +79,9 @@ class Tool(ABC):
     description: str = ""  # one line for a system prompt, in the tiny vocabulary
 
     def run(self, args: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB) -> str:
-        """The tool's answer to `args`: a result, or "error: ..." text; never an exception."""
+        """The tool's answer to `args`: a result, or "error: ..." text; never an exception for
+        anything in `args`. Limits out of range (NaN, inf, 10**8 MiB) are the caller's bug: ValueError."""
+        check_limits(timeout_s, memory_mb)
         try:
             return self.evaluate(args, timeout_s, memory_mb)
         except ToolError as e:
@@ -165,6 +200,11 @@ class Calculator(Tool):
 # ---------------------------------------------------------------------------- python
 
 SANDBOX_SCRIPT = Path(python_sandbox.__file__).resolve()
+# What the parent reads of each of the child's pipes: the child's answer is at most
+# MAX_OUTPUT_CHARS (or MAX_ERROR_CHARS) characters of up to 4 UTF-8 bytes, plus its header line.
+MAX_CHILD_BYTES = 4 * python_sandbox.MAX_OUTPUT_CHARS + 256
+_READ_CHUNK = 65536
+_noted: set[str] = set()  # sandbox notes already logged (one line per process, not per call)
 
 
 def _child_failure(returncode: int, stderr: bytes, timeout_s: float) -> str:
@@ -173,7 +213,8 @@ def _child_failure(returncode: int, stderr: bytes, timeout_s: float) -> str:
         return error_text(f"timeout after {timeout_s:g} s")
     if returncode < 0:
         return error_text(f"evaluator killed by signal {-returncode}")
-    lines = stderr.decode("utf-8", errors="replace").strip().splitlines()
+    lines = [line for line in stderr.decode("utf-8", errors="replace").strip().splitlines()
+             if not line.startswith("sandbox: ")]
     return error_text(f"evaluator failed: {lines[-1] if lines else f'exit status {returncode}'}"[:200])
 
 
@@ -190,30 +231,90 @@ def parse_child_output(stdout: bytes) -> str | None:
     return error_text(f"{kind}: {message}"[:200] if message else kind)
 
 
-def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB) -> str:
-    """The rendered value of the Python expression `source`, evaluated in a fresh interpreter
-    with at most `memory_mb` MiB of address space and killed after `timeout_s` seconds of wall
-    clock (the interpreter's start-up, ~25 ms, included); "error: ..." otherwise."""
-    problem = python_sandbox.check_source(source)
+def _log_sandbox_notes(stderr: bytes) -> None:
+    """Log, once per process, each layer the child's kernel refused (e.g. no network namespace)."""
+    for line in stderr.decode("utf-8", errors="replace").splitlines():
+        if line.startswith("sandbox: ") and line not in _noted:
+            _noted.add(line)
+            logger.warning("python tool: %s; the other layers still hold (see rlmega/agents/python_sandbox.py)",
+                           line.removeprefix("sandbox: "))
+
+
+def _communicate_capped(proc: subprocess.Popen, data: bytes, timeout_s: float) -> tuple[bytes, bytes] | None:
+    """Send `data`, then read the child's stdout and stderr until both close, keeping at most
+    MAX_CHILD_BYTES of each (the rest is read and dropped, so the child never blocks on a full
+    pipe and the parent never holds what a runaway child writes). None past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        proc.stdin.write(data)  # a few KiB at most (MAX_SOURCE_CHARS): fits the pipe's buffer
+        proc.stdin.close()
+    except BrokenPipeError:  # the child died at start-up; its stderr says why
+        pass
+    kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    with selectors.DefaultSelector() as selector:
+        for fd in kept:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, _READ_CHUNK)
+                if not chunk:
+                    selector.unregister(key.fd)
+                buffer = kept[key.fd]
+                buffer += chunk[:MAX_CHILD_BYTES - len(buffer)]
+    try:  # both pipes closed: it is exiting (unless a bypass closed them and carries on)
+        proc.wait(max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        return None
+    return bytes(kept[proc.stdout.fileno()]), bytes(kept[proc.stderr.fileno()])
+
+
+def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB, *,
+               layers_off: Iterable[str] = ()) -> str:
+    """The rendered value of the Python expression `source`, evaluated in a fresh, confined
+    interpreter (python_sandbox's docstring lists the layers) with at most `memory_mb` MiB of
+    address space and killed after `timeout_s` seconds of wall clock (the interpreter's start-up,
+    ~25 ms, included); "error: ..." otherwise. ValueError for limits out of range.
+
+    `layers_off` switches layers off (names from python_sandbox.LAYERS): for tests that attack
+    one layer alone, only. Tool.run and run_call never pass it, so neither a config nor a model's
+    output can reach it."""
+    check_limits(timeout_s, memory_mb)
+    layers_off = frozenset(layers_off)
+    if not layers_off <= set(python_sandbox.LAYERS):
+        raise ValueError(f"unknown sandbox layers {sorted(layers_off - set(python_sandbox.LAYERS))}; "
+                         f"known: {', '.join(python_sandbox.LAYERS)}")
+    problem = None if "filter" in layers_off else python_sandbox.check_source(source)
     if problem is not None:
         return error_text(f"{problem[0]}: {problem[1]}")
     cpu_s = math.ceil(timeout_s) + 1
+    child_off = ",".join(sorted(layers_off & set(python_sandbox.CHILD_LAYERS))) or "-"
+    workdir = None if "workdir" in layers_off else tempfile.mkdtemp(prefix="rlmega-python-tool-")
     # Limits are set by the child itself, not in preexec_fn: that is unsafe in a threaded parent
     # (a Ray actor). -I -S: no user site, no PYTHONPATH, no site-packages in the child.
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", str(SANDBOX_SCRIPT)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
     try:
-        stdout, stderr = proc.communicate(f"{int(memory_mb)} {cpu_s}\n{source}".encode(), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(SANDBOX_SCRIPT)], cwd=workdir,
+            env=None if "environment" in layers_off else {},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        try:
+            outputs = _communicate_capped(proc, f"{memory_mb} {cpu_s} {child_off}\n{source}".encode(), timeout_s)
+        finally:  # never leave a child running, whatever ended the wait
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                pipe.close()
+    finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if outputs is None:
         return error_text(f"timeout after {timeout_s:g} s")
-    except BaseException:  # never leave a child running, whatever interrupted the wait
-        proc.kill()
-        proc.communicate()
-        raise
+    stdout, stderr = outputs
+    _log_sandbox_notes(stderr)
     answer = parse_child_output(stdout)
     return answer if answer is not None else _child_failure(proc.returncode, stderr, timeout_s)
 
@@ -245,7 +346,9 @@ def get_tool(name: str) -> Tool:
 def run_call(call: ToolCall, allowed: Iterable[str] = TOOL_NAMES, timeout_s: float = DEFAULT_TIMEOUT_S,
              memory_mb: int = DEFAULT_MEMORY_MB) -> str:
     """The answer to one parsed call (to wrap with format_result): the tool's output, or the
-    error a malformed call or a tool outside `allowed` earns. Never raises."""
+    error a malformed call or a tool outside `allowed` earns. Raises only ValueError, for limits
+    out of range (check_limits), before looking at the call."""
+    check_limits(timeout_s, memory_mb)
     if call.malformed:
         return "error: malformed tool call"
     allowed = [name for name in allowed if name in TOOLS]
