@@ -5,8 +5,8 @@ Layout under a checkpoint root:
     step_00000012.partial/  a save in progress, or one that crashed: never loaded
     latest                  the newest complete step, written by rename after the save finished
 
-Every rank writes its shards into ``.partial``; after a barrier rank 0 renames it and then
-updates ``latest``, so a crash at any point leaves the previous checkpoint as the one that loads.
+Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it, renames it and
+then updates ``latest`` (fsynced), so a crash at any point leaves a complete checkpoint to load.
 Model weights reshard on load (save at TP2, load at PP2); optimizer state and RNG state are
 restored when the layout is the same. RNG state is per rank (Python, NumPy, torch, CUDA,
 Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
@@ -14,7 +14,6 @@ Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
 from __future__ import annotations
 
 import errno
-import os
 import random
 import shutil
 from pathlib import Path
@@ -28,6 +27,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from rlmega.durable import fsync_dir, fsync_tree, replace_durably
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
 
@@ -96,15 +96,6 @@ def latest(root: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None,
          extra_models: dict[str, list] | None = None) -> Path:
     """Save everything for ``step`` under ``root`` (collective: every rank calls it).
@@ -144,12 +135,31 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
                 "trainer.run_dir at a larger filesystem, then resume") from e
         raise
     if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-        _write_atomic(root / "latest", final.name)
+        _move_into_place(partial, final)
+        replace_durably(root / "latest", final.name)
+        shutil.rmtree(_replaced(final), ignore_errors=True)  # only now: there is always a complete step_N
     dist.barrier()
     return final
+
+
+def _replaced(final: Path) -> Path:
+    """Where an older save of the same step waits while the new one is renamed in (a name that is
+    neither step_N nor .partial, so no resume or prune ever takes it for a checkpoint)."""
+    return final.with_name(final.name + ".replaced")
+
+
+def _move_into_place(partial: Path, final: Path) -> None:
+    """Rename the finished save to step_N durably. A step_N already there (a resume from an older
+    checkpoint passing it again) is renamed aside first, never deleted before the new one is in:
+    a crash at any point leaves a complete step_N, or the previous checkpoint for `latest` to fall
+    back to (runs.py resumes from the newest complete one)."""
+    fsync_tree(partial)  # every rank's shards and rank 0's common.pt and metadata.json are on disk
+    aside = _replaced(final)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    partial.rename(final)
+    fsync_dir(final.parent)
 
 
 class CheckpointSpaceError(OSError):

@@ -136,6 +136,10 @@ class MegatronModelManager:
             self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.lr_decay_style,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+            # On resume the config's schedule wins over the checkpoint's (only the step count is taken
+            # from it): config.yaml records the new values, and a longer trainer.total_steps must
+            # stretch the decay. The driver logs what changed (runs.py: changed_settings).
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         )
 
     # ---- stepping ---------------------------------------------------------------------------
@@ -223,8 +227,15 @@ class MegatronModelManager:
     def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False,
                         extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
         """Everything (same layout), or with ``model_only`` just the weights (any layout)."""
+        # Loading the optimizer replaces its param groups' settings (max_lr, min_lr, Adam's betas and
+        # eps, ...) with the checkpoint's; the config's win, as for the LR schedule, so they are put
+        # back (keys the load adds, such as Adam's step, stay).
+        settings = [] if model_only or self.optimizer is None else [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         step, extra = checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
                                       None if model_only else self.scheduler, extra_models)
+        for group, mine in zip(self.optimizer.param_groups if settings else [], settings):
+            group.update(mine)
         if model_only and self.optimizer is not None:
             self.optimizer.reload_model_params()  # bf16: refresh the fp32 master copies
         return step, extra

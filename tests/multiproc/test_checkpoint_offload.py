@@ -21,16 +21,17 @@ def hf_model(tmp_path_factory):
                                num_kv_heads=2, num_layers=4, seed=3))
 
 
-def _manager(path: str, tp: int, pp: int, load_weights: bool = True, lr_warmup_steps: int = 3):
+def _manager(path: str, tp: int, pp: int, load_weights: bool = True, lr_warmup_steps: int = 3,
+             lr_decay_steps: int = 20, **optimizer):
     import torch.distributed as dist
 
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.model_manager import MegatronModelManager
 
+    optimizer = {"lr": 1e-2, "weight_decay": 0.01, "lr_decay_style": "cosine", **optimizer}
     mm = MegatronModelManager(
         ModelConfig(path=path), ParallelismConfig(tp, pp, None, dist.get_world_size()),
-        OptimizerConfig(lr=1e-2, weight_decay=0.01, lr_warmup_steps=lr_warmup_steps, lr_decay_style="cosine"),
-        lr_decay_steps=20,
+        OptimizerConfig(lr_warmup_steps=lr_warmup_steps, **optimizer), lr_decay_steps=lr_decay_steps,
     )
     mm.setup_model_and_optimizer(load_weights=load_weights)
     return mm
@@ -152,6 +153,48 @@ def test_save_tp2_load_pp2_gives_identical_model(hf_model, tmp_path):
     a = {k: v for f in (tmp_path / "a").glob("*.safetensors") for k, v in load_file(f).items()}
     b = {k: v for f in (tmp_path / "b").glob("*.safetensors") for k, v in load_file(f).items()}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the weights: bitwise
+
+
+def _schedule_on_resume_body(path: str, ckpt: str) -> dict:
+    from rlmega.megatron.runtime import init_megatron, teardown_megatron
+
+    init_megatron(1, 1, None, seed=1)
+    mm = _manager(path, 1, 1)
+    for s in range(4):
+        _step(mm, seed=s)
+    mm.save_checkpoint(ckpt, step=4)
+    straight = [_step(mm, seed=s)[2] for s in (4, 5)]
+    same = _manager(path, 1, 1, load_weights=False)
+    same.load_checkpoint(ckpt)
+    resumed_same = [_step(same, seed=s)[2] for s in (4, 5)]
+    # Every schedule field changed: peak and final LR, warm-up, decay style and length (total_steps),
+    # weight decay; and Adam's betas and eps, which live in the optimizer's param groups.
+    new = {"lr": 5e-3, "min_lr": 1e-4, "lr_warmup_steps": 1, "lr_decay_style": "linear", "lr_decay_steps": 40,
+           "weight_decay": 0.05, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_eps": 1e-6}
+    changed = _manager(path, 1, 1, load_weights=False, **new)
+    changed.load_checkpoint(ckpt)
+    groups = [(g["betas"], g["eps"]) for g in changed.optimizer.param_groups]
+    resumed_changed = [_step(changed, seed=s)[2] for s in (4, 5)]
+    wd = changed.optimizer.param_groups[0]["weight_decay"]
+    ref = _manager(path, 1, 1, load_weights=False, **new)  # the new config's schedule, 4 steps in
+    ref.scheduler.step(increment=4)
+    want = [ref.optimizer.param_groups[0]["lr"]]
+    ref.scheduler.step(increment=1)
+    want.append(ref.optimizer.param_groups[0]["lr"])
+    teardown_megatron()
+    return {"straight": straight, "same": resumed_same, "changed": resumed_changed, "want": want,
+            "groups": groups, "wd": wd, "steps": changed.scheduler.num_steps}
+
+
+def test_resume_keeps_the_schedule_and_honours_a_changed_one(hf_model, tmp_path):
+    # Issue 22 item 5: the checkpoint's LR schedule silently won over a changed optimizer.* or
+    # trainer.total_steps (the decay length). Unchanged: the schedule goes on as if never stopped;
+    # changed: the new schedule, at the step count the checkpoint reached.
+    r = run_on_ranks(_schedule_on_resume_body, 1, args=(hf_model, str(tmp_path / "ckpt")), timeout_s=300)[0]
+    assert r["same"] == r["straight"]
+    assert r["changed"] == r["want"] and r["want"] != r["straight"], r
+    assert r["wd"] == 0.05 and r["steps"] == 6
+    assert set(r["groups"]) == {((0.8, 0.99), 1e-6)}, r["groups"]
 
 
 def _crash_during_save_body(path: str, ckpt: str):
