@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from rlmega.durable import fsync_dir, fsync_tree, replace_durably
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
+from rlmega.megatron.save_results import use_in_process_queue
 
 
 def _coords() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -114,6 +115,7 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
                   "extra": extra or {}, "layout": _coords()[0],
                   "extra_models": sorted(extra_models or {})}
+    use_in_process_queue()  # else Megatron's writer starts a Manager process that outlives a kill -9
     try:
         dist_checkpointing.save(sd, str(partial))  # collective: a failure on any rank raises on every rank
         dist.barrier()  # every rank's shards are on disk
