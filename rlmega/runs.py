@@ -7,20 +7,32 @@
     RUN_DIR/checkpoints/latest     written by rename once step_N is complete (checkpoint.py)
     RUN_DIR/hf_final/              the final policy as a Hugging Face folder
 
-On resume the metrics file is rewritten (write, then rename) from the history stored in the
-checkpoint, so steps logged after the last checkpoint by a killed run do not appear twice.
+On resume the metrics file is rewritten (write, fsync, rename, fsync the folder) from the history
+stored in the checkpoint, so steps logged after the last checkpoint by a killed run do not appear
+twice. A metrics file cut inside a line (disk full, power loss) is cut back to its last newline when
+the run folder is opened. trainer.resume=auto resumes from the newest *complete* checkpoint
+(checkpoint_scan.py); trainer.resume=none refuses a folder that already holds a run.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+from rlmega.checkpoint_scan import STEP_DIR as _STEP_DIR
+from rlmega.checkpoint_scan import latest_name, newest_complete, problem, read_common, step_folders
+from rlmega.durable import replace_durably
+
+log = logging.getLogger("rlmega")
+
+
+class ResumeError(RuntimeError):
+    """trainer.resume cannot be done as asked; the message says what was found and the fix."""
 
 
 def _clean(metrics: dict) -> dict:
@@ -36,6 +48,7 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
         self.stopped: str | None = None  # why the run ended before trainer.total_steps, if it did
+        self._repair_metrics()
         self._tb = self._tensorboard() if tensorboard else None
         self._wandb = _start_wandb(self.path, wandb_project, config) if wandb_project else None
 
@@ -45,9 +58,25 @@ class RunDir:
         return SummaryWriter(str(self.path / "tensorboard"), purge_step=purge_step)
 
     def write_config(self, text: str) -> None:
-        tmp = self.path / "config.yaml.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.path / "config.yaml")
+        replace_durably(self.path / "config.yaml", text)
+
+    def _repair_metrics(self) -> None:
+        """Cut a half-written last line (disk full, power loss) back to the last newline: appending
+        to it would glue the next step onto it, and the file would no longer parse."""
+        try:
+            with open(self.metrics_path, "rb+") as f:
+                data = f.read()
+                if not data or data.endswith(b"\n"):
+                    return
+                keep = data.rfind(b"\n") + 1
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+        except FileNotFoundError:
+            return
+        log.warning("%s ended in a half-written line (%d bytes after the last newline, from a write cut "
+                    "short): removed it; %d complete lines kept", self.metrics_path, len(data) - keep,
+                    data[:keep].count(b"\n"))
 
     def log(self, metrics: dict) -> None:
         """Append one step's metrics (must contain "step")."""
@@ -70,11 +99,7 @@ class RunDir:
         so a purge marker at the first step after the history hides the killed run's later
         points (SummaryWriter's purge_step), as TensorBoard documents for restarts.
         """
-        tmp = self.metrics_path.with_name("metrics.jsonl.tmp")
-        with open(tmp, "w") as f:
-            for m in history:
-                f.write(json.dumps(_clean(m), sort_keys=True) + "\n")
-        os.replace(tmp, self.metrics_path)
+        replace_durably(self.metrics_path, "".join(json.dumps(_clean(m), sort_keys=True) + "\n" for m in history))
         if self._tb is not None:
             self._tb.close()
             self._tb = self._tensorboard(purge_step=1 + max((m["step"] for m in history), default=0))
@@ -82,7 +107,14 @@ class RunDir:
     def read_metrics(self) -> list[dict]:
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        rows = []
+        for i, line in enumerate(self.metrics_path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise ValueError(f"{self.metrics_path} line {i} is not JSON ({e}): {line[:80]!r}") from None
+        return rows
 
     def latest_checkpoint(self) -> Path | None:
         pointer = self.checkpoints / "latest"
@@ -92,14 +124,59 @@ class RunDir:
         return path if path.is_dir() else None
 
     def checkpoint_to_resume(self, resume: str) -> Path | None:
-        """trainer.resume -> the checkpoint to start from: "none" -> None; "auto" -> this run's
-        latest (None if it has none); any other value is a path, resolved by ``find_checkpoint``,
-        and wins over this run's own checkpoints."""
+        """trainer.resume -> the complete checkpoint to start from, checked before any worker loads it.
+
+        "none": None, but refused (ResumeError) when this folder already holds a run, whose metrics a
+        fresh start would mix with its own. "auto": the newest complete checkpoint here (a warning
+        when that is not the one ``latest`` names); None when nothing was ever saved; ResumeError
+        when checkpoints exist but none is complete. A path: ``find_checkpoint``, which wins over
+        this run's own checkpoints.
+        """
         if resume == "none":
+            held = self.earlier_run()
+            if held:
+                raise ResumeError(
+                    f"trainer.resume=none, but trainer.run_dir={self.path} already holds a run ({held}); a fresh "
+                    "start there would mix the two runs' metrics and overwrite its checkpoints. Fix: continue it "
+                    "with --resume (trainer.resume=auto), or start over in a new trainer.run_dir (or delete "
+                    f"{self.path})")
             return None
-        if resume == "auto":
-            return self.latest_checkpoint()
-        return find_checkpoint(resume)
+        if resume != "auto":
+            try:
+                return find_checkpoint(resume)
+            except FileNotFoundError as e:
+                raise ResumeError(f"trainer.resume={resume}: {e}") from None
+        found, skipped = newest_complete(self.checkpoints)
+        named = latest_name(self.checkpoints)
+        if found is None:
+            if skipped:
+                raise ResumeError(
+                    f"trainer.resume=auto: no complete checkpoint in {self.checkpoints} ({'; '.join(skipped)}). "
+                    "Fix: restore a complete one, or start over in a new trainer.run_dir")
+            if named:
+                raise ResumeError(
+                    f"trainer.resume=auto: {self.checkpoints}/latest names {named}, but no checkpoint folder is "
+                    "left there: nothing to resume from. Fix: restore the checkpoints, or start over in a new "
+                    "trainer.run_dir")
+            return None  # nothing was ever saved here: a fresh start
+        if skipped or named != found.name:
+            pointer = "is missing" if named is None else "is empty" if not named else f"names {named}"
+            log.warning("resuming from %s, the newest complete checkpoint (checkpoints/latest %s%s). "
+                        "To resume from another one: trainer.resume=%s/step_N", found, pointer,
+                        "; skipped " + "; ".join(skipped) if skipped else "", self.checkpoints)
+        return found
+
+    def earlier_run(self) -> str | None:
+        """What shows an earlier run in this folder (metrics lines, checkpoints), or None."""
+        held = []
+        if self.metrics_path.exists():
+            lines = sum(1 for line in self.metrics_path.read_text().splitlines() if line.strip())
+            if lines:
+                held.append(f"{lines} lines in metrics.jsonl")
+        steps = step_folders(self.checkpoints)
+        if steps:
+            held.append("checkpoints " + ", ".join(p.name for p in reversed(steps)))
+        return ", ".join(held) or None
 
     def prune_checkpoints(self, keep: int) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints (never the latest one)."""
@@ -120,25 +197,31 @@ class RunDir:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A complete checkpoint folder from a step folder or a checkpoints root (its ``latest``).
+    """A complete checkpoint folder from a step folder, or from a checkpoints root (its newest
+    complete step folder; a warning when that is not the one its ``latest`` names).
 
-    Raises FileNotFoundError saying what is wrong. Filesystem only (config validation uses it
-    before any worker starts): complete means Megatron's ``metadata.json`` was written and the
-    folder is not a ``.partial`` save.
+    Raises FileNotFoundError saying what is wrong. Driver side, before any worker loads it (config
+    validation uses it too): complete is checkpoint_scan.problem's test (every shard its index lists,
+    at full length, and a loadable common.pt).
     """
     path = Path(path)
-    if (path / "latest").is_file():
-        name = (path / "latest").read_text().strip()
-        if not (path / name).is_dir():
-            raise FileNotFoundError(f"{path}/latest names {name!r}, which is not a folder there")
-        path = path / name
-    if not path.is_dir():
+    if latest_name(path) is not None or step_folders(path):  # a checkpoints root
+        found, skipped = newest_complete(path)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint in {path}"
+                                    + (f" ({'; '.join(skipped)})" if skipped else ""))
+        if skipped or latest_name(path) != found.name:
+            log.warning("%s: using %s, the newest complete checkpoint%s", path, found.name,
+                        " (skipped " + "; ".join(skipped) + ")" if skipped else "")
+        return found
+    why = problem(path)
+    if why == "not a folder":
         raise FileNotFoundError(f"{path} is not a folder")
-    if path.name.endswith(".partial"):
-        raise FileNotFoundError(f"{path} is an unfinished save (.partial); use the step folder beside it")
-    if not (path / "metadata.json").is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no metadata.json); give a checkpoints/step_N "
-                                "folder or a checkpoints folder with a `latest` file")
+    if why is not None:
+        beside, _ = newest_complete(path.parent)
+        raise FileNotFoundError(f"{path} cannot be resumed from: {why}. Give a complete checkpoints/step_N folder"
+                                + (f" (e.g. {beside})" if beside else "")
+                                + " or a checkpoints folder, whose newest complete step is used")
     return path
 
 
@@ -157,3 +240,17 @@ def _start_wandb(path: Path, project: str, config: dict | None):
         id_file.write_text(uuid.uuid4().hex[:12])
     return wandb.init(project=project, dir=str(path), id=id_file.read_text().strip(), resume="allow",
                       config=config, name=path.name)
+
+
+def resume_settings(cfg) -> dict:
+    """The settings a resume takes from the config rather than the checkpoint, by config field
+    (saved with every checkpoint, so a resume can say which of them changed)."""
+    return {**{f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()},
+            "trainer.total_steps": cfg.trainer.total_steps}
+
+
+def changed_settings(checkpoint: str | Path, now: dict) -> list[str]:
+    """"field: saved -> now" for each of ``now`` that differs from what the checkpoint recorded
+    (nothing for a checkpoint from before the record was kept)."""
+    saved = read_common(checkpoint)["meta"]["extra"].get("settings") or {}
+    return [f"{k}: {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]

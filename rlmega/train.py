@@ -30,7 +30,7 @@ from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.megatron.checkpoint import CheckpointSpaceError
 from rlmega.profiling import profiled
-from rlmega.runs import RunDir
+from rlmega.runs import ResumeError, RunDir, changed_settings, resume_settings
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.stopping import StopRequest
 from rlmega.judgers.base import RewardError
@@ -53,6 +53,12 @@ def train(cfg: RLConfig) -> RunDir:
     t = cfg.trainer
     run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                  config=dataclasses.asdict(cfg))
+    checkpoint = run.checkpoint_to_resume(t.resume)  # checked complete here, before any worker loads it
+    settings = resume_settings(cfg)
+    changed = changed_settings(checkpoint, settings) if checkpoint else []
+    if changed:
+        log.warning("resuming with settings that differ from the checkpoint's; the new values are used (the LR "
+                    "schedule continues at the checkpoint's step count): %s", ", ".join(changed))
     run.write_config(dump_config(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     try:
@@ -61,7 +67,7 @@ def train(cfg: RLConfig) -> RunDir:
         raise InputError(f"prompt data: {e}") from e
     stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
     with Roles(cfg) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
-        start, history, produced = resume(roles, run, data, cfg)
+        start, history, produced = resume(roles, run, data, checkpoint)
         if start == 0 and t.warmup_sft_steps:
             warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr, stop)
             # KL regularises toward the policy RL starts from, not the untuned model.path.
@@ -96,11 +102,11 @@ def train(cfg: RLConfig) -> RunDir:
                                 **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
                 done = step + 1
                 if t.save_every and (done % t.save_every == 0 or done == t.total_steps):
-                    saved = save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
+                    saved = save(roles, run, done, data, producer, history, t.keep_last_checkpoints, settings)
                 producer.advance(done)  # the engines hold weights `done`: the schedule's next batches may start
             if done < t.total_steps:  # stopped on request: keep every finished step, then leave
                 if done > saved:
-                    save(roles, run, done, data, producer, history, t.keep_last_checkpoints)
+                    save(roles, run, done, data, producer, history, t.keep_last_checkpoints, settings)
                 run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
             else:
                 roles.call_actors("export_hf", str(run.path / "hf_final"), True)
@@ -108,21 +114,27 @@ def train(cfg: RLConfig) -> RunDir:
     return run
 
 
-def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history: list, keep: int) -> int:
+def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history: list, keep: int,
+         settings: dict) -> int:
     """Checkpoint after ``step`` RL steps: model, optimizer, RNG, metrics history, and the producer's
-    state (buffered batches, the next batch) with the data position it drew to (nothing in production)."""
+    state (buffered batches, the next batch) with the data position it drew to (nothing in production);
+    ``settings`` (runs.resume_settings) lets a resume say which of them the config changed."""
     producer.pause()  # until the next advance
-    extra = {"data": data.state_dict(), "history": history, "producer": producer.state_dict()}
+    extra = {"data": data.state_dict(), "history": history, "producer": producer.state_dict(), "settings": settings}
     roles.call_actors("save_checkpoint", str(run.checkpoints), step, extra)
     run.prune_checkpoints(keep)
     return step
 
 
-def resume(roles: Roles, run: RunDir, data, cfg: RLConfig) -> tuple[int, list, dict | None]:
-    """(first step to run, metrics history, producer state) from the checkpoint trainer.resume names,
-    or (0, [], None)."""
-    path = run.checkpoint_to_resume(cfg.trainer.resume)
+def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | None]:
+    """(first step to run, metrics history, producer state) from the complete checkpoint ``path``
+    (RunDir.checkpoint_to_resume), or (0, [], None) with an empty metrics file."""
     if path is None:
+        earlier = len(run.read_metrics())
+        if earlier:  # resume=auto where an attempt saved no checkpoint: its steps are redone, not repeated
+            print(f"rlmega: no checkpoint in {run.checkpoints}: starting at step 0; the earlier attempt's "
+                  f"{earlier} lines in {run.metrics_path} are replaced", flush=True)
+            run.rewrite_metrics([])
         return 0, [], None
     step, extra = roles.call_actors("load_checkpoint", str(path))
     data.load_state_dict(extra["data"])
@@ -185,7 +197,7 @@ def _main(argv=None) -> int:
     except RewardError as e:  # reward.on_error=fail and a judger failed (the driver judges in process too)
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_RUNTIME
-    except (InputError, ClusterError) as e:  # ClusterError: too few nodes, or folders the nodes do not share
+    except (InputError, ClusterError, ResumeError) as e:  # ClusterError: too few nodes, or folders the nodes do not share
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:

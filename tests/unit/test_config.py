@@ -253,6 +253,11 @@ def test_resume_must_be_a_complete_checkpoint(tmp_path):
     msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
     assert "no metadata.json" in msg
     (tmp_path / "step_00000002" / "metadata.json").write_text("{}")
+    msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
+    assert "common.pt missing" in msg  # the full check: tests/unit/test_resume_choice.py
+    import torch
+
+    torch.save({"meta": {"step": 2, "extra": {}}}, tmp_path / "step_00000002" / "common.pt")
     assert load_config(None, [f"trainer.resume={tmp_path / 'step_00000002'}"]).trainer.resume
     (tmp_path / "latest").write_text("step_00000002")
     load_config(None, [f"trainer.resume={tmp_path}"])  # a checkpoints root: its latest

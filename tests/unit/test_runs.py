@@ -4,8 +4,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from rlmega.runs import RunDir
+from rlmega.runs import ResumeError, RunDir
 
 
 def test_metrics_log_rewrite_and_nan(tmp_path):
@@ -51,6 +52,7 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     d = root / f"step_{step:08d}"
     d.mkdir(parents=True)
     (d / "metadata.json").write_text("{}")  # what Megatron's dist checkpointing writes last
+    torch.save({"meta": {"step": step, "extra": {}}}, d / "common.pt")  # rank 0's plain state
     return d
 
 
@@ -61,7 +63,8 @@ def test_resume_picks_the_named_checkpoint_over_the_run_dirs_latest(tmp_path):
     (run.checkpoints / "latest").write_text(s17.name)
     assert run.checkpoint_to_resume(str(s15)) == s15
     assert run.checkpoint_to_resume("auto") == s17
-    assert run.checkpoint_to_resume("none") is None
+    with pytest.raises(ResumeError, match="already holds a run"):  # a fresh start would mix two runs
+        run.checkpoint_to_resume("none")
     other = RunDir(tmp_path / "other", tensorboard=False)  # another run's checkpoint, a fresh run dir
     assert other.checkpoint_to_resume(str(s15)) == s15
     assert other.checkpoint_to_resume(str(run.checkpoints)) == s17  # a checkpoints root: its latest
