@@ -1,6 +1,7 @@
 """The `rlmega` command.
 
-    rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py)
+    rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py); --resume continues from
+                                                 the newest complete checkpoint, trainer.resume=PATH from a named one
     rlmega check-config CONFIG [key=value ...]   validate a config (and that it can run here), print it resolved
     rlmega demo [--steps N] [--run-dir DIR] [key=value ...]   the `make demo` job (see the README)
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     d.add_argument("overrides", nargs="*", help="dotlist overrides of configs/demo_cpu.yaml, e.g. "
                    "trainer.warmup_sft_steps=20 optimizer.lr_warmup_steps=20 (a short run)")
     d.set_defaults(fn=_demo)
-    sub.add_parser("train", help="run RL training: rlmega train CONFIG [key=value ...] [--resume]")
+    sub.add_parser("train", help="run RL training: rlmega train CONFIG [key=value ...] [--resume] (the newest "
+                   "complete checkpoint; trainer.resume=RUN_DIR/checkpoints/step_N resumes from a named one)")
     st = sub.add_parser("stop", help="ask a running `rlmega train` to checkpoint and stop after its current step")
     st.add_argument("run_dir", help="the run's trainer.run_dir")
     st.set_defaults(fn=_stop)

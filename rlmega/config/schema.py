@@ -207,10 +207,12 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     """Folder for checkpoints, logs and the resolved config."""
     resume: str = "none"
-    """"none": start fresh; "auto": continue from run_dir's latest checkpoint if there is one;
+    """"none": start fresh (refused where run_dir already holds a run); "auto": continue from run_dir's
+    newest complete checkpoint if there is one (a log line when that is not the one `latest` names);
     a path: start from exactly that checkpoint (a checkpoints/step_N folder, or a checkpoints folder
-    whose `latest` is used), also one of another run; later checkpoints are written to run_dir.
-    Prompt order and metrics history continue from the checkpoint."""
+    whose newest complete step is used), also one of another run; later checkpoints are written to
+    run_dir. Prompt order and metrics history continue from the checkpoint; optimizer.* and
+    trainer.total_steps come from this config (the log names those that changed)."""
     keep_last_checkpoints: int = 2
     """Older checkpoints beyond this many are deleted."""
     warmup_sft_steps: int = 0
