@@ -55,6 +55,47 @@ def stage_weights(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     return path
 
 
+def tied_layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
+    """(name, module) lists of the modules that hold one parameter object between them.
+
+    vLLM ties ``lm_head`` to ``model.embed_tokens`` by assigning the embedding's Parameter to the head
+    (``tie_weights``), so both modules hold the same tensor: the head's name is in neither the
+    checkpoint nor a reload.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append((name, module))
+    return [mods for mods in owners.values() if len(mods) > 1]
+
+
+def _refresh_tied_layers(model: torch.nn.Module, loaded: list[str]) -> list[str]:
+    """Re-process every module that shares a parameter with a module whose weights just reloaded.
+
+    Why: ``reload_weights`` processes a layer once its own weights have arrived
+    (``process_weights_after_loading``). On CPU that step also builds the layer's GEMM kernel from a
+    packed *copy* of the weight (``dispatch_cpu_unquantized_gemm``: oneDNN / sgl handles), and the tied
+    ``lm_head`` computes the logits with its kernel. The reload refills the shared tensor in place but
+    never processes the head (none of its names arrive), so the head's packed copy kept the weights of
+    the engine's start: the engine's logits drifted from the trainer's with every update (issue 22 A).
+    Processing the head again rebuilds its kernel from the shared tensor; on GPU the embedding method's
+    processing does nothing. Returns the names of the modules re-processed.
+    """
+    done = []
+    for group in tied_layer_groups(model):
+        reloaded = {name for name, _ in group if any(n.startswith(name + ".") for n in loaded)}
+        if not reloaded:
+            continue
+        for name, module in group:
+            if name in reloaded:  # the reload processed it already
+                continue
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                done.append(name)
+    return done
+
+
 def _staged_by(pid: int) -> list[str]:
     return [p for d in (SHM, tempfile.gettempdir()) for p in glob.glob(os.path.join(d, f"{_PREFIX}{pid}-*"))]
 
@@ -74,6 +115,7 @@ class RolloutExtension:
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
             self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
+        _refresh_tied_layers(self.model_runner.get_model(), names)
         return len(names)
 
     def rlmega_param_names_and_packing(self) -> tuple[list[str], dict[str, list[str]]]:
