@@ -21,6 +21,7 @@ from rlmega.agents.sft import sft_example
 from rlmega.agents.tasks import task_configs
 from rlmega.agents.trajectory import batch_from_groups, kept_trajectories
 from rlmega.algorithms import dapo
+from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff
@@ -55,7 +56,7 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
                            "the engines fail every request; see the engine logs")
     generated = batch  # the metrics report the judges' rewards and every sampled token, before any shaping
     batch, shaping = shape_overlong(batch, [(g.task, x) for g, x in kept_trajectories(groups)], cfg)
-    n_mini = max(1, len(batch) // cfg.trainer.global_batch_size)  # optimizer steps in this RL step
+    n_mini = mini_batch_count(len(batch), cfg.trainer.global_batch_size)  # optimizer steps in this RL step
     kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
     # One optimizer step: the policy before it scores the train forward itself, so train_step takes
     # the old log-probs from there (detached) instead of a separate forward, and returns them.
@@ -72,6 +73,11 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     with t("train"):
         train = [roles.call_actors("train_step", mini, optimizer_steps_per_rl_step=n_mini)
                  for mini in batch.split(n_mini) if len(mini)]
+        # A short batch (stale drops, short dynamic sampling) took fewer optimizer steps than the LR
+        # schedule plans per RL step: move it on by the rest, so it ends with trainer.total_steps.
+        behind = roles.optimizer_steps_per_rl_step() - n_mini
+        if behind > 0:
+            roles.call_actors("advance_lr_schedule", behind)
     if on_policy:
         old = train[0].pop("old_logprobs")  # the policy's before this step's update, as compute_logprobs gives
     with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmega.data.packing import block_causal_mask, pack, split_rows
+from rlmega.data.packing import block_causal_mask, pack, placeholder_sample, split_rows
 from rlmega.data.rollout_batch import RolloutBatch
 
 _PER_TOKEN = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
@@ -31,7 +31,18 @@ _PER_TOKEN = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int = 1,
                       dense_mask: bool = True) -> dict:
     """``dense_mask``: rows of the longest sample's length and their block-causal masks;
-    False: one THD row (``cu_seqlens``, ``max_seqlen``) for Transformer Engine."""
+    False: one THD row (``cu_seqlens``, ``max_seqlen``) for Transformer Engine.
+
+    Empty ``indices``: a placeholder (packing.plan_micro_batches with allow_empty) for a data-parallel
+    rank with no sample of its own: the shortest sample's tokens with a zero loss mask and no
+    ``indices``, so its loss, counts and statistics are 0 and no result is scattered from it, while its
+    forward and backward take part in the schedule's collectives like any micro-batch.
+    """
+    if not indices:
+        mb = build_micro_batch(batch, [placeholder_sample(batch.lengths())], row_multiple, dense_mask)
+        mb["loss_mask"] = torch.zeros_like(mb["loss_mask"])
+        mb["indices"], mb["response_positions"] = [], []
+        return mb
     lengths = {i: int(batch.tokens[i].numel()) for i in indices}
     rows = split_rows(list(indices), lengths) if dense_mask else [list(indices)]
     packed = [pack([batch.tokens[i] for i in row], row_multiple=row_multiple) for row in rows]

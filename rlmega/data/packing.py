@@ -20,8 +20,21 @@ import heapq
 import torch
 
 
+def mini_batch_count(num_samples: int, global_batch_size: int) -> int:
+    """Optimizer steps in an RL step of ``num_samples`` samples: the whole global batches it holds, at
+    least one (a short batch, after stale drops or short dynamic sampling, still trains once).
+
+    The one place this is computed: the LR schedule's length (rlmega.launch.roles, with the nominal
+    trainer.prompts_per_step x rollout.n samples) and the step's split (rlmega.step, with the batch's
+    own size) both call it, so a full batch gives both the same count.
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    return max(1, int(num_samples) // global_batch_size)
+
+
 def plan_micro_batches(
-    lengths: list[int], max_tokens: int, dp_size: int = 1, multiple_of: int = 1
+    lengths: list[int], max_tokens: int, dp_size: int = 1, multiple_of: int = 1, allow_empty: bool = False
 ) -> list[list[list[int]]]:
     """plan[rank][mb] = ascending sample indices of one micro-batch of data-parallel ``rank``.
 
@@ -31,13 +44,22 @@ def plan_micro_batches(
     3. Split micro-batches (most samples first) until each rank has a multiple of ``multiple_of``
        (Megatron's interleaved pipeline schedule needs num_microbatches % PP == 0).
     Deterministic: equal inputs give equal plans on every rank, so no rank needs to broadcast it.
+
+    ``allow_empty``: a rank with too few samples (fewer samples than ranks, or than ``multiple_of``
+    micro-batches) gets empty micro-batches ``[]`` after its real ones instead of an error. An empty
+    micro-batch is a placeholder: the trainer runs it with a zero loss mask (``placeholder_sample``'s
+    tokens), so the rank contributes nothing but still takes part in every collective of the step.
+    Config validation makes a full batch never need one; a short batch (stale drops, short dynamic
+    sampling) may.
     """
     if max_tokens < 1 or dp_size < 1 or multiple_of < 1:
         raise ValueError(
             f"max_tokens, dp_size and multiple_of must be >= 1, got {max_tokens}, {dp_size}, {multiple_of}"
         )
     lengths = [int(x) for x in lengths]
-    if dp_size > len(lengths):
+    if not lengths:
+        raise ValueError("no samples to plan: a batch needs at least one sample")
+    if dp_size > len(lengths) and not allow_empty:
         raise ValueError(
             f"dp_size={dp_size} ranks but only {len(lengths)} samples: every rank needs at least one; "
             "fix: generate more samples per step or use fewer data-parallel ranks"
@@ -62,17 +84,23 @@ def plan_micro_batches(
     plan = []
     for rank, samples in enumerate(per_rank):
         bins = _first_fit_decreasing(samples, lengths, max_tokens)
-        target = -(-len(bins) // multiple_of) * multiple_of
-        if target > len(samples):
+        # at least one micro-batch: a rank without samples still runs the schedule (allow_empty)
+        target = max(1, -(-len(bins) // multiple_of)) * multiple_of
+        if target > len(samples) and not allow_empty:
             raise ValueError(
                 f"DP rank {rank} has {len(samples)} samples in {len(bins)} micro-batches, but multiple_of="
                 f"{multiple_of} needs {target} micro-batches of at least one sample each; fix: generate more "
                 "samples per step, use fewer data-parallel ranks, or lower the pipeline size (multiple_of)"
             )
-        while len(bins) < target:
+        while len(bins) < target and any(len(b) > 1 for b in bins):
             bins = _split_fullest(bins, lengths)
-        plan.append([sorted(b) for b in bins])
+        plan.append([sorted(b) for b in bins] + [[] for _ in range(target - len(bins))])
     return plan
+
+
+def placeholder_sample(lengths: list[int]) -> int:
+    """The sample whose tokens an empty micro-batch runs (masked out): the shortest, ties the lowest index."""
+    return min(range(len(lengths)), key=lambda i: (int(lengths[i]), i))
 
 
 def _first_fit_decreasing(samples: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
@@ -125,11 +153,15 @@ def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_mult
     """Real tokens / computed tokens of a plan.
 
     A micro-batch is one row padded up to ``row_multiple``, or with ``rows`` the (B, S) block of
-    its ``split_rows``, each row padded to the longest row (rounded up to ``row_multiple``).
+    its ``split_rows``, each row padded to the longest row (rounded up to ``row_multiple``); an empty
+    one (a placeholder) computes the shortest sample's row and counts no real token.
     """
     real = computed = 0
     for rank in plan:
         for mb in rank:
+            if not mb:  # a placeholder computes the shortest sample's row, all of it padding
+                computed += -(-min(lengths) // row_multiple) * row_multiple
+                continue
             real += sum(lengths[i] for i in mb)
             groups = split_rows(mb, lengths) if rows else [mb]
             longest = max(sum(lengths[i] for i in g) for g in groups)

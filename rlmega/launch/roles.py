@@ -27,6 +27,7 @@ from rlmega.agents.placement import effective_judgers, task_bundles
 from rlmega.agents.tasks import task_configs
 from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import RLConfig
+from rlmega.data.packing import mini_batch_count
 from rlmega.launch import threads, torchrun_group
 from rlmega.launch.cluster import ClusterError, check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.placement import Slot, placement_plan
@@ -248,8 +249,10 @@ class Roles:
 
     # ---- calls ------------------------------------------------------------------------------
     def optimizer_steps_per_rl_step(self) -> int:
+        """Optimizer steps a full RL step takes (the LR schedule's unit); rlmega.step splits a short
+        batch into fewer (the same function, on the batch's size) and moves the schedule on by the rest."""
         t = self.cfg.trainer
-        return max(1, t.prompts_per_step * self.cfg.rollout.n // t.global_batch_size)
+        return mini_batch_count(t.prompts_per_step * self.cfg.rollout.n, t.global_batch_size)
 
     def _get(self, refs: list, what: str, names: list[str] | None = None) -> list:
         """Results of calls on ``what`` workers (names[i] for refs[i], default "<what> i")."""

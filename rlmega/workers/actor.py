@@ -104,7 +104,10 @@ class MegatronActor:
         dp_rank, dp = data_parallel_rank_and_size()
         # Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP.
         multiple = self.parallel.pipeline_model_parallel_size if self.policy.vpp > 1 else 1
-        plan = plan_micro_batches(batch.lengths(), self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple)
+        # allow_empty: a short batch (fewer samples than ranks) gives a rank placeholders that add
+        # nothing to the loss but keep it in the schedule's and the optimizer's collectives
+        plan = plan_micro_batches(batch.lengths(), self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple,
+                                  allow_empty=True)
         thd = self.policy.use_te
         mbs = [build_micro_batch(batch, idx, dense_mask=not thd) for idx in plan[dp_rank]]
         return mbs, padding_efficiency(batch.lengths(), plan, rows=not thd)
@@ -283,6 +286,16 @@ class MegatronActor:
             "skipped": 0.0 if ok else 1.0, **_rollout_correction_metrics(s),
             **({"old_logprobs": old} if return_logprobs else {}),
         }
+
+    def advance_lr_schedule(self, steps: int) -> float:
+        """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.
+
+        The schedule counts the optimizer steps of full RL steps (Roles.optimizer_steps_per_rl_step);
+        a short batch takes fewer (rlmega.step), and this keeps the schedule on the RL-step clock.
+        """
+        if steps > 0:
+            self.policy.scheduler.step(increment=steps)
+        return float(self.policy.optimizer.param_groups[0]["lr"])
 
     # ---- reference policy, checkpoints, export ----------------------------------------------
     @torch.no_grad()

@@ -406,3 +406,42 @@ def test_rollout_correction_truncates_and_masks_as_fabricated(hf_model):
         assert abs(r["loss"] - r["pg_loss"]) < 1e-7  # no KL or entropy term here
     assert results["mis_token"]["rollout_is_masked"] > results["mis_seq"]["rollout_is_masked"]  # "mixed" sample
     assert len({round(results[m]["pg_loss"], 9) for m in ("none", "tis", "mis_token", "mis_seq")}) == 4
+
+
+# ---- a batch shorter than the data-parallel group (stale drops, short dynamic sampling) ----------
+
+SHORT_CASES = {"dp2": (1, 1, None, 2), "pp2_vpp2_dp2": (1, 2, 2, 4)}  # (tp, pp, vpp, world): DP 2 each
+
+
+def _short_batch_body(path, tp, pp, vpp, world):
+    """One sample, advantage +1: ranks without a sample run placeholder micro-batches (zero loss)."""
+    from rlmega.megatron import offload
+
+    actor = _actor(path, tp, pp, vpp, world, max_tokens=24)
+    one = random_batch(2, seed=1).select([0])
+    one = dataclasses.replace(one, advantages=[torch.ones_like(a) for a in one.advantages])
+    before = actor.compute_logprobs(one)
+    m = actor.train_step(dataclasses.replace(one, ref_logprobs=actor.compute_ref_logprobs(one)),
+                         optimizer_steps_per_rl_step=1)
+    old = m.pop("old_logprobs")
+    after = actor.compute_logprobs(one)
+    weights = [p.detach().clone() for p in offload.model_params(actor.policy.model)]
+    actor.teardown()
+    return m, before, old, after, weights
+
+
+@pytest.mark.parametrize("name", list(SHORT_CASES))
+def test_a_batch_shorter_than_the_data_parallel_group_trains_as_on_one_rank(hf_model, name):
+    tp, pp, vpp, world = SHORT_CASES[name]
+    m1, before1, old1, after1, w1 = run_on_ranks(_short_batch_body, 1, args=(hf_model, 1, 1, None, 1),
+                                                 timeout_s=300)[0]
+    results = run_on_ranks(_short_batch_body, world, args=(hf_model, tp, pp, vpp, world), timeout_s=300)
+    assert m1["tokens"] > 0 and m1["grad_norm"] > 0
+    assert (after1[0] - before1[0]).abs().max() > 1e-3  # the step moved the policy
+    for rank, (m, before, old, after, _) in enumerate(results):
+        _assert_same_run([m], [m1], f"{name} rank {rank}")
+        for got, want in ((before, before1), (old, old1), (after, after1)):
+            assert len(got) == 1 and (got[0] - want[0]).abs().max() <= 1e-5, f"{name} rank {rank}"
+    if pp == 1:  # the two DP replicas hold the same weights, those of the single process
+        for _, _, _, _, w in results:
+            assert max((a - b).abs().max().item() for a, b in zip(w, w1)) <= 1e-6

@@ -172,3 +172,43 @@ def test_packed_attention_matches_per_sequence(lengths, row_multiple):
         alone = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
         assert (packed[:, :, a:b] - alone).abs().max() <= 1e-6
     assert torch.equal(packed[:, :, bounds[-1]:], v[:, :, bounds[-1]:])  # padding attends to itself
+
+
+def test_short_batch_plans_placeholders_instead_of_raising():
+    """Fewer samples than DP ranks, or than a rank's multiple_of micro-batches (stale drops, short
+    dynamic sampling): allow_empty gives those ranks empty micro-batches after their real ones."""
+    assert plan_micro_batches([3], max_tokens=10, dp_size=2, allow_empty=True) == [[[0]], [[]]]
+    assert plan_micro_batches([3, 4, 5], max_tokens=10, dp_size=4, multiple_of=2, allow_empty=True) == [
+        [[2], []], [[1], []], [[0], []], [[], []]]
+    # a rank that can be split still is: the placeholders only fill what samples cannot
+    assert plan_micro_batches([5, 3, 2, 1], max_tokens=100, multiple_of=2, allow_empty=True) == [[[0, 3], [1, 2]]]
+    for n, dp, m in [(1, 4, 1), (3, 2, 4), (5, 3, 2)]:
+        lengths = random_lengths(n, seed=n)
+        plan = plan_micro_batches(lengths, 200, dp, m, allow_empty=True)
+        assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(n))
+        assert all(len(rank) >= m and len(rank) % m == 0 for rank in plan)
+    with pytest.raises(ValueError, match="no samples to plan"):
+        plan_micro_batches([], max_tokens=10, allow_empty=True)
+    # a placeholder computes the shortest sample's row (4 tokens, rounded up to 8): padding only
+    assert padding_efficiency([4, 6], [[[0, 1]], [[]]], row_multiple=8) == pytest.approx(10 / (16 + 8))
+
+
+def test_mini_batch_count_is_whole_global_batches_and_at_least_one():
+    from rlmega.data.packing import mini_batch_count
+
+    assert [mini_batch_count(n, 8) for n in (32, 31, 16, 9, 8, 7, 1, 0)] == [4, 3, 2, 1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="global_batch_size"):
+        mini_batch_count(8, 0)
+
+
+def test_placeholder_micro_batch_has_no_loss_tokens_and_scatters_nothing():
+    from rlmega.data.micro_batches import build_micro_batch, scatter_responses
+    from rlmega.testing.batches import random_batch
+
+    batch = random_batch(3, seed=1)
+    for dense in (True, False):
+        mb = build_micro_batch(batch, [], dense_mask=dense)
+        shortest = min(range(3), key=lambda i: (batch.lengths()[i], i))
+        assert mb["tokens"].shape[1] >= batch.lengths()[shortest] and mb["tokens"][0, 0] == batch.tokens[shortest][0]
+        assert float(mb["loss_mask"].sum()) == 0.0 and mb["indices"] == []
+        assert scatter_responses(torch.arange(mb["labels"].numel()), mb) == {}
