@@ -84,8 +84,13 @@ def optimizer_state(optimizer) -> list[torch.Tensor]:
             if torch.is_tensor(v)]
 
 
+# Where Megatron's mixed-precision optimizers keep the fp32 master copies: the distributed optimizer
+# this rank's shards, the plain one (use_distributed_optimizer=false) a full copy of each parameter.
+_MAIN_PARAM_GROUPS = ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
+
+
 def main_params(optimizer) -> list[torch.Tensor]:
-    """fp32 master copies kept for bf16 training. fp32 models have none: their master
-    weights are the parameters themselves (offload those with the params)."""
+    """fp32 master copies kept for bf16 training, with or without the distributed optimizer. fp32
+    models have none: their master weights are the parameters themselves (offload those with the params)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [p for o in inner for group in getattr(o, "shard_fp32_from_float16_groups", []) for p in group]
+    return [p for o in inner for attr in _MAIN_PARAM_GROUPS for group in getattr(o, attr, []) for p in group]

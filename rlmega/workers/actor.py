@@ -74,6 +74,7 @@ class MegatronActor:
         # False once the reference may differ from model.path (a copy after the warm start, a
         # Polyak update, a reference restored from a checkpoint): from then on checkpoints carry it.
         self.reference_moved = False
+        self._ref_master: list | None = None  # float32 copy of a low-precision reference (update_ref_policy)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, with_reference: bool = True) -> None:
@@ -303,18 +304,52 @@ class MegatronActor:
         """ref <- (1 - rate) * ref + rate * policy (Polyak); rate 1 copies the policy exactly.
 
         ``rate`` None uses actor.ref_update_rate (the driver calls it once per RL step).
+
+        The blend runs in float32. In bf16 (8 significant bits) a step of rate * (policy - ref) below
+        half a unit in the last place rounds back to ref, so an in-place bf16 blend would leave the
+        reference where it is for good (1% of 1.0 -> 1.05 is 5e-4, under bf16's 3.9e-3 there). A
+        float32 copy of the reference (``_ref_master``, one per parameter, kept on the reference's
+        device, or on the host with actor.offload_reference) carries the blend; the bf16 reference is
+        that copy rounded once per update. It starts from the reference whenever the reference is
+        replaced (a copy, a checkpoint load) and is not checkpointed: a resumed run restarts it from
+        the saved bf16 reference (losing at most half a bf16 unit per element once).
         """
         rate = self.cfg.ref_update_rate if rate is None else rate
         if self.reference is None or rate == 0:
             return
         with self._reference_onloaded():
-            for chunk_ref, chunk in zip(self.reference.unwrapped(), self.policy.unwrapped()):
-                for (name, r), (_, p) in zip(chunk_ref.named_parameters(), chunk.named_parameters()):
-                    if rate == 1.0:
-                        r.copy_(p)  # exact, even where the old reference held inf/NaN
-                    else:
-                        r.mul_(1.0 - rate).add_(p, alpha=rate)
+            pairs = [(r, p) for chunk_ref, chunk in zip(self.reference.unwrapped(), self.policy.unwrapped())
+                     for (_, r), (_, p) in zip(chunk_ref.named_parameters(), chunk.named_parameters())]
+            if rate == 1.0:
+                for r, p in pairs:
+                    r.copy_(p)  # exact, even where the old reference held inf/NaN
+                self._ref_master = None  # the reference is the policy, nothing below its precision
+            else:
+                self._polyak(pairs, rate)
         self.reference_moved = True
+
+    def _polyak(self, pairs: list, rate: float) -> None:
+        """ref <- (1 - rate) * ref + rate * policy for each (ref, policy) parameter pair, in float32."""
+        if self._ref_master is None:
+            host = self.cfg.offload_reference  # the reference leaves the device between uses: so does this
+            pin = host and torch.cuda.is_available()
+
+            def master_of(r: torch.Tensor) -> torch.Tensor | None:
+                if r.dtype == torch.float32:
+                    return None
+                m = r.detach().to("cpu" if host else r.device, torch.float32, copy=True)
+                return m.pin_memory() if pin else m
+
+            self._ref_master = [master_of(r) for r, _ in pairs]
+        for (r, p), master in zip(pairs, self._ref_master):
+            if master is None:  # float32 parameters: the blend in place is the float32 blend
+                r.mul_(1.0 - rate).add_(p, alpha=rate)
+                continue
+            m = master.to(r.device, non_blocking=True)  # the same tensor when it lives on the device
+            m.mul_(1.0 - rate).add_(p.float(), alpha=rate)
+            r.copy_(m)  # one rounding to the parameter dtype
+            if m is not master:
+                master.copy_(m)
 
     @contextmanager
     def _reference_onloaded(self):
@@ -375,6 +410,7 @@ class MegatronActor:
         with self._reference_onloaded():
             out = self.policy.load_checkpoint(path, model_only, extra_models={"reference": self.reference.model})
         self.reference_moved = True
+        self._ref_master = None  # the Polyak blend restarts from the loaded reference
         return out
 
     def export_hf(self, out_dir, overwrite: bool = False):
