@@ -108,6 +108,9 @@ def _as_config_error(e: OmegaConfBaseException, source: str, where: str | None =
 
 
 def _read_yaml(path: str) -> DictConfig:
+    if os.path.isdir(path):
+        raise ConfigError([problem("config file", f"{path!r} is a folder, not a file",
+                                   "pass the path of a YAML file in it, e.g. configs/tiny_cpu.yaml")])
     if not os.path.isfile(path):
         raise ConfigError([problem("config file", f"{path!r} does not exist",
                                    "pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")])
@@ -116,6 +119,9 @@ def _read_yaml(path: str) -> DictConfig:
     except yaml.YAMLError as e:
         raise ConfigError([problem("config file", f"{path!r} is not valid YAML: {e}", "fix the YAML syntax")]) \
             from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([problem("config file", f"{path!r} is not UTF-8 text (byte {e.start}: {e.reason})",
+                                   "save the file as UTF-8")]) from None
     if not isinstance(node, DictConfig):
         raise ConfigError([problem("config file", f"{path!r} holds a {type(node).__name__}, not a mapping",
                                    "write sections at the top level, e.g. `trainer: {total_steps: 10}`")])
@@ -133,6 +139,39 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
 _LIST_SECTIONS = {"tasks"}  # top-level keys that hold a list of sections, not one section
 
 
+def _shape_problems(node, hint, path: str, source: str) -> List[str]:
+    """Values (plain containers of one layer) whose kind (mapping, list, scalar) differs from the
+    schema's, and ??? left in.
+
+    OmegaConf's merge raises a bare TypeError ("Cannot merge incompatible container types") for a list
+    where a mapping belongs (reward.kwargs=[1,2], tasks: {a: 1}), naming nothing; and it merges ???
+    (its "missing value") by keeping the default, so `total_steps: ???` would quietly run 2 steps."""
+    if node == "???":
+        return [problem(path, f"is ??? (OmegaConf's 'missing value') in {source}",
+                        f"give {path} a value, or remove it to keep the default")]
+    if typing.get_origin(hint) is typing.Union:  # Optional[X]: null is fine, else X's shape
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = inner[0] if len(inner) == 1 else typing.Any
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    mapping, listing = dataclasses.is_dataclass(hint) or origin is dict, origin is list
+    if (mapping or listing) and node is not None and not isinstance(node, dict if mapping else list):
+        return [problem(path, f"{node!r} is not {'a mapping' if mapping else 'a list'} (in {source})",
+                        f"write {path} as " + ("a mapping, e.g. {key: value}" if mapping else "a list, e.g. [a, b]"))]
+    out = []
+    if isinstance(node, dict) and (mapping or hint is typing.Any):
+        fields = typing.get_type_hints(hint) if dataclasses.is_dataclass(hint) else {}
+        for key, value in node.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if dataclasses.is_dataclass(hint) and key not in fields:
+                continue  # an unknown key: the merge names it, with close matches
+            inner = fields[key] if fields else args[1] if len(args) == 2 else typing.Any
+            out += _shape_problems(value, inner, sub, source)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            out += _shape_problems(value, args[0] if args else typing.Any, f"{path}[{i}]", source)
+    return out
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Defaults, then the YAML file at `path` (if given), then `overrides` ("a.b=value"), validated."""
     if isinstance(overrides, str):  # a lone string would be split into characters
@@ -145,12 +184,19 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
             if not isinstance(layer.get(key), DictConfig):  # OmegaConf's own error here names no field
                 raise ConfigError([problem(key, f"{layer.get(key)!r} is not a section (in {source})",
                                            f"write {key} as a mapping of its fields, e.g. {key}.<field>=value")])
+        shape = _shape_problems(OmegaConf.to_container(layer, resolve=False), RLConfig, "", source)
+        if shape:
+            raise ConfigError(shape)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             # Inside a list of sections (tasks, agent_loop.judgers) OmegaConf names only the leaf key.
             where = _locate(OmegaConf.to_container(layer), e)
             raise _as_config_error(e, source, where) from None
+        except (TypeError, ValueError) as e:  # a shape _shape_problems does not know yet: still no traceback
+            raise ConfigError([problem("config", f"cannot merge {source}: {e}",
+                                       "check each value's kind (mapping, list, number, text) against "
+                                       "rlmega/config/schema.py")]) from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

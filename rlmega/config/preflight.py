@@ -21,6 +21,7 @@ import tempfile
 from typing import List
 
 from rlmega.config.hf_support import unsupported_reason
+from rlmega.config.model_files import tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
 from rlmega.config.validate import ConfigError, problem
 from rlmega.data.prompts import JSONL_SUFFIXES, PARQUET_SUFFIXES
@@ -46,34 +47,45 @@ def _model(cfg: RLConfig) -> List[str]:
     if not os.path.isdir(path):
         return [problem("model.path", f"{path!r} is not a folder", "point model.path at a Hugging Face model "
                         "folder; no model hub is contacted")]
-    out = []
+    out, hf = [], None
     try:
         with open(os.path.join(path, "config.json")) as f:
-            reason = unsupported_reason(json.load(f))
-        if reason:
-            out.append(problem("model.path", f"{path!r}: {reason}", "use a Llama or Qwen2 model, or convert yours"))
+            hf = json.load(f)
     except (OSError, ValueError) as e:
         out.append(problem("model.path", f"cannot read {path}/config.json: {e}", "give a Hugging Face model folder"))
+    if hf is not None and not isinstance(hf, dict):
+        out.append(problem("model.path", f"{path}/config.json holds a JSON {type(hf).__name__}, not an object",
+                           "give a config.json that is a JSON object, as save_pretrained writes it"))
+        hf = None
+    reason = unsupported_reason(hf) if hf is not None else None
+    if reason:
+        out.append(problem("model.path", f"{path!r}: {reason}", "use a Llama or Qwen2 model, or convert yours"))
     if not any(glob.glob(os.path.join(path, g)) for g in WEIGHT_GLOBS):
         out.append(problem("model.path", f"{path!r} has no weights ({' or '.join(WEIGHT_GLOBS)})",
                            "save the model with save_pretrained into that folder"))
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        out.append(problem("model.path", f"{path!r} has no tokenizer (tokenizer.json)",
-                           "save the tokenizer with save_pretrained into the model folder"))
+    elif hf is not None and not reason:
+        out += [problem("model.path", why, "save the model again with save_pretrained (config.json and weights "
+                        "together), or fix config.json to describe the weights") for why in weight_problems(path, hf)]
+    if hf is not None:
+        out += [problem("model.path", why, "save the tokenizer with save_pretrained into the model folder")
+                for why in tokenizer_problems(path, hf)]
     return out
 
 
 def _reward(cfg: RLConfig) -> List[str]:
     from rlmega.rewards.registry import RewardResolveError, resolve
 
+    from rlmega.judgers.validate import SIGNATURE_FIX, signature_problem
+
     try:
-        resolve(cfg.reward.fn)
+        fn = resolve(cfg.reward.fn)
     except RewardResolveError as e:
         return [problem("reward.fn", e.what, e.fix)]
-    return []
+    why = signature_problem(fn, cfg.reward.kwargs)
+    return [problem("reward.fn", why, SIGNATURE_FIX)] if why else []
 
 
-def _data_file(field: str, path: str, prompt_key: str, label_key: str) -> List[str]:
+def _data_file(field: str, path: str, prompt_key: str, label_key: str, section: str = "data") -> List[str]:
     """The file exists, is of the format its name says, and has the configured columns (first row)."""
     if not path:
         return []
@@ -81,7 +93,7 @@ def _data_file(field: str, path: str, prompt_key: str, label_key: str) -> List[s
         return [problem(field, f"prompt file {path!r} does not exist",
                         'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task')]
     suffix = os.path.splitext(path)[1].lower()
-    keys = (("data.prompt_key", prompt_key), ("data.label_key", label_key))
+    keys = ((f"{section}.prompt_key", prompt_key), (f"{section}.label_key", label_key))
     if suffix in PARQUET_SUFFIXES:
         try:
             import pyarrow.parquet as pq
@@ -161,6 +173,53 @@ def _devices_and_cluster(cfg: RLConfig) -> List[str]:
     return out
 
 
+# Lower bounds of what each process of an embedded run takes, measured here: a Python process that has
+# imported torch (every trainer rank and rollout engine) holds 219 MiB before any model; one that has
+# imported ray (agent-loop and judger actors) 66 MiB. A CPU engine adds its KV cache.
+RANK_OR_ENGINE_GIB, ACTOR_GIB = 0.2, 0.064
+# Ray CPUs are reservations: an embedded Ray declares what the roles reserve even past the cores (the
+# tiny CPU layout reserves 2.75 on 2 cores). Past this many per core each process gets too little of one.
+MAX_RESERVED_PER_CORE = 8
+
+
+def _machine_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _machine(cfg: RLConfig) -> List[str]:
+    """An embedded cluster runs every role on this machine: its processes must fit its cores and memory."""
+    if cfg.cluster.address:
+        return []
+    from rlmega.agents.placement import effective_judgers, task_bundles
+    from rlmega.agents.tasks import task_configs
+
+    r, cores, mem = cfg.rollout, os.cpu_count() or 1, _machine_memory_gib()
+    actors = 0
+    for t in task_configs(cfg):
+        loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, cfg.reward, cfg.cluster.reward_cpus))
+        actors += len(loops) + sum(len(inst) for inst in judges)
+    kv = r.kv_cache_space_gb if r.device == "cpu" else 0.0
+    need = ((cfg.parallelism.world_size + r.num_engines) * RANK_OR_ENGINE_GIB + r.num_engines * kv
+            + actors * ACTOR_GIB)
+    out = []
+    what = (f"{cfg.parallelism.world_size} trainer ranks, {r.num_engines} engines"
+            f"{f' with {kv:g} GiB of KV cache each' if kv else ''} and {actors} agent/judger actors")
+    if need > mem:
+        out.append(problem("rollout.num_engines" if r.num_engines * (RANK_OR_ENGINE_GIB + kv) > need / 2
+                           else "agent_loop.num_ray_actors",
+                           f"{what} need at least {need:.1f} GiB, but this machine has {mem:.1f} GiB "
+                           "(the embedded cluster runs them all here)",
+                           "use fewer engines, actors or trainer ranks (or a smaller rollout.kv_cache_space_gb), "
+                           "or attach to a larger cluster with cluster.address"))
+    reserved = roles_cpus(cfg)
+    if reserved > MAX_RESERVED_PER_CORE * cores:
+        out.append(problem("cluster", f"{what} reserve {reserved:g} Ray CPUs, more than {MAX_RESERVED_PER_CORE} "
+                           f"per core of this {cores}-core machine (the embedded cluster runs them all here)",
+                           "use fewer engines, actors or trainer ranks, or attach to a larger cluster with "
+                           "cluster.address"))
+    return out
+
+
 def _torchrun(cfg: RLConfig) -> List[str]:
     """Under torchrun its processes are the trainer ranks (launch/torchrun_group.py): as many as the config's."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -182,9 +241,13 @@ def _torchrun(cfg: RLConfig) -> List[str]:
 
 def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
-    d = cfg.data
-    out = (_model(cfg) + _reward(cfg) + _data_file("data.train_path", d.train_path, d.prompt_key, d.label_key)
-           + _data_file("data.eval_path", d.eval_path, d.prompt_key, d.label_key) + _run_dir(cfg)
-           + _dashboard(cfg) + _devices_and_cluster(cfg) + _torchrun(cfg))
+    from rlmega.agents.tasks import task_configs
+
+    out = _model(cfg) + _reward(cfg)
+    for i, t in enumerate(cfg.tasks or task_configs(cfg)):  # each task's prompt files (the data section's)
+        f, d = (f"tasks[{i}].data" if cfg.tasks else "data"), t.data
+        out += (_data_file(f"{f}.train_path", d.train_path, d.prompt_key, d.label_key, f)
+                + _data_file(f"{f}.eval_path", d.eval_path, d.prompt_key, d.label_key, f))
+    out += _run_dir(cfg) + _dashboard(cfg) + _devices_and_cluster(cfg) + _machine(cfg) + _torchrun(cfg)
     if out:
         raise ConfigError(out)

@@ -54,21 +54,41 @@ def read_model_shape(path: str) -> ModelShape:
     try:
         with open(cfg_file) as f:
             hf = json.load(f)
-        hf = hf.get("text_config", hf) if "num_attention_heads" not in hf else hf  # multimodal wrappers
-        heads, layers, hidden = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError([problem("model.path", f"cannot read the model shape from {cfg_file}: {e!r}",
-                                   "give a config.json with num_attention_heads, num_hidden_layers, hidden_size")])
+    except (OSError, ValueError) as e:
+        raise ConfigError([problem("model.path", f"cannot read {cfg_file}: {e}",
+                                   "give a config.json that is a JSON object, as save_pretrained writes it")])
+    if isinstance(hf, dict) and "num_attention_heads" not in hf and isinstance(hf.get("text_config"), dict):
+        hf = hf["text_config"]  # multimodal wrappers
+    if not isinstance(hf, dict):
+        raise ConfigError([problem("model.path", f"{cfg_file} holds a JSON {type(hf).__name__}, not an object",
+                                   "give a config.json that is a JSON object, as save_pretrained writes it")])
+    bad = [k for k in ("num_attention_heads", "num_hidden_layers", "hidden_size") if not _positive_int(hf.get(k))]
+    bad += [k for k in ("num_key_value_heads", "head_dim") if hf.get(k) is not None and not _positive_int(hf[k])]
+    if bad:
+        raise ConfigError([problem("model.path", f"{cfg_file}: " + ", ".join(f"{k}={hf.get(k)!r}" for k in bad)
+                                   + " (each must be an integer >= 1; num_key_value_heads and head_dim may be null)",
+                                   "fix config.json, e.g. save the model again with save_pretrained")])
+    heads, layers, hidden = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
+    kv = hf.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise ConfigError([problem("model.path", f"{cfg_file}: num_attention_heads={heads} is not a multiple of "
+                                   f"num_key_value_heads={kv} (grouped-query attention shares each KV head "
+                                   "among a whole number of query heads)", "fix config.json")])
     head_dim = hf.get("head_dim")  # some configs store null here: derive it as HF does
     return ModelShape(
         num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        num_key_value_heads=kv,
         num_hidden_layers=layers,
         hidden_size=hidden,
         head_dim=head_dim or hidden // heads,
         head_dim_derived=not head_dim,
-        max_position_embeddings=hf.get("max_position_embeddings"),
+        max_position_embeddings=hf.get("max_position_embeddings") if _positive_int(
+            hf.get("max_position_embeddings")) else None,
     )
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def _divisors(n: int) -> List[int]:
@@ -80,26 +100,44 @@ _Rule = Tuple[str, Callable[[object], bool], str]
 _GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
 _UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 _NONE_OR_GE1 = (lambda v: v is None or v >= 1, "null (automatic) or >= 1")
+# Seeds: numpy's np.random.seed takes < 2**32 (model.seed reaches it on every rank), and offsets are
+# added to the seeds (rank, engine, step x 1_000_003, epoch); 2**31 - 1 leaves them room and fits int32.
+SEED_MAX = 2**31 - 1
+# Counts past which a run is a typo, not a plan (each engine, actor or sample costs memory and a process).
+MAX_ACTORS = 4096
+MAX_SAMPLES_PER_STEP = 2**20  # a step's batch (tokens, masks, log-probs) is held in the driver's memory
+MAX_SYNTHETIC = 10**6  # the synthetic problems are made and tokenized in the driver at start-up
+_SEED = (lambda v: 0 <= v <= SEED_MAX, f"in [0, {SEED_MAX}] (2**31 - 1)")
+
+
+def _upto(hi, lo: int = 1):
+    return (lambda v: lo <= v <= hi, f"in [{lo}, {hi}]")
+
+
 _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("parallelism.tensor_model_parallel_size", _GE1), ("parallelism.pipeline_model_parallel_size", _GE1),
     ("parallelism.virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
-    ("parallelism.world_size", _GE1), ("model.seed", _GE0),
-    ("optimizer.lr", _GE0), ("optimizer.min_lr", _GE0), ("optimizer.weight_decay", _GE0),
+    ("parallelism.world_size", _GE1), ("model.seed", _SEED),
+    # Adam moves each weight by about lr per step: past 1 every update outgrows typical weights.
+    ("optimizer.lr", (lambda v: 0 <= v <= 1, "in [0, 1]")), ("optimizer.min_lr", _GE0),
+    ("optimizer.weight_decay", _GE0),
     ("optimizer.adam_beta1", _UNIT), ("optimizer.adam_beta2", _UNIT), ("optimizer.adam_eps", _GT0),
     ("optimizer.clip_grad", _GE0), ("optimizer.lr_warmup_steps", _GE0),
-    ("rollout.num_engines", _GE1), ("rollout.tensor_parallel_size", _GE1), ("rollout.n", _GE1),
+    ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", _GE1),
+    ("rollout.n", _upto(MAX_ACTORS)),
     ("rollout.temperature", _GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
     ("rollout.top_k", (lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1")),
     ("rollout.max_prompt_tokens", _GE1), ("rollout.max_response_tokens", _GE1),
     ("rollout.kv_cache_space_gb", _GT0), ("rollout.gpu_memory_utilization", (lambda v: 0 < v <= 1, "in (0, 1]")),
-    ("rollout.seed", _GE0),
+    ("rollout.seed", _SEED),
     ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
-    ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _GE1), ("reward.timeout_s", _GT0),
+    ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _upto(MAX_ACTORS, 0)),
+    ("reward.timeout_s", (lambda v: 0 < v <= 86400, "in (0, 86400] (a day)")),
     ("algorithm.rollout_is_cap", (lambda v: v >= 1, ">= 1 (a cap below 1 would shrink on-policy tokens)")),
     ("algorithm.rollout_is_bounds_low", (lambda v: 0 < v <= 1, "in (0, 1] (ratio 1, no mismatch, must be kept)")),
     ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
-    ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or v > 0, "null or > 0")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
+    ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or 0 < v <= 1, "null or in (0, 1]")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
     ("cluster.threads_per_rank", _NONE_OR_GE1), ("cluster.threads_per_engine", _NONE_OR_GE1),
     ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
     ("cluster.gpus_per_node", _GE1), ("cluster.cpu_ranks_per_node", _GE0),
@@ -107,11 +145,52 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
     ("trainer.save_every", _GE0),
     ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),
-    ("data.seed", _GE0), ("data.synthetic_size", _GE1), ("data.synthetic_digits", _GE1),
+    ("data.seed", _SEED), ("data.synthetic_size", _upto(MAX_SYNTHETIC)), ("data.synthetic_digits", _upto(18)),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
     ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
     ("algorithm.max_sampling_rounds", _GE1), ("algorithm.overlong_penalty_factor", _GE0),
 ]]
+
+
+def _number_problems(obj, prefix: str = "") -> List[str]:
+    """Every number anywhere in the config (sections, tasks, judgers) is finite and fits int64: a NaN passes
+    every `v > 0` test, inf every `v >= 0`, and an int past 2**63 fails in torch or numpy mid-run."""
+    out = []
+    items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) \
+        else enumerate(obj) if isinstance(obj, list) else ()
+    for key, v in items:
+        path = f"{prefix}[{key}]" if isinstance(obj, list) else f"{prefix}.{key}" if prefix else key
+        if isinstance(v, float) and not math.isfinite(v):
+            out.append(problem(path, f"{v!r} is not a finite number", f"give {path} a finite value"))
+        elif isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            out.append(problem(path, f"{v} does not fit a 64-bit integer", f"give {path} a smaller value"))
+        elif dataclasses.is_dataclass(v) or isinstance(v, list):
+            out += _number_problems(v, path)
+    return out
+
+
+def _field_of(line: str) -> str:
+    return line.split(":", 1)[0]
+
+
+def _unused_sections(cfg: RLConfig) -> List[str]:
+    """With tasks set, the top-level data and agent_loop sections are not read (each task has its own):
+    a value set there would be silently ignored."""
+    if not cfg.tasks:
+        return []
+    from rlmega.config.schema import AgentLoopConfig, DataConfig
+
+    out = []
+    for section, default in (("data", DataConfig()), ("agent_loop", AgentLoopConfig())):
+        changed = [f.name for f in dataclasses.fields(default)
+                   if getattr(getattr(cfg, section), f.name) != getattr(default, f.name)]
+        if changed:
+            names = ", ".join(f"{section}.{n}" for n in changed)
+            out.append(problem(names, f"set, but tasks is set too: each task has its own {section} and the "
+                               f"top-level {section} section is not used",
+                               f"move the value(s) into each task's {section} (e.g. tasks[0].{section}.{changed[0]}), "
+                               f"or remove tasks"))
+    return out
 
 
 def _get(cfg: RLConfig, dotted: str):
@@ -250,12 +329,14 @@ def validate(cfg: RLConfig) -> None:
     """
     cfg.algorithm.resolve_defaults()
     out = _choice_problems(cfg)
-    bad_ranges = []
+    bad_numbers = _number_problems(cfg)
+    bad_ranges = list(bad_numbers)
     for field, ok, rule in _RANGES:
         value = _get(cfg, field)
-        if not ok(value):
+        if field not in {_field_of(p) for p in bad_numbers} and not ok(value):
             bad_ranges.append(problem(field, f"{value!r} must be {rule}", f"set {field} to a value {rule}"))
     out += bad_ranges
+    out += _unused_sections(cfg)
 
     opt, tr, alg = cfg.optimizer, cfg.trainer, cfg.algorithm
     if opt.min_lr > opt.lr:
@@ -298,10 +379,16 @@ def validate(cfg: RLConfig) -> None:
                            f"{cfg.actor.max_tokens_per_micro_batch} tokens per micro-batch, but one sample may have "
                            f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
                            f"set actor.max_tokens_per_micro_batch >= {longest}, or lower rollout.max_*_tokens"))
+    samples = tr.prompts_per_step * cfg.rollout.n
+    if not bad_ranges and samples > MAX_SAMPLES_PER_STEP:
+        out.append(problem("trainer.prompts_per_step", f"prompts_per_step x rollout.n = {samples} samples per step, "
+                           f"more than {MAX_SAMPLES_PER_STEP} (a step's batch is held in the driver's memory)",
+                           "lower trainer.prompts_per_step or rollout.n"))
     out += _produce_problems(cfg)
     from rlmega.agents.validate import task_problems  # here: rlmega.agents imports this module
 
-    out += task_problems(cfg)
+    # A number already refused as not finite is not reported again by the agent-side checks.
+    out += [p for p in task_problems(cfg) if _field_of(p) not in {_field_of(b) for b in bad_numbers}]
     if not bad_ranges:  # the arithmetic below divides by these sizes
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)

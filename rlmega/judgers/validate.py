@@ -10,6 +10,7 @@ Nothing heavy is imported: no Ray, vLLM or transformers.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -29,6 +30,28 @@ def problem(field: str, what: str, fix: str) -> str:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def signature_problem(fn, kwargs: dict) -> str | None:
+    """Why ``fn`` cannot be called as a reward function ``fn(response_text, label, **kwargs)`` (the
+    contract of rlmega/judgers/native.py), or None. A callable with no inspectable signature (most C
+    builtins) is refused: nothing says it takes those arguments. os.system, say, takes one. A C builtin
+    is refused even with a signature that fits (print(*args) binds anything): none returns a score."""
+    if inspect.isbuiltin(fn):
+        return f"{getattr(fn, '__qualname__', fn)!r} is a builtin, not a reward function"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return f"{getattr(fn, '__qualname__', fn)!r} has no inspectable signature (a builtin?)"
+    try:
+        sig.bind("response", "label", **kwargs)
+    except TypeError as e:
+        shown = f" with keyword arguments {sorted(kwargs)}" if kwargs else ""
+        return f"{getattr(fn, '__qualname__', fn)}{sig} cannot be called as fn(response_text, label){shown}: {e}"
+    return None
+
+
+SIGNATURE_FIX = "point it at a function fn(response_text, label, **kwargs) -> float (see rlmega/rewards/arithmetic.py)"
 
 
 def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
@@ -51,12 +74,18 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
         fn = c.fn or reward_cfg.fn
         via = "" if c.fn else f" (fn is empty, so reward.fn={reward_cfg.fn!r} is used)"
         try:
-            resolve(fn, field=f"{f}.fn")
+            resolved = resolve(fn, field=f"{f}.fn")
         except RewardResolveError as e:
             out.append(problem(f"{f}.fn", e.what + via, e.fix))
+        else:
+            why = signature_problem(resolved, c.kwargs if isinstance(c.kwargs, dict) else {})
+            if why:
+                out.append(problem(f"{f}.fn", why + via, SIGNATURE_FIX))
     if c.kind == "ray":
-        if not (isinstance(c.num_actors, int) and c.num_actors >= 1):
-            out.append(problem(f"{f}.num_actors", f"{c.num_actors!r} is not >= 1",
+        from rlmega.config.validate import MAX_ACTORS  # on use, as `problem` above
+
+        if not (isinstance(c.num_actors, int) and 1 <= c.num_actors <= MAX_ACTORS):
+            out.append(problem(f"{f}.num_actors", f"{c.num_actors!r} is not in [1, {MAX_ACTORS}]",
                                "give at least 1 actor, or kind native to judge in the agent loop's process"))
     if c.kind in ("ray", "model"):
         if not (_number(c.cpus_per_actor) and c.cpus_per_actor >= 0):

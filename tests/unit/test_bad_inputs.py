@@ -6,6 +6,7 @@ real tiny model. ``Roles`` (what starts Ray and every worker) is replaced by a t
 fails the case, so "caught before workers start" is checked, not assumed.
 """
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,45 @@ def env(tmp_path_factory):
         (d / name).write_text(text)
     (d / "config_list.yaml").write_text("- 1\n- 2\n")
     (d / "config_bad.yaml").write_text("trainer: [unclosed\n")
-    return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral)}
+    (d / "config_latin1.yaml").write_bytes(b"trainer:\n  run_dir: caf\xe9\n")  # not UTF-8
+    (d / "config_missing.yaml").write_text("trainer:\n  total_steps: ???\n")
+    (d / "config_tasks_map.yaml").write_text("tasks: {a: 1}\n")
+    return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral),
+            **_broken_models(d, model, cfg)}
+
+
+def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
+    """Copies of the tiny model with one thing wrong each (weights hard-linked where they are unchanged)."""
+    weights = (model / "model.safetensors").read_bytes()
+
+    def variant(name, config=None, drop=(), files=None):
+        out = d / name
+        out.mkdir()
+        for f in model.iterdir():
+            if f.name not in drop and f.name not in (files or {}) and not (config is not None and f.name == "config.json"):
+                os.link(f, out / f.name)
+        if config is not None:
+            (out / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        for fname, data in (files or {}).items():
+            (out / fname).write_bytes(data)
+        return str(out)
+
+    return {
+        "truncated": variant("truncated", files={"model.safetensors": weights[: len(weights) // 2]}),
+        "zeros": variant("zeros", files={"model.safetensors": bytes(len(weights))}),
+        "llama_on_qwen2": variant("llama_on_qwen2", {**cfg, "architectures": ["LlamaForCausalLM"],
+                                                     "model_type": "llama"}),
+        "no_layers": variant("no_layers", {**cfg, "num_hidden_layers": 0}),
+        "neg_kv": variant("neg_kv", {**cfg, "num_key_value_heads": -2}),
+        "vocab_off": variant("vocab_off", {**cfg, "vocab_size": cfg["vocab_size"] + 64}),
+        "hidden_off": variant("hidden_off", {**cfg, "hidden_size": 2 * cfg["hidden_size"]}),
+        "no_tokenizer": variant("no_tokenizer", drop=("tokenizer.json",)),
+        "bad_tokenizer": variant("bad_tokenizer", files={"tokenizer.json": b'{"version": "1.0", "model": '}),
+        "config_array": variant("config_array", "[]"),
+        "zero_heads": variant("zero_heads", {**cfg, "num_attention_heads": 0, "head_dim": None}),
+        "text_heads": variant("text_heads", {**cfg, "num_attention_heads": "2"}),
+        "model_type_only": variant("model_type_only", {k: v for k, v in cfg.items() if k != "architectures"}),
+    }
 
 
 # (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
@@ -148,6 +187,73 @@ CASES = [
     ("bad chat message", ["data.train_path={d}/bad_message_row1.jsonl"], None, "bad_message_row1.jsonl, row 1"),
     ("every prompt too long", ["data.train_path={d}/too_long.jsonl", "rollout.max_prompt_tokens=16"], None,
      "rollout.max_prompt_tokens"),
+    # --- issue 22, item 10: tool limits finite and bounded ---
+    ("tool timeout nan", ["agent_loop.kind=tool", "agent_loop.tool_timeout_s=nan"], None,
+     "agent_loop.tool_timeout_s: nan is not a finite number"),
+    ("tool timeout a day", ["agent_loop.kind=tool", "agent_loop.tool_timeout_s=86400"], None,
+     "agent_loop.tool_timeout_s: 86400.0 is not in (0, 600] s"),
+    ("tool memory 10**8 MB", ["agent_loop.kind=tool", "agent_loop.tool_memory_mb=100000000"], None,
+     "agent_loop.tool_memory_mb: 100000000 is not in [16, 65536] MiB"),
+    # --- issue 22, item 11: numbers finite and bounded, sizes against this machine ---
+    ("inf optimizer.lr", ["optimizer.lr=inf"], None, "optimizer.lr: inf is not a finite number"),
+    ("inf rollout.temperature", ["rollout.temperature=inf"], None, "rollout.temperature: inf is not a finite number"),
+    ("inf algorithm.kl_coef", ["algorithm.kl_coef=inf"], None, "algorithm.kl_coef: inf is not a finite number"),
+    ("inf optimizer.clip_grad", ["optimizer.clip_grad=inf"], None, "optimizer.clip_grad: inf is not a finite number"),
+    ("inf algorithm.clip_eps_high", ["algorithm.clip_eps_high=inf"], None, "algorithm.clip_eps_high: inf is not a finite number"),
+    ("inf algorithm.entropy_coef", ["algorithm.entropy_coef=inf"], None, "algorithm.entropy_coef: inf is not a finite number"),
+    ("inf trainer.warmup_sft_lr", ["trainer.warmup_sft_lr=inf"], None, "trainer.warmup_sft_lr: inf is not a finite number"),
+    ("inf algorithm.overlong_penalty_factor", ["algorithm.overlong_penalty_factor=inf"], None, "algorithm.overlong_penalty_factor: inf is not a finite number"),
+    ("inf reward.timeout_s", ["reward.timeout_s=inf"], None, "reward.timeout_s: inf is not a finite number"),
+    ("inf cluster.num_cpus", ["cluster.num_cpus=inf"], None, "cluster.num_cpus: inf is not a finite number"),
+    ("lr 1e300", ["optimizer.lr=1e300"], None, "optimizer.lr: 1e+300 must be in [0, 1]"),
+    ("a million samples per prompt", ["rollout.n=1000000"], None, "rollout.n: 1000000 must be in [1, 4096]"),
+    ("1000 engines on this machine", ["rollout.num_engines=1000"], None, "rollout.num_engines: 4 trainer ranks, 1000 engines"),
+    ("a million agent actors", ["agent_loop.num_ray_actors=1000000"], None, "agent_loop.num_ray_actors: 1000000 actors"),
+    ("1000 agent actors on this machine", ["agent_loop.num_ray_actors=1000"], None,
+     "agent_loop.num_ray_actors: 4 trainer ranks, 1 engines with 1 GiB of KV cache each and 2000 agent/judger "
+     "actors need at least"),
+    ("agent cpus nan", ["agent_loop.num_ray_actors=1", "agent_loop.cpus_per_actor=nan"], None,
+     "agent_loop.cpus_per_actor: nan is not a finite number"),
+    ("judger cpus nan", ["agent_loop.judgers=[{{kind: ray, cpus_per_actor: nan}}]"], None,
+     "agent_loop.judgers[0].cpus_per_actor: nan is not a finite number"),
+    ("10**12 synthetic problems", ["data.synthetic_size=1000000000000"], None, "data.synthetic_size:"),
+    ("seed 2**70", ["model.seed=1180591620717411303424"], None, "model.seed: 1180591620717411303424 does not fit"),
+    ("seed past numpy's", ["model.seed=4294967296"], None, "model.seed: 4294967296 must be in [0, 2147483647]"),
+    ("rollout seed past 2**31", ["rollout.seed=2147483648"], None, "rollout.seed:"),
+    ("total_steps ??? (override)", ["trainer.total_steps=???"], None, "trainer.total_steps: is ???"),
+    ("total_steps ??? (YAML)", [], "{d}/config_missing.yaml", "trainer.total_steps: is ???"),
+    ("reward fn os.system", ["reward.fn=os.system"], None, "reward.fn: 'system' is a builtin, not a reward function"),
+    ("reward fn a builtin", ["reward.fn=builtins.print"], None, "reward.fn: 'print' is a builtin"),
+    ("reward fn of one argument", ["reward.fn=rlmega.rewards.math.parse_gold"], None,
+     "reward.fn: parse_gold(label) -> 'list' cannot be called as fn(response_text, label)"),
+    ("judger fn os.system", ["agent_loop.judgers=[{{name: j, fn: os.system}}]"], None,
+     "agent_loop.judgers[0].fn: 'system' is a builtin"),
+    ("weights truncated", ["model.path={truncated}"], None, "is not a complete safetensors file: the header describes"),
+    ("weights zero-filled", ["model.path={zeros}"], None, "is not a complete safetensors file: header length 0"),
+    ("llama config on qwen2 weights", ["model.path={llama_on_qwen2}"], None,
+     "a LlamaForCausalLM with this config.json does not have: model.layers.0.self_attn.k_proj.bias"),
+    ("0 layers", ["model.path={no_layers}"], None, "num_hidden_layers=0"),
+    ("negative KV heads", ["model.path={neg_kv}"], None, "num_key_value_heads=-2"),
+    ("vocab disagrees with weights", ["model.path={vocab_off}"], None,
+     "model.embed_tokens.weight [59, 256] (config.json implies [123, 256])"),
+    ("hidden disagrees with weights", ["model.path={hidden_off}"], None, "shape(s) disagree with config.json"),
+    ("no tokenizer.json", ["model.path={no_tokenizer}"], None, "has no tokenizer.json"),
+    ("broken tokenizer.json", ["model.path={bad_tokenizer}"], None, "tokenizer.json cannot be loaded"),
+    # --- issue 22, item 12: tracebacks before, errors now ---
+    ("YAML not UTF-8", [], "{d}/config_latin1.yaml", "config file: "),
+    ("tasks a mapping (YAML)", [], "{d}/config_tasks_map.yaml", "tasks: {'a': 1} is not a list"),
+    ("tasks a mapping (override)", ["tasks={{a: 1}}"], None, "tasks: {'a': 1} is not a list"),
+    ("reward kwargs a list", ["reward.kwargs=[1,2]"], None, "reward.kwargs: [1, 2] is not a mapping"),
+    ("task weight inf", ["tasks=[{{name: a, weight: inf}}]"], None, "tasks[0].weight: inf is not a finite number"),
+    ("config.json a list", ["model.path={config_array}"], None, "config.json holds a JSON list, not an object"),
+    ("0 heads, head_dim null", ["model.path={zero_heads}"], None, "num_attention_heads=0"),
+    ("heads as text", ["model.path={text_heads}"], None, "num_attention_heads='2'"),
+    ("config path a folder", [], "{d}", "is a folder, not a file"),
+    # --- issue 22, item 18: sections that would be silently ignored ---
+    ("data beside tasks", ["tasks=[{{name: a}}]", "data.synthetic_size=100"], None,
+     "data.synthetic_size: set, but tasks is set too"),
+    ("agent_loop beside tasks", ["tasks=[{{name: a}}]", "agent_loop.kind=tool"], None,
+     "agent_loop.kind: set, but tasks is set too"),
 ]
 
 
@@ -159,14 +265,26 @@ def _tripwire(*args, **kwargs):
     raise WorkersWouldStart("Roles was reached: this bad input was not caught before the workers start")
 
 
-@pytest.mark.parametrize("overrides, config, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_fails_before_workers_with_exit_2_and_names_it(env, overrides, config, expected, monkeypatch,
-                                                                 capsys, tmp_path):
+# Found while `rlmega train` loads the prompts (before any worker); `rlmega check-config` reads no rows.
+READS_ROWS = {"bad JSON in row 3", "null label in row 2", "empty prompt in row 2", "bad chat message",
+              "every prompt too long"}
+
+
+@pytest.mark.parametrize("overrides, config, expected, command",
+                         [(*c[1:], cmd) for c in CASES for cmd in ("train", "check-config")
+                          if cmd == "train" or c[0] not in READS_ROWS],
+                         ids=[f"{c[0]}-{cmd}" for c in CASES for cmd in ("train", "check-config")
+                              if cmd == "train" or c[0] not in READS_ROWS])
+def test_bad_input_fails_before_workers_with_exit_2_and_names_it(env, overrides, config, expected, command,
+                                                                 monkeypatch, capsys, tmp_path):
+    """`rlmega train` and `rlmega check-config` (the same checks) both refuse it, with no traceback."""
+    from rlmega.cli import main as cli_main
+
     monkeypatch.setattr(train_mod, "Roles", _tripwire)
     fill = lambda s: s.format(**env)  # noqa: E731
     argv = [fill(config) if config else TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
             "trainer.resume=none", *map(fill, overrides)]
-    rc = train_mod.main(argv)
+    rc = train_mod.main(argv) if command == "train" else cli_main(["check-config", *argv])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert expected in err, err
@@ -174,7 +292,7 @@ def test_bad_input_fails_before_workers_with_exit_2_and_names_it(env, overrides,
 
 
 def test_the_table_is_big_enough():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 120  # the README quotes this table's size
 
 
 def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):

@@ -1,0 +1,169 @@
+"""The files of a model folder, checked against its config.json before any worker starts.
+
+    problems = weight_problems("runs/tiny_model", hf)     # hf: config.json as a dict
+    problems += tokenizer_problems("runs/tiny_model", hf)
+
+Weights: only each ``*.safetensors`` file's header is read (an 8-byte little-endian length, then that
+much JSON), never the tensors, so a multi-GB checkpoint costs milliseconds. The header must be
+well-formed and its offsets must cover the file exactly (a truncated download, or a file of zeros,
+fails here); the tensor names and shapes must be those config.json implies for a Llama or Qwen2
+model (rlmega.config.hf_support), so a config that disagrees with its weights (another family, a
+vocabulary or width that differs, a layer count that differs) is refused naming the first tensors
+that differ. ``pytorch_model*.bin`` weights are pickles: they are not opened here.
+
+Tokenizer: tokenizer.json is parsed with the `tokenizers` library (what transformers' fast tokenizer
+uses), must encode a short text to at least one token and must not emit ids past config.json's
+vocab_size. Without tokenizer.json, the slow tokenizer's files (tokenizer.model, or vocab.json with
+merges.txt) must be there: tokenizer_config.json alone holds no vocabulary.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from typing import Dict, List, Tuple
+
+from rlmega.config.hf_support import architecture
+
+# safetensors' own limit on the JSON header (safetensors/src/tensor.rs, MAX_HEADER_SIZE).
+MAX_HEADER_BYTES = 100_000_000
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+# Buffers some older checkpoints saved, which no loader reads.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SHOWN = 3  # differences named per kind; the rest are counted
+
+
+class HeaderError(ValueError):
+    pass
+
+
+def read_safetensors_header(path: str) -> Dict[str, Tuple[str, List[int]]]:
+    """{tensor name: (dtype, shape)} of one .safetensors file, from its header only; HeaderError
+    when the header is malformed or its offsets do not cover the file exactly."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise HeaderError(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):  # "{}" is the shortest header
+            raise HeaderError(f"header length {n} is impossible for a {size}-byte file (a zero-filled or "
+                              "truncated file, or not safetensors)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HeaderError(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise HeaderError("the header is not a JSON object")
+    out, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, stop) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise HeaderError(f"tensor {name!r} has no dtype, shape and data_offsets") from None
+        count = 1
+        for d in shape:
+            count *= d
+        if dtype in DTYPE_BYTES and stop - begin != count * DTYPE_BYTES[dtype]:
+            raise HeaderError(f"tensor {name!r}: {dtype} {shape} needs {count * DTYPE_BYTES[dtype]} bytes, "
+                              f"its offsets give {stop - begin}")
+        out[name], end = (dtype, shape), max(end, stop)
+    if 8 + n + end != size:
+        raise HeaderError(f"the header describes {8 + n + end} bytes but the file has {size} "
+                          f"({'truncated' if size < 8 + n + end else 'trailing bytes'})")
+    return out
+
+
+def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]]]:
+    """(required, optional) HF tensor names -> shapes that config.json ``hf`` implies for a Llama or
+    Qwen2 model; optional: lm_head.weight of a tied model (some checkpoints store the copy)."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv, hd = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or h // heads
+    vocab, inter = hf["vocab_size"], hf["intermediate_size"]
+    req = {"model.embed_tokens.weight": [vocab, h], "model.norm.weight": [h]}
+    head = {"lm_head.weight": [vocab, h]}
+    opt = head if hf.get("tie_word_embeddings") else {}
+    req.update({} if opt else head)
+    bias = architecture(hf) == "Qwen2ForCausalLM"
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        req.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+                    p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
+                    p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd],
+                    p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+                    p + "mlp.down_proj.weight": [h, inter]})
+        if bias:
+            req.update({p + "self_attn.q_proj.bias": [heads * hd], p + "self_attn.k_proj.bias": [kv * hd],
+                        p + "self_attn.v_proj.bias": [kv * hd]})
+    return req, opt
+
+
+def _listed(names: List[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def weight_problems(path: str, hf: dict) -> List[str]:
+    """Why the folder's safetensors weights cannot be the model config.json describes ([] when they can).
+    Each entry is a sentence for the model.path field."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return []
+    found: Dict[str, Tuple[str, List[int]]] = {}
+    for file in files:
+        try:
+            found.update(read_safetensors_header(file))
+        except (HeaderError, OSError) as e:
+            return [f"{file} is not a complete safetensors file: {e}"]
+    arch = architecture(hf)
+    if arch is None or "intermediate_size" not in hf or "vocab_size" not in hf:
+        return []  # refused (or described) elsewhere; nothing to compare against
+    req, opt = expected_shapes(hf)
+    names = {k for k in found if not k.endswith(IGNORED_SUFFIXES)}
+    out = []
+    missing = [k for k in req if k not in names]
+    extra = sorted(names - set(req) - set(opt))
+    wrong = [f"{k} {found[k][1]} (config.json implies {want})" for k, want in {**req, **opt}.items()
+             if k in found and found[k][1] != want]
+    if missing:
+        out.append(f"the weights lack {len(missing)} tensor(s) a {arch} with this config.json has: {_listed(missing)}")
+    if extra:
+        out.append(f"the weights hold {len(extra)} tensor(s) a {arch} with this config.json does not have: "
+                   f"{_listed(extra)}")
+    if wrong:
+        out.append(f"{len(wrong)} tensor shape(s) disagree with config.json (hidden_size, vocab_size, heads, "
+                   f"intermediate_size): {_listed(wrong)}")
+    return out
+
+
+TOKENIZER_PROBE = "1+2="
+
+
+def tokenizer_problems(path: str, hf: dict) -> List[str]:
+    """Why the folder has no usable tokenizer ([] when it has one). Entries are sentences for model.path."""
+    tj = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tj):
+        slow = os.path.exists(os.path.join(path, "tokenizer.model")) or all(
+            os.path.exists(os.path.join(path, f)) for f in ("vocab.json", "merges.txt"))
+        return [] if slow else [f"{path!r} has no tokenizer.json (nor tokenizer.model, nor vocab.json with "
+                                "merges.txt): tokenizer_config.json alone holds no vocabulary"]
+    from tokenizers import Tokenizer  # the Rust library transformers' fast tokenizers wrap: quick to import
+
+    try:
+        tok = Tokenizer.from_file(tj)
+        ids = tok.encode(TOKENIZER_PROBE, add_special_tokens=False).ids
+    except Exception as e:  # tokenizers raises its own Exception subclass for every parse error
+        return [f"{tj} cannot be loaded: {str(e)[:200]}"]
+    out = []
+    if not ids:
+        out.append(f"{tj} encodes {TOKENIZER_PROBE!r} to no tokens at all")
+    size, vocab = tok.get_vocab_size(with_added_tokens=True), hf.get("vocab_size")
+    if isinstance(vocab, int) and size > vocab:
+        out.append(f"{tj} has {size} tokens but config.json's vocab_size is {vocab}: the larger ids have no "
+                   "embedding row")
+    return out
