@@ -188,6 +188,7 @@ def _main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, [*args.overrides, *(["trainer.resume=auto"] if args.resume else [])])
+        logging.getLogger("rlmega").setLevel(cfg.logging.level)  # every rlmega.* logger of the driver
         preflight(cfg)  # model, reward fn, data files, run dir, devices: before any worker starts
     except ConfigError as e:
         print(f"rlmega: {e}", file=sys.stderr)

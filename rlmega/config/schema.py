@@ -180,7 +180,7 @@ class RewardConfig:
     """Dotted path `package.module.function` of the reward function."""
     num_workers: int = 1
     """Ray actors of the default judger (an agent loop without judgers): reward.fn in each, items to the least
-    loaded; 0 runs it in the agent loop's process."""
+    loaded; 0 runs it in the agent loop's process (a native judger). At most 4096."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the reward function."""
     timeout_s: float = 60.0
@@ -226,7 +226,8 @@ class TrainerConfig:
 @dataclass
 class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Python logging level."""
+    """Level of the driver's rlmega loggers (the `rlmega` logger and its children), set when the config
+    has loaded. Workers' own output goes to their Ray logs."""
     tensorboard: bool = True
     """Write TensorBoard scalars under run_dir."""
     wandb_project: Optional[str] = None
@@ -460,4 +461,6 @@ class RLConfig:
     """The agent loop of the default task (data + agent_loop) when tasks is empty."""
     produce: ProduceConfig = field(default_factory=ProduceConfig)
     tasks: List[TaskConfig] = field(default_factory=list)
-    """Several tasks mixed in each batch by weight; empty: one task "default" from data and agent_loop."""
+    """Several tasks mixed in each batch by weight; empty: one task "default" from data and agent_loop.
+    With tasks set, each task has its own data and agent_loop, and setting the top-level data or
+    agent_loop sections is refused (they would be ignored)."""

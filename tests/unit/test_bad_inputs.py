@@ -303,6 +303,31 @@ def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
                         f"data.train_path={env['d']}/good.jsonl", "trainer.resume=none"])
 
 
+@pytest.mark.parametrize("level", ["WARNING", "DEBUG"])
+def test_logging_level_sets_the_level_of_the_drivers_rlmega_loggers(env, monkeypatch, tmp_path, level):
+    """logging.level acts (issue 22, item 18): rlmega.* loggers of the driver log at that level."""
+    import logging
+
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    root, before = logging.getLogger("rlmega"), logging.getLogger("rlmega").level
+    try:
+        with pytest.raises(WorkersWouldStart):
+            train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
+                            "trainer.resume=none", f"logging.level={level}"])
+        assert logging.getLogger("rlmega.data.prompts").getEffectiveLevel() == getattr(logging, level)
+    finally:
+        root.setLevel(before)
+
+
+def test_a_model_named_only_by_model_type_and_in_process_reward_pass(env, monkeypatch, tmp_path):
+    """A config.json without `architectures` (issue 22 D) and reward.num_workers=0 (documented: the reward
+    runs in the agent loop's process; item 18) are accepted by every check."""
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([TINY, f"model.path={env['model_type_only']}", f"trainer.run_dir={tmp_path / 'run'}",
+                        "trainer.resume=none", "reward.num_workers=0"])
+
+
 def test_under_torchrun_a_wrong_process_count_and_gpu_engines_without_a_cluster_are_refused(env, monkeypatch, capsys,
                                                                                             tmp_path):
     """Rank 0 of a torchrun job: the checks name both problems, and the serving ranks are told to exit."""
