@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rlmega.checkpoint_scan import STEP_DIR as _STEP_DIR
 from rlmega.checkpoint_scan import latest_name, newest_complete, problem, read_common, step_folders
-from rlmega.durable import replace_durably
+from rlmega.durable import fsync_dir, replace_durably
 
 log = logging.getLogger("rlmega")
 
@@ -80,10 +80,13 @@ class RunDir:
 
     def log(self, metrics: dict) -> None:
         """Append one step's metrics (must contain "step")."""
+        created = not self.metrics_path.exists()
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(_clean(metrics), sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if created:  # the new file's name, too
+            fsync_dir(self.path)
         if self._tb is not None:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
