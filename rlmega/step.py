@@ -8,6 +8,8 @@ phase. ``rl_step`` returns the step's metrics (see README for the keys).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import time
 from contextlib import contextmanager
 
@@ -26,6 +28,7 @@ from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff
 
+log = logging.getLogger("rlmega")
 TRUNCATED = ("length", "max_tokens")  # finish reasons of a response cut at its token budget
 
 
@@ -49,6 +52,12 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     groups = produced.groups
     roles.train_phase()  # colocated GPUs: engines sleep, the trainer onloads (no-ops otherwise)
     check_judgements(groups, cfg.reward.on_error)
+    judge_failures = judge_error_counts(groups)  # on_error=zero: failed items scored 0; said, not hidden
+    if judge_failures:
+        log.warning("step %d: a judger failed on %d trajectories, scored 0 (reward.on_error=zero): %s; first: %s",
+                    step + 1, sum(judge_failures.values()), ", ".join(f"{k} {v}" for k, v in judge_failures.items()),
+                    next(x.judge_error for g in groups if g.error is None for x in g.trajectories
+                         if x.judge_error is not None)[:500])
     rollout = rollout_metrics(groups, task_names)
     batch = batch_from_groups(groups)
     if len(batch) == 0:
@@ -99,6 +108,7 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
         "groups_trained": sum(g.error is None for g in groups),
         "reward_errors": rollout["judge_errors"], "generation_failures": produced.stats["generation_failures"],
+        **{f"judge_errors/{k}": v for k, v in judge_failures.items()},
         **rollout, **shaping, **synced,
         **{k: produced.stats[k] for k in ("sampling_rounds", "prompts_drawn", "groups_filtered", "groups_short",
                                           "stale_dropped", "stale_requeued")},
@@ -145,6 +155,23 @@ def evaluate(roles, eval_prompts: dict, max_tokens: int) -> dict:
     out = {f"task/{k}/eval_accuracy": sum(v) / len(v) for k, v in rewards.items() if len(eval_prompts) > 1}
     out["eval_accuracy"] = sum(sum(v) for v in rewards.values()) / max(sum(len(v) for v in rewards.values()), 1)
     return out
+
+
+def judge_error_counts(groups) -> dict:
+    """{judger name: trajectories it failed on} over the groups' kept trajectories, judgers without a
+    failure left out. A trajectory's judge_error joins its judgers' errors, each "judger 'NAME' (kind): why"
+    (rlmega.judgers.base); an error of another form counts under "?"."""
+    counts: dict = {}
+    for g in groups:
+        if g.error is not None:
+            continue
+        for x in g.trajectories:
+            if x.judge_error is None:
+                continue
+            names = set(re.findall(r"judger '([^']*)' \(", x.judge_error)) or {"?"}
+            for name in sorted(names):
+                counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def check_judgements(groups, on_error: str) -> None:

@@ -201,7 +201,11 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _as_config_error(e, "the merged config") from None
-    cfg.algorithm.resolve_defaults()  # null = the policy loss's default; dumped and printed resolved
+    # null = the policy loss's default (rollout_correction: tis when async); dumped and printed resolved
+    cfg.algorithm.resolve_defaults(async_production=cfg.produce.strategy == "async")
+    for task in cfg.tasks or [cfg]:  # a model judge's engine runs where the rollout engines do, unless set
+        for judger in task.agent_loop.judgers:
+            judger.device = judger.device or cfg.rollout.device
     validate(cfg)
     return cfg
 

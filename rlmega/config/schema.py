@@ -128,12 +128,14 @@ class AlgorithmConfig:
     """How per-token losses are reduced to a scalar. null = the policy_loss's published default:
     token-mean for ppo_clip/dual_clip, seq-mean-token-mean for gspo (the paper's sequence-level
     objective). A value you set always wins."""
-    rollout_correction: Literal["none", "tis", "mis_token", "mis_seq"] = "none"
+    rollout_correction: Optional[Literal["none", "tis", "mis_token", "mis_seq"]] = None
     """Correction for the mismatch between the rollout engine's and the trainer's log-probs of the
     same policy (rlmega.algorithms.rollout_correction; needs the rollout log-probs, which vLLM
     returns). "tis": weight each token's policy-gradient loss by min(pi_old/pi_rollout, rollout_is_cap);
     "mis_token": drop tokens whose ratio leaves [rollout_is_bounds_low, rollout_is_bounds_high];
-    "mis_seq": drop whole sequences whose geometric-mean ratio leaves those bounds. "none": off."""
+    "mis_seq": drop whole sequences whose geometric-mean ratio leaves those bounds. "none": off.
+    null: "tis" with produce.strategy=async (its samples come from policies up to max_staleness
+    versions older, which only this ratio corrects), "none" with sync. Resolved when the config loads."""
     rollout_is_cap: float = 2.0
     """TIS cap C on the token ratio pi_old/pi_rollout (>= 1; verl's rollout_is_threshold, 2.0)."""
     rollout_is_bounds_low: float = 0.5
@@ -161,9 +163,12 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = 1.0
     """penalty: the penalty at the budget (DAPO: 1.0)."""
 
-    def resolve_defaults(self) -> "AlgorithmConfig":
+    def resolve_defaults(self, async_production: bool = False) -> "AlgorithmConfig":
         """Fill the fields left null with the policy_loss's published defaults (POLICY_LOSS_DEFAULTS),
-        in place; returns self. Values already set are kept. Idempotent."""
+        and rollout_correction with "tis" when ``async_production`` (produce.strategy=async), else
+        "none"; in place; returns self. Values already set are kept. Idempotent."""
+        if self.rollout_correction is None:
+            self.rollout_correction = "tis" if async_production else "none"
         low, high, agg = POLICY_LOSS_DEFAULTS.get(self.policy_loss, POLICY_LOSS_DEFAULTS["ppo_clip"])
         if self.clip_eps_low is None:
             self.clip_eps_low = low
@@ -327,6 +332,16 @@ class JudgerConfig:
     """model: the judge's prompt; {prompt}, {response} and {label} are filled in."""
     max_tokens: int = 4
     """model: tokens the judge generates (greedy); its reward is parsed from them (see judgers/model.py)."""
+    device: Optional[Literal["cpu", "cuda"]] = None
+    """model: where the judge's engine runs; null = rollout.device. cuda reserves one GPU for it."""
+    max_model_len: Optional[int] = None
+    """model: the judge engine's context in tokens (judge prompt + max_tokens), at most the judge model's
+    max_position_embeddings; null = that, capped at 4096. A longer judge prompt fails that item (counted
+    in judge_errors, and a warning with the count)."""
+    gpu_memory_utilization: float = 0.3
+    """model, device cuda: the share of its GPU the judge's engine may use (vLLM's setting)."""
+    kv_cache_space_gb: float = 1.0
+    """model, device cpu: GiB of host memory for the judge engine's KV cache."""
 
 
 @dataclass

@@ -52,9 +52,9 @@ def make_judger(c: JudgerConfig, reward_cfg: RewardConfig, placement_group=None,
 
         return HttpJudger(c.name, c.url, kwargs=c.kwargs, **common)
     if c.kind == "model":
-        from rlmega.judgers.model import ModelJudger
+        from rlmega.judgers.model import ModelJudger, engine_settings
 
-        engine_kwargs = dict(engine_kwargs or {})
+        engine_kwargs = {**engine_settings(c), **(engine_kwargs or {})}  # the judger's fields, then overrides
         num_gpus = 1.0 if engine_kwargs.get("device") == "cuda" else 0.0
         pg, index = bundles[0] if bundles else (placement_group, -1)
         return ModelJudger(c.name, c.model_path, prompt_template=c.prompt_template, max_tokens=c.max_tokens,
@@ -70,7 +70,7 @@ def build_judger(cfgs: Sequence[JudgerConfig], reward_cfg: RewardConfig, placeme
     """The CompositeJudger of one agent loop. Placement of the ray and model judgers' actors: `bundles`,
     one (placement group, bundle index) per actor in judger order (rlmega.agents.placement.judger_bundles),
     or else `placement_group` (any bundle with room), or else none. `engine_kwargs` go to a model judge's
-    RolloutWorker (device, max_model_len, kv_cache_space_gb, ...; default a CPU engine). ConfigError when
+    RolloutWorker over the judger's own settings (rlmega.judgers.model.engine_settings). ConfigError when
     the list is invalid. If one judger fails to start, those already started are closed first."""
     from rlmega.config.validate import ConfigError
 

@@ -3,6 +3,9 @@
     judger = ModelJudger("judge", "/models/judge", prompt_template="{prompt}{response}\\ncorrect? ",
                          max_tokens=4, engine_kwargs={"device": "cpu", "max_model_len": 512})
 
+From a config, the judger's own fields give the engine (``engine_settings``: device, max_model_len and
+gpu_memory_utilization or kv_cache_space_gb; rlmega.judgers.factory).
+
 For each trajectory the judge is asked `prompt_template.format(prompt=..., response=..., label=...)`
 (a literal brace in the template is written `{{`), tokenized with the judge model's own tokenizer
 (transformers AutoTokenizer), and answers greedily (temperature 0, n=1, at most max_tokens tokens), so
@@ -31,6 +34,29 @@ from rlmega.judgers.verdict import check_template, parse_verdict
 
 _MiB = 1 << 20
 DEFAULT_MAX_MODEL_LEN = 512  # RolloutWorker's default
+
+
+DEFAULT_JUDGE_CONTEXT = 4096  # max_model_len null: the judge model's context, at most this
+
+
+def engine_settings(c) -> dict:
+    """RolloutWorker keyword arguments for judger ``c``'s engine (a JudgerConfig of kind model): its own
+    device and context (device, max_model_len) and the memory setting of that device, so a judge never
+    silently gets RolloutWorker's defaults (a CPU engine of 512 tokens). device null (a config not
+    resolved by load_config, which sets rollout.device): cpu. max_model_len null: the judge model's
+    max_position_embeddings, at most 4096 (a longer context needs a KV cache of its size to start)."""
+    from rlmega.judgers.validate import max_positions
+
+    device = c.device or "cpu"
+    length = c.max_model_len
+    if length is None:
+        length = min(max_positions(c.model_path) or DEFAULT_JUDGE_CONTEXT, DEFAULT_JUDGE_CONTEXT)
+    out = {"device": device, "max_model_len": int(length)}
+    if device == "cuda":
+        out["gpu_memory_utilization"] = float(c.gpu_memory_utilization)
+    else:
+        out["kv_cache_space_gb"] = float(c.kv_cache_space_gb)
+    return out
 
 
 class ModelJudger(Judger):

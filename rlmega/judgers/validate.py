@@ -115,7 +115,51 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
         if not (isinstance(c.max_tokens, int) and c.max_tokens >= 1):
             out.append(problem(f"{f}.max_tokens", f"{c.max_tokens!r} is not >= 1",
                                "give the tokens the judge may generate, e.g. 4"))
+        out += _engine_problems(c, f)
     return out
+
+
+# Beyond any model's context; keeps a typo (4096000) from sizing an engine.
+MAX_JUDGE_MODEL_LEN = 1 << 20
+
+
+def _engine_problems(c: JudgerConfig, f: str) -> list[str]:
+    """A model judge's engine settings (rlmega.judgers.model.engine_settings)."""
+    out = []
+    if c.device not in (None, "cpu", "cuda"):
+        out.append(problem(f"{f}.device", f"{c.device!r} is not a device", "choose cpu or cuda, or null (rollout.device)"))
+    tokens = c.max_tokens if isinstance(c.max_tokens, int) else 1
+    if c.max_model_len is None:
+        pass  # the judge model's own context, capped (rlmega.judgers.model.engine_settings)
+    elif not (isinstance(c.max_model_len, int) and not isinstance(c.max_model_len, bool)
+              and tokens < c.max_model_len <= MAX_JUDGE_MODEL_LEN):
+        out.append(problem(f"{f}.max_model_len", f"{c.max_model_len!r} is not in (max_tokens={tokens}, "
+                           f"{MAX_JUDGE_MODEL_LEN}]", "give the judge engine's context in tokens (judge prompt + "
+                           "max_tokens), e.g. 4096, or null for the judge model's own"))
+    else:
+        limit = max_positions(c.model_path)
+        if limit is not None and c.max_model_len > limit:
+            out.append(problem(f"{f}.max_model_len", f"{c.max_model_len} is more than the judge model's "
+                               f"max_position_embeddings={limit}", f"set it to at most {limit}, or null"))
+    if not (_number(c.gpu_memory_utilization) and 0 < c.gpu_memory_utilization <= 1):
+        out.append(problem(f"{f}.gpu_memory_utilization", f"{c.gpu_memory_utilization!r} is not in (0, 1]",
+                           "give the share of its GPU the judge engine may use, e.g. 0.3"))
+    if not (_number(c.kv_cache_space_gb) and 0 < c.kv_cache_space_gb <= 1024):
+        out.append(problem(f"{f}.kv_cache_space_gb", f"{c.kv_cache_space_gb!r} is not in (0, 1024]",
+                           "give GiB of host memory for the judge engine's KV cache, e.g. 1"))
+    return out
+
+
+def max_positions(model_path: str) -> int | None:
+    """The judge model's max_position_embeddings from its config.json; None when unknown."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
+            value = json.load(fh).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None  # a missing or broken config.json is model_path's own problem
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def validate_judgers(cfgs: Sequence[JudgerConfig], field_prefix: str, reward_cfg: RewardConfig) -> list[str]:
