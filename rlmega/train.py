@@ -53,6 +53,15 @@ def train(cfg: RLConfig) -> RunDir:
     t = cfg.trainer
     run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                  config=dataclasses.asdict(cfg))
+    try:
+        _train(cfg, run)
+    finally:  # the TensorBoard / wandb writers flush and close on errors and interrupts too
+        run.close()
+    return run
+
+
+def _train(cfg: RLConfig, run: RunDir) -> None:
+    t = cfg.trainer
     checkpoint = run.checkpoint_to_resume(t.resume)  # checked complete here, before any worker loads it
     settings = resume_settings(cfg)
     changed = changed_settings(checkpoint, settings) if checkpoint else []
@@ -110,8 +119,6 @@ def train(cfg: RLConfig) -> RunDir:
                 run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
             else:
                 roles.call_actors("export_hf", str(run.path / "hf_final"), True)
-    run.close()
-    return run
 
 
 def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history: list, keep: int,

@@ -143,11 +143,6 @@ class MegatronModelManager:
         )
 
     # ---- stepping ---------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
     def optimizer_step(self, skip_nonfinite: bool = True, lr: float | None = None) -> tuple[bool, float, float]:
         """Clip, step and advance the LR schedule. Returns (updated, grad_norm, lr used).
 
@@ -184,20 +179,6 @@ class MegatronModelManager:
         if ok and scheduled:
             self.scheduler.step(increment=1)
         return bool(ok), grad_norm, lr
-
-    def make_data_iterator_list(self, data_iterator, padding: bool = False, vpp_size: int | None = None):
-        """Megatron's data contract: one iterator, or with VPP one per chunk over the same micro-batches.
-
-        ``padding`` right-pads every micro-batch (dicts of (b, t, ...) tensors) with zeros to the
-        longest t among them, for schedules that need one sequence length for all micro-batches.
-        """
-        vpp_size = self.vpp if vpp_size is None else vpp_size
-        micro = list(data_iterator)
-        if padding:
-            micro = _pad_to_longest(micro)
-        if vpp_size > 1:
-            return [iter(micro) for _ in range(vpp_size)]
-        return iter(micro)
 
     # ---- offload (each kind separately; see offload.py) --------------------------------------
     def _offload(self, kind: str, tensors) -> None:
@@ -245,17 +226,3 @@ class MegatronModelManager:
 
     def unwrapped(self) -> list[GPTModel]:
         return [unwrap(c) for c in self.model]
-
-
-def _pad_to_longest(micro: list[dict]) -> list[dict]:
-    longest = max(t.shape[1] for mb in micro for t in mb.values() if torch.is_tensor(t) and t.dim() > 1)
-    out = []
-    for mb in micro:
-        padded = {}
-        for k, t in mb.items():
-            if torch.is_tensor(t) and t.dim() > 1 and t.shape[1] < longest:
-                pad = t.new_zeros(t.shape[0], longest - t.shape[1], *t.shape[2:])
-                t = torch.cat([t, pad], dim=1)
-            padded[k] = t
-        out.append(padded)
-    return out
