@@ -1,8 +1,10 @@
 """Checks of a valid config against this machine, run before any worker starts.
 
 ``validate`` (run by ``load_config``) checks that a config is consistent in itself; ``preflight``
-checks that it can run HERE: the model folder, the reward function, the data files, the run
-folder, the dashboard address, the devices and the embedded Ray's size. ``rlmega train`` and
+checks that it can run HERE: the model folder (config.json, safetensors headers and tokenizer against
+each other: rlmega/config/model_files.py), the reward function (importable, and its signature), the
+data files, the run folder, the dashboard address, the devices, the embedded Ray's size, and whether
+the embedded cluster's processes fit this machine's memory and cores. ``rlmega train`` and
 ``rlmega check-config`` run both, so a mistake costs seconds, not a cluster start-up.
 
     cfg = load_config("configs/tiny_cpu.yaml")
@@ -194,15 +196,18 @@ def _machine(cfg: RLConfig) -> List[str]:
     from rlmega.agents.tasks import task_configs
 
     r, cores, mem = cfg.rollout, os.cpu_count() or 1, _machine_memory_gib()
+    # Under torchrun only this node's ranks run here (the engines and actors on the embedded Ray do).
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallelism.world_size)) \
+        if "TORCHELASTIC_RUN_ID" in os.environ else cfg.parallelism.world_size
     actors = 0
     for t in task_configs(cfg):
         loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, cfg.reward, cfg.cluster.reward_cpus))
         actors += len(loops) + sum(len(inst) for inst in judges)
     kv = r.kv_cache_space_gb if r.device == "cpu" else 0.0
-    need = ((cfg.parallelism.world_size + r.num_engines) * RANK_OR_ENGINE_GIB + r.num_engines * kv
+    need = ((ranks + r.num_engines) * RANK_OR_ENGINE_GIB + r.num_engines * kv
             + actors * ACTOR_GIB)
     out = []
-    what = (f"{cfg.parallelism.world_size} trainer ranks, {r.num_engines} engines"
+    what = (f"{ranks} trainer ranks, {r.num_engines} engines"
             f"{f' with {kv:g} GiB of KV cache each' if kv else ''} and {actors} agent/judger actors")
     if need > mem:
         out.append(problem("rollout.num_engines" if r.num_engines * (RANK_OR_ENGINE_GIB + kv) > need / 2

@@ -243,7 +243,7 @@ def test_data_config_section_and_checks(tmp_path):
     assert RLConfig().data == DataConfig()
     cfg = load_config(None, ["data.synthetic_size=10", "data.on_bad_row=skip"])
     assert cfg.data.synthetic_size == 10 and cfg.data.on_bad_row == "skip"
-    with pytest.raises(ConfigError, match="data.synthetic_size: 0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"data.synthetic_size: 0 must be in \[1, 1000000\]"):
         load_config(None, ["data.synthetic_size=0"])
     with pytest.raises(ConfigError, match="data.on_bad_row"):
         load_config(None, ["data.on_bad_row=ignore"])
