@@ -21,12 +21,12 @@ from rlmega.agents.metrics import rollout_metrics, staleness_metrics
 from rlmega.agents.produce import group_requests
 from rlmega.agents.sft import sft_example
 from rlmega.agents.tasks import task_configs
-from rlmega.agents.trajectory import batch_from_groups, kept_trajectories
+from rlmega.agents.trajectory import batch_from_groups, kept_trajectories, staleness
 from rlmega.algorithms import dapo
 from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
-from rlmega.sync.parity import logprob_diff
+from rlmega.sync.parity import logprob_diff, on_policy_diff
 
 log = logging.getLogger("rlmega")
 TRUNCATED = ("length", "max_tokens")  # finish reasons of a response cut at its token budget
@@ -92,6 +92,9 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)
         synced = producer.sync(step + 1)
     parity = logprob_diff(batch.rollout_logprobs, old, batch.response_mask)
+    # The guard's measure: only samples the current weights made must agree (async ones may be stale).
+    fresh = on_policy_diff(batch.rollout_logprobs, old, batch.response_mask,
+                           [staleness(x, step) == 0 for _, x in kept_trajectories(groups)])
     tokens = batch.num_tokens()
     t["time_step"] = time.perf_counter() - start
     t["time_generate"] = produced.stats["time_generate"]  # the batch's own production, overlapped or not
@@ -106,6 +109,7 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
                                                              "rollout_is_truncated", "rollout_is_masked")},
         "lr": train[-1]["lr"], "skipped_steps": sum(m["skipped"] for m in train),
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
+        "parity_max": fresh["max"], "parity_samples": fresh["samples"],
         "groups_trained": sum(g.error is None for g in groups),
         "reward_errors": rollout["judge_errors"], "generation_failures": produced.stats["generation_failures"],
         **{f"judge_errors/{k}": v for k, v in judge_failures.items()},

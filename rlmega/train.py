@@ -32,6 +32,7 @@ from rlmega.megatron.checkpoint import CheckpointSpaceError
 from rlmega.profiling import profiled
 from rlmega.runs import ResumeError, RunDir, changed_settings, resume_settings
 from rlmega.step import evaluate, rl_step, sft_batch
+from rlmega.sync.parity import ParityError, ParityGuard
 from rlmega.stopping import StopRequest
 from rlmega.judgers.base import RewardError
 
@@ -92,6 +93,8 @@ def _train(cfg: RLConfig, run: RunDir) -> None:
             producer.advance(start)
             bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
             done = saved = start
+            r = cfg.rollout
+            guard = ParityGuard(cfg.model.dtype, r.parity_warn, r.parity_stop, r.top_p, r.top_k)
             for step in bar:
                 if stop.requested() or roles.manager.should_stop():
                     roles.manager.set_should_stop(True)  # the producer polls it: no new batch starts
@@ -110,8 +113,11 @@ def _train(cfg: RLConfig, run: RunDir) -> None:
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.2e}",
                                 **({"eval": f"{metrics['eval_accuracy']:.3f}"} if "eval_accuracy" in metrics else {}))
                 done = step + 1
-                if t.save_every and (done % t.save_every == 0 or done == t.total_steps):
+                halt = guard(metrics)  # warns past rollout.parity_warn; a reason to stop past parity_stop
+                if halt or t.save_every and (done % t.save_every == 0 or done == t.total_steps):
                     saved = save(roles, run, done, data, producer, history, t.keep_last_checkpoints, settings)
+                if halt:
+                    raise ParityError(f"{halt}. Checkpoint of step {done}: {run.latest_checkpoint()}")
                 producer.advance(done)  # the engines hold weights `done`: the schedule's next batches may start
             if done < t.total_steps:  # stopped on request: keep every finished step, then leave
                 if done > saved:
@@ -202,7 +208,7 @@ def _main(argv=None) -> int:
         return EXIT_INPUT
     try:
         run = train(cfg)
-    except RewardError as e:  # reward.on_error=fail and a judger failed (the driver judges in process too)
+    except (RewardError, ParityError) as e:  # reward.on_error=fail and a judger failed; the parity guard
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_RUNTIME
     except (InputError, ClusterError, ResumeError) as e:  # ClusterError: too few nodes, or folders the nodes do not share

@@ -130,6 +130,8 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("rollout.max_prompt_tokens", _GE1), ("rollout.max_response_tokens", _GE1),
     ("rollout.kv_cache_space_gb", _GT0), ("rollout.gpu_memory_utilization", (lambda v: 0 < v <= 1, "in (0, 1]")),
     ("rollout.seed", _SEED),
+    ("rollout.parity_warn", (lambda v: v is None or v > 0, "null (the dtype's default) or > 0")),
+    ("rollout.parity_stop", (lambda v: v is None or v > 0, "null (the dtype's default) or > 0")),
     ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
     ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
     ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _upto(MAX_ACTORS, 0)),
@@ -339,6 +341,10 @@ def validate(cfg: RLConfig) -> None:
     out += _unused_sections(cfg)
 
     opt, tr, alg = cfg.optimizer, cfg.trainer, cfg.algorithm
+    warn, stop = cfg.rollout.parity_warn, cfg.rollout.parity_stop
+    if warn is not None and stop is not None and not bad_ranges and warn > stop:
+        out.append(problem("rollout.parity_warn", f"parity_warn={warn} exceeds parity_stop={stop}: the run would "
+                           "stop before it warns", "set rollout.parity_warn <= rollout.parity_stop"))
     if opt.min_lr > opt.lr:
         out.append(problem("optimizer.min_lr", f"min_lr={opt.min_lr} exceeds lr={opt.lr}",
                            "set optimizer.min_lr <= optimizer.lr"))

@@ -295,3 +295,21 @@ def test_single_turn_agent_loop_trains_exactly_as_the_batched_rollout_did(model,
     golden = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
     got = _metrics(run)
     assert [{k: g[k] for k in want} for want, g in zip(golden, got)] == golden
+
+
+def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path):
+    """The sync after step 2 sends nothing (rlmega.testing.faults): step 3 samples from step 2's weights
+    while the trainer holds step 3's. The guard must checkpoint and stop there, naming the numbers."""
+    run = tmp_path / "skipped_sync"
+    cmd = _cmd(model, run, 5, NO_WARM_START, "trainer.save_every=0", "optimizer.lr=1e-2")
+    cmd[1:3] = ["-m", "rlmega.testing.faults", "2"]  # python -m rlmega.testing.faults VERSION CONFIG ...
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-4000:]
+    metrics = _metrics(run)
+    print("parity_max per step:", [m["parity_max"] for m in metrics])
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["parity_max"] <= 5e-6 and m["parity_samples"] > 0 for m in metrics[:2])
+    assert metrics[2]["parity_max"] > 1e-2  # rollout.parity_stop's float32 default
+    assert "step 3: the engine's log-probs" in out.stderr and "rollout.parity_stop=0.01" in out.stderr, out.stderr[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
