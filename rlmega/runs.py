@@ -254,6 +254,16 @@ def resume_settings(cfg) -> dict:
 
 def changed_settings(checkpoint: str | Path, now: dict) -> list[str]:
     """"field: saved -> now" for each of ``now`` that differs from what the checkpoint recorded
-    (nothing for a checkpoint from before the record was kept)."""
+    (nothing for a checkpoint from before the record was kept). Raises ResumeError for a change a
+    resume cannot honour."""
     saved = read_common(checkpoint)["meta"]["extra"].get("settings") or {}
-    return [f"{k}: {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    fixed = [f"{k}={changed[k][0]}" for k in sorted(_FIXED_ON_RESUME & changed.keys())]
+    if fixed:
+        raise ResumeError(f"{checkpoint} was saved with {', '.join(fixed)}, which a resume cannot change (the "
+                          f"optimizer state on disk is laid out by it). Fix: set {', '.join(fixed)} again")
+    return [f"{k}: {was} -> {v}" for k, (was, v) in changed.items()]
+
+
+# The optimizer state's layout on disk follows these (measured: both directions fail to load).
+_FIXED_ON_RESUME = {"optimizer.use_distributed_optimizer"}

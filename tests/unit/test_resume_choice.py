@@ -130,6 +130,10 @@ def test_a_resume_says_which_settings_changed(run):
     now = {"optimizer.lr": 2e-5, "trainer.total_steps": 4, "optimizer.min_lr": 0.0}
     assert changed_settings(d, now) == ["optimizer.lr: 1e-05 -> 2e-05"]
     assert changed_settings(run.checkpoints / "step_00000002", now) == []  # no record: nothing claimed
+    # the distributed optimizer's state does not load into the plain one, nor the reverse: refused by name
+    d = _checkpoint(run.checkpoints, 8, settings={"optimizer.use_distributed_optimizer": True})
+    with pytest.raises(ResumeError, match="optimizer.use_distributed_optimizer=True again"):
+        changed_settings(d, {"optimizer.use_distributed_optimizer": False})
 
 
 def test_saving_over_a_step_keeps_a_complete_checkpoint_through_a_crash(run, monkeypatch):
