@@ -21,6 +21,7 @@ grace period, when any rank dies).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import queue
@@ -30,7 +31,10 @@ import time
 import traceback
 from typing import Any
 
+from rlmega.launch.bound_store import BOUND_ENV
 from rlmega.launch.worker_group import WorkerGroupError
+
+log = logging.getLogger("rlmega")
 
 # How rank 0 authenticates to Ray; the serving ranks connect the same way.
 RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -139,6 +143,10 @@ class TorchrunGroup:
             raise RuntimeError(f"torchrun started {world_size()} processes but parallelism.world_size is "
                                f"{world_size_}: start torchrun with --nnodes x --nproc-per-node = {world_size_}")
         self.world_size, self.timeout_s = world_size_, timeout_s
+        if os.environ.get(BOUND_ENV) != "1":
+            log.warning("torchrun's key-value stores listen on every interface with no authentication, and "
+                        "they carry the ranks' commands (pickles): launch with `python -m rlmega.launch.torchrun` "
+                        "(the same arguments) to keep them on this group's address (README, Launching)")
         self.store, self.k = _store(), 0
         self._host = _Host()
         # One thread runs every local call: the CUDA device a rank binds to is per thread.

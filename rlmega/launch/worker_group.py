@@ -5,7 +5,8 @@
     group.call("setup")                              # same call on every rank, results in rank order
     lp = group.call("compute_logprobs", batch)[0]    # every rank returns the same full result
 
-Rank 0's node address and a free port on it become MASTER_ADDR/MASTER_PORT; each actor gets
+Rank 0's node address (127.0.0.1 when every rank is on its node) and a free port on it become
+MASTER_ADDR/MASTER_PORT; each actor gets
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE before the worker object is built. A call that raises on any rank
 raises here with that rank named; a dead actor becomes WorkerGroupError instead of a hang.
 """
@@ -81,6 +82,8 @@ class WorkerGroup:
         # Nodes are told apart by Ray node id: simulated nodes of one machine share an IP.
         self.node_ids = [a[2] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
         nodes = self.node_ids
+        if len(set(nodes)) == 1:  # rank 0's store then listens on loopback only (runtime.init_distributed)
+            master = ("127.0.0.1", master[1])
         local = [sum(1 for n in nodes[:r] if n == nodes[r]) for r in range(world_size)]
         per_node = [nodes.count(nodes[r]) for r in range(world_size)]
         self._get([h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})

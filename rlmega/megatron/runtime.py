@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from rlmega.launch.bound_store import BoundTCPStore
 from rlmega.megatron.cpu_support import enable_cpu_execution
 
 
@@ -101,7 +102,17 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store (rlmega.launch.torchrun makes it listen on MASTER_ADDR only)
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # Rank 0 hosts the store, as env:// would, but listening on MASTER_ADDR only (the launcher gives
+    # 127.0.0.1 to a one-node group): torch's own server listens on every interface, with no auth.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = BoundTCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
+                          timeout=timeout, multi_tenant=True)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def set_seeds(seed: int) -> None:

@@ -25,6 +25,9 @@ class Probe:
     def count(self) -> int:
         return self.calls
 
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
     def fail(self, rank: int) -> None:
         if self.rank == rank:
             raise ValueError(f"rank {rank} fails on purpose")

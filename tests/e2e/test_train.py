@@ -97,7 +97,8 @@ def test_profile_steps_write_a_trace_per_rank_and_engine(straight):
     assert not (straight / "profile" / "step_1").exists() and not list((straight / "profile" / "engines").iterdir())
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+# torchrun whose stores listen on loopback only (rlmega/launch/torchrun.py), as the README launches it
+TORCHRUN = [sys.executable, "-m", "rlmega.launch.torchrun", "--standalone", "--nproc-per-node"]
 
 
 def _same_numbers(a: dict, b: dict) -> dict:
@@ -128,9 +129,10 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp
 
 
 def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_path):
-    run = tmp_path / "resumed"
+    run, tag = tmp_path / "resumed", f"driver-killed-{os.getpid()}"
     proc = subprocess.Popen(_cmd(model, run, 4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, start_new_session=True)
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "RLMEGA_TEST_TAG": tag},
+                            start_new_session=True)
     deadline = time.monotonic() + 500
     try:  # kill -9 once step 3 is logged: the step-2 checkpoint exists, step 3 is past it
         while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 3):
@@ -139,6 +141,14 @@ def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_pat
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        killed_at = time.monotonic()
+    # Nothing the run started outlives it: Ray's processes, the engine, every rank's children (issue 22)
+    leaked = _left_behind(tag, within_s=30.0)
+    print(f"{len(leaked)} processes of the killed run left {time.monotonic() - killed_at:.1f}s after the kill")
+    names = [_cmdline(p) for p in leaked]
+    for p in leaked:  # a failing run still cleans up after itself
+        _kill(p)
+    assert not leaked, f"processes left behind: {names}"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     _run(_cmd(model, run, 4, "--resume"))
     got, want = _metrics(run), _metrics(straight)
@@ -225,6 +235,20 @@ def _left_behind(tag: str, within_s: float = 5.0) -> set[int]:
     while (left := _tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()[:100]
+    except OSError:
+        return b"(gone)"
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _tagged_processes(tag: str) -> set[int]:

@@ -27,6 +27,15 @@ def test_call_rank0_runs_everywhere_and_returns_rank_0s_answer(local_ray):
         group.shutdown()
 
 
+def test_ranks_on_one_node_meet_on_loopback(local_ray):
+    # rank 0's store listens on MASTER_ADDR only (tests/multiproc/test_store_binding.py): here, loopback
+    group = WorkerGroup(Probe, 2, args=("w",), num_cpus=0.1)
+    try:
+        assert group.call("env", "MASTER_ADDR") == ["127.0.0.1", "127.0.0.1"]
+    finally:
+        group.shutdown()
+
+
 def test_roles_thread_split_and_its_overrides(local_ray):
     import os
 

@@ -1,0 +1,89 @@
+"""The trainer group's key-value stores listen on the address the group uses only (issue 22, item 7).
+
+torch's TCPStore server listens on every interface with no auth, and the stores carry pickles. A
+one-node group's stores must listen on 127.0.0.1 alone: under rlmega's torchrun (both of the agent's
+stores) and for a group rlmega starts itself (rank 0's store, runtime.init_distributed). Sockets are
+read with psutil, i.e. from /proc/net/tcp{,6}.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rlmega.launch.bound_store import BoundTCPStore
+from rlmega.testing.multiproc import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A torchrun job's rank 0 reports where its agent (its parent, torchrun) listens.
+AGENT_PROBE = """
+import json, os, psutil, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    agent = psutil.Process().parent()
+    print(json.dumps({"master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])],
+                      "listening": [[c.laddr.ip, c.laddr.port] for c in agent.net_connections(kind="inet")
+                                    if c.status == psutil.CONN_LISTEN]}), flush=True)
+dist.barrier()
+"""
+
+
+def _listening(pid: int) -> list[list]:
+    return [[c.laddr.ip, c.laddr.port] for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_rlmega_torchrun_on_one_node_listens_on_loopback_only(tmp_path):
+    (tmp_path / "probe.py").write_text(AGENT_PROBE)
+    out = subprocess.run([sys.executable, "-m", "rlmega.launch.torchrun", "--standalone", "--nproc-per-node", "2",
+                          str(tmp_path / "probe.py")], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["master"][0] == "127.0.0.1"
+    assert [a for a, _ in seen["listening"]] == ["127.0.0.1", "127.0.0.1"], seen  # rendezvous + shared store
+    assert seen["master"][1] in [p for _, p in seen["listening"]]
+
+
+def _rank0_store():
+    from rlmega.megatron.runtime import init_distributed
+
+    init_distributed()
+    import torch.distributed as dist
+
+    port = int(os.environ["MASTER_PORT"])
+    found = [ip for ip, p in _listening(os.getpid()) if p == port] if dist.get_rank() == 0 else None
+    dist.barrier()
+    return found
+
+
+def test_a_group_rlmega_starts_listens_on_master_addr_only():
+    # run_on_ranks gives MASTER_ADDR=127.0.0.1, as the Ray launcher does for ranks on one node
+    assert run_on_ranks(_rank0_store, 2, timeout_s=120)[0] == ["127.0.0.1"]
+
+
+def test_a_group_that_spans_nodes_refuses_a_store_on_loopback():
+    BoundTCPStore.refuse_loopback = True
+    try:
+        with pytest.raises(RuntimeError, match="resolves to loopback on this node.*Fix: pass this node's network address"):
+            BoundTCPStore("localhost", 0, is_master=True)
+    finally:
+        BoundTCPStore.refuse_loopback = False
+
+
+def test_a_store_for_several_nodes_listens_on_the_nodes_address_only():
+    import socket
+
+    ips = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not ips:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    BoundTCPStore.refuse_loopback = True  # as rlmega.launch.torchrun sets it for a run that spans nodes
+    try:
+        store = BoundTCPStore(ips[0], 0, is_master=True, wait_for_workers=False)
+        assert [ip for ip, p in _listening(os.getpid()) if p == store.port] == [ips[0]]
+    finally:
+        BoundTCPStore.refuse_loopback = False
