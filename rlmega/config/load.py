@@ -133,7 +133,21 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
     if bad:
         fix = "write overrides as section.field=value, e.g. trainer.total_steps=10"
         raise ConfigError([problem("override", f"{o!r} is not of the form key=value", fix) for o in bad])
-    return OmegaConf.from_dotlist(list(overrides))
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except (OmegaConfBaseException, yaml.YAMLError) as e:  # a value that is not YAML, e.g. "a.b=[" or "[???]"
+        # Name the override: parse each alone (the first that fails is the culprit).
+        for o in overrides:
+            try:
+                OmegaConf.from_dotlist([o])
+            except (OmegaConfBaseException, yaml.YAMLError) as one:
+                e = one
+                break
+        else:
+            o = ", ".join(overrides)
+        what = str(e).replace("\n", " ")[:200]
+        raise ConfigError([problem(o.split("=", 1)[0].strip(), f"the override {o!r} is not a YAML value ({what})",
+                                   "quote the value, or write a list as [a, b] and a mapping as {k: v}")]) from None
 
 
 _LIST_SECTIONS = {"tasks"}  # top-level keys that hold a list of sections, not one section

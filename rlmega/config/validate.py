@@ -141,7 +141,7 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
     ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or 0 < v <= 1, "null or in (0, 1]")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
     ("cluster.threads_per_rank", _NONE_OR_GE1), ("cluster.threads_per_engine", _NONE_OR_GE1),
-    ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or v > 0, "null (all cores) or > 0")),
+    ("cluster.reward_cpus", _GT0), ("cluster.num_cpus", (lambda v: v is None or 0 < v <= 10**6, "null (all cores) or in (0, 10**6]")),
     ("cluster.gpus_per_node", _GE1), ("cluster.cpu_ranks_per_node", _GE0),
     ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),

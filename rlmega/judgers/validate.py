@@ -87,7 +87,7 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
         if not (isinstance(c.num_actors, int) and 1 <= c.num_actors <= MAX_ACTORS):
             out.append(problem(f"{f}.num_actors", f"{c.num_actors!r} is not >= 1" if not (
                 isinstance(c.num_actors, int) and c.num_actors > MAX_ACTORS) else f"{c.num_actors} is more than {MAX_ACTORS}",
-                               "give at least 1 actor, or kind native to judge in the agent loop's process"))
+                               f"give 1 to {MAX_ACTORS} actors, or kind native to judge in the agent loop's process"))
     if c.kind in ("ray", "model"):
         if not (_number(c.cpus_per_actor) and c.cpus_per_actor >= 0):
             out.append(problem(f"{f}.cpus_per_actor", f"{c.cpus_per_actor!r} is not >= 0",

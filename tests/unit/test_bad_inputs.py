@@ -249,6 +249,10 @@ CASES = [
     ("0 heads, head_dim null", ["model.path={zero_heads}"], None, "num_attention_heads=0"),
     ("heads as text", ["model.path={text_heads}"], None, "num_attention_heads='2'"),
     ("config path a folder", [], "{d}", "is a folder, not a file"),
+    ("override not YAML", ["trainer.total_steps=["], None, "trainer.total_steps: the override"),
+    ("cluster cpus 1e300", ["cluster.num_cpus=1e300"], None, "cluster.num_cpus: 1e+300 must be"),
+    ("judger with 10**5 actors", ["agent_loop.judgers=[{{kind: ray, num_actors: 100000}}]"], None,
+     "agent_loop.judgers[0].num_actors: 100000 is more than 4096"),
     # --- issue 22, item 18: sections that would be silently ignored ---
     ("data beside tasks", ["tasks=[{{name: a}}]", "data.synthetic_size=100"], None,
      "data.synthetic_size: set, but tasks is set too"),
@@ -292,7 +296,7 @@ def test_bad_input_fails_before_workers_with_exit_2_and_names_it(env, overrides,
 
 
 def test_the_table_is_big_enough():
-    assert len(CASES) >= 120  # the README quotes this table's size
+    assert len(CASES) >= 128  # the README quotes this table's size
 
 
 def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
