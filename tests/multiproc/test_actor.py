@@ -426,6 +426,8 @@ def _short_batch_body(path, tp, pp, vpp, world):
     old = m.pop("old_logprobs")
     after = actor.compute_logprobs(one)
     weights = [p.detach().clone() for p in offload.model_params(actor.policy.model)]
+    actor.advance_lr_schedule(2)  # what rlmega.step does when a short batch took fewer optimizer steps
+    m["schedule_steps"] = actor.policy.scheduler.num_steps
     actor.teardown()
     return m, before, old, after, weights
 
@@ -437,6 +439,7 @@ def test_a_batch_shorter_than_the_data_parallel_group_trains_as_on_one_rank(hf_m
                                                  timeout_s=300)[0]
     results = run_on_ranks(_short_batch_body, world, args=(hf_model, tp, pp, vpp, world), timeout_s=300)
     assert m1["tokens"] > 0 and m1["grad_norm"] > 0
+    assert m1["schedule_steps"] == 3  # one optimizer step taken, two moved on
     assert (after1[0] - before1[0]).abs().max() > 1e-3  # the step moved the policy
     for rank, (m, before, old, after, _) in enumerate(results):
         _assert_same_run([m], [m1], f"{name} rank {rank}")
