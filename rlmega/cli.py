@@ -2,7 +2,7 @@
 
     rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py); --resume continues from
                                                  the newest complete checkpoint, trainer.resume=PATH from a named one
-    rlmega check-config CONFIG [key=value ...]   validate a config (and that it can run here), print it resolved
+    rlmega check-config CONFIG [key=value ...]   validate a config, that it can run here and its prompts; print it resolved
     rlmega demo [--steps N] [--run-dir DIR] [key=value ...]   the `make demo` job (see the README)
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
 """
@@ -22,6 +22,15 @@ def _check_config(args) -> int:
         preflight(cfg)
     except ConfigError as e:
         print(f"rlmega: {e}", file=sys.stderr)
+        return 2
+    try:  # the prompts, tokenized as `rlmega train` does before any worker: bad rows are named too
+        from transformers import AutoTokenizer
+
+        from rlmega.agents.tasks import Tasks
+
+        Tasks(cfg, AutoTokenizer.from_pretrained(cfg.model.path))
+    except (ValueError, OSError) as e:  # what train reports as "prompt data: ..." (exit code 2)
+        print(f"rlmega: prompt data: {e}", file=sys.stderr)
         return 2
     print(dump_config(cfg), end="")
     return 0
