@@ -1,6 +1,8 @@
 """Trainer ranks as torchrun processes: rank 0 runs the driver loop, the other ranks serve it.
 
-    torchrun --nnodes N --nproc-per-node K -m rlmega.train CONFIG [key=value ...]
+    python -m rlmega.launch.torchrun --nnodes N --nproc-per-node K -m rlmega.train CONFIG [key=value ...]
+
+(torchrun itself works too, but its stores then listen on every interface: see launch/torchrun.py.)
 
 Rollout engines and reward workers still run on Ray (rank 0 starts an embedded one, or attaches to
 ``cluster.address``). Where Roles would start a Ray ``WorkerGroup`` of trainer actors, under torchrun
