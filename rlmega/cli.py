@@ -2,7 +2,7 @@
 
     rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py); --resume continues from
                                                  the newest complete checkpoint, trainer.resume=PATH from a named one
-    rlmega check-config CONFIG [key=value ...]   validate a config, that it can run here and its prompts; print it resolved
+    rlmega check-config CONFIG [key=value ...]   validate a config, that it runs here, its prompts; print it
     rlmega demo [--steps N] [--run-dir DIR] [key=value ...]   the `make demo` job (see the README)
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
 """

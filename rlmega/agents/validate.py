@@ -40,7 +40,8 @@ def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
 
         for name, ok, span in (
                 ("tool_timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"(0, {MAX_TIMEOUT_S:g}] s"),
-                ("tool_memory_mb", lambda v: MIN_MEMORY_MB <= v <= MAX_MEMORY_MB, f"[{MIN_MEMORY_MB}, {MAX_MEMORY_MB}] MiB")):
+                ("tool_memory_mb", lambda v: MIN_MEMORY_MB <= v <= MAX_MEMORY_MB,
+                 f"[{MIN_MEMORY_MB}, {MAX_MEMORY_MB}] MiB")):
             v = getattr(loop, name)
             if not (_finite(v) and ok(v)):
                 out.append(problem(f"{field}.{name}", f"{v!r} is not in {span}", f"set {field}.{name} within {span}"))

@@ -85,8 +85,9 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
         from rlmega.config.validate import MAX_ACTORS  # on use, as `problem` above
 
         if not (isinstance(c.num_actors, int) and 1 <= c.num_actors <= MAX_ACTORS):
-            out.append(problem(f"{f}.num_actors", f"{c.num_actors!r} is not >= 1" if not (
-                isinstance(c.num_actors, int) and c.num_actors > MAX_ACTORS) else f"{c.num_actors} is more than {MAX_ACTORS}",
+            many = isinstance(c.num_actors, int) and c.num_actors > MAX_ACTORS
+            out.append(problem(f"{f}.num_actors", f"{c.num_actors} is more than {MAX_ACTORS}" if many
+                               else f"{c.num_actors!r} is not >= 1",
                                f"give 1 to {MAX_ACTORS} actors, or kind native to judge in the agent loop's process"))
     if c.kind in ("ray", "model"):
         if not (_number(c.cpus_per_actor) and c.cpus_per_actor >= 0):
