@@ -7,7 +7,8 @@ every m steps -> log -> checkpoint every k steps.
 ``trainer.resume=auto`` (or ``--resume``) continues from RUN_DIR's latest checkpoint exactly;
 ``trainer.resume=PATH`` starts from that checkpoint (of this run or another).
 
-Under ``torchrun --nproc-per-node K -m rlmega.train CONFIG ...`` the trainer ranks are torchrun's
+Under ``python -m rlmega.launch.torchrun --standalone --nproc-per-node K -m rlmega.train CONFIG ...``
+(torchrun with its stores on loopback; plain ``torchrun`` works too) the trainer ranks are torchrun's
 processes: rank 0 runs this driver loop, the others serve its calls (launch/torchrun_group.py).
 """
 from __future__ import annotations
