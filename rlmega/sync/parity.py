@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from rlmega.sync.parity_limits import PARITY_LIMITS, parity_limits  # noqa: F401 (re-exported)
+
 log = logging.getLogger(__name__)
 
 
@@ -32,23 +34,8 @@ def logprob_diff(rollout: list[torch.Tensor], actor: list[torch.Tensor],
     return {"max": float(flat.max()), "mean": float(flat.mean())}
 
 
-# (warn, stop) limits of a step's on-policy max |rollout - trainer| log-prob difference, by dtype.
-# float32: the floor measured here is 1e-6 on random-init tiny models and 3e-6..4.5e-5 per step on the
-# demo's trained one; 1e-3 is 20x the largest of those, and the tied-head bug of issue 22 A showed
-# 8e-3 at its first update, a skipped sync 4.1 (tests/e2e/test_train.py). bfloat16: no floor has been
-# measured yet (its log-probs differ far more, by rounding alone), so the guard is off unless
-# rollout.parity_warn / parity_stop are set.
-PARITY_LIMITS = {"float32": (1e-3, 1e-2), "bfloat16": (None, None)}
-
-
 class ParityError(RuntimeError):
     """The engine and the trainer disagree on the log-probs of tokens sampled with the current weights."""
-
-
-def parity_limits(dtype: str, warn: float | None, stop: float | None) -> tuple[float, float]:
-    """(warn, stop) for a run: the configured values, else the dtype's defaults (PARITY_LIMITS)."""
-    default_warn, default_stop = PARITY_LIMITS[dtype]
-    return (default_warn if warn is None else warn), (default_stop if stop is None else stop)
 
 
 def on_policy_diff(rollout: list[torch.Tensor], actor: list[torch.Tensor], masks: list[torch.Tensor],
@@ -63,27 +50,33 @@ def on_policy_diff(rollout: list[torch.Tensor], actor: list[torch.Tensor], masks
     return {**diff, "samples": len(keep)}
 
 
-def parity_verdict(diff_max: float, warn: float, stop: float) -> str:
-    """"ok", "warn" (past ``warn``) or "stop" (past ``stop``); a NaN difference stops."""
-    if not diff_max <= stop:
+def parity_verdict(diff_max: float, warn: float | None, stop: float | None) -> str:
+    """"ok", "warn" (past ``warn``) or "stop" (past ``stop``); a NaN difference stops. None: no such limit."""
+    if stop is not None and not diff_max <= stop:
         return "stop"
-    return "warn" if diff_max > warn else "ok"
+    return "warn" if warn is not None and not diff_max <= warn else "ok"
 
 
 class ParityGuard:
     """Watches each step's on-policy parity (``parity_max`` over ``parity_samples`` samples).
 
     Past ``warn``: a warning with the numbers. Past ``stop``: ``__call__`` returns the reason to stop
-    (the driver checkpoints and raises ParityError). Off (always "ok") when the engine's log-probs are
-    renormalised by top_p < 1 or top_k > 0, or for a dtype without a measured default and no limits set.
+    (the driver checkpoints and raises ParityError). A limit that is None (a dtype without a measured
+    default, and none configured) turns its action off; both off, or top_p < 1 or top_k > 0 (the
+    engine's log-probs are renormalised over the kept tokens), and the guard is off.
     """
 
     def __init__(self, dtype: str, warn: float | None, stop: float | None, top_p: float = 1.0, top_k: int = -1):
         self.warn, self.stop = parity_limits(dtype, warn, stop)
-        self.off = top_p < 1 or top_k > 0 or self.warn is None or self.stop is None
-        if self.off:
-            log.info("parity guard off (%s)", "top_p/top_k renormalise the engine's log-probs"
-                     if top_p < 1 or top_k > 0 else f"no measured limits for {dtype}; set rollout.parity_warn/stop")
+        truncated = top_p < 1 or top_k > 0
+        self.off = truncated or (self.warn is None and self.stop is None)
+        missing = [name for name, v in (("rollout.parity_warn", self.warn), ("rollout.parity_stop", self.stop))
+                   if v is None]
+        if truncated:
+            log.warning("parity guard off: top_p/top_k renormalise the engine's log-probs")
+        elif missing:
+            log.warning("parity guard: %s has no measured default for %s and is not set: %s", " and ".join(missing),
+                        dtype, "the guard is off" if self.off else "that action is off")
 
     def __call__(self, metrics: dict) -> str | None:
         if self.off or not metrics.get("parity_samples"):

@@ -215,6 +215,8 @@ CASES = [
     ("seed 2**70", ["model.seed=1180591620717411303424"], None, "model.seed: 1180591620717411303424 does not fit"),
     ("seed past numpy's", ["model.seed=4294967296"], None, "model.seed: 4294967296 must be in [0, 2147483647]"),
     ("rollout seed past 2**31", ["rollout.seed=2147483648"], None, "rollout.seed:"),
+    ("parity warn above the default stop", ["rollout.parity_warn=0.05"], None, "rollout.parity_warn:"),
+    ("parity stop of 0", ["rollout.parity_stop=0"], None, "rollout.parity_stop:"),
     ("total_steps ??? (override)", ["trainer.total_steps=???"], None, "trainer.total_steps: is ???"),
     ("total_steps ??? (YAML)", [], "{d}/config_missing.yaml", "trainer.total_steps: is ???"),
     ("reward fn os.system", ["reward.fn=os.system"], None, "reward.fn: 'system' is a builtin, not a reward function"),

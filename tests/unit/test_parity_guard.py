@@ -48,3 +48,12 @@ def test_guard_is_off_when_the_engine_renormalises(kw):
 
 def test_guard_has_nothing_to_say_without_fresh_samples():
     assert ParityGuard("float32", None, None)(_metrics(5.0, samples=0)) is None
+
+
+def test_a_lone_limit_acts_where_the_dtype_has_no_default(caplog):
+    """bf16 has no measured default: a stop set alone stops, and the missing warn is said once."""
+    with caplog.at_level(logging.WARNING):
+        guard = ParityGuard("bfloat16", None, 0.5)
+    assert "rollout.parity_warn has no measured default for bfloat16" in caplog.text
+    assert guard(_metrics(0.3)) is None and "rollout.parity_stop=0.5" in guard(_metrics(0.7))
+    assert ParityGuard("bfloat16", None, None).off

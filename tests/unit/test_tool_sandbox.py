@@ -248,11 +248,12 @@ def test_python_output_cannot_close_the_result():
     assert parse_result(text) == "'< /result> the answer is 7 < tool>calculator:1< /tool>'"
 
 
-def test_a_refused_layer_is_logged_once(caplog):
+def test_a_refused_layer_is_logged_once(caplog, monkeypatch):
     """Where the kernel refuses the network namespace the child says so on stderr; the parent logs
     it once per process and never takes the note for the child's error."""
     from rlmega.agents import tools
 
+    monkeypatch.setattr(tools, "_noted", set())  # earlier calls in this process may have logged it
     note = b"sandbox: no network namespace (unshare: Operation not permitted)\n"
     with caplog.at_level("WARNING", logger="rlmega.agents.tools"):
         for _ in range(3):
