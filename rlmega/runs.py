@@ -10,8 +10,8 @@
 On resume the metrics file is rewritten (write, fsync, rename, fsync the folder) from the history
 stored in the checkpoint, so steps logged after the last checkpoint by a killed run do not appear
 twice. A metrics file cut inside a line (disk full, power loss) is cut back to its last newline when
-the run folder is opened. trainer.resume=auto resumes from the newest *complete* checkpoint
-(checkpoint_scan.py); trainer.resume=none refuses a folder that already holds a run.
+the run folder is opened. trainer.resume=auto resumes from the checkpoint `latest` names when it is complete, else
+from the newest *complete* one (checkpoint_scan.py); trainer.resume=none refuses a folder that already holds a run.
 """
 from __future__ import annotations
 
@@ -130,8 +130,8 @@ class RunDir:
         """trainer.resume -> the complete checkpoint to start from, checked before any worker loads it.
 
         "none": None, but refused (ResumeError) when this folder already holds a run, whose metrics a
-        fresh start would mix with its own. "auto": the newest complete checkpoint here (a warning
-        when that is not the one ``latest`` names); None when nothing was ever saved; ResumeError
+        fresh start would mix with its own. "auto": the one ``latest`` names when it is complete, else
+        the newest complete checkpoint here (with a warning); None when nothing was ever saved; ResumeError
         when checkpoints exist but none is complete. A path: ``find_checkpoint``, which wins over
         this run's own checkpoints.
         """
@@ -149,8 +149,12 @@ class RunDir:
                 return find_checkpoint(resume)
             except FileNotFoundError as e:
                 raise ResumeError(f"trainer.resume={resume}: {e}") from None
-        found, skipped = newest_complete(self.checkpoints)
         named = latest_name(self.checkpoints)
+        if named and (self.checkpoints / named).is_dir() and problem(self.checkpoints / named) is None:
+            # `latest` wins when complete: a newer step folder may be an abandoned branch (a named resume
+            # into this folder from an older step), or a save whose `latest` was never written (redone).
+            return self.checkpoints / named
+        found, skipped = newest_complete(self.checkpoints)
         if found is None:
             if skipped:
                 raise ResumeError(

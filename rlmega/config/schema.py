@@ -221,8 +221,8 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     """Folder for checkpoints, logs and the resolved config."""
     resume: str = "none"
-    """"none": start fresh (refused where run_dir already holds a run); "auto": continue from run_dir's
-    newest complete checkpoint if there is one (a log line when that is not the one `latest` names);
+    """"none": start fresh (refused where run_dir already holds a run); "auto": continue from the checkpoint
+    run_dir's `latest` names when it is complete, else from the newest complete one (with a log line);
     a path: start from exactly that checkpoint (a checkpoints/step_N folder, or a checkpoints folder
     whose newest complete step is used), also one of another run; later checkpoints are written to
     run_dir. Prompt order and metrics history continue from the checkpoint; optimizer.* and

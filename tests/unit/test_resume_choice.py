@@ -74,10 +74,12 @@ def test_auto_resumes_the_newest_complete_checkpoint_whatever_latest_says(run, p
     assert "step_00000004" in caplog.text
 
 
-def test_auto_takes_a_complete_step_newer_than_latest(run):
-    # a crash after the rename and before `latest` was rewritten: step 6 is complete
+def test_a_complete_latest_wins_over_a_newer_step_folder(run):
+    # step 6 may be an abandoned branch: this folder resumed from step 4 by name after a run reached 6
     _checkpoint(run.checkpoints, 6)
     (run.checkpoints / "latest").write_text("step_00000004")
+    assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000004"
+    _truncate(_shard(run.checkpoints / "step_00000004"), 100)  # a damaged latest: the newest complete one
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000006"
 
 
