@@ -40,6 +40,33 @@ def _clean(metrics: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
 
+def earlier_run(path: str | Path) -> str | None:
+    """What shows an earlier run in the run folder ``path`` (metrics lines, checkpoints), or None."""
+    path = Path(path)
+    held = []
+    metrics = path / "metrics.jsonl"
+    if metrics.exists():
+        lines = sum(1 for line in metrics.read_text(errors="replace").splitlines() if line.strip())
+        if lines:
+            held.append(f"{lines} lines in metrics.jsonl")
+    steps = step_folders(path / "checkpoints")
+    if steps:
+        held.append("checkpoints " + ", ".join(p.name for p in reversed(steps)))
+    return ", ".join(held) or None
+
+
+def refuse_a_held_folder(path: str | Path) -> None:
+    """trainer.resume=none: ResumeError when ``path`` already holds a run. Called by the driver before
+    RunDir opens the folder, so a refused start (a second trainer by mistake) changes nothing in it."""
+    held = earlier_run(path)
+    if held:
+        raise ResumeError(
+            f"trainer.resume=none, but trainer.run_dir={Path(path).absolute()} already holds a run ({held}); a "
+            "fresh start there would mix the two runs' metrics and overwrite its checkpoints. Fix: continue it "
+            "with --resume (trainer.resume=auto), or start over in a new trainer.run_dir (or delete "
+            f"{Path(path).absolute()})")
+
+
 class RunDir:
     def __init__(self, path: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
                  config: dict | None = None):
@@ -136,13 +163,7 @@ class RunDir:
         this run's own checkpoints.
         """
         if resume == "none":
-            held = self.earlier_run()
-            if held:
-                raise ResumeError(
-                    f"trainer.resume=none, but trainer.run_dir={self.path} already holds a run ({held}); a fresh "
-                    "start there would mix the two runs' metrics and overwrite its checkpoints. Fix: continue it "
-                    "with --resume (trainer.resume=auto), or start over in a new trainer.run_dir (or delete "
-                    f"{self.path})")
+            refuse_a_held_folder(self.path)
             return None
         if resume != "auto":
             try:
@@ -175,15 +196,7 @@ class RunDir:
 
     def earlier_run(self) -> str | None:
         """What shows an earlier run in this folder (metrics lines, checkpoints), or None."""
-        held = []
-        if self.metrics_path.exists():
-            lines = sum(1 for line in self.metrics_path.read_text().splitlines() if line.strip())
-            if lines:
-                held.append(f"{lines} lines in metrics.jsonl")
-        steps = step_folders(self.checkpoints)
-        if steps:
-            held.append("checkpoints " + ", ".join(p.name for p in reversed(steps)))
-        return ", ".join(held) or None
+        return earlier_run(self.path)
 
     def prune_checkpoints(self, keep: int) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints (never the latest one)."""

@@ -31,7 +31,7 @@ from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.megatron.checkpoint import CheckpointSpaceError
 from rlmega.profiling import profiled
-from rlmega.runs import ResumeError, RunDir, changed_settings, resume_settings
+from rlmega.runs import ResumeError, RunDir, changed_settings, refuse_a_held_folder, resume_settings
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.sync.parity import ParityError, ParityGuard
 from rlmega.stopping import StopRequest
@@ -53,6 +53,8 @@ class InputError(RuntimeError):
 
 def train(cfg: RLConfig) -> RunDir:
     t = cfg.trainer
+    if t.resume == "none":
+        refuse_a_held_folder(t.run_dir)  # before RunDir repairs metrics or opens writers there
     run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                  config=dataclasses.asdict(cfg))
     try:

@@ -161,3 +161,19 @@ def test_saving_over_a_step_keeps_a_complete_checkpoint_through_a_crash(run, mon
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000002"
     checkpoint._move_into_place(partial, final)  # the next save of that step goes through
     assert problem(final) is None and torch.load(final / "common.pt")["meta"]["step"] == 99
+
+
+def test_a_refused_fresh_start_leaves_the_held_folder_untouched(run, tmp_path):
+    # a second trainer started by mistake (resume=none, the default) on a folder whose run is writing:
+    # refused before anything opens the folder, so its half-written last line and files stay as they are
+    from rlmega.config.schema import RLConfig
+    from rlmega.train import train
+
+    run.metrics_path.write_text('{"step": 1}\n{"step": 2, "lo')
+    before = sorted(p.name for p in run.path.rglob("*"))
+    cfg = RLConfig()
+    cfg.trainer.run_dir, cfg.trainer.resume = str(run.path), "none"
+    with pytest.raises(ResumeError, match="already holds a run"):
+        train(cfg)
+    assert run.metrics_path.read_text() == '{"step": 1}\n{"step": 2, "lo'
+    assert sorted(p.name for p in run.path.rglob("*")) == before
