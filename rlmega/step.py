@@ -27,6 +27,7 @@ from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff, on_policy_diff
+from rlmega.workers.engine_errors import engine_death_in
 
 log = logging.getLogger("rlmega")
 TRUNCATED = ("length", "max_tokens")  # finish reasons of a response cut at its token budget
@@ -61,8 +62,10 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     rollout = rollout_metrics(groups, task_names)
     batch = batch_from_groups(groups)
     if len(batch) == 0:
+        died = next((d for g in groups if g.error for d in [engine_death_in(g.error)] if d), None)
         raise RuntimeError(f"step {step + 1}: every group was dropped ({[g.error for g in groups][:3]} ...): "
-                           "the engines fail every request; see the engine logs")
+                           "the engines fail every request: " + (died or "see the engine logs (Ray's worker logs "
+                                                                   "under /tmp/ray/session_latest/logs/)"))
     generated = batch  # the metrics report the judges' rewards and every sampled token, before any shaping
     batch, shaping = shape_overlong(batch, [(g.task, x) for g, x in kept_trajectories(groups)], cfg)
     n_mini = mini_batch_count(len(batch), cfg.trainer.global_batch_size)  # optimizer steps in this RL step

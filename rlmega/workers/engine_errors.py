@@ -22,6 +22,15 @@ class EngineDied(RuntimeError):
     """The engine core process died; the message names its root cause and where its log is."""
 
 
+_DIED = re.compile(r"the vLLM engine core died: [^\n\\]*")
+
+
+def engine_death_in(text: str) -> str | None:
+    """An ``EngineDied`` message inside another error's text (a failed request's repr, a Ray traceback)."""
+    m = _DIED.search(text)
+    return m.group(0) if m else None
+
+
 def engine_root_cause(log_text: str) -> str | None:
     """The last exception an engine core logged, as ``"Type: message (in fn, file:line)"``; None if none.
 

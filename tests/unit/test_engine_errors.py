@@ -35,3 +35,13 @@ def test_engine_died_reads_the_cause_from_the_log(tmp_path):
     other.write_text("unrelated\n")
     msg = str(engine_died(RuntimeError("dead"), [str(other), str(log)]))
     assert "CPU Generator does not use offset" in msg and f"engine log: {log}" in msg
+
+
+def test_an_engine_death_is_found_inside_a_failed_requests_text():
+    from rlmega.workers.engine_errors import engine_death_in
+
+    err = ("GenerationFailed('generation failed 3 times: RayTaskError(EngineDied)(\"ray::RolloutWorker.generate_one()"
+           " ... EngineDied: the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)\\n"
+           "more\")')")
+    assert engine_death_in(err) == "the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)"
+    assert engine_death_in("generation failed 3 times: TimeoutError()") is None
