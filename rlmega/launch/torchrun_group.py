@@ -33,7 +33,7 @@ import time
 import traceback
 from typing import Any
 
-from rlmega.launch.bound_store import BOUND_ENV
+from rlmega.bound_store import BOUND_ENV
 from rlmega.launch.worker_group import WorkerGroupError
 
 log = logging.getLogger("rlmega")

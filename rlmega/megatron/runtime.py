@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from rlmega.launch.bound_store import BoundTCPStore
+from rlmega.bound_store import BoundTCPStore
 from rlmega.megatron.cpu_support import enable_cpu_execution
 
 

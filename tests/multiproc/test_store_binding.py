@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlmega.launch.bound_store import BoundTCPStore
+from rlmega.bound_store import BoundTCPStore
 from rlmega.testing.multiproc import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
