@@ -2,14 +2,10 @@
 task mix. Called by rlmega.config.validate; each problem names the field and the fix."""
 from __future__ import annotations
 
-import math
 import os
 
+from rlmega.config.finite import finite_number
 from rlmega.config.validate import MAX_ACTORS, problem
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
@@ -43,12 +39,12 @@ def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
                 ("tool_memory_mb", lambda v: MIN_MEMORY_MB <= v <= MAX_MEMORY_MB,
                  f"[{MIN_MEMORY_MB}, {MAX_MEMORY_MB}] MiB")):
             v = getattr(loop, name)
-            if not (_finite(v) and ok(v)):
+            if not (finite_number(v) and ok(v)):
                 out.append(problem(f"{field}.{name}", f"{v!r} is not in {span}", f"set {field}.{name} within {span}"))
     if loop.num_ray_actors > MAX_ACTORS:
         out.append(problem(f"{field}.num_ray_actors", f"{loop.num_ray_actors} actors, more than {MAX_ACTORS}",
                            f"use at most {MAX_ACTORS} (each actor is a process with its own judgers)"))
-    if not (_finite(loop.cpus_per_actor) and loop.cpus_per_actor > 0) and loop.num_ray_actors > 0:
+    if not (finite_number(loop.cpus_per_actor) and loop.cpus_per_actor > 0) and loop.num_ray_actors > 0:
         out.append(problem(f"{field}.cpus_per_actor", f"{loop.cpus_per_actor}", "set cpus_per_actor > 0"))
     if loop.memory_mb_per_actor < 0:
         out.append(problem(f"{field}.memory_mb_per_actor", f"{loop.memory_mb_per_actor}", "set it >= 0 (0: none)"))
@@ -70,7 +66,7 @@ def task_problems(cfg) -> list[str]:
         if not t.name or t.name in names:
             out.append(problem(f"{f}.name", f"{t.name!r} is empty or used by an earlier task", "give each task its own name"))
         names.add(t.name)
-        if not (_finite(t.weight) and t.weight >= 0):
+        if not (finite_number(t.weight) and t.weight >= 0):
             out.append(problem(f"{f}.weight", f"{t.weight} is not a finite number >= 0",
                                "give each task a finite weight >= 0"))
         out += agent_loop_problems(t.agent_loop, f"{f}.agent_loop", cfg.rollout, cfg.reward)
@@ -80,7 +76,7 @@ def task_problems(cfg) -> list[str]:
                 out.append(problem(f"{f}.data.{key}", f"prompt file {path!r} does not exist",
                                    'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
     weights = [t.weight for t in cfg.tasks]
-    if not all(_finite(w) for w in weights):
+    if not all(finite_number(w) for w in weights):
         pass  # named above; the shares below divide by their sum
     elif not sum(weights) > 0:
         out.append(problem("tasks", f"the task weights {weights} do not sum to a positive number",

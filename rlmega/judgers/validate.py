@@ -11,10 +11,10 @@ Nothing heavy is imported: no Ray, vLLM or transformers.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from collections.abc import Sequence
 
+from rlmega.config.finite import finite_number
 from rlmega.config.schema import JUDGER_KINDS, JudgerConfig, RewardConfig
 from rlmega.judgers.verdict import check_template
 from rlmega.rewards.registry import RewardResolveError, resolve
@@ -26,10 +26,6 @@ def problem(field: str, what: str, fix: str) -> str:
     from rlmega.config.validate import problem as config_problem
 
     return config_problem(field, what, fix)
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def signature_problem(fn, kwargs: dict) -> str | None:
@@ -61,10 +57,10 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
     if not isinstance(c.name, str) or not c.name or "/" in c.name:
         out.append(problem(f"{f}.name", f"{c.name!r} is not a usable name",
                            "give a non-empty name without '/' (scores are named <judger>/<score>)"))
-    if not (_number(c.timeout_s) and c.timeout_s > 0):
+    if not (finite_number(c.timeout_s) and c.timeout_s > 0):
         out.append(problem(f"{f}.timeout_s", f"{c.timeout_s!r} is not > 0",
                            "give the seconds one trajectory's judging may take, e.g. 60"))
-    if not (_number(c.weight) and c.weight >= 0):
+    if not (finite_number(c.weight) and c.weight >= 0):
         out.append(problem(f"{f}.weight", f"{c.weight!r} is not a number >= 0",
                            "give a weight >= 0 (0 computes and logs the score without rewarding it)"))
     if not isinstance(c.kwargs, dict):
@@ -90,7 +86,7 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
                                else f"{c.num_actors!r} is not >= 1",
                                f"give 1 to {MAX_ACTORS} actors, or kind native to judge in the agent loop's process"))
     if c.kind in ("ray", "model"):
-        if not (_number(c.cpus_per_actor) and c.cpus_per_actor >= 0):
+        if not (finite_number(c.cpus_per_actor) and c.cpus_per_actor >= 0):
             out.append(problem(f"{f}.cpus_per_actor", f"{c.cpus_per_actor!r} is not >= 0",
                                "give the Ray CPUs each actor reserves, e.g. 0.25"))
         if not (isinstance(c.memory_mb_per_actor, int) and c.memory_mb_per_actor >= 0):
@@ -143,10 +139,10 @@ def _engine_problems(c: JudgerConfig, f: str) -> list[str]:
         if limit is not None and c.max_model_len > limit:
             out.append(problem(f"{f}.max_model_len", f"{c.max_model_len} is more than the judge model's "
                                f"max_position_embeddings={limit}", f"set it to at most {limit}, or null"))
-    if not (_number(c.gpu_memory_utilization) and 0 < c.gpu_memory_utilization <= 1):
+    if not (finite_number(c.gpu_memory_utilization) and 0 < c.gpu_memory_utilization <= 1):
         out.append(problem(f"{f}.gpu_memory_utilization", f"{c.gpu_memory_utilization!r} is not in (0, 1]",
                            "give the share of its GPU the judge engine may use, e.g. 0.3"))
-    if not (_number(c.kv_cache_space_gb) and 0 < c.kv_cache_space_gb <= 1024):
+    if not (finite_number(c.kv_cache_space_gb) and 0 < c.kv_cache_space_gb <= 1024):
         out.append(problem(f"{f}.kv_cache_space_gb", f"{c.kv_cache_space_gb!r} is not in (0, 1024]",
                            "give GiB of host memory for the judge engine's KV cache, e.g. 1"))
     return out
@@ -179,7 +175,7 @@ def validate_judgers(cfgs: Sequence[JudgerConfig], field_prefix: str, reward_cfg
         else:
             seen[c.name] = i
     weights = [c.weight for c in cfgs]
-    if cfgs and all(_number(w) and w >= 0 for w in weights) and not sum(weights) > 0:
+    if cfgs and all(finite_number(w) and w >= 0 for w in weights) and not sum(weights) > 0:
         out.append(problem(f"{field_prefix}", f"the weights {weights} sum to {sum(weights):g}",
                            "give at least one judger a weight > 0 (the reward divides by their sum)"))
     return out
