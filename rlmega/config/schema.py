@@ -257,6 +257,13 @@ class LoggingConfig:
 
 @dataclass
 class ActorConfig:
+    backend: Literal["megatron", "fsdp"] = "megatron"
+    """The learner: megatron (megatron-core: tensor, pipeline and data parallelism over the Llama/Qwen2
+    mapping) or fsdp (torch FSDP2 over any Hugging Face causal LM: data parallelism, parameters sharded
+    over parallelism.world_size ranks; tensor/pipeline sizes must be 1). Everything else is the same."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (less
+    memory, ~1/3 more compute). fsdp only; megatron runs without recomputation."""
     max_tokens_per_micro_batch: int = 2048
     """Token budget of one packed micro-batch (several sequences share a row, no padding)."""
     offload_optimizer: bool = False
