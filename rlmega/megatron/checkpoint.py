@@ -6,16 +6,15 @@ Layout under a checkpoint root:
     latest                  the newest complete step, written by rename after the save finished
 
 Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it, renames it and
-then updates ``latest`` (fsynced), so a crash at any point leaves a complete checkpoint to load.
+then updates ``latest`` (fsynced), so a crash at any point leaves a complete checkpoint to load
+(rlmega/checkpoint_files.py, shared with the FSDP backend).
 Model weights reshard on load (save at TP2, load at PP2); optimizer state and RNG state are
 restored when the layout is the same. RNG state is per rank (Python, NumPy, torch, CUDA,
 Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
 """
 from __future__ import annotations
 
-import errno
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,12 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from rlmega.durable import fsync_dir, fsync_tree, replace_durably
+# The root's files (step_N, .partial, latest, disk-full handling) are backend-neutral; the names are
+# re-exported here for existing callers (train.py imports CheckpointSpaceError from this module).
+from rlmega.checkpoint_files import (  # noqa: F401
+    CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, start_save,
+    step_dir, undo_failed_save,
+)
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
 from rlmega.megatron.save_results import use_in_process_queue
@@ -84,19 +88,6 @@ def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None)
     return sd
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    pointer = Path(root) / "latest"
-    if not pointer.exists():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if path.is_dir() else None
-
-
 def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None,
          extra_models: dict[str, list] | None = None) -> Path:
     """Save everything for ``step`` under ``root`` (collective: every rank calls it).
@@ -105,11 +96,7 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     reference policy as {"reference": chunks}); ``load`` restores those it is given.
     """
     root = Path(root)
-    final, partial = step_dir(root, step), step_dir(root, step).with_suffix(".partial")
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # the leftovers of a crashed save
-        partial.mkdir(parents=True)
-    dist.barrier()
+    final, partial = start_save(root, step)
     sd = _sharded(model, optimizer, with_rng=True, extra_models=extra_models)
     # Plain values are "common" state: rank 0 stores them once.
     sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
@@ -122,71 +109,10 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     except BaseException as e:  # torch's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        # Judge the filesystem before the cleanup frees it again: every rank raised here (the save
-        # gathers failures), so the barrier orders all the checks before rank 0 removes the folder.
-        full = _out_of_space(e, root)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # `latest` still names the last good checkpoint
-        if full:
-            free = shutil.disk_usage(root).free
-            raise CheckpointSpaceError(
-                f"no space left on device while writing checkpoint {partial} ({free / 2**20:.1f} MiB free there); "
-                f"the partial save was removed and {root / 'latest'} still names the last good checkpoint "
-                f"({latest(root).name if latest(root) else 'none yet'}). Fix: free space, or point "
-                "trainer.run_dir at a larger filesystem, then resume") from e
+        undo_failed_save(e, root, partial)
         raise
-    if dist.get_rank() == 0:
-        _move_into_place(partial, final)
-        replace_durably(root / "latest", final.name)
-        shutil.rmtree(_replaced(final), ignore_errors=True)  # only now: there is always a complete step_N
-    dist.barrier()
+    finish_save(root, partial, final)
     return final
-
-
-def _replaced(final: Path) -> Path:
-    """Where an older save of the same step waits while the new one is renamed in (a name that is
-    neither step_N nor .partial, so no resume or prune ever takes it for a checkpoint)."""
-    return final.with_name(final.name + ".replaced")
-
-
-def _move_into_place(partial: Path, final: Path) -> None:
-    """Rename the finished save to step_N durably. A step_N already there (a resume from an older
-    checkpoint passing it again) is renamed aside first, never deleted before the new one is in:
-    a crash at any point leaves a complete step_N, or the previous checkpoint for `latest` to fall
-    back to (runs.py resumes from the newest complete one)."""
-    fsync_tree(partial)  # every rank's shards and rank 0's common.pt and metadata.json are on disk
-    aside = _replaced(final)
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        final.rename(aside)
-    partial.rename(final)
-    fsync_dir(final.parent)
-
-
-class CheckpointSpaceError(OSError):
-    """The filesystem filled up during a checkpoint save (the save was undone)."""
-
-
-def _out_of_space(error: BaseException, root: Path) -> bool:
-    """ENOSPC anywhere in the error (torch's CheckpointException keeps per-rank failures apart from
-    its cause chain, and may hold none on this rank), or a filesystem with next to nothing left."""
-    seen, todo = set(), [error]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, (tuple, list)):  # failures may hold (exception, traceback) pairs
-            todo += list(e)
-            continue
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
-    try:
-        return shutil.disk_usage(root).free < 1 << 20
-    except OSError:
-        return False
 
 
 def _restore_adam_step(optimizer, saved: dict) -> None:
@@ -219,14 +145,7 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
     Model weights load into any layout; optimizer, scheduler and RNG only when given and the
     saved layout equals the current one. ``extra_models`` (name -> chunks) must have been saved.
     """
-    path = Path(path)
-    if (path / "latest").exists():
-        found = latest(path)
-        if found is None:
-            raise FileNotFoundError(f"{path}/latest points to a missing checkpoint")
-        path = found
-    if not path.is_dir() or path.suffix == ".partial":
-        raise FileNotFoundError(f"no complete checkpoint at {path}")
+    path = resolve(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     meta = common["meta"]
     same_layout = tuple(meta["layout"]) == _coords()[0]

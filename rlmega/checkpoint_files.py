@@ -1,0 +1,132 @@
+"""A checkpoint root's files, the same for both training backends (no backend import here).
+
+    ROOT/step_00000010/          a complete checkpoint (the backend's format inside)
+    ROOT/step_00000012.partial/  a save in progress, or one that crashed: never loaded
+    ROOT/step_00000010.replaced/ an older save of the same step, kept until the new one is in
+    ROOT/latest                  the newest complete step, written by rename after the save finished
+
+Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it, renames it
+(``finish_save``) and then updates ``latest`` (fsynced), so a crash at any point leaves a complete
+checkpoint to load. A save that fails undoes itself (``undo_failed_save``) and, when the disk filled
+up, says so as CheckpointSpaceError. rlmega/checkpoint_scan.py judges which folders are complete.
+"""
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlmega.durable import fsync_dir, fsync_tree, replace_durably
+
+
+class CheckpointSpaceError(OSError):
+    """The filesystem filled up during a checkpoint save (the save was undone)."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (the one ``root/latest`` names), or None."""
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def resolve(path: str | Path) -> Path:
+    """A step folder to load: ``path`` itself, or the one its ``latest`` names when it is a root.
+    FileNotFoundError when that is not a finished save."""
+    path = Path(path)
+    if (path / "latest").exists():
+        found = latest(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}/latest points to a missing checkpoint")
+        path = found
+    if not path.is_dir() or path.suffix == ".partial":
+        raise FileNotFoundError(f"no complete checkpoint at {path}")
+    return path
+
+
+def start_save(root: Path, step: int) -> tuple[Path, Path]:
+    """(final, partial) folders of a save of ``step``; rank 0 makes a fresh ``.partial``. Collective."""
+    final = step_dir(root, step)
+    partial = final.with_suffix(".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # the leftovers of a crashed save
+        partial.mkdir(parents=True)
+    dist.barrier()
+    return final, partial
+
+
+def finish_save(root: Path, partial: Path, final: Path) -> None:
+    """After every rank's files are in ``partial``: rank 0 moves it into place and points ``latest``
+    at it; then the older same-step save, if any, goes. Collective."""
+    if dist.get_rank() == 0:
+        _move_into_place(partial, final)
+        replace_durably(Path(root) / "latest", final.name)
+        shutil.rmtree(_replaced(final), ignore_errors=True)  # only now: there is always a complete step_N
+    dist.barrier()
+
+
+def undo_failed_save(error: BaseException, root: Path, partial: Path) -> None:
+    """A save raised on every rank (collective): remove ``partial``; raise CheckpointSpaceError
+    (from ``error``) when the disk filled up, else return so the caller re-raises ``error``."""
+    # Judge the filesystem before the cleanup frees it again: every rank raised (the save gathers
+    # failures), so the barrier orders all the checks before rank 0 removes the folder.
+    full = _out_of_space(error, root)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # `latest` still names the last good checkpoint
+    if full:
+        free = shutil.disk_usage(root).free
+        raise CheckpointSpaceError(
+            f"no space left on device while writing checkpoint {partial} ({free / 2**20:.1f} MiB free there); "
+            f"the partial save was removed and {root / 'latest'} still names the last good checkpoint "
+            f"({latest(root).name if latest(root) else 'none yet'}). Fix: free space, or point "
+            "trainer.run_dir at a larger filesystem, then resume") from error
+
+
+def _replaced(final: Path) -> Path:
+    """Where an older save of the same step waits while the new one is renamed in (a name that is
+    neither step_N nor .partial, so no resume or prune ever takes it for a checkpoint)."""
+    return final.with_name(final.name + ".replaced")
+
+
+def _move_into_place(partial: Path, final: Path) -> None:
+    """Rename the finished save to step_N durably. A step_N already there (a resume from an older
+    checkpoint passing it again) is renamed aside first, never deleted before the new one is in:
+    a crash at any point leaves a complete step_N, or the previous checkpoint for `latest` to fall
+    back to (runs.py resumes from the newest complete one)."""
+    fsync_tree(partial)  # every rank's shards and rank 0's common files are on disk
+    aside = _replaced(final)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    partial.rename(final)
+    fsync_dir(final.parent)
+
+
+def _out_of_space(error: BaseException, root: Path) -> bool:
+    """ENOSPC anywhere in the error (torch's CheckpointException keeps per-rank failures apart from
+    its cause chain, and may hold none on this rank), or a filesystem with next to nothing left."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, (tuple, list)):  # failures may hold (exception, traceback) pairs
+            todo += list(e)
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+    try:
+        return shutil.disk_usage(root).free < 1 << 20
+    except OSError:
+        return False
