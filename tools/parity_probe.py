@@ -129,7 +129,7 @@ def megatron_logprobs(model_dir: str, samples: list, tp: int, pp: int, temperatu
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.data.samples import batch_from_samples
     from rlmega.launch.worker_group import WorkerGroup
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
     from rlmega.workers.rollout import Sample
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)

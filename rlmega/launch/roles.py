@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from rlmega.actor_api import Learner
 from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, LoopSpec
 from rlmega.agents.placement import effective_judgers, task_bundles
 from rlmega.agents.tasks import task_configs
@@ -34,7 +35,6 @@ from rlmega.launch.placement import Slot, placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
-from rlmega.workers.actor import MegatronActor
 from rlmega.workers.coordinator import ActorManager
 from rlmega.workers.rollout import GENERATION_GROUP, RolloutWorker
 
@@ -120,13 +120,14 @@ class Roles:
             algorithm=self.cfg.algorithm, temperature=r.temperature,
             lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step(),
             num_threads=rank_threads)
+        learner = Learner(self.cfg.actor.backend)  # builds the backend's Actor in each rank's process
         if on_torchrun:
             self.actors = torchrun_group.TorchrunGroup(
-                MegatronActor, p.world_size, kwargs=actor_kwargs, timeout_s=self.call_timeout_s,
+                learner, p.world_size, kwargs=actor_kwargs, timeout_s=self.call_timeout_s,
                 ray_address=ray.get_runtime_context().gcs_address)
         else:
             self.actors = WorkerGroup(
-                MegatronActor, p.world_size, kwargs=actor_kwargs,
+                learner, p.world_size, kwargs=actor_kwargs,
                 num_cpus=c.actor_cpus_per_rank, num_gpus=plan.ranks[0].gpus,
                 placement_group=[(self.pgs[s.group], s.bundles[0]) for s in plan.ranks],
                 timeout_s=self.call_timeout_s)

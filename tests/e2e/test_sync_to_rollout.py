@@ -56,7 +56,7 @@ def engines(hf_model):
 def _group(hf_model, tp, pp, vpp, dp=1, mb_tokens=64, **actor_kw):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.launch.worker_group import WorkerGroup
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     world = tp * pp * dp
     group = WorkerGroup(MegatronActor, world, kwargs=dict(

@@ -161,7 +161,7 @@ def _colocated_body(path, cycle):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.sync.transports import DirectTransport
     from rlmega.testing.batches import random_batch
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=path, dtype="bfloat16"), ParallelismConfig(), OptimizerConfig(lr=3e-3),
                           ActorConfig(max_tokens_per_micro_batch=40, offload_while_generating=cycle),

@@ -26,7 +26,7 @@ def hf_model(tmp_path_factory):
 def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, algorithm=None, **actor_kw):
     """``algorithm``: AlgorithmConfig fields that replace this file's (KL 0.05 k3, entropy 0.01)."""
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(
         ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world or tp * pp),
@@ -342,7 +342,7 @@ def _token_ratios(batch):
 
 def _rollout_correction_body(path):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     # lr 0: the policy stays put, so every call below scores the same parameters with ratio pi/pi_old = 1
     actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(1, 1, None, 1), OptimizerConfig(lr=0.0),

@@ -26,7 +26,7 @@ def hf_model(tmp_path_factory):
 
 def _actor(path, dtype="float32", **actor_kw):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(), OptimizerConfig(lr=3e-3),
                           ActorConfig(max_tokens_per_micro_batch=40, **actor_kw), AlgorithmConfig(kl_coef=0.0))

@@ -22,7 +22,7 @@ def hf_model(tmp_path_factory):
 
 def _actor(path, distributed_optimizer=True, **actor_kw):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=path, dtype="bfloat16"), ParallelismConfig(),
                           OptimizerConfig(lr=3e-3, use_distributed_optimizer=distributed_optimizer),

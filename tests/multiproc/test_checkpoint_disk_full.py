@@ -21,7 +21,7 @@ def hf_model(tmp_path_factory):
 
 def _actor(path):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(1, 1, None, 2), OptimizerConfig(lr=1e-3),
                           ActorConfig(max_tokens_per_micro_batch=64), AlgorithmConfig())

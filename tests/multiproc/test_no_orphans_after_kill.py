@@ -24,7 +24,7 @@ RANK = """
 import sys
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.testing.batches import random_batch
-from rlmega.workers.actor import MegatronActor
+from rlmega.megatron.actor import MegatronActor
 
 actor = MegatronActor(ModelConfig(path=sys.argv[1]), ParallelismConfig(1, 1, None, 1), OptimizerConfig(lr=1e-3),
                       ActorConfig(max_tokens_per_micro_batch=64), AlgorithmConfig())

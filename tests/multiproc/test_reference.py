@@ -22,7 +22,7 @@ def hf_model(tmp_path_factory):
 
 def _actor(path, rate):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(2, 1, None, 2), OptimizerConfig(lr=1e-2),
                           ActorConfig(max_tokens_per_micro_batch=64, ref_update_rate=rate),

@@ -34,7 +34,7 @@ def _sync_body(path):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.runtime import data_parallel_rank_and_size, tensor_parallel_rank
     from rlmega.sync.transports import DirectTransport
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(2, 1, None, 4), OptimizerConfig(),
                           ActorConfig(), AlgorithmConfig())

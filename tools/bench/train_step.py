@@ -89,7 +89,7 @@ def _body(model_dir: str, w: dict, rounds: int, threads: int) -> dict:
 
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.testing.batches import random_batch
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(ModelConfig(path=model_dir), ParallelismConfig(),
                           OptimizerConfig(lr=1e-4, clip_grad=1.0), ActorConfig(max_tokens_per_micro_batch=w["budget"]),

@@ -238,7 +238,7 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
     from rlmega.sync.transports import DirectTransport
-    from rlmega.workers.actor import MegatronActor
+    from rlmega.megatron.actor import MegatronActor
 
     world, bucket_bytes, layout = tp * pp, int(args.bucket_mb * (1 << 20)), f"TP{tp}xPP{pp}"
     t0 = time.perf_counter()

@@ -1,8 +1,9 @@
-"""MegatronActor: the learner on one trainer rank.
+"""MegatronActor: the learner on one trainer rank, over megatron-core (tensor, pipeline, data parallel).
 
-Ray (or torchrun) hosts one per rank, and every rank receives the same calls with the same full
-RolloutBatch; each data-parallel rank works on its balanced share (packed micro-batches under a
-token budget) and every rank returns the same full result.
+It implements rlmega.actor_api.Actor (whose docstrings are the contract): Ray (or torchrun) hosts one
+per rank, and every rank receives the same calls with the same full RolloutBatch; each data-parallel
+rank works on its balanced share (packed micro-batches under a token budget) and every rank returns
+the same full result. The losses and metrics are rlmega.algorithms.rl_loss's, shared with FSDPActor.
 
     actor = MegatronActor(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor, cfg.algorithm,
                           temperature=cfg.rollout.temperature)
@@ -27,9 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
-from rlmega.algorithms import kl as kl_lib
-from rlmega.algorithms import losses
-from rlmega.algorithms import rollout_correction as rc_lib
+from rlmega.actor_api import Actor
+from rlmega.algorithms import polyak, rl_loss
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.micro_batches import build_micro_batch, scatter_responses
 from rlmega.data.packing import padding_efficiency, plan_micro_batches
@@ -39,23 +39,11 @@ from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
                                     tensor_parallel_rank)
-from rlmega.profiling import TraceRecorder
-
-_STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref",
-              "rc_tokens", "rc_ratio", "rc_truncated", "rc_masked")
 
 
-def _rollout_correction_metrics(s: dict) -> dict:
-    """Token means of the rollout-correction statistics; NaN (unknown) when no token had rollout log-probs."""
-    n = s["rc_tokens"]
-    if n <= 0:
-        return {"rollout_is_ratio": float("nan"), "rollout_is_truncated": float("nan"),
-                "rollout_is_masked": float("nan")}
-    return {"rollout_is_ratio": s["rc_ratio"] / n, "rollout_is_truncated": s["rc_truncated"] / n,
-            "rollout_is_masked": s["rc_masked"] / n}
+class MegatronActor(Actor):
+    """The Actor interface (rlmega/actor_api.py, its rules included) over megatron-core."""
 
-
-class MegatronActor:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
                  actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
                  lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
@@ -156,70 +144,12 @@ class MegatronActor:
                 self.reference.offload_params()
 
     # ---- training ---------------------------------------------------------------------------
-    def _loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None, on_policy: bool = False):
-        """The RL loss of one micro-batch. ``on_policy``: the old log-probs are this forward's own,
-        detached (see train_step): the PPO ratio is exactly 1 and the clip inactive."""
-        a, mask, seq_ids, n = self.algo, mb["loss_mask"], mb["seq_ids"], mb["num_seqs"]
-        response_mask = mask  # every response token: the denominator of the token statistics
-        old = logprobs.detach() if on_policy else mb["old_logprobs"]  # (T,)
-        weight, rc = None, None
-        if "rollout_logprobs" in mb:
-            weight, keep, rc = rc_lib.correct(a.rollout_correction, old, mb["rollout_logprobs"],
-                                              mask, seq_ids, n, a.rollout_is_cap, a.rollout_is_bounds_low,
-                                              a.rollout_is_bounds_high)
-            if a.rollout_correction in ("mis_token", "mis_seq"):
-                mask = mask * keep  # dropped tokens leave every loss term and its denominator (as verl)
-        elif a.rollout_correction != "none":
-            raise ValueError(f"algorithm.rollout_correction={a.rollout_correction} needs the rollout log-probs "
-                             "in the batch (RolloutBatch.rollout_logprobs)")
-        if a.policy_loss == "gspo":
-            pg, st = losses.gspo(logprobs, old, mb["advantages"], mask, seq_ids, n,
-                                 a.clip_eps_low, a.clip_eps_high)
-        else:
-            pg, st = losses.ppo_clip(logprobs, old, mb["advantages"], mask, a.clip_eps_low,
-                                     a.clip_eps_high, a.dual_clip_c if a.policy_loss == "dual_clip" else None)
-        if a.rollout_correction == "tis":
-            pg = pg * weight  # truncated IS weight, detached: corrects the sampling distribution
-        total = pg
-        kl_metric = torch.zeros_like(logprobs)
-        if "ref_logprobs" in mb:
-            if a.kl_coef > 0 and not a.kl_in_reward:
-                total = total + a.kl_coef * kl_lib.kl_penalty(logprobs, mb["ref_logprobs"], a.kl_estimator) * mask
-            # the metric is always k3's value, the unbiased (>= 0) estimate of KL(pi||ref), whatever
-            # estimator the loss uses (k2's value is biased; see rlmega.algorithms.kl)
-            kl_metric = kl_lib.kl_penalty(logprobs.detach(), mb["ref_logprobs"], "k3")
-        if a.entropy_coef > 0:
-            total = total + losses.entropy_bonus(entropy, mask, a.entropy_coef)
-        numerator, count = losses.aggregate(total, mask, seq_ids, n, a.loss_agg_mode)
-        zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
-        stats = {
-            "tokens": response_mask.sum(),
-            "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
-            "clipped": (st["clipped"] * mask).sum(), "ppo_kl": (st["ppo_kl"] * mask).sum(),
-            "entropy": (entropy.detach() * response_mask).sum(), "kl_ref": (kl_metric * response_mask).sum(),
-            "rc_tokens": response_mask.sum() if rc is not None else zero,
-            "rc_ratio": rc["ratio"].sum() if rc is not None else zero,
-            "rc_truncated": rc["truncated"].sum() if rc is not None else zero,
-            "rc_masked": rc["masked"].sum() if rc is not None else zero,
-        }
-        return numerator, count, stats
-
-    def _sft_loss(self, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None):
-        """Supervised next-token loss on the response tokens (token mean over the batch)."""
-        mask = mb["loss_mask"]
-        zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
-        nll = -(logprobs * mask).sum()
-        stats = {"tokens": mask.sum(), "pg_loss": nll.detach(), "clipped": zero, "ppo_kl": zero,
-                 "entropy": (entropy.detach() * mask).sum(), "kl_ref": zero,
-                 "rc_tokens": zero, "rc_ratio": zero, "rc_truncated": zero, "rc_masked": zero}
-        return nll, mask.sum(), stats
-
     def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
         """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start).
 
         ``lr``: a constant learning rate outside the RL schedule (which it neither uses nor advances).
         """
-        return self._step(batch, self._sft_loss, temperature=1.0, lr=lr, entropy_grad=False)
+        return self._step(batch, rl_loss.sft_loss, temperature=1.0, lr=lr, entropy_grad=False)
 
     def train_step(self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None) -> dict:
         """One RL optimizer step on the whole batch (needs advantages, and old_logprobs unless on-policy).
@@ -233,22 +163,8 @@ class MegatronActor:
         as a separate no-grad forward, see tests/multiproc/test_actor.py), and the result holds
         them as "old_logprobs": per sample, batch order, on every rank, as compute_logprobs returns.
         """
-        if batch.advantages is None:
-            raise ValueError("train_step needs batch.advantages")
-        on_policy = batch.old_logprobs is None
-        if on_policy and optimizer_steps_per_rl_step != 1:
-            raise ValueError(
-                "train_step needs batch.old_logprobs (compute_logprobs) unless it is the RL step's only "
-                f"optimizer step; it was told optimizer_steps_per_rl_step={optimizer_steps_per_rl_step}: "
-                "the steps after the first must compare with the policy before the first, which this "
-                "forward no longer is. Pass optimizer_steps_per_rl_step=1 only for a single step.")
-        if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and batch.ref_logprobs is None:
-            raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
-        if self.algo.rollout_correction != "none" and batch.rollout_logprobs is None:
-            raise ValueError(f"algorithm.rollout_correction={self.algo.rollout_correction} needs "
-                             "batch.rollout_logprobs (the engine's log-probs of the sampled tokens); "
-                             "set algorithm.rollout_correction=none for batches without them")
-        loss_fn = functools.partial(self._loss, on_policy=on_policy)
+        on_policy = rl_loss.check_train_batch(self.algo, batch, optimizer_steps_per_rl_step)
+        loss_fn = functools.partial(rl_loss.rl_loss, self.algo, on_policy=on_policy)
         return self._step(batch, loss_fn, self.temperature, entropy_grad=self.algo.entropy_coef > 0,
                           return_logprobs=on_policy)
 
@@ -264,11 +180,11 @@ class MegatronActor:
                                           keep_logprobs=return_logprobs)
         # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
         old = self._gather_responses(mbs, outs, "logprobs", batch) if return_logprobs else None
-        keys = ("numerator", "count", *_STAT_KEYS)
+        keys = rl_loss.SUM_KEYS
         sums = None if outs is None else torch.stack([sum(o[k] for o in outs) for k in keys])
         sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
         s = dict(zip(keys, sums.tolist()))
-        loss = s["numerator"] / max(s["count"], 1.0)
+        loss = rl_loss.global_loss(s)
         # loss and grad norm are global, so every rank takes the same branch here
         if math.isfinite(loss):
             ok, grad_norm, lr = self.policy.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps, lr=lr)
@@ -279,14 +195,7 @@ class MegatronActor:
             raise FloatingPointError(f"non-finite loss {loss}: step not taken")
         if self.cfg.offload_optimizer:
             self.policy.offload_optimizer_state()
-        tokens = max(s["tokens"], 1.0)
-        return {
-            "loss": loss, "pg_loss": s["pg_loss"] / max(s["count"], 1.0), "pg_clipfrac": s["clipped"] / tokens,
-            "ppo_kl": s["ppo_kl"] / tokens, "entropy": s["entropy"] / tokens, "kl_ref": s["kl_ref"] / tokens,
-            "grad_norm": grad_norm, "lr": lr, "tokens": int(s["tokens"]), "padding_fraction": 1.0 - efficiency,
-            "skipped": 0.0 if ok else 1.0, **_rollout_correction_metrics(s),
-            **({"old_logprobs": old} if return_logprobs else {}),
-        }
+        return rl_loss.step_metrics(s, efficiency, grad_norm, lr, ok, old)
 
     def advance_lr_schedule(self, steps: int) -> float:
         """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.
@@ -325,31 +234,8 @@ class MegatronActor:
                     r.copy_(p)  # exact, even where the old reference held inf/NaN
                 self._ref_master = None  # the reference is the policy, nothing below its precision
             else:
-                self._polyak(pairs, rate)
+                self._ref_master = polyak.blend(pairs, rate, self._ref_master, host=self.cfg.offload_reference)
         self.reference_moved = True
-
-    def _polyak(self, pairs: list, rate: float) -> None:
-        """ref <- (1 - rate) * ref + rate * policy for each (ref, policy) parameter pair, in float32."""
-        if self._ref_master is None:
-            host = self.cfg.offload_reference  # the reference leaves the device between uses: so does this
-            pin = host and torch.cuda.is_available()
-
-            def master_of(r: torch.Tensor) -> torch.Tensor | None:
-                if r.dtype == torch.float32:
-                    return None
-                m = r.detach().to("cpu" if host else r.device, torch.float32, copy=True)
-                return m.pin_memory() if pin else m
-
-            self._ref_master = [master_of(r) for r, _ in pairs]
-        for (r, p), master in zip(pairs, self._ref_master):
-            if master is None:  # float32 parameters: the blend in place is the float32 blend
-                r.mul_(1.0 - rate).add_(p, alpha=rate)
-                continue
-            m = master.to(r.device, non_blocking=True)  # the same tensor when it lives on the device
-            m.mul_(1.0 - rate).add_(p.float(), alpha=rate)
-            r.copy_(m)  # one rounding to the parameter dtype
-            if m is not master:
-                master.copy_(m)
 
     @contextmanager
     def _reference_onloaded(self):
@@ -422,17 +308,6 @@ class MegatronActor:
                     ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
                     ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
                     ("params", "offload_params", "onload_params"))
-
-    # ---- profiling (logging.profile_steps) --------------------------------------------------
-    def start_profile(self) -> None:
-        self._trace = TraceRecorder()
-        self._trace.start()
-
-    def stop_profile(self, out_dir: str) -> str:
-        """Write this rank's trace to ``out_dir/trainer_rank{R}.json``; returns its path."""
-        import torch.distributed as dist
-
-        return self._trace.stop(f"{out_dir}/trainer_rank{dist.get_rank()}.json")
 
     def offload_for_rollout(self, keep_params: bool = False) -> dict:
         """Move the policy's state to host memory and return the freed memory to the CUDA driver.

@@ -1,0 +1,178 @@
+"""The learner's interface: what the driver, Roles and the launchers call on every trainer rank.
+
+A backend is one class that subclasses ``Actor`` (rlmega/megatron/actor.py: MegatronActor,
+rlmega/fsdp/actor.py: FSDPActor) and one line in ``BACKENDS``; ``actor.backend`` picks it and
+``actor_class`` imports it, so nothing above this line (train.py, step.py, launch/, the producer)
+imports a backend's library or asks which backend runs.
+
+Rules every method follows (the contract the callers rely on):
+
+- **Collective.** A WorkerGroup or TorchrunGroup calls each method on every rank with the same
+  arguments; a method may run collectives, so no rank may skip a call another rank makes.
+- **Whole batch in, whole result out.** Every rank receives the same full RolloutBatch; the backend
+  splits it over its data-parallel ranks (packed micro-batches under actor.max_tokens_per_micro_batch,
+  balanced by tokens) and every rank returns the same full result. Callers keep rank 0's.
+- **Per-sample results** (log-probs, entropies) are a list with one float32 (response_len,) tensor per
+  sample, on the host, in batch order.
+- **Global normalisation.** A loss is normalised over the global batch (all micro-batches of all
+  ranks), never averaged per micro-batch or per rank: ``rlmega.algorithms.rl_loss`` gives each
+  micro-batch's (numerator, count, stats); the backend sums them over everything, then divides once.
+  So the gradient and the metrics do not depend on the layout or the token budget.
+- **Same decisions on every rank.** A non-finite loss or grad norm is global, so every rank skips the
+  optimizer step (actor.skip_nonfinite_steps) or raises FloatingPointError, together.
+- **Float32 numerics where they matter.** Log-probs, entropies, losses and reductions are float32 even
+  when the model computes in bfloat16 (model.dtype).
+- **HF names at the edges.** ``sync_model_to_rollout`` and ``export_hf`` speak Hugging Face parameter
+  names and layouts, whatever the backend holds inside.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+
+from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.profiling import TraceRecorder
+
+# actor.backend -> "module:Class", imported only when that backend runs.
+BACKENDS = {
+    "megatron": "rlmega.megatron.actor:MegatronActor",
+    "fsdp": "rlmega.fsdp.actor:FSDPActor",
+}
+
+
+def actor_class(backend: str) -> type["Actor"]:
+    """The Actor subclass of ``actor.backend`` (imports its package, and its library, only now)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"actor.backend={backend!r} is not a backend; choose one of {sorted(BACKENDS)}")
+    module, name = BACKENDS[backend].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Learner:
+    """A picklable stand-in for ``actor_class(backend)``: calling it in a rank's process builds that
+    backend's Actor there. Launchers take it where they take a class (WorkerGroup, TorchrunGroup), so
+    the driver never imports a backend's library (megatron-core, FSDP): only the ranks do."""
+
+    backend: str
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:  # fail in the driver, before any rank starts
+            raise ValueError(f"actor.backend={self.backend!r} is not a backend; choose one of {sorted(BACKENDS)}")
+
+    def __call__(self, *args, **kwargs) -> "Actor":
+        return actor_class(self.backend)(*args, **kwargs)
+
+
+class Actor(abc.ABC):
+    """One trainer rank's learner. Constructed in the rank's own process (Ray actor, torchrun rank,
+    or a test) as ``cls(model, parallel, optimizer, actor, algorithm, temperature=1.0,
+    lr_decay_steps=1000, hf_config=None, num_threads=None)`` from rlmega.config.schema's sections;
+    ``hf_config`` builds the model from that config with random weights instead of model.path;
+    ``num_threads`` sets the process's intra-op threads (None leaves them). Nothing is built before
+    ``setup``."""
+
+    vocab_size: int
+    """The model's vocabulary size, known after ``setup``."""
+    reference_moved: bool = False
+    """The reference policy may differ from model.path (a copy after the warm start, a Polyak update,
+    a reference restored from a checkpoint): from then on checkpoints carry it."""
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def setup(self, with_reference: bool = True) -> None:
+        """Join the process group, build the policy (weights from model.path) with its optimizer and
+        LR schedule, and, ``with_reference``, a frozen reference copy (offloaded to the host between
+        uses when actor.offload_reference)."""
+
+    def teardown(self) -> None:
+        """Leave the process group (the process may then exit or set up again)."""
+
+    # ---- forward passes -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
+        """Log-probs of every response token under the current policy at the rollout temperature,
+        per sample; ``with_entropy``: (log-probs, entropies)."""
+
+    @abc.abstractmethod
+    def compute_ref_logprobs(self, batch: RolloutBatch) -> list:
+        """``compute_logprobs`` under the reference policy. RuntimeError without a reference."""
+
+    # ---- training -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def train_step(self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None) -> dict:
+        """One RL optimizer step on the whole batch; returns ``rl_loss.step_metrics``'s dict.
+
+        The batch needs advantages, ref_logprobs when the loss uses the KL term, rollout_logprobs when
+        algorithm.rollout_correction is on (``rl_loss.check_train_batch`` refuses the rest), and
+        old_logprobs unless ``optimizer_steps_per_rl_step == 1``: then the old log-probs are this
+        forward's own, detached (ratio exactly 1), and the result holds them as "old_logprobs"
+        (per sample, batch order, every rank), the same numbers ``compute_logprobs`` gives."""
+
+    @abc.abstractmethod
+    def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
+        """One supervised optimizer step on the responses (``rl_loss.sft_loss``, temperature 1).
+        ``lr``: a constant learning rate outside the RL schedule, which it neither uses nor advances."""
+
+    @abc.abstractmethod
+    def advance_lr_schedule(self, steps: int) -> float:
+        """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now
+        (a short batch takes fewer optimizer steps: this keeps the schedule on the RL-step clock)."""
+
+    @abc.abstractmethod
+    def update_ref_policy(self, rate: float | None = None) -> None:
+        """ref <- (1 - rate) * ref + rate * policy, in float32 (bf16 references keep a float32 master);
+        rate 1 copies exactly; None uses actor.ref_update_rate. Sets ``reference_moved``."""
+
+    # ---- weights out ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
+        """Stream the policy's full weights, HF names and layouts, to the engines through
+        ``transport`` (rlmega.sync.transports): size-bounded buckets, each gathered only when it is
+        sent, so no rank holds the whole model; one sender calls ``transport.send(bucket, version)``
+        per bucket then ``transport.flush()``; every rank meets at a closing barrier, so every bucket
+        is loaded when any rank returns. Returns what this rank did: "gathered", "bytes", "tensors",
+        "buckets", "names_and_shapes" [(name, shape)], "seconds"."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, root, step: int, extra: dict | None = None):
+        """Policy, optimizer, LR schedule, every rank's RNG and ``extra`` (rank 0's plain values) under
+        root/step_N, written to step_N.partial then renamed, and root/latest pointing at it; plus the
+        reference once ``reference_moved``. A full disk raises rlmega.checkpoint_files.CheckpointSpaceError
+        with the partial save removed. Returns the checkpoint's path."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, root, model_only: bool = False) -> tuple[int, dict]:
+        """Restore what ``save_checkpoint`` wrote (root/latest, or ``root`` itself); returns (step, extra).
+        ``model_only``: just the weights. The config's optimizer and LR settings win over the saved
+        ones (only the step count is restored). A saved reference replaces the one from model.path."""
+
+    @abc.abstractmethod
+    def export_hf(self, out_dir, overwrite: bool = False):
+        """The policy as a plain Hugging Face folder (safetensors + config + tokenizer files) that
+        transformers and vLLM load; written whole, then renamed into place. Returns its path."""
+
+    # ---- colocated GPUs -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def offload_for_rollout(self, keep_params: bool = False) -> dict:
+        """Only when actor.offload_while_generating: move the policy's state (grads, optimizer state,
+        then parameters unless ``keep_params``, which a weight sync still reads) to host memory and
+        return freed memory to the device. Returns {"offloaded": kinds on the host, "device_bytes"}."""
+
+    @abc.abstractmethod
+    def onload_for_training(self) -> dict:
+        """Bring back what ``offload_for_rollout`` released (the optimizer state stays on the host when
+        actor.offload_optimizer keeps it there between steps). Returns {"offloaded": kinds still out}."""
+
+    # ---- profiling (logging.profile_steps): the same for every backend -----------------------------
+    def start_profile(self) -> None:
+        """Start recording this rank's trace (rlmega.profiling.TraceRecorder)."""
+        self._trace = TraceRecorder()
+        self._trace.start()
+
+    def stop_profile(self, out_dir: str) -> str:
+        """Write this rank's trace to out_dir/trainer_rank{R}.json; returns its path."""
+        import torch.distributed as dist
+
+        return self._trace.stop(f"{out_dir}/trainer_rank{dist.get_rank()}.json")
