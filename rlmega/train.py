@@ -29,7 +29,7 @@ from rlmega.launch import torchrun_group
 from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
-from rlmega.megatron.checkpoint import CheckpointSpaceError
+from rlmega.checkpoint_files import CheckpointSpaceError
 from rlmega.profiling import profiled
 from rlmega.runs import ResumeError, RunDir, changed_settings, refuse_a_held_folder, resume_settings
 from rlmega.step import evaluate, rl_step, sft_batch

@@ -1,0 +1,35 @@
+"""The actor interface: the driver side imports no backend, and every backend implements all of it."""
+import inspect
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from rlmega.actor_api import BACKENDS, Actor, Learner, actor_class
+
+
+def test_the_driver_imports_no_backend():
+    # The Ray driver process runs train.py and Roles; only the ranks may load megatron-core or FSDP.
+    code = ("import sys, rlmega.cli, rlmega.train, rlmega.launch.roles, rlmega.step, rlmega.agents.produce\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('rlmega.megatron', 'rlmega.fsdp', 'megatron'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_each_backend_implements_the_whole_interface(backend):
+    cls = actor_class(backend)
+    assert issubclass(cls, Actor)
+    assert not inspect.isabstract(cls), f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} unimplemented"
+    # the constructor every launcher calls (actor_api.Actor's docstring)
+    params = list(inspect.signature(cls).parameters)
+    assert params[:5] == ["model", "parallel", "optimizer", "actor", "algorithm"], params
+    for name in ("temperature", "lr_decay_steps", "hf_config", "num_threads"):
+        assert name in params, (cls.__name__, name)
+
+
+def test_learner_pickles_and_refuses_an_unknown_backend():
+    assert pickle.loads(pickle.dumps(Learner("fsdp"))) == Learner("fsdp")
+    with pytest.raises(ValueError, match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]"):
+        Learner("deepspeed")
