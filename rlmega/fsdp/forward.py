@@ -1,0 +1,62 @@
+"""Packed micro-batch -> logits, token log-probs and entropy through a Hugging Face causal LM.
+
+A micro-batch is ``rlmega.data.micro_batches.build_micro_batch(batch, indices, dense_mask=False)``:
+ONE row of several sequences, ``tokens`` and ``position_ids`` (1, T) with positions restarting at 0
+per sequence, and flat per-token fields (T,) on the same positions as the logits.
+
+Attention over a packed row: the row goes in with ``attention_mask=None`` and no cache, and
+``transformers.masking_utils`` (``find_packed_sequence_indices``) reads the sequence boundaries
+from the position ids (every place where a position is not the previous one + 1 starts a sequence)
+and builds a block-causal mask for sdpa/eager (flash-attention kernels take the same position ids
+as varlen boundaries). RoPE uses each token's own position, as vLLM does. So packing changes no
+log-prob (tests/multiproc/test_fsdp_actor.py measures it). A sequence must therefore start at
+position 0 and count up by one, which ``packing.pack`` guarantees.
+
+Numerics match rlmega/megatron/vocab_parallel.py: logits.float() / temperature, log-softmax, in
+float32 whatever the model's dtype; the HF head has exactly ``config.vocab_size`` columns (no TP
+padding to mask).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def forward_logits(model, mb: dict) -> torch.Tensor:
+    """Logits (T, V) of a one-row packed micro-batch, in the model's dtype, on its device."""
+    tokens = mb["tokens"]
+    if tokens.shape[0] != 1:
+        raise ValueError(f"FSDP micro-batches are one packed row (build_micro_batch(..., dense_mask=False)); "
+                         f"got {tokens.shape[0]} rows")
+    device = next(model.parameters()).device
+    out = model(input_ids=tokens.to(device), position_ids=mb["position_ids"].to(device),
+                attention_mask=None, use_cache=False)
+    return out.logits[0]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) under softmax(logits / temperature), float32. logits (T, V), targets (T,) int64 -> (T,)."""
+    z = logits.float() / temperature
+    return torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature), float32: H = logsumexp(z) - E_p[z]. (T, V) -> (T,)."""
+    z = logits.float() / temperature
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+
+
+def micro_batch_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs (T,), entropy (T,) or None) of one packed micro-batch at its ``labels``.
+
+    Differentiable in the log-probs when grad is enabled; ``entropy_grad`` False computes the entropy
+    without a graph (a metric only: its softmax over the vocabulary is not kept for the backward).
+    """
+    logits = forward_logits(model, mb)
+    lp = token_logprobs(logits, mb["labels"].to(logits.device), temperature)
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = entropy(logits, temperature)
+    return lp, ent
