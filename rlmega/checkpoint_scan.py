@@ -7,6 +7,9 @@ A Megatron distributed checkpoint (torch_dist backend, rlmega/megatron/checkpoin
     .metadata         torch DCP's index: every tensor's (file, offset, length)
     __R_K.distcp      each shard file the index names, at least as long as its last entry
 
+An FSDP checkpoint (plain torch DCP, rlmega/fsdp/checkpoint.py) has no metadata.json: its common.pt
+says meta["backend"] == "fsdp", and the same .metadata index and shard files must be whole.
+
 A truncated or missing shard otherwise fails inside every worker on every resume; here it is found
 by reading the index and file sizes (no tensor is read), so the driver can fall back to an older
 checkpoint or say what is wrong. Torch only: megatron.core stays in rlmega/megatron/.
@@ -30,7 +33,7 @@ def problem(path: str | Path) -> str | None:
     try:
         backend = json.loads((path / "metadata.json").read_text()).get("sharded_backend")
     except FileNotFoundError:
-        return "no metadata.json (not a checkpoint, or a save that never finished)"
+        return _fsdp_problem(path)
     except (OSError, ValueError, AttributeError) as e:
         return f"metadata.json unreadable ({e})"
     try:
@@ -42,6 +45,19 @@ def problem(path: str | Path) -> str | None:
     if backend == "torch_dist":
         return _shards_problem(path)
     return None
+
+
+def _fsdp_problem(path: Path) -> str | None:
+    """A folder without metadata.json: complete when it is a whole FSDP (plain DCP) checkpoint."""
+    try:
+        meta = read_common(path).get("meta", {})
+    except FileNotFoundError:
+        return "no metadata.json (Megatron) or common.pt (FSDP): not a checkpoint, or a save that never finished"
+    except Exception as e:
+        return f"common.pt unreadable ({type(e).__name__}: {str(e)[:120]})"
+    if meta.get("backend") != "fsdp":
+        return "no metadata.json (not a checkpoint, or a save that never finished)"
+    return _shards_problem(path)
 
 
 def read_common(path: str | Path) -> dict:

@@ -177,3 +177,38 @@ def test_a_refused_fresh_start_leaves_the_held_folder_untouched(run, tmp_path):
         train(cfg)
     assert run.metrics_path.read_text() == '{"step": 1}\n{"step": 2, "lo'
     assert sorted(p.name for p in run.path.rglob("*")) == before
+
+
+def _fsdp_checkpoint(root: Path, step: int) -> Path:
+    """The files rlmega/fsdp/checkpoint.py writes: plain DCP and a common.pt saying backend=fsdp."""
+    d = root / f"step_{step:08d}"
+    dcp.save({"w": torch.arange(4096.0) + step}, checkpoint_id=str(d), no_dist=True)
+    torch.save({"meta": {"backend": "fsdp", "step": step, "extra": {"settings": {}}}}, d / "common.pt")
+    (root / "latest").write_text(d.name)
+    return d
+
+
+FSDP_DAMAGE = {
+    "shard truncated": (lambda d: _truncate(_shard(d), 100), "truncated (100 of"),
+    "index missing": (lambda d: (d / ".metadata").unlink(), ".metadata"),
+    "common.pt missing": (lambda d: (d / "common.pt").unlink(), "no metadata.json (Megatron) or common.pt"),
+    "common.pt truncated": (lambda d: _truncate(d / "common.pt", 50), "common.pt unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", FSDP_DAMAGE)
+def test_fsdp_checkpoints_resume_fall_back_and_prune_like_megatrons(tmp_path, damage):
+    # issue 23: a DCP checkpoint of the FSDP backend has no metadata.json; without the fsdp rule every
+    # one of them counted as incomplete, so a resume started over at step 0.
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    for step in (2, 4, 6):
+        _fsdp_checkpoint(run.checkpoints, step)
+    assert problem(run.checkpoints / "step_00000006") is None
+    assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000006"
+    assert changed_settings(run.checkpoints / "step_00000006", {"optimizer.lr": 1.0}) == []
+    spoil, words = FSDP_DAMAGE[damage]
+    spoil(run.checkpoints / "step_00000006")
+    assert words in problem(run.checkpoints / "step_00000006")
+    assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000004"
+    (run.checkpoints / "latest").write_text("step_00000004")
+    assert [p.name for p in run.prune_checkpoints(keep=1)] == ["step_00000002"]  # never the latest (4)
