@@ -22,41 +22,22 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from rlmega.actor_api import Learner
-from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, LoopSpec
-from rlmega.agents.placement import effective_judgers, task_bundles
-from rlmega.agents.tasks import task_configs
+from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop
 from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
 from rlmega.launch import threads, torchrun_group
-from rlmega.launch.cluster import ClusterError, check_shared_paths, connect, node_names, place_groups
-from rlmega.launch.placement import Slot, placement_plan
+from rlmega.launch.agent_loops import start_agent_loops
+from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
+from rlmega.launch.engines import start_engines
+from rlmega.launch.placement import placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
+from rlmega.launch.trainer_group import start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.coordinator import ActorManager
-from rlmega.workers.rollout import GENERATION_GROUP, RolloutWorker
 
 log = logging.getLogger("rlmega")
-
-
-# Generation calls one engine actor runs at once (threads; most wait on the engine): requests in flight
-# per engine, in its GENERATION_GROUP. Its other calls (weight buckets, pause/resume, versions) have
-# threads of their own, ENGINE_CONTROL_CONCURRENCY: enough for every sender's buckets in flight
-# (RayTransport: 2 per trainer rank) on big layouts.
-ENGINE_MAX_CONCURRENCY = 1024
-ENGINE_CONTROL_CONCURRENCY = 256
-
-
-def engine_actor_class(generation_threads: int = ENGINE_MAX_CONCURRENCY):
-    """RolloutWorker as a Ray actor class whose generation calls run in their own concurrency group.
-
-    Requests waiting at a paused engine (an in-flight weight sync) hold their threads; in a group of
-    their own they can never take the threads the sync that reopens the engine needs. Start it with
-    ``.options(max_concurrency=ENGINE_CONTROL_CONCURRENCY, ...)`` for the other calls.
-    """
-    return ray.remote(concurrency_groups={GENERATION_GROUP: generation_threads})(RolloutWorker)
 
 
 class RoleDied(WorkerFailed):
@@ -108,113 +89,32 @@ class Roles:
         rank_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.ranks]
         if not self.started_ray:  # an embedded Ray is this machine alone
             check_shared_paths(self.cfg.trainer.run_dir, self.cfg.model.path, rank_nodes, engine_nodes)
-        rank_threads, engine_threads = self._threads(rank_nodes, engine_nodes, on_torchrun)
+        cpus = {n["NodeID"]: n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]}
+        if self.started_ray:  # this machine: the embedded Ray may count more CPUs than it has, to fit the actors
+            cpus = {n: min(v, len(os.sched_getaffinity(0))) for n, v in cpus.items()}
+        rank_threads, engine_threads = threads.plan(self.cfg, rank_nodes, engine_nodes, cpus, on_torchrun,
+                                                    self.keep_engines_awake)
         self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
                                     port=self.cfg.logging.dashboard_port)
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
         offload = self.cfg.actor.offload_while_generating
         self.swaps = (c.colocate and r.device == "cuda") if offload is None else offload
-        actor_kwargs = dict(
-            model=self.cfg.model, parallel=p, optimizer=self.cfg.optimizer,
-            actor=dataclasses.replace(self.cfg.actor, offload_while_generating=self.swaps),
-            algorithm=self.cfg.algorithm, temperature=r.temperature,
-            lr_decay_steps=self.cfg.trainer.total_steps * self.optimizer_steps_per_rl_step(),
-            num_threads=rank_threads)
-        learner = Learner(self.cfg.actor.backend)  # builds the backend's Actor in each rank's process
-        if on_torchrun:
-            self.actors = torchrun_group.TorchrunGroup(
-                learner, p.world_size, kwargs=actor_kwargs, timeout_s=self.call_timeout_s,
-                ray_address=ray.get_runtime_context().gcs_address)
-        else:
-            self.actors = WorkerGroup(
-                learner, p.world_size, kwargs=actor_kwargs,
-                num_cpus=c.actor_cpus_per_rank, num_gpus=plan.ranks[0].gpus,
-                placement_group=[(self.pgs[s.group], s.bundles[0]) for s in plan.ranks],
-                timeout_s=self.call_timeout_s)
+        self.actors = start_trainer(self.cfg, plan, self.pgs, rank_threads, self.swaps, on_torchrun,
+                                    self.optimizer_steps_per_rl_step(), self.call_timeout_s)
         log.info("placement: trainer ranks on nodes %s; rollout engines on nodes %s",
                  _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
                  _by_node(node_names(engine_nodes)))
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
-        Engine = engine_actor_class()
-        for i, slot in enumerate(plan.engines):
-            self.engines.append(Engine.options(**_engine_options(self.pgs[slot.group], slot)).remote(
-                self.cfg.model.path, device=r.device, dtype=self.cfg.model.dtype,
-                max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
-                kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_parallel_size, profile_dir=self._engine_profile_dir(),
-                num_threads=engine_threads[i]))
+        self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
             self.manager.set_kv_cache_max_concurrency(i, value)
         # What the models compute with, as vLLM's processes report it (threads per model worker)
         log.info("engine model threads: %s", self._get([e.engine_threads.remote() for e in self.engines],
                                                        "rollout engine"))
-        self._start_agent_loops()
-
-    def _start_agent_loops(self) -> None:
-        """Every task's agent loop (here or in its actors) with its judgers, their actors in one placement
-        group of the run ("agents"); see rlmega/agents/placement.py."""
-        from ray.util.placement_group import placement_group
-
-        r, plans = self.cfg.rollout, []
-        for task in task_configs(self.cfg):
-            judgers = effective_judgers(task.agent_loop, self.cfg.reward, self.cfg.cluster.reward_cpus)
-            loops, judges = task_bundles(task.agent_loop, judgers)
-            plans.append((task, judgers, loops, judges))
-        bundles = [b for _, _, loops, judges in plans for b in loops + [x for inst in judges for x in inst]]
-        pg = None
-        if bundles:
-            pg = placement_group(bundles, strategy="PACK")
-            self.pgs.append(pg)
-            try:
-                ray.get(pg.ready(), timeout=self.pg_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise ClusterError(f"the agent-loop and judger actors' {len(bundles)} bundles "
-                                   f"({sum(b['CPU'] for b in bundles):g} CPUs) could not be placed within "
-                                   f"{self.pg_timeout_s:.0f}s. Fix: lower agent_loop.cpus_per_actor / the judgers' "
-                                   "cpus_per_actor, or give the cluster more CPUs") from None
-        self.background = BackgroundLoop()
-        index = 0
-        for task, judgers, loops, judges in plans:
-            loop_bundles = [(pg, index + i) for i in range(len(loops))]
-            index += len(loops)
-            judger_bundles = []
-            for inst in judges:
-                judger_bundles.append([(pg, index + i) for i in range(len(inst))])
-                index += len(inst)
-            spec = LoopSpec(task=task.name, agent_loop=dataclasses.replace(task.agent_loop, judgers=judgers),
-                            reward=self.cfg.reward, model_path=self.cfg.model.path,
-                            sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                          max_tokens=r.max_response_tokens), n=r.n)
-            self.hosts[task.name] = AgentLoopHost(spec, self.engines, loop_bundles, judger_bundles)
-
-    def _threads(self, rank_nodes: list[str], engine_nodes: list[str], on_torchrun: bool) -> tuple[int, list]:
-        """Intra-op threads of the trainer ranks (one number: every rank gets the same) and of each
-        engine (None: vLLM's own workers, TP > 1 or CUDA). See rlmega/launch/threads.py."""
-        c, r = self.cfg.cluster, self.cfg.rollout
-        cpus = {n["NodeID"]: n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]}
-        if self.started_ray:  # this machine: the embedded Ray may count more CPUs than it has, to fit the actors
-            cpus = {n: min(v, len(os.sched_getaffinity(0))) for n, v in cpus.items()}
-        if c.threads_per_rank is not None:
-            rank = c.threads_per_rank
-        elif r.device == "cuda":
-            rank = 1
-        elif on_torchrun:  # the ranks are torchrun's, on nodes like this one
-            rank = threads.share(len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        elif self.keep_engines_awake:  # async: ranks and engines compute at the same time, sharing the node
-            rank = min(threads.per_process(rank_nodes + engine_nodes, cpus)[: len(rank_nodes)])
-        else:
-            rank = min(threads.per_process(rank_nodes, cpus))
-        if r.device == "cuda" or r.tensor_parallel_size > 1:
-            engines = [None] * len(engine_nodes)
-        elif c.threads_per_engine is not None:
-            engines = [c.threads_per_engine] * len(engine_nodes)
-        elif self.keep_engines_awake:
-            engines = threads.per_process(rank_nodes + engine_nodes, cpus)[len(rank_nodes):]
-        else:
-            engines = threads.per_process(engine_nodes, cpus)
-        log.info("intra-op threads: %d per trainer rank, %s per engine", rank, engines)
-        return rank, engines
+        self.hosts, self.background, agents_pg = start_agent_loops(self.cfg, self.engines, self.pg_timeout_s)
+        if agents_pg is not None:
+            self.pgs.append(agents_pg)
 
     def close(self) -> None:
         for host in self.hosts.values():
@@ -405,38 +305,6 @@ class Roles:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(i)
         return dead
-
-
-def _engine_options(pg, slot: Slot) -> dict:
-    """Ray options of one engine actor in its placement slot.
-
-    vLLM TP = 1: the actor itself takes its share of its bundle's GPU. TP = k > 1: the actor takes no
-    GPU; vLLM's Ray executor starts one worker per bundle of the slot (VLLM_RAY_BUNDLE_INDICES, each
-    taking VLLM_RAY_PER_WORKER_GPUS) inside the actor's placement group, which it finds because the
-    actor captures child tasks (vllm/config/parallel.py picks the "ray" backend in a placement group).
-
-    A threaded actor (``engine_actor_class``): ENGINE_MAX_CONCURRENCY threads in its generation group,
-    so that many callers' ``generate_one`` (and ``generate``) calls are in the engine at once and vLLM
-    batches them continuously, and ``max_concurrency=ENGINE_CONTROL_CONCURRENCY`` for the other calls
-    (``abort``, weight buckets, pause/resume); each call's thread waits on the engine's own asyncio
-    loop (rlmega/workers/rollout.py). Order
-    between calls no longer matters: the pipelined RayTransport's buckets used to need Ray's in-order
-    execution of one caller's update_weights calls, but RolloutWorker.update_weights is thread-safe
-    and holds back every fused layer until all its tensors arrived, whatever order or threads they
-    come in, and RayTransport.flush still waits for every bucket before the sync reports its version.
-    No task retries: a retried update_weights or generate would run twice.
-    """
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    many = len(slot.bundles) > 1
-    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus, max_concurrency=ENGINE_CONTROL_CONCURRENCY,
-                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                       placement_group=pg, placement_group_bundle_index=slot.bundles[0],
-                       placement_group_capture_child_tasks=many))
-    if many:
-        options["runtime_env"] = {"env_vars": {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundles)),
-                                               "VLLM_RAY_PER_WORKER_GPUS": str(slot.gpus)}}
-    return options
 
 
 def _by_node(names: list[str]) -> str:

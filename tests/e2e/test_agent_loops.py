@@ -21,7 +21,7 @@ from rlmega.agents.tools import run_call
 from rlmega.agents.trajectory import batch_from_groups
 from rlmega.config.schema import AgentLoopConfig, JudgerConfig, RewardConfig
 from rlmega.data.arithmetic import make_problems
-from rlmega.launch.roles import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
+from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
 from rlmega.testing.tool_model import make_tool_model
 
 MAX_MODEL_LEN = 96

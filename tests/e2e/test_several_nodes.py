@@ -1,7 +1,7 @@
 """Several nodes, simulated on this machine: a Ray cluster (ray.cluster_utils.Cluster) of a head with no
 CPUs and three worker nodes of 2 CPUs and 4 (logical, fake) GPUs each.
 
-Checks, through the code Roles runs (rlmega.launch.cluster, WorkerGroup, roles._engine_options):
+Checks, through the code Roles runs (rlmega.launch.cluster, WorkerGroup, engines.engine_options):
 each Megatron TP group of trainer ranks and each vLLM TP engine lands on one node, groups on distinct
 nodes, engines round robin over them; workers get rlmega through the runtime_env and their output
 reaches the driver; a node that does not see the run dir is named; the tiny run trains across nodes.
@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster
 from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
 from rlmega.launch.cluster import ClusterError, check_shared_paths, place_groups
 from rlmega.launch.placement import placement_plan
-from rlmega.launch.roles import _engine_options
+from rlmega.launch.engines import engine_options as _engine_options
 from rlmega.launch.worker_group import WorkerGroup
 from rlmega.tiny_model import make_tiny_model
 

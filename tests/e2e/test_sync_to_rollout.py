@@ -40,7 +40,7 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(hf_model):
-    from rlmega.launch.roles import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
+    from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     # threaded, as Roles starts them: a sync's buckets in flight load concurrently
@@ -232,7 +232,7 @@ def tied_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_engine(engines, tied_model):  # after `engines`: Ray is up
-    from rlmega.launch.roles import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
+    from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
 
     Engine = engine_actor_class().options(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)
     handle = Engine.remote(tied_model, max_model_len=64, seed=5, kv_cache_space_gb=1)

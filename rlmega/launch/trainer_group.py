@@ -1,0 +1,35 @@
+"""The trainer ranks of a run: the backend's Actor (actor.backend) on Ray actors, or on torchrun's processes."""
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+
+from rlmega.actor_api import Learner
+from rlmega.config.schema import RLConfig
+from rlmega.launch import torchrun_group
+from rlmega.launch.placement import PlacementPlan
+from rlmega.launch.worker_group import WorkerGroup
+
+
+def start_trainer(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, swaps: bool, on_torchrun: bool,
+                  optimizer_steps_per_rl_step: int, timeout_s: float):
+    """A WorkerGroup (one Ray actor per rank, in ``plan``'s slots) or, when this process is torchrun's
+    rank 0, a TorchrunGroup over torchrun's processes; each rank builds the Actor of actor.backend.
+
+    ``swaps``: the ranks release their device memory while the engines generate
+    (actor.offload_while_generating, resolved); ``threads``: each rank's intra-op threads.
+    """
+    p = cfg.parallelism
+    kwargs = dict(
+        model=cfg.model, parallel=p, optimizer=cfg.optimizer,
+        actor=dataclasses.replace(cfg.actor, offload_while_generating=swaps),
+        algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
+        lr_decay_steps=cfg.trainer.total_steps * optimizer_steps_per_rl_step, num_threads=threads)
+    learner = Learner(cfg.actor.backend)  # builds the backend's Actor in each rank's process
+    if on_torchrun:
+        return torchrun_group.TorchrunGroup(learner, p.world_size, kwargs=kwargs, timeout_s=timeout_s,
+                                            ray_address=ray.get_runtime_context().gcs_address)
+    return WorkerGroup(learner, p.world_size, kwargs=kwargs, num_cpus=cfg.cluster.actor_cpus_per_rank,
+                       num_gpus=plan.ranks[0].gpus,
+                       placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks], timeout_s=timeout_s)
