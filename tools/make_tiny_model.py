@@ -1,7 +1,7 @@
 """Write a tiny, randomly initialised Hugging Face model folder (no model hub needed).
 
 Usage:
-    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|llama] [--hidden-size 128]
+    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|llama|phi3] [--hidden-size 128]
         [--num-layers 4] [--num-heads 2] [--num-kv-heads 1] [--intermediate-size N]
         [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite]
 

@@ -5,7 +5,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen2ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
+)
 
 from rlmega.tiny_model import NATURAL_VOCAB_SIZE, make_tiny_model
 
@@ -54,6 +61,30 @@ def test_llama_variant(tmp_path):
     assert model.config.head_dim == 64
 
 
+@pytest.mark.parametrize("tied", [False, True])  # Phi-3-mini is untied, Phi-4-mini tied
+def test_phi3_variant_fused_weights_tied_and_untied(tmp_path, tied):
+    """Phi3: the architecture only actor.backend=fsdp trains (our Megatron mapping refuses it)."""
+    from rlmega.config.hf_support import unsupported_reason
+
+    path = make_tiny_model(tmp_path / "phi3", arch="phi3", tie_word_embeddings=tied, **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert isinstance(model, Phi3ForCausalLM) and model.dtype == torch.float32
+    assert model.config.head_dim == 64 and model.config.tie_word_embeddings == tied
+    assert unsupported_reason(model.config.to_dict())  # Megatron refuses it
+    with safe_open(path / "model.safetensors", "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    h, kv = 128, 1  # SMALL keeps hidden 128, 2 heads, 1 KV head of 64
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [h + 2 * kv * 64, h]  # [q; k; v] rows
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == [2 * 2 * h, h]  # [gate; up] rows
+    assert ("lm_head.weight" in shapes) != tied  # a tied head is stored once, as the embedding
+    assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
+    tok = AutoTokenizer.from_pretrained(path)
+    text = "what is (3*4)-2?  it's \"10\".\nok"
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode("12+34=46")) == 8
+    with torch.no_grad():
+        assert torch.isfinite(model(**tok(["12+34=46"], return_tensors="pt")).logits).all()
+
+
 def test_tied_embeddings(tmp_path):
     path = make_tiny_model(tmp_path / "tied", tie_word_embeddings=True, **SMALL)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -82,7 +113,7 @@ def test_bad_arguments_name_the_parameter(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name) as err:
         make_tiny_model(tmp_path / "bad", **kwargs)
     if name == "arch":
-        assert "llama" in str(err.value) and "qwen2" in str(err.value)
+        assert all(a in str(err.value) for a in ("llama", "qwen2", "phi3"))
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
 
 
@@ -123,3 +154,6 @@ def test_cli(tmp_path, capsys):
     assert str(tmp_path / "cli") in out and "parameters" in out
     config = AutoConfig.from_pretrained(tmp_path / "cli")
     assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", 1, 61)
+    cli["main"]([str(tmp_path / "phi3"), "--arch", "phi3", "--num-layers", "1", "--tie-word-embeddings"])
+    config = AutoConfig.from_pretrained(tmp_path / "phi3")
+    assert (config.model_type, config.architectures, config.tie_word_embeddings) == ("phi3", ["Phi3ForCausalLM"], True)
