@@ -1,8 +1,13 @@
-"""Which Hugging Face models rlmega converts, decided from config.json alone (no imports).
+"""Which Hugging Face models each learner (actor.backend) trains, decided from the model folder alone.
 
-Shared by the config preflight (before any worker starts), ``rlmega.megatron.hf_config`` (which
-builds the Megatron model) and the rollout engine (which tells vLLM the architecture), so all
-three refuse, or accept, the same models with the same words.
+megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama and Qwen2 shapes our HF <->
+Megatron mapping converts. Shared by the config preflight (before any worker starts),
+``rlmega.megatron.hf_config`` (which builds the Megatron model) and the rollout engine (which tells vLLM
+the architecture), so all three refuse, or accept, the same models with the same words.
+
+fsdp: ``transformers_reason`` (AutoModelForCausalLM has a class for the model_type and AutoConfig reads
+config.json) and ``vllm_reason`` (vLLM's model registry names the class; read without importing vLLM):
+any causal LM both build, no conversion.
 """
 from __future__ import annotations
 
@@ -26,14 +31,16 @@ def architecture(hf: dict) -> str | None:
 def architecture_overrides(model_path: str) -> dict:
     """What vLLM's ``hf_overrides`` needs for the model folder: when its config.json has no
     `architectures`, vLLM picks the family's backbone (``LlamaModel``, no LM head), so name the
-    causal-LM class; else nothing."""
+    causal-LM class (any model_type transformers maps, for actor.backend=fsdp); else nothing."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):  # not a local folder: nothing to override (the preflight requires one)
         return {}
     with open(path) as f:
         hf = json.load(f)
-    arch = architecture(hf) if isinstance(hf, dict) else None
-    return {"architectures": [arch]} if arch and not hf.get("architectures") else {}
+    if not isinstance(hf, dict) or hf.get("architectures"):
+        return {}
+    arch = architecture(hf) or causal_lm_class(hf)
+    return {"architectures": [arch]} if arch else {}
 
 
 def unsupported_reason(hf: dict) -> str | None:
@@ -41,7 +48,7 @@ def unsupported_reason(hf: dict) -> str | None:
     arch = architecture(hf)
     if arch is None:
         archs = hf.get("architectures") or []
-        return (f"unsupported architecture {archs or hf.get('model_type')!r}: rlmega converts "
+        return (f"unsupported architecture {archs or hf.get('model_type')!r}: rlmega's Megatron mapping converts "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (or a config.json without `architectures` whose "
                 f"model_type is {' or '.join(MODEL_TYPE_ARCHITECTURES)})")
     if hf.get("hidden_act", "silu") != "silu":
@@ -51,3 +58,86 @@ def unsupported_reason(hf: dict) -> str | None:
     if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
         return "Qwen2 with use_sliding_window=true is not supported"
     return None
+
+
+# --- actor.backend=fsdp: any causal LM that transformers builds and vLLM serves ----------------------
+
+def causal_lm_class(hf: dict) -> str | None:
+    """The class name vLLM will look up for config.json ``hf``: its first `architectures` entry, or, without
+    one, the causal-LM class transformers' AutoModelForCausalLM maps its model_type to (None if neither)."""
+    archs = hf.get("architectures") or []
+    if archs and isinstance(archs, list) and isinstance(archs[0], str):
+        return archs[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.get("model_type"))
+    return name if isinstance(name, str) else None
+
+
+def transformers_reason(path: str, hf: dict) -> str | None:
+    """None when ``AutoModelForCausalLM`` can build the model of folder ``path`` (config.json ``hf``), else why
+    not. Reads config.json through ``AutoConfig`` (its checks run), builds no weights, contacts no hub."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (f"model_type={model_type!r} (architectures {hf.get('architectures')}) is not a causal LM the "
+                "installed transformers builds (AutoModelForCausalLM has no class for it; remote code is not run)")
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises ValueError, TypeError, StrictDataclass errors, ...
+        return f"transformers cannot read its config.json as a {model_type!r} config: {str(e)[:300]}"
+    return None
+
+
+def _vllm_registry_file() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it (seconds)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "model_executor", "models", "registry.py")
+
+
+def vllm_architectures() -> frozenset | None:
+    """The architectures vLLM's model registry names (``ModelRegistry.get_supported_archs()``), read from
+    vllm/model_executor/models/registry.py's ``_VLLM_MODELS`` literal without importing vLLM (seconds, and
+    process-wide state). None when vLLM is not installed or the file has another shape;
+    tests/unit/test_config.py checks the result against the installed vLLM."""
+    import ast
+
+    path = _vllm_registry_file()
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    dicts: dict = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and isinstance(getattr(node, "value", None), ast.Dict):
+            dicts[target.id] = node.value
+    top = dicts.get("_VLLM_MODELS")
+    if top is None:
+        return None
+    names = set()
+    for key, value in zip(top.keys, top.values):
+        parts = [dicts.get(value.id)] if key is None and isinstance(value, ast.Name) else [top]
+        if parts[0] is None:
+            return None
+        for d in parts:
+            names.update(k.value for k in d.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return frozenset(names)
+
+
+def vllm_reason(hf: dict) -> str | None:
+    """None when vLLM's model registry has the model's class (or vLLM is absent: nothing to ask), else why not."""
+    archs = vllm_architectures()
+    if archs is None:
+        return None
+    name = causal_lm_class(hf)
+    if name in archs:
+        return None
+    return (f"vLLM (the rollout engine) does not serve {name or hf.get('model_type')!r}: its model registry "
+            "has no such architecture")

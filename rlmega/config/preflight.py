@@ -11,7 +11,8 @@ the embedded cluster's processes fit this machine's memory and cores. ``rlmega t
     preflight(cfg)          # ConfigError listing every problem: "field: problem. Fix: ..."
 
 Nothing heavy is imported (no megatron, no vLLM, no Ray); the reward module is imported, since
-whether it resolves is the question.
+whether it resolves is the question, and with actor.backend=fsdp transformers' auto classes (whether
+it builds the model is the question; vLLM's registry is read as text).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import socket
 import tempfile
 from typing import List
 
-from rlmega.config.hf_support import unsupported_reason
+from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
 from rlmega.config.model_files import tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
 from rlmega.config.validate import ConfigError, problem
@@ -59,9 +60,9 @@ def _model(cfg: RLConfig) -> List[str]:
         out.append(problem("model.path", f"{path}/config.json holds a JSON {type(hf).__name__}, not an object",
                            "give a config.json that is a JSON object, as save_pretrained writes it"))
         hf = None
-    reason = unsupported_reason(hf) if hf is not None else None
+    reason = _architecture_reason(cfg, hf) if hf is not None else None
     if reason:
-        out.append(problem("model.path", f"{path!r}: {reason}", "use a Llama or Qwen2 model, or convert yours"))
+        out.append(reason)
     if not any(glob.glob(os.path.join(path, g)) for g in WEIGHT_GLOBS):
         out.append(problem("model.path", f"{path!r} has no weights ({' or '.join(WEIGHT_GLOBS)})",
                            "save the model with save_pretrained into that folder"))
@@ -72,6 +73,26 @@ def _model(cfg: RLConfig) -> List[str]:
         out += [problem("model.path", why, "save the tokenizer with save_pretrained into the model folder")
                 for why in tokenizer_problems(path, hf)]
     return out
+
+
+def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
+    """Whether the learner actor.backend names can train the folder's model, and vLLM serve it: megatron
+    converts Llama and Qwen2 (rlmega/config/hf_support.py); fsdp takes any causal LM that transformers
+    builds and vLLM's registry names. The problem line, or None."""
+    path = cfg.model.path
+    if cfg.actor.backend == "megatron":
+        why = unsupported_reason(hf)
+        return why and problem("model.path", f"{path!r}: {why}", "use a Llama or Qwen2 model, or convert yours, "
+                               "or set actor.backend=fsdp (FSDP2 trains any causal LM transformers builds)")
+    why = transformers_reason(path, hf)
+    if why:
+        return problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
+                       "use a model folder whose config.json names a transformers causal LM (model_type and "
+                       "architectures), e.g. one written by save_pretrained")
+    why = vllm_reason(hf)
+    return why and problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
+                           "use an architecture vLLM serves (vLLM's supported-models list), e.g. Llama, Qwen2, "
+                           "Phi3, Gemma")
 
 
 def _reward(cfg: RLConfig) -> List[str]:

@@ -3,6 +3,11 @@
 Every check appends one line `field: problem. Fix: ...`; `validate` raises a single ConfigError
 listing all of them, so one edit-and-rerun fixes everything at once. The model shape comes from
 `<model.path>/config.json` (no weights are read, nothing heavy is imported).
+
+Per learner (actor.backend): Megatron's rules (heads and KV heads divisible by TP, layers by PP x VPP,
+VPP needing PP) apply only to megatron; fsdp refuses tensor, pipeline and virtual pipeline sizes other
+than 1; activation checkpointing is fsdp's only. Which architectures each learner takes is the
+preflight's (rlmega/config/hf_support.py).
 """
 import dataclasses
 import json
@@ -231,7 +236,7 @@ def _layout_problems(cfg: RLConfig) -> List[str]:
     """Parallel layout and batch arithmetic; assumes the sizes passed the range checks."""
     par, tr, out = cfg.parallelism, cfg.trainer, []
     tp, pp, vpp = _sizes(cfg)
-    if vpp > 1 and pp == 1:
+    if vpp > 1 and pp == 1 and cfg.actor.backend == "megatron":  # fsdp: _backend_problems names it
         out.append(problem("parallelism.virtual_pipeline_model_parallel_size",
                            f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1",
                            "set parallelism.pipeline_model_parallel_size >= 2, "
@@ -286,7 +291,33 @@ def _placement_problems(cfg: RLConfig) -> List[str]:
     return []
 
 
-def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
+def _backend_problems(cfg: RLConfig) -> List[str]:
+    """What the learner actor.backend names cannot do: FSDP2 shards parameters over the world_size
+    data-parallel ranks and has no tensor or pipeline split; the Megatron actor does not recompute
+    activations."""
+    par, out = cfg.parallelism, []
+    if cfg.actor.backend == "fsdp":
+        fix = ("FSDP2 shards the parameters over all parallelism.world_size ranks instead; or set "
+               "actor.backend=megatron for tensor/pipeline parallelism (Llama and Qwen2 only)")
+        for name, value in (("tensor_model_parallel_size", par.tensor_model_parallel_size),
+                            ("pipeline_model_parallel_size", par.pipeline_model_parallel_size)):
+            if value != 1:
+                out.append(problem(f"parallelism.{name}", f"{value}, but actor.backend=fsdp has no "
+                                   f"{name.split('_model')[0]} parallelism", f"set parallelism.{name}=1: {fix}"))
+        vpp = par.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1:
+            out.append(problem("parallelism.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "
+                               "has no pipeline to interleave",
+                               f"set parallelism.virtual_pipeline_model_parallel_size=null: {fix}"))
+    elif cfg.actor.activation_checkpointing:
+        out.append(problem("actor.activation_checkpointing", "true, but actor.backend=megatron does not recompute "
+                           "activations (only the fsdp learner implements it)",
+                           "set actor.activation_checkpointing=false, or actor.backend=fsdp"))
+    return out
+
+
+def _megatron_model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
+    """Megatron's sharding of the model: heads and KV heads over TP, layers over PP x VPP."""
     out = []
     tp, pp, vpp = _sizes(cfg)
     heads, kv = shape.num_attention_heads, shape.num_key_value_heads
@@ -305,7 +336,14 @@ def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
                            f"PP x VPP = {pp} x {vpp} "
                            "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)",
                            f"choose PP x VPP in {_divisors(shape.num_hidden_layers)}"))
-    if heads % cfg.rollout.tensor_parallel_size:
+    return out
+
+
+def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
+    """The model's shape against the layout: Megatron's divisibility rules (megatron only) and vLLM's."""
+    out = _megatron_model_problems(cfg, shape) if cfg.actor.backend == "megatron" else []
+    if shape.num_attention_heads % cfg.rollout.tensor_parallel_size:
+        heads = shape.num_attention_heads
         out.append(problem("rollout.tensor_parallel_size",
                            f"vLLM needs num_attention_heads={heads} divisible by tensor_parallel_size="
                            f"{cfg.rollout.tensor_parallel_size}", f"use one of {_divisors(heads)}"))
@@ -399,6 +437,7 @@ def validate(cfg: RLConfig) -> None:
     # A number already refused as not finite is not reported again by the agent-side checks.
     out += [p for p in task_problems(cfg) if _field_of(p) not in {_field_of(b) for b in bad_numbers}]
     if not bad_ranges:  # the arithmetic below divides by these sizes
+        out += _backend_problems(cfg)
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)
     if cfg.model.path:

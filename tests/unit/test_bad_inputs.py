@@ -54,7 +54,8 @@ def env(tmp_path_factory):
     (d / "config_latin1.yaml").write_bytes(b"trainer:\n  run_dir: caf\xe9\n")  # not UTF-8
     (d / "config_missing.yaml").write_text("trainer:\n  total_steps: ???\n")
     (d / "config_tasks_map.yaml").write_text("tasks: {a: 1}\n")
-    return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral),
+    phi3 = make_tiny_model(d / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
+    return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral), "phi3": str(phi3),
             **_broken_models(d, model, cfg)}
 
 
@@ -89,8 +90,17 @@ def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
         "zero_heads": variant("zero_heads", {**cfg, "num_attention_heads": 0, "head_dim": None}),
         "text_heads": variant("text_heads", {**cfg, "num_attention_heads": "2"}),
         "model_type_only": variant("model_type_only", {k: v for k, v in cfg.items() if k != "architectures"}),
+        # actor.backend=fsdp: a model_type transformers has no causal LM for; one whose config.json transformers
+        # refuses; one transformers builds but vLLM's registry lacks
+        "no_such_lm": variant("no_such_lm", {**cfg, "model_type": "nosuchlm",
+                                             "architectures": ["NoSuchLMForCausalLM"]}),
+        "bad_gpt_neo": variant("bad_gpt_neo", {**cfg, "model_type": "gpt_neo", "architectures": ["GPTNeoForCausalLM"]}),
+        "persimmon": variant("persimmon", {**cfg, "model_type": "persimmon",
+                                           "architectures": ["PersimmonForCausalLM"]}),
     }
 
+
+FSDP = ["actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]
 
 # (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
 CASES = [
@@ -257,6 +267,24 @@ CASES = [
      "data.synthetic_size: set, but tasks is set too"),
     ("agent_loop beside tasks", ["tasks=[{{name: a}}]", "agent_loop.kind=tool"], None,
      "agent_loop.kind: set, but tasks is set too"),
+    # --- issue 23: what each learner (actor.backend) cannot do ---
+    ("fsdp with TP 2", ["actor.backend=fsdp", "parallelism.pipeline_model_parallel_size=1",
+                        "parallelism.world_size=2"], None,
+     "parallelism.tensor_model_parallel_size: 2, but actor.backend=fsdp has no tensor parallelism"),
+    ("fsdp with PP 2", ["actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1",
+                        "parallelism.world_size=2"], None,
+     "parallelism.pipeline_model_parallel_size: 2, but actor.backend=fsdp has no pipeline parallelism"),
+    ("fsdp with VPP 2", [*FSDP, "parallelism.virtual_pipeline_model_parallel_size=2"], None,
+     "parallelism.virtual_pipeline_model_parallel_size: 2, but actor.backend=fsdp"),
+    ("fsdp, a model_type transformers lacks", [*FSDP, "model.path={no_such_lm}"], None,
+     "(actor.backend=fsdp): model_type='nosuchlm' (architectures ['NoSuchLMForCausalLM']) is not a causal LM"),
+    ("fsdp, a config.json transformers refuses", [*FSDP, "model.path={bad_gpt_neo}"], None,
+     "(actor.backend=fsdp): transformers cannot read its config.json as a 'gpt_neo' config"),
+    ("fsdp, an architecture vLLM lacks", [*FSDP, "model.path={persimmon}"], None,
+     "(actor.backend=fsdp): vLLM (the rollout engine) does not serve 'PersimmonForCausalLM'"),
+    ("megatron, a Phi3 model", ["model.path={phi3}"], None, "or set actor.backend=fsdp"),
+    ("megatron with activation checkpointing", ["actor.activation_checkpointing=true"], None,
+     "actor.activation_checkpointing: true, but actor.backend=megatron does not recompute"),
 ]
 
 
@@ -313,6 +341,17 @@ def test_logging_level_sets_the_level_of_the_drivers_rlmega_loggers(env, monkeyp
         assert logging.getLogger("rlmega.data.prompts").getEffectiveLevel() == getattr(logging, level)
     finally:
         root.setLevel(before)
+
+
+@pytest.mark.parametrize("model", ["phi3", "model"])
+def test_fsdp_takes_models_megatron_refuses_and_megatron_rules_do_not_apply(env, monkeypatch, tmp_path, model):
+    """actor.backend=fsdp (TP = PP = 1) passes every check with a Phi3 (our Megatron mapping refuses it) and a
+    Qwen2, at a world size Megatron could not split."""
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([TINY, f"model.path={env[model]}", f"trainer.run_dir={tmp_path / 'run'}",
+                        "trainer.resume=none", *FSDP, "parallelism.world_size=1",
+                        "actor.activation_checkpointing=true"])
 
 
 def test_a_model_named_only_by_model_type_and_in_process_reward_pass(env, monkeypatch, tmp_path):

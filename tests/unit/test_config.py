@@ -205,6 +205,28 @@ def test_vllm_cpu_head_sizes_match_installed_vllm():
     assert tuple(cpu_attn.CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
 
 
+def test_vllm_architectures_read_as_text_match_installed_vllm():
+    # actor.backend=fsdp's preflight reads vLLM's registry without importing vLLM (rlmega/config/hf_support.py)
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    from rlmega.config.hf_support import vllm_architectures
+
+    assert vllm_architectures() == set(registry.ModelRegistry.get_supported_archs())
+    assert "Phi3ForCausalLM" in vllm_architectures() and "PersimmonForCausalLM" not in vllm_architectures()
+
+
+def test_vllm_is_told_the_causal_lm_class_of_any_model_type(tmp_path):
+    """A config.json without `architectures`: vLLM would pick the backbone (no LM head) for any family."""
+    from rlmega.config.hf_support import architecture_overrides
+
+    for model_type, arch in (("qwen2", "Qwen2ForCausalLM"), ("phi3", "Phi3ForCausalLM")):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert architecture_overrides(str(tmp_path / model_type)) == {"architectures": [arch]}
+    (tmp_path / "named").mkdir()
+    (tmp_path / "named" / "config.json").write_text(json.dumps({"model_type": "phi3", "architectures": ["X"]}))
+    assert architecture_overrides(str(tmp_path / "named")) == {}
+
+
 def test_interleaved_schedule_needs_pp_micro_batches_per_rank(tmp_path):
     # The rule plan_micro_batches enforces mid-run (each DP rank needs a multiple of PP micro-batches,
     # so at least PP samples) fails at load. PP2 x VPP2 with DP2: 2 samples per optimizer step give
@@ -341,3 +363,24 @@ def test_a_config_json_with_only_model_type_maps_to_its_causal_lm(tmp_path, mode
     (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [arch]}))
     assert architecture_overrides(str(tmp_path)) == {}  # named already: nothing overridden
     assert "unsupported architecture 'mistral'" in unsupported_reason({**hf, "model_type": "mistral"})
+
+
+def test_phi3_demo_config_passes_every_check_only_with_the_fsdp_learner(tmp_path):
+    """configs/demo_cpu_phi3.yaml on the tiny Phi3 its header says to make: valid and runnable here (the
+    preflight) with actor.backend=fsdp; the Megatron learner refuses the model and the TP/PP-free layout
+    is the only one fsdp takes."""
+    from rlmega.config.preflight import preflight
+    from rlmega.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2,
+                            num_layers=4, seed=0)
+    demo = os.path.join(REPO, "configs", "demo_cpu_phi3.yaml")
+    base = [f"model.path={model}", f"trainer.run_dir={tmp_path / 'run'}"]
+    cfg = load_config(demo, base)
+    par = cfg.parallelism
+    assert (cfg.actor.backend, par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == ("fsdp", 1, 1)
+    preflight(cfg)
+    with pytest.raises(ConfigError, match="or set actor.backend=fsdp"):
+        preflight(load_config(demo, [*base, "actor.backend=megatron"]))
+    rejects(*base, "parallelism.tensor_model_parallel_size=2", path=demo,
+            field="parallelism.tensor_model_parallel_size")
