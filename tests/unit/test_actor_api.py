@@ -33,3 +33,31 @@ def test_learner_pickles_and_refuses_an_unknown_backend():
     assert pickle.loads(pickle.dumps(Learner("fsdp"))) == Learner("fsdp")
     with pytest.raises(ValueError, match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]"):
         Learner("deepspeed")
+
+
+def _imports(path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_each_backend_library_is_imported_only_in_its_package():
+    # DESIGN: only rlmega/megatron/ imports megatron.core, only rlmega/fsdp/ imports FSDP (and DCP's
+    # state-dict helpers that drive it); reading a checkpoint's metadata (checkpoint_scan) is neither.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "rlmega"
+    owners = {"megatron": "megatron", "torch.distributed.fsdp": "fsdp",
+              "torch.distributed.checkpoint.state_dict": "fsdp", "torch.distributed._composable": "fsdp"}
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        package = path.relative_to(root).parts[0]
+        for name in _imports(path):
+            for prefix, owner in owners.items():
+                if (name == prefix or name.startswith(prefix + ".")) and package != owner:
+                    wrong.append(f"{path.relative_to(root.parent)} imports {name} (only rlmega/{owner}/ may)")
+    assert not wrong, "\n".join(wrong)
