@@ -1,0 +1,157 @@
+"""Sharded FSDP2 checkpoints with torch.distributed.checkpoint (DCP), in the shared root layout.
+
+    ROOT/step_00000010/   .metadata, __R_0.distcp (every rank's shards), common.pt (rank 0)
+    ROOT/latest           written after the rename (rlmega/checkpoint_files.py: .partial, fsync, rename)
+
+In the DCP files: "model" (this model's sharded state dict, HF names), "optimizer" (AdamW state and
+param groups by parameter name), each extra model by its name, and "rng_rank{R}" per rank (Python,
+NumPy, torch CPU and CUDA generators). common.pt holds {"meta": {"backend": "fsdp", "step",
+"scheduler", "extra", "world_size", "extra_models"}}: what the driver reads without loading tensors
+(rlmega/runs.py reads meta.extra, rlmega/checkpoint_scan.py judges completeness by "backend").
+
+DCP reshards on load, so model and optimizer state load at any world size; the RNG state only at
+the saved one (another world size has other ranks: each keeps its own seeded generators).
+"""
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
+
+from rlmega.checkpoint_files import finish_save, resolve, start_save, undo_failed_save
+
+BACKEND = "fsdp"  # common.pt's meta["backend"]; checkpoint_scan.py tells the two formats apart by it
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _state(model, optimizer, extra_models: dict | None) -> dict:
+    """The sharded state dicts DCP saves or loads into (views of the live DTensors)."""
+    if optimizer is not None:
+        # Before the first step torch makes zero Adam state here (a step with lr 0: the weights do
+        # not move), equal to fresh state, so a save before any step loads like any other.
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optimizer": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    for name, other in (extra_models or {}).items():
+        if name in ("model", "optimizer") or name.startswith("rng_rank"):
+            raise ValueError(f"extra_models: {name!r} is a reserved checkpoint key; name the model otherwise")
+        state[name] = get_model_state_dict(other)
+    return state
+
+
+def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, extra: dict | None = None,
+         extra_models: dict | None = None) -> Path:
+    """Save everything for ``step`` under ``root``; returns the step folder. Collective.
+
+    ``extra``: plain values stored once (rank 0's); ``extra_models``: other FSDP2 models saved
+    alongside by name (the reference policy as {"reference": ref_model}).
+    """
+    root = Path(root)
+    final, partial = start_save(root, step)
+    rank = dist.get_rank()
+    state = _state(model, optimizer, extra_models)
+    # A key per rank (DCP keeps every rank's own copy), pickled: DCP would flatten a dict into keys.
+    state[f"rng_rank{rank}"] = pickle.dumps(rng_state())
+    common = {"meta": {"backend": BACKEND, "step": step, "scheduler": scheduler.state_dict() if scheduler else None,
+                       "extra": extra or {}, "world_size": dist.get_world_size(),
+                       "has_optimizer_state": optimizer is not None, "extra_models": sorted(extra_models or {})}}
+    try:
+        dcp.save(state, checkpoint_id=str(partial))  # collective: a failure on any rank raises on every rank
+        failure = None
+        if rank == 0:
+            try:
+                torch.save(common, partial / "common.pt")
+            except Exception as e:
+                failure = e
+        # rank 0's failure must stop every rank before the rename (else the others wait in its barrier)
+        if _any_rank(failure is not None):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rank 0 failed to write {partial / 'common.pt'}")
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        undo_failed_save(e, root, partial)
+        raise
+    finish_save(root, partial, final)
+    return final
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (collective; nccl needs the tensor on the GPU)."""
+    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
+def read_meta(path: str | Path) -> dict:
+    meta = torch.load(Path(path) / "common.pt", map_location="cpu")["meta"]
+    if meta.get("backend") != BACKEND:
+        raise ValueError(f"{path} is not an FSDP checkpoint (actor.backend=fsdp); it was written by the "
+                         f"{meta.get('backend', 'megatron')} backend. Fix: resume it with that actor.backend")
+    return meta
+
+
+def load(path: str | Path, model, optimizer=None, scheduler=None,
+         extra_models: dict | None = None) -> tuple[int, dict]:
+    """Load a checkpoint (a step folder, or a root whose ``latest`` is used). Returns (step, extra).
+
+    Model (and optimizer, when given) at any world size; the RNG state when the world size is the
+    saved one; the scheduler's step count when given. ``extra_models`` must have been saved.
+    """
+    path = resolve(path)
+    meta = read_meta(path)
+    missing = sorted(set(extra_models or {}) - set(meta["extra_models"]))
+    if missing:
+        raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "
+                         f"(it has: {meta['extra_models'] or 'none'})")
+    if optimizer is not None and not meta["has_optimizer_state"]:
+        raise ValueError(f"checkpoint {path} holds no optimizer state; load it with model_only=True")
+    state = _state(model, optimizer, extra_models)
+    rng_key = f"rng_rank{dist.get_rank()}"
+    same_world = meta["world_size"] == dist.get_world_size()
+    if optimizer is not None and same_world:
+        state[rng_key] = b""  # DCP fills it in (a saved object, not a tensor)
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(model, state["model"])
+    for name, other in (extra_models or {}).items():
+        set_model_state_dict(other, state[name])
+    if optimizer is not None:
+        if scheduler is not None and meta["scheduler"] is not None:
+            scheduler.load_state_dict(meta["scheduler"])
+        if same_world:
+            set_rng_state(pickle.loads(state[rng_key]))
+    return int(meta["step"]), meta["extra"]
+
+
+def full_model_state_dict(model, cpu_offload: bool = True) -> dict:
+    """The whole model by HF name on rank 0 (the others get {}). Collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
