@@ -335,7 +335,8 @@ class FSDPModelManager:
 
 
 def _models(extra: dict | None) -> dict | None:
-    return None if extra is None else {k: getattr(v, "model", v) for k, v in extra.items()}
+    # only a manager is unwrapped: an HF model's .model is its inner decoder (no lm_head)
+    return None if extra is None else {k: v.model if isinstance(v, FSDPModelManager) else v for k, v in extra.items()}
 
 
 def _cpu_copy(config, state: dict) -> torch.nn.Module:
