@@ -76,7 +76,8 @@ class FSDPModelManager:
         self.world_size, self.rank = world_size, rank
         self.lr_decay_steps = lr_decay_steps
         self.hf_config = hf_config
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: LRSchedule | None = None

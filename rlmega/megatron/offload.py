@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlmega.offload import Saved, offload_tensors, onload_tensors  # noqa: F401  (re-exported)
+from rlmega.offload import Saved, _distinct_storages, offload_tensors, onload_tensors  # noqa: F401  (re-exported)
 
 
 def model_params(model: list) -> list[torch.Tensor]:

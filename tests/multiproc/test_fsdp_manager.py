@@ -119,7 +119,8 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     res["no_sync_before_last"] = all(p.grad is not None and not isinstance(p.grad, DTensor) for p in m.parameters())
     mm.before_micro_batch(m, is_last_micro_batch=True)
     (_loss(m, rows[1:]) / 2).backward()
-    res["accumulation_diff"] = max((a - b).abs().max().item() for a, b in zip(big, _locals(p.grad for p in m.parameters())))
+    res["accumulation_diff"] = max((a - b).abs().max().item()
+                                   for a, b in zip(big, _locals(p.grad for p in m.parameters())))
 
     # a NaN on one rank skips the step on both, nothing changed; without skipping both raise
     mm.optimizer.zero_grad(set_to_none=True)
