@@ -24,7 +24,8 @@ def models(tmp_path_factory):
             str(make_tiny_model(d / "untied", **kw)), d)
 
 
-def _manager(path: str, dtype: str = "float32", ac: bool = False, with_optimizer: bool = True, **optim):
+def _manager(path: str, dtype: str = "float32", ac: bool = False, with_optimizer: bool = True,
+             hf_config: dict | None = None, **optim):
     import torch.distributed as dist
 
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
@@ -33,7 +34,7 @@ def _manager(path: str, dtype: str = "float32", ac: bool = False, with_optimizer
     optim = {"lr": 1e-2, "weight_decay": 0.01, "clip_grad": 1.0, **optim}
     mm = FSDPModelManager(ModelConfig(path=path, dtype=dtype), OptimizerConfig(**optim),
                           ActorConfig(activation_checkpointing=ac), dist.get_world_size(), dist.get_rank(),
-                          lr_decay_steps=20)
+                          lr_decay_steps=20, hf_config=hf_config)
     mm.setup_model_and_optimizer(with_optimizer=with_optimizer)
     return mm
 
@@ -214,6 +215,14 @@ def _world1_body(tied: str, out: str) -> dict:
     fresh = _manager(tied, weight_decay=0.05)
     step, extra = fresh.load_checkpoint(out / "ckpt")  # saved at world 2: DCP reshards
     res["weight_decay"] = fresh.optimizer.param_groups[0]["weight_decay"]
+    # built from a config (no weights read): random weights from model.seed, the caller's RNG untouched
+    import json
+
+    config = json.loads((Path(tied) / "config.json").read_text())
+    draw = torch.get_rng_state()
+    a, b = (_manager("", hf_config=config, with_optimizer=False).get_model_state_dict() for _ in range(2))
+    res["from_config"] = (_max_diff(a, b) == 0.0 and torch.equal(draw, torch.get_rng_state())
+                          and _max_diff(a, mm.get_model_state_dict()) > 0.01)
     res["loaded"] = (step, extra)
     res["reshard_diff"] = _max_diff(torch.load(out / "saved_w2.pt"), _full_states(fresh))
     return res
@@ -245,5 +254,5 @@ def test_fsdp_manager_on_two_ranks_and_resharded_on_one(models):
     assert abs(w1["grad_norm"] - r0["grad_norm"]) < 1e-6, (w1["grad_norm"], r0["grad_norm"])
     assert w1["step_diff"] < 1e-5, w1["step_diff"]
     assert w1["weight_decay"] == 0.05  # the resumed run's config, not the checkpoint's 0.01
-    assert w1["loaded"] == (7, {"history": [1, 2]})
+    assert w1["loaded"] == (7, {"history": [1, 2]}) and w1["from_config"]
     assert w1["reshard_diff"] == 0.0  # DCP moves bytes: the world-2 save loads bit-exact at world 1
