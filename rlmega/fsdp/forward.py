@@ -4,11 +4,11 @@ A micro-batch is ``rlmega.data.micro_batches.build_micro_batch(batch, indices, d
 ONE row of several sequences, ``tokens`` and ``position_ids`` (1, T) with positions restarting at 0
 per sequence, and flat per-token fields (T,) on the same positions as the logits.
 
-Attention over a packed row: the row goes in with ``attention_mask=None`` and no cache, and
-``transformers.masking_utils`` (``find_packed_sequence_indices``) reads the sequence boundaries
-from the position ids (every place where a position is not the previous one + 1 starts a sequence)
-and builds a block-causal mask for sdpa/eager (flash-attention kernels take the same position ids
-as varlen boundaries). RoPE uses each token's own position, as vLLM does. So packing changes no
+Attention over a packed row: the row goes in with ``attention_mask=None`` and no cache, and the
+model's attention (``rlmega.fsdp.packed_attention``, set by FSDPModelManager) reads the sequence
+boundaries from the position ids (every place where a position is not the previous one + 1 starts a
+sequence) and runs causal sdpa on each sequence alone (flash-attention kernels take the same position
+ids as varlen boundaries). RoPE uses each token's own position, as vLLM does. So packing changes no
 log-prob (tests/multiproc/test_fsdp_actor.py measures it). A sequence must therefore start at
 position 0 and count up by one, which ``packing.pack`` guarantees.
 
