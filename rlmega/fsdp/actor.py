@@ -57,6 +57,17 @@ def _reshard(model) -> None:
             m.reshard()
 
 
+def _no_dropout(model: torch.nn.Module) -> None:
+    """Dropout off, as Megatron's mapping sets it (hidden and attention dropout 0): a log-prob must be
+    a function of the weights (the PPO ratio's old and new, parity with the engine). The model stays
+    in train mode, which HF's activation checkpointing needs."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0  # HF attention modules pass it to sdpa in train mode
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself otherwise): in-place edits reach the parameter."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
@@ -112,6 +123,7 @@ class FSDPActor(Actor):
         emb = mm.model.get_input_embeddings()
         if getattr(emb, "padding_idx", None) is not None:
             emb.padding_idx = None
+        _no_dropout(mm.model)
         return mm
 
     def set_global_step(self, global_step: int) -> None:
@@ -243,7 +255,7 @@ class FSDPActor(Actor):
                 _local(p.grad).mul_(scale)
 
     def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return self.policy.device
 
     def advance_lr_schedule(self, steps: int) -> float:
         if steps > 0:

@@ -207,6 +207,21 @@ def test_packing_changes_no_logprob(models):
             assert moved > 1e-2, f"{name}: without restarting positions the row still gave the same log-probs"
 
 
+def test_dropout_is_off_in_train_mode(models):
+    """The learner's log-probs are a function of the weights (as Megatron's: dropout 0), in train mode."""
+    from rlmega.data.micro_batches import build_micro_batch
+    from rlmega.fsdp.actor import _no_dropout
+    from rlmega.fsdp.forward import micro_batch_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(models["untied"], dtype=torch.float32, attention_dropout=0.5).train()
+    mb = build_micro_batch(random_batch(N, seed=1), list(range(N)), dense_mask=False)
+    with torch.no_grad():
+        assert not torch.equal(micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0])
+        _no_dropout(model)
+        assert model.training
+        assert torch.equal(micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0])
+
+
 # ---- (a) transformers, (c) Megatron, (d) world sizes ---------------------------------------------
 
 def test_fsdp_logprobs_match_transformers(models, world1, world2, world4):
