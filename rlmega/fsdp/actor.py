@@ -20,6 +20,9 @@ How a step maps onto FSDP2:
   ranks, i.e. divides by world_size), so the gradient is exactly d(sum numerators)/d(theta) / count,
   the single-process one, before clipping and the optimizer step. The count is only known after the
   forwards (rollout correction may drop tokens by the forward's own log-probs), hence after, not before.
+- The HF model trains as Megatron's mapping does: dropout off (train mode kept for activation
+  checkpointing) and the pad token's embedding row trained (HF's padding_idx would freeze it).
+- After a no-grad forward the root's parameters are resharded (FSDP2 keeps them whole otherwise).
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from rlmega.actor_api import Actor
-from rlmega.checkpoint_files import resolve
 from rlmega.algorithms import polyak, rl_loss
+from rlmega.checkpoint_files import resolve
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.micro_batches import build_micro_batch, scatter_responses
 from rlmega.data.packing import padding_efficiency, plan_micro_batches

@@ -75,7 +75,8 @@ def _fsdp_full(actor) -> dict:
     return {k: v.detach().cpu().clone() for k, v in actor.policy.iter_full_tensors()}
 
 
-def _body(models: dict, world: int, with_megatron: bool, extra_checks: bool) -> dict:
+def _body(models: dict, world: int, with_megatron: bool, extra_checks: str | None) -> dict:
+    """``extra_checks``: a folder for the checkpoint round trip (and the other extra checks), or None."""
     import torch.distributed as dist
 
     from rlmega.fsdp.actor import FSDPActor
@@ -86,7 +87,7 @@ def _body(models: dict, world: int, with_megatron: bool, extra_checks: bool) -> 
         actor.setup()
         out["fsdp"][name] = _rl_sequence(actor, lambda: _fsdp_full(actor))
         if extra_checks and name == "tied":
-            out["checks"] = _extra_checks(actor, path)
+            out["checks"] = _extra_checks(actor, path, extra_checks)
         del actor
     if with_megatron:
         from rlmega.megatron.actor import MegatronActor
@@ -107,8 +108,9 @@ def _body(models: dict, world: int, with_megatron: bool, extra_checks: bool) -> 
     return out
 
 
-def _extra_checks(actor, path: str) -> dict:
-    """Non-finite skip on every rank, FloatingPointError without the skip, the Polyak update."""
+def _extra_checks(actor, path: str, ckpt_root: str) -> dict:
+    """Non-finite skip on every rank, FloatingPointError without the skip, the Polyak update, and a
+    checkpoint that carries the moved reference."""
     from safetensors.torch import load_file
 
     got = {}
@@ -134,26 +136,33 @@ def _extra_checks(actor, path: str) -> dict:
         ref = {k: v.detach().cpu().clone() for k, v in actor.reference.iter_full_tensors()}
     got["polyak_max_err"] = max((ref[k] - (initial[k] * 0.5 + before[k] * 0.5)).abs().max().item() for k in ref)
     got["reference_moved"] = actor.reference_moved
+    # the moved reference goes into the checkpoint and comes back from it
+    blended = actor.compute_ref_logprobs(batch)
+    actor.save_checkpoint(ckpt_root, step=3)
     # rate 1: the reference is the policy, so its log-probs are the policy's, bit for bit
     actor.update_ref_policy(1.0)
     got["copy_equal"] = all(torch.equal(a, b) for a, b in
                             zip(actor.compute_ref_logprobs(batch), actor.compute_logprobs(batch)))
+    step, _ = actor.load_checkpoint(ckpt_root)
+    got["ckpt_step"] = step
+    got["ckpt_reference_equal"] = all(torch.equal(a, b) for a, b in zip(actor.compute_ref_logprobs(batch), blended))
     return got
 
 
 @pytest.fixture(scope="module")
 def world1(models):
-    return run_on_ranks(_body, 1, args=(models, 1, True, False), timeout_s=300)
+    return run_on_ranks(_body, 1, args=(models, 1, True, None), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
-def world2(models):
-    return run_on_ranks(_body, 2, args=(models, 2, False, True), timeout_s=300)
+def world2(models, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("fsdp_ckpt"))
+    return run_on_ranks(_body, 2, args=(models, 2, False, ckpt), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def world4(models):
-    return run_on_ranks(_body, 4, args=(models, 4, False, False), timeout_s=300)
+    return run_on_ranks(_body, 4, args=(models, 4, False, None), timeout_s=300)
 
 
 def _max_diff(a: list, b: list) -> float:
@@ -287,8 +296,9 @@ def test_on_policy_step_returns_its_forward_logprobs(world1, world2):
                 assert f["m2"]["ppo_kl"] == 0.0 and f["m2"]["pg_clipfrac"] == 0.0
 
 
-def test_nonfinite_step_is_skipped_on_every_rank_and_polyak_blends(world2):
+def test_nonfinite_skip_polyak_and_reference_checkpoint(world2):
     for rank, out in enumerate(world2):
         c = out["checks"]
         assert c["nan_skipped"] == 1.0 and c["nan_unchanged"] and c["nan_raised"], (rank, c)
         assert c["polyak_max_err"] <= 1e-7 and c["reference_moved"] and c["copy_equal"], (rank, c)
+        assert c["ckpt_step"] == 3 and c["ckpt_reference_equal"], (rank, c)
