@@ -13,8 +13,9 @@ Sequence boundaries come from the ``position_ids`` transformers hands every atte
 sequence starts wherever a position is not the previous one + 1 (as ``find_packed_sequence_indices``
 reads them). Registered under a name of its own, so transformers builds no mask for it at all
 (masking_utils skips implementations it has no mask function for). Sliding windows are honoured by
-an explicit windowed causal mask for a sequence longer than the window; anything else a model asks
-of its attention (a cache, a 2-D padding mask, attention sinks) is refused by name.
+an explicit windowed causal mask for a sequence longer than the window; a cache or attention sinks
+are refused by name. Padding masks are not: transformers drops a 2-D ``attention_mask`` before it
+reaches a mask-less implementation, so callers give packed rows (forward.py does), never padded ones.
 """
 from __future__ import annotations
 
@@ -36,16 +37,21 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 def packed_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                   value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                   scaling: float | None = None, sliding_window: int | None = None, **kwargs):
-    """transformers' attention-function contract: query (1, H, T, D), key/value (1, H_kv, T, D) ->
-    (output (1, T, H, D), None). Causal within each sequence of the packed row, nothing across."""
+    """transformers' attention-function contract: query (B, H, T, D), key/value (B, H_kv, T, D) ->
+    (output (B, T, H, D), None). Causal within each sequence of the packed row, nothing across. B > 1
+    only when every row has the same sequences (a plain batch: one causal sequence per row)."""
     if attention_mask is not None:
         raise ValueError(f"{NAME} takes packed rows without an attention_mask (sequences are read from position_ids)")
-    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-        raise ValueError(f"{NAME}: one packed row without a cache, got query {tuple(query.shape)}, "
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{NAME}: packed rows without a cache, got query {tuple(query.shape)}, "
                          f"key {tuple(key.shape)}")
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{NAME} does not implement attention sinks; use attn_implementation='sdpa'")
     position_ids = kwargs.pop("position_ids", None)
+    if position_ids is not None and position_ids.shape[0] > 1:  # rows must share one layout (e.g. unpacked)
+        if not torch.equal(position_ids, position_ids[:1].expand_as(position_ids)):
+            raise ValueError(f"{NAME}: rows of a batch packed differently; pack into one row per micro-batch")
+        position_ids = position_ids[:1]
     bounds = [(0, query.shape[2])] if position_ids is None else sequence_bounds(position_ids)
     # split, not slicing: the backward of a split is one cat, that of each slice a zero-filled (1, H, T, D)
     lengths = [e - s for s, e in bounds]

@@ -1,13 +1,20 @@
-"""Benchmark: model FLOPs utilisation (MFU) of a Megatron train step through MegatronModelManager.
+"""Benchmark: model FLOPs utilisation (MFU) of a train step through MegatronModelManager or FSDPModelManager.
 
     python tools/bench/megatron_mfu.py                    # GPU: ~1.2B Llama-3.2-1B shape, bf16, world size 1
     python tools/bench/megatron_mfu.py --smoke            # CPU or GPU: tiny float32 shape, a few seconds
     python tools/bench/megatron_mfu.py --json runs/bench/mfu.json --seq-len 4096 --micro-batch 1
+    python tools/bench/megatron_mfu.py --backend fsdp     # the same shape, data and formula on actor.backend=fsdp
 
 The model is built from an HF config dict in code (``MegatronModelManager(hf_config=...)``, random
 init, no weights), wrapped as training wraps it (Float16Module for bf16, Megatron DDP, the distributed
 optimizer), and trained on random tokens with ``lm_forward_backward`` + ``optimizer_step``: the same
 machinery as the RL learner, with the plain next-token loss. Steps after ``--warmup`` are timed.
+
+``--backend fsdp`` builds the same HF config as ``FSDPModelManager(hf_config=...)`` (the transformers
+model with SDPA attention, ``fully_shard`` per decoder layer and at the root over a one-rank mesh,
+bf16 compute through ``MixedPrecisionPolicy`` with fp32 master weights, AdamW) and times the same
+steps: per micro-batch ``before_micro_batch`` + forward + the fp32 token-mean cross entropy of the
+logits + backward, then ``optimizer_step`` (clip + AdamW). Same tokens, same FLOPs formula, same peak.
 
 Model FLOPs per token (the PaLM appendix-B convention, also nanoGPT's ``estimate_mfu``)::
 
@@ -98,23 +105,21 @@ def _world_of_one() -> None:
         os.environ.setdefault(k, v)
 
 
-def run(hf: dict, dtype: str, seq_len: int, micro_batch: int, micro_batches: int, steps: int, warmup: int,
-        peak_n: int, peak_repeats: int) -> dict:
+def _megatron_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, steps: int, warmup: int):
+    """(parameters, step times after the warm-up, losses, device) of Megatron LM steps on ``tokens``."""
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.lm_step import lm_forward_backward
     from rlmega.megatron.model_manager import MegatronModelManager
     from rlmega.megatron.runtime import device, init_megatron, teardown_megatron
 
-    _world_of_one()
     init_megatron(1, 1, None, seed=1234)
     try:
         dev = device()
+        tokens = tokens.to(dev)
         mm = MegatronModelManager(ModelConfig(path="", dtype=dtype), ParallelismConfig(),
                                   OptimizerConfig(lr=1e-5, use_distributed_optimizer=True), hf_config=hf)
         mm.setup_model_and_optimizer(load_weights=False)
         params = sum(p.numel() for c in mm.unwrapped() for p in c.parameters())
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, hf["vocab_size"], (micro_batch * micro_batches, seq_len + 1), generator=g).to(dev)
         times, losses = [], []
         for i in range(warmup + steps):
             _sync(dev)
@@ -124,10 +129,68 @@ def run(hf: dict, dtype: str, seq_len: int, micro_batch: int, micro_batches: int
             _sync(dev)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-        peak_mem = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
         del mm
     finally:
         teardown_megatron()
+    return params, times, losses, dev
+
+
+def fsdp_config(hf: dict) -> dict:
+    """``hf`` as FSDPModelManager's ``hf_config`` (it names the architecture by ``model_type``)."""
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[hf["architectures"][0]]
+    return {**hf, "model_type": model_type}
+
+
+def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, steps: int, warmup: int):
+    """(parameters, step times after the warm-up, losses, device) of FSDP2 LM steps on ``tokens``."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
+    from rlmega.fsdp.model_manager import FSDPModelManager
+    from rlmega.fsdp.runtime import init_distributed
+
+    init_distributed()
+    try:
+        torch.manual_seed(1234)
+        mm = FSDPModelManager(ModelConfig(path="", dtype=dtype, seed=1234), OptimizerConfig(lr=1e-5), ActorConfig(),
+                              world_size=1, rank=0, hf_config=fsdp_config(hf))
+        mm.setup_model_and_optimizer()
+        dev = mm.device
+        tokens = tokens.to(dev)
+        params = sum(p.numel() for p in mm.model.parameters())
+        chunks = tokens.split(micro_batch)
+        times, losses = [], []
+        for i in range(warmup + steps):
+            _sync(dev)
+            start = time.perf_counter()
+            total = 0.0
+            for k, chunk in enumerate(chunks):
+                mm.before_micro_batch(mm.model, is_last_micro_batch=k == len(chunks) - 1)
+                logits = mm.model(input_ids=chunk[:, :-1], use_cache=False).logits  # (b, t, V), bf16
+                loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten()) / len(chunks)
+                loss.backward()
+                total += loss.detach()
+            mm.optimizer_step()
+            losses.append(float(total))
+            _sync(dev)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        del mm
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return params, times, losses, dev
+
+
+def run(hf: dict, dtype: str, seq_len: int, micro_batch: int, micro_batches: int, steps: int, warmup: int,
+        peak_n: int, peak_repeats: int, backend: str = "megatron") -> dict:
+    _world_of_one()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, hf["vocab_size"], (micro_batch * micro_batches, seq_len + 1), generator=g)
+    steps_fn = {"megatron": _megatron_steps, "fsdp": _fsdp_steps}[backend]
+    params, times, losses, dev = steps_fn(hf, dtype, tokens, micro_batch, steps, warmup)
+    peak_mem = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
     step_s = sorted(times)[len(times) // 2]  # median
     tokens_per_step = micro_batch * micro_batches * seq_len
     achieved = model_flops_per_token(hf, seq_len) * tokens_per_step / step_s
@@ -136,7 +199,8 @@ def run(hf: dict, dtype: str, seq_len: int, micro_batch: int, micro_batches: int
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     datasheet = next((v for k, v in DATASHEET_BF16_DENSE.items() if k in name), None) if dtype == "bfloat16" else None
     return {
-        "device": name, "dtype": dtype, "params": params, "seq_len": seq_len, "tokens_per_step": tokens_per_step,
+        "backend": backend, "device": name, "dtype": dtype, "params": params, "seq_len": seq_len,
+        "tokens_per_step": tokens_per_step,
         "step_s_median": step_s, "tokens_per_s": tokens_per_step / step_s, "losses": losses,
         "counted_params": counted_params(hf), "model_flops_per_token": model_flops_per_token(hf, seq_len),
         "achieved_tflops": achieved / 1e12, "matmul_peak_tflops": peak / 1e12, "mfu_vs_matmul_peak": achieved / peak,
@@ -149,6 +213,7 @@ def run(hf: dict, dtype: str, seq_len: int, micro_batch: int, micro_batches: int
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny float32 shape, seconds, runs on CPU")
+    ap.add_argument("--backend", choices=("megatron", "fsdp"), default="megatron", help="the learner (actor.backend)")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per optimizer step")
@@ -169,8 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(a, k) is not None:
             d[k] = getattr(a, k)
     result = run(hf, dtype, d["seq_len"], d["micro_batch"], d["micro_batches"], d["steps"], d["warmup"],
-                 d["peak_n"], a.peak_repeats)
-    print(f"{result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, {result['tokens_per_s']:.0f} tokens/s, "
+                 d["peak_n"], a.peak_repeats, a.backend)
+    print(f"{a.backend} on {result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, {result['tokens_per_s']:.0f} tokens/s, "
           f"{result['achieved_tflops']:.3g} TFLOP/s model; matmul peak {result['matmul_peak_tflops']:.3g} TFLOP/s "
           f"-> MFU {100 * result['mfu_vs_matmul_peak']:.1f}%"
           + (f"; datasheet {result['datasheet_tflops']:.1f} -> MFU {100 * result['mfu_vs_datasheet']:.1f}%"
