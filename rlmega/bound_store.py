@@ -7,7 +7,7 @@ reachable store runs code on every rank. ``BoundTCPStore`` hands the server a so
 listening on ``bind_address(host_name)``: 127.0.0.1 for a one-node group whose ranks connect to
 127.0.0.1, the node's own address for a group that spans nodes.
 
-Used by ``rlmega.megatron.runtime.init_distributed`` (the store of a group rlmega starts: Ray-hosted
+Used by ``rlmega.distributed.init_distributed`` (the store of a group rlmega starts: Ray-hosted
 ranks, tests, tools) and by ``rlmega.launch.torchrun`` (torchrun's own stores).
 """
 from __future__ import annotations

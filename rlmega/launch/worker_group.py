@@ -78,11 +78,11 @@ class WorkerGroup:
         master = self._get([self.hosts[0].address.remote()])[0][:2]
         # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
         # node, as torchrun sets them. Each actor sees only its own GPU (Ray sets
-        # CUDA_VISIBLE_DEVICES), so runtime.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
+        # CUDA_VISIBLE_DEVICES), so rlmega.distributed.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
         # Nodes are told apart by Ray node id: simulated nodes of one machine share an IP.
         self.node_ids = [a[2] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
         nodes = self.node_ids
-        if len(set(nodes)) == 1:  # rank 0's store then listens on loopback only (runtime.init_distributed)
+        if len(set(nodes)) == 1:  # rank 0's store then listens on loopback only (rlmega.distributed.init_distributed)
             master = ("127.0.0.1", master[1])
         local = [sum(1 for n in nodes[:r] if n == nodes[r]) for r in range(world_size)]
         per_node = [nodes.count(nodes[r]) for r in range(world_size)]

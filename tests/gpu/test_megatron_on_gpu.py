@@ -45,7 +45,8 @@ def _binding_body():
     import torch.distributed as dist
 
     from rlmega.megatron import policy
-    from rlmega.megatron.runtime import collective_device, device_ordinal, init_megatron, teardown_megatron
+    from rlmega.distributed import collective_device, device_ordinal
+    from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
     init_megatron(1, 1)
     out = {"backend": dist.get_backend(), "device": torch.cuda.current_device(),

@@ -2,7 +2,7 @@
 
 torch's TCPStore server listens on every interface with no auth, and the stores carry pickles. A
 one-node group's stores must listen on 127.0.0.1 alone: under rlmega's torchrun (both of the agent's
-stores) and for a group rlmega starts itself (rank 0's store, runtime.init_distributed). Sockets are
+stores) and for a group rlmega starts itself (rank 0's store, rlmega.distributed.init_distributed). Sockets are
 read with psutil, i.e. from /proc/net/tcp{,6}.
 """
 import json
@@ -49,7 +49,7 @@ def test_rlmega_torchrun_on_one_node_listens_on_loopback_only(tmp_path):
 
 
 def _rank0_store():
-    from rlmega.megatron.runtime import init_distributed
+    from rlmega.distributed import init_distributed
 
     init_distributed()
     import torch.distributed as dist
