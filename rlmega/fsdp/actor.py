@@ -46,7 +46,7 @@ from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.fsdp.checkpoint import read_meta
 from rlmega.fsdp.forward import micro_batch_logprobs
 from rlmega.fsdp.model_manager import FSDPModelManager
-from rlmega.fsdp.runtime import init_distributed
+from rlmega.distributed import init_distributed
 from rlmega.profiling import TraceRecorder
 
 

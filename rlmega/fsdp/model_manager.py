@@ -1,6 +1,6 @@
 """FSDPModelManager: one trainer rank's FSDP2-sharded HF model, optimizer, LR schedule and state.
 
-    init_distributed()                                   # rlmega.fsdp.runtime
+    init_distributed()                                   # rlmega.distributed
     mm = FSDPModelManager(cfg.model, cfg.optimizer, cfg.actor, world_size, rank, lr_decay_steps=100)
     mm.setup_model_and_optimizer()                       # HF model, fully_shard, AdamW, schedule
     for i, mb in enumerate(micro_batches):
@@ -69,7 +69,7 @@ class FSDPModelManager:
             raise ValueError(f"model.dtype={model.dtype!r}: the fsdp backend takes float32 or bfloat16")
         if not dist.is_initialized() or dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"FSDPModelManager(world_size={world_size}, rank={rank}) needs the default process "
-                               "group initialised with that size and rank (rlmega.fsdp.runtime.init_distributed)")
+                               "group initialised with that size and rank (rlmega.distributed.init_distributed)")
         if hf_config is None and not model.path:
             raise ValueError("model.path is empty: the fsdp backend loads a Hugging Face folder from it")
         self.model_cfg, self.optim_cfg, self.actor_cfg = model, optimizer, actor

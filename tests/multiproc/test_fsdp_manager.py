@@ -92,7 +92,7 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from rlmega.fsdp.runtime import init_distributed
+    from rlmega.distributed import init_distributed
 
     init_distributed()
     rank, res, out = dist.get_rank(), {}, Path(out)
@@ -212,7 +212,7 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
 
 
 def _world1_body(tied: str, out: str) -> dict:
-    from rlmega.fsdp.runtime import init_distributed
+    from rlmega.distributed import init_distributed
 
     init_distributed()
     out, res = Path(out), {}

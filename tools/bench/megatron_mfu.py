@@ -148,7 +148,7 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
 
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
     from rlmega.fsdp.model_manager import FSDPModelManager
-    from rlmega.fsdp.runtime import init_distributed
+    from rlmega.distributed import init_distributed
 
     init_distributed()
     try:
