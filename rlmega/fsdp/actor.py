@@ -47,7 +47,6 @@ from rlmega.fsdp.checkpoint import read_meta
 from rlmega.fsdp.forward import micro_batch_logprobs
 from rlmega.fsdp.model_manager import FSDPModelManager
 from rlmega.distributed import init_distributed
-from rlmega.profiling import TraceRecorder
 
 
 def _reshard(model) -> None:
@@ -378,10 +377,4 @@ class FSDPActor(Actor):
             pm.load_optimizer(self._device())
         return {"offloaded": sorted(pm.offloaded)}
 
-    # ---- profiling ----------------------------------------------------------------------------
-    def start_profile(self) -> None:
-        self._trace = TraceRecorder()
-        self._trace.start()
-
-    def stop_profile(self, out_dir: str) -> str:
-        return self._trace.stop(f"{out_dir}/trainer_rank{self.rank}.json")
+    # profiling (start_profile / stop_profile): rlmega.actor_api.Actor's, the same for every backend
