@@ -52,7 +52,10 @@ def _state(model, optimizer, extra_models: dict | None) -> dict:
     """The sharded state dicts DCP saves or loads into (views of the live DTensors)."""
     if optimizer is not None:
         # Before the first step torch makes zero Adam state here (a step with lr 0: the weights do
-        # not move), equal to fresh state, so a save before any step loads like any other.
+        # not move), so a save before any step loads like any other. That state is NOT fresh state:
+        # its step count is 1, so the next real AdamW update is ~0.74x a fresh one's (bias
+        # correction). Only a save before any optimizer step (e.g. every step so far skipped as
+        # non-finite) hits this; a load overwrites it with the saved state.
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optimizer": osd}
     else:
