@@ -45,7 +45,7 @@ from rlmega.data.packing import padding_efficiency, plan_micro_batches
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.fsdp.checkpoint import read_meta
 from rlmega.fsdp.forward import micro_batch_logprobs
-from rlmega.fsdp.model_manager import FSDPModelManager
+from rlmega.fsdp.model_manager import FSDPModelManager, local_shard
 from rlmega.distributed import init_distributed
 
 
@@ -68,11 +68,6 @@ def _no_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0  # HF attention modules pass it to sdpa in train mode
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise): in-place edits reach the parameter."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class FSDPActor(Actor):
@@ -254,7 +249,7 @@ class FSDPActor(Actor):
             return
         for p in self.policy.model.parameters():
             if p.grad is not None:
-                _local(p.grad).mul_(scale)
+                local_shard(p.grad).mul_(scale)
 
     def _device(self) -> torch.device:
         return self.policy.device
@@ -277,7 +272,7 @@ class FSDPActor(Actor):
             pol_named = list(self.policy.model.named_parameters())
             if [n for n, _ in ref_named] != [n for n, _ in pol_named]:
                 raise RuntimeError("reference and policy parameters differ: they must be built from one config")
-            pairs = [(_local(r), _local(p)) for (_, r), (_, p) in zip(ref_named, pol_named)]
+            pairs = [(local_shard(r), local_shard(p)) for (_, r), (_, p) in zip(ref_named, pol_named)]
             if rate == 1.0:
                 for r, p in pairs:
                     r.copy_(p)  # exact, even where the old reference held inf/NaN

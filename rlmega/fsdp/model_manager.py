@@ -38,7 +38,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view of FSDP2's storage); a plain tensor as it is."""
     if isinstance(t, DTensor):
         with torch.no_grad():  # without grad mode to_local is the local tensor itself, no autograd view
@@ -176,7 +176,7 @@ class FSDPModelManager:
     def _grad_norm(self) -> float:
         """The global L2 norm of all gradients: each rank's shards are disjoint, so the sum of squares
         over this rank's local shards, summed over ranks. The same float on every rank."""
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             sq += g.detach().float().pow(2).sum()
@@ -218,7 +218,7 @@ class FSDPModelManager:
             with torch.no_grad():
                 for p in self.model.parameters():
                     if p.grad is not None:
-                        _local(p.grad).mul_(coeff)
+                        local_shard(p.grad).mul_(coeff)
         if self.grad_scaler is not None:
             self.grad_scaler.step(opt)
             self.grad_scaler.update()
@@ -263,13 +263,13 @@ class FSDPModelManager:
         offload.onload_tensors(self.offloaded.pop(kind))  # back into the same storages, same device
 
     def _params(self) -> list[torch.Tensor]:
-        return [_local(p) for p in self.model.parameters()]
+        return [local_shard(p) for p in self.model.parameters()]
 
     def _grads(self) -> list[torch.Tensor]:
-        return [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return [local_shard(p.grad) for p in self.model.parameters() if p.grad is not None]
 
     def _optimizer_state(self) -> list[torch.Tensor]:
-        return [_local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return [local_shard(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
 
     def offload_param_and_grad(self, offload_grad: bool = False) -> None:
         """This rank's parameter shards (and gradients, with ``offload_grad``) to host memory."""

@@ -49,6 +49,9 @@ class MegatronActor(Actor):
                  lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
         """``num_threads``: this process's intra-op threads (torch.set_num_threads), set here because
         the actor is built at its process's start (WorkerGroup, torchrun); None leaves them."""
+        if actor.activation_checkpointing:  # config validation refuses it too; this covers actors built in code
+            raise ValueError("actor.activation_checkpointing=true: the megatron backend does not recompute "
+                             "activations; set it to false, or use actor.backend=fsdp")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer

@@ -61,3 +61,12 @@ def test_each_backend_library_is_imported_only_in_its_package():
                 if (name == prefix or name.startswith(prefix + ".")) and package != owner:
                     wrong.append(f"{path.relative_to(root.parent)} imports {name} (only rlmega/{owner}/ may)")
     assert not wrong, "\n".join(wrong)
+
+
+def test_megatron_actor_built_in_code_refuses_activation_checkpointing():
+    # config validation refuses it for backend megatron; an actor built without a config file must too
+    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+
+    with pytest.raises(ValueError, match="actor.activation_checkpointing=true: the megatron backend"):
+        actor_class("megatron")(ModelConfig(), ParallelismConfig(), OptimizerConfig(),
+                                ActorConfig(activation_checkpointing=True), AlgorithmConfig())
