@@ -36,17 +36,16 @@ def test_ranks_on_one_node_meet_on_loopback(local_ray):
         group.shutdown()
 
 
-def test_roles_thread_split_and_its_overrides(local_ray):
-    import os
-
+def test_roles_thread_split_and_its_overrides():
+    # what Roles gives each rank and engine (launch/threads.plan), from the nodes' CPUs as Ray reports them
     from rlmega.config.schema import RLConfig
-    from rlmega.launch.roles import Roles
+    from rlmega.launch import threads
 
-    roles = Roles(RLConfig())
-    roles.started_ray = True  # this machine: Ray's 2 CPUs, at most the cores we have
-    node, cpus = ray.get_runtime_context().get_node_id(), min(2, len(os.sched_getaffinity(0)))
-    assert roles._threads([node, node], [node], on_torchrun=False) == (max(1, cpus // 2), [cpus])
-    roles.cfg.cluster.threads_per_rank, roles.cfg.cluster.threads_per_engine = 3, 5
-    assert roles._threads([node, node], [node], on_torchrun=False) == (3, [5])
-    roles.cfg.rollout.tensor_parallel_size = 2  # vLLM's own worker processes: left alone
-    assert roles._threads([node], [node], on_torchrun=False) == (3, [None])
+    cfg, cpus = RLConfig(), {"n": 2}
+    assert threads.plan(cfg, ["n", "n"], ["n"], cpus, on_torchrun=False, engines_awake_while_training=False) == (1, [2])
+    # async: ranks and engines compute at once, so all three processes share the node's CPUs
+    assert threads.plan(cfg, ["n"], ["n"], {"n": 4}, False, engines_awake_while_training=True) == (2, [2])
+    cfg.cluster.threads_per_rank, cfg.cluster.threads_per_engine = 3, 5
+    assert threads.plan(cfg, ["n", "n"], ["n"], cpus, False, False) == (3, [5])
+    cfg.rollout.tensor_parallel_size = 2  # vLLM's own worker processes: left alone
+    assert threads.plan(cfg, ["n"], ["n"], cpus, False, False) == (3, [None])
