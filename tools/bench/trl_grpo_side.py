@@ -16,6 +16,10 @@ forward, forward+backward and the optimizer step. The phases are this file's clo
 GRPOTrainer's own methods: generate = ``_generate`` (tokenize, ``model.generate``, decode), reward =
 ``_calculate_rewards``, logprob = the rest of ``_generate_and_score_completions`` (the frozen reference's
 forward, advantages), train = time_step - all of those (forward, backward, clip, AdamW).
+
+No smoke mode of its own: it needs TRL, which CI does not install. CI runs ``grpo_vs_trl.py --smoke``
+(rlmega's side alone, tests/e2e/test_grpo_vs_trl_bench.py); with TRL's venv (``make bench-trl-env``)
+``grpo_vs_trl.py --smoke --trl-python runs/bench/trl-venv/bin/python`` runs this file on the tiny model.
 """
 from __future__ import annotations
 
