@@ -19,6 +19,11 @@ class ParallelismConfig:
     """Model chunks per pipeline rank for the interleaved schedule; None or 1 = no interleaving."""
     world_size: int = 1
     """Number of actor/trainer ranks; data parallel size = world_size / (TP x PP)."""
+    expert_model_parallel_size: int = 1
+    """Megatron expert parallel size (EP), MoE models only: each rank of an EP group holds
+    num_experts / EP of every MoE layer's routed experts. Expert tensor parallel = TP (megatron-core's
+    default), so world_size must be a multiple of TP x EP x PP and EP must divide num_experts; the
+    attention and dense parts keep data parallel size world_size / (TP x PP). 1 = no expert split."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -171,6 +176,13 @@ class AlgorithmConfig:
     -overlong_penalty_factor at the budget. null: a fifth of the budget (DAPO: 4096 of 20480)."""
     overlong_penalty_factor: float = 1.0
     """penalty: the penalty at the budget (DAPO: 1.0)."""
+    routing_replay: Literal["none", "trainer", "rollout"] = "none"
+    """MoE models, actor.backend=megatron: which expert routes the trainer's forwards use (megatron-core's
+    RouterReplay). "none": each forward routes with its live router. "trainer" (R2): the old-log-prob
+    forward records the trainer's own routes and the train forward replays them. "rollout" (R3): the
+    engines record each token's routed experts and the old, reference and train forwards replay those
+    (tokens without a recorded route, e.g. tool output or the last sampled token, are routed live and
+    counted in routes_live_fraction). Refused for dense models and for actor.backend=fsdp."""
 
     def resolve_defaults(self, async_production: bool = False) -> "AlgorithmConfig":
         """Fill the fields left null with the policy_loss's published defaults (POLICY_LOSS_DEFAULTS),
@@ -281,6 +293,12 @@ class ActorConfig:
     the same release/sync/onload cycle (nothing to gain there; it is how CPU tests exercise it)."""
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models, actor.backend=megatron: weight of the router's load-balancing auxiliary loss
+    (megatron-core's moe_aux_loss_coeff, type "aux_loss"), added to the RL loss; 0 = off. Finite, >= 0."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff,
+    which keeps router logits small); 0 = off. Finite, >= 0."""
 
 
 @dataclass
