@@ -2,7 +2,8 @@
 
 N samples, each one prompt followed by one sampled response. Per-token fields are ragged
 lists (one tensor per sample) over the *response* tokens only, so a field never needs a
-padding convention; packing for the model is ``rlmega.data.packing``'s job.
+padding convention; packing for the model is ``rlmega.data.packing``'s job. The one exception is
+``routed_experts`` (MoE routing replay), one row per token of prompt + response.
 
     batch = RolloutBatch(tokens=[...], prompt_lens=..., response_mask=[...],
                          group_ids=..., sample_ids=...)
@@ -25,7 +26,9 @@ from safetensors.torch import save as st_save
 RESPONSE_FIELDS = ("response_mask", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs")
 # Tensors of shape (N,), one value per sample.
 SAMPLE_FIELDS = ("prompt_lens", "rewards", "group_ids", "sample_ids")
-OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs")
+# Per-sample tensors of shape (L_i, num_moe_layers, topk) int16, one row per token of prompt + response.
+TOKEN_FIELDS = ("routed_experts",)
+OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs", "routed_experts")
 _INT_FIELDS = ("tokens", "prompt_lens", "group_ids", "sample_ids")
 _FORMAT = "rlmega.RolloutBatch"
 _VERSION = 1
@@ -55,10 +58,16 @@ class RolloutBatch:
     """Per sample (L_i - P_i,) float32: the training policy's log-probs before the update."""
     ref_logprobs: list[torch.Tensor] | None = None
     """Per sample (L_i - P_i,) float32: the reference policy's log-probs (KL penalty)."""
+    routed_experts: list[torch.Tensor] | None = None
+    """Per sample (L_i, num_moe_layers, topk) int16 (MoE routing replay): row j holds the experts
+    (model-global ids, model-wide MoE layer order) that token j of prompt + response was routed to;
+    -1 rows where no route was recorded (the last sampled token, which the engine never processes;
+    tool-output tokens): the trainer routes those with its live router. num_moe_layers and topk are
+    the same for every sample."""
 
     def __post_init__(self):
         # Tuples are accepted at construction; lists are what every method returns.
-        for name in ("tokens",) + RESPONSE_FIELDS:
+        for name in ("tokens",) + RESPONSE_FIELDS + TOKEN_FIELDS:
             value = getattr(self, name)
             if isinstance(value, tuple):
                 setattr(self, name, list(value))
@@ -137,6 +146,32 @@ class RolloutBatch:
         for i, m in enumerate(self.response_mask):
             if not bool(((m == 0) | (m == 1)).all()):
                 raise ValueError(f"response_mask[{i}] must hold only 0.0 and 1.0")
+        self._validate_routes(n)
+
+    def _validate_routes(self, n: int) -> None:
+        routes = self.routed_experts
+        if routes is None:
+            return
+        if not isinstance(routes, list) or len(routes) != n:
+            raise ValueError(f"routed_experts must be a list of {n} tensors (one per sample), got {_describe(routes)}")
+        layout = None
+        for i, (r, t) in enumerate(zip(routes, self.tokens)):
+            if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.shape[0] != t.numel():
+                raise ValueError(
+                    f"routed_experts[{i}] must have shape ({t.numel()}, num_moe_layers, topk) for sample {i} "
+                    f"of {t.numel()} tokens, got {_describe(r)}"
+                )
+            if r.dtype != torch.int16:
+                raise ValueError(f"routed_experts[{i}] must be int16, got {r.dtype} (fix: .to(torch.int16))")
+            if layout is None:
+                layout = tuple(r.shape[1:])
+            elif tuple(r.shape[1:]) != layout:
+                raise ValueError(
+                    f"routed_experts[{i}] has (num_moe_layers, topk) = {tuple(r.shape[1:])}, "
+                    f"routed_experts[0] has {layout}: every sample must come from the same model"
+                )
+            if r.numel() and int(r.min()) < -1:
+                raise ValueError(f"routed_experts[{i}] holds {int(r.min())}: expert ids are >= 0, -1 = no route")
 
     # ---- reshaping ---------------------------------------------------------------------------
     def select(self, indices: Sequence[int] | torch.Tensor) -> RolloutBatch:
@@ -153,7 +188,7 @@ class RolloutBatch:
         for name in SAMPLE_FIELDS:
             value = getattr(self, name)
             fields[name] = None if value is None else value[index]
-        for name in RESPONSE_FIELDS:
+        for name in RESPONSE_FIELDS + TOKEN_FIELDS:
             value = getattr(self, name)
             fields[name] = None if value is None else [value[i] for i in idx]
         return RolloutBatch(**fields)
@@ -176,7 +211,7 @@ class RolloutBatch:
         if not batches:
             raise ValueError("concat: need at least one batch")
         fields = {"tokens": [t for b in batches for t in b.tokens]}
-        for name in SAMPLE_FIELDS + RESPONSE_FIELDS:
+        for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS:
             present = [getattr(b, name) is not None for b in batches]
             if not all(present):
                 if any(present):
@@ -195,12 +230,18 @@ class RolloutBatch:
         lengths = torch.tensor(self.lengths(), dtype=torch.int64)
         tensors = {"lengths": lengths, "tokens": _flat(self.tokens, torch.int64)}
         present = []
-        for name in SAMPLE_FIELDS + RESPONSE_FIELDS:
+        for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS:
             value = getattr(self, name)
             if value is None:
                 continue
             present.append(name)
-            tensors[name] = value.contiguous() if name in SAMPLE_FIELDS else _flat(value, torch.float32)
+            if name in SAMPLE_FIELDS:
+                tensors[name] = value.contiguous()
+            elif name in TOKEN_FIELDS:
+                # (sum L_i, M, K); an empty batch loses (M, K), which nothing can then need.
+                tensors[name] = torch.cat(value).contiguous() if value else torch.zeros(0, 0, 0, dtype=torch.int16)
+            else:
+                tensors[name] = _flat(value, torch.float32)
         header = {"format": _FORMAT, "version": str(_VERSION), "fields": json.dumps(present)}
         data = st_save(tensors, metadata=header)
         path = os.fspath(path)
@@ -230,7 +271,12 @@ class RolloutBatch:
         fields = {"tokens": list(torch.split(tensors["tokens"], lengths))}
         for name in json.loads(header["fields"]):
             value = tensors[name]
-            fields[name] = value if name in SAMPLE_FIELDS else list(torch.split(value, response_lens))
+            if name in SAMPLE_FIELDS:
+                fields[name] = value
+            elif name in TOKEN_FIELDS:
+                fields[name] = list(torch.split(value, lengths))
+            else:
+                fields[name] = list(torch.split(value, response_lens))
         return cls(**fields)
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from rlmega.data.rollout_batch import OPTIONAL_FIELDS, RESPONSE_FIELDS, SAMPLE_FIELDS, RolloutBatch
+from rlmega.data.rollout_batch import OPTIONAL_FIELDS, RESPONSE_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS, RolloutBatch
 
 PROMPT_LENS = [3, 2, 4, 1, 2]
 RESPONSE_LENS = [2, 5, 0, 3, 1]
@@ -29,6 +29,10 @@ def make_batch(full: bool = True, seed: int = 0) -> RolloutBatch:
         fields.update(
             rollout_logprobs=per_token(), rewards=torch.randn(n, generator=g), advantages=per_token(),
             old_logprobs=per_token(), ref_logprobs=per_token(),
+            # (L_i, 2 MoE layers, top-2) expert ids, -1 on the last token (never routed by the engine).
+            routed_experts=[torch.cat([torch.randint(0, 8, (p + r - 1, 2, 2), generator=g),
+                                       torch.full((1, 2, 2), -1)]).to(torch.int16)
+                            for p, r in zip(PROMPT_LENS, RESPONSE_LENS)],
         )
     return RolloutBatch(**fields)
 
@@ -37,7 +41,7 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch):
     assert len(a) == len(b)
     for x, y in zip(a.tokens, b.tokens):
         assert torch.equal(x, y)
-    for name in SAMPLE_FIELDS + RESPONSE_FIELDS:
+    for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is None:
@@ -164,6 +168,12 @@ def _replace_item(name, i, value):
         (_with(group_ids=torch.zeros(6, dtype=torch.int64)), r"group_ids must be a tensor of shape \(5,\)"),
         (_with(rewards=torch.zeros(5, dtype=torch.int64)), "rewards must be torch.float32"),
         (_with(sample_ids=torch.tensor([1, 2, 3, 2, 5])), r"sample_ids\[3\] = 2 repeats"),
+        (_replace_item("routed_experts", 1, torch.zeros(6, 2, 2, dtype=torch.int16)),
+         r"routed_experts\[1\] must have shape \(7, num_moe_layers, topk\)"),
+        (_replace_item("routed_experts", 2, torch.zeros(4, 2, 2, dtype=torch.int64)), r"routed_experts\[2\] must be int16"),
+        (_replace_item("routed_experts", 3, torch.zeros(4, 3, 2, dtype=torch.int16)),
+         r"routed_experts\[3\] has \(num_moe_layers, topk\) = \(3, 2\)"),
+        (_replace_item("routed_experts", 0, torch.full((5, 2, 2), -2, dtype=torch.int16)), r"routed_experts\[0\] holds -2"),
     ],
 )
 def test_validate_names_field_and_index(fields, message):
