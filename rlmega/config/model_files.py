@@ -6,8 +6,8 @@
 Weights: only each ``*.safetensors`` file's header is read (an 8-byte little-endian length, then that
 much JSON), never the tensors, so a multi-GB checkpoint costs milliseconds. The header must be
 well-formed and its offsets must cover the file exactly (a truncated download, or a file of zeros,
-fails here); the tensor names and shapes must be those config.json implies for a Llama or Qwen2
-model (rlmega.config.hf_support), so a config that disagrees with its weights (another family, a
+fails here); the tensor names and shapes must be those config.json implies for a Llama, Qwen2,
+Qwen3 or Qwen3-MoE model (rlmega.config.hf_support), so a config that disagrees with its weights (another family, a
 vocabulary or width that differs, a layer count that differs) is refused naming the first tensors
 that differ. ``pytorch_model*.bin`` weights are pickles: they are not opened here.
 
@@ -79,9 +79,23 @@ def read_safetensors_header(path: str) -> Dict[str, Tuple[str, List[int]]]:
     return out
 
 
+QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-head q/k RMSNorm; Qwen3-MoE adds routed experts
+# config.json keys of the routed-expert count (Qwen's own files: num_experts; transformers 5: num_local_experts).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+def _sparse_layers(hf: dict) -> set:
+    """Indices of Qwen3-MoE's expert layers (transformers' Qwen3MoeDecoderLayer rule): not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the others have a dense MLP."""
+    step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
+    return {i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
+
+
 def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]]]:
-    """(required, optional) HF tensor names -> shapes that config.json ``hf`` implies for a Llama or
-    Qwen2 model; optional: lm_head.weight of a tied model (some checkpoints store the copy)."""
+    """(required, optional) HF tensor names -> shapes that config.json ``hf`` implies for a Llama, Qwen2,
+    Qwen3 or Qwen3-MoE model; optional: lm_head.weight of a tied model (some checkpoints store the copy).
+    Qwen3-MoE on disk: per-expert mlp.experts.E.{gate,up,down}_proj (moe_intermediate_size) and the
+    router mlp.gate [num_experts, hidden]."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv, hd = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or h // heads
     vocab, inter = hf["vocab_size"], hf["intermediate_size"]
@@ -89,17 +103,32 @@ def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]
     head = {"lm_head.weight": [vocab, h]}
     opt = head if hf.get("tie_word_embeddings") else {}
     req.update({} if opt else head)
-    bias = architecture(hf) == "Qwen2ForCausalLM"
+    arch = architecture(hf)
+    qwen3 = arch in QWEN3
+    bias = arch == "Qwen2ForCausalLM" or (qwen3 and bool(hf.get("attention_bias")))
+    experts = next((hf[k] for k in EXPERT_COUNT_KEYS if hf.get(k)), 0) if arch == "Qwen3MoeForCausalLM" else 0
+    sparse, moe_inter = (_sparse_layers(hf), hf.get("moe_intermediate_size")) if experts else (set(), None)
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         req.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
                     p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
-                    p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd],
-                    p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
-                    p + "mlp.down_proj.weight": [h, inter]})
+                    p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd]})
+        if i in sparse:
+            req[p + "mlp.gate.weight"] = [experts, h]
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                req.update({q + "gate_proj.weight": [moe_inter, h], q + "up_proj.weight": [moe_inter, h],
+                            q + "down_proj.weight": [h, moe_inter]})
+        else:
+            req.update({p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+                        p + "mlp.down_proj.weight": [h, inter]})
+        if qwen3:
+            req.update({p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd]})
         if bias:
             req.update({p + "self_attn.q_proj.bias": [heads * hd], p + "self_attn.k_proj.bias": [kv * hd],
                         p + "self_attn.v_proj.bias": [kv * hd]})
+            if qwen3:  # Qwen3Attention gives o_proj a bias too when attention_bias is set
+                req[p + "self_attn.o_proj.bias"] = [h]
     return req, opt
 
 

@@ -77,12 +77,12 @@ def _model(cfg: RLConfig) -> List[str]:
 
 def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     """Whether the learner actor.backend names can train the folder's model, and vLLM serve it: megatron
-    converts Llama and Qwen2 (rlmega/config/hf_support.py); fsdp takes any causal LM that transformers
+    converts the architectures rlmega/config/hf_support.py maps; fsdp takes any causal LM that transformers
     builds and vLLM's registry names. The problem line, or None."""
     path = cfg.model.path
     if cfg.actor.backend == "megatron":
         why = unsupported_reason(hf)
-        return why and problem("model.path", f"{path!r}: {why}", "use a Llama or Qwen2 model, or convert yours, "
+        return why and problem("model.path", f"{path!r}: {why}", "use a model of an architecture listed there, or convert yours, "
                                "or set actor.backend=fsdp (FSDP2 trains any causal LM transformers builds)")
     why = transformers_reason(path, hf)
     if why:

@@ -97,10 +97,18 @@ def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
         "bad_gpt_neo": variant("bad_gpt_neo", {**cfg, "model_type": "gpt_neo", "architectures": ["GPTNeoForCausalLM"]}),
         "persimmon": variant("persimmon", {**cfg, "model_type": "persimmon",
                                            "architectures": ["PersimmonForCausalLM"]}),
+        # mixture of experts (issue 24): the load-time checks read config.json only (these weights are dense)
+        "moe6": variant("moe6", {**cfg, **QWEN3_MOE, "num_experts": 6}),
+        "moe_top8_of_4": variant("moe_top8_of_4", {**cfg, **QWEN3_MOE, "num_experts": 4, "num_experts_per_tok": 8}),
     }
 
 
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts_per_tok": 2,
+             "moe_intermediate_size": 64}
+
+
 FSDP = ["actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]
+DP4 = ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]  # world 4 = DP 4
 
 # (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
 CASES = [
@@ -208,7 +216,7 @@ CASES = [
     *[(f"inf {f}", [f"{f}=inf"], None, f"{f}: inf is not a finite number") for f in (
         "optimizer.lr", "rollout.temperature", "algorithm.kl_coef", "optimizer.clip_grad", "algorithm.clip_eps_high",
         "algorithm.entropy_coef", "trainer.warmup_sft_lr", "algorithm.overlong_penalty_factor", "reward.timeout_s",
-        "cluster.num_cpus")],
+        "cluster.num_cpus", "actor.moe_aux_loss_coeff", "actor.moe_z_loss_coeff")],
     ("lr 1e300", ["optimizer.lr=1e300"], None, "optimizer.lr: 1e+300 must be in [0, 1]"),
     ("a million samples per prompt", ["rollout.n=1000000"], None, "rollout.n: 1000000 must be in [1, 4096]"),
     ("1000 engines on this machine", ["rollout.num_engines=1000"], None,
@@ -285,6 +293,28 @@ CASES = [
     ("megatron, a Phi3 model", ["model.path={phi3}"], None, "or set actor.backend=fsdp"),
     ("megatron with activation checkpointing", ["actor.activation_checkpointing=true"], None,
      "actor.activation_checkpointing: true, but actor.backend=megatron does not recompute"),
+    # --- issue 24: mixture of experts (expert parallelism, router losses, routing replay) ---
+    ("EP 0", ["parallelism.expert_model_parallel_size=0"], None,
+     "parallelism.expert_model_parallel_size: 0 must be >= 1"),
+    ("EP outside the expert grid", ["model.path={moe6}", "parallelism.expert_model_parallel_size=2"], None,
+     "parallelism.expert_model_parallel_size: world_size=4 is not a multiple of TP x EP x PP = 2 x 2 x 2 = 8"),
+    ("experts not divisible by EP", [*DP4, "model.path={moe6}", "parallelism.expert_model_parallel_size=4"], None,
+     "parallelism.expert_model_parallel_size: num_experts=6 of model.path="),
+    ("top-k past the experts", ["model.path={moe_top8_of_4}"], None, "num_experts_per_tok=8 exceeds num_experts=4"),
+    ("EP on a dense model", [*DP4, "parallelism.expert_model_parallel_size=2"], None,
+     "parallelism.expert_model_parallel_size: 2, but model.path="),
+    ("routing replay on a dense model", ["algorithm.routing_replay=rollout"], None,
+     "is a dense model (its config.json names no routed experts)"),
+    ("aux loss on a dense model", ["actor.moe_aux_loss_coeff=0.01"], None, "actor.moe_aux_loss_coeff: 0.01, but"),
+    ("z loss on a dense model", ["actor.moe_z_loss_coeff=0.001"], None, "actor.moe_z_loss_coeff: 0.001, but"),
+    ("negative aux loss", ["actor.moe_aux_loss_coeff=-1"], None, "actor.moe_aux_loss_coeff: -1.0 must be >= 0"),
+    ("routing replay typo", ["algorithm.routing_replay=r3"], None, "algorithm.routing_replay:"),
+    ("fsdp with EP 2", [*FSDP, "parallelism.expert_model_parallel_size=2"], None,
+     "parallelism.expert_model_parallel_size: 2, but actor.backend=fsdp trains an MoE model through transformers'"),
+    ("fsdp with routing replay", [*FSDP, "algorithm.routing_replay=trainer"], None,
+     "algorithm.routing_replay: trainer, but actor.backend=fsdp"),
+    ("fsdp with a router loss", [*FSDP, "actor.moe_aux_loss_coeff=0.01"], None,
+     "actor.moe_aux_loss_coeff: 0.01, but actor.backend=fsdp"),
 ]
 
 
