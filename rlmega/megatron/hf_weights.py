@@ -1,8 +1,9 @@
-"""Weight names and layouts between Hugging Face Llama/Qwen2 and Megatron GPT, per tensor.
+"""Weight names and layouts between Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE and Megatron GPT, per tensor.
 
 Pure functions on tensors, no process groups: the callers (``hf_io``) decide which tensors a rank
 reads or gathers. Megatron names here are *global*: ``decoder.layers.{L}`` uses the model-wide
-layer index L (0-based), whatever pipeline stage or virtual chunk holds it.
+layer index L (0-based), whatever pipeline stage or virtual chunk holds it, and MoE experts use the
+model-wide expert index E, whatever expert-parallel rank holds it (``hf_io.global_named_parameters``).
 
 Layouts (h = hidden, d = head_dim, H heads, G KV groups, F = ffn, V/Vp = vocab/padded vocab):
     linear_qkv.weight (G*(H/G+2)*d, h): per KV group g, [q heads of g; k_g; v_g] -- so a TP
@@ -10,7 +11,11 @@ Layouts (h = hidden, d = head_dim, H heads, G KV groups, F = ffn, V/Vp = vocab/p
     linear_fc1.weight (2F, h) on one rank; on TP rank r: [gate_r; up_r]   <- gate_proj, up_proj
     linear_proj.weight (h, H*d) / linear_fc2.weight (h, F): TP split along dim 1
     word_embeddings / output_layer (Vp, h): zero rows past V, TP split along dim 0
-    norms: replicated
+    norms (incl. Qwen3's q_layernorm/k_layernorm (d,)): replicated
+    MoE (Qwen3-MoE): mlp.router.weight (num_experts, h) replicated  <- mlp.gate
+        expert E: mlp.experts.local_experts.{E}.linear_fc1.weight (local spec, SequentialMLP) or
+        mlp.experts.linear_fc1.weight{E} (Transformer Engine's grouped experts): like the dense
+        linear_fc1 / linear_fc2, split over expert TP (= TP)     <- mlp.experts.{E}.{gate,up,down}_proj
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ import torch
 from rlmega.megatron.hf_config import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Expert parameters, both spec forms: (fc1|fc2, expert index).
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight|linear_(fc[12])\.weight(\d+))$")
 
 # Megatron layer-suffix -> (kind, HF suffixes). TE fuses the norms into the next linear, so the
 # same HF norm has two possible Megatron names.
@@ -35,7 +42,34 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_proj.weight": ("split_dim1", ("self_attn.o_proj.weight",)),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("split_dim1", ("mlp.down_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
+    "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),
 }
+_EXPERT_RULES = {
+    "fc1": ("gate_up", ("gate_proj.weight", "up_proj.weight")),
+    "fc2": ("split_dim1", ("down_proj.weight",)),
+}
+
+
+def expert_index(mcore_name: str) -> int | None:
+    """The expert index in a Megatron expert parameter's name (None for a non-expert parameter)."""
+    m = _LAYER.match(mcore_name)
+    e = _EXPERT.match(m.group(2)) if m else None
+    if e is None:
+        return None
+    return int(e.group(1) if e.group(1) is not None else e.group(4))
+
+
+def with_expert_index(mcore_name: str, index: int) -> str:
+    """``mcore_name`` with its expert index replaced by ``index`` (same spec form)."""
+    m = _LAYER.match(mcore_name)
+    e = _EXPERT.match(m.group(2))
+    if e.group(1) is not None:
+        suffix = f"mlp.experts.local_experts.{index}.linear_{e.group(2)}.weight"
+    else:
+        suffix = f"mlp.experts.linear_{e.group(3)}.weight{index}"
+    return f"decoder.layers.{m.group(1)}.{suffix}"
 _GLOBAL_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
@@ -48,9 +82,22 @@ def rule(mcore_name: str, shape: ModelShape) -> tuple[str, list[str]]:
     m = _LAYER.match(mcore_name)
     if m:
         layer, suffix = m.groups()
+        e = _EXPERT.match(suffix)
+        if e is not None:
+            if not shape.is_moe:
+                raise KeyError(f"{mcore_name!r}: {shape.architecture} has no experts")
+            expert, fc = (e.group(1), e.group(2)) if e.group(1) is not None else (e.group(4), e.group(3))
+            if int(expert) >= shape.num_experts:
+                raise KeyError(f"{mcore_name!r}: expert {expert} >= num_experts {shape.num_experts}")
+            kind, hf_suffixes = _EXPERT_RULES[fc]
+            return kind, [f"model.layers.{layer}.mlp.experts.{expert}.{s}" for s in hf_suffixes]
         if suffix not in _LAYER_RULES:
             raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
         kind, hf_suffixes = _LAYER_RULES[suffix]
+        if suffix.endswith("_layernorm.weight") and suffix.startswith("self_attention.") and not shape.qk_norm:
+            raise KeyError(f"{mcore_name!r}: {shape.architecture} has no q/k norms")
+        if suffix == "mlp.router.weight" and not shape.is_moe:
+            raise KeyError(f"{mcore_name!r}: {shape.architecture} has no router (a dense model)")
         if kind == "qkv" and suffix.endswith("bias") and not shape.qkv_bias:
             raise KeyError(f"{mcore_name!r}: {shape.architecture} has no QKV bias")
         return kind, [f"model.layers.{layer}.{s}" for s in hf_suffixes]

@@ -31,19 +31,40 @@ from megatron.core.transformer.module import Float16Module
 
 from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.megatron import checkpoint, offload
-from rlmega.megatron.hf_config import ModelShape, megatron_config_from_hf
+from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def layer_spec(use_te: bool):
-    """Transformer Engine's layer spec on a GPU when TE is importable; the local spec otherwise."""
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16's MoE router tests ``te_general_gemm is not None`` but only defines the name
+    when Transformer Engine imports (moe_utils.py), so without TE every router forward raises
+    NameError. Defining it as None selects the plain torch matmul path it was written to fall back to."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_moe_without_transformer_engine()
+
+
+def layer_spec(use_te: bool, shape: ModelShape | None = None):
+    """Transformer Engine's layer spec on a GPU when TE is importable; the local spec otherwise.
+
+    ``shape`` adds Qwen3's q/k norms and MoE layers (the local spec's SequentialMLP experts:
+    ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; TE's grouped experts:
+    ``mlp.experts.linear_fc{1,2}.weight{j}``; hf_weights maps both)."""
+    qk_norm = bool(shape and shape.qk_norm)
+    experts = shape.num_experts if shape is not None and shape.is_moe else None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=qk_norm)
+    return get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+                                    normalization="RMSNorm")
 
 
 def transformer_engine_usable() -> bool:
@@ -58,8 +79,14 @@ def transformer_engine_usable() -> bool:
 
 class MegatronModelManager:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 lr_decay_steps: int = 1000, hf_config: dict | None = None):
-        """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch)."""
+                 lr_decay_steps: int = 1000, hf_config: dict | None = None,
+                 moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False):
+        """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch).
+
+        MoE models: expert parallelism comes from ``parallel.expert_model_parallel_size`` (must match
+        ``init_megatron(ep=...)``); ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` (actor section) and
+        ``routing_replay`` (megatron's ``moe_enable_routing_replay``, algorithm.routing_replay != none)
+        go to the TransformerConfig. All are ignored for dense models (EP > 1 is refused)."""
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
         self.lr_decay_steps = lr_decay_steps
         self.hf_config = hf_config if hf_config is not None else read_hf_config(model.path)
@@ -67,11 +94,20 @@ class MegatronModelManager:
         self.use_te = transformer_engine_usable()
         vpp = parallel.virtual_pipeline_model_parallel_size
         self.vpp = vpp if vpp and vpp > 1 else 1
+        self.ep = int(getattr(parallel, "expert_model_parallel_size", 1) or 1)
+        self.shape = ModelShape.from_hf(self.hf_config, parallel.tensor_model_parallel_size)
+        check_expert_layout(self.shape, self.ep, parallel.tensor_model_parallel_size,
+                            parallel.pipeline_model_parallel_size,
+                            torch.distributed.get_world_size() if torch.distributed.is_initialized() else None)
+        if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() != self.ep:
+            raise ValueError(
+                f"parallelism.expert_model_parallel_size={self.ep} but Megatron was initialised with EP "
+                f"{ps.get_expert_model_parallel_world_size()}: pass ep= to init_megatron")
         self.transformer_config, self.gpt_kwargs = megatron_config_from_hf(
             self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-            self.vpp, self.dtype, cpu=not torch.cuda.is_available(),
+            self.vpp, self.dtype, cpu=not torch.cuda.is_available(), ep=self.ep,
+            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff, routing_replay=routing_replay,
         )
-        self.shape = ModelShape.from_hf(self.hf_config, parallel.tensor_model_parallel_size)
         self.model: list = []
         self.optimizer = None
         self.scheduler = None
@@ -82,7 +118,7 @@ class MegatronModelManager:
         """One model chunk; pre_process holds the embedding, post_process the output head."""
         return GPTModel(
             config=self.transformer_config,
-            transformer_layer_spec=layer_spec(self.use_te),
+            transformer_layer_spec=layer_spec(self.use_te, self.shape),
             pre_process=pre_process,
             post_process=post_process,
             vp_stage=vp_stage,

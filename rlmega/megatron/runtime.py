@@ -59,8 +59,11 @@ def set_seeds(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
-    """Process group + Megatron model-parallel groups + seeds for this rank."""
+def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1) -> None:
+    """Process group + Megatron model-parallel groups + seeds for this rank.
+
+    ``ep`` is parallelism.expert_model_parallel_size (expert tensor parallel = TP, megatron's default):
+    the experts of an MoE layer are split over EP ranks taken from the data-parallel ranks."""
     enable_cpu_execution()  # no-op with a GPU
     init_distributed()
     world = dist.get_world_size()
@@ -69,10 +72,16 @@ def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 
             f"world size {world} is not divisible by TP x PP = {tp} x {pp}; "
             "change parallelism.world_size or the TP/PP sizes"
         )
+    if ep < 1 or world % (tp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by TP x EP x PP = {tp} x {ep} x {pp}; "
+            "change parallelism.expert_model_parallel_size or the world size"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
     )
     set_seeds(seed)
 

@@ -1,9 +1,11 @@
 """HF -> Megatron: logits equal transformers' for every layout; Megatron -> HF is bit-identical.
 
-Three tiny models (Qwen2 untied with an odd vocabulary and QKV bias, Llama tied, Llama untied
-with vocab 130) get every weight perturbed (so norms and biases are not their trivial init), are
-loaded by MegatronModelManager at (TP, PP, VPP) in {(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)},
-run forward through Megatron's schedule, and exported back to HF folders.
+Five tiny models (Qwen2 untied with an odd vocabulary and QKV bias, Llama tied, Llama untied
+with vocab 130, Qwen3 with q/k norms, Qwen3-MoE with 8 experts top-2) get every weight perturbed (so
+norms and biases are not their trivial init), are loaded by MegatronModelManager at (TP, PP, VPP) in
+{(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)}, run forward through Megatron's schedule, and exported
+back to HF folders. The MoE model also runs with expert parallelism: EP2 and TP2 x EP2 (4 ranks), and a
+second Qwen3-MoE without norm_topk_prob checks the other router mapping (moe_router_pre_softmax=True).
 """
 from pathlib import Path
 
@@ -19,9 +21,15 @@ MODELS = {
     "qwen2_untied_vocab59": dict(arch="qwen2", vocab_size=None),
     "llama_tied": dict(arch="llama", tie_word_embeddings=True, vocab_size=131),
     "llama_untied_vocab130": dict(arch="llama", vocab_size=130),
+    "qwen3": dict(arch="qwen3", vocab_size=None),
+    "qwen3_moe": dict(arch="qwen3_moe", vocab_size=None, num_experts=8, top_k=2),
+    "qwen3_moe_no_norm_topk": dict(arch="qwen3_moe", vocab_size=None, num_experts=4, top_k=2, norm_topk_prob=False),
 }
-LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2_pp2": (2, 2, None), "pp2_vpp2": (1, 2, 2)}
-ATOL = 1e-4
+MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk")
+# (tp, pp, vpp, ep); EP layouts load the MoE models only.
+LAYOUTS = {"tp1": (1, 1, None, 1), "tp2": (2, 1, None, 1), "pp2": (1, 2, None, 1), "tp2_pp2": (2, 2, None, 1),
+           "pp2_vpp2": (1, 2, 2, 1), "ep2": (1, 1, None, 2), "tp2_ep2": (2, 1, None, 2), "pp2_ep2": (1, 2, None, 2)}
+ATOL = 1e-4  # the design contract; measured max 4.1e-6 (llama_untied_vocab130), MoE 3.1e-6 (tp2_ep2)
 
 
 def _hf_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -57,7 +65,7 @@ def models(tmp_path_factory):
     return out
 
 
-def _body(models: dict, tp: int, pp: int, vpp, export_root: str) -> dict:
+def _body(models: dict, tp: int, pp: int, vpp, ep: int, export_root: str) -> dict:
     import torch.distributed as dist
 
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
@@ -65,12 +73,16 @@ def _body(models: dict, tp: int, pp: int, vpp, export_root: str) -> dict:
     from rlmega.megatron.model_manager import MegatronModelManager
     from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
-    init_megatron(tp, pp, vpp, seed=5)
+    init_megatron(tp, pp, vpp, seed=5, ep=ep)
     world = dist.get_world_size()
     diffs = {}
     for name, (folder, ids, ref) in models.items():
-        mm = MegatronModelManager(ModelConfig(path=folder), ParallelismConfig(tp, pp, vpp, world), OptimizerConfig())
+        parallel = ParallelismConfig(tp, pp, vpp, world)
+        parallel.expert_model_parallel_size = ep
+        mm = MegatronModelManager(ModelConfig(path=folder), parallel, OptimizerConfig())
         mm.setup_model_and_optimizer(with_optimizer=False)
+        for chunk in mm.model:  # eval: megatron refuses an MoE train forward at TP > 1 without SP
+            chunk.eval()
         logits = forward_logits(mm.model, ids, micro_batch_size=1)
         diff = torch.zeros(1, dtype=torch.float64)
         if logits is not None:
@@ -85,10 +97,13 @@ def _body(models: dict, tp: int, pp: int, vpp, export_root: str) -> dict:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_match_transformers_and_export_is_bit_identical(models, layout, tmp_path):
-    tp, pp, vpp = LAYOUTS[layout]
-    world = tp * pp
-    diffs = run_on_ranks(_body, world, args=(models, tp, pp, vpp, str(tmp_path)), timeout_s=300)[0]
+    tp, pp, vpp, ep = LAYOUTS[layout]
+    world = tp * pp * ep
+    if ep > 1:
+        models = {k: v for k, v in models.items() if k in MOE_MODELS}
+    diffs = run_on_ranks(_body, world, args=(models, tp, pp, vpp, ep, str(tmp_path)), timeout_s=300)[0]
     print(layout, diffs)
+    assert sorted(diffs) == sorted(models)
     for name, d in diffs.items():
         assert d <= ATOL, f"{layout} {name}: max |megatron - transformers| logits = {d:.3e} > {ATOL}"
     for name, (folder, _, _) in models.items():

@@ -4,12 +4,15 @@ Pure: random tensors for one layer plus embeddings, head and final norm go HF ->
 shards -> HF and must come back bit for bit; the fused QKV and gate/up layouts are also written
 out by hand on cases small enough to read.
 """
+import re
+
 import pytest
 import torch
 
 from rlmega.megatron.hf_config import (
     ModelShape,
     UnsupportedModelError,
+    check_expert_layout,
     megatron_config_from_hf,
     padded_vocab_size,
 )
@@ -323,3 +326,90 @@ def test_llama3_rope_scaling(style):
         cfg["rope_parameters"] = {**llama3, "rope_theta": 500000.0}
     _, kw = megatron_config_from_hf(cfg)
     assert kw["rope_scaling"] is True and kw["rope_scaling_factor"] == 32.0 and kw["rotary_base"] == 500000
+
+
+# ---- Qwen3 (q/k norms) and Qwen3-MoE (experts, router) ------------------------------------------
+
+def qwen3_moe_config(**over) -> dict:
+    cfg = hf_config("llama", architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_local_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                    mlp_only_layers=[])
+    cfg.update(over)
+    return cfg
+
+
+def test_qwen3_has_qk_norms_and_no_qkv_bias():
+    cfg = hf_config("llama", architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    shape = ModelShape.from_hf(cfg)
+    assert shape.qk_norm and not shape.qkv_bias and not shape.is_moe
+    tcfg, _ = megatron_config_from_hf(cfg)
+    assert tcfg.qk_layernorm and not tcfg.add_qkv_bias and tcfg.num_moe_experts is None
+    assert rule("decoder.layers.3.self_attention.q_layernorm.weight", shape) == (
+        "replicated", ["model.layers.3.self_attn.q_norm.weight"])
+    assert rule("decoder.layers.3.self_attention.k_layernorm.weight", shape)[1] == ["model.layers.3.self_attn.k_norm.weight"]
+    # model_type alone names the class too
+    del cfg["architectures"]
+    assert ModelShape.from_hf(cfg).architecture == "Qwen3ForCausalLM"
+
+
+@pytest.mark.parametrize("key", ["num_local_experts", "num_experts"])  # transformers 5 writes the first, Qwen the second
+def test_qwen3_moe_shape_and_router_mapping(key):
+    cfg = qwen3_moe_config()
+    cfg[key] = cfg.pop("num_local_experts")
+    shape = ModelShape.from_hf(cfg)
+    assert (shape.num_experts, shape.moe_topk, shape.moe_ffn_hidden_size, shape.norm_topk_prob) == (4, 2, 32, True)
+    tcfg, _ = megatron_config_from_hf(cfg)
+    assert tcfg.num_moe_experts == 4 and tcfg.moe_router_topk == 2 and tcfg.moe_ffn_hidden_size == 32
+    # norm_topk_prob <-> softmax over the top-k logits (pre_softmax False); parity test checks it numerically
+    assert tcfg.moe_router_score_function == "softmax" and tcfg.moe_router_pre_softmax is False
+    # aux loss 0: no load-balancing term at all; z-loss off; routing replay off
+    assert tcfg.moe_router_load_balancing_type == "none" and tcfg.moe_z_loss_coeff is None
+    assert not tcfg.moe_enable_routing_replay and tcfg.moe_shared_expert_intermediate_size is None
+    tcfg, _ = megatron_config_from_hf(qwen3_moe_config(norm_topk_prob=False), moe_aux_loss_coeff=0.01,
+                                      moe_z_loss_coeff=0.001, routing_replay=True)
+    assert tcfg.moe_router_pre_softmax is True and tcfg.moe_router_load_balancing_type == "aux_loss"
+    assert tcfg.moe_aux_loss_coeff == 0.01 and tcfg.moe_z_loss_coeff == 0.001 and tcfg.moe_enable_routing_replay
+
+
+def test_qwen3_moe_expert_names_both_spec_forms_round_trip():
+    shape = ModelShape.from_hf(qwen3_moe_config())
+    g = torch.Generator().manual_seed(3)
+    hf = {f"model.layers.1.mlp.experts.2.{n}": torch.randn(s, generator=g) for n, s in
+          [("gate_proj.weight", (32, HIDDEN)), ("up_proj.weight", (32, HIDDEN)), ("down_proj.weight", (HIDDEN, 32))]}
+    for fc1, fc2 in [("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
+                      "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"),
+                     ("decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.1.mlp.experts.linear_fc2.weight2")]:
+        shards = [to_megatron_shard(fc1, hf.__getitem__, shape, r, 2) for r in range(2)]
+        gate, up = hf["model.layers.1.mlp.experts.2.gate_proj.weight"], hf["model.layers.1.mlp.experts.2.up_proj.weight"]
+        assert torch.equal(shards[0], torch.cat([gate[:16], up[:16]]))  # like the dense fc1: [gate_r; up_r]
+        back = from_megatron_shards(fc1, shards, shape)
+        assert torch.equal(back["model.layers.1.mlp.experts.2.gate_proj.weight"], gate)
+        assert torch.equal(back["model.layers.1.mlp.experts.2.up_proj.weight"], up)
+        shards = [to_megatron_shard(fc2, hf.__getitem__, shape, r, 2) for r in range(2)]
+        assert torch.equal(from_megatron_shards(fc2, shards, shape)["model.layers.1.mlp.experts.2.down_proj.weight"],
+                           hf["model.layers.1.mlp.experts.2.down_proj.weight"])
+    assert rule("decoder.layers.0.mlp.router.weight", shape) == ("replicated", ["model.layers.0.mlp.gate.weight"])
+    with pytest.raises(KeyError, match="expert 4 >= num_experts 4"):
+        rule("decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight", shape)
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (dict(mlp_only_layers=[0]), "mlp_only_layers=[0]"),
+    (dict(num_local_experts=0), "num_experts"),
+    (dict(attention_bias=True), "attention_bias=true"),
+])
+def test_qwen3_moe_layouts_we_cannot_map_are_refused_by_key(over, words):
+    with pytest.raises(UnsupportedModelError, match=re.escape(words)):
+        ModelShape.from_hf(qwen3_moe_config(**over))
+
+
+def test_bad_expert_parallel_layouts_name_the_field():
+    with pytest.raises(ValueError, match=r"parallelism\.expert_model_parallel_size=3 does not divide .* 4 experts"):
+        megatron_config_from_hf(qwen3_moe_config(), ep=3)
+    with pytest.raises(ValueError, match=r"parallelism\.expert_model_parallel_size=2 needs a mixture-of-experts"):
+        megatron_config_from_hf(hf_config("qwen2"), ep=2)
+    with pytest.raises(ValueError, match=r"TP x EP x PP = 2 x 2 x 1.*expert_model_parallel_size"):
+        check_expert_layout(ModelShape.from_hf(qwen3_moe_config()), 2, tp=2, pp=1, world=6)
+    tcfg, _ = megatron_config_from_hf(qwen3_moe_config(), ep=2)
+    assert tcfg.expert_model_parallel_size == 2

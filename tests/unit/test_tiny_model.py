@@ -61,6 +61,38 @@ def test_llama_variant(tmp_path):
     assert model.config.head_dim == 64
 
 
+def test_qwen3_variant_has_qk_norms(tmp_path):
+    from rlmega.config.hf_support import unsupported_reason
+
+    path = make_tiny_model(tmp_path / "qwen3", arch="qwen3", **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 64
+    with safe_open(path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.0.self_attn.q_proj.bias" not in names
+    assert unsupported_reason(AutoConfig.from_pretrained(path).to_dict()) is None
+
+
+def test_qwen3_moe_variant_per_expert_weights(tmp_path):
+    from rlmega.config.hf_support import num_experts, unsupported_reason
+
+    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, top_k=2, moe_intermediate_size=16,
+                           hidden_size=64, **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, NATURAL_VOCAB_SIZE)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["model.layers.1.mlp.gate.weight"] == (4, 64)  # the router
+    assert shapes["model.layers.1.mlp.experts.3.gate_proj.weight"] == (16, 64)
+    assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 16)
+    hf = AutoConfig.from_pretrained(path).to_dict()
+    assert num_experts(hf) == 4 and hf["num_experts_per_tok"] == 2 and hf["norm_topk_prob"] is True
+    assert unsupported_reason(hf) is None
+    with pytest.raises(ValueError, match="top_k=5"):
+        make_tiny_model(tmp_path / "bad", arch="qwen3_moe", num_experts=4, top_k=5)
+
+
 @pytest.mark.parametrize("tied", [False, True])  # Phi-3-mini is untied, Phi-4-mini tied
 def test_phi3_variant_fused_weights_tied_and_untied(tmp_path, tied):
     """Phi3: the architecture only actor.backend=fsdp trains (our Megatron mapping refuses it)."""
