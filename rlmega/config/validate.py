@@ -399,7 +399,8 @@ def _fsdp_moe_problems(cfg: RLConfig) -> List[str]:
 
 def _moe_model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
     """MoE settings against the model (megatron): a dense model has nothing to split, replay or balance;
-    an MoE model's experts must split evenly over EP ranks."""
+    an MoE model trains at TP 1 (megatron-core needs sequence parallelism for MoE at TP > 1) and its
+    experts must split evenly over EP ranks."""
     par, out = cfg.parallelism, []
     ep = par.expert_model_parallel_size
     if shape.num_experts == 0:
@@ -412,7 +413,16 @@ def _moe_model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
             if set_:
                 out.append(problem(field, f"{value}, {dense}", f"set {field}={off}, or point model.path at a "
                                    "mixture-of-experts model (e.g. Qwen3-MoE)"))
-    elif shape.num_experts % ep:
+    elif cfg.parallelism.tensor_model_parallel_size > 1:
+        # megatron-core 0.16 MoELayer.forward raises ValueError when training at TP > 1 without
+        # sequence_parallel (moe_layer.py); no-grad log-prob forwards would pass, the first train step not.
+        out.append(problem("parallelism.tensor_model_parallel_size",
+                           f"{cfg.parallelism.tensor_model_parallel_size}, but model.path={cfg.model.path!r} is a "
+                           "mixture of experts, and MoE layers at TP > 1 need sequence parallelism for training "
+                           "(megatron-core refuses the train step without it), which rlmega does not enable yet",
+                           "use expert parallelism with TP 1: parallelism.tensor_model_parallel_size=1 and "
+                           "parallelism.expert_model_parallel_size > 1 (it must divide num_experts and world_size / PP)"))
+    if shape.num_experts and shape.num_experts % ep:
         n, (tp, pp, _) = shape.num_experts, _sizes(cfg)
         dp = max(1, par.world_size // (tp * pp))
         out.append(problem("parallelism.expert_model_parallel_size",

@@ -1,6 +1,7 @@
 """Config schema, loading and validation (no processes, no weights: only small config.json files)."""
 import json
 import os
+import re
 
 import pytest
 
@@ -434,6 +435,17 @@ def test_world_size_must_be_a_multiple_of_tp_ep_pp():
     rejects("parallelism.expert_model_parallel_size=0", field="parallelism.expert_model_parallel_size")
 
 
+def test_an_moe_model_trains_at_tp_1(tmp_path):
+    """Lead's decision (issue 24): megatron-core's MoE layer refuses to train at TP > 1 without sequence
+    parallelism, which rlmega does not enable: refused at load, EP offered instead."""
+    model = write_moe_model(tmp_path)
+    msg = rejects(f"model.path={model}", *MOE, "parallelism.tensor_model_parallel_size=2",
+                  field="parallelism.tensor_model_parallel_size")
+    assert "need sequence parallelism for training" in msg and "expert_model_parallel_size > 1" in msg
+    dense = write_model(tmp_path, name="dense")
+    load_config(None, [f"model.path={dense}", *MOE, "parallelism.tensor_model_parallel_size=2"])  # dense: fine
+
+
 def test_the_expert_grid_rule_is_megatron_cores():
     """validate's rule (world_size % (TP x EP x PP) == 0, expert TP = TP) against megatron-core 0.16's own
     initialize_model_parallel, run on a fake process group of each world size (no processes): the same
@@ -511,3 +523,28 @@ def test_moe_config_json_with_impossible_experts_is_refused(tmp_path):
     assert "num_experts_per_tok=8" in rejects(f"model.path={model}", field="model.path")
     model = write_moe_model(tmp_path, experts="8", name="moe_text")
     assert "num_experts='8'" in rejects(f"model.path={model}", field="model.path")
+
+
+def test_moe_cpu_config_passes_every_check_and_the_weights_are_checked_per_expert(tmp_path):
+    """configs/moe_cpu.yaml on the tiny Qwen3-MoE its header says to make: valid and runnable here (the
+    preflight reads every expert's safetensors header against config.json); a config.json whose expert
+    width or count disagrees with the weights is refused naming the tensors."""
+    from rlmega.config.preflight import preflight
+    from rlmega.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2,
+                            num_layers=4, num_experts=8, top_k=2, moe_intermediate_size=128, seed=0)
+    moe = os.path.join(REPO, "configs", "moe_cpu.yaml")
+    base = [f"model.path={model}", f"trainer.run_dir={tmp_path / 'run'}"]
+    cfg = load_config(moe, base)
+    par = cfg.parallelism
+    assert (par.world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+            par.expert_model_parallel_size, cfg.algorithm.routing_replay) == (2, 1, 1, 2, "rollout")
+    preflight(cfg)
+    hf = json.loads((model / "config.json").read_text())
+    for change, says in (({"moe_intermediate_size": 64}, "mlp.experts.0.gate_proj.weight [128, 256] (config.json "
+                                                        "implies [64, 256])"),
+                         ({"num_local_experts": 4, "num_experts": 4}, "does not have: model.layers.0.mlp.experts.4.")):
+        (model / "config.json").write_text(json.dumps({**hf, **change}))
+        with pytest.raises(ConfigError, match=r"model.path: .*" + re.escape(says)):
+            preflight(load_config(moe, base))

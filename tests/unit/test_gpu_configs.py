@@ -18,8 +18,19 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_atten
                  num_hidden_layers=32, intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
                  rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu", tie_word_embeddings=False)
 
+# Qwen3-30B-A3B's published config.json (the keys the checks read, and those a conversion would)
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_hidden_layers=48,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
+                     tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                     router_aux_loss_coef=0.001)
+GPU_CONFIGS = [("qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B), ("llama3_8b_tp2pp2vpp2.yaml", LLAMA3_8B),
+               ("qwen3_30b_a3b_ep8pp2_2nodes.yaml", QWEN3_30B_A3B)]
 
-@pytest.mark.parametrize("name, hf", [("qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B), ("llama3_8b_tp2pp2vpp2.yaml", LLAMA3_8B)])
+
+@pytest.mark.parametrize("name, hf", GPU_CONFIGS)
 def test_gpu_config_validates(tmp_path, name, hf):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     data = tmp_path / "data.jsonl"
@@ -27,7 +38,9 @@ def test_gpu_config_validates(tmp_path, name, hf):
     cfg = load_config(ROOT / "configs" / name, [f"model.path={tmp_path}", f"data.train_path={data}",
                                                  f"data.eval_path={data}", f"trainer.run_dir={tmp_path / 'run'}"])
     p = cfg.parallelism
-    assert p.world_size % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0
+    assert p.world_size % (p.tensor_model_parallel_size * p.expert_model_parallel_size
+                           * p.pipeline_model_parallel_size) == 0
+    assert hf.get("num_experts", 1) % p.expert_model_parallel_size == 0
     assert cfg.model.dtype == "bfloat16" and cfg.rollout.device == "cuda"
 
 
@@ -37,3 +50,84 @@ def test_gpu_config_rejects_a_layout_the_model_cannot_take(tmp_path):
         load_config(ROOT / "configs/qwen2_7b_tp4pp2_2nodes.yaml",
                     [f"model.path={tmp_path}", "parallelism.tensor_model_parallel_size=8",
                      "data.train_path=''", "data.eval_path=''"])
+
+
+def _qwen3_30b_a3b(tmp_path, *overrides):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    return load_config(ROOT / "configs/qwen3_30b_a3b_ep8pp2_2nodes.yaml",
+                       [f"model.path={tmp_path}", "data.train_path=''", "data.eval_path=''", *overrides])
+
+
+def test_qwen3_30b_a3b_trainer_fits_an_80gb_gpu(tmp_path):
+    """The memory arithmetic in the config's header, from config.json and the layout: parameters per rank
+    (dense ones on every DP rank of a stage, each rank's share of the experts), bf16 weights, fp32 gradients,
+    12 B of distributed-optimizer state per parameter sharded over its data-parallel group, and activations
+    at ~160 KB per token per layer (an estimate) for PP micro-batches of the first stage."""
+    cfg = _qwen3_30b_a3b(tmp_path)
+    h, p, a = QWEN3_30B_A3B, cfg.parallelism, cfg.actor
+    tp, pp, ep, world = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                         p.world_size)
+    assert cfg.algorithm.routing_replay == "rollout" and a.moe_aux_loss_coeff == h["router_aux_loss_coef"]
+    hd, layers = h["head_dim"], h["num_hidden_layers"] // pp
+    attn = h["hidden_size"] * hd * (2 * h["num_attention_heads"] + 2 * h["num_key_value_heads"])
+    dense = (layers * (attn + h["num_experts"] * h["hidden_size"]) + h["vocab_size"] * h["hidden_size"]) / tp
+    expert = layers * h["num_experts"] // ep * 3 * h["hidden_size"] * h["moe_intermediate_size"] / tp
+    assert (round(dense / 1e9, 2), round(expert / 1e9, 2)) == (0.77, 1.81)
+    dp, edp = world // (tp * pp), world // (tp * ep * pp)
+    static = 6 * (dense + expert) + 12 * dense / dp + 12 * expert / edp
+    activations = 160e3 * h["num_hidden_layers"] * a.max_tokens_per_micro_batch / tp  # PP x layers/PP in flight
+    assert round(static / 1e9, 1) == 38.4 and round(activations / 1e9, 1) == 23.6
+    assert static + activations + 4e9 + 4 * a.max_tokens_per_micro_batch * h["vocab_size"] < 70e9  # 66 GB
+
+
+def test_qwen3_30b_a3b_refuses_layouts_that_cannot_split_its_experts(tmp_path):
+    # 128 experts: EP 3 does not divide them; EP 16 does not fit 16 ranks at PP2 (TP x EP x PP = 32)
+    with pytest.raises(ValueError, match="num_experts=128 .* is not divisible by expert_model_parallel_size=3"):
+        _qwen3_30b_a3b(tmp_path, "parallelism.expert_model_parallel_size=3", "parallelism.world_size=48")
+    with pytest.raises(ValueError, match="TP x EP x PP = 1 x 16 x 2 = 32"):
+        _qwen3_30b_a3b(tmp_path, "parallelism.expert_model_parallel_size=16")
+    with pytest.raises(ValueError, match="algorithm.routing_replay: rollout, but actor.backend=fsdp"):
+        _qwen3_30b_a3b(tmp_path, "actor.backend=fsdp", "parallelism.pipeline_model_parallel_size=1",
+                       "parallelism.expert_model_parallel_size=1")
+
+
+def test_qwen3_30b_a3b_passes_rlmega_check_config(tmp_path, capsys):
+    """`rlmega check-config` (validation and the preflight) on a folder holding Qwen3-30B-A3B's config.json,
+    a safetensors file with the real model's 18,867 tensor headers (names and shapes of every expert; the
+    data a sparse hole: 61 GB long, a few MB on disk, as only headers and the file size are read) and the tiny
+    models' tokenizer. cluster.address is set: the GPUs are the cluster's, not this machine's."""
+    import struct
+
+    from rlmega.cli import main as cli_main
+    from rlmega.config.model_files import expected_shapes
+    from rlmega.tiny_model import make_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    required, _ = expected_shapes(QWEN3_30B_A3B)
+    header, end = {}, 0
+    for name, shape in required.items():
+        size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)  # bf16
+        header[name], end = {"dtype": "BF16", "shape": shape, "data_offsets": [end, end + size]}, end + size
+    raw = json.dumps(header).encode()
+    weights = tmp_path / "model.safetensors"
+    with open(weights, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + end)
+    assert len(required) == 18867 and round(end / 1e9, 1) == 61.1  # 30.5B bf16 parameters
+    assert weights.stat().st_blocks * 512 < 64 << 20  # sparse: the filesystem holds the headers only
+    make_tokenizer().save_pretrained(tmp_path)
+    argv = ["check-config", str(ROOT / "configs/qwen3_30b_a3b_ep8pp2_2nodes.yaml"), f"model.path={tmp_path}",
+            "data.train_path=''", "data.eval_path=''", f"trainer.run_dir={tmp_path / 'run'}", "cluster.address=auto"]
+    rc = cli_main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "expert_model_parallel_size: 8" in out and "routing_replay: rollout" in out
+    # the same folder with one expert's weights missing from the file: refused, naming the tensor
+    del header["model.layers.47.mlp.experts.127.down_proj.weight"]
+    raw = json.dumps(header).encode()
+    with open(weights, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + end)
+    assert cli_main(argv) == 2
+    assert "lack 1 tensor(s) a Qwen3MoeForCausalLM with this config.json has: " \
+           "model.layers.47.mlp.experts.127.down_proj.weight" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 from rlmega.config import load_config
 from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
 from rlmega.launch.placement import PlacementError, placement_plan
-from test_gpu_configs import LLAMA3_8B, QWEN2_7B  # pytest puts tests/unit on sys.path
+from test_gpu_configs import LLAMA3_8B, QWEN2_7B, QWEN3_30B_A3B  # pytest puts tests/unit on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +65,21 @@ def test_llama3_8b_one_node_colocated_and_separate(tmp_path):
     assert [(s.group, s.bundles, s.gpus) for s in plan.engines] == [
         (1, (0, 1), 1.0), (1, (2, 3), 1.0), (1, (4, 5), 1.0), (1, (6, 7), 1.0)]
     assert plan.groups[1] == [{"GPU": 1, "CPU": 0.5}, {"GPU": 1}] * 4
+
+
+def test_qwen3_30b_a3b_two_nodes_each_expert_group_on_one_node(tmp_path):
+    """TP1 x EP8 x PP2: megatron-core's expert-parallel groups are ranks 0-7 and 8-15 (its tp-cp-ep-dp-pp
+    order; checked against initialize_model_parallel in tests/unit/test_config.py), so with ranks filling
+    nodes in order each group's all-to-all stays inside one node; 4 engines of vLLM TP4, one per half node."""
+    cfg = _load(tmp_path, "qwen3_30b_a3b_ep8pp2_2nodes.yaml", QWEN3_30B_A3B)
+    plan = placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+    assert plan.strategy == "STRICT_PACK" and [len(g) for g in plan.groups] == [8, 8]
+    assert [(s.group, s.bundles) for s in plan.ranks] == [(r // 8, (r % 8,)) for r in range(16)]
+    ep = cfg.parallelism.expert_model_parallel_size * cfg.parallelism.tensor_model_parallel_size
+    assert all(len({plan.ranks[r].group for r in range(g, g + ep)}) == 1 for g in range(0, 16, ep))
+    assert [(s.group, s.bundles) for s in plan.engines] == [(0, (0, 1, 2, 3)), (1, (0, 1, 2, 3)),
+                                                           (0, (4, 5, 6, 7)), (1, (4, 5, 6, 7))]
+    _check_gpu_sharing(plan, engine_workers_per_gpu=1)
 
 
 def test_an_engine_tp_group_never_spans_nodes():
