@@ -23,7 +23,8 @@ class ParallelismConfig:
     """Megatron expert parallel size (EP), MoE models only: each rank of an EP group holds
     num_experts / EP of every MoE layer's routed experts. Expert tensor parallel = TP (megatron-core's
     default), so world_size must be a multiple of TP x EP x PP and EP must divide num_experts; the
-    attention and dense parts keep data parallel size world_size / (TP x PP). 1 = no expert split."""
+    attention and dense parts keep data parallel size world_size / (TP x PP). 1 = no expert split.
+    MoE models train at TP 1 (megatron-core needs sequence parallelism for MoE at TP > 1)."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -182,7 +183,9 @@ class AlgorithmConfig:
     forward records the trainer's own routes and the train forward replays them. "rollout" (R3): the
     engines record each token's routed experts and the old, reference and train forwards replay those
     (tokens without a recorded route, e.g. tool output or the last sampled token, are routed live and
-    counted in routes_live_fraction). Refused for dense models and for actor.backend=fsdp."""
+    counted in routes_live_fraction). Refused for dense models and for actor.backend=fsdp. "rollout" relies
+    on the engines computing every prompt token: they run without prefix caching (a cached prompt token
+    is not recomputed, so no route would be recorded for it)."""
 
     def resolve_defaults(self, async_production: bool = False) -> "AlgorithmConfig":
         """Fill the fields left null with the policy_loss's published defaults (POLICY_LOSS_DEFAULTS),
