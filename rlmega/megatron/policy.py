@@ -12,7 +12,7 @@ Transformer Engine on a GPU, THD ``PackedSeqParams`` built from ``cu_seqlens``.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -23,6 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.routing_replay import RoutePass
 from rlmega.megatron.runtime import for_collective
 from rlmega.megatron.vocab_parallel import entropy, token_logprobs
 
@@ -94,14 +95,23 @@ def _run(model: list, micro_batches: list[dict], step_fn, forward_only: bool) ->
     )
 
 
+def _routed(routes: RoutePass | None, chunk, mb: dict):
+    """MoE routing of this chunk's forward of this micro-batch: recorded / replayed (routing_replay)."""
+    return nullcontext() if routes is None else routes.forward(chunk, mb)
+
+
 @torch.no_grad()
 def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
-                     with_entropy: bool = False) -> list[dict] | None:
-    """Per micro-batch {"logprobs": (T,), "entropy": (T,)} (on the model's device) on the last stage; None elsewhere."""
+                     with_entropy: bool = False, routes: RoutePass | None = None) -> list[dict] | None:
+    """Per micro-batch {"logprobs": (T,), "entropy": (T,)} (on the model's device) on the last stage; None elsewhere.
+
+    ``routes``: MoE routing replay / recording of this pass (set per micro-batch and chunk, in the forward step).
+    """
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
-        logits = _forward(chunk, mb)
+        with _routed(routes, chunk, mb):
+            logits = _forward(chunk, mb)
 
         def collect(output):
             out = {"logprobs": token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)}
@@ -117,18 +127,20 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
 
 def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
                         loss_fn: LossFn, with_entropy: bool, entropy_grad: bool = True,
-                        keep_logprobs: bool = False) -> list[dict] | None:
+                        keep_logprobs: bool = False, routes: RoutePass | None = None) -> list[dict] | None:
     """Forward + backward of all micro-batches (gradients land in Megatron DDP's buffers).
 
     Returns each micro-batch's stats (sums) on the last pipeline stage, None elsewhere.
     ``entropy_grad`` False: the entropy is only a metric, computed without building its graph.
     ``keep_logprobs``: each micro-batch's stats also hold "logprobs" (T,), this forward's
     log-probs, detached (float32), as ``forward_logprobs`` returns them. All on the model's device.
+    ``routes``: as in ``forward_logprobs`` (no router runs again in the backward: no recomputation).
     """
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
-        logits = _forward(chunk, mb)
+        with _routed(routes, chunk, mb):
+            logits = _forward(chunk, mb)
 
         def loss(output):
             fields = _per_token_on(mb, output.device)

@@ -212,3 +212,54 @@ def test_placeholder_micro_batch_has_no_loss_tokens_and_scatters_nothing():
         assert mb["tokens"].shape[1] >= batch.lengths()[shortest] and mb["tokens"][0, 0] == batch.tokens[shortest][0]
         assert float(mb["loss_mask"].sum()) == 0.0 and mb["indices"] == []
         assert scatter_responses(torch.arange(mb["labels"].numel()), mb) == {}
+
+
+def _routed_batch(n=7, seed=2, M=3, K=2):
+    import dataclasses
+
+    from rlmega.testing.batches import random_batch
+
+    batch = random_batch(n, seed=seed, prompt_len=(2, 5), response_len=(1, 12))
+    g = torch.Generator().manual_seed(seed)
+    routes = [torch.randint(0, 8, (L, M, K), generator=g).to(torch.int16) for L in batch.lengths()]
+    routes[0][-1] = -1  # a token without a recorded route
+    return dataclasses.replace(batch, routed_experts=routes)
+
+
+def test_routes_pack_into_rows_and_back():
+    """pack_routes puts token t of a sample at its row position (the tokens' own layout); unpack_rows inverts."""
+    from rlmega.data.micro_batches import build_micro_batch, unpack_rows
+
+    batch = _routed_batch()
+    mb = build_micro_batch(batch, list(range(len(batch))))
+    B, S = mb["tokens"].shape
+    assert B > 1 and max(len(r) for r in mb["rows"]) > 1  # several rows, several sequences in a row
+    rows = mb["routed_experts"]
+    assert rows.shape == (B, S, 3, 2) and rows.dtype == torch.int16
+    back = unpack_rows(rows, mb)
+    tokens = unpack_rows(mb["tokens"], mb)
+    for i in range(len(batch)):
+        assert torch.equal(back[i], batch.routed_experts[i]) and torch.equal(tokens[i], batch.tokens[i])
+    real = mb["real_tokens"].view(B, S)
+    assert int(real.sum()) == batch.num_tokens() and bool((rows[~real] == -1).all())  # padding: no route
+    assert int(mb["generated"].sum()) == batch.num_response_tokens()
+    assert bool(mb["real_tokens"][mb["generated"]].all())
+
+
+def test_min_shape_pads_with_rows_that_see_only_themselves():
+    from rlmega.data.micro_batches import build_micro_batch, micro_batch_shape
+
+    batch = _routed_batch()
+    idx = [1, 4]
+    assert micro_batch_shape(batch.lengths(), idx) == tuple(build_micro_batch(batch, idx)["tokens"].shape)
+    assert micro_batch_shape(batch.lengths(), []) == tuple(build_micro_batch(batch, [])["tokens"].shape)
+    small = build_micro_batch(batch, idx)
+    B, S = small["tokens"].shape
+    big = build_micro_batch(batch, idx, min_shape=(B + 2, S + 3))
+    assert big["tokens"].shape == (B + 2, S + 3) and big["attention_mask"].shape == (B + 2, 1, S + 3, S + 3)
+    assert bool((~big["attention_mask"][B:, 0] == torch.eye(S + 3, dtype=torch.bool)).all())
+    assert float(big["loss_mask"].sum()) == float(small["loss_mask"].sum())
+    assert int(big["real_tokens"].sum()) == int(small["real_tokens"].sum())
+    assert bool((big["routed_experts"][B:] == -1).all())
+    empty = build_micro_batch(batch, [], min_shape=(2, 30))
+    assert empty["tokens"].shape == (2, 30) and not bool(empty["real_tokens"].any())

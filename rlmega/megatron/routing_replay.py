@@ -1,0 +1,298 @@
+"""MoE routing replay in the Megatron actor: record the routers' top-k, or force given top-k.
+
+megatron-core's ``RouterReplay`` (``moe_enable_routing_replay``) gives each TopKRouter an instance
+whose ``get_replay_topk`` picks the experts. Its own controls are process-global (a static list of
+every instance ever built, the reference model's and any rebuilt model's included) and its
+REPLAY_FORWARD replays every token. Ours, per model and per micro-batch:
+
+- ``ModelRoutes(chunks)`` finds the instances of *this* model's routers (so a reference model in
+  the same process, with its own instances, is never touched) and maps each to its model-wide MoE
+  layer index (``router.layer_number``, global across pipeline stages and virtual chunks).
+- ``ModelRoutes.micro_batch(chunk, targets)`` scopes one forward of one chunk: with ``targets``
+  (micro-batch rows (B, S, M, K), -1 = no route) the routers replay them, otherwise they route live;
+  either way each router keeps the experts it used and its live top-k. It is entered inside the
+  pipeline schedule's forward_step, i.e. per micro-batch and per chunk, right around the forward.
+
+Mixed rows: megatron's REPLAY_FORWARD would gather scores at index -1. Rows without a recorded
+route (the last sampled token, which the engine never processed; tool-output tokens; padding) must be
+routed by the trainer's own router, so our ``get_replay_topk`` always computes the live top-k (it
+is needed anyway for the ``router_mismatch`` metric) and takes the target only on rows that have
+one. Probabilities are then ``scores.gather(1, used)``: for live rows that equals torch.topk's values
+bit for bit, so a fully live "replay" is the plain forward.
+
+Activation recomputation is refused by the Megatron actor (actor.activation_checkpointing), so no
+router runs again in the backward and REPLAY_BACKWARD's queue is not needed; ``ModelRoutes`` refuses a
+model whose config recomputes.
+
+Token order: the router sees hidden states (S, B, H) flattened, token (s, b) at index s * B + b;
+our micro-batch rows are (B, S), row-major. ``to_router_order`` / ``from_router_order`` convert
+(rlmega.data.micro_batches.pack_routes / unpack_rows go between samples and rows).
+No sequence parallelism is used (the actor's config leaves ``sequence_parallel`` off; refused here
+otherwise), so every tensor-parallel rank's router sees all S * B tokens.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router import TopKRouter
+
+from rlmega.data.micro_batches import unpack_rows
+from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.runtime import for_collective
+
+
+# ---- pure functions: rows <-> router order -----------------------------------------------------
+def to_router_order(rows: torch.Tensor, layer: int) -> torch.Tensor:
+    """(B, S, M, K) micro-batch rows (micro_batches.pack_routes) -> (S * B, K) int64 targets of MoE
+    layer ``layer``, in the router's s-major token order."""
+    B, S, _, K = rows.shape
+    return rows[:, :, layer].transpose(0, 1).reshape(S * B, K).long()
+
+
+def from_router_order(indices: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """(S * B, K) router-order indices -> (B, S, K) rows."""
+    return indices.reshape(S, B, -1).transpose(0, 1)
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(..., K) x (..., K) -> (...) bool: the two top-k rows name the same experts (order ignored)."""
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+def moe_layer_numbers(num_layers: int, moe_layer_freq) -> list[int]:
+    """Model-wide layer numbers (1-based, Megatron's layer_number) of the MoE layers, in order."""
+    if isinstance(moe_layer_freq, int):
+        pattern = [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    else:
+        pattern = list(moe_layer_freq)
+    return [i + 1 for i, p in enumerate(pattern) if p]
+
+
+# ---- the routers of one model --------------------------------------------------------------------
+class _State:
+    """One router's view of the current micro-batch (set by ModelRoutes.micro_batch)."""
+
+    def __init__(self, target: torch.Tensor | None):
+        self.target = target  # (T, K) int64 router order, -1 rows = route live; None = all live
+        self.used: torch.Tensor | None = None  # (T, K) the experts this forward used
+        self.live: torch.Tensor | None = None  # (T, K) the router's own top-k
+
+
+def _get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+    """Replaces RouterReplay.get_replay_topk on our instances (see the module docstring)."""
+    probs, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    state: _State | None = getattr(replay, "rlmega_state", None)
+    if state is None:  # outside ModelRoutes.micro_batch: plain routing
+        return probs, live
+    used = live
+    if state.target is not None:
+        target = state.target.to(scores.device)
+        if target.shape != live.shape:
+            raise RuntimeError(f"routing replay: {tuple(target.shape)} target routes for a router that sees "
+                               f"{tuple(live.shape)} (tokens, topk)")
+        used = torch.where((target < 0).any(-1, keepdim=True), live, target)
+        probs = scores.gather(1, used)
+    state.used, state.live = used.detach(), live.detach()
+    return probs, used
+
+
+class ModelRoutes:
+    """The RouterReplay instances of one model (its list of chunks), by chunk and MoE layer index."""
+
+    def __init__(self, chunks: list):
+        self.by_chunk: list[list[tuple[int, object]]] = []
+        for chunk in chunks:
+            model = unwrap(chunk)
+            config = model.config
+            if getattr(config, "recompute_granularity", None) is not None:
+                raise ValueError("routing replay with activation recomputation is not supported by the megatron "
+                                 "actor (the recomputed forward would route again); set actor.activation_checkpointing=false")
+            if getattr(config, "sequence_parallel", False):
+                raise ValueError("routing replay assumes no sequence parallelism (each router sees all tokens)")
+            numbers = moe_layer_numbers(config.num_layers, config.moe_layer_freq)
+            found = []
+            for module in model.modules():
+                if isinstance(module, TopKRouter) and module.router_replay is not None:
+                    replay = module.router_replay
+                    replay.get_replay_topk = _get_replay_topk.__get__(replay)  # this instance only
+                    found.append((numbers.index(module.layer_number), replay))
+            self.by_chunk.append(found)
+        self.num_moe_layers = len(numbers) if chunks else 0
+        self.num_experts = int(config.num_moe_experts or 0) if chunks else 0
+        self.local_layers = sorted(layer for found in self.by_chunk for layer, _ in found)
+
+    @property
+    def enabled(self) -> bool:
+        """The model was built with routing replay (moe_enable_routing_replay) and has MoE layers here."""
+        return bool(self.local_layers)
+
+    @contextmanager
+    def micro_batch(self, chunk_index: int, rows: torch.Tensor | None, replay: bool):
+        """One forward of chunk ``chunk_index``; yields {layer: _State} after the forward ran.
+
+        rows: (B, S, M, K) routes of the micro-batch or None; ``replay`` False only records.
+        """
+        states = {}
+        for layer, instance in self.by_chunk[chunk_index]:
+            target = to_router_order(rows, layer) if (replay and rows is not None) else None
+            states[layer] = instance.rlmega_state = _State(target)
+        try:
+            yield states
+        finally:
+            for _, instance in self.by_chunk[chunk_index]:
+                instance.rlmega_state = None
+
+
+# ---- one pass over micro-batches: what the routers did ---------------------------------------------
+# counts: (token, MoE layer) pairs on real tokens routed live in a replay pass / all real pairs /
+# generated pairs whose live top-k set differs from the given routes / generated pairs with a given route
+COUNT_KEYS = ("live_pairs", "real_pairs", "mismatch_pairs", "compared_pairs")
+
+
+class RoutePass:
+    """Routing bookkeeping of one pass (policy.forward_logprobs / train_micro_batches) on this rank.
+
+    ``replay``: micro-batches with mb["routed_experts"] replay them (-1 rows live); otherwise every
+    router routes live. Either way, per micro-batch and local MoE layer, it keeps the experts used
+    (``record``: as per-sample routes), the counts of COUNT_KEYS and the tokens per expert. Every
+    number is local (this rank's micro-batches and layers); ``gather_routes`` / ``reduce_counts``
+    combine ranks.
+    """
+
+    def __init__(self, routes: ModelRoutes, chunks: list, mbs: list[dict], replay: bool, record: bool):
+        self.routes, self.replay, self.record = routes, replay, record
+        self.chunk_index = {id(c): i for i, c in enumerate(chunks)}
+        self.mb_index = {id(mb): j for j, mb in enumerate(mbs)}
+        self.mbs = mbs
+        self.recorded: dict[int, torch.Tensor] = {}  # micro-batch index -> (B, S, M, K) int16, -1 elsewhere
+        self.counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
+        self.load = torch.zeros(routes.num_moe_layers, routes.num_experts, dtype=torch.float64)
+
+    @contextmanager
+    def forward(self, chunk, mb: dict):
+        """Around one chunk's forward of one micro-batch (inside the schedule's forward_step)."""
+        rows = mb.get("routed_experts")
+        with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay) as states:
+            yield
+        self._account(mb, rows, states)
+
+    @torch.no_grad()
+    def _account(self, mb: dict, rows: torch.Tensor | None, states: dict) -> None:
+        B, S = mb["tokens"].shape
+        real, gen = mb["real_tokens"].view(B, S), mb["generated"].view(B, S)
+        M = self.routes.num_moe_layers
+        counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
+        for layer, st in states.items():
+            used = from_router_order(st.used, B, S).cpu()  # (B, S, K)
+            live = from_router_order(st.live, B, S).cpu()
+            if self.record:
+                j = self.mb_index[id(mb)]
+                if j not in self.recorded:
+                    self.recorded[j] = torch.full((B, S, M, used.shape[-1]), -1, dtype=torch.int16)
+                self.recorded[j][:, :, layer] = used.to(torch.int16)
+            self.load[layer] += torch.bincount(used[real].flatten(), minlength=self.routes.num_experts).double()
+            if rows is None:
+                continue
+            target = rows[:, :, layer]
+            has = ~(target < 0).any(-1)  # (B, S): a row with a -1 is routed live as a whole
+            if self.replay:
+                counts[0] += (real & ~has).sum()
+                counts[1] += real.sum()
+            compared = gen & has
+            counts[2] += (compared & ~same_sets(live, target.long())).sum()
+            counts[3] += compared.sum()
+        self.counts += counts
+
+    def recorded_routes(self) -> dict[int, torch.Tensor]:
+        """{sample index: (L_i, M, K) int16} of this rank's samples, -1 on layers of other stages."""
+        out = {}
+        for j, rows in self.recorded.items():
+            out.update(unpack_rows(rows, self.mbs[j]))
+        return out
+
+
+# ---- across ranks ---------------------------------------------------------------------------------
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return t
+    out = for_collective(t, group)
+    dist.all_reduce(out, op=op, group=group)
+    return out.to(t.device)
+
+
+def gather_routes(local: dict[int, torch.Tensor], lengths: list[int], shape: tuple[int, int]) -> list[torch.Tensor]:
+    """Every rank's ``RoutePass.recorded_routes`` -> the whole batch's routes, every layer, on every rank.
+
+    Pipeline stages hold disjoint layers (-1 elsewhere, and expert ids >= 0): an element-wise max over
+    the pipeline group merges them; tensor-parallel ranks recorded the same routes; data-parallel
+    ranks hold disjoint samples, gathered over Megatron's gloo group.
+    shape: (num_moe_layers, topk). Returns per sample (L_i, M, K) int16, batch order.
+    """
+    order = sorted(local)
+    flat = torch.cat([local[i] for i in order]) if order else torch.zeros(0, *shape, dtype=torch.int16)
+    flat = _all_reduce(flat.int(), ps.get_pipeline_model_parallel_group(), dist.ReduceOp.MAX).to(torch.int16)
+    mine = dict(zip(order, flat.split([lengths[i] for i in order])))
+    group = ps.get_data_parallel_group_gloo()
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    merged = {i: t for part in parts for i, t in part.items()}
+    missing = [i for i in range(len(lengths)) if i not in merged]
+    if missing:
+        raise RuntimeError(f"routing replay: no rank recorded routes for samples {missing[:5]}")
+    return [merged[i] for i in range(len(lengths))]
+
+
+def reduce_counts(counts: torch.Tensor, load: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Sum COUNT_KEYS and the (M, E) tokens per expert over pipeline stages (disjoint layers) and
+    data-parallel ranks (disjoint tokens); tensor-parallel ranks hold copies and are not summed."""
+    both = torch.cat([counts, load.flatten()])
+    both = _all_reduce(both, ps.get_pipeline_model_parallel_group())
+    both = _all_reduce(both, ps.get_data_parallel_group())
+    return dict(zip(COUNT_KEYS, both[:len(COUNT_KEYS)].tolist())), both[len(COUNT_KEYS):].view_as(load)
+
+
+def route_metrics(counts: dict, load: torch.Tensor) -> dict:
+    """router_mismatch, routes_live_fraction (NaN where nothing was compared / replayed) and, per MoE
+    layer, the expert load as max / mean tokens per expert (1 = balanced; num_experts / topk at most)."""
+    out = {
+        "router_mismatch": counts["mismatch_pairs"] / counts["compared_pairs"] if counts["compared_pairs"] else float("nan"),
+        "routes_live_fraction": counts["live_pairs"] / counts["real_pairs"] if counts["real_pairs"] else float("nan"),
+    }
+    if load.numel() and float(load.sum()) > 0:
+        ratio = load.max(1).values / load.mean(1).clamp_min(1e-12)
+        out.update({f"moe_load_max_over_mean/layer_{m}": float(r) for m, r in enumerate(ratio)})
+    return out
+
+
+# ---- Megatron's own aux-loss tracking ----------------------------------------------------------------
+def clear_aux_losses() -> None:
+    """Zero Megatron's per-layer aux-loss tracker (before a train step's micro-batches)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def aux_loss_metrics(num_micro_batches: int, num_moe_layers: int) -> dict:
+    """The train step's MoE auxiliary losses as Megatron tracks them (moe_utils'
+    save_to_aux_losses_tracker: per layer, summed over micro-batches, without their coefficients),
+    reduced over ranks as Megatron's track_moe_metrics does, averaged over micro-batches and MoE layers:
+    "moe_load_balancing_loss" (actor.moe_aux_loss_coeff > 0), "moe_z_loss" (actor.moe_z_loss_coeff > 0).
+    Collective when any is tracked (every rank tracks the same names). The tracker is cleared.
+    """
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker,
+                                                         reduce_aux_losses_tracker_across_ranks)
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    names = sorted(tracker)
+    if not names:
+        return {}
+    reduce_aux_losses_tracker_across_ranks(names)
+    out = {f"moe_{name}": float(tracker[name]["values"].sum()) / max(num_micro_batches, 1) / max(num_moe_layers, 1)
+           for name in names}
+    clear_aux_losses_tracker()
+    return out
