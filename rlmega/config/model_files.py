@@ -24,7 +24,7 @@ import os
 import struct
 from typing import Dict, List, Tuple
 
-from rlmega.config.hf_support import architecture
+from rlmega.config.hf_support import architecture, num_experts
 
 # safetensors' own limit on the JSON header (safetensors/src/tensor.rs, MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
@@ -80,8 +80,6 @@ def read_safetensors_header(path: str) -> Dict[str, Tuple[str, List[int]]]:
 
 
 QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-head q/k RMSNorm; Qwen3-MoE adds routed experts
-# config.json keys of the routed-expert count (Qwen's own files: num_experts; transformers 5: num_local_experts).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
 def _sparse_layers(hf: dict) -> set:
@@ -106,7 +104,7 @@ def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]
     arch = architecture(hf)
     qwen3 = arch in QWEN3
     bias = arch == "Qwen2ForCausalLM" or (qwen3 and bool(hf.get("attention_bias")))
-    experts = next((hf[k] for k in EXPERT_COUNT_KEYS if hf.get(k)), 0) if arch == "Qwen3MoeForCausalLM" else 0
+    experts = num_experts(hf) if arch == "Qwen3MoeForCausalLM" else 0
     sparse, moe_inter = (_sparse_layers(hf), hf.get("moe_intermediate_size")) if experts else (set(), None)
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
