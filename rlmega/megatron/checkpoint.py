@@ -45,6 +45,16 @@ def _coords() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return shape, offset
 
 
+def _layout() -> tuple[int, ...]:
+    """(PP, TP, DP, EP): what optimizer and RNG state depend on (MoE experts' optimizer shards follow EP)."""
+    return (*_coords()[0], ps.get_expert_model_parallel_world_size())
+
+
+def _saved_layout(meta: dict) -> tuple[int, ...]:
+    layout = tuple(meta["layout"])
+    return layout + (1,) * (4 - len(layout))  # checkpoints from before EP: (PP, TP, DP), EP 1
+
+
 def rng_state() -> dict:
     return {
         "python": random.getstate(),
@@ -100,7 +110,7 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     sd = _sharded(model, optimizer, with_rng=True, extra_models=extra_models)
     # Plain values are "common" state: rank 0 stores them once.
     sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
-                  "extra": extra or {}, "layout": _coords()[0],
+                  "extra": extra or {}, "layout": _layout(),
                   "extra_models": sorted(extra_models or {})}
     use_in_process_queue()  # else Megatron's writer starts a Manager process that outlives a kill -9
     try:
@@ -148,10 +158,10 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
     path = resolve(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     meta = common["meta"]
-    same_layout = tuple(meta["layout"]) == _coords()[0]
+    same_layout = _saved_layout(meta) == _layout()
     if optimizer is not None and not same_layout:
-        raise ValueError(f"checkpoint layout (PP, TP, DP)={tuple(meta['layout'])} differs from the current "
-                         f"{_coords()[0]}: load it with model_only=True, or restore the saved layout")
+        raise ValueError(f"checkpoint layout (PP, TP, DP, EP)={_saved_layout(meta)} differs from the current "
+                         f"{_layout()}: load it with model_only=True, or restore the saved layout")
     missing = sorted(set(extra_models or {}) - set(meta.get("extra_models", [])))
     if missing:
         raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "

@@ -28,6 +28,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron.core.tensor_parallel import mappings as mcore_mappings
 from megatron.core.tensor_parallel import random as mcore_random
 
 _CPU = torch.device("cpu")
@@ -125,6 +126,21 @@ _RANDOM_STUBS = {
     "_set_cuda_rng_state": _cpu_set_rng_state,
 }
 
+# Megatron collectives that allocate on "the current CUDA device" and also run inside backward
+# functions (the MoE token dispatcher's all-gather / reduce-scatter over the TP x EP group). A
+# TorchFunctionMode is switched off while its handler runs, and a backward runs entirely inside the
+# handler's call of ``Tensor.backward``, so these get the mode entered around them again.
+_BACKWARD_COLLECTIVES = ("_gather_along_first_dim", "_reduce_scatter_along_first_dim")
+
+
+def _under_cpu_mode(fn):
+    def wrapper(*args, **kwargs):
+        with CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 _state: dict | None = None  # what enable_cpu_execution replaced, for disable_cpu_execution
 
 
@@ -143,7 +159,10 @@ def enable_cpu_execution() -> bool:
         "cuda": {k: getattr(torch.cuda, k) for k in _CUDA_STUBS},
         "random": {k: getattr(mcore_random, k) for k in _RANDOM_STUBS},
         "tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
+        "mappings": {k: getattr(mcore_mappings, k) for k in _BACKWARD_COLLECTIVES},
     }
+    for k in _BACKWARD_COLLECTIVES:
+        setattr(mcore_mappings, k, _under_cpu_mode(saved["mappings"][k]))
     for k, v in _CUDA_STUBS.items():
         setattr(torch.cuda, k, v)
     for k, v in _RANDOM_STUBS.items():
@@ -168,5 +187,7 @@ def disable_cpu_execution() -> None:
         setattr(torch.cuda, k, v)
     for k, v in _state["random"].items():
         setattr(mcore_random, k, v)
+    for k, v in _state["mappings"].items():
+        setattr(mcore_mappings, k, v)
     mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _state["tracker"]
     _state = None
