@@ -416,3 +416,14 @@ def test_under_torchrun_a_wrong_process_count_and_gpu_engines_without_a_cluster_
     assert "parallelism.world_size: is 4 but torchrun started 2 processes" in err, err
     assert "cluster.address: is empty, so rank 0 would start a Ray that shares the trainer ranks' GPUs" in err, err
     assert pickle.loads(dist.PrefixStore("rlmega/0", store).get("exit")) == 0  # ranks 1.. released
+
+
+def test_a_good_moe_config_passes_the_same_checks(tmp_path, monkeypatch):
+    """configs/moe_cpu.yaml (EP2, rollout routing replay, aux loss) on a tiny Qwen3-MoE reaches the workers:
+    the MoE refusals above do not catch good input."""
+    moe = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2,
+                          num_layers=4, num_experts=8, top_k=2, moe_intermediate_size=128, seed=0)
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([str(ROOT / "configs" / "moe_cpu.yaml"), f"model.path={moe}",
+                        f"trainer.run_dir={tmp_path / 'run'}", "trainer.resume=none"])
