@@ -17,6 +17,16 @@ An RL step of one optimizer step needs no separate old-log-prob forward (train_s
 
     metrics = actor.train_step(replace(batch, ref_logprobs=ref, advantages=adv), optimizer_steps_per_rl_step=1)
     old = metrics["old_logprobs"]                   # what compute_logprobs would have returned
+
+MoE models (rlmega.megatron.routing_replay): algorithm.routing_replay=rollout (R3) replays
+batch.routed_experts (the engine's routes) in compute_logprobs, compute_ref_logprobs and train_step;
+=trainer (R2) records compute_logprobs' routes (by sample id) and replays them in train_step. Tokens
+without a route (-1 rows: the last sampled token, tool outputs) are routed live and counted. Metrics,
+in train_step's result: router_mismatch (generated (token, MoE layer) pairs whose trainer top-k set
+differs from batch.routed_experts, from compute_logprobs' forward: without replay unless R3, where
+each layer's router is compared on the replayed input), routes_live_fraction, per-layer expert
+load (moe_load_max_over_mean/layer_i) and Megatron's tracked aux / z losses (moe_load_balancing_loss,
+moe_z_loss) when their coefficients are on.
 """
 from __future__ import annotations
 
@@ -31,10 +41,10 @@ import torch
 from rlmega.actor_api import Actor
 from rlmega.algorithms import polyak, rl_loss
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-from rlmega.data.micro_batches import build_micro_batch, scatter_responses
+from rlmega.data.micro_batches import build_micro_batch, micro_batch_shape, scatter_responses
 from rlmega.data.packing import padding_efficiency, plan_micro_batches
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.megatron import checkpoint, policy
+from rlmega.megatron import checkpoint, policy, routing_replay
 from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
@@ -66,12 +76,18 @@ class MegatronActor(Actor):
         # Polyak update, a reference restored from a checkpoint): from then on checkpoints carry it.
         self.reference_moved = False
         self._ref_master: list | None = None  # float32 copy of a low-precision reference (update_ref_policy)
+        # MoE routing replay (algorithm.routing_replay): none | trainer (R2) | rollout (R3)
+        self.routing_replay = getattr(algorithm, "routing_replay", "none") or "none"
+        self._routes: dict[int, routing_replay.ModelRoutes] = {}  # id(manager) -> its routers
+        self._trainer_routes: dict[int, torch.Tensor] = {}  # R2: sample_id -> (L_i, M, K) of the old forward
+        self._route_metrics: dict = {}  # of the last compute_logprobs, reported by the next train_step
 
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, with_reference: bool = True) -> None:
         p = self.parallel
         init_megatron(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                      p.virtual_pipeline_model_parallel_size, seed=self.model_cfg.seed)
+                      p.virtual_pipeline_model_parallel_size, seed=self.model_cfg.seed,
+                      ep=int(getattr(p, "expert_model_parallel_size", 1) or 1))
         self.policy = self._manager()
         self.policy.setup_model_and_optimizer(load_weights=bool(self.model_cfg.path))
         if with_reference:
@@ -82,10 +98,23 @@ class MegatronActor(Actor):
             if self.cfg.offload_reference:
                 self.reference.offload_params()
         self.vocab_size = self.policy.shape.vocab_size
+        if self.routing_replay != "none" and not self.policy.shape.is_moe:
+            raise ValueError(f"algorithm.routing_replay={self.routing_replay} needs a mixture-of-experts model; "
+                             f"{self.policy.shape.architecture} is dense: set it to none")
+        # each model's own routers (the reference has its own RouterReplay instances)
+        for manager in (self.policy, self.reference):
+            if manager is not None and manager.shape.is_moe:
+                self._routes[id(manager)] = routing_replay.ModelRoutes(manager.model)
 
     def _manager(self) -> MegatronModelManager:
+        # Routers get megatron's RouterReplay hook on every MoE model, whatever algorithm.routing_replay
+        # says: our hook routes live unless told otherwise, and it is what measures router_mismatch
+        # (the trainer's own top-k vs the engine's) without replay too.
         return MegatronModelManager(self.model_cfg, self.parallel, self.optim_cfg,
-                                    lr_decay_steps=self.lr_decay_steps, hf_config=self.hf_config)
+                                    lr_decay_steps=self.lr_decay_steps, hf_config=self.hf_config,
+                                    moe_aux_loss_coeff=float(getattr(self.cfg, "moe_aux_loss_coeff", 0.0) or 0.0),
+                                    moe_z_loss_coeff=float(getattr(self.cfg, "moe_z_loss_coeff", 0.0) or 0.0),
+                                    routing_replay=True)
 
     def teardown(self) -> None:
         teardown_megatron()
@@ -98,11 +127,25 @@ class MegatronActor(Actor):
         multiple = self.parallel.pipeline_model_parallel_size if self.policy.vpp > 1 else 1
         # allow_empty: a short batch (fewer samples than ranks) gives a rank placeholders that add
         # nothing to the loss but keep it in the schedule's and the optimizer's collectives
-        plan = plan_micro_batches(batch.lengths(), self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple,
+        lengths = batch.lengths()
+        plan = plan_micro_batches(lengths, self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple,
                                   allow_empty=True)
         thd = self.policy.use_te
-        mbs = [build_micro_batch(batch, idx, dense_mask=not thd) for idx in plan[dp_rank]]
-        return mbs, padding_efficiency(batch.lengths(), plan, rows=not thd)
+        shapes = [None] * len(plan[dp_rank])
+        if self.policy.transformer_config.expert_model_parallel_size > 1:
+            # Every MoE layer's token dispatch is a collective over the expert-parallel group (part of
+            # the data-parallel ranks): each rank runs as many micro-batches (placeholders fill in),
+            # and with the allgather dispatcher (CPU) of one shape (it gathers equal blocks).
+            count = max(len(p) for p in plan)
+            plan = [p + [[]] * (count - len(p)) for p in plan]
+            if not thd and self.policy.transformer_config.moe_token_dispatcher_type == "allgather":
+                per_rank = [[micro_batch_shape(lengths, idx) for idx in p] for p in plan]
+                shapes = [tuple(max(s[j][d] for s in per_rank) for d in (0, 1)) for j in range(count)]
+            else:
+                shapes = [None] * count
+        mbs = [build_micro_batch(batch, idx, dense_mask=not thd, min_shape=shape)
+               for idx, shape in zip(plan[dp_rank], shapes)]
+        return mbs, padding_efficiency(lengths, plan, rows=not thd)
 
     def _gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, batch: RolloutBatch) -> list[torch.Tensor]:
         """Per-token values of this rank's samples -> the full batch's per-sample list, on every rank."""
@@ -123,16 +166,58 @@ class MegatronActor(Actor):
         return [merged[i] for i in range(len(batch))]
 
     # ---- forward passes ---------------------------------------------------------------------
-    def _logprobs(self, manager: MegatronModelManager, batch: RolloutBatch, with_entropy: bool):
+    def _logprobs(self, manager: MegatronModelManager, batch: RolloutBatch, with_entropy: bool,
+                  replay: bool = False, record: bool = False):
+        """``replay``: the batch's routed_experts replace the routers' choice (-1 rows routed live);
+        ``record``: self._trainer_routes gets the routes this forward used, per sample id."""
+        if replay:
+            self._routes[id(manager)].check(batch.routed_experts)
         mbs, _ = self._plan(batch)
-        outs = policy.forward_logprobs(manager.model, mbs, self.vocab_size, self.temperature, with_entropy)
+        routes = self._route_pass(manager, mbs, replay, record)
+        outs = policy.forward_logprobs(manager.model, mbs, self.vocab_size, self.temperature, with_entropy,
+                                       routes=routes)
         lp = self._gather_responses(mbs, outs, "logprobs", batch)
         ent = self._gather_responses(mbs, outs, "entropy", batch) if with_entropy else None
+        if routes is not None:
+            self._route_metrics = self._route_results(routes, batch)
         return lp, ent
 
+    def _route_pass(self, manager, mbs: list[dict], replay: bool, record: bool):
+        """The routing bookkeeping of one pass of an MoE model (None for a dense one)."""
+        model_routes = self._routes.get(id(manager))
+        if model_routes is None or not model_routes.enabled:
+            return None
+        return routing_replay.RoutePass(model_routes, manager.model, mbs, replay=replay, record=record)
+
+    def _route_results(self, routes, batch: RolloutBatch) -> dict:
+        """Collectives: the pass's routes (when recorded, into self._trainer_routes) and its metrics."""
+        if routes.record:
+            shape = (routes.routes.num_moe_layers, routes.routes.topk)
+            full = routing_replay.gather_routes(routes.recorded_routes(), batch.lengths(), shape)
+            self._trainer_routes = dict(zip(batch.sample_ids.tolist(), full))
+        counts, load = routing_replay.reduce_counts(routes.counts, routes.load)
+        return routing_replay.route_metrics(counts, load)
+
+    def _replays(self, batch: RolloutBatch, what: str) -> bool:
+        """R3: the forwards replay the engine's routes, which the batch must then carry."""
+        if self.routing_replay != "rollout":
+            return False
+        if batch.routed_experts is None:
+            raise ValueError(f"algorithm.routing_replay=rollout: {what} needs batch.routed_experts (the engine's "
+                             "routes; the rollout workers record them when routing replay is rollout)")
+        return True
+
     def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
-        """Log-probs (and entropies) of every response token under the current policy."""
-        lp, ent = self._logprobs(self.policy, batch, with_entropy)
+        """Log-probs (and entropies) of every response token under the current policy.
+
+        MoE: routing_replay=rollout replays batch.routed_experts; =trainer records the routes this
+        forward takes, for train_step to replay (by sample id). The routing metrics (router_mismatch
+        when the batch has engine routes, routes_live_fraction, expert load) go into the next
+        train_step's metrics.
+        """
+        replay = self._replays(batch, "compute_logprobs")
+        lp, ent = self._logprobs(self.policy, batch, with_entropy, replay=replay,
+                                 record=self.routing_replay == "trainer")
         return (lp, ent) if with_entropy else lp
 
     def compute_ref_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
@@ -141,7 +226,12 @@ class MegatronActor(Actor):
         if self.cfg.offload_reference:
             self.reference.onload_params()
         try:
-            return self._logprobs(self.reference, batch, with_entropy=False)[0]
+            replay = self._replays(batch, "compute_ref_logprobs")
+            metrics = self._route_metrics
+            try:
+                return self._logprobs(self.reference, batch, with_entropy=False, replay=replay)[0]
+            finally:
+                self._route_metrics = metrics  # the policy's routing metrics are the ones reported
         finally:
             if self.cfg.offload_reference:
                 self.reference.offload_params()
@@ -168,19 +258,43 @@ class MegatronActor(Actor):
         """
         on_policy = rl_loss.check_train_batch(self.algo, batch, optimizer_steps_per_rl_step)
         loss_fn = functools.partial(rl_loss.rl_loss, self.algo, on_policy=on_policy)
-        return self._step(batch, loss_fn, self.temperature, entropy_grad=self.algo.entropy_coef > 0,
-                          return_logprobs=on_policy)
+        replay = self._replays(batch, "train_step")
+        if self.routing_replay == "trainer" and not on_policy:
+            # R2: replay what the old-log-prob forward (compute_logprobs) chose for these samples. On
+            # policy, this forward is the old one: its own live routes are the ones to keep.
+            missing = [s for s in batch.sample_ids.tolist() if s not in self._trainer_routes]
+            if missing:
+                raise ValueError(f"algorithm.routing_replay=trainer: samples {missing[:5]} have no routes from "
+                                 "compute_logprobs; call it on this batch before train_step")
+            batch = dataclasses.replace(batch, routed_experts=[self._trainer_routes[s] for s in batch.sample_ids.tolist()])
+            replay = True
+        metrics = self._step(batch, loss_fn, self.temperature, entropy_grad=self.algo.entropy_coef > 0,
+                             return_logprobs=on_policy, replay=replay)
+        # compute_logprobs' routing metrics (router_mismatch without the train forward's replay) win
+        metrics.update({k: v for k, v in self._route_metrics.items() if k in ("router_mismatch",)})
+        self._route_metrics = {}
+        return metrics
 
     def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None,
-              entropy_grad: bool = True, return_logprobs: bool = False) -> dict:
+              entropy_grad: bool = True, return_logprobs: bool = False, replay: bool = False) -> dict:
         """One optimizer step. ``entropy_grad``: the loss uses the entropy (else it is a metric only).
-        ``return_logprobs``: the result holds this forward's log-probs as "old_logprobs"."""
+        ``return_logprobs``: the result holds this forward's log-probs as "old_logprobs".
+        ``replay``: the MoE routers replay batch.routed_experts (-1 rows live)."""
         if self.cfg.offload_optimizer and "optimizer state" in self.policy.offloaded:
             self.policy.onload_optimizer_state()
+        if replay:
+            self._routes[id(self.policy)].check(batch.routed_experts)
         mbs, efficiency = self._plan(batch)
+        routes = self._route_pass(self.policy, mbs, replay, record=False)
+        if routes is not None:
+            routing_replay.clear_aux_losses()
         outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature, loss_fn,
                                           with_entropy=True, entropy_grad=entropy_grad,
-                                          keep_logprobs=return_logprobs)
+                                          keep_logprobs=return_logprobs, routes=routes)
+        moe = {}
+        if routes is not None:
+            moe = self._route_results(routes, batch)
+            moe.update(routing_replay.aux_loss_metrics(len(mbs), routes.routes.num_moe_layers))
         # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
         old = self._gather_responses(mbs, outs, "logprobs", batch) if return_logprobs else None
         keys = rl_loss.SUM_KEYS
@@ -198,7 +312,7 @@ class MegatronActor(Actor):
             raise FloatingPointError(f"non-finite loss {loss}: step not taken")
         if self.cfg.offload_optimizer:
             self.policy.offload_optimizer_state()
-        return rl_loss.step_metrics(s, efficiency, grad_norm, lr, ok, old)
+        return {**rl_loss.step_metrics(s, efficiency, grad_norm, lr, ok, old), **moe}
 
     def advance_lr_schedule(self, steps: int) -> float:
         """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.

@@ -8,8 +8,8 @@ REPLAY_FORWARD replays every token. Ours, per model and per micro-batch:
 - ``ModelRoutes(chunks)`` finds the instances of *this* model's routers (so a reference model in
   the same process, with its own instances, is never touched) and maps each to its model-wide MoE
   layer index (``router.layer_number``, global across pipeline stages and virtual chunks).
-- ``ModelRoutes.micro_batch(chunk, targets)`` scopes one forward of one chunk: with ``targets``
-  (micro-batch rows (B, S, M, K), -1 = no route) the routers replay them, otherwise they route live;
+- ``ModelRoutes.micro_batch(chunk_index, rows, replay)`` scopes one forward of one chunk: with
+  ``replay`` and ``rows`` (micro-batch rows (B, S, M, K), -1 = no route) the routers replay them, otherwise they route live;
   either way each router keeps the experts it used and its live top-k. It is entered inside the
   pipeline schedule's forward_step, i.e. per micro-batch and per chunk, right around the forward.
 
@@ -17,7 +17,7 @@ Mixed rows: megatron's REPLAY_FORWARD would gather scores at index -1. Rows with
 route (the last sampled token, which the engine never processed; tool-output tokens; padding) must be
 routed by the trainer's own router, so our ``get_replay_topk`` always computes the live top-k (it
 is needed anyway for the ``router_mismatch`` metric) and takes the target only on rows that have
-one. Probabilities are then ``scores.gather(1, used)``: for live rows that equals torch.topk's values
+one (a row holding any -1 is routed live as a whole: a half-recorded top-k is no route). Probabilities are then ``scores.gather(1, used)``: for live rows that equals torch.topk's values
 bit for bit, so a fully live "replay" is the plain forward.
 
 Activation recomputation is refused by the Megatron actor (actor.activation_checkpointing), so no
@@ -123,16 +123,27 @@ class ModelRoutes:
             self.by_chunk.append(found)
         self.num_moe_layers = len(numbers) if chunks else 0
         self.num_experts = int(config.num_moe_experts or 0) if chunks else 0
+        self.topk = int(config.moe_router_topk) if chunks else 0
         self.local_layers = sorted(layer for found in self.by_chunk for layer, _ in found)
+        # The same on every rank (a pipeline stage without MoE layers still takes part in the
+        # collectives of RoutePass's results): the model was built with the hooks and has MoE layers.
+        self.enabled = bool(chunks and config.moe_enable_routing_replay and self.num_moe_layers)
 
-    @property
-    def enabled(self) -> bool:
-        """The model was built with routing replay (moe_enable_routing_replay) and has MoE layers here."""
-        return bool(self.local_layers)
+    def check(self, routes: list[torch.Tensor], field: str = "batch.routed_experts") -> None:
+        """Refuse routes this model cannot replay, naming the field."""
+        if not routes:
+            return
+        shape = tuple(routes[0].shape[1:])
+        if shape != (self.num_moe_layers, self.topk):
+            raise ValueError(f"{field} has (num_moe_layers, topk) = {shape}, the model has "
+                             f"({self.num_moe_layers}, {self.topk}): the routes come from another model")
+        top = max(int(r.max()) for r in routes if r.numel()) if any(r.numel() for r in routes) else -1
+        if top >= self.num_experts:
+            raise ValueError(f"{field} names expert {top}; the model has {self.num_experts} experts per layer")
 
     @contextmanager
     def micro_batch(self, chunk_index: int, rows: torch.Tensor | None, replay: bool):
-        """One forward of chunk ``chunk_index``; yields {layer: _State} after the forward ran.
+        """One forward of chunk ``chunk_index``; yields {layer: _State}, filled in by the forward.
 
         rows: (B, S, M, K) routes of the micro-batch or None; ``replay`` False only records.
         """
