@@ -135,8 +135,9 @@ def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_
         moe_router_topk=shape.moe_topk,
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not shape.norm_topk_prob,  # see the module docstring
-        # The router's softmax in fp32 whatever the params' dtype, as HF computes it.
-        moe_router_dtype="fp32",
+        # The router's linear in the params' dtype, as HF's and vLLM's gate computes it (megatron's
+        # softmax over the logits is fp32 either way).
+        moe_router_dtype=None,
         # aux loss 0: no load-balancing term at all (Megatron's default type would still build one).
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=float(aux_loss_coeff),

@@ -40,6 +40,8 @@ CASES = {
     # Tied head, odd vocabulary (130 -> 256 rows), the head's copy on the last of 4 virtual stages.
     "llama_tied_pp2vpp2_to_tp2": (dict(arch="llama", tie_word_embeddings=True, vocab_size=130),
                                   ["--pp", "2", "--vpp", "2"], ["--tp", "2"]),
+    # MoE: q/k norms, a router and 8 experts a layer (per-expert HF names), TP-split experts.
+    "qwen3_moe_tp2_to_tp1": (dict(arch="qwen3_moe", num_experts=8, top_k=2), ["--tp", "2"], []),
 }
 
 
