@@ -125,7 +125,7 @@ def check_expert_layout(shape: ModelShape, ep: int, tp: int = 1, pp: int = 1, wo
 
 
 def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_coeff: float,
-                      routing_replay: bool, cpu: bool = True) -> dict:
+                      routing_replay: bool, cpu: bool = True, grouped_gemm: bool = False) -> dict:
     """TransformerConfig's MoE fields for ``shape`` (empty for a dense model)."""
     if not shape.is_moe:
         return {}
@@ -143,7 +143,9 @@ def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_
         moe_aux_loss_coeff=float(aux_loss_coeff),
         moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
         moe_enable_routing_replay=bool(routing_replay),
-        moe_grouped_gemm=False,  # SequentialMLP: one Linear pair per expert (the local spec, CPU)
+        # The local spec's SequentialMLP (one Linear pair per expert, CPU) or, with Transformer Engine,
+        # its grouped experts: must agree with the layer spec (model_manager.layer_spec).
+        moe_grouped_gemm=grouped_gemm,
         # "alltoall" (megatron's choice at scale) opens torch.cuda.Stream()s for its split-size copies in
         # its constructor, which cannot run without CUDA; "allgather" only all-gathers tokens and
         # reduce-scatters results over the TP x EP group, which gloo does. On GPUs alltoall is used.
@@ -157,11 +159,13 @@ def megatron_config_from_hf(
     hf: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
     params_dtype: torch.dtype = torch.float32, cpu: bool = True, ep: int = 1,
     moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
+    grouped_gemm: bool = False,
 ) -> tuple[TransformerConfig, dict]:
     """The one place HF model hyper-parameters become Megatron's. Returns (config, GPTModel kwargs).
 
     ``ep`` (parallelism.expert_model_parallel_size), the aux/z-loss coefficients and ``routing_replay``
     (megatron's ``moe_enable_routing_replay``) only apply to MoE models; ep > 1 on a dense one is refused.
+    ``grouped_gemm``: experts as Transformer Engine's grouped GEMM (TE layer spec) instead of SequentialMLP.
     """
     shape = ModelShape.from_hf(hf, tp)
     check_expert_layout(shape, ep)
@@ -208,7 +212,7 @@ def megatron_config_from_hf(
         # and data-parallel ranks, so RL loss aggregation is over the whole batch.
         calculate_per_token_loss=True,
         **(_NO_FUSIONS if cpu else {}),
-        **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu),
+        **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu, grouped_gemm),
     )
     gpt_kwargs = dict(
         vocab_size=shape.padded_vocab_size,

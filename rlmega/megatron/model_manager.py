@@ -1,6 +1,6 @@
 """MegatronModelManager: one trainer rank's Megatron model, optimizer, schedule and state.
 
-    init_megatron(tp, pp, vpp, seed)                       # rlmega.megatron.runtime
+    init_megatron(tp, pp, vpp, seed, ep=1)                 # rlmega.megatron.runtime
     mm = MegatronModelManager(cfg.model, cfg.parallelism, cfg.optimizer, lr_decay_steps=100)
     mm.setup_model_and_optimizer()                         # chunks + HF weights + DDP + optimizer
     ... forward/backward through get_forward_backward_func(model=mm.model) ...
@@ -107,6 +107,7 @@ class MegatronModelManager:
             self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
             self.vpp, self.dtype, cpu=not torch.cuda.is_available(), ep=self.ep,
             moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff, routing_replay=routing_replay,
+            grouped_gemm=self.use_te,
         )
         self.model: list = []
         self.optimizer = None
