@@ -151,6 +151,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from rlmega.workers.engine_errors import engine_died
@@ -184,6 +185,14 @@ class Sample:
     unless a weight sync cut the request and it resumed (``RolloutWorker.pause_generation``)."""
     resumes: int = 0
     """How many times a weight sync cut this request and it went on with the new weights."""
+    routed_experts: np.ndarray | None = None
+    """MoE routing replay (``record_routes=True``): int16 (len(prompt_ids) + len(response_ids),
+    num_moe_layers, topk), row j = the experts (model-global ids; MoE layers in model order) the
+    engine's routers picked for token j of prompt + response. -1 rows where no route was recorded:
+    the last response token (vLLM samples it but never feeds it back: no forward computes it),
+    and prompt tokens a prefix-cache hit skipped (``enable_prefix_caching``). After a cut and resume
+    each position keeps the route of its latest computation (the resumed part re-prefills prompt +
+    tokens so far on the new weights: the final KV came from those routes). None when not recorded."""
 
 
 class RolloutWorker:
@@ -191,7 +200,7 @@ class RolloutWorker:
                  max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, record_routes: bool = False):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
@@ -262,6 +271,13 @@ class RolloutWorker:
             self._run(self._engine.collective_rpc("rlmega_watch_owner", args=(os.getpid(),)))
             self.vocab_size = self._engine.model_config.get_vocab_size()
             self._layer_members = self._expected_hf_names_by_layer()
+            # MoE routing replay: (num_moe_layers, topk) of the routes each Sample carries, or None.
+            self._routes: tuple[int, int] | None = None
+            if record_routes:
+                info = next(i for i in self._run(self._engine.collective_rpc("rlmega_record_routes"))
+                            if i is not None)  # TP rank 0's answer (the one that records)
+                self._routes = (len(info["layers"]), info["topk"])
+                self.num_experts = info["num_experts"]
         except BaseException:
             self.shutdown()
             raise
@@ -424,16 +440,29 @@ class RolloutWorker:
         if names:
             raise RuntimeError(
                 f"{len(names)} weights wait for the rest of their fused vLLM layer (e.g. {names[:4]}); "
-                "send the missing q/k/v, gate/up or bias tensors with update_weights before generating"
+                "send the missing q/k/v, gate/up, expert or bias tensors with update_weights before generating"
             )
 
     def _expected_hf_names_by_layer(self) -> dict[str, set[str]]:
-        """vLLM layer name -> the HF tensor names that fill it (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+        """vLLM layer name -> the HF tensor names that fill it (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+        and for a MoE layer every expert's gate/up/down -> ``<mlp>.experts.routed_experts``).
+
+        An MoE layer's experts are one vLLM module holding two fused parameters (w13_weight: all
+        experts' gate and up, w2_weight: their down), filled from E x 3 HF tensors
+        (``model.layers.L.mlp.experts.E.gate_proj.weight`` ...; ``rlmega_expert_layers``): its
+        processing after a reload (the CPU kernel's packing) needs all of them, so it is held back
+        until every expert has arrived, like q/k/v. The router (``mlp.gate.weight``) is a plain layer.
+        """
         vllm_names, packed = self._run(self._engine.collective_rpc("rlmega_param_names_and_packing"))[0]
+        experts = self._run(self._engine.collective_rpc("rlmega_expert_layers"))[0]
         self._shard_to_fused = {s: fused for fused, shards in packed.items() for s in shards}
+        self._expert_layer = {n: module for module, names in experts.items() for n in names}
         layers: dict[str, set[str]] = {}
         for name in vllm_names:
             module, _, param = name.rpartition(".")
+            if module in experts:
+                layers[module] = set(experts[module])
+                continue
             head, _, leaf = module.rpartition(".")
             shards = packed.get(leaf, [leaf])
             layers.setdefault(module, set()).update(
@@ -442,6 +471,8 @@ class RolloutWorker:
         return layers
 
     def _layer_of(self, hf_name: str) -> str:
+        if hf_name in self._expert_layer:
+            return self._expert_layer[hf_name]
         module = hf_name.rpartition(".")[0]
         head, _, leaf = module.rpartition(".")
         fused = self._shard_to_fused.get(leaf, leaf)
@@ -532,6 +563,7 @@ class _Request:
 
     def __init__(self):
         self.part: asyncio.Event | None = None  # the engine request now or last running; set once ended
+        self.engine_id: str | None = None  # that engine request's id: the caller's id + "#<n>", unique
         self.preempted = False  # pause_generation(abort_in_flight=True) aborted that engine request
         self.cut = False        # ... and this request goes on after the pause (known when ``part`` is set)
         self.aborted = asyncio.Event()  # abort(): end with what it has, never resume
@@ -545,6 +577,7 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
     self._live.setdefault(request_id, []).append(req)
     ids, logprobs, versions, cuts = [], [], [], []  # cuts: len(ids) at each cut
     reason, first_version, resumes, part_params = "abort", None, 0, params
+    routes = None if self._routes is None else np.full((0, *self._routes), -1, dtype=np.int16)
     try:
         # One engine request per part: a pause with abort_in_flight cuts the part running, and the
         # next continues from prompt + tokens so far (module doc: In-flight weight syncs). From the
@@ -556,12 +589,19 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
             version = self._version
             first_version = version if first_version is None else first_version
             req.part, req.preempted, req.cut = asyncio.Event(), False, False
+            # Each engine request gets an id of its own (abort and the routes address that part alone;
+            # callers may share a request id).
+            req.engine_id = f"{request_id}#{next(self._ids)}"
             self._count_running(+1)
             try:
                 final = None
-                async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids),
-                                                       part_params, request_id):
-                    final = out  # FINAL_ONLY: the one output, when the part has ended
+                try:
+                    async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids),
+                                                           part_params, req.engine_id):
+                        final = out  # FINAL_ONLY: the one output, when the part has ended
+                finally:
+                    if routes is not None:  # taken even from a failed part: the engine frees them
+                        routes = await _take_routes(self, req.engine_id, routes)
                 c = final.outputs[0]
                 new = list(c.token_ids)
                 ids += new
@@ -581,6 +621,7 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
                                             params.skip_special_tokens)
                     if end is not None:
                         del ids[end:], logprobs[end:], versions[end:]
+                        # (routes: cut to prompt + response below)
                         reason, req.cut = "stop", False
                 if req.cut:
                     cuts.append(len(ids))
@@ -599,7 +640,46 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
         prompt_index=prompt_index, prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
         finish_reason=reason, weight_version=self._version if first_version is None else first_version,
         token_versions=versions, resumes=resumes,
+        routed_experts=None if routes is None else _fit_rows(routes, len(prompt_ids) + len(ids)),
     )
+
+
+async def _take_routes(self, engine_id: str, routes: np.ndarray) -> np.ndarray:
+    """``routes`` with the rows the engine recorded for one engine request (a part) laid over it.
+
+    A part computes prompt + tokens so far (a resumed part re-prefills them on the new weights) and
+    each token it samples but the last; its rows replace the older ones wherever it computed a
+    position: a position keeps the routes of its latest computation, the one its final KV came from
+    (a prefix-cache hit computes nothing and keeps the older row).
+    """
+    try:
+        answers = await self._engine.collective_rpc("rlmega_take_routes", args=([engine_id],))
+    except Exception as exc:  # the engine is gone: the part's own error is the one to report
+        logger.warning("routes of %s not taken: %r", engine_id, exc)
+        return routes
+    got = next(a for a in answers if a is not None).get(engine_id)
+    if got is None:  # nothing computed (aborted while queued)
+        return routes
+    data, shape = got
+    part = np.frombuffer(data, dtype=np.int16).reshape(shape)
+    routes = _fit_rows(routes, max(len(routes), len(part)))
+    computed = part[:, 0, 0] != -1
+    routes[: len(part)][computed] = part[computed]
+    return routes
+
+
+def _fit_rows(routes: np.ndarray, n: int) -> np.ndarray:
+    """``routes`` cut or padded with -1 rows to ``n`` rows.
+
+    Off by one on purpose: the engine never computes the last sampled token (it is sampled from the
+    forward of the token before, and the request ends), so its row stays -1 for the trainer's live
+    router; and a response cut short by a stop string across a cut drops the rows after its end.
+    """
+    if len(routes) >= n:
+        return routes[:n].copy()
+    out = np.full((n, *routes.shape[1:]), -1, dtype=np.int16)
+    out[: len(routes)] = routes
+    return out
 
 
 async def _wait_for_gate(self, req: _Request) -> bool:
@@ -659,7 +739,7 @@ _RESUME_SEED_STEP = 1_000_000_007  # a prime
 
 async def _pause(self, abort_in_flight: bool) -> int:
     self._gate.clear()  # from here no engine request starts: new and cut requests wait at the gate
-    running = [(rid, req, req.part) for rid, reqs in self._live.items() for req in reqs
+    running = [(req.engine_id, req, req.part) for reqs in self._live.values() for req in reqs
                if req.part is not None and not req.part.is_set()]
     if not abort_in_flight:
         await asyncio.gather(*[part.wait() for _, _, part in running])
@@ -683,7 +763,7 @@ async def _abort(self, request_id: str) -> bool:
     # A request still being registered by AsyncLLM.generate (an await before the engine knows
     # it) misses an abort, so abort again until each has ended.
     while not all(req.done.is_set() for req in ending):
-        await self._engine.abort(request_id)
+        await self._engine.abort([req.engine_id for req in ending if req.engine_id is not None])
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*[req.done.wait() for req in ending]), timeout=0.05)
     return True

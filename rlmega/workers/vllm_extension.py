@@ -96,6 +96,37 @@ def _refresh_tied_layers(model: torch.nn.Module, loaded: list[str]) -> list[str]
     return done
 
 
+def _repack_cpu_experts(model: torch.nn.Module, loaded: list[str]) -> list[str]:
+    """Prepack again, for the CPU MoE kernel, the experts of every MoE layer whose weights just reloaded.
+
+    Why: vLLM's CPU experts (``CPUUnquantizedExperts``, fused_moe/experts/cpu_moe.py) keep w13/w2 in a
+    prepacked grouped-GEMM layout made by their ``process_weights_after_loading``, which vLLM 0.32 runs
+    at the first load only: on a weight update ``UnquantizedFusedMoEMethod._setup_kernel`` copies the
+    plain (experts, 2I, H) tensors into the packed storage and skips it (``is_weight_update``), so the
+    kernel read plain weights as packed ones. Measured on the tiny Qwen3-MoE: after reloading the very
+    weights it started with, log-probs were off by 0.036 and 4-7% of layer-1 routes differed; with this
+    repack, equal to transformers (tests/e2e/test_engine_routes.py). GPU kernels take the plain layout
+    that copy wrote (TODO(gpu): check each MoE backend there). Returns the layers repacked.
+    """
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    done = []
+    for name, module in model.named_modules():
+        if not isinstance(module, RoutedExperts):
+            continue
+        base = name.rpartition(".")[0] + "."  # "<mlp>.experts." (HF: <mlp>.experts.<e>.gate_proj.weight)
+        if not any(n.startswith(base) for n in loaded):
+            continue
+        experts = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(module)
+            done.append(name)
+    return done
+
+
 def _staged_by(pid: int) -> list[str]:
     return [p for d in (SHM, tempfile.gettempdir()) for p in glob.glob(os.path.join(d, f"{_PREFIX}{pid}-*"))]
 
@@ -116,6 +147,7 @@ class RolloutExtension:
             names = list(f.keys())
             self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
         _refresh_tied_layers(self.model_runner.get_model(), names)
+        _repack_cpu_experts(self.model_runner.get_model(), names)
         return len(names)
 
     def rlmega_param_names_and_packing(self) -> tuple[list[str], dict[str, list[str]]]:
@@ -189,3 +221,162 @@ class RolloutExtension:
         t0 = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=iter(held))
         return time.perf_counter() - t0
+
+    # ---- MoE: the fused expert layout (weight sync) and the routes each token took (R3) ----------
+    def rlmega_expert_layers(self) -> dict[str, list[str]]:
+        """vLLM fused-experts module -> the HF tensor names that fill it (every expert's gate/up/down).
+
+        vLLM keeps a MoE layer's experts as two fused parameters, ``<mlp>.experts.routed_experts.w13_weight``
+        (E, 2I, H) and ``.w2_weight`` (E, H, I); the checkpoint has one tensor per expert and projection
+        (``<mlp>.experts.<e>.gate_proj.weight`` ...). The mapping is the layer's own
+        (``RoutedExperts.get_expert_mapping``: (param, "experts.<e>.gate_proj.", e, shard) rows), so
+        another family's names (Mixtral's w1/w2/w3) come out right too.
+        """
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        out: dict[str, list[str]] = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            if not isinstance(module, RoutedExperts):
+                continue
+            # name: "<mlp>.experts.routed_experts"; the mapping's weight names start at "experts."
+            base = name.rpartition(".")[0].rpartition(".")[0]
+            out[name] = sorted({f"{base}.{weight}weight" for _, weight, _, _ in module.get_expert_mapping()
+                                if ".gate_up_proj" not in weight and ".w13" not in weight})
+        return out
+
+    def rlmega_record_routes(self) -> dict | None:
+        """Start recording the experts every MoE router picks for every token this engine computes.
+
+        Why our own capture: vLLM's ``enable_return_routed_experts`` needs Model Runner V2 (Triton),
+        which the CPU build lacks. Each ``MoERunner``'s router calls ``capture_fn(topk_ids)``
+        (``BaseRouter._select_experts``, before any EPLB mapping: logical expert ids) once per forward,
+        with one (num_tokens, topk) row per token of the step, in the model runner's flattened order:
+        the requests of ``input_batch.req_ids`` one after another, ``num_scheduled_tokens`` each,
+        starting at position ``num_computed_tokens`` (``GPUModelRunner._prepare_inputs``). So
+        ``_prepare_inputs`` is wrapped to note that layout, ``execute_model`` to hand the step's rows
+        out to a per-request store (``_RouteStore``) once the forward is done; ``rlmega_take_routes``
+        returns and forgets them. A recomputed position (a preempted request's re-prefill) overwrites
+        its row; positions the step did not compute (prefix-cache hits) have none.
+
+        TP: the router's gate is replicated and its input is the all-reduced hidden state, the same on
+        every TP rank, so only rank 0 records (the other ranks return None). Returns
+        {"layers": model-wide index of each MoE layer, in order, "topk", "num_experts"}, or raises
+        when the model has no MoE router.
+        """
+        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        runners = [m for m in self.model_runner.get_model().modules() if isinstance(m, MoERunner)]
+        if not runners:
+            raise ValueError("routes asked for (algorithm.routing_replay=rollout), but the engine's model "
+                             "has no MoE layer: use routing_replay=none for a dense model")
+        layer_ids = sorted({m.layer_id for m in runners})
+        info = {"layers": layer_ids, "topk": int(runners[0].router.top_k),
+                "num_experts": int(runners[0].router.global_num_experts)}
+        if get_tp_group().rank_in_group != 0:
+            return None
+        if getattr(self, "_rlmega_routes", None) is not None:
+            return info
+        store = self._rlmega_routes = _RouteStore(len(layer_ids), info["topk"])
+        index = {lid: i for i, lid in enumerate(layer_ids)}
+        for m in runners:
+            m.router.set_capture_fn(lambda ids, i=index[m.layer_id]: store.capture(i, ids))
+        runner = self.model_runner
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            n = runner.input_batch.num_reqs  # values as _prepare_inputs reads them (it does not change them)
+            store.layout = (list(runner.input_batch.req_ids[:n]), num_scheduled_tokens[:n].copy(),
+                            runner.input_batch.num_computed_tokens_cpu[:n].copy())
+            return prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            store.begin_step(scheduler_output.finished_req_ids)
+            try:
+                return execute(scheduler_output, *args, **kwargs)
+            finally:
+                store.end_step()  # the forward ran inside execute_model (sampling comes later)
+
+        runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+        return info
+
+    def rlmega_take_routes(self, request_ids: list[str]) -> dict | None:
+        """{rlmega request id: (bytes, shape)} of the routes recorded for each (then forgotten).
+
+        ``request_ids`` are the ids rlmega gave ``AsyncLLM.generate``; vLLM 0.32 runs each as
+        ``"<id>-<8 hex>"`` (``InputProcessor.assign_request_id``), the id the model runner sees. The
+        array is int16 (positions, num_moe_layers, topk), row j = position j, -1 rows where nothing was
+        computed. An id without routes is left out. None on TP ranks > 0 (they record nothing).
+        """
+        store = getattr(self, "_rlmega_routes", None)
+        return None if store is None else store.take(request_ids)
+
+
+_ROUTE_TTL_S = 600.0  # routes of a request that ended and was never taken are dropped after this
+
+
+class _RouteStore:
+    """Per engine request: int16 (positions, num_moe_layers, topk), -1 rows until computed (rank 0 only).
+
+    Filled one step at a time: the routers' rows of the step are held (``capture``) and handed to the
+    requests of the step's layout at ``end_step``. Requests that vLLM reports finished (aborted or
+    done) and nobody took within _ROUTE_TTL_S are dropped, so a long run does not leak.
+    """
+
+    def __init__(self, num_layers: int, topk: int):
+        import numpy as np
+
+        self.np, self.num_layers, self.topk = np, num_layers, topk
+        self.rows: dict[str, object] = {}         # internal request id -> array
+        self.finished: dict[str, float] = {}      # internal request id -> when vLLM reported it ended
+        self.layout = None                        # (req ids, scheduled tokens, computed tokens) of this step
+        self.step: dict[int, torch.Tensor] = {}   # MoE layer index -> (tokens, topk) of this step
+
+    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        self.step[layer] = topk_ids.detach().clone()  # a router may reuse its output buffer
+
+    def begin_step(self, finished_req_ids) -> None:
+        self.layout, self.step = None, {}
+        now = time.monotonic()
+        for rid in finished_req_ids or ():
+            if rid in self.rows:
+                self.finished.setdefault(rid, now)
+        for rid, when in list(self.finished.items()):
+            if now - when > _ROUTE_TTL_S or rid not in self.rows:
+                self.rows.pop(rid, None)
+                del self.finished[rid]
+
+    def end_step(self) -> None:
+        layout, step, self.layout, self.step = self.layout, self.step, None, {}
+        if layout is None or len(step) != self.num_layers:  # a warm-up / dummy run: no requests
+            return
+        np = self.np
+        ids = torch.stack([step[i] for i in range(self.num_layers)], dim=1).cpu().numpy()  # (T, layers, k)
+        offset = 0
+        for rid, count, start in zip(*layout):
+            count, start = int(count), int(start)
+            arr = self.rows.get(rid)
+            if arr is None or arr.shape[0] < start + count:
+                grown = np.full((max(2 * (0 if arr is None else arr.shape[0]), start + count, 64),
+                                 self.num_layers, self.topk), -1, dtype=np.int16)
+                if arr is not None:
+                    grown[: arr.shape[0]] = arr
+                arr = self.rows[rid] = grown
+            arr[start:start + count] = ids[offset:offset + count]
+            arr[start + count:] = -1  # a recomputed request (preempted) starts over from here
+            offset += count
+
+    def take(self, request_ids: list[str]) -> dict:
+        wanted, out = set(request_ids), {}
+        for rid in [r for r in self.rows if r[:-9] in wanted or r in wanted]:
+            arr = self.rows.pop(rid)
+            self.finished.pop(rid, None)
+            filled = _last_filled(arr)
+            out[rid[:-9] if rid[:-9] in wanted else rid] = (arr[:filled].tobytes(), (filled,) + arr.shape[1:])
+        return out
+
+
+def _last_filled(arr) -> int:
+    """Rows of ``arr`` (positions, layers, topk) up to and including its last recorded one."""
+    filled = (arr[:, 0, 0] != -1).nonzero()[0]
+    return int(filled[-1]) + 1 if len(filled) else 0
