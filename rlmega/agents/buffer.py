@@ -6,12 +6,16 @@ their sizes: ``prompts`` (groups drawn and not yet judged: waiting for or in gen
     results.put(batch); results.get(3)          # the trainer takes batch 3 (the one its step 3 trains on)
 
 A ProducedBatch travels into checkpoints as plain data (``to_state`` / ``from_state``: dicts, lists,
-numbers, strings), which is all torch.load(weights_only=True) reads back.
+numbers, strings, bytes), which is all torch.load(weights_only=True) reads back; a trajectory's MoE
+routes (int16 tensor) as {"shape", "int16": bytes}, so exact resume replays the routes it was sampled with.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
+
+import torch
+
 from rlmega.agents.loop import GroupRequest
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
 
@@ -34,15 +38,34 @@ class ProducedBatch:
         return len(self.groups)
 
     def to_state(self) -> dict:
-        return {"index": self.index, "groups": [dataclasses.asdict(g) for g in self.groups],
+        return {"index": self.index, "groups": [_group_state(g) for g in self.groups],
                 "requests": [[task, dataclasses.asdict(r)] for task, r in self.requests], "stats": dict(self.stats)}
 
     @classmethod
     def from_state(cls, s: dict) -> "ProducedBatch":
-        groups = [TrajectoryGroup(**{**g, "trajectories": [Trajectory(**t) for t in g["trajectories"]]})
+        groups = [TrajectoryGroup(**{**g, "trajectories": [Trajectory(**{**t, "routed_experts": _routes(t)})
+                                                           for t in g["trajectories"]]})
                   for g in s["groups"]]
         return cls(index=s["index"], groups=groups, requests=[(task, GroupRequest(**r)) for task, r in s["requests"]],
                    stats=dict(s["stats"]))
+
+
+def _group_state(g: TrajectoryGroup) -> dict:
+    state = dataclasses.asdict(dataclasses.replace(g, trajectories=[]))
+    state["trajectories"] = []
+    for t in g.trajectories:
+        r = t.routed_experts
+        state["trajectories"].append({**dataclasses.asdict(dataclasses.replace(t, routed_experts=None)),
+                                      "routed_experts": None if r is None else
+                                      {"shape": list(r.shape), "int16": r.to(torch.int16).numpy().tobytes()}})
+    return state
+
+
+def _routes(t: dict) -> torch.Tensor | None:
+    r = t.get("routed_experts")  # absent in checkpoints from before MoE routing replay
+    if r is None:
+        return None
+    return torch.frombuffer(bytearray(r["int16"]), dtype=torch.int16).reshape(r["shape"]).clone()
 
 
 class PromptQueue:

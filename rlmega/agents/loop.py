@@ -86,7 +86,7 @@ class SingleTurnAgentLoop(AgentLoop):
     async def _trajectory(self, req, sampling, seed):
         s = await self.router.generate(req.prompt_ids, {**sampling, "seed": seed})
         t = Trajectory(prompt_ids=list(req.prompt_ids), finish_reason=s.finish_reason, num_turns=1)
-        t.append(s.response_ids, s.logprobs, s.token_versions, model=True)
+        t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
         t.response_text = self._decode(t.response_ids)
         return t
 
@@ -105,7 +105,7 @@ class ToolAgentLoop(AgentLoop):
             turn_seed = None if seed is None else (seed + turn * TURN_SEED_STRIDE) % 2**31
             s = await self.router.generate(context, {**sampling, "max_tokens": left, "seed": turn_seed,
                                                      "stop": [CALL_CLOSE]})
-            t.append(s.response_ids, s.logprobs, s.token_versions, model=True)
+            t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
             context += s.response_ids
             t.num_turns += 1
             text = self._decode(s.response_ids)

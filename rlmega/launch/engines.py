@@ -37,8 +37,15 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             cfg.model.path, device=r.device, dtype=cfg.model.dtype,
             max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
             kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-            tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i]))
+            tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
+            record_routes=records_routes(cfg)))
     return engines
+
+
+def records_routes(cfg: RLConfig) -> bool:
+    """Whether the engines record each token's routed experts: MoE routing replay from the rollout (R3,
+    ``algorithm.routing_replay: rollout``); the trainer replays them (RolloutBatch.routed_experts)."""
+    return cfg.algorithm.routing_replay == "rollout"
 
 
 def engine_options(pg, slot: Slot) -> dict:
