@@ -110,6 +110,7 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         **{k: sum(m[k] for m in train) / len(train) for k in ("loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy",
                                                              "grad_norm", "padding_fraction", "rollout_is_ratio",
                                                              "rollout_is_truncated", "rollout_is_masked")},
+        **moe_metrics(train),
         "lr": train[-1]["lr"], "skipped_steps": sum(m["skipped"] for m in train),
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
         "parity_max": fresh["max"], "parity_samples": fresh["samples"],
@@ -126,6 +127,16 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         "_prefill_tokens": sum(len(x.prompt_ids) for g in groups for x in g.trajectories),
         "_decode_tokens": sum(int(m.sum()) for m in generated.response_mask),
     }
+
+
+MOE_METRICS = ("router_mismatch", "routes_live_fraction")  # and every "moe_*" key (expert load, aux/z losses)
+
+
+def moe_metrics(train: list[dict]) -> dict:
+    """The mixture-of-experts metrics of a step's train_step results (none for a dense model), averaged
+    over its optimizer steps: which keys exist depends on the model (its MoE layers) and the config."""
+    keys = [k for k in train[0] if k in MOE_METRICS or k.startswith("moe_")] if train else []
+    return {k: sum(m[k] for m in train) / len(train) for k in keys}
 
 
 def shape_overlong(batch: RolloutBatch, rows: list, cfg) -> tuple[RolloutBatch, dict]:
