@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
@@ -28,15 +29,16 @@ def _body(path):
 
     actor = MegatronActor(
         ModelConfig(path=path, seed=3), ParallelismConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                                         expert_model_parallel_size=1, world_size=4),
-        OptimizerConfig(lr=1e-2), ActorConfig(max_tokens_per_micro_batch=64, moe_aux_loss_coeff=0.01,
+                                                         expert_model_parallel_size=2, world_size=4),
+        OptimizerConfig(lr=1e-2), ActorConfig(max_tokens_per_micro_batch=48, moe_aux_loss_coeff=0.01,
                                               moe_z_loss_coeff=0.001),
         AlgorithmConfig(kl_coef=0.0, entropy_coef=0.0, routing_replay="trainer"), temperature=1.0,
     )
     actor.setup()
     out = {}
-    # lengths 4..26: short samples share the longest one's row length
-    batch = random_batch(N, seed=4, prompt_len=(2, 6), response_len=(2, 22))
+    # lengths 4..26: short samples share the longest one's row length; the two DP ranks' plans have 4
+    # and 2 micro-batches of different shapes, which expert parallelism must even out (_plan)
+    batch = random_batch(N, seed=6, prompt_len=(2, 6), response_len=(2, 22))
     mbs, _ = actor._plan(batch)
     out["rows_per_mb"] = [tuple(mb["tokens"].shape) for mb in mbs]
     out["seqs_per_row"] = max(len(r) for mb in mbs for r in mb["rows"])
@@ -46,6 +48,15 @@ def _body(path):
     routes = [actor._trainer_routes[s] for s in batch.sample_ids.tolist()]
     out["routes_shape_ok"] = all(tuple(r.shape) == (len(t), LAYERS, K) for r, t in zip(routes, batch.tokens))
     out["recorded_min"] = int(min(int(r.min()) for r in routes))
+    # the packed EP2 forward against transformers, one sample at a time (catches tokens dispatched
+    # to the wrong rank, e.g. expert-parallel ranks running micro-batches of different shapes)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        diffs = []
+        for t, p, lp in zip(batch.tokens, batch.prompt_lens.tolist(), lp_rec):
+            logits = hf(t[None]).logits[0, p - 1:-1].float()
+            diffs.append((torch.log_softmax(logits, -1).gather(1, t[p:, None])[:, 0] - lp).abs().max())
+    out["hf_max_diff"] = float(max(diffs))
     actor.routing_replay = "rollout"
     lp_rep = actor.compute_logprobs(dataclasses.replace(batch, routed_experts=routes))
     out["replay_same_max_diff"] = float(max((a - b).abs().max() for a, b in zip(lp_rec, lp_rep)))
@@ -121,6 +132,7 @@ def test_routing_replay(results):
     # packing really on: several rows per micro-batch, several sequences per row
     assert max(b for x in results for b, _ in x["rows_per_mb"]) > 1 and max(x["seqs_per_row"] for x in results) > 1
     assert r["routes_shape_ok"] and r["recorded_min"] >= 0  # every token got a route
+    assert r["hf_max_diff"] < 1e-4  # measured: see the report
     # (a) bit-exact
     assert r["replay_same_max_diff"] == 0.0
     assert r["replay_same_metrics"]["routes_live_fraction"] == 0.0
