@@ -93,7 +93,14 @@ class Actor(abc.ABC):
     @abc.abstractmethod
     def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
         """Log-probs of every response token under the current policy at the rollout temperature,
-        per sample; ``with_entropy``: (log-probs, entropies)."""
+        per sample; ``with_entropy``: (log-probs, entropies).
+
+        MoE routing replay (algorithm.routing_replay, megatron backend): ``rollout`` replays
+        batch.routed_experts (the engine's experts per token; -1 rows are routed by the trainer's own
+        router and counted) here, in ``compute_ref_logprobs`` and in ``train_step``; ``trainer``
+        records the routes this forward takes, and ``train_step`` replays them for the same sample ids.
+        The routing metrics (router_mismatch, routes_live_fraction, expert load) come back in the next
+        ``train_step``'s result."""
 
     @abc.abstractmethod
     def compute_ref_logprobs(self, batch: RolloutBatch) -> list:

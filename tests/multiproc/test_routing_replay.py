@@ -1,6 +1,7 @@
-"""MoE routing replay in MegatronActor (R2 "trainer", R3 "rollout") with sequence packing, PP2 x VPP2 x DP2.
+"""MoE routing replay in MegatronActor (R2 "trainer", R3 "rollout") with sequence packing, PP2 x VPP2 x DP2, EP2.
 
-One launch of 4 gloo ranks (pipeline 2 with 2 virtual chunks of one MoE layer each, x data 2) on a tiny Qwen3-MoE (4 layers, 8 experts, top-2),
+One launch of 4 gloo ranks (pipeline 2 with 2 virtual chunks of one MoE layer each, x data 2, experts
+split over the 2 data-parallel ranks) on a tiny Qwen3-MoE (4 layers, 8 experts, top-2),
 one packed batch (several sequences per row, several rows per micro-batch) and several checks:
 (a) routes recorded by one forward, replayed, give the same log-probs bit for bit;
 (b) a different set of routes changes the log-probs, and the experts the routers used equal the
@@ -132,14 +133,14 @@ def test_routing_replay(results):
     # packing really on: several rows per micro-batch, several sequences per row
     assert max(b for x in results for b, _ in x["rows_per_mb"]) > 1 and max(x["seqs_per_row"] for x in results) > 1
     assert r["routes_shape_ok"] and r["recorded_min"] >= 0  # every token got a route
-    assert r["hf_max_diff"] < 1e-4  # measured: see the report
+    assert r["hf_max_diff"] < 5e-6  # measured 4.8e-7
     # (a) bit-exact
     assert r["replay_same_max_diff"] == 0.0
     assert r["replay_same_metrics"]["routes_live_fraction"] == 0.0
     assert r["mismatch_same_routes"] == 0.0
     # (b)
     assert r["other_used_equal"]
-    assert r["other_max_diff"] > 2e-3  # measured 1.8e-2
+    assert r["other_max_diff"] > 5e-3  # measured 5.1e-2
     assert r["mismatch_other_routes"] > 0.9  # every layer-0 pair differs; measured 1.0
     assert r["ref_other_max_diff"] == 0.0 and r["ref_live_max_diff"] == 0.0
     # (c)
@@ -147,7 +148,7 @@ def test_routing_replay(results):
     assert abs(r["live_fraction"] - r["expected_live"]) < 1e-12 and r["expected_live"] > 0.1
     # (d)
     assert r["r2_ppo_kl"] == 0.0 and r["r2_clipfrac"] == 0.0
-    assert abs(r["wrong_ppo_kl"]) > 1e-4  # measured -7.2e-4
+    assert abs(r["wrong_ppo_kl"]) > 2e-4  # measured -1.9e-3
     met = r["r2_metrics"]
     assert met["routes_live_fraction"] == 0.0
     assert met["moe_load_balancing_loss"] > 0 and met["moe_z_loss"] > 0
