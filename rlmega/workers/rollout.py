@@ -118,6 +118,15 @@ GENERATION_GROUP)``, as rlmega/agents/router.py does), and everything else (weig
 resume, abort, versions) in the default group: however many requests wait at a paused gate, the
 sync that reopens it always finds a thread.
 
+MoE routes (routing replay from the rollout, R3): ``record_routes=True`` makes every ``Sample`` carry
+``routed_experts``, the experts each token of prompt + response was routed to in the engine (see
+``Sample.routed_experts`` for the -1 rows). vLLM's own ``enable_return_routed_experts`` needs Model
+Runner V2 (Triton), which the CPU build lacks, so the worker extension captures them itself
+(``rlmega_record_routes`` in rlmega/workers/vllm_extension.py) and each engine request's rows are taken
+(and freed in the engine) when it ends (``_take_routes``); a cut request's parts are laid over one
+another, the latest computation of each position winning. Each engine request gets an id of its own
+(``<request_id>#<n>``), which is what ``abort`` and a pause abort in the engine.
+
 One hazard seen on CPU: weights that make NaNs leave NaN in the KV-cache blocks they wrote, and
 vLLM's CPU attention reads whole blocks, so the next generations after a fix may still be NaN until
 those blocks are recycled. After a NaN incident, restart the engine rather than trust a reload.

@@ -311,6 +311,11 @@ class RolloutExtension:
         store = getattr(self, "_rlmega_routes", None)
         return None if store is None else store.take(request_ids)
 
+    def rlmega_routes_held(self) -> int | None:
+        """Requests whose routes the store holds (taken ones are gone): a leak check."""
+        store = getattr(self, "_rlmega_routes", None)
+        return None if store is None else len(store.rows)
+
 
 _ROUTE_TTL_S = 600.0  # routes of a request that ended and was never taken are dropped after this
 
