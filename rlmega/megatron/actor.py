@@ -372,7 +372,8 @@ class MegatronActor(Actor):
         TP shards one parameter at a time (no rank ever holds the whole model) and its TP rank 0
         sends size-bounded buckets through ``transport``, then flushes it (every bucket loaded).
         The other replicas hold the same weights and skip the gathers: a TP group lies within one
-        replica and the gathers are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors).
+        replica and the gathers are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors),
+        except at expert parallelism > 1, where every rank gathers (an EP group spans DP ranks).
         Every rank meets at the closing barrier. Returns what this rank did: ``gathered`` HF tensors
         (0 outside replica 0), and sent bytes, tensors, buckets, the (name, shape) list, and seconds.
         """
@@ -380,7 +381,9 @@ class MegatronActor(Actor):
         sender = tp_rank == 0 and dp_rank == 0
         start = time.perf_counter()
         sent = {"gathered": 0, "bytes": 0, "tensors": 0, "buckets": 0, "names_and_shapes": []}
-        if dp_rank == 0:
+        # Expert parallelism splits the experts over data-parallel ranks: replica 0's expert gathers
+        # need every EP rank, so with EP > 1 every rank iterates (the dense gathers stay per TP group).
+        if dp_rank == 0 or self.policy.transformer_config.expert_model_parallel_size > 1:
             for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes):
                 sent["gathered"] += len(bucket)
                 if not sender:
