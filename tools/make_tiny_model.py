@@ -1,9 +1,9 @@
 """Write a tiny, randomly initialised Hugging Face model folder (no model hub needed).
 
 Usage:
-    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|qwen3|qwen3_moe|llama|phi3] [--hidden-size 128]
+    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|qwen3|qwen3_moe|mixtral|llama|phi3] [--hidden-size 128]
         [--num-layers 4] [--num-heads 2] [--num-kv-heads 1] [--intermediate-size N]
-        [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (qwen3_moe only)
+        [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (qwen3_moe, mixtral)
         [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite]
 
 Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains.
@@ -28,9 +28,9 @@ def main(argv=None) -> None:
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=1)
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 * hidden size")
-    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts per layer")
-    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
-    p.add_argument("--moe-intermediate-size", type=int, default=None, help="qwen3_moe: default hidden size // 2")
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe, mixtral: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe, mixtral: experts per token")
+    p.add_argument("--moe-intermediate-size", type=int, default=None, help="qwen3_moe, mixtral: default hidden size // 2")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's own size")
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)

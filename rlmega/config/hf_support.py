@@ -1,7 +1,7 @@
 """Which Hugging Face models each learner (actor.backend) trains, decided from the model folder alone.
 
-megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama, Qwen2, Qwen3 and Qwen3-MoE
-shapes our HF <-> Megatron mapping converts. Shared by the config preflight (before any worker starts),
+megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama, Qwen2, Qwen3, Qwen3-MoE and
+Mixtral shapes our HF <-> Megatron mapping converts. Shared by the config preflight (before any worker starts),
 ``rlmega.megatron.hf_config`` (which builds the Megatron model) and the rollout engine (which tells vLLM
 the architecture), so all three refuse, or accept, the same models with the same words.
 
@@ -14,12 +14,20 @@ from __future__ import annotations
 import json
 import os
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "MixtralForCausalLM")
 # A config.json written without `architectures` (some conversion scripts, hand-made configs) still
 # names its family in `model_type`; transformers' AutoModelForCausalLM maps it the same way.
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                            "qwen3_moe": "Qwen3MoeForCausalLM"}
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# The per-family part of the MoE weight names (the Megatron mapping, rlmega.megatron.hf_weights, and the
+# preflight's safetensors check both read it): architecture -> (the HF block holding the router
+# `<block>.gate` and the experts `<block>.experts.E.<name>.weight`, the expert names in (gate, up, down) order).
+MOE_HF_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
 
 
 def num_experts(hf: dict) -> int:
@@ -67,23 +75,44 @@ def unsupported_reason(hf: dict) -> str | None:
         return f"{arch} with use_sliding_window=true is not supported"
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("attention_bias"):
         return f"{arch} with attention_bias=true is not supported"
+    if arch == "MixtralForCausalLM":
+        reason = _mixtral_reason(hf)
+        if reason:
+            return reason
     if arch in MOE_ARCHITECTURES:
-        return _moe_reason(hf)
+        return _moe_reason(hf, arch)
     return None
 
 
-def _moe_reason(hf: dict) -> str | None:
-    """Qwen3-MoE: every decoder layer routed (the published models); other layer mixes are refused."""
+def _mixtral_reason(hf: dict) -> str | None:
+    """Mixtral: full attention (a sliding window no sequence can reach is full attention too), no router
+    jitter (HF multiplies the MoE input by noise in training; Megatron's forward would not)."""
+    window, max_pos = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if window is not None and (max_pos is None or int(max_pos) > int(window)):
+        return (f"MixtralForCausalLM with sliding_window={window} < max_position_embeddings={max_pos} is not "
+                "supported (rlmega's Megatron attention has no sliding window): use a model whose sliding_window "
+                "is null or >= max_position_embeddings")
+    if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        return (f"MixtralForCausalLM with router_jitter_noise={hf['router_jitter_noise']} is not supported "
+                "(rlmega's Megatron router has no input jitter): set it to 0.0 in config.json")
+    return None
+
+
+def _moe_reason(hf: dict, arch: str) -> str | None:
+    """Every decoder layer routed (Qwen3-MoE's published models; Mixtral always); Qwen3-MoE's other layer
+    mixes are refused."""
     if num_experts(hf) < 1:
-        return "Qwen3-MoE config.json has no `num_experts` (or `num_local_experts`) >= 1"
+        return f"{arch} config.json has no `num_experts` (or `num_local_experts`) >= 1"
+    if int(hf.get("num_experts_per_tok", 0)) < 1:
+        return f"{arch} config.json has no `num_experts_per_tok` >= 1"
+    if arch == "MixtralForCausalLM":
+        return None
     if int(hf.get("decoder_sparse_step", 1)) != 1:
         return (f"decoder_sparse_step={hf['decoder_sparse_step']}: rlmega's Qwen3-MoE mapping needs every layer "
                 "to be an MoE layer (decoder_sparse_step=1)")
     if hf.get("mlp_only_layers"):
         return (f"mlp_only_layers={hf['mlp_only_layers']}: rlmega's Qwen3-MoE mapping needs every layer to be an "
                 "MoE layer (mlp_only_layers=[])")
-    if int(hf.get("num_experts_per_tok", 0)) < 1:
-        return "Qwen3-MoE config.json has no `num_experts_per_tok` >= 1"
     return None
 
 

@@ -24,7 +24,7 @@ import os
 import struct
 from typing import Dict, List, Tuple
 
-from rlmega.config.hf_support import architecture, num_experts
+from rlmega.config.hf_support import MOE_HF_NAMES, architecture, num_experts
 
 # safetensors' own limit on the JSON header (safetensors/src/tensor.rs, MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
@@ -91,9 +91,10 @@ def _sparse_layers(hf: dict) -> set:
 
 def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]]]:
     """(required, optional) HF tensor names -> shapes that config.json ``hf`` implies for a Llama, Qwen2,
-    Qwen3 or Qwen3-MoE model; optional: lm_head.weight of a tied model (some checkpoints store the copy).
-    Qwen3-MoE on disk: per-expert mlp.experts.E.{gate,up,down}_proj (moe_intermediate_size) and the
-    router mlp.gate [num_experts, hidden]."""
+    Qwen3, Qwen3-MoE or Mixtral model; optional: lm_head.weight of a tied model (some checkpoints store
+    the copy). Qwen3-MoE on disk: per-expert mlp.experts.E.{gate,up,down}_proj (moe_intermediate_size) and
+    the router mlp.gate [num_experts, hidden]; Mixtral: block_sparse_moe.experts.E.{w1,w3,w2}
+    (intermediate_size: every layer is MoE) and block_sparse_moe.gate."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv, hd = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or h // heads
     vocab, inter = hf["vocab_size"], hf["intermediate_size"]
@@ -104,19 +105,22 @@ def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]
     arch = architecture(hf)
     qwen3 = arch in QWEN3
     bias = arch == "Qwen2ForCausalLM" or (qwen3 and bool(hf.get("attention_bias")))
-    experts = num_experts(hf) if arch == "Qwen3MoeForCausalLM" else 0
+    experts = num_experts(hf) if arch in MOE_HF_NAMES else 0
     sparse, moe_inter = (_sparse_layers(hf), hf.get("moe_intermediate_size")) if experts else (set(), None)
+    if arch == "MixtralForCausalLM":
+        sparse, moe_inter = set(range(hf["num_hidden_layers"])), inter
+    block, (gate, up, down) = MOE_HF_NAMES.get(arch, MOE_HF_NAMES["Qwen3MoeForCausalLM"])  # read iff experts
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         req.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
                     p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
                     p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd]})
         if i in sparse:
-            req[p + "mlp.gate.weight"] = [experts, h]
+            req[f"{p}{block}.gate.weight"] = [experts, h]
             for e in range(experts):
-                q = f"{p}mlp.experts.{e}."
-                req.update({q + "gate_proj.weight": [moe_inter, h], q + "up_proj.weight": [moe_inter, h],
-                            q + "down_proj.weight": [h, moe_inter]})
+                q = f"{p}{block}.experts.{e}."
+                req.update({f"{q}{gate}.weight": [moe_inter, h], f"{q}{up}.weight": [moe_inter, h],
+                            f"{q}{down}.weight": [h, moe_inter]})
         else:
             req.update({p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
                         p + "mlp.down_proj.weight": [h, inter]})

@@ -3,15 +3,17 @@
     shape = ModelShape.from_hf(hf_config_dict, tp=2)
     tcfg, gpt_kwargs = megatron_config_from_hf(hf_config_dict, tp=2, pp=2, vpp=None)
 
-Supported: Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE
-(Qwen3MoeForCausalLM), also named only by model_type: GQA, RoPE theta and Llama-3 RoPE scaling, RMSNorm
+Supported: Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen3-MoE
+(Qwen3MoeForCausalLM) and Mixtral (MixtralForCausalLM), also named only by model_type: GQA, RoPE theta and Llama-3 RoPE scaling, RMSNorm
 eps, SwiGLU, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm (Megatron ``qk_layernorm``), tied or untied
-embeddings; Qwen3-MoE's routed experts (top-k softmax router, ``norm_topk_prob``, no shared experts).
+embeddings; Qwen3-MoE's and Mixtral's routed experts (top-k softmax router, ``norm_topk_prob``, no shared
+experts).
 
 Router equivalence (checked numerically by tests/multiproc/test_hf_parity.py): HF Qwen3-MoE takes
 softmax over all experts, then top-k, then (norm_topk_prob) renormalises the k weights. That equals
 softmax over the k top logits, which is Megatron's ``moe_router_pre_softmax=False``; without
 norm_topk_prob it is Megatron's ``moe_router_pre_softmax=True`` (softmax first, top-k of the probs).
+Mixtral's router (transformers' MixtralTopKRouter) is softmax, top-k, renormalise, always: norm_topk_prob.
 
 The vocabulary is padded to a multiple of lcm(128, TP) so every TP rank holds an equal slice and the padded size
 (hence a checkpoint) is the same for TP = 1, 2, 4, 8.
@@ -103,9 +105,12 @@ class ModelShape:
 
     @staticmethod
     def _moe_fields(hf: dict) -> dict:
+        if architecture(hf) == "MixtralForCausalLM":  # every MLP is MoE: intermediate_size is one expert's
+            ffn, norm = int(hf["intermediate_size"]), True
+        else:
+            ffn, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
         return dict(num_experts=num_experts(hf), moe_topk=int(hf["num_experts_per_tok"]),
-                    moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+                    moe_ffn_hidden_size=ffn, norm_topk_prob=norm)
 
 
 def check_expert_layout(shape: ModelShape, ep: int, tp: int = 1, pp: int = 1, world: int | None = None) -> None:

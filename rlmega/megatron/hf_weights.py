@@ -1,4 +1,4 @@
-"""Weight names and layouts between Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE and Megatron GPT, per tensor.
+"""Weight names and layouts between Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral and Megatron GPT, per tensor.
 
 Pure functions on tensors, no process groups: the callers (``hf_io``) decide which tensors a rank
 reads or gathers. Megatron names here are *global*: ``decoder.layers.{L}`` uses the model-wide
@@ -12,10 +12,12 @@ Layouts (h = hidden, d = head_dim, H heads, G KV groups, F = ffn, V/Vp = vocab/p
     linear_proj.weight (h, H*d) / linear_fc2.weight (h, F): TP split along dim 1
     word_embeddings / output_layer (Vp, h): zero rows past V, TP split along dim 0
     norms (incl. Qwen3's q_layernorm/k_layernorm (d,)): replicated
-    MoE (Qwen3-MoE): mlp.router.weight (num_experts, h) replicated  <- mlp.gate
+    MoE: mlp.router.weight (num_experts, h) replicated  <- <block>.gate
         expert E: mlp.experts.local_experts.{E}.linear_fc1.weight (local spec, SequentialMLP) or
         mlp.experts.linear_fc1.weight{E} (Transformer Engine's grouped experts): like the dense
-        linear_fc1 / linear_fc2, split over expert TP (= TP)     <- mlp.experts.{E}.{gate,up,down}_proj
+        linear_fc1 / linear_fc2, split over expert TP (= TP)     <- <block>.experts.{E}.{gate,up,down}
+        where (MOE_HF_NAMES) Qwen3-MoE: <block> = mlp, gate/up/down = gate_proj/up_proj/down_proj;
+        Mixtral: <block> = block_sparse_moe, gate/up/down = w1/w3/w2.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from rlmega.config.hf_support import MOE_HF_NAMES  # the per-family HF names of the router and experts
 from rlmega.megatron.hf_config import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -44,12 +47,10 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc2.weight": ("split_dim1", ("mlp.down_proj.weight",)),
     "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
-    "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),
+    "mlp.router.weight": ("replicated", ("<block>.gate.weight",)),  # <block>: MOE_HF_NAMES
 }
-_EXPERT_RULES = {
-    "fc1": ("gate_up", ("gate_proj.weight", "up_proj.weight")),
-    "fc2": ("split_dim1", ("down_proj.weight",)),
-}
+# fc1 / fc2 -> (kind, indices into the (gate, up, down) names)
+_EXPERT_RULES = {"fc1": ("gate_up", (0, 1)), "fc2": ("split_dim1", (2,))}
 
 
 def expert_index(mcore_name: str) -> int | None:
@@ -89,15 +90,18 @@ def rule(mcore_name: str, shape: ModelShape) -> tuple[str, list[str]]:
             expert, fc = (e.group(1), e.group(2)) if e.group(1) is not None else (e.group(4), e.group(3))
             if int(expert) >= shape.num_experts:
                 raise KeyError(f"{mcore_name!r}: expert {expert} >= num_experts {shape.num_experts}")
-            kind, hf_suffixes = _EXPERT_RULES[fc]
-            return kind, [f"model.layers.{layer}.mlp.experts.{expert}.{s}" for s in hf_suffixes]
+            block, projections = MOE_HF_NAMES[shape.architecture]
+            kind, which = _EXPERT_RULES[fc]
+            return kind, [f"model.layers.{layer}.{block}.experts.{expert}.{projections[i]}.weight" for i in which]
         if suffix not in _LAYER_RULES:
             raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
         kind, hf_suffixes = _LAYER_RULES[suffix]
         if suffix.endswith("_layernorm.weight") and suffix.startswith("self_attention.") and not shape.qk_norm:
             raise KeyError(f"{mcore_name!r}: {shape.architecture} has no q/k norms")
-        if suffix == "mlp.router.weight" and not shape.is_moe:
-            raise KeyError(f"{mcore_name!r}: {shape.architecture} has no router (a dense model)")
+        if suffix == "mlp.router.weight":
+            if not shape.is_moe:
+                raise KeyError(f"{mcore_name!r}: {shape.architecture} has no router (a dense model)")
+            return kind, [f"model.layers.{layer}.{MOE_HF_NAMES[shape.architecture][0]}.gate.weight"]
         if kind == "qkv" and suffix.endswith("bias") and not shape.qkv_bias:
             raise KeyError(f"{mcore_name!r}: {shape.architecture} has no QKV bias")
         return kind, [f"model.layers.{layer}.{s}" for s in hf_suffixes]

@@ -1,11 +1,12 @@
 """HF -> Megatron: logits equal transformers' for every layout; Megatron -> HF is bit-identical.
 
-Five tiny models (Qwen2 untied with an odd vocabulary and QKV bias, Llama tied, Llama untied
-with vocab 130, Qwen3 with q/k norms, Qwen3-MoE with 8 experts top-2) get every weight perturbed (so
+Tiny models (Qwen2 untied with an odd vocabulary and QKV bias, Llama tied, Llama untied
+with vocab 130, Qwen3 with q/k norms, Qwen3-MoE with 8 experts top-2, Mixtral with 4 experts top-2) get every weight perturbed (so
 norms and biases are not their trivial init), are loaded by MegatronModelManager at (TP, PP, VPP) in
 {(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)}, run forward through Megatron's schedule, and exported
 back to HF folders. The MoE model also runs with expert parallelism: EP2 and TP2 x EP2 (4 ranks), and a
 second Qwen3-MoE without norm_topk_prob checks the other router mapping (moe_router_pre_softmax=True).
+Mixtral checks the per-family HF names (block_sparse_moe.experts.E.w1/w3/w2, block_sparse_moe.gate).
 """
 from pathlib import Path
 
@@ -24,8 +25,9 @@ MODELS = {
     "qwen3": dict(arch="qwen3", vocab_size=None),
     "qwen3_moe": dict(arch="qwen3_moe", vocab_size=None, num_experts=8, top_k=2),
     "qwen3_moe_no_norm_topk": dict(arch="qwen3_moe", vocab_size=None, num_experts=4, top_k=2, norm_topk_prob=False),
+    "mixtral": dict(arch="mixtral", vocab_size=None, num_experts=4, top_k=2),
 }
-MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk")
+MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk", "mixtral")
 # (tp, pp, vpp, ep); EP layouts load the MoE models only.
 LAYOUTS = {"tp1": (1, 1, None, 1), "tp2": (2, 1, None, 1), "pp2": (1, 2, None, 1), "tp2_pp2": (2, 2, None, 1),
            "pp2_vpp2": (1, 2, 2, 1), "ep2": (1, 1, None, 2), "tp2_ep2": (2, 1, None, 2), "pp2_ep2": (1, 2, None, 2)}

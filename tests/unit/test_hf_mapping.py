@@ -328,7 +328,7 @@ def test_llama3_rope_scaling(style):
     assert kw["rope_scaling"] is True and kw["rope_scaling_factor"] == 32.0 and kw["rotary_base"] == 500000
 
 
-# ---- Qwen3 (q/k norms) and Qwen3-MoE (experts, router) ------------------------------------------
+# ---- Qwen3 (q/k norms), Qwen3-MoE and Mixtral (experts, router) ------------------------------------------
 
 def qwen3_moe_config(**over) -> dict:
     cfg = hf_config("llama", architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_local_experts=4,
@@ -371,26 +371,69 @@ def test_qwen3_moe_shape_and_router_mapping(key):
     assert tcfg.moe_aux_loss_coeff == 0.01 and tcfg.moe_z_loss_coeff == 0.001 and tcfg.moe_enable_routing_replay
 
 
-def test_qwen3_moe_expert_names_both_spec_forms_round_trip():
-    shape = ModelShape.from_hf(qwen3_moe_config())
+def mixtral_config(**over) -> dict:
+    cfg = hf_config("llama", architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32, sliding_window=None, router_jitter_noise=0.0,
+                    max_position_embeddings=512)
+    cfg.update(over)
+    return cfg
+
+
+# (config, HF block of router and experts, expert (gate, up, down) names): the one per-family part
+MOE_FAMILIES = {"qwen3_moe": (qwen3_moe_config, "mlp", ("gate_proj", "up_proj", "down_proj")),
+                "mixtral": (mixtral_config, "block_sparse_moe", ("w1", "w3", "w2"))}
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_moe_expert_names_both_spec_forms_round_trip(family):
+    make_cfg, block, (gate_n, up_n, down_n) = MOE_FAMILIES[family]
+    shape = ModelShape.from_hf(make_cfg())
     g = torch.Generator().manual_seed(3)
-    hf = {f"model.layers.1.mlp.experts.2.{n}": torch.randn(s, generator=g) for n, s in
-          [("gate_proj.weight", (32, HIDDEN)), ("up_proj.weight", (32, HIDDEN)), ("down_proj.weight", (HIDDEN, 32))]}
+    e = f"model.layers.1.{block}.experts.2."
+    hf = {e + n + ".weight": torch.randn(s, generator=g) for n, s in
+          [(gate_n, (32, HIDDEN)), (up_n, (32, HIDDEN)), (down_n, (HIDDEN, 32))]}
     for fc1, fc2 in [("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
                       "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"),
                      ("decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.1.mlp.experts.linear_fc2.weight2")]:
         shards = [to_megatron_shard(fc1, hf.__getitem__, shape, r, 2) for r in range(2)]
-        gate, up = hf["model.layers.1.mlp.experts.2.gate_proj.weight"], hf["model.layers.1.mlp.experts.2.up_proj.weight"]
+        gate, up = hf[e + gate_n + ".weight"], hf[e + up_n + ".weight"]
         assert torch.equal(shards[0], torch.cat([gate[:16], up[:16]]))  # like the dense fc1: [gate_r; up_r]
         back = from_megatron_shards(fc1, shards, shape)
-        assert torch.equal(back["model.layers.1.mlp.experts.2.gate_proj.weight"], gate)
-        assert torch.equal(back["model.layers.1.mlp.experts.2.up_proj.weight"], up)
+        assert sorted(back) == sorted([e + gate_n + ".weight", e + up_n + ".weight"])
+        assert torch.equal(back[e + gate_n + ".weight"], gate) and torch.equal(back[e + up_n + ".weight"], up)
         shards = [to_megatron_shard(fc2, hf.__getitem__, shape, r, 2) for r in range(2)]
-        assert torch.equal(from_megatron_shards(fc2, shards, shape)["model.layers.1.mlp.experts.2.down_proj.weight"],
-                           hf["model.layers.1.mlp.experts.2.down_proj.weight"])
-    assert rule("decoder.layers.0.mlp.router.weight", shape) == ("replicated", ["model.layers.0.mlp.gate.weight"])
+        assert torch.equal(from_megatron_shards(fc2, shards, shape)[e + down_n + ".weight"], hf[e + down_n + ".weight"])
+    assert rule("decoder.layers.0.mlp.router.weight", shape) == ("replicated", [f"model.layers.0.{block}.gate.weight"])
     with pytest.raises(KeyError, match="expert 4 >= num_experts 4"):
         rule("decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight", shape)
+
+
+def test_mixtral_shape_router_and_no_qk_norm():
+    cfg = mixtral_config()
+    shape = ModelShape.from_hf(cfg)
+    # Mixtral's intermediate_size is one expert's; its router always renormalises the top-k
+    assert (shape.num_experts, shape.moe_topk, shape.moe_ffn_hidden_size, shape.norm_topk_prob) == (4, 2, 32, True)
+    assert not shape.qk_norm and not shape.qkv_bias
+    tcfg, kw = megatron_config_from_hf(cfg)
+    assert tcfg.num_moe_experts == 4 and tcfg.moe_ffn_hidden_size == 32 and tcfg.moe_router_pre_softmax is False
+    assert not tcfg.qk_layernorm and not tcfg.add_qkv_bias and kw["rotary_base"] == 10000
+    with pytest.raises(KeyError, match="no q/k norms"):
+        rule("decoder.layers.0.self_attention.q_layernorm.weight", shape)
+    del cfg["architectures"]  # model_type alone names the class too
+    assert ModelShape.from_hf(cfg).architecture == "MixtralForCausalLM"
+    # a window no sequence reaches (>= max_position_embeddings) is full attention: accepted
+    assert ModelShape.from_hf(mixtral_config(sliding_window=512)).is_moe
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(sliding_window=4096, max_position_embeddings=32768), "sliding_window=4096 < max_position_embeddings=32768"),
+    (dict(router_jitter_noise=0.01), "router_jitter_noise=0.01"),
+    (dict(num_local_experts=0), "MixtralForCausalLM config.json has no `num_experts`"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok"),
+])
+def test_mixtral_configs_we_cannot_map_are_refused_by_key(over, words):
+    with pytest.raises(UnsupportedModelError, match=re.escape(words)):
+        ModelShape.from_hf(mixtral_config(**over))
 
 
 @pytest.mark.parametrize("over, words", [

@@ -93,6 +93,31 @@ def test_qwen3_moe_variant_per_expert_weights(tmp_path):
         make_tiny_model(tmp_path / "bad", arch="qwen3_moe", num_experts=4, top_k=5)
 
 
+def test_mixtral_variant_per_expert_weights_match_the_preflight_and_the_mapping(tmp_path):
+    """Mixtral's on-disk names (block_sparse_moe.experts.E.w1/w3/w2, block_sparse_moe.gate) are exactly the
+    ones the preflight's safetensors check expects and the Megatron mapping reads."""
+    from rlmega.config.hf_support import num_experts, unsupported_reason
+    from rlmega.config.model_files import expected_shapes
+
+    path = make_tiny_model(tmp_path / "mix", arch="mixtral", num_experts=4, top_k=2, moe_intermediate_size=16,
+                           hidden_size=64, **SMALL)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, NATURAL_VOCAB_SIZE)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["model.layers.1.block_sparse_moe.gate.weight"] == [4, 64]  # the router
+    assert shapes["model.layers.1.block_sparse_moe.experts.3.w1.weight"] == [16, 64]  # gate
+    assert shapes["model.layers.1.block_sparse_moe.experts.3.w2.weight"] == [64, 16]  # down
+    hf = AutoConfig.from_pretrained(path).to_dict()
+    assert num_experts(hf) == 4 and hf["num_experts_per_tok"] == 2 and hf["sliding_window"] is None
+    assert unsupported_reason(hf) is None
+    required, optional = expected_shapes(hf)
+    assert required == shapes and optional == {}
+    with pytest.raises(ValueError, match="top_k=5"):
+        make_tiny_model(tmp_path / "bad", arch="mixtral", num_experts=4, top_k=5)
+
+
 @pytest.mark.parametrize("tied", [False, True])  # Phi-3-mini is untied, Phi-4-mini tied
 def test_phi3_variant_fused_weights_tied_and_untied(tmp_path, tied):
     """Phi3: the architecture only actor.backend=fsdp trains (our Megatron mapping refuses it)."""
