@@ -99,8 +99,8 @@ class Actor(abc.ABC):
         batch.routed_experts (the engine's experts per token; -1 rows are routed by the trainer's own
         router and counted) here, in ``compute_ref_logprobs`` and in ``train_step``; ``trainer``
         records the routes this forward takes, and ``train_step`` replays them for the same sample ids.
-        The routing metrics (router_mismatch, routes_live_fraction, expert load) come back in the next
-        ``train_step``'s result."""
+        This forward's router_mismatch comes back in the results of the ``train_step`` calls after it
+        (routes_live_fraction and expert load there are the train forward's own)."""
 
     @abc.abstractmethod
     def compute_ref_logprobs(self, batch: RolloutBatch) -> list:

@@ -80,7 +80,7 @@ class MegatronActor(Actor):
         self.routing_replay = getattr(algorithm, "routing_replay", "none") or "none"
         self._routes: dict[int, routing_replay.ModelRoutes] = {}  # id(manager) -> its routers
         self._trainer_routes: dict[int, torch.Tensor] = {}  # R2: sample_id -> (L_i, M, K) of the old forward
-        self._route_metrics: dict = {}  # of the last compute_logprobs, reported by the next train_step
+        self._route_metrics: dict = {}  # of the last compute_logprobs, reported by the train_steps after it
 
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, with_reference: bool = True) -> None:
@@ -211,9 +211,9 @@ class MegatronActor(Actor):
         """Log-probs (and entropies) of every response token under the current policy.
 
         MoE: routing_replay=rollout replays batch.routed_experts; =trainer records the routes this
-        forward takes, for train_step to replay (by sample id). The routing metrics (router_mismatch
-        when the batch has engine routes, routes_live_fraction, expert load) go into the next
-        train_step's metrics.
+        forward takes, for train_step to replay (by sample id). Its router_mismatch (when the batch has
+        engine routes) is what the train_steps after it report; routes_live_fraction and the expert load
+        they report are their own forward's.
         """
         replay = self._replays(batch, "compute_logprobs")
         lp, ent = self._logprobs(self.policy, batch, with_entropy, replay=replay,
@@ -270,9 +270,14 @@ class MegatronActor(Actor):
             replay = True
         metrics = self._step(batch, loss_fn, self.temperature, entropy_grad=self.algo.entropy_coef > 0,
                              return_logprobs=on_policy, replay=replay)
-        # compute_logprobs' routing metrics (router_mismatch without the train forward's replay) win
-        metrics.update({k: v for k, v in self._route_metrics.items() if k in ("router_mismatch",)})
-        self._route_metrics = {}
+        # compute_logprobs' router_mismatch (the old forward's, before this RL step's updates) is what
+        # every optimizer step of the RL step reports, so rl_step's mean over them is that one value
+        # (clearing it after the first let later mini-batches report their own post-update forward's and
+        # the mean mixed the two). An on-policy step has no such forward: its own forward's counts stand.
+        if on_policy:
+            self._route_metrics = {}
+        else:
+            metrics.update({k: v for k, v in self._route_metrics.items() if k in ("router_mismatch",)})
         return metrics
 
     def _step(self, batch: RolloutBatch, loss_fn, temperature: float, lr: float | None = None,

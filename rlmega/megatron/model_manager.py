@@ -85,7 +85,8 @@ class MegatronModelManager:
 
         MoE models: expert parallelism comes from ``parallel.expert_model_parallel_size`` (must match
         ``init_megatron(ep=...)``); ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` (actor section) and
-        ``routing_replay`` (megatron's ``moe_enable_routing_replay``, algorithm.routing_replay != none)
+        ``routing_replay`` (megatron's ``moe_enable_routing_replay``: a RouterReplay hook on every router;
+        MegatronActor always asks for it, its hook routes live unless told otherwise, routing_replay.py)
         go to the TransformerConfig. All are ignored for dense models (EP > 1 is refused)."""
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
         self.lr_decay_steps = lr_decay_steps
