@@ -17,8 +17,8 @@ from rlmega.testing.multiproc import run_on_ranks
 from rlmega.tiny_model import make_tiny_model
 
 SEQ, ROWS, MBS, STEPS = 16, 8, 1, 3
-# Measured: max rel diff 1.1e-7 (loss and grad norm) over the EP layouts below; limit ~100x above.
-REL = 1e-5
+# Measured: max rel diff 1.1e-7 (loss and grad norm) over the EP layouts below; limit ~10x above.
+REL = 1e-6
 
 
 def _manager(folder: str, tp: int, pp: int, ep: int):
