@@ -132,7 +132,10 @@ def _restore_adam_step(optimizer, saved: dict) -> None:
     loader then copies the *in-memory* per-parameter step over the restored one; so each
     parameter gets a fresh counter holding the saved value.
     """
-    groups = saved.get("optimizer", {}).get("param_groups", [])
+    # a ChainedOptimizer of several (MoE: dense and expert parameters) saves one state per inner
+    # optimizer, by index; its steps are kept equal (megatron's _synchronize_steps)
+    states = [saved] if "optimizer" in saved else [v for v in saved.values() if isinstance(v, dict)]
+    groups = [g for st in states for g in st.get("optimizer", {}).get("param_groups", [])]
     steps = {g["step"] for g in groups if "step" in g}
     if len(steps) != 1:
         return  # Apex/TE fused Adam: the step lives in the param groups themselves
