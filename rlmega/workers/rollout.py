@@ -123,7 +123,7 @@ MoE routes (routing replay from the rollout, R3): ``record_routes=True`` makes e
 ``Sample.routed_experts`` for the -1 rows). vLLM's own ``enable_return_routed_experts`` needs Model
 Runner V2 (Triton), which the CPU build lacks, so the worker extension captures them itself
 (``rlmega_record_routes`` in rlmega/workers/vllm_extension.py) and each engine request's rows are taken
-(and freed in the engine) when it ends (``_take_routes``); a cut request's parts are laid over one
+(and freed in the engine) when it ends (rlmega/workers/engine_routes.py); a cut request's parts are laid over one
 another, the latest computation of each position winning. Each engine request gets an id of its own
 (``<request_id>#<n>``), which is what ``abort`` and a pause abort in the engine.
 
@@ -164,6 +164,7 @@ import numpy as np
 import torch
 
 from rlmega.workers.engine_errors import engine_died
+from rlmega.workers.engine_routes import EngineRoutes, fit_rows, start_recording
 from rlmega.workers.vllm_extension import EXTENSION, stage_weights
 
 # The Ray concurrency group of the generation calls when an actor hosts the worker (module doc).
@@ -280,13 +281,11 @@ class RolloutWorker:
             self._run(self._engine.collective_rpc("rlmega_watch_owner", args=(os.getpid(),)))
             self.vocab_size = self._engine.model_config.get_vocab_size()
             self._layer_members = self._expected_hf_names_by_layer()
-            # MoE routing replay: (num_moe_layers, topk) of the routes each Sample carries, or None.
-            self._routes: tuple[int, int] | None = None
+            # MoE routing replay: what the engine records for each Sample (rlmega/workers/engine_routes.py)
+            self._routes: EngineRoutes | None = None
             if record_routes:
-                info = next(i for i in self._run(self._engine.collective_rpc("rlmega_record_routes"))
-                            if i is not None)  # TP rank 0's answer (the one that records)
-                self._routes = (len(info["layers"]), info["topk"])
-                self.num_experts = info["num_experts"]
+                self._routes = self._run(start_recording(self._engine))
+                self.num_experts = self._routes.num_experts
         except BaseException:
             self.shutdown()
             raise
@@ -586,7 +585,7 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
     self._live.setdefault(request_id, []).append(req)
     ids, logprobs, versions, cuts = [], [], [], []  # cuts: len(ids) at each cut
     reason, first_version, resumes, part_params = "abort", None, 0, params
-    routes = None if self._routes is None else np.full((0, *self._routes), -1, dtype=np.int16)
+    routes = None if self._routes is None else self._routes.empty()
     try:
         # One engine request per part: a pause with abort_in_flight cuts the part running, and the
         # next continues from prompt + tokens so far (module doc: In-flight weight syncs). From the
@@ -610,7 +609,7 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
                         final = out  # FINAL_ONLY: the one output, when the part has ended
                 finally:
                     if routes is not None:  # taken even from a failed part: the engine frees them
-                        routes = await _take_routes(self, req.engine_id, routes)
+                        routes = await self._routes.take(self._engine, req.engine_id, routes)
                 c = final.outputs[0]
                 new = list(c.token_ids)
                 ids += new
@@ -649,46 +648,8 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
         prompt_index=prompt_index, prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
         finish_reason=reason, weight_version=self._version if first_version is None else first_version,
         token_versions=versions, resumes=resumes,
-        routed_experts=None if routes is None else _fit_rows(routes, len(prompt_ids) + len(ids)),
+        routed_experts=None if routes is None else fit_rows(routes, len(prompt_ids) + len(ids)),
     )
-
-
-async def _take_routes(self, engine_id: str, routes: np.ndarray) -> np.ndarray:
-    """``routes`` with the rows the engine recorded for one engine request (a part) laid over it.
-
-    A part computes prompt + tokens so far (a resumed part re-prefills them on the new weights) and
-    each token it samples but the last; its rows replace the older ones wherever it computed a
-    position: a position keeps the routes of its latest computation, the one its final KV came from
-    (a prefix-cache hit computes nothing and keeps the older row).
-    """
-    try:
-        answers = await self._engine.collective_rpc("rlmega_take_routes", args=([engine_id],))
-    except Exception as exc:  # the engine is gone: the part's own error is the one to report
-        logger.warning("routes of %s not taken: %r", engine_id, exc)
-        return routes
-    got = next(a for a in answers if a is not None).get(engine_id)
-    if got is None:  # nothing computed (aborted while queued)
-        return routes
-    data, shape = got
-    part = np.frombuffer(data, dtype=np.int16).reshape(shape)
-    routes = _fit_rows(routes, max(len(routes), len(part)))
-    computed = part[:, 0, 0] != -1
-    routes[: len(part)][computed] = part[computed]
-    return routes
-
-
-def _fit_rows(routes: np.ndarray, n: int) -> np.ndarray:
-    """``routes`` cut or padded with -1 rows to ``n`` rows.
-
-    Off by one on purpose: the engine never computes the last sampled token (it is sampled from the
-    forward of the token before, and the request ends), so its row stays -1 for the trainer's live
-    router; and a response cut short by a stop string across a cut drops the rows after its end.
-    """
-    if len(routes) >= n:
-        return routes[:n].copy()
-    out = np.full((n, *routes.shape[1:]), -1, dtype=np.int16)
-    out[: len(routes)] = routes
-    return out
 
 
 async def _wait_for_gate(self, req: _Request) -> bool:

@@ -32,6 +32,8 @@ import uuid
 
 import torch
 
+from rlmega.workers.route_store import RouteStore
+
 EXTENSION = "rlmega.workers.vllm_extension.RolloutExtension"  # the engine argument's value
 SHM = "/dev/shm"
 _PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies
@@ -254,7 +256,7 @@ class RolloutExtension:
         the requests of ``input_batch.req_ids`` one after another, ``num_scheduled_tokens`` each,
         starting at position ``num_computed_tokens`` (``GPUModelRunner._prepare_inputs``). So
         ``_prepare_inputs`` is wrapped to note that layout, ``execute_model`` to hand the step's rows
-        out to a per-request store (``_RouteStore``) once the forward is done; ``rlmega_take_routes``
+        out to a per-request store (``RouteStore``, rlmega/workers/route_store.py) once the forward is done; ``rlmega_take_routes``
         returns and forgets them. A recomputed position (a preempted request's re-prefill) overwrites
         its row; positions the step did not compute (prefix-cache hits) have none.
 
@@ -277,7 +279,7 @@ class RolloutExtension:
             return None
         if getattr(self, "_rlmega_routes", None) is not None:
             return info
-        store = self._rlmega_routes = _RouteStore(len(layer_ids), info["topk"])
+        store = self._rlmega_routes = RouteStore(len(layer_ids), info["topk"])
         index = {lid: i for i, lid in enumerate(layer_ids)}
         for m in runners:
             m.router.set_capture_fn(lambda ids, i=index[m.layer_id]: store.capture(i, ids))
@@ -315,73 +317,3 @@ class RolloutExtension:
         """Requests whose routes the store holds (taken ones are gone): a leak check."""
         store = getattr(self, "_rlmega_routes", None)
         return None if store is None else len(store.rows)
-
-
-_ROUTE_TTL_S = 600.0  # routes of a request that ended and was never taken are dropped after this
-
-
-class _RouteStore:
-    """Per engine request: int16 (positions, num_moe_layers, topk), -1 rows until computed (rank 0 only).
-
-    Filled one step at a time: the routers' rows of the step are held (``capture``) and handed to the
-    requests of the step's layout at ``end_step``. Requests that vLLM reports finished (aborted or
-    done) and nobody took within _ROUTE_TTL_S are dropped, so a long run does not leak.
-    """
-
-    def __init__(self, num_layers: int, topk: int):
-        import numpy as np
-
-        self.np, self.num_layers, self.topk = np, num_layers, topk
-        self.rows: dict[str, object] = {}         # internal request id -> array
-        self.finished: dict[str, float] = {}      # internal request id -> when vLLM reported it ended
-        self.layout = None                        # (req ids, scheduled tokens, computed tokens) of this step
-        self.step: dict[int, torch.Tensor] = {}   # MoE layer index -> (tokens, topk) of this step
-
-    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        self.step[layer] = topk_ids.detach().clone()  # a router may reuse its output buffer
-
-    def begin_step(self, finished_req_ids) -> None:
-        self.layout, self.step = None, {}
-        now = time.monotonic()
-        for rid in finished_req_ids or ():
-            if rid in self.rows:
-                self.finished.setdefault(rid, now)
-        for rid, when in list(self.finished.items()):
-            if now - when > _ROUTE_TTL_S or rid not in self.rows:
-                self.rows.pop(rid, None)
-                del self.finished[rid]
-
-    def end_step(self) -> None:
-        layout, step, self.layout, self.step = self.layout, self.step, None, {}
-        if layout is None or len(step) != self.num_layers:  # a warm-up / dummy run: no requests
-            return
-        np = self.np
-        ids = torch.stack([step[i] for i in range(self.num_layers)], dim=1).cpu().numpy()  # (T, layers, k)
-        offset = 0
-        for rid, count, start in zip(*layout):
-            count, start = int(count), int(start)
-            arr = self.rows.get(rid)
-            if arr is None or arr.shape[0] < start + count:
-                grown = np.full((max(2 * (0 if arr is None else arr.shape[0]), start + count, 64),
-                                 self.num_layers, self.topk), -1, dtype=np.int16)
-                if arr is not None:
-                    grown[: arr.shape[0]] = arr
-                arr = self.rows[rid] = grown
-            arr[start:start + count] = ids[offset:offset + count]
-            arr[start + count:] = -1  # a recomputed request (preempted) starts over from here
-            offset += count
-
-    def take(self, request_ids: list[str]) -> dict:
-        wanted, out = set(request_ids), {}
-        for rid in [r for r in self.rows if r[:-9] in wanted or r in wanted]:
-            arr = self.rows.pop(rid)
-            self.finished.pop(rid, None)
-            filled = _last_filled(arr)
-            out[rid[:-9] if rid[:-9] in wanted else rid] = (arr[:filled].tobytes(), (filled,) + arr.shape[1:])
-        return out
-
-
-def _last_filled(arr) -> int:
-    """Rows of ``arr`` (positions, layers, topk) up to and including its last recorded one."""
-    filled = (arr[:, 0, 0] != -1).nonzero()[0]
-    return int(filled[-1]) + 1 if len(filled) else 0
