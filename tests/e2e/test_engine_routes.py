@@ -205,3 +205,22 @@ def test_routes_after_a_cut_are_those_of_the_latest_computation(run, model_dir):
           f"(with the weights before the cut: {before:.4f})")
     assert agree >= 0.98, agree  # measured 1.0 of 412 pairs
     assert before < 0.9, before  # measured 0.25  # the rows were recomputed, not kept from before the cut
+
+
+def test_engines_record_routes_for_every_moe_model_on_megatron(model_dir, tmp_path):
+    """router_mismatch (the trainer's live top-k vs the engine's) needs the engine's routes whatever
+    routing_replay says; a dense model's engines get no capture hooks; FSDP has no routing replay."""
+    from rlmega.config.schema import RLConfig
+    from rlmega.launch.engines import records_routes
+
+    dense = make_tiny_model(tmp_path / "dense", arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1,
+                            num_layers=1, seed=0)
+    cfg = RLConfig()
+    for replay in ("none", "trainer", "rollout"):
+        cfg.algorithm.routing_replay = replay
+        cfg.model.path, cfg.actor.backend = str(model_dir), "megatron"
+        assert records_routes(cfg), replay
+        cfg.model.path = str(dense)
+        assert not records_routes(cfg), replay
+    cfg.model.path, cfg.algorithm.routing_replay, cfg.actor.backend = str(model_dir), "none", "fsdp"
+    assert not records_routes(cfg)
