@@ -125,7 +125,10 @@ Runner V2 (Triton), which the CPU build lacks, so the worker extension captures 
 (``rlmega_record_routes`` in rlmega/workers/vllm_extension.py) and each engine request's rows are taken
 (and freed in the engine) when it ends (rlmega/workers/engine_routes.py); a cut request's parts are laid over one
 another, the latest computation of each position winning. Each engine request gets an id of its own
-(``<request_id>#<n>``), which is what ``abort`` and a pause abort in the engine.
+(``<request_id>#<n>``), which is what ``abort`` and a pause abort in the engine. The capture is a Python
+hook in the routers, which replayed CUDA graphs skip: ``record_routes`` needs ``enforce_eager=True``
+(refused otherwise). Rows a finished part computed but did not get are warned about once per engine and
+counted (``routes_missing``), never silently left -1.
 
 One hazard seen on CPU: weights that make NaNs leave NaN in the KV-cache blocks they wrote, and
 vLLM's CPU attention reads whole blocks, so the next generations after a fix may still be NaN until
@@ -213,6 +216,13 @@ class RolloutWorker:
                  num_threads: int | None = None, record_routes: bool = False):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
+        if record_routes and not enforce_eager:
+            raise ValueError(
+                "record_routes=True needs enforce_eager=True: replayed CUDA graphs never call the MoE routers' "
+                "capture hook, so decoded tokens would have no recorded route (router_mismatch and rollout "
+                "routing replay would be silently wrong). rlmega's engines (rlmega/launch/engines.py) run eager; "
+                "fix: leave enforce_eager=True, or record_routes=False (algorithm.routing_replay=none on a dense "
+                "model / actor.backend=fsdp)")
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
         self._version, self._tp = 0, tensor_parallel_size
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # vLLM layer -> HF name -> tensor
@@ -374,6 +384,12 @@ class RolloutWorker:
     def resume_generation(self) -> None:
         """Reopen the gate: waiting and cut requests go on (cut ones with the weights now loaded)."""
         self._on_loop(self._gate.set)
+
+    def routes_missing(self) -> dict:
+        """MoE route recording's misses: {"parts": engine requests lacking rows they computed, "rows": how
+        many rows} (rlmega/workers/engine_routes.py); zeros when routes are not recorded."""
+        r = self._routes
+        return {"parts": 0 if r is None else r.missing_parts, "rows": 0 if r is None else r.missing_rows}
 
     def busy_seconds(self) -> float:
         """Wall seconds (monotonic) since the engine started with at least one engine request running.
@@ -609,7 +625,10 @@ async def _generate(self, prompt_ids: list[int], params, request_id: str, prompt
                         final = out  # FINAL_ONLY: the one output, when the part has ended
                 finally:
                     if routes is not None:  # taken even from a failed part: the engine frees them
-                        routes = await self._routes.take(self._engine, req.engine_id, routes)
+                        # positions it surely computed: its last input token and each sampled token but the last
+                        p0, n = len(prompt_ids) + len(ids), 0 if final is None else len(final.outputs[0].token_ids)
+                        routes = await self._routes.take(self._engine, req.engine_id, routes,
+                                                         must_have=range(p0 - 1, p0 + n - 1) if n else range(0))
                 c = final.outputs[0]
                 new = list(c.token_ids)
                 ids += new

@@ -69,12 +69,24 @@ class RouteStore:
             offset += count
 
     def take(self, request_ids: list[str]) -> dict:
+        """{id: (bytes, shape)} of the rows of each of ``request_ids`` (then forgotten); ids without rows
+        are left out.
+
+        ``request_ids`` are the ids given to ``AsyncLLM.generate``; vLLM 0.32 runs each as
+        ``"<id>-<8 hex>"`` (``InputProcessor.assign_request_id``), the id the model runner (and so this
+        store) sees. Matched as ``<id>`` or ``<id>-<suffix without '-'>`` (not by the suffix's length):
+        if vLLM changes its suffix otherwise, nothing matches, and the RolloutWorker warns and counts
+        the missing rows (rlmega/workers/engine_routes.py) instead of returning -1 rows silently.
+        """
         wanted, out = set(request_ids), {}
-        for rid in [r for r in self.rows if r[:-9] in wanted or r in wanted]:
+        for rid in list(self.rows):
+            owner = rid if rid in wanted else rid.rpartition("-")[0]
+            if owner not in wanted:
+                continue
             arr = self.rows.pop(rid)
             self.finished.pop(rid, None)
             filled = _last_filled(arr)
-            out[rid[:-9] if rid[:-9] in wanted else rid] = (arr[:filled].tobytes(), (filled,) + arr.shape[1:])
+            out[owner] = (arr[:filled].tobytes(), (filled,) + arr.shape[1:])
         return out
 
 

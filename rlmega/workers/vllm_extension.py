@@ -305,10 +305,10 @@ class RolloutExtension:
     def rlmega_take_routes(self, request_ids: list[str]) -> dict | None:
         """{rlmega request id: (bytes, shape)} of the routes recorded for each (then forgotten).
 
-        ``request_ids`` are the ids rlmega gave ``AsyncLLM.generate``; vLLM 0.32 runs each as
-        ``"<id>-<8 hex>"`` (``InputProcessor.assign_request_id``), the id the model runner sees. The
-        array is int16 (positions, num_moe_layers, topk), row j = position j, -1 rows where nothing was
-        computed. An id without routes is left out. None on TP ranks > 0 (they record nothing).
+        ``request_ids`` are the ids rlmega gave ``AsyncLLM.generate`` (vLLM suffixes them internally:
+        ``RouteStore.take`` matches them). The array is int16 (positions, num_moe_layers, topk), row j =
+        position j, -1 rows where nothing was computed. An id without routes is left out. None on TP
+        ranks > 0 (they record nothing).
         """
         store = getattr(self, "_rlmega_routes", None)
         return None if store is None else store.take(request_ids)

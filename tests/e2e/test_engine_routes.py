@@ -84,6 +84,30 @@ def _engine_body(model_dir: str) -> dict:
     pool.shutdown()
     tm["3_cut"] = time.perf_counter() - t
     out["held"] = w._run(w._engine.collective_rpc("rlmega_routes_held"))
+    out["missing_before"] = w.routes_missing()
+
+    # 4. rows a part computed but the worker never got (here: taken from under two running requests, as
+    # an id the store cannot match or a CUDA-graph replay would lose them): counted, warned about once
+    t = time.perf_counter()
+    import logging
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("rlmega.workers.engine_routes").addHandler(handler)
+    pool = ThreadPoolExecutor(2)
+    futs = [pool.submit(w.generate_one, PROMPTS[2], max_tokens=200, ignore_eos=True, request_id=f"steal{i}")
+            for i in range(2)]
+    deadline = time.monotonic() + 60
+    while w._run(w._engine.collective_rpc("rlmega_routes_held"))[0] < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ids = w._on_loop(lambda: [w._live[f"steal{i}"][0].engine_id for i in range(2)])
+    stolen = w._run(w._engine.collective_rpc("rlmega_take_routes", args=(ids,)))[0]
+    out["stolen"] = sorted(stolen)
+    out["steal"] = [dict(vars(f.result(timeout=60))) for f in futs]
+    pool.shutdown()
+    out["missing_after"], out["warned"] = w.routes_missing(), warned
+    tm["4_missing"] = time.perf_counter() - t
     w.shutdown()
     return out
 
@@ -159,6 +183,27 @@ def test_every_token_but_the_last_has_a_route(run):
         assert all(len(set(row)) == TOPK for row in r[:-1].reshape(-1, TOPK).tolist())  # k distinct experts
     # every request's routes were taken (also the probe's and the cut parts'): nothing left in the engine
     assert run["held"] == [0]
+    assert run["missing_before"] == {"parts": 0, "rows": 0}  # every part had the rows it computed
+
+
+@pytest.mark.timeout(400)
+def test_rows_a_part_computed_but_lacks_are_counted_and_warned_once(run):
+    """A part whose rows did not reach the worker (CUDA-graph replay, an id the engine's store cannot
+    match; here taken from under it mid-request) is not silent: counted, one warning per engine."""
+    assert len(run["stolen"]) == 2, run["stolen"]  # both were running when their rows were taken
+    for s in run["steal"]:
+        r = np.asarray(s["routed_experts"])
+        assert len(s["response_ids"]) == 200 and (r[: len(s["prompt_ids"])] == -1).all()  # the prefill's rows
+    missing = run["missing_after"]
+    assert missing["parts"] == 2 and missing["rows"] >= 2, missing  # at least each prompt's last token
+    assert len(run["warned"]) == 1 and "no recorded route" in run["warned"][0], run["warned"]
+
+
+def test_recording_routes_refuses_cuda_graphs():
+    from rlmega.workers.rollout import RolloutWorker
+
+    with pytest.raises(ValueError, match="record_routes=True needs enforce_eager=True"):
+        RolloutWorker("/nonexistent", record_routes=True, enforce_eager=False)
 
 
 @pytest.mark.timeout(400)
