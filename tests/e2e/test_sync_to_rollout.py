@@ -6,7 +6,6 @@ log-probs of those samples must equal the engines' (float32: max <= 5e-6, mean <
 train step changed the weights, a second sync must change the engines' output and parity must hold
 again. A tensor corrupted in transit must break parity.
 """
-import dataclasses
 import itertools
 
 import pytest
@@ -15,11 +14,11 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from rlmega.algorithms import advantages  # noqa: E402
 from rlmega.data.samples import batch_from_samples  # noqa: E402
 from rlmega.sync.parity import logprob_diff  # noqa: E402
 from rlmega.sync.transports import RayTransport  # noqa: E402
 from rlmega.testing.faults import CorruptingTransport  # noqa: E402
+from rlmega.testing.rl_step import train_step_on_fixed_rewards  # noqa: E402
 from rlmega.tiny_model import make_tiny_model  # noqa: E402
 
 T = 0.8
@@ -85,15 +84,6 @@ def _sample_and_compare(group, engines, seed=0, n=2):
     return results
 
 
-def _train_step(group, batch):
-    rewards = torch.tensor([float(sum(s.tolist()) % 2) for s in batch.tokens])  # arbitrary, fixed
-    seq_adv = advantages.grpo(rewards, batch.group_ids)
-    old = group.call("compute_logprobs", batch)[0]
-    train = dataclasses.replace(batch, old_logprobs=old, rewards=rewards,
-                                advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)])
-    return group.call("train_step", train)[0]
-
-
 LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2_pp2": (2, 2, None),
            "pp2_vpp2": (1, 2, 2),
            # DP 2: replica 0 alone gathers and sends; after the train step it must hold the trained weights
@@ -117,7 +107,7 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
         for batch, diff in before:
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} before training: {diff}"
 
-        _train_step(group, before[0][0])
+        train_step_on_fixed_rewards(group, before[0][0])
         _sync(group, engines)
         after = _sample_and_compare(group, engines)
         print(name, "parity before", [d for _, d in before], "after", [d for _, d in after])
@@ -141,7 +131,7 @@ def test_trainer_releases_its_weights_after_a_ray_sync_and_trains_on(hf_model, e
         _sync(group, engines)
         batch = _sample_and_compare(group, engines)[0][0]
         for cycle in range(2):
-            metrics = _train_step(group, batch)
+            metrics = train_step_on_fixed_rewards(group, batch)
             assert all(map(torch.isfinite, map(torch.tensor, [metrics["loss"], metrics["grad_norm"]]))), metrics
             # rollout_phase: release all but the params, sync, release the params
             kept = group.call("offload_for_rollout", keep_params=True)[0]
@@ -261,7 +251,7 @@ def test_tied_embeddings_keep_parity_through_several_updates(tied_model, tied_en
         for step in range(TIED_STEPS):
             (batch, diff), = _sample_and_compare(group, tied_engine, seed=step)
             diffs.append(diff)
-            _train_step(group, batch)
+            train_step_on_fixed_rewards(group, batch)
             _sync(group, tied_engine)
         (_, diff), = _sample_and_compare(group, tied_engine, seed=TIED_STEPS)
         diffs.append(diff)
@@ -305,7 +295,7 @@ def test_fsdp_sync_keeps_tied_parity_through_several_updates(tied_model, tied_en
         diffs = [diff]
         batch = first
         for step in range(TIED_STEPS):
-            metrics = _train_step(group, batch)
+            metrics = train_step_on_fixed_rewards(group, batch)
             assert metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0, metrics
             _sync(group, tied_engine)
             (batch, diff), = _sample_and_compare(group, tied_engine, seed=step + 1)

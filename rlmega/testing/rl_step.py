@@ -1,0 +1,26 @@
+"""One RL optimizer step on a WorkerGroup of actors, for tests that need the weights to move.
+
+    metrics = train_step_on_fixed_rewards(group, batch)   # rank 0's train_step metrics
+
+Rewards are arbitrary but fixed (the parity of each sample's token sum), so a test's update is the same
+every run; advantages are GRPO's over ``batch.group_ids``; old log-probs come from ``compute_logprobs``
+(so an MoE actor's router_mismatch is measured as in a real RL step).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rlmega.algorithms import advantages
+from rlmega.data.rollout_batch import RolloutBatch
+
+
+def train_step_on_fixed_rewards(group, batch: RolloutBatch) -> dict:
+    """compute_logprobs then train_step on ``batch`` (every rank); returns rank 0's metrics."""
+    rewards = torch.tensor([float(sum(s.tolist()) % 2) for s in batch.tokens])
+    seq_adv = advantages.grpo(rewards, batch.group_ids)
+    old = group.call("compute_logprobs", batch)[0]
+    train = dataclasses.replace(batch, old_logprobs=old, rewards=rewards,
+                                advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)])
+    return group.call("train_step", train)[0]
