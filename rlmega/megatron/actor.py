@@ -25,8 +25,11 @@ without a route (-1 rows: the last sampled token, tool outputs) are routed live 
 in train_step's result: router_mismatch (generated (token, MoE layer) pairs whose trainer top-k set
 differs from batch.routed_experts, from compute_logprobs' forward: without replay unless R3, where
 each layer's router is compared on the replayed input), routes_live_fraction, per-layer expert
-load (moe_load_max_over_mean/layer_i) and Megatron's tracked aux / z losses (moe_load_balancing_loss,
-moe_z_loss) when their coefficients are on.
+load (moe_load_max_over_mean/layer_i, real tokens only) and Megatron's tracked aux / z losses
+(moe_load_balancing_loss, moe_z_loss: means over the step's micro-batches with real tokens, all DP ranks,
+and MoE layers) when their coefficients are on. The router losses' coefficients are rescaled each
+train step (routing_replay.aux_loss_factor) so that actor.moe_aux_loss_coeff / moe_z_loss_coeff weigh
+the mean router loss whatever the RL loss divides by; padding stays out of them (padding mask).
 """
 from __future__ import annotations
 
@@ -291,15 +294,17 @@ class MegatronActor(Actor):
             self._routes[id(self.policy)].check(batch.routed_experts)
         mbs, efficiency = self._plan(batch)
         routes = self._route_pass(self.policy, mbs, replay, record=False)
+        real_mbs = 0
         if routes is not None:
             routing_replay.clear_aux_losses()
+            routes.aux_factor, real_mbs = self._aux_loss_factor(mbs, loss_fn)
         outs = policy.train_micro_batches(self.policy.model, mbs, self.vocab_size, temperature, loss_fn,
                                           with_entropy=True, entropy_grad=entropy_grad,
                                           keep_logprobs=return_logprobs, routes=routes)
         moe = {}
         if routes is not None:
             moe = self._route_results(routes, batch)
-            moe.update(routing_replay.aux_loss_metrics(len(mbs), routes.routes.num_moe_layers))
+            moe.update(routing_replay.aux_loss_metrics(routes.routes, real_mbs))
         # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
         old = self._gather_responses(mbs, outs, "logprobs", batch) if return_logprobs else None
         keys = rl_loss.SUM_KEYS
@@ -318,6 +323,24 @@ class MegatronActor(Actor):
         if self.cfg.offload_optimizer:
             self.policy.offload_optimizer_state()
         return {**rl_loss.step_metrics(s, efficiency, grad_norm, lr, ok, old), **moe}
+
+    def _aux_loss_factor(self, mbs: list[dict], loss_fn) -> tuple[float, int]:
+        """Collective over DP: (routing_replay.aux_loss_factor of this step, the step's micro-batches with
+        real tokens over every DP rank). The RL loss's global count N is the loss function's own count,
+        evaluated on each micro-batch's fields before the forward with the old log-probs standing in for
+        this forward's (exact off policy; on policy with a mis_token / mis_seq rollout correction, which
+        drops tokens by this forward's ratio, it is the count before that drop)."""
+        count = real = nonempty = 0.0
+        for mb in mbs:
+            fields = policy._per_token_on(mb, "cpu")
+            T = fields["labels"].numel()
+            guess = fields.get("old_logprobs", fields.get("rollout_logprobs", torch.zeros(T)))
+            count += float(loss_fn(fields, guess.float(), torch.zeros(T))[1])
+            n = float(mb["real_tokens"].sum())
+            real += n
+            nonempty += float(n > 0)
+        count, real, nonempty = policy.sum_over_data_parallel(torch.tensor([count, real, nonempty])).tolist()
+        return routing_replay.aux_loss_factor(count, real), int(nonempty)
 
     def advance_lr_schedule(self, steps: int) -> float:
         """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.

@@ -35,14 +35,20 @@ def _forward(model, mb: dict) -> torch.Tensor:
     """Logits (B*S, V/tp) of one micro-batch's packed rows (B, S), row-major like its per-token fields."""
     device = next(model.parameters()).device
     tokens, positions = mb["tokens"].to(device), mb["position_ids"].to(device)
+    extra = {}
+    if unwrap(model).config.num_moe_experts:
+        # MoE: padding (row tails, rows and micro-batches added to even out shapes) stays out of the
+        # routers' aux / z losses and their token counts (megatron-core: (B, S) bool, True = padding);
+        # routing itself, and so every output, is unchanged
+        extra["padding_mask"] = ~mb["real_tokens"].view(tokens.shape).to(device)
     if "attention_mask" not in mb:  # Transformer Engine: THD packing, no dense mask
         cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
-        logits = model(tokens, positions, None, packed_seq_params=params)
+        logits = model(tokens, positions, None, packed_seq_params=params, **extra)
     else:
         with _rope_at(model, positions):
-            logits = model(tokens, positions, mb["attention_mask"].to(device))
+            logits = model(tokens, positions, mb["attention_mask"].to(device), **extra)
     # not the last pipeline stage: hidden states (S, B, H), passed on as they are
     return logits.flatten(0, 1) if _is_last_stage(model) else logits
 

@@ -125,6 +125,12 @@ class ModelRoutes:
         self.num_experts = int(config.num_moe_experts or 0) if chunks else 0
         self.topk = int(config.moe_router_topk) if chunks else 0
         self.local_layers = sorted(layer for found in self.by_chunk for layer, _ in found)
+        # The TransformerConfig objects the routers read their loss coefficients from (at every forward),
+        # and the coefficients as configured (actor.moe_aux_loss_coeff / moe_z_loss_coeff).
+        self.configs = list({id(unwrap(c).config): unwrap(c).config for c in chunks}.values())
+        self.aux_coeff = float(self.configs[0].moe_aux_loss_coeff or 0.0) if chunks else 0.0
+        self.z_coeff = float(self.configs[0].moe_z_loss_coeff or 0.0) if chunks else 0.0
+        self.num_layers = int(self.configs[0].num_layers) if chunks else 0
         # The same on every rank (a pipeline stage without MoE layers still takes part in the
         # collectives of RoutePass's results): the model was built with the hooks and has MoE layers.
         self.enabled = bool(chunks and config.moe_enable_routing_replay and self.num_moe_layers)
@@ -140,6 +146,24 @@ class ModelRoutes:
         top = max(int(r.max()) for r in routes if r.numel()) if any(r.numel() for r in routes) else -1
         if top >= self.num_experts:
             raise ValueError(f"{field} names expert {top}; the model has {self.num_experts} experts per layer")
+
+    @contextmanager
+    def loss_coefficients(self, factor: float):
+        """Inside: the routers' aux / z-loss coefficients are the configured ones times ``factor``
+        (0: neither loss is computed nor tracked, e.g. a placeholder micro-batch without real tokens).
+
+        Megatron's routers read ``config.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` at every forward
+        (TopKRouter.get_aux_loss_coeff, apply_z_loss); see ``aux_loss_factor`` for the factor's meaning.
+        """
+        for config in self.configs:
+            config.moe_aux_loss_coeff = self.aux_coeff * factor
+            config.moe_z_loss_coeff = self.z_coeff * factor if self.z_coeff * factor > 0 else None
+        try:
+            yield
+        finally:
+            for config in self.configs:
+                config.moe_aux_loss_coeff = self.aux_coeff
+                config.moe_z_loss_coeff = self.z_coeff if self.z_coeff > 0 else None
 
     @contextmanager
     def micro_batch(self, chunk_index: int, rows: torch.Tensor | None, replay: bool):
@@ -181,13 +205,19 @@ class RoutePass:
         self.mbs = mbs
         self.recorded: dict[int, torch.Tensor] = {}  # micro-batch index -> (B, S, M, K) int16, -1 elsewhere
         self.counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
+        # train passes: the factor on the aux / z-loss coefficients (aux_loss_factor); None = as configured
+        self.aux_factor: float | None = None
         self.load = torch.zeros(routes.num_moe_layers, routes.num_experts, dtype=torch.float64)
 
     @contextmanager
     def forward(self, chunk, mb: dict):
         """Around one chunk's forward of one micro-batch (inside the schedule's forward_step)."""
         rows = mb.get("routed_experts")
-        with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay) as states:
+        factor = 1.0 if self.aux_factor is None else self.aux_factor
+        if not bool(mb["real_tokens"].any()):
+            factor = 0.0  # a placeholder micro-batch: no router loss (its mean over no token is 0/0)
+        with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay) as states, \
+                self.routes.loss_coefficients(factor):
             yield
         self._account(mb, rows, states)
 
@@ -287,23 +317,46 @@ def clear_aux_losses() -> None:
     clear_aux_losses_tracker()
 
 
-def aux_loss_metrics(num_micro_batches: int, num_moe_layers: int) -> dict:
-    """The train step's MoE auxiliary losses as Megatron tracks them (moe_utils'
-    save_to_aux_losses_tracker: per layer, summed over micro-batches, without their coefficients),
-    reduced over ranks as Megatron's track_moe_metrics does, averaged over micro-batches and MoE layers:
-    "moe_load_balancing_loss" (actor.moe_aux_loss_coeff > 0), "moe_z_loss" (actor.moe_z_loss_coeff > 0).
-    Collective when any is tracked (every rank tracks the same names). The tracker is cleared.
-    """
-    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                         get_moe_layer_wise_logging_tracker,
-                                                         reduce_aux_losses_tracker_across_ranks)
+def aux_loss_factor(loss_count: float, router_tokens: float) -> float:
+    """The factor on the configured aux / z-loss coefficients that makes each term's gradient
+    ``coeff * d(mean loss)/d(theta)``, whatever the RL loss's normalisation.
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    names = sorted(tracker)
+    With ``calculate_per_token_loss`` megatron-core (0.16: router.attach_and_log_load_balancing_loss,
+    apply_z_loss) back-propagates each micro-batch's router loss times the micro-batch's token count
+    T_mb (its non-padding tokens when the forward gets a padding mask), and finalize_model_grads
+    divides every gradient by the global count of the RL loss, N (response tokens for token-mean,
+    sequences for the seq-mean modes; summed over micro-batches and data-parallel ranks). So the term's
+    gradient is coeff * sum_mb T_mb dL_mb / N. With factor N / T, T = sum_mb T_mb over every micro-batch
+    and data-parallel rank, it is coeff * d(sum_mb T_mb L_mb / T): the coefficient weighs the
+    token-weighted mean over the step's micro-batches of their router losses, as in Megatron pretraining
+    (where N = T). N = 0 (nothing in the loss): megatron does not divide, the factor is 1 / T.
+    """
+    if router_tokens <= 0:
+        return 0.0
+    return (loss_count if loss_count > 0 else 1.0) / router_tokens
+
+
+def aux_loss_metrics(routes: ModelRoutes, num_micro_batches: int) -> dict:
+    """The train step's MoE router losses as Megatron tracks them (moe_utils' save_to_aux_losses_tracker:
+    per layer, summed over micro-batches, without their coefficients), averaged over the step's
+    micro-batches with real tokens (``num_micro_batches``: over every data-parallel rank) and over MoE
+    layers: "moe_load_balancing_loss" (actor.moe_aux_loss_coeff > 0), "moe_z_loss" (moe_z_loss_coeff > 0).
+    Both are summed over pipeline stages (disjoint layers) and data-parallel ranks here (Megatron's own
+    reduction averages the balancing loss over DP but leaves the z-loss rank-local). Collective on every
+    rank whenever a coefficient is on (names fixed by the config, not by what this rank's tracker
+    happened to record: a rank with only placeholder micro-batches records nothing). Clears the tracker.
+    """
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    names = [n for n, c in (("load_balancing_loss", routes.aux_coeff), ("z_loss", routes.z_coeff)) if c > 0]
     if not names:
         return {}
-    reduce_aux_losses_tracker_across_ranks(names)
-    out = {f"moe_{name}": float(tracker[name]["values"].sum()) / max(num_micro_batches, 1) / max(num_moe_layers, 1)
-           for name in names}
+    tracker = get_moe_layer_wise_logging_tracker()
+    L = routes.num_layers
+    values = torch.stack([tracker[n]["values"][:L].detach().double().cpu() if n in tracker
+                          else torch.zeros(L, dtype=torch.float64) for n in names])
+    values = _all_reduce(values, ps.get_pipeline_model_parallel_group())
+    values = _all_reduce(values, ps.get_data_parallel_group())
     clear_aux_losses_tracker()
-    return out
+    per = max(num_micro_batches, 1) * max(routes.num_moe_layers, 1)
+    return {f"moe_{n}": float(v.sum()) / per for n, v in zip(names, values)}

@@ -8,9 +8,13 @@ one packed batch (several sequences per row, several rows per micro-batch) and s
     given ones for every (token, layer), policy and reference (the reference is its own model);
 (c) -1 rows are routed by the live router and counted (routes_live_fraction);
 (d) R2: train_step replays compute_logprobs' routes (ratio exactly 1), and really replays (other
-    routes make the ratio move); MoE metrics (aux / z loss, expert load) are reported.
+    routes make the ratio move); MoE metrics (aux / z loss, expert load) are reported;
+(e) the router losses' gradient (zero advantages: only they move the routers) is the same whether the RL
+    loss divides by response tokens (token-mean) or by sequences (seq-mean-token-mean), and with extra
+    padding in every micro-batch; their logged values too, equal on every rank.
 """
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -22,6 +26,9 @@ from rlmega.testing.multiproc import run_on_ranks
 from rlmega.tiny_model import make_tiny_model
 
 N, E, K, LAYERS = 12, 8, 2, 4
+# router-loss gradient: token-mean vs seq-mean measured 1.1e-7..2.9e-7 (unfixed: 11 = N_tok / N_seq - 1);
+# with vs without padding measured 3.6e-8 (grad), 9e-9 (loss values); without the padding mask 2.85 and 7e-3
+TOL_NORM, TOL_PAD = 1e-6, 3e-7
 
 
 def _body(path):
@@ -113,6 +120,46 @@ def _body(path):
     m = actor.train_step(dataclasses.replace(batch, old_logprobs=old), optimizer_steps_per_rl_step=2)
     out["r2_ppo_kl"], out["r2_clipfrac"] = m["ppo_kl"], m["pg_clipfrac"]
     out["r2_metrics"] = {k: v for k, v in m.items() if k.startswith(("moe", "route", "router"))}
+
+    # (e) router losses: with zero advantages only the aux / z terms move the routers. Their gradient
+    # must not depend on the RL loss's normalisation (token-mean: N = response tokens; seq-mean: N =
+    # sequences) nor on padding; without the coefficient factor it scales with 1 / N.
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from rlmega.algorithms import rl_loss as rl
+    from rlmega.data.micro_batches import build_micro_batch
+    from rlmega.megatron import policy as pol, routing_replay as rr
+    routers = [mod for c in actor.policy.model for mod in c.modules() if isinstance(mod, TopKRouter)]
+    flat = dataclasses.replace(batch, advantages=[torch.zeros_like(a) for a in batch.advantages])
+
+    def router_grad(mode, pad=False, fix=True):
+        loss_fn = functools.partial(rl.rl_loss, dataclasses.replace(actor.algo, loss_agg_mode=mode), on_policy=True)
+        mbs, _ = actor._plan(flat)
+        if pad:  # one more row and 8 more columns of padding in every micro-batch (equal on every rank)
+            mbs = [build_micro_batch(flat, mb["indices"], min_shape=(mb["tokens"].shape[0] + 1, mb["tokens"].shape[1] + 8))
+                   for mb in mbs]
+        routes = actor._route_pass(actor.policy, mbs, replay=False, record=False)
+        rr.clear_aux_losses()
+        factor, real = actor._aux_loss_factor(mbs, loss_fn)
+        routes.aux_factor = factor if fix else None
+        pol.train_micro_batches(actor.policy.model, mbs, actor.vocab_size, 1.0, loss_fn, with_entropy=True,
+                                entropy_grad=False, routes=routes)
+        metrics = rr.aux_loss_metrics(routes.routes, real)
+        g = torch.cat([r.weight.main_grad.detach().flatten().double().clone() for r in routers])
+        for c in actor.policy.model:
+            c.zero_grad_buffer()
+        return g, metrics
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    g_tok, m_tok = router_grad("token-mean")
+    g_seq, _ = router_grad("seq-mean-token-mean")
+    g_pad, m_pad = router_grad("token-mean", pad=True)
+    g_tok0, _ = router_grad("token-mean", fix=False)
+    g_seq0, _ = router_grad("seq-mean-token-mean", fix=False)
+    out["aux"] = {"grad_norm": float(g_tok.norm()), "tok_vs_seq": rel(g_seq, g_tok), "pad_vs_nopad": rel(g_pad, g_tok),
+                  "unfixed_tok_vs_seq": rel(g_seq0, g_tok0), "metrics": m_tok, "metrics_pad": m_pad}
     actor.teardown()
     return out
 
@@ -127,7 +174,7 @@ def results(tmp_path_factory):
 def test_routing_replay(results):
     r = results[0]
     print(json.dumps(r, indent=1, default=str))
-    same = [k for k in r if k not in ("rows_per_mb", "seqs_per_row", "r2_metrics")]
+    same = [k for k in r if k not in ("rows_per_mb", "seqs_per_row", "r2_metrics", "aux")]
     for x in results[1:]:  # every rank returns the same results (its own plan aside)
         assert {k: x[k] for k in same} == {k: r[k] for k in same}
     # packing really on: several rows per micro-batch, several sequences per row
@@ -153,3 +200,14 @@ def test_routing_replay(results):
     assert met["routes_live_fraction"] == 0.0
     assert met["moe_load_balancing_loss"] > 0 and met["moe_z_loss"] > 0
     assert all(1.0 <= met[f"moe_load_max_over_mean/layer_{i}"] <= E / K + 1e-9 for i in range(LAYERS))
+    # (e) the router losses' gradient, per rank (its own routers)
+    for x in results:
+        a = x["aux"]
+        assert a["grad_norm"] > 0
+        assert a["tok_vs_seq"] < TOL_NORM, a
+        assert a["unfixed_tok_vs_seq"] > 1.0, a
+        assert a["pad_vs_nopad"] < TOL_PAD, a
+        for k, v in a["metrics"].items():
+            assert v > 0 and abs(a["metrics_pad"][k] - v) <= TOL_PAD * v, a
+    # the losses are global (summed over stages and DP ranks): the same number on every rank
+    assert all(x["aux"]["metrics"] == r["aux"]["metrics"] for x in results)
