@@ -30,10 +30,21 @@ MOE_HF_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
 }
 
 
+# config.json keys of the routed-expert count, first set wins: Qwen's published Qwen2/3-MoE configs say
+# `num_experts`; transformers 5's save_pretrained writes `num_local_experts` for them (as Mixtral's does).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+def expert_count_key(hf: dict) -> str | None:
+    """The key of config.json ``hf`` holding its routed-expert count; None for a dense model (no key, null or 0)."""
+    return next((k for k in EXPERT_COUNT_KEYS if hf.get(k) not in (None, 0)), None)
+
+
 def num_experts(hf: dict) -> int:
-    """Routed experts of config.json ``hf`` (0 = a dense model). Qwen's published configs say
-    `num_experts`; transformers 5's save_pretrained writes `num_local_experts`: read both."""
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    """Routed experts of config.json ``hf`` (0 = a dense model); the one reader of the count
+    (config validation checks its value: rlmega.config.moe_rules.experts)."""
+    key = expert_count_key(hf)
+    return int(hf[key]) if key else 0
 
 
 def architecture(hf: dict) -> str | None:

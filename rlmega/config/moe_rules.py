@@ -16,12 +16,9 @@ from __future__ import annotations
 import math
 from typing import List, Tuple
 
+from rlmega.config import hf_support
 from rlmega.config.errors import ConfigError, problem
 from rlmega.config.schema import RLConfig
-
-# config.json keys of the routed-expert count: Qwen's published Qwen2/3-MoE configs say num_experts,
-# transformers 5 writes num_local_experts for them (as Mixtral's and GPT-OSS's do), DeepSeek n_routed_experts.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 # What FSDP does with an MoE model, named in every refusal of an MoE setting under actor.backend=fsdp.
 FSDP_MOE = ("actor.backend=fsdp trains an MoE model through transformers' own MoE layers: every rank runs all "
@@ -44,8 +41,9 @@ def _sizes(cfg: RLConfig) -> Tuple[int, int, int]:
 
 def experts(hf: dict, cfg_file: str) -> Tuple[int, int]:
     """(num_experts, top-k) of config.json ``hf``; (0, 0) for a dense model (no key, or null/0).
-    ConfigError naming model.path when the count or num_experts_per_tok is impossible."""
-    key = next((k for k in EXPERT_COUNT_KEYS if hf.get(k) not in (None, 0)), None)
+    ConfigError naming model.path when the count or num_experts_per_tok is impossible. The key holding
+    the count is hf_support's (the one reader, which the model loaders use too); here its value is checked."""
+    key = hf_support.expert_count_key(hf)
     if key is None:
         return 0, 0
     n, k = hf[key], hf.get("num_experts_per_tok")
