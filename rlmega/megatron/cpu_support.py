@@ -144,6 +144,18 @@ def _under_cpu_mode(fn):
 _state: dict | None = None  # what enable_cpu_execution replaced, for disable_cpu_execution
 
 
+def moe_without_transformer_engine() -> None:
+    """Process-global, idempotent, never undone (called by runtime.init_megatron on every rank, GPU or
+    not): megatron-core 0.16's MoE router tests ``te_general_gemm is not None`` (moe_utils.py,
+    router_gating_linear, whatever moe_router_dtype) but only defines the name when Transformer Engine
+    imports, so without TE every router forward raises NameError. Defining it as None (only where the
+    module left it undefined) selects the plain torch matmul path it was written to fall back to."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def cpu_execution_enabled() -> bool:
     return _state is not None
 

@@ -37,19 +37,6 @@ from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, un
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _moe_without_transformer_engine() -> None:
-    """megatron-core 0.16's MoE router tests ``te_general_gemm is not None`` but only defines the name
-    when Transformer Engine imports (moe_utils.py), so without TE every router forward raises
-    NameError. Defining it as None selects the plain torch matmul path it was written to fall back to."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-_moe_without_transformer_engine()
-
-
 def layer_spec(use_te: bool, shape: ModelShape | None = None):
     """Transformer Engine's layer spec on a GPU when TE is importable; the local spec otherwise.
 
