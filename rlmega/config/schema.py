@@ -180,7 +180,9 @@ class AlgorithmConfig:
     routing_replay: Literal["none", "trainer", "rollout"] = "none"
     """MoE models, actor.backend=megatron: which expert routes the trainer's forwards use (megatron-core's
     RouterReplay). "none": each forward routes with its live router. "trainer" (R2): the old-log-prob
-    forward records the trainer's own routes and the train forward replays them. "rollout" (R3): the
+    forward records the trainer's own routes and the train forward replays them; an on-policy step (one
+    optimizer step per RL step, no old-log-prob forward: the train forward is the old one) has nothing
+    to replay and routes live, so R2 acts only with several optimizer steps per RL step. "rollout" (R3): the
     engines record each token's routed experts and the old, reference and train forwards replay those
     (tokens without a recorded route, e.g. tool output or the last sampled token, are routed live and
     counted in routes_live_fraction). Refused for dense models and for actor.backend=fsdp. "rollout" relies
@@ -297,11 +299,20 @@ class ActorConfig:
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
     moe_aux_loss_coeff: float = 0.0
-    """MoE models, actor.backend=megatron: weight of the router's load-balancing auxiliary loss
-    (megatron-core's moe_aux_loss_coeff, type "aux_loss"), added to the RL loss; 0 = off. Finite, >= 0."""
+    """MoE models, actor.backend=megatron: weight of the routers' load-balancing loss (megatron-core's
+    moe_aux_loss_coeff, type "aux_loss"), per MoE layer: the step's gradient gets
+    coeff x sum over MoE layers of d(mean aux_l), aux_l = megatron's switch loss of one micro-batch
+    (E / (topk T^2) x sum_e tokens_e x probs_e: 1 when perfectly balanced, E / topk at worst), its mean
+    over the step's micro-batches weighted by their real tokens (padding excluded), whatever the RL loss
+    divides by (token-mean or seq-mean: rlmega rescales megatron's per-token-loss scaling each step,
+    rlmega.megatron.routing_replay.aux_loss_factor). Not HF's router_aux_loss_coef: transformers pools
+    all layers' router outputs into one loss (~topk when balanced) times that coefficient. 0 = off.
+    Finite, >= 0. Metric: moe_load_balancing_loss (aux_l without the coefficient, mean over the step's
+    micro-batches with real tokens and over MoE layers)."""
     moe_z_loss_coeff: float = 0.0
-    """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff,
-    which keeps router logits small); 0 = off. Finite, >= 0."""
+    """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff:
+    the mean over real tokens of logsumexp(router logits)^2, which keeps them small), per MoE layer and
+    normalised like moe_aux_loss_coeff; 0 = off. Finite, >= 0. Metric: moe_z_loss (without the coefficient)."""
 
 
 @dataclass

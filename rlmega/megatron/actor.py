@@ -401,7 +401,8 @@ class MegatronActor(Actor):
         sends size-bounded buckets through ``transport``, then flushes it (every bucket loaded).
         The other replicas hold the same weights and skip the gathers: a TP group lies within one
         replica and the gathers are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors),
-        except at expert parallelism > 1, where every rank gathers (an EP group spans DP ranks).
+        except at expert parallelism > 1, where every rank gathers (an EP group spans DP ranks; with
+        DP > EP the EP groups other than the sender's gather for nothing: a known cost, docs/moe.md).
         Every rank meets at the closing barrier. Returns what this rank did: ``gathered`` HF tensors
         (0 outside replica 0), and sent bytes, tensors, buckets, the (name, shape) list, and seconds.
         """
