@@ -46,7 +46,8 @@ def routes_of(routes: Sequence, lengths: Sequence[int]) -> list[torch.Tensor] | 
     for r, n in zip(routes, lengths):
         rows = torch.full((n, *shape), -1, dtype=torch.int16)
         if r is not None:
-            r = torch.as_tensor(np.asarray(r, dtype=np.int16) if not isinstance(r, torch.Tensor) else r)
+            # np.array copies: the engine's rows come from read-only bytes, which torch warns about
+            r = r if isinstance(r, torch.Tensor) else torch.from_numpy(np.array(r, dtype=np.int16))
             rows[: min(len(r), n)] = r[:n]
         out.append(rows)
     return out
