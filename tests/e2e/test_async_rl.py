@@ -128,12 +128,12 @@ def test_resume_with_a_smaller_max_staleness_generates_stale_groups_again(moe_mo
 
 
 def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_path):
-    """The fast schedule with in_flight=abort: no warm start, so the random model writes all 48 tokens
+    """The fast schedule with in_flight=abort: no warm start, so the random model writes all 96 tokens
     and generation outlasts a train step; the sync after it preempts the requests of the next batch,
     which resume on the new weights (their tokens keep the version each was sampled with)."""
     run = tmp_path / "fast"
     _run(_cmd(model, run, 4, "produce.strategy=async", "produce.max_staleness=1", "produce.in_flight=abort",
-              "trainer.warmup_sft_steps=0", "rollout.max_response_tokens=48", "trainer.prompts_per_step=8",
+              "trainer.warmup_sft_steps=0", "rollout.max_response_tokens=96", "trainer.prompts_per_step=8",
               "trainer.global_batch_size=32", "algorithm.rollout_correction=tis", "trainer.save_every=0"))
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
