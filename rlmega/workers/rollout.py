@@ -213,7 +213,7 @@ class RolloutWorker:
                  max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
-                 num_threads: int | None = None, record_routes: bool = False):
+                 num_threads: int | None = None, record_routes: bool = False, attention_backend: str | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         if record_routes and not enforce_eager:
@@ -256,6 +256,8 @@ class RolloutWorker:
         else:
             engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
 
+        if attention_backend:  # vLLM's attention kernels by name (e.g. TRITON_ATTN); None: vLLM's choice
+            engine_kwargs["attention_backend"] = attention_backend
         if profile_dir:  # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)
             from vllm.config import ProfilerConfig
 
