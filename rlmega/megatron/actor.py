@@ -44,10 +44,8 @@ import torch
 from rlmega.actor_api import Actor
 from rlmega.algorithms import polyak, rl_loss
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-from rlmega.data.micro_batches import build_micro_batch, micro_batch_shape, scatter_responses
-from rlmega.data.packing import padding_efficiency, plan_micro_batches
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.megatron import checkpoint, policy, routing_replay
+from rlmega.megatron import batching, checkpoint, policy, routing_replay
 from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
@@ -125,48 +123,12 @@ class MegatronActor(Actor):
     # ---- micro-batches ----------------------------------------------------------------------
     def _plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
         """This DP rank's packed micro-batches, and the padding efficiency of the whole plan."""
-        dp_rank, dp = data_parallel_rank_and_size()
-        # Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP.
-        multiple = self.parallel.pipeline_model_parallel_size if self.policy.vpp > 1 else 1
-        # allow_empty: a short batch (fewer samples than ranks) gives a rank placeholders that add
-        # nothing to the loss but keep it in the schedule's and the optimizer's collectives
-        lengths = batch.lengths()
-        plan = plan_micro_batches(lengths, self.cfg.max_tokens_per_micro_batch, dp, multiple_of=multiple,
-                                  allow_empty=True)
-        thd = self.policy.use_te
-        shapes = [None] * len(plan[dp_rank])
-        if self.policy.transformer_config.expert_model_parallel_size > 1:
-            # Every MoE layer's token dispatch is a collective over the expert-parallel group (part of
-            # the data-parallel ranks): each rank runs as many micro-batches (placeholders fill in),
-            # and with the allgather dispatcher (CPU) of one shape (it gathers equal blocks).
-            count = max(len(p) for p in plan)
-            plan = [p + [[]] * (count - len(p)) for p in plan]
-            if not thd and self.policy.transformer_config.moe_token_dispatcher_type == "allgather":
-                per_rank = [[micro_batch_shape(lengths, idx) for idx in p] for p in plan]
-                shapes = [tuple(max(s[j][d] for s in per_rank) for d in (0, 1)) for j in range(count)]
-            else:
-                shapes = [None] * count
-        mbs = [build_micro_batch(batch, idx, dense_mask=not thd, min_shape=shape)
-               for idx, shape in zip(plan[dp_rank], shapes)]
-        return mbs, padding_efficiency(lengths, plan, rows=not thd)
+        return batching.plan(self.policy, batch, self.cfg.max_tokens_per_micro_batch,
+                             self.parallel.pipeline_model_parallel_size)
 
     def _gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, batch: RolloutBatch) -> list[torch.Tensor]:
         """Per-token values of this rank's samples -> the full batch's per-sample list, on every rank."""
-        order = [i for mb in mbs for i in mb["indices"]]
-        all_lens = batch.response_lens()  # once: it walks the whole batch
-        lens = [all_lens[i] for i in order]
-        flat = None
-        if outs is not None:
-            pieces = {}
-            for mb, out in zip(mbs, outs):
-                pieces.update(scatter_responses(out[key], mb))
-            flat = torch.cat([pieces[i] for i in order]) if order else torch.zeros(0)
-        flat = policy.share_from_last_stage(flat, sum(lens)).float()
-        mine = dict(zip(order, flat.split(lens)))
-        merged = {}
-        for part in policy.all_gather_data_parallel(mine):
-            merged.update(part)
-        return [merged[i] for i in range(len(batch))]
+        return batching.gather_responses(mbs, outs, key, batch)
 
     # ---- forward passes ---------------------------------------------------------------------
     def _logprobs(self, manager: MegatronModelManager, batch: RolloutBatch, with_entropy: bool,
