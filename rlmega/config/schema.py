@@ -114,8 +114,23 @@ POLICY_LOSS_DEFAULTS = {
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus"] = "grpo"
-    """How rewards become advantages (see rlmega.algorithms.advantages)."""
+    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
+    """How rewards become advantages (see rlmega.algorithms.advantages). "gae": PPO with a learned critic
+    (the ``critic`` section): per-token rewards (the outcome on the last action token, kl_in_reward's
+    per-token KL), Generalized Advantage Estimation with gamma and lam (rlmega.algorithms.gae)."""
+    gamma: float = 1.0
+    """gae: discount per action token, in (0, 1]. Tool output inside a response is not an action: it is
+    skipped, neither discounted nor credited."""
+    lam: float = 1.0
+    """gae: the GAE lambda in [0, 1] of the policy's advantages (and of the critic's returns unless
+    lam_critic is set). 1: Monte-Carlo returns minus the value baseline; 0: one-step TD."""
+    lam_critic: Optional[float] = None
+    """gae: VAPO's decoupled GAE, the lambda of the critic's returns (VAPO: 1.0); null: lam."""
+    lam_actor_alpha: Optional[float] = None
+    """gae: VAPO's length-adaptive lambda for the policy, lam_i = 1 - 1 / (alpha * response length)
+    (VAPO: alpha 0.05); null: lam for every response."""
+    whiten_advantages: bool = True
+    """gae: normalise the advantages over the batch's action tokens (mean 0, std 1)."""
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = "ppo_clip"
     """Policy-gradient surrogate (see rlmega.algorithms.losses)."""
     clip_eps_low: Optional[float] = None
@@ -313,6 +328,34 @@ class ActorConfig:
     """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff:
     the mean over real tokens of logsumexp(router logits)^2, which keeps them small), per MoE layer and
     normalised like moe_aux_loss_coeff; 0 = off. Finite, >= 0. Metric: moe_z_loss (without the coefficient)."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of algorithm.advantage_estimator=gae: the policy's architecture with a hidden -> 1
+    head (rlmega/critic_api.py), trained on the same backend as the actor (actor.backend), in worker
+    processes of its own placed like the actor's."""
+
+    path: str = ""
+    """A critic's HF folder (an XForTokenClassification export, e.g. RUN_DIR/critic_hf_final) or a causal
+    LM's (its body, and a fresh seeded value head). Empty: model.path, the policy RL starts from."""
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """Parameter and compute dtype; null: model.dtype. Values and the loss are float32 either way."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The critic's own AdamW and LR schedule (the same fields as the policy's optimizer section)."""
+    parallelism: Optional[ParallelismConfig] = None
+    """The critic's own layout (its world_size ranks); null: the actor's parallelism section. megatron:
+    tensor and pipeline sizes must divide the model as for the actor; fsdp: data parallel only."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget of one packed micro-batch; null: actor.max_tokens_per_micro_batch."""
+    cliprange_value: float = 0.5
+    """PPO's value clip: the new value may move at most this far from the old one before the loss stops
+    rewarding it (0: no clip)."""
+    warmup_steps: int = 0
+    """The first k RL steps train only the critic (the policy waits for a value baseline that means
+    something); must be smaller than trainer.total_steps."""
+    offload_while_generating: Optional[bool] = None
+    """As actor.offload_while_generating, for the critic's parameters, gradients and optimizer state."""
 
 
 @dataclass
@@ -515,6 +558,8 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Only used with algorithm.advantage_estimator=gae."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

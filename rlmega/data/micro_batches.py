@@ -16,7 +16,7 @@ the rows, row-major: position t of row r is index r * S + t, as ``logits.flatten
     mb["labels"]          (B*S,) next token at each position (0 where unused)
     mb["loss_mask"]       (B*S,) float, response_mask on prediction positions, else 0
     mb["seq_ids"]         (B*S,) int64, index into mb["indices"] (0 on padding, which is masked)
-    mb["advantages"|"old_logprobs"|"ref_logprobs"|"rollout_logprobs"]  (B*S,) when the batch has them
+    mb["advantages"|"old_logprobs"|"ref_logprobs"|"rollout_logprobs"|"returns"|"old_values"]  (B*S,) when the batch has them
     mb["rows"], mb["row_cu"]  the sample indices of each row and their offsets in it (len + 1 each)
     mb["real_tokens"]     (B*S,) bool, False on padding;  mb["generated"] (B*S,) bool, the response tokens
     mb["routed_experts"]  (B, S, M, K) int16 when the batch has routes (-1 on padding and where the batch has -1)
@@ -28,7 +28,7 @@ import torch
 from rlmega.data.packing import block_causal_mask, pack, placeholder_sample, split_rows
 from rlmega.data.rollout_batch import RolloutBatch
 
-_PER_TOKEN = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+_PER_TOKEN = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "returns", "old_values")
 
 
 def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int = 1,

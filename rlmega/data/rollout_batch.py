@@ -23,12 +23,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 # Per-sample tensors of shape (L_i - P_i,), one per response token.
-RESPONSE_FIELDS = ("response_mask", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs")
+RESPONSE_FIELDS = ("response_mask", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs", "returns",
+                   "old_values")
 # Tensors of shape (N,), one value per sample.
 SAMPLE_FIELDS = ("prompt_lens", "rewards", "group_ids", "sample_ids")
 # Per-sample tensors of shape (L_i, num_moe_layers, topk) int16, one row per token of prompt + response.
 TOKEN_FIELDS = ("routed_experts",)
-OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs", "routed_experts")
+OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs", "returns",
+                   "old_values", "routed_experts")
 _INT_FIELDS = ("tokens", "prompt_lens", "group_ids", "sample_ids")
 _FORMAT = "rlmega.RolloutBatch"
 _VERSION = 1
@@ -58,6 +60,10 @@ class RolloutBatch:
     """Per sample (L_i - P_i,) float32: the training policy's log-probs before the update."""
     ref_logprobs: list[torch.Tensor] | None = None
     """Per sample (L_i - P_i,) float32: the reference policy's log-probs (KL penalty)."""
+    returns: list[torch.Tensor] | None = None
+    """Per sample (L_i - P_i,) float32: the critic's regression targets (GAE returns; 0 on masked tokens)."""
+    old_values: list[torch.Tensor] | None = None
+    """Per sample (L_i - P_i,) float32: the critic's values before its update (the value clip's centre)."""
     routed_experts: list[torch.Tensor] | None = None
     """Per sample (L_i, num_moe_layers, topk) int16 (MoE routing replay): row j holds the experts
     (model-global ids, model-wide MoE layer order) that token j of prompt + response was routed to;

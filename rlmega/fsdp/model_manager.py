@@ -61,6 +61,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class FSDPModelManager:
+    AUTO_CLASS = "AutoModelForCausalLM"
+    """The transformers auto class an export is rebuilt with (a subclass whose ``model_provider_func``
+    builds another head names its own: rlmega/fsdp/critic.py's value model)."""
+
     def __init__(self, model: ModelConfig, optimizer: OptimizerConfig, actor: ActorConfig, world_size: int,
                  rank: int, lr_decay_steps: int = 1000, hf_config: dict | None = None):
         """``hf_config``: build that architecture with random weights (seeded by model.seed) instead
@@ -324,7 +328,7 @@ class FSDPModelManager:
         if self.rank == 0:
             partial = out_dir.with_name(out_dir.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            _cpu_copy(self.model.config, full).save_pretrained(partial, safe_serialization=True)
+            _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(partial, safe_serialization=True)
             source = Path(self.model_cfg.path) if self.model_cfg.path else None
             for name in _TOKENIZER_FILES if source else ():
                 if (source / name).exists():
@@ -341,14 +345,14 @@ def _models(extra: dict | None) -> dict | None:
     return None if extra is None else {k: v.model if isinstance(v, FSDPModelManager) else v for k, v in extra.items()}
 
 
-def _cpu_copy(config, state: dict) -> torch.nn.Module:
-    """A plain (unsharded) CPU model of ``config`` holding ``state``; save_pretrained stores a tied
-    head once, as HF does."""
-    from transformers import AutoModelForCausalLM
+def _cpu_copy(config, state: dict, auto_class: str = "AutoModelForCausalLM") -> torch.nn.Module:
+    """A plain (unsharded) CPU model of ``config`` (built by transformers' ``auto_class``) holding
+    ``state``; save_pretrained stores a tied head once, as HF does."""
+    import transformers
 
     config = type(config).from_dict(config.to_dict())
     config.use_cache = True  # gradient checkpointing turned it off on the training model
-    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+    model = getattr(transformers, auto_class).from_config(config, dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not _tied_head(model, k)]:
         raise RuntimeError(f"export: state dict does not match {type(model).__name__}: missing {missing}, "

@@ -28,6 +28,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from rlmega.config.hf_support import MOE_ARCHITECTURES, architecture, num_experts, unsupported_reason
+from rlmega.config.value_model import causal_lm_config, is_value_model
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -75,6 +76,7 @@ class ModelShape:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = False
+    value_head: bool = False  # a critic: the output layer is hidden -> 1 (HF score.weight), never tied
 
     @property
     def is_moe(self) -> bool:
@@ -82,6 +84,10 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf: dict, tp: int = 1) -> "ModelShape":
+        """A causal LM's shape; a critic's config (XForTokenClassification) gives its body's shape with
+        ``value_head`` set (rlmega/config/value_model.py)."""
+        if is_value_model(hf):
+            return dataclasses.replace(cls.from_hf(causal_lm_config(hf), tp), value_head=True)
         reason = unsupported_reason(hf)  # the same words as the config preflight's
         if reason:
             raise UnsupportedModelError(reason)

@@ -104,15 +104,24 @@ def read_hf_config(folder: str | Path) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list, folder: str | Path) -> None:
+def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None = None,
+                    missing: dict[str, torch.Tensor] | None = None) -> None:
     """Copy this rank's slices of the HF weights into its chunks (raw or DDP-wrapped). MoE: a rank
-    reads only the experts it holds (its expert-parallel share, its expert-TP slice)."""
+    reads only the experts it holds (its expert-parallel share, its expert-TP slice).
+
+    ``shape``: the model's (default: the folder's config), e.g. a critic's body read from a causal LM's
+    folder; ``missing``: HF tensors to use where the folder has none (a critic's fresh value head)."""
     reader = HFReader(folder)
-    shape = ModelShape.from_hf(read_hf_config(folder), ps.get_tensor_model_parallel_world_size())
+    shape = shape or ModelShape.from_hf(read_hf_config(folder), ps.get_tensor_model_parallel_world_size())
+    missing = missing or {}
+
+    def get(hf_name: str) -> torch.Tensor:
+        return missing[hf_name] if hf_name in missing and hf_name not in reader.where else reader.get(hf_name)
+
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
             tp_rank, tp = _tp_rank_and_size(name)
-            value = to_megatron_shard(name, reader.get, shape, tp_rank, tp)
+            value = to_megatron_shard(name, get, shape, tp_rank, tp)
             if value.shape != param.shape:
                 _, hf_names = rule(name, shape)
                 raise ValueError(
@@ -192,10 +201,12 @@ def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor
     return {k: v.cpu() for k, v in iter_hf_tensors(chunks, shape)}
 
 
-def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: bool = False) -> Path:
-    """Write the model as an HF folder (safetensors + config + tokenizer of ``source``). Collective."""
+def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: bool = False,
+              hf_config: dict | None = None) -> Path:
+    """Write the model as an HF folder (safetensors + config + tokenizer of ``source``). Collective.
+    ``hf_config``: the config.json to write (default ``source``'s), e.g. a critic's."""
     out_dir, source = Path(out_dir), Path(source)
-    hf_config = read_hf_config(source)
+    hf_config = dict(hf_config) if hf_config is not None else read_hf_config(source)
     shape = ModelShape.from_hf(hf_config, ps.get_tensor_model_parallel_world_size())
     partial = out_dir.with_name(out_dir.name + ".partial")
     rank0 = dist.get_rank() == 0

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from rlmega.config.hf_support import MOE_HF_NAMES  # the per-family HF names of the router and experts
+from rlmega.config.value_model import VALUE_HEAD
 from rlmega.megatron.hf_config import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -108,6 +109,8 @@ def rule(mcore_name: str, shape: ModelShape) -> tuple[str, list[str]]:
     if mcore_name not in _GLOBAL_RULES:
         raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
     kind, names = _GLOBAL_RULES[mcore_name]
+    if mcore_name == "output_layer.weight" and shape.value_head:
+        return "replicated", [VALUE_HEAD]  # a critic's hidden -> 1 head, whole on every TP rank
     if mcore_name == "output_layer.weight" and shape.tie_word_embeddings:
         names = ("model.embed_tokens.weight",)  # tied: the head is the embedding
     return kind, list(names)

@@ -30,9 +30,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
 from rlmega.megatron import checkpoint, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
+from rlmega.megatron.value_head import ValueHead
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -67,8 +69,13 @@ def transformer_engine_usable() -> bool:
 class MegatronModelManager:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
                  lr_decay_steps: int = 1000, hf_config: dict | None = None,
-                 moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False):
+                 moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
+                 value_head: bool = False):
         """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch).
+
+        ``value_head``: a critic (rlmega/megatron/critic.py): the output layer is hidden -> 1 (ValueHead,
+        HF ``score.weight``); model.path may be a critic's export or a causal LM, whose body it takes
+        with a fresh head (rlmega.config.value_model), and an export writes the critic's config.
 
         MoE models: expert parallelism comes from ``parallel.expert_model_parallel_size`` (must match
         ``init_megatron(ep=...)``); ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` (actor section) and
@@ -78,6 +85,8 @@ class MegatronModelManager:
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
         self.lr_decay_steps = lr_decay_steps
         self.hf_config = hf_config if hf_config is not None else read_hf_config(model.path)
+        if value_head:
+            self.hf_config = value_model_config(self.hf_config)  # a causal LM's config becomes its critic's
         self.dtype = _DTYPES[model.dtype]
         self.use_te = transformer_engine_usable()
         vpp = parallel.virtual_pipeline_model_parallel_size
@@ -104,8 +113,9 @@ class MegatronModelManager:
 
     # ---- building ---------------------------------------------------------------------------
     def model_provider_func(self, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
-        """One model chunk; pre_process holds the embedding, post_process the output head."""
-        return GPTModel(
+        """One model chunk; pre_process holds the embedding, post_process the output head (a critic's:
+        the value head, seeded as rlmega.config.value_model.fresh_value_head until weights load)."""
+        model = GPTModel(
             config=self.transformer_config,
             transformer_layer_spec=layer_spec(self.use_te, self.shape),
             pre_process=pre_process,
@@ -113,6 +123,15 @@ class MegatronModelManager:
             vp_stage=vp_stage,
             **self.gpt_kwargs,
         )
+        if post_process and self.shape.value_head:
+            model.output_layer = ValueHead(self.shape.hidden_size, self.dtype)
+            with torch.no_grad():
+                model.output_layer.weight.copy_(self.fresh_head())
+        return model
+
+    def fresh_head(self) -> torch.Tensor:
+        """A critic's value head before training, when its folder has none (both backends draw it alike)."""
+        return fresh_value_head(self.shape.hidden_size, head_std(self.hf_config), self.model_cfg.seed)
 
     def build_model_chunks(self) -> list[torch.nn.Module]:
         """This rank's chunks: GPTModel, wrapped in Float16Module for bf16."""
@@ -137,7 +156,8 @@ class MegatronModelManager:
         """Chunks (HF weights loaded when model.path is set), DDP, optimizer and LR schedule."""
         chunks = self.build_model_chunks()
         if load_weights and self.model_cfg.path:
-            load_hf_weights(chunks, self.model_cfg.path)
+            fresh = {VALUE_HEAD: self.fresh_head()} if self.shape.value_head else None
+            load_hf_weights(chunks, self.model_cfg.path, shape=self.shape, missing=fresh)
         if not with_optimizer:
             self.model = chunks
             return
@@ -247,7 +267,8 @@ class MegatronModelManager:
         return step, extra
 
     def export_hf(self, out_dir: str | Path, overwrite: bool = False) -> Path:
-        return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite)
+        return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite,
+                         hf_config=self.hf_config if self.shape.value_head else None)
 
     def unwrapped(self) -> list[GPTModel]:
         return [unwrap(c) for c in self.model]

@@ -28,7 +28,7 @@ def make_batch(full: bool = True, seed: int = 0) -> RolloutBatch:
     if full:
         fields.update(
             rollout_logprobs=per_token(), rewards=torch.randn(n, generator=g), advantages=per_token(),
-            old_logprobs=per_token(), ref_logprobs=per_token(),
+            old_logprobs=per_token(), ref_logprobs=per_token(), returns=per_token(), old_values=per_token(),
             # (L_i, 2 MoE layers, top-2) expert ids, -1 on the last token (never routed by the engine).
             routed_experts=[torch.cat([torch.randint(0, 8, (p + r - 1, 2, 2), generator=g),
                                        torch.full((1, 2, 2), -1)]).to(torch.int16)
