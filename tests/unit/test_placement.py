@@ -162,3 +162,82 @@ def test_threads_split_each_node_among_its_processes():
     assert threads.per_process(["a", "a", "b"], {"a": 4, "b": 2}) == [2, 2, 2]
     assert threads.per_process(["a"] * 4, {"a": 2}) == [1] * 4  # never below one
     assert threads.per_process(["a", "b"], {"a": 3.5}) == [3, 1]  # fractional Ray CPUs; unknown node: 1
+
+
+def _check_resources(plan):
+    """Each bundle covers what the slots in it ask: CPUs on a slot's first bundle, GPUs on each of its bundles
+    (the fractional shares on one GPU add up to at most one)."""
+    cpus, gpus = Counter(), Counter()
+    for s in plan.ranks + plan.engines + plan.critics:
+        cpus[s.group, s.bundles[0]] += s.cpus
+        for b in s.bundles:
+            gpus[s.group, b] += s.gpus
+    for (g, b), n in cpus.items():
+        assert n <= plan.groups[g][b]["CPU"] + 1e-9, (g, b)
+    for (g, b), n in gpus.items():
+        assert n <= plan.groups[g][b].get("GPU", 0) + 1e-9 and n <= 1 + 1e-9, (g, b)
+
+
+_T = 1 / 3
+# (world, TP), rollout, cluster, critic_world -> each critic rank's (group, bundle, gpus), bundles per group
+CRITIC_CASES = {
+    "cpu one group, colocated": (
+        (2, 1), dict(num_engines=3), dict(actor_cpus_per_rank=0.5, engine_cpus=0.25), 3,
+        [(0, 2, 0.0), (0, 3, 0.0), (0, 4, 0.0)], [5]),
+    "cpu one group, separate": (
+        (2, 1), dict(num_engines=1), dict(colocate=False), 2, [(0, 3, 0.0), (0, 4, 0.0)], [5]),
+    "cpu per node, groups added": (  # critic rank c on trainer rank c's node; ranks 4-5 on a third node
+        (4, 2), dict(num_engines=3), dict(cpu_ranks_per_node=2), 6,
+        [(0, 2, 0.0), (0, 3, 0.0), (1, 2, 0.0), (1, 3, 0.0), (2, 0, 0.0), (2, 1, 0.0)], [4, 4, 2]),
+    "cpu per node, separate, smaller": (
+        (4, 2), dict(num_engines=2), dict(cpu_ranks_per_node=2, colocate=False), 1, [(0, 3, 0.0)], [4, 3]),
+    "gpu colocated, a third each": (
+        (16, 4), dict(device="cuda", num_engines=8, tensor_parallel_size=2), dict(), 8,
+        [(0, c, _T) for c in range(8)], [8, 8]),
+    "gpu colocated, every trainer gpu": (
+        (8, 2), dict(device="cuda", num_engines=4, tensor_parallel_size=2), dict(), 8,
+        [(0, c, _T) for c in range(8)], [8]),
+    "gpu separate, between trainer and engines": (  # trainer 8+4, critic 8+2, engines of TP4 two per node
+        (12, 4), dict(device="cuda", num_engines=3, tensor_parallel_size=4), dict(colocate=False), 10,
+        [(2 + c // 8, c % 8, 1.0) for c in range(10)], [8, 4, 8, 2, 8, 4]),
+}
+
+
+@pytest.mark.parametrize("case", CRITIC_CASES, ids=list(CRITIC_CASES))
+def test_critic_ranks_are_placed_like_the_trainers(case):
+    (world, ttp), roll, clu, critic_world, critics, sizes = CRITIC_CASES[case]
+    args = (ParallelismConfig(tensor_model_parallel_size=ttp, world_size=world), RolloutConfig(**roll),
+            ClusterConfig(**clu))
+    plain, plan = placement_plan(*args), placement_plan(*args, critic_world)
+    assert plain.critics == [] and placement_plan(*args, 0) == plain
+    assert [(s.group, s.bundles, s.gpus) for s in plan.critics] == [(g, (b,), x) for g, b, x in critics]
+    assert [len(g) for g in plan.groups] == sizes and plan.strategy == plain.strategy
+    assert {s.cpus for s in plan.critics} == {args[2].actor_cpus_per_rank}
+    _check_resources(plain)
+    _check_resources(plan)
+    # The trainer keeps its slots and the engines their bundles; separate GPU engines move past the critic's nodes.
+    assert [(s.group, s.bundles) for s in plan.ranks] == [(s.group, s.bundles) for s in plain.ranks]
+    shift = len(plan.groups) - len(plain.groups) if roll.get("device") == "cuda" and not args[2].colocate else 0
+    assert [(s.group, s.bundles) for s in plan.engines] == [(s.group + shift, s.bundles) for s in plain.engines]
+    if roll.get("device") == "cuda" and args[2].colocate:  # trainer, engine worker and critic: a third of a GPU each
+        assert {s.gpus for s in plan.ranks + plan.engines} == {_T} and {s.gpus for s in plain.ranks} == {0.5}
+        load = Counter()
+        for s in plan.ranks + plan.engines + plan.critics:
+            for g in plan.gpus(s):
+                load[g] += s.gpus
+        # a critic's GPU holds all three
+        assert all(abs(load[g] - 1) < 1e-9 for s in plan.critics for g in plan.gpus(s))
+        # critic rank c's CPUs join trainer rank c's bundle
+        assert all(plan.groups[s.group][s.bundles[0]]["CPU"] == plain.groups[s.group][s.bundles[0]]["CPU"] + s.cpus
+                   for s in plan.critics)
+    else:
+        assert all(plan.groups[s.group][s.bundles[0]] == {"CPU": s.cpus, **({"GPU": 1} if s.gpus else {})}
+                   for s in plan.critics)
+
+
+def test_a_colocated_critic_larger_than_the_trainer_is_refused():
+    par, roll = ParallelismConfig(world_size=8), RolloutConfig(device="cuda")
+    with pytest.raises(PlacementError, match=r"critic.parallelism.world_size: 9 colocated critic ranks .* Fix: set "
+                                             r"critic.parallelism.world_size <= 8, or cluster.colocate=false"):
+        placement_plan(par, roll, ClusterConfig(), 9)
+    assert len(placement_plan(par, roll, ClusterConfig(colocate=False), 9).critics) == 9
