@@ -5,7 +5,9 @@ checks that it can run HERE: the model folder (config.json, safetensors headers 
 each other: rlmega/config/model_files.py), the reward function (importable, and its signature), the
 data files, the run folder, the dashboard address, the devices, the embedded Ray's size, and whether
 the embedded cluster's processes fit this machine's memory and cores. ``rlmega train`` and
-``rlmega check-config`` run both, so a mistake costs seconds, not a cluster start-up.
+``rlmega check-config`` run both, so a mistake costs seconds, not a cluster start-up. With
+algorithm.advantage_estimator=gae also the critic's folder (critic.path: a value model or causal LM of the
+policy's shape) and the launch (torchrun cannot host the critic's worker group).
 
     cfg = load_config("configs/tiny_cpu.yaml")
     preflight(cfg)          # ConfigError listing every problem: "field: problem. Fix: ..."
@@ -24,22 +26,22 @@ import tempfile
 from typing import List
 
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
-from rlmega.config.model_files import tokenizer_problems, weight_problems
+from rlmega.config.model_files import HeaderError, read_safetensors_header, tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
-from rlmega.config.validate import ConfigError, problem
+from rlmega.config.validate import ConfigError, critic_ranks, problem
 from rlmega.data.prompts import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 
 def roles_cpus(cfg: RLConfig) -> float:
-    """Ray CPUs the run's roles reserve (trainer ranks, engines, agent-loop and judger actors)."""
+    """Ray CPUs the run's roles reserve (trainer ranks, the critic's, engines, agent-loop and judger actors)."""
     from rlmega.agents.placement import agent_cpus
     from rlmega.agents.tasks import task_configs
 
     c = cfg.cluster
-    return (cfg.parallelism.world_size * c.actor_cpus_per_rank + cfg.rollout.num_engines * c.engine_cpus
-            + agent_cpus(task_configs(cfg), cfg.reward, c.reward_cpus))
+    return ((cfg.parallelism.world_size + critic_ranks(cfg)) * c.actor_cpus_per_rank
+            + cfg.rollout.num_engines * c.engine_cpus + agent_cpus(task_configs(cfg), cfg.reward, c.reward_cpus))
 
 
 def _model(cfg: RLConfig) -> List[str]:
@@ -93,6 +95,90 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     return why and problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
                            "use an architecture vLLM serves (vLLM's supported-models list), e.g. Llama, Qwen2, "
                            "Phi3, Gemma")
+
+
+def _critic(cfg: RLConfig) -> List[str]:
+    """gae: the folder the critic starts from (critic.path, else model.path) builds a value model of the policy's
+    shape. critic.path: a critic's export (XForTokenClassification, its score.weight [1, hidden]) or a causal
+    LM (its body), whose architecture the learner takes, with the policy's hidden_size, num_hidden_layers and
+    vocab_size (the critic reads the policy's tokens), and safetensors weights."""
+    if cfg.algorithm.advantage_estimator != "gae":
+        return []
+    path, fix = cfg.critic.path, ("point critic.path at a critic's export (e.g. RUN_DIR/critic_hf_final) or a "
+                                  "causal LM folder of the policy's shape, or leave it empty (model.path)")
+    if not path:
+        return _token_classification("model.path", cfg.model.path, cfg) if cfg.actor.backend == "fsdp" else []
+    if not os.path.isdir(path):
+        return [problem("critic.path", f"{path!r} is not a folder", fix)]
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        return [problem("critic.path", f"cannot read {path}/config.json: {e}", fix)]
+    if not isinstance(hf, dict):
+        return [problem("critic.path", f"{path}/config.json holds a JSON {type(hf).__name__}, not an object", fix)]
+    from rlmega.config.value_model import causal_lm_config, is_value_model  # imports torch: only here
+
+    value = is_value_model(hf)
+    causal = causal_lm_config(hf) if value else hf
+    archs = hf.get("architectures") or []
+    kinds = ("ForCausalLM", "ForTokenClassification")
+    why = (f"architectures {archs} names neither a causal LM nor a value model (XForTokenClassification)"
+           if archs and not any(a.endswith(kinds) for a in archs) else
+           unsupported_reason(causal) if cfg.actor.backend == "megatron" else transformers_reason(path, causal))
+    if why:
+        return [problem("critic.path", f"{path!r}: {why}", fix)]
+    out = _token_classification("critic.path", path, cfg, hf) if cfg.actor.backend == "fsdp" else []
+    try:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            policy = json.load(f)
+    except (OSError, ValueError):
+        policy = None  # model.path's own check names it
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size") if isinstance(policy, dict) else ():
+        if hf.get(key) != policy.get(key):
+            out.append(problem("critic.path", f"{key}={hf.get(key)} in {path}/config.json, but model.path's "
+                               f"{key}={policy.get(key)}: the critic is the policy's architecture and scores the "
+                               "policy's tokens", "use a critic made from this policy (or from a model of its "
+                               "shape and vocabulary), or leave critic.path empty"))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return out + [problem("critic.path", f"{path!r} has no *.safetensors weights", "save the critic or model "
+                              "into that folder with save_pretrained (safetensors), or the critic's export_hf")]
+    if not value:
+        return out + [problem("critic.path", why, "save the model again with save_pretrained, or fix config.json")
+                      for why in weight_problems(path, hf)]
+    try:
+        head = {k: v for f in files for k, v in read_safetensors_header(f).items()}.get("score.weight")
+    except (HeaderError, OSError) as e:
+        return out + [problem("critic.path", f"a weights file is not a complete safetensors file: {e}",
+                              "export the critic again (export_hf)")]
+    if head is None or head[1] != [1, hf.get("hidden_size")]:
+        out.append(problem("critic.path", f"config.json names a value model, but its weights have "
+                           f"{'no score.weight' if head is None else f'score.weight {head[1]}'} (a value head is "
+                           f"[1, hidden_size={hf.get('hidden_size')}])", "export the critic again (export_hf), or "
+                           "point critic.path at the causal LM it was made from (a fresh value head is drawn)"))
+    return out
+
+
+def _token_classification(field: str, path: str, cfg: RLConfig, hf: dict | None = None) -> List[str]:
+    """actor.backend=fsdp builds the critic as transformers' AutoModelForTokenClassification of the folder's
+    model_type; [] where that has a class (or model.path's own check already refuses the folder)."""
+    if hf is None:
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return []
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES as names
+
+    model_type = hf.get("model_type") if isinstance(hf, dict) else None
+    if model_type is None or model_type in names:
+        return []
+    return [problem(field, f"{path!r}: the critic of algorithm.advantage_estimator=gae on actor.backend=fsdp is "
+                    "transformers' AutoModelForTokenClassification, which has "
+                    f"no class for model_type={model_type!r}", "use actor.backend=megatron, or a model family with an "
+                    "XForTokenClassification in transformers (e.g. Llama, Qwen2, Qwen3), or "
+                    "algorithm.advantage_estimator other than gae")]
 
 
 def _reward(cfg: RLConfig) -> List[str]:
@@ -188,8 +274,9 @@ def _devices_and_cluster(cfg: RLConfig) -> List[str]:
                                "is set, so everything runs here)",
                                "set rollout.device=cpu, or attach to a GPU cluster with cluster.address"))
     if c.num_cpus is not None and c.num_cpus < roles_cpus(cfg):
+        critic = " + the critic's world_size x actor_cpus_per_rank" if critic_ranks(cfg) else ""
         out.append(problem("cluster.num_cpus", f"{c.num_cpus} CPUs, but the roles reserve {roles_cpus(cfg):g} "
-                           f"(world_size x actor_cpus_per_rank + num_engines x engine_cpus + "
+                           f"(world_size x actor_cpus_per_rank{critic} + num_engines x engine_cpus + "
                            f"agent-loop and judger actors): Ray could never place them",
                            f"set cluster.num_cpus >= {roles_cpus(cfg):g} (Ray CPUs are reservations, not cores), "
                            "lower cluster.*_cpus, or leave cluster.num_cpus unset"))
@@ -219,7 +306,7 @@ def _machine(cfg: RLConfig) -> List[str]:
     r, cores, mem = cfg.rollout, os.cpu_count() or 1, _machine_memory_gib()
     # Under torchrun only this node's ranks run here (the engines and actors on the embedded Ray do).
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallelism.world_size)) \
-        if "TORCHELASTIC_RUN_ID" in os.environ else cfg.parallelism.world_size
+        if "TORCHELASTIC_RUN_ID" in os.environ else cfg.parallelism.world_size + critic_ranks(cfg)
     actors = 0
     for t in task_configs(cfg):
         loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, cfg.reward, cfg.cluster.reward_cpus))
@@ -228,7 +315,8 @@ def _machine(cfg: RLConfig) -> List[str]:
     need = ((ranks + r.num_engines) * RANK_OR_ENGINE_GIB + r.num_engines * kv
             + actors * ACTOR_GIB)
     out = []
-    what = (f"{ranks} trainer ranks, {r.num_engines} engines"
+    critic = " (the critic's included)" if critic_ranks(cfg) else ""
+    what = (f"{ranks} trainer ranks{critic}, {r.num_engines} engines"
             f"{f' with {kv:g} GiB of KV cache each' if kv else ''} and {actors} agent/judger actors")
     if need > mem:
         out.append(problem("rollout.num_engines" if r.num_engines * (RANK_OR_ENGINE_GIB + kv) > need / 2
@@ -247,11 +335,18 @@ def _machine(cfg: RLConfig) -> List[str]:
 
 
 def _torchrun(cfg: RLConfig) -> List[str]:
-    """Under torchrun its processes are the trainer ranks (launch/torchrun_group.py): as many as the config's."""
+    """Under torchrun its processes are the trainer ranks (launch/torchrun_group.py): as many as the config's,
+    and the policy's only (the critic of gae would need a worker group of its own)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
         return []
     started, world = int(os.environ["WORLD_SIZE"]), cfg.parallelism.world_size
     out = []
+    if cfg.algorithm.advantage_estimator == "gae":
+        out.append(problem("algorithm.advantage_estimator", "gae trains a critic in worker processes of its own, but "
+                           "under torchrun the trainer ranks are torchrun's processes and host the policy only: "
+                           "there is no second worker group for the critic", "launch with Ray instead: "
+                           "rlmega train CONFIG (without torchrun; cluster.address to attach to a cluster), or use "
+                           "an estimator without a critic (grpo, rloo, reinforce_plus_plus) under torchrun"))
     if started != world:
         out.append(problem("parallelism.world_size", f"is {world} but torchrun started {started} processes",
                            f"start torchrun with --nnodes x --nproc-per-node = {world}, "
@@ -269,7 +364,7 @@ def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
     from rlmega.agents.tasks import task_configs
 
-    out = _model(cfg) + _reward(cfg)
+    out = _model(cfg) + _critic(cfg) + _reward(cfg)
     for i, t in enumerate(cfg.tasks or task_configs(cfg)):  # each task's prompt files (the data section's)
         f, d = (f"tasks[{i}].data" if cfg.tasks else "data"), t.data
         out += (_data_file(f"{f}.train_path", d.train_path, d.prompt_key, d.label_key, f)

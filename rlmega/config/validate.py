@@ -12,8 +12,14 @@ preflight's (rlmega/config/hf_support.py).
 Mixture of experts (megatron only): expert parallelism, the router's aux/z losses and routing replay
 need a model whose config.json has routed experts, and the layout must carve megatron-core's expert
 grid (rlmega/config/moe_rules.py).
+
+The critic (algorithm.advantage_estimator=gae): its optimizer section is checked as the actor's, its
+own layout (critic.parallelism, when set) by the same rules against its model (critic.path, else
+model.path), named critic.*; it runs without expert parallelism. The critic section is otherwise unused
+by the other estimators, where only a critic warm-up (which would do nothing) is refused.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -23,7 +29,7 @@ from typing import Callable, List, Optional, Tuple
 
 from rlmega.config import moe_rules
 from rlmega.config.errors import ConfigError, problem
-from rlmega.config.schema import RLConfig
+from rlmega.config.schema import ParallelismConfig, RLConfig
 from rlmega.runs import find_checkpoint
 from rlmega.sync.parity_limits import parity_limits
 
@@ -46,8 +52,16 @@ class ModelShape:
     moe_topk: int = 0  # experts each token is routed to (num_experts_per_tok); 0 = dense
 
 
-def read_model_shape(path: str) -> ModelShape:
-    """Read the attention/layer shape from a Hugging Face config.json; ConfigError names model.path."""
+def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
+    """Read the attention/layer shape from a Hugging Face config.json; ConfigError names ``field``."""
+    try:
+        return _read_model_shape(path)
+    except ConfigError as e:  # the lines below (and moe_rules.experts) name model.path
+        raise ConfigError([field + p[len("model.path"):] if p.startswith("model.path:") else p
+                           for p in e.problems]) from None
+
+
+def _read_model_shape(path: str) -> ModelShape:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ConfigError([problem("model.path", f"no config.json in {path!r}",
@@ -118,16 +132,23 @@ def _upto(hi, lo: int = 1):
     return (lambda v: lo <= v <= hi, f"in [{lo}, {hi}]")
 
 
-_RANGES: List[_Rule] = [(f, *rule) for f, rule in [
-    ("parallelism.tensor_model_parallel_size", _GE1), ("parallelism.pipeline_model_parallel_size", _GE1),
-    ("parallelism.virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
-    ("parallelism.world_size", _GE1), ("parallelism.expert_model_parallel_size", _GE1), ("model.seed", _SEED),
-    ("actor.moe_aux_loss_coeff", _GE0), ("actor.moe_z_loss_coeff", _GE0),
+# The rules of a ParallelismConfig and an OptimizerConfig, wherever one sits (the actor's, the critic's).
+_PARALLELISM = [
+    ("tensor_model_parallel_size", _GE1), ("pipeline_model_parallel_size", _GE1),
+    ("virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
+    ("world_size", _GE1), ("expert_model_parallel_size", _GE1)]
+_OPTIMIZER = [
     # Adam moves each weight by about lr per step: past 1 every update outgrows typical weights.
-    ("optimizer.lr", (lambda v: 0 <= v <= 1, "in [0, 1]")), ("optimizer.min_lr", _GE0),
-    ("optimizer.weight_decay", _GE0),
-    ("optimizer.adam_beta1", _UNIT), ("optimizer.adam_beta2", _UNIT), ("optimizer.adam_eps", _GT0),
-    ("optimizer.clip_grad", _GE0), ("optimizer.lr_warmup_steps", _GE0),
+    ("lr", (lambda v: 0 <= v <= 1, "in [0, 1]")), ("min_lr", _GE0), ("weight_decay", _GE0),
+    ("adam_beta1", _UNIT), ("adam_beta2", _UNIT), ("adam_eps", _GT0), ("clip_grad", _GE0), ("lr_warmup_steps", _GE0)]
+
+
+def _in(section: str, rules) -> List[_Rule]:
+    return [(f"{section}.{name}", *rule) for name, rule in rules]
+
+
+_RANGES: List[_Rule] = _in("parallelism", _PARALLELISM) + _in("optimizer", _OPTIMIZER) + [(f, *rule) for f, rule in [
+    ("model.seed", _SEED), ("actor.moe_aux_loss_coeff", _GE0), ("actor.moe_z_loss_coeff", _GE0),
     ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", _GE1),
     ("rollout.n", _upto(MAX_ACTORS)),
     ("rollout.temperature", _GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
@@ -157,7 +178,18 @@ _RANGES: List[_Rule] = [(f, *rule) for f, rule in [
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
     ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
     ("algorithm.max_sampling_rounds", _GE1), ("algorithm.overlong_penalty_factor", _GE0),
-]]
+    # gae and its critic: ranges always (a value is wrong or not), the rest only with gae (_critic_problems)
+    ("algorithm.gamma", (lambda v: 0 < v <= 1, "in (0, 1]")), ("algorithm.lam", (lambda v: 0 <= v <= 1, "in [0, 1]")),
+    ("algorithm.lam_critic", (lambda v: v is None or 0 <= v <= 1, "null (lam) or in [0, 1]")),
+    ("algorithm.lam_actor_alpha", (lambda v: v is None or v > 0, "null (lam for every response) or > 0")),
+    ("critic.cliprange_value", (lambda v: v >= 0, ">= 0 (0: no clip)")), ("critic.warmup_steps", _GE0),
+    ("critic.max_tokens_per_micro_batch", (lambda v: v is None or v >= 1,
+                                           "null (actor.max_tokens_per_micro_batch) or >= 1")),
+]] + _in("critic.optimizer", _OPTIMIZER)
+
+
+def _ranges(cfg: RLConfig) -> List[_Rule]:
+    return _RANGES + (_in("critic.parallelism", _PARALLELISM) if cfg.critic.parallelism is not None else [])
 
 
 def _number_problems(obj, prefix: str = "") -> List[str]:
@@ -202,89 +234,103 @@ def _unused_sections(cfg: RLConfig) -> List[str]:
 
 
 def _get(cfg: RLConfig, dotted: str):
-    section, name = dotted.split(".")
-    return getattr(getattr(cfg, section), name)
+    return functools.reduce(getattr, dotted.split("."), cfg)
 
 
-def _choice_problems(cfg: RLConfig) -> List[str]:
-    """Literal fields hold one of their choices (OmegaConf checks this on load, not for Python-built configs)."""
+def _choice_problems(cfg, prefix: str = "") -> List[str]:
+    """Literal fields hold one of their choices (OmegaConf checks this on load, not for Python-built configs),
+    in every section and the sections inside one (critic.optimizer, critic.parallelism)."""
     out = []
-    for sec in dataclasses.fields(cfg):
-        section = getattr(cfg, sec.name)
-        for name, hint in typing.get_type_hints(type(section)).items():
-            value, args = getattr(section, name), typing.get_args(hint)
-            if typing.get_origin(hint) is typing.Union and type(None) in args:  # Optional[Literal[...]]
-                if value is None:
-                    continue
-                hint = next(a for a in args if a is not type(None))
-            if typing.get_origin(hint) is typing.Literal and getattr(section, name) not in typing.get_args(hint):
-                choices = ", ".join(typing.get_args(hint))
-                out.append(problem(f"{sec.name}.{name}", f"{getattr(section, name)!r} is not a valid choice",
-                                   f"use one of: {choices}"))
+    for name, hint in typing.get_type_hints(type(cfg)).items():
+        value, args, field = getattr(cfg, name), typing.get_args(hint), f"{prefix}{name}"
+        if dataclasses.is_dataclass(value):
+            out += _choice_problems(value, field + ".")
+            continue
+        if typing.get_origin(hint) is typing.Union and type(None) in args:  # Optional[Literal[...]]
+            if value is None:
+                continue
+            hint = next(a for a in args if a is not type(None))
+        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            out.append(problem(field, f"{value!r} is not a valid choice",
+                               f"use one of: {', '.join(typing.get_args(hint))}"))
     return out
 
 
-def _sizes(cfg: RLConfig) -> Tuple[int, int, int]:
+def _sizes(par: ParallelismConfig) -> Tuple[int, int, int]:
     """(TP, PP, VPP) with VPP None counted as 1 (no interleaving)."""
-    par = cfg.parallelism
     vpp = par.virtual_pipeline_model_parallel_size or 1
     return par.tensor_model_parallel_size, par.pipeline_model_parallel_size, vpp
 
 
 def _layout_problems(cfg: RLConfig) -> List[str]:
     """Parallel layout and batch arithmetic; assumes the sizes passed the range checks."""
-    par, tr, out = cfg.parallelism, cfg.trainer, []
-    tp, pp, vpp = _sizes(cfg)
-    if vpp > 1 and pp == 1 and cfg.actor.backend == "megatron":  # fsdp: _backend_problems names it
-        out.append(problem("parallelism.virtual_pipeline_model_parallel_size",
-                           f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1",
-                           "set parallelism.pipeline_model_parallel_size >= 2, "
-                           "or parallelism.virtual_pipeline_model_parallel_size=null"))
-    if par.world_size % (tp * pp):
-        out.append(problem("parallelism.world_size",
-                           f"world_size={par.world_size} is not a multiple of TP x PP = {tp * pp}",
-                           f"set parallelism.world_size to a multiple of {tp * pp} (e.g. {tp * pp}, {2 * tp * pp})"))
+    tr = cfg.trainer
+    out = _grid_problems(cfg, "parallelism", cfg.parallelism)
     samples = tr.prompts_per_step * cfg.rollout.n
     if samples % tr.global_batch_size:
         out.append(problem("trainer.global_batch_size",
                            f"prompts_per_step x rollout.n = {samples} samples per step is not a multiple of "
                            f"global_batch_size={tr.global_batch_size}",
                            f"set trainer.global_batch_size to a divisor of {samples}: {_divisors(samples)}"))
-    if par.world_size % (tp * pp) == 0:
-        out += _micro_batch_problems(cfg, par.data_parallel_size, pp, vpp)
     return out + moe_rules.layout_problems(cfg)
 
 
-def _micro_batch_problems(cfg: RLConfig, dp: int, pp: int, vpp: int) -> List[str]:
+def _grid_problems(cfg: RLConfig, sec: str, par: ParallelismConfig) -> List[str]:
+    """One learner's layout, ``par`` named ``sec`` (the actor's parallelism, or critic.parallelism): VPP needs
+    PP (megatron; fsdp refuses VPP itself), world_size a multiple of TP x PP, a sample for every DP rank."""
+    out = []
+    tp, pp, vpp = _sizes(par)
+    if vpp > 1 and pp == 1 and cfg.actor.backend == "megatron":  # fsdp: _fsdp_layout_problems names it
+        out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size",
+                           f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1",
+                           f"set {sec}.pipeline_model_parallel_size >= 2, "
+                           f"or {sec}.virtual_pipeline_model_parallel_size=null"))
+    if par.world_size % (tp * pp):
+        out.append(problem(f"{sec}.world_size",
+                           f"world_size={par.world_size} is not a multiple of TP x PP = {tp * pp}",
+                           f"set {sec}.world_size to a multiple of {tp * pp} (e.g. {tp * pp}, {2 * tp * pp})"))
+    else:
+        out += _micro_batch_problems(cfg, par.data_parallel_size, pp, vpp, sec)
+    return out
+
+
+def _micro_batch_problems(cfg: RLConfig, dp: int, pp: int, vpp: int, sec: str = "parallelism") -> List[str]:
     """What ``plan_micro_batches`` would refuse mid-run, checked at load.
 
     Each optimizer step's samples are balanced over the DP ranks (the least loaded gets
     floor(batch / DP)), and every rank needs one sample; Megatron's interleaved schedule (VPP > 1)
     needs each rank's micro-batch count to be a multiple of PP, i.e. at least PP one-sample
-    micro-batches. The supervised warm start trains on batches of prompts_per_step prompts.
+    micro-batches. The supervised warm start (the policy's: ``sec`` parallelism) trains on batches of
+    prompts_per_step prompts.
     """
     tr, out = cfg.trainer, []
-    need = pp if vpp > 1 else 1
+    need, of = (pp if vpp > 1 else 1), ("" if sec == "parallelism" else f" of {sec}")
     why = (f"the interleaved pipeline schedule (VPP={vpp}) needs at least PP={pp} micro-batches of one sample "
-           f"on each of the DP={dp} ranks" if vpp > 1 else f"each of the DP={dp} data-parallel ranks needs a sample")
+           f"on each of the DP={dp} ranks{of}" if vpp > 1 else f"each of the DP={dp} data-parallel ranks{of} "
+           "needs a sample")
     batches = [("trainer.global_batch_size", tr.global_batch_size, "samples per optimizer step")]
-    if tr.warmup_sft_steps:
+    if tr.warmup_sft_steps and sec == "parallelism":
         batches.append(("trainer.prompts_per_step", tr.prompts_per_step, "prompts per warm-start step"))
     for field, size, what in batches:
         if size // dp < need:
             out.append(problem(field, f"{field.split('.')[1]}={size} {what}: {why}",
                                f"set {field} >= {need * dp}"
-                               + (", or disable interleaving (virtual_pipeline_model_parallel_size=null)"
-                                  if vpp > 1 else ", or use fewer data-parallel ranks")))
+                               + (f", or disable interleaving ({sec}.virtual_pipeline_model_parallel_size=null)"
+                                  if vpp > 1 else f", or use fewer data-parallel ranks{of}")))
     return out
 
 
+def critic_ranks(cfg: RLConfig) -> int:
+    """The critic's ranks (its own worker group, algorithm.advantage_estimator=gae); 0 without a critic."""
+    return (cfg.critic.parallelism or cfg.parallelism).world_size if cfg.algorithm.advantage_estimator == "gae" else 0
+
+
 def _placement_problems(cfg: RLConfig) -> List[str]:
-    """Trainer ranks and engines fit the nodes (rlmega.launch.placement builds the plan Ray gets)."""
+    """Trainer ranks, the critic's and engines fit the nodes (rlmega.launch.placement builds the plan Ray gets)."""
     from rlmega.launch.placement import PlacementError, placement_plan
 
     try:
-        placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster)
+        placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster, critic_world=critic_ranks(cfg))
     except PlacementError as e:
         return [str(e)]
     return []
@@ -294,21 +340,9 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     """What the learner actor.backend names cannot do: FSDP2 shards parameters over the world_size
     data-parallel ranks and has no tensor or pipeline split; the Megatron actor does not recompute
     activations."""
-    par, out = cfg.parallelism, []
+    out = []
     if cfg.actor.backend == "fsdp":
-        out += moe_rules.fsdp_problems(cfg)
-        fix = ("FSDP2 shards the parameters over all parallelism.world_size ranks instead; or set "
-               "actor.backend=megatron for tensor/pipeline parallelism (the models rlmega/config/hf_support.py maps)")
-        for name, value in (("tensor_model_parallel_size", par.tensor_model_parallel_size),
-                            ("pipeline_model_parallel_size", par.pipeline_model_parallel_size)):
-            if value != 1:
-                out.append(problem(f"parallelism.{name}", f"{value}, but actor.backend=fsdp has no "
-                                   f"{name.split('_model')[0]} parallelism", f"set parallelism.{name}=1: {fix}"))
-        vpp = par.virtual_pipeline_model_parallel_size
-        if vpp is not None and vpp > 1:
-            out.append(problem("parallelism.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "
-                               "has no pipeline to interleave",
-                               f"set parallelism.virtual_pipeline_model_parallel_size=null: {fix}"))
+        out += moe_rules.fsdp_problems(cfg) + _fsdp_layout_problems("parallelism", cfg.parallelism)
     elif cfg.actor.activation_checkpointing:
         out.append(problem("actor.activation_checkpointing", "true, but actor.backend=megatron does not recompute "
                            "activations (only the fsdp learner implements it)",
@@ -316,32 +350,51 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     return out
 
 
-def _megatron_model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
-    """Megatron's sharding of the model: heads and KV heads over TP, layers over PP x VPP."""
+def _fsdp_layout_problems(sec: str, par: ParallelismConfig) -> List[str]:
+    """actor.backend=fsdp: ``par`` (named ``sec``) has no tensor, pipeline or virtual pipeline split."""
     out = []
-    tp, pp, vpp = _sizes(cfg)
+    fix = (f"FSDP2 shards the parameters over all {sec}.world_size ranks instead; or set "
+           "actor.backend=megatron for tensor/pipeline parallelism (the models rlmega/config/hf_support.py maps)")
+    for name, value in (("tensor_model_parallel_size", par.tensor_model_parallel_size),
+                        ("pipeline_model_parallel_size", par.pipeline_model_parallel_size)):
+        if value != 1:
+            out.append(problem(f"{sec}.{name}", f"{value}, but actor.backend=fsdp has no "
+                               f"{name.split('_model')[0]} parallelism", f"set {sec}.{name}=1: {fix}"))
+    vpp = par.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1:
+        out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "
+                           "has no pipeline to interleave",
+                           f"set {sec}.virtual_pipeline_model_parallel_size=null: {fix}"))
+    return out
+
+
+def _megatron_model_problems(sec: str, par: ParallelismConfig, shape: ModelShape) -> List[str]:
+    """Megatron's sharding of the model: heads and KV heads over TP, layers over PP x VPP (``par``, named ``sec``)."""
+    out = []
+    tp, pp, vpp = _sizes(par)
     heads, kv = shape.num_attention_heads, shape.num_key_value_heads
     valid_tp = _divisors(math.gcd(heads, kv))
     if heads % tp:
-        out.append(problem("parallelism.tensor_model_parallel_size",
+        out.append(problem(f"{sec}.tensor_model_parallel_size",
                            f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}",
                            f"use a tensor_model_parallel_size in {valid_tp}"))
     if kv % tp:  # Megatron shards KV heads as num_query_groups; it needs num_query_groups % TP == 0
-        out.append(problem("parallelism.tensor_model_parallel_size",
+        out.append(problem(f"{sec}.tensor_model_parallel_size",
                            f"num_key_value_heads={kv} (Megatron's num_query_groups) is not divisible by "
                            f"tensor_model_parallel_size={tp}", f"use a tensor_model_parallel_size in {valid_tp}"))
     if shape.num_hidden_layers % (pp * vpp):
-        out.append(problem("parallelism.pipeline_model_parallel_size",
+        out.append(problem(f"{sec}.pipeline_model_parallel_size",
                            f"num_hidden_layers={shape.num_hidden_layers} is not divisible by "
                            f"PP x VPP = {pp} x {vpp} "
                            "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)",
                            f"choose PP x VPP in {_divisors(shape.num_hidden_layers)}"))
-    return out + moe_rules.model_problems(cfg, shape.num_experts)
+    return out
 
 
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
     """The model's shape against the layout: Megatron's divisibility rules (megatron only) and vLLM's."""
-    out = _megatron_model_problems(cfg, shape) if cfg.actor.backend == "megatron" else []
+    out = (_megatron_model_problems("parallelism", cfg.parallelism, shape)
+           + moe_rules.model_problems(cfg, shape.num_experts)) if cfg.actor.backend == "megatron" else []
     if shape.num_attention_heads % cfg.rollout.tensor_parallel_size:
         heads = shape.num_attention_heads
         out.append(problem("rollout.tensor_parallel_size",
@@ -373,26 +426,28 @@ def validate(cfg: RLConfig) -> None:
     out = _choice_problems(cfg)
     bad_numbers = _number_problems(cfg)
     bad_ranges = list(bad_numbers)
-    for field, ok, rule in _RANGES:
+    for field, ok, rule in _ranges(cfg):
         value = _get(cfg, field)
         if field not in {_field_of(p) for p in bad_numbers} and not ok(value):
             bad_ranges.append(problem(field, f"{value!r} must be {rule}", f"set {field} to a value {rule}"))
     out += bad_ranges
     out += _unused_sections(cfg)
 
-    opt, tr, alg = cfg.optimizer, cfg.trainer, cfg.algorithm
+    tr, alg = cfg.trainer, cfg.algorithm
     warn, stop = parity_limits(cfg.model.dtype, cfg.rollout.parity_warn, cfg.rollout.parity_stop)
     if warn is not None and stop is not None and not bad_ranges and warn > stop:  # defaults filled in
         out.append(problem("rollout.parity_warn", f"parity_warn={warn} exceeds parity_stop={stop} (the "
                            f"{cfg.model.dtype} default where unset): the run would stop before it warns",
                            "set rollout.parity_warn <= rollout.parity_stop"))
-    if opt.min_lr > opt.lr:
-        out.append(problem("optimizer.min_lr", f"min_lr={opt.min_lr} exceeds lr={opt.lr}",
-                           "set optimizer.min_lr <= optimizer.lr"))
-    if alg.advantage_estimator in ("grpo", "grpo_no_std", "rloo") and cfg.rollout.n < 2:
+    for sec in ("optimizer", "critic.optimizer"):
+        opt = _get(cfg, sec)
+        if opt.min_lr > opt.lr:
+            out.append(problem(f"{sec}.min_lr", f"min_lr={opt.min_lr} exceeds lr={opt.lr}",
+                               f"set {sec}.min_lr <= {sec}.lr"))
+    if alg.advantage_estimator in ("grpo", "grpo_no_std", "rloo") and cfg.rollout.n < 2:  # gae: the critic's baseline
         out.append(problem("rollout.n", f"{alg.advantage_estimator} baselines compare samples of one prompt, "
-                           f"but n={cfg.rollout.n}",
-                           "set rollout.n >= 2, or algorithm.advantage_estimator=reinforce_plus_plus"))
+                           f"but n={cfg.rollout.n}", "set rollout.n >= 2, or algorithm.advantage_estimator="
+                           "reinforce_plus_plus or gae (a learned critic as the baseline)"))
     if alg.kl_estimator == "k1" and alg.kl_coef > 0 and not alg.kl_in_reward:
         out.append(problem("algorithm.kl_estimator", "k1 as a loss term has zero expected gradient on-policy "
                            "(E_pi[grad log pi] = 0), so the KL penalty would regularise nothing",
@@ -440,16 +495,82 @@ def validate(cfg: RLConfig) -> None:
         out += _backend_problems(cfg)
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)
-    if cfg.model.path:
-        try:
-            shape = read_model_shape(cfg.model.path)
-        except ConfigError as e:
-            out += e.problems
-        else:
-            if not bad_ranges:
-                out += _model_problems(cfg, shape)
+        out += _critic_problems(cfg)
+    # The models' shapes: the policy's, and the critic's own when critic.path has a config.json (whether
+    # critic.path is a usable folder at all is the preflight's question).
+    shapes, gae = {}, alg.advantage_estimator == "gae"
+    critic_path = cfg.critic.path if gae and cfg.critic.path and os.path.isfile(
+        os.path.join(cfg.critic.path, "config.json")) else ""
+    for field, path in (("model.path", cfg.model.path), ("critic.path", critic_path)):
+        if path:
+            try:
+                shapes[field] = read_model_shape(path, field)
+            except ConfigError as e:
+                out += e.problems
+    if not bad_ranges and "model.path" in shapes:
+        out += _model_problems(cfg, shapes["model.path"])
+    if not bad_ranges and gae:  # the critic's model: critic.path's (None if unread: preflight says why)
+        critic_shape = shapes.get("critic.path") if cfg.critic.path else shapes.get("model.path")
+        out += _critic_model_problems(cfg, critic_shape, shapes.get("model.path"))
     if out:
         raise ConfigError(out)
+
+
+def _critic_problems(cfg: RLConfig) -> List[str]:
+    """The critic section against the run, with algorithm.advantage_estimator=gae (other estimators do not
+    read it: only a warm-up, which would then do nothing, is refused). Assumes the ranges hold."""
+    c, est, out = cfg.critic, cfg.algorithm.advantage_estimator, []
+    steps = cfg.trainer.total_steps
+    if est != "gae":
+        if c.warmup_steps > 0:
+            out.append(problem("critic.warmup_steps", f"{c.warmup_steps}, but algorithm.advantage_estimator={est} "
+                               "has no critic to warm up: the policy would just wait",
+                               "set critic.warmup_steps=0, or algorithm.advantage_estimator=gae"))
+        return out
+    if c.warmup_steps >= steps:
+        out.append(problem("critic.warmup_steps", f"{c.warmup_steps} steps of critic-only warm-up, but the run has "
+                           f"trainer.total_steps={steps}: warm-up longer than the run, the policy would never train",
+                           f"set critic.warmup_steps < {steps} (e.g. {steps // 4}), or raise trainer.total_steps"))
+    longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+    budget = c.max_tokens_per_micro_batch
+    if budget is not None and budget < longest:
+        out.append(problem("critic.max_tokens_per_micro_batch",
+                           f"{budget} tokens per micro-batch, but one sample may have "
+                           f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
+                           f"set critic.max_tokens_per_micro_batch >= {longest} (or null: the actor's)"))
+    no_ep = "an MoE critic runs without expert parallelism (its experts are not split over ranks)"
+    if c.parallelism is None:
+        ep = cfg.parallelism.expert_model_parallel_size
+        if ep > 1:
+            out.append(problem("critic.parallelism", f"null, so the critic takes the actor's parallelism with "
+                               f"expert_model_parallel_size={ep}, but {no_ep}",
+                               "give the critic a layout of its own with expert_model_parallel_size=1, e.g. "
+                               "critic.parallelism={tensor_model_parallel_size: 1, pipeline_model_parallel_size: "
+                               f"1, world_size: {cfg.parallelism.world_size}}}"))
+        return out
+    sec = "critic.parallelism"
+    if c.parallelism.expert_model_parallel_size > 1:
+        out.append(problem(f"{sec}.expert_model_parallel_size", f"{c.parallelism.expert_model_parallel_size}, "
+                           f"but {no_ep}", f"set {sec}.expert_model_parallel_size=1"))
+    if cfg.actor.backend == "fsdp":
+        out += _fsdp_layout_problems(sec, c.parallelism)
+    return out + _grid_problems(cfg, sec, c.parallelism)
+
+
+def _critic_model_problems(cfg: RLConfig, shape: Optional[ModelShape], policy: Optional[ModelShape]) -> List[str]:
+    """gae, megatron: the critic's layout (critic.parallelism, else the actor's) against its model ``shape``
+    (critic.path's, else the policy's), unless that pair is the actor's own (already checked)."""
+    par = cfg.critic.parallelism
+    if shape is None or cfg.actor.backend != "megatron" or (par is None and shape == policy):
+        return []
+    sec, par = "critic.parallelism", par or cfg.parallelism
+    out = _megatron_model_problems(sec, par, shape)
+    if shape.num_experts and par.tensor_model_parallel_size > 1:  # megatron-core: MoE at TP > 1 needs SP
+        out.append(problem(f"{sec}.tensor_model_parallel_size", f"{par.tensor_model_parallel_size}, but the critic "
+                           "is a mixture of experts, and megatron-core trains MoE layers at TP > 1 only with "
+                           "sequence parallelism, which rlmega does not enable",
+                           f"set {sec}.tensor_model_parallel_size=1"))
+    return out
 
 
 def _produce_problems(cfg: RLConfig) -> List[str]:
@@ -461,14 +582,16 @@ def _produce_problems(cfg: RLConfig) -> List[str]:
                                "them, which a deterministic schedule cannot reproduce; with produce.deterministic "
                                "no request is in flight at a sync anyway",
                                "set produce.in_flight=finish, or produce.deterministic=false"))
-        offload = cfg.actor.offload_while_generating
-        swaps = (cfg.cluster.colocate and r.device == "cuda") if offload is None else offload
-        if swaps:
+        learners = ("actor", "critic") if alg.advantage_estimator == "gae" else ("actor",)
+        swapping = [f"{sec}.offload_while_generating" for sec in learners if (
+            (cfg.cluster.colocate and r.device == "cuda") if getattr(cfg, sec).offload_while_generating is None
+            else getattr(cfg, sec).offload_while_generating)]
+        if swapping:
             out.append(problem("produce.strategy", "async generates while the trainer trains, but the trainer "
                                "releases its memory to the engines while they generate and the engines sleep "
-                               "while it trains (cluster.colocate on GPUs, actor.offload_while_generating)",
+                               f"while it trains (cluster.colocate on GPUs, {', '.join(swapping)})",
                                "set cluster.colocate=false (engines on GPUs of their own), or "
-                               "actor.offload_while_generating=false if both fit on the shared GPUs, or "
+                               f"{'=false and '.join(swapping)}=false if both fit on the shared GPUs, or "
                                "produce.strategy=sync"))
     if alg.dynamic_sampling and r.n < 2:
         out.append(problem("algorithm.dynamic_sampling", f"drops groups whose rewards are all equal, and a group "

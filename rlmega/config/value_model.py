@@ -15,8 +15,6 @@ normal(0, std) draw from a generator seeded with model.seed, so both backends st
 """
 from __future__ import annotations
 
-import torch
-
 _CAUSAL, _TOKEN = "ForCausalLM", "ForTokenClassification"
 VALUE_HEAD = "score.weight"
 
@@ -43,8 +41,11 @@ def causal_lm_config(hf: dict) -> dict:
     return {**{k: v for k, v in hf.items() if k not in drop}, "architectures": archs, "tie_word_embeddings": False}
 
 
-def fresh_value_head(hidden_size: int, std: float, seed: int) -> torch.Tensor:
-    """(1, hidden_size) float32 ~ normal(0, std), from its own generator (the caller's RNG untouched)."""
+def fresh_value_head(hidden_size: int, std: float, seed: int):
+    """(1, hidden_size) float32 tensor ~ normal(0, std), from its own generator (the caller's RNG untouched).
+    torch is imported here: the config checks read this module without it."""
+    import torch
+
     g = torch.Generator().manual_seed(int(seed))
     return torch.randn(1, hidden_size, generator=g, dtype=torch.float32) * float(std)
 

@@ -61,7 +61,14 @@ def env(tmp_path_factory):
 
 def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
     """Copies of the tiny model with one thing wrong each (weights hard-linked where they are unchanged)."""
+    import torch
+    from safetensors.torch import load_file, save
+
+    from rlmega.config.value_model import value_model_config
+
     weights = (model / "model.safetensors").read_bytes()
+    critic = {k: v for k, v in load_file(model / "model.safetensors").items() if k != "lm_head.weight"}
+    critic["score.weight"] = torch.zeros(1, cfg["hidden_size"])  # a critic's export: the body and a value head
 
     def variant(name, config=None, drop=(), files=None):
         out = d / name
@@ -100,6 +107,12 @@ def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
         # mixture of experts (issue 24): the load-time checks read config.json only (these weights are dense)
         "moe6": variant("moe6", {**cfg, **QWEN3_MOE, "num_experts": 6}),
         "moe_top8_of_4": variant("moe_top8_of_4", {**cfg, **QWEN3_MOE, "num_experts": 4, "num_experts_per_tok": 8}),
+        # critics (issue 25): a good export of the tiny policy, and folders no critic can start from
+        "critic_export": variant("critic_export", value_model_config(cfg),
+                                 files={"model.safetensors": save(critic, metadata={"format": "pt"})}),
+        "critic_no_head": variant("critic_no_head", value_model_config(cfg)),  # the policy's weights: no score
+        "seq_cls": variant("seq_cls", {**cfg, "architectures": ["Qwen2ForSequenceClassification"]}),
+        "granite": variant("granite", {**cfg, "model_type": "granite", "architectures": ["GraniteForCausalLM"]}),
     }
 
 
@@ -107,6 +120,7 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "moe_intermediate_size": 64}
 
 
+GAE = "algorithm.advantage_estimator=gae"
 FSDP = ["actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]
 DP4 = ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]  # world 4 = DP 4
 
@@ -318,6 +332,80 @@ CASES = [
      "algorithm.routing_replay: trainer, but actor.backend=fsdp"),
     ("fsdp with a router loss", [*FSDP, "actor.moe_aux_loss_coeff=0.01"], None,
      "actor.moe_aux_loss_coeff: 0.01, but actor.backend=fsdp"),
+    # --- issue 25: PPO with a learned critic (algorithm.advantage_estimator=gae, the critic section) ---
+    ("gamma 0", [GAE, "algorithm.gamma=0"], None, "algorithm.gamma: 0.0 must be in (0, 1]"),
+    ("gamma above 1", [GAE, "algorithm.gamma=1.01"], None, "algorithm.gamma: 1.01 must be in (0, 1]"),
+    ("lam above 1", [GAE, "algorithm.lam=1.5"], None, "algorithm.lam: 1.5 must be in [0, 1]"),
+    ("negative lam_critic", [GAE, "algorithm.lam_critic=-0.1"], None, "algorithm.lam_critic: -0.1 must be"),
+    ("lam_actor_alpha 0", [GAE, "algorithm.lam_actor_alpha=0"], None, "algorithm.lam_actor_alpha: 0.0 must be"),
+    ("critic warm-up without a critic", ["critic.warmup_steps=1"], None,
+     "critic.warmup_steps: 1, but algorithm.advantage_estimator=grpo has no critic to warm up"),
+    ("critic warm-up as long as the run", [GAE, "critic.warmup_steps=4"], None,
+     "trainer.total_steps=4: warm-up longer than the run, the policy would never train"),
+    ("negative critic warm-up", [GAE, "critic.warmup_steps=-1"], None, "critic.warmup_steps: -1 must be >= 0"),
+    ("negative value clip", [GAE, "critic.cliprange_value=-0.5"], None, "critic.cliprange_value: -0.5 must be >= 0"),
+    ("critic token budget 0", [GAE, "critic.max_tokens_per_micro_batch=0"], None,
+     "critic.max_tokens_per_micro_batch: 0 must be"),
+    ("critic token budget < sample", [GAE, "critic.max_tokens_per_micro_batch=50"], None,
+     "critic.max_tokens_per_micro_batch: 50 tokens per micro-batch, but one sample may have"),
+    ("negative critic lr", [GAE, "critic.optimizer.lr=-1"], None, "critic.optimizer.lr: -1.0 must be in [0, 1]"),
+    ("critic lr inf", [GAE, "critic.optimizer.lr=inf"], None, "critic.optimizer.lr: inf is not a finite number"),
+    ("critic min_lr > lr", [GAE, "critic.optimizer.min_lr=1"], None, "critic.optimizer.min_lr: min_lr=1.0 exceeds"),
+    ("critic adam_beta2 1", [GAE, "critic.optimizer.adam_beta2=1"], None, "critic.optimizer.adam_beta2: 1.0 must be"),
+    ("critic decay style", [GAE, "critic.optimizer.lr_decay_style=step"], None, "critic.optimizer.lr_decay_style:"),
+    ("critic dtype choice", [GAE, "critic.dtype=float16"], None, "critic.dtype:"),
+    ("critic world 0", [GAE, "critic.parallelism.world_size=0"], None,
+     "critic.parallelism.world_size: 0 must be >= 1"),
+    ("critic world not TPxPP", [GAE, "critic.parallelism.tensor_model_parallel_size=2",
+                                "critic.parallelism.world_size=3"], None,
+     "critic.parallelism.world_size: world_size=3 is not a multiple of TP x PP = 2"),
+    ("critic TP vs heads", [GAE, "critic.parallelism.tensor_model_parallel_size=4", "critic.parallelism.world_size=4"],
+     None, "critic.parallelism.tensor_model_parallel_size: num_key_value_heads=2"),
+    ("critic PP vs layers", [GAE, "critic.parallelism.pipeline_model_parallel_size=3",
+                             "critic.parallelism.world_size=3"], None,
+     "critic.parallelism.pipeline_model_parallel_size: num_hidden_layers=4 is not divisible by PP x VPP = 3 x 1"),
+    ("critic VPP without PP", [GAE, "critic.parallelism.virtual_pipeline_model_parallel_size=2"], None,
+     "critic.parallelism.virtual_pipeline_model_parallel_size: virtual pipeline size 2 needs"),
+    ("critic DP past the batch", [GAE, "critic.parallelism.world_size=16"], None,
+     "each of the DP=16 data-parallel ranks of critic.parallelism needs a sample"),
+    ("critic EP 2", [GAE, "model.path={moe6}", *DP4, "critic.parallelism.expert_model_parallel_size=2",
+                     "critic.parallelism.world_size=2"], None,
+     "critic.parallelism.expert_model_parallel_size: 2, but an MoE critic runs without expert parallelism"),
+    ("critic inherits the actor's EP", [GAE, "model.path={moe6}", *DP4, "parallelism.expert_model_parallel_size=2"],
+     None, "critic.parallelism: null, so the critic takes the actor's parallelism with expert_model_parallel_size=2"),
+    ("MoE critic at TP 2", [GAE, "model.path={moe6}", *DP4, "critic.parallelism.tensor_model_parallel_size=2",
+                            "critic.parallelism.world_size=2"], None,
+     "critic.parallelism.tensor_model_parallel_size: 2, but the critic is a mixture of experts"),
+    ("fsdp critic with TP 2", [GAE, *FSDP, "critic.parallelism.tensor_model_parallel_size=2",
+                               "critic.parallelism.world_size=2"], None,
+     "critic.parallelism.tensor_model_parallel_size: 2, but actor.backend=fsdp has no tensor parallelism"),
+    ("fsdp critic with VPP 2", [GAE, *FSDP, "critic.parallelism.virtual_pipeline_model_parallel_size=2"], None,
+     "critic.parallelism.virtual_pipeline_model_parallel_size: 2, but actor.backend=fsdp"),
+    ("colocated critic past the trainer's GPUs", [GAE, "rollout.device=cuda", "critic.parallelism.world_size=8"], None,
+     "critic.parallelism.world_size: 8 colocated critic ranks need a trainer GPU each"),
+    ("critic ranks never fit", [GAE, "cluster.num_cpus=4"], None,
+     "cluster.num_cpus: 4.0 CPUs, but the roles reserve 4.75 (world_size x actor_cpus_per_rank + the critic's"),
+    ("async while the critic offloads", [GAE, "produce.strategy=async", "critic.offload_while_generating=true"], None,
+     "produce.strategy: async generates while the trainer trains, but the trainer releases its memory to the engines "
+     "while they generate and the engines sleep while it trains (cluster.colocate on GPUs, "
+     "critic.offload_while_generating)"),
+    ("critic.path missing", [GAE, "critic.path={d}/nope"], None, "nope' is not a folder. Fix: point critic.path at"),
+    ("critic.path a file", [GAE, "critic.path={d}/a_file"], None, "a_file' is not a folder"),
+    ("critic without weights", [GAE, "critic.path={no_weights}"], None, "no_weights' has no *.safetensors weights"),
+    ("critic of another vocabulary", [GAE, "critic.path={vocab_off}"], None,
+     "config.json, but model.path's vocab_size=59: the critic is the policy's architecture and scores the policy's"),
+    ("critic of another width", [GAE, "critic.path={hidden_off}"], None,
+     "config.json, but model.path's hidden_size=256"),
+    ("critic a sequence classifier", [GAE, "critic.path={seq_cls}"], None,
+     "names neither a causal LM nor a value model (XForTokenClassification)"),
+    ("critic export without a value head", [GAE, "critic.path={critic_no_head}"], None,
+     "config.json names a value model, but its weights have no score.weight"),
+    ("critic weights truncated", [GAE, "critic.path={truncated}"], None,
+     "truncated/model.safetensors is not a complete safetensors file"),
+    ("megatron critic, a Phi3 model", [GAE, "critic.path={phi3}"], None,
+     "phi3': unsupported architecture ['Phi3ForCausalLM']"),
+    ("fsdp critic without a token classifier", [GAE, *FSDP, "critic.path={granite}"], None,
+     "which has no class for model_type='granite'"),
 ]
 
 
@@ -350,6 +438,38 @@ def test_bad_input_fails_before_workers_with_exit_2_and_names_it(env, overrides,
 
 def test_the_table_is_big_enough():
     assert len(CASES) >= 128  # the README quotes this table's size
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.n=1", "trainer.global_batch_size=4"],  # one sample per prompt: the critic is the baseline
+    ["rollout.n=4"],
+    ["critic.path={critic_export}", "critic.parallelism={{tensor_model_parallel_size: 2, world_size: 2}}",
+     "critic.warmup_steps=3", "critic.max_tokens_per_micro_batch=96", "algorithm.lam_critic=1.0",
+     "algorithm.lam_actor_alpha=0.05", "algorithm.gamma=0.99", "algorithm.lam=0.95"],
+    [*FSDP, "critic.path={critic_export}", "critic.parallelism.world_size=2", "cluster.num_cpus=4.25"],
+], ids=["n=1", "n=4", "critic export, own layout", "fsdp"])
+def test_a_good_gae_config_passes_check_config_and_train(env, monkeypatch, capsys, tmp_path, overrides):
+    """algorithm.advantage_estimator=gae with any rollout.n, a critic export and a layout of its own: the critic
+    refusals above do not catch good input (check-config exits 0, train reaches the workers)."""
+    from rlmega.cli import main as cli_main
+
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    argv = [TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.resume=none", GAE,
+            *(o.format(**env) for o in overrides)]
+    assert cli_main(["check-config", *argv]) == 0, capsys.readouterr().err
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main(argv)
+
+
+def test_critic_settings_are_not_refused_without_gae(env, monkeypatch, tmp_path):
+    """The critic section and gae's lambdas are unused by the other estimators: set, they are not refused
+    (only critic.warmup_steps > 0 is, which would do nothing: see the table)."""
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
+                        "trainer.resume=none", f"critic.path={env['d']}/nope",
+                        "critic.parallelism.tensor_model_parallel_size=3", "critic.cliprange_value=0", "algorithm.lam=0.9",
+                        "algorithm.lam_critic=1.0"])
 
 
 def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
@@ -415,6 +535,27 @@ def test_under_torchrun_a_wrong_process_count_and_gpu_engines_without_a_cluster_
     assert rc == 2, err
     assert "parallelism.world_size: is 4 but torchrun started 2 processes" in err, err
     assert "cluster.address: is empty, so rank 0 would start a Ray that shares the trainer ranks' GPUs" in err, err
+    assert pickle.loads(dist.PrefixStore("rlmega/0", store).get("exit")) == 0  # ranks 1.. released
+
+
+def test_under_torchrun_gae_is_refused(env, monkeypatch, capsys, tmp_path):
+    """torchrun's processes are the policy's trainer ranks: the critic of gae has no worker group to run in."""
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    rc = train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}", GAE])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "algorithm.advantage_estimator: gae trains a critic in worker processes of its own, but under torchrun" \
+        in err, err
+    assert "Fix: launch with Ray instead: rlmega train CONFIG" in err, err
     assert pickle.loads(dist.PrefixStore("rlmega/0", store).get("exit")) == 0  # ranks 1.. released
 
 
