@@ -31,6 +31,10 @@ import abc
 import dataclasses
 import importlib
 
+import torch
+
+from rlmega.algorithms import gae as gae_lib
+from rlmega.algorithms import kl as kl_lib
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.profiling import TraceRecorder
 
@@ -131,6 +135,38 @@ class Actor(abc.ABC):
     def update_ref_policy(self, rate: float | None = None) -> None:
         """ref <- (1 - rate) * ref + rate * policy, in float32 (bf16 references keep a float32 master);
         rate 1 copies exactly; None uses actor.ref_update_rate. Sets ``reference_moved``."""
+
+    def compute_advantages_and_returns(self, batch: RolloutBatch) -> tuple[list, list]:
+        """PPO with a critic (algorithm.advantage_estimator=gae): per-token advantages for the policy and
+        returns for the critic, per sample (float32, batch order), as the seed API's entry point.
+
+        The batch carries the judges' ``rewards`` (one per sample: on the last action token), the
+        critic's ``old_values`` (rlmega.critic_api.Critic.compute_values), and with
+        algorithm.kl_in_reward the ``old_logprobs`` and ``ref_logprobs`` (a per-token KL penalty on the
+        action tokens). Tool output (response_mask 0) is no action: no reward, advantage or return, and
+        GAE's credit passes over it. Advantages use lam (or VAPO's length-adaptive lam_actor_alpha),
+        returns lam_critic (default lam); advantages are whitened over the batch's action tokens when
+        algorithm.whiten_advantages. Pure arithmetic (rlmega.algorithms.gae): no collective, the same
+        result on every rank."""
+        a, masks = self.algo, batch.response_mask
+        if batch.rewards is None or batch.old_values is None:
+            raise ValueError("compute_advantages_and_returns needs batch.rewards and batch.old_values (the critic's)")
+        kl = None
+        if a.kl_coef > 0 and a.kl_in_reward:
+            if batch.old_logprobs is None or batch.ref_logprobs is None:
+                raise ValueError("algorithm.kl_in_reward needs batch.old_logprobs and batch.ref_logprobs")
+            kl = [kl_lib.kl_penalty(o, r, a.kl_estimator) for o, r in zip(batch.old_logprobs, batch.ref_logprobs)]
+        rewards = gae_lib.token_rewards(batch.rewards, masks, kl, a.kl_coef)
+        lam_critic = a.lam if a.lam_critic is None else a.lam_critic
+        lam_actor = a.lam
+        if a.lam_actor_alpha is not None:  # VAPO: longer responses look further ahead
+            lam_actor = gae_lib.adaptive_lambda(torch.tensor([float(m.sum()) for m in masks]), a.lam_actor_alpha)
+        advantages, returns = gae_lib.gae_per_sample(rewards, batch.old_values, masks, a.gamma, lam_actor)
+        if a.lam_actor_alpha is not None or lam_critic != a.lam:  # decoupled: the critic's own lambda
+            returns = gae_lib.gae_per_sample(rewards, batch.old_values, masks, a.gamma, lam_critic)[1]
+        if a.whiten_advantages:
+            advantages = gae_lib.whiten(advantages, masks)
+        return [x.float() for x in advantages], [x.float() for x in returns]
 
     # ---- weights out ----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -37,12 +37,12 @@ def _check_config(args) -> int:
 
 
 def _demo(args) -> int:
-    """Tiny model (made once), then configs/demo_cpu.yaml: a supervised warm start and GRPO on addition."""
+    """Tiny model (made once), then configs/demo_cpu.yaml (or --config): a supervised warm start and RL on addition."""
     import rlmega
     from rlmega.tiny_model import make_tiny_model
     from rlmega.train import main as train_main
 
-    config = Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+    config = Path(args.config) if args.config else Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
     if not config.is_file():
         print(f"rlmega demo: {config} not found; the demo needs a source checkout. Fix: pip install -e . "
               "from the repository, or run rlmega train CONFIG with a config of your own", file=sys.stderr)
@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="run the foundation demo (what `make demo` runs)")
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--config", default="", help="another config on the demo's tiny model, made in RUN_DIR/tiny_model "
+                   "(e.g. configs/ppo_gae_cpu.yaml); default configs/demo_cpu.yaml")
     d.add_argument("overrides", nargs="*", help="dotlist overrides of configs/demo_cpu.yaml, e.g. "
                    "trainer.warmup_sft_steps=20 optimizer.lr_warmup_steps=20 (a short run)")
     d.set_defaults(fn=_demo)

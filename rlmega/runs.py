@@ -205,6 +205,7 @@ class RunDir:
         doomed = [p for p in steps[:-keep] if p != latest] if keep > 0 else []
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(critic_checkpoint(p), ignore_errors=True)  # a gae run's critic of the same step
         return doomed
 
     def close(self) -> None:
@@ -214,6 +215,13 @@ class RunDir:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def critic_checkpoint(step_dir: str | Path) -> Path:
+    """Where a gae run keeps the critic of checkpoint ``step_dir`` (checkpoints/step_N): beside it, in
+    checkpoints/critic/step_N. The critic is saved first, so the policy's ``latest`` commits both."""
+    step_dir = Path(step_dir)
+    return step_dir.parent / "critic" / step_dir.name
 
 
 def find_checkpoint(path: str | Path) -> Path:

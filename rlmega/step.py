@@ -70,26 +70,38 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     batch, shaping = shape_overlong(batch, [(g.task, x) for g, x in kept_trajectories(groups)], cfg)
     n_mini = mini_batch_count(len(batch), cfg.trainer.global_batch_size)  # optimizer steps in this RL step
     kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
+    gae = roles.has_critic  # PPO with a value model: per-token advantages from its values (GAE)
+    policy_trains = not gae or step >= cfg.critic.warmup_steps  # critic warm-up: the first k steps train it alone
     # One optimizer step: the policy before it scores the train forward itself, so train_step takes
     # the old log-probs from there (detached) instead of a separate forward, and returns them.
-    on_policy = n_mini == 1 and not kl_reward
+    on_policy = n_mini == 1 and not kl_reward and policy_trains
     with t("logprob"):
+        values = roles.submit_critics("compute_values", batch) if gae else None  # beside the actor's forwards
         old = None if on_policy else roles.call_actors("compute_logprobs", batch)
         ref = roles.call_actors("compute_ref_logprobs", batch) if a.kl_coef > 0 else None
-    seq_rewards = batch.rewards.clone()
-    if kl_reward:  # KL as a per-sequence reward penalty, over the tokens the loss trains on (not tool output)
-        seq_rewards -= a.kl_coef * kl_lib.sequence_kl(old, ref, batch.response_mask, a.kl_estimator)
-    seq_adv = adv_lib.compute(a.advantage_estimator, seq_rewards, batch.group_ids)
-    batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref,
-                                advantages=[torch.full((n,), float(x)) for n, x in zip(batch.response_lens(), seq_adv)])
+        values = values() if gae else None
+    batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
+    if gae:
+        advantages, returns = roles.call_actors("compute_advantages_and_returns", batch)
+        batch = dataclasses.replace(batch, advantages=advantages, returns=returns)
+    else:
+        seq_rewards = batch.rewards.clone()
+        if kl_reward:  # KL as a per-sequence reward penalty, over the tokens the loss trains on (not tool output)
+            seq_rewards -= a.kl_coef * kl_lib.sequence_kl(old, ref, batch.response_mask, a.kl_estimator)
+        seq_adv = adv_lib.compute(a.advantage_estimator, seq_rewards, batch.group_ids)
+        batch = dataclasses.replace(batch, advantages=[torch.full((n,), float(x))
+                                                       for n, x in zip(batch.response_lens(), seq_adv)])
     with t("train"):
+        # the critic's steps (one per mini-batch, as the policy's) run on its own ranks beside the policy's
+        critic = [roles.submit_critics("train_step", mini) for mini in batch.split(n_mini) if len(mini)] if gae else []
         train = [roles.call_actors("train_step", mini, optimizer_steps_per_rl_step=n_mini)
-                 for mini in batch.split(n_mini) if len(mini)]
+                 for mini in batch.split(n_mini) if len(mini)] if policy_trains else []
         # A short batch (stale drops, short dynamic sampling) took fewer optimizer steps than the LR
         # schedule plans per RL step: move it on by the rest, so it ends with trainer.total_steps.
         behind = roles.optimizer_steps_per_rl_step() - n_mini
-        if behind > 0:
+        if behind > 0 and policy_trains:
             roles.call_actors("advance_lr_schedule", behind)
+        critic = [wait() for wait in critic]
     if on_policy:
         old = train[0].pop("old_logprobs")  # the policy's before this step's update, as compute_logprobs gives
     with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)
@@ -107,11 +119,10 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         "reward_mean": float(generated.rewards.mean()),
         "reward_std": float(generated.rewards.std()) if len(batch) > 1 else 0.0,
         "response_length": float(sum(batch.response_lens()) / max(len(batch), 1)),
-        **{k: sum(m[k] for m in train) / len(train) for k in ("loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy",
-                                                             "grad_norm", "padding_fraction", "rollout_is_ratio",
-                                                             "rollout_is_truncated", "rollout_is_masked")},
-        **moe_metrics(train),
-        "lr": train[-1]["lr"], "skipped_steps": sum(m["skipped"] for m in train),
+        **mean_of(train, ("loss", "pg_clipfrac", "ppo_kl", "kl_ref", "entropy", "grad_norm", "padding_fraction",
+                          "rollout_is_ratio", "rollout_is_truncated", "rollout_is_masked")),
+        **moe_metrics(train), **mean_of(critic, critic[0] if critic else ()), **(gae_metrics(batch) if gae else {}),
+        "lr": train[-1]["lr"] if train else float("nan"), "skipped_steps": sum(m["skipped"] for m in train),
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
         "parity_max": fresh["max"], "parity_samples": fresh["samples"],
         "groups_trained": sum(g.error is None for g in groups),
@@ -127,6 +138,22 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         "_prefill_tokens": sum(len(x.prompt_ids) for g in groups for x in g.trajectories),
         "_decode_tokens": sum(int(m.sum()) for m in generated.response_mask),
     }
+
+
+def mean_of(results: list[dict], keys) -> dict:
+    """Each key's mean over a step's train_step results (its optimizer steps); NaN when the step took
+    none (the policy during critic.warmup_steps)."""
+    return {k: sum(m[k] for m in results) / len(results) if results else float("nan") for k in keys}
+
+
+def gae_metrics(batch: RolloutBatch) -> dict:
+    """The critic's values and targets and the policy's advantages over the batch's action tokens (gae)."""
+    act = torch.cat([m > 0 for m in batch.response_mask])
+    if not act.any():
+        return {}
+    adv, ret, val = (torch.cat(x)[act] for x in (batch.advantages, batch.returns, batch.old_values))
+    return {"critic/values_before": float(val.mean()), "advantage_mean": float(adv.mean()),
+            "advantage_std": float(adv.std()) if len(adv) > 1 else 0.0, "return_mean": float(ret.mean())}
 
 
 MOE_METRICS = ("router_mismatch", "routes_live_fraction")  # and every "moe_*" key (expert load, aux/z losses)

@@ -31,7 +31,8 @@ from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.checkpoint_files import CheckpointSpaceError
 from rlmega.profiling import profiled
-from rlmega.runs import ResumeError, RunDir, changed_settings, refuse_a_held_folder, resume_settings
+from rlmega.runs import (ResumeError, RunDir, changed_settings, critic_checkpoint, refuse_a_held_folder,
+                         resume_settings)
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.sync.parity import ParityError, ParityGuard
 from rlmega.stopping import StopRequest
@@ -128,6 +129,8 @@ def _train(cfg: RLConfig, run: RunDir) -> None:
                 run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
             else:
                 roles.call_actors("export_hf", str(run.path / "hf_final"), True)
+                if roles.has_critic:  # a critic to start the next run from (critic.path)
+                    roles.call_critics("export_hf", str(run.path / "critic_hf_final"), True)
 
 
 def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history: list, keep: int,
@@ -137,6 +140,8 @@ def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history
     ``settings`` (runs.resume_settings) lets a resume say which of them the config changed."""
     producer.pause()  # until the next advance
     extra = {"data": data.state_dict(), "history": history, "producer": producer.state_dict(), "settings": settings}
+    if roles.has_critic:  # first: the policy's save writes `latest`, which commits the pair
+        roles.call_critics("save_checkpoint", str(run.checkpoints / "critic"), step)
     roles.call_actors("save_checkpoint", str(run.checkpoints), step, extra)
     run.prune_checkpoints(keep)
     return step
@@ -152,6 +157,13 @@ def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | Non
                   f"{earlier} lines in {run.metrics_path} are replaced", flush=True)
             run.rewrite_metrics([])
         return 0, [], None
+    if roles.has_critic:
+        critic = critic_checkpoint(path)
+        if not critic.is_dir():
+            raise ResumeError(f"{path} has no critic checkpoint ({critic} is missing): it was not saved by a run "
+                              "with algorithm.advantage_estimator=gae. Fix: resume it with its own estimator, or "
+                              "start a new run (trainer.run_dir) from its policy (model.path)")
+        roles.call_critics("load_checkpoint", str(critic))
     step, extra = roles.call_actors("load_checkpoint", str(path))
     data.load_state_dict(extra["data"])
     run.rewrite_metrics(extra["history"])

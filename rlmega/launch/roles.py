@@ -32,7 +32,7 @@ from rlmega.launch.cluster import check_shared_paths, connect, node_names, place
 from rlmega.launch.engines import start_engines
 from rlmega.launch.placement import placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
-from rlmega.launch.trainer_group import start_trainer
+from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.coordinator import ActorManager
@@ -52,12 +52,14 @@ class Roles:
         self.cfg, self.call_timeout_s, self.pg_timeout_s = cfg, call_timeout_s, pg_timeout_s
         self.started_ray = False
         self.actors: WorkerGroup | None = None
+        self.critics: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
         self.engines: list = []
         self.hosts: dict[str, AgentLoopHost] = {}  # task name -> its agent loop (rlmega/agents/)
         self.background: BackgroundLoop | None = None
         self.manager: ActorManager | None = None
         self.pgs: list = []
         self.swaps = False  # the trainer releases its device memory while engines generate
+        self.critic_swaps = False  # the critic does too
         # Async production generates while the trainer trains: the engines never sleep for it.
         self.keep_engines_awake = cfg.produce.strategy == "async"
         self.engines_asleep = False
@@ -82,8 +84,9 @@ class Roles:
         # Under torchrun the trainer ranks are its processes, not Ray actors: Ray places the engines
         # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).
         on_torchrun = torchrun_group.rank() is not None
+        critic_world = (self.cfg.critic.parallelism or p).world_size if self.has_critic else 0
         plan = (placement_plan(dataclasses.replace(p, world_size=0), r, dataclasses.replace(c, colocate=False))
-                if on_torchrun else placement_plan(p, r, c))
+                if on_torchrun else placement_plan(p, r, c, critic_world=critic_world))
         self.pgs, bundle_nodes = place_groups(plan, self.pg_timeout_s)
         engine_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.engines]
         rank_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.ranks]
@@ -105,6 +108,12 @@ class Roles:
                  _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
                  _by_node(node_names(engine_nodes)))
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
+        if self.has_critic:
+            offload = self.cfg.critic.offload_while_generating
+            self.critic_swaps = (c.colocate and r.device == "cuda") if offload is None else offload
+            self.critics = start_critic(self.cfg, plan, self.pgs, rank_threads, self.critic_swaps,
+                                        self.optimizer_steps_per_rl_step(), self.call_timeout_s)
+            self.critics.call("setup")
         self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
@@ -129,12 +138,13 @@ class Roles:
             except Exception:  # already dead
                 pass
         self.engines = []
-        if self.actors is not None:
-            try:
-                self.actors.shutdown()
-            except Exception:
-                pass
-            self.actors = None
+        for group in (self.actors, self.critics):
+            if group is not None:
+                try:
+                    group.shutdown()
+                except Exception:
+                    pass
+        self.actors = self.critics = None
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
@@ -175,6 +185,34 @@ class Roles:
             return self.actors.call_rank0(method, *args, **kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
+
+    @property
+    def has_critic(self) -> bool:
+        """The run trains a value model (algorithm.advantage_estimator=gae)."""
+        return self.cfg.algorithm.advantage_estimator == "gae"
+
+    def call_critics(self, method: str, *args, **kwargs):
+        """The critic's rank 0 result (every rank returns the same)."""
+        return self.submit_critics(method, *args, **kwargs)()
+
+    def submit_critics(self, method: str, *args, **kwargs):
+        """A critic call started now; returns a function that waits for it and gives rank 0's result, so
+        the actor's ranks can work meanwhile (the value forward beside the log-probs, the critic's train
+        step beside the policy's)."""
+        if self.critics is None:
+            raise RuntimeError("this run has no critic (algorithm.advantage_estimator is not gae)")
+        try:
+            wait = self.critics.submit_rank0(method, *args, **kwargs)
+        except WorkerGroupError as e:
+            raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
+
+        def result():
+            try:
+                return wait()
+            except WorkerGroupError as e:
+                raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
+
+        return result
 
     def rollout(self, requests: list) -> list:
         """Judged trajectory groups for ``requests`` [(task name, GroupRequest)], in request order: every
@@ -256,6 +294,8 @@ class Roles:
         if not self.engines_asleep and not self.keep_engines_awake:
             self.engines_asleep = any(self._get([e.sleep.remote() for e in self.engines], "rollout engine"))
         self._call_actors("onload_for_training")
+        if self.critics is not None and self.critic_swaps:
+            self.call_critics("onload_for_training")
         self.trainer_released = False
 
     def rollout_phase(self, version: int, in_flight: str | None = None) -> dict:
@@ -269,6 +309,8 @@ class Roles:
 
     def _release_trainer(self, keep_params: bool) -> None:
         self._call_actors("offload_for_rollout", keep_params=keep_params)
+        if self.critics is not None and self.critic_swaps and not keep_params:  # no sync reads the critic
+            self.call_critics("offload_for_rollout")
         self.trainer_released = self.swaps and not keep_params
 
     def _wake_engines(self) -> None:

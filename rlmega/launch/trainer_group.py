@@ -7,6 +7,7 @@ import ray
 
 from rlmega.actor_api import Learner
 from rlmega.config.schema import RLConfig
+from rlmega.critic_api import CriticLearner, critic_kwargs
 from rlmega.launch import torchrun_group
 from rlmega.launch.placement import PlacementPlan
 from rlmega.launch.worker_group import WorkerGroup
@@ -33,3 +34,18 @@ def start_trainer(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, s
     return WorkerGroup(learner, p.world_size, kwargs=kwargs, num_cpus=cfg.cluster.actor_cpus_per_rank,
                        num_gpus=plan.ranks[0].gpus,
                        placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks], timeout_s=timeout_s)
+
+
+def start_critic(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, swaps: bool,
+                 optimizer_steps_per_rl_step: int, timeout_s: float):
+    """The critic's ranks (algorithm.advantage_estimator=gae): a WorkerGroup in ``plan.critics``' slots,
+    each building the Critic of actor.backend (rlmega.critic_api). ``swaps``: they release their device
+    memory while the engines generate (critic.offload_while_generating, resolved). The critic takes as
+    many optimizer steps per RL step as the actor (one per mini-batch): its LR schedule has the same clock."""
+    kwargs = critic_kwargs(cfg)
+    kwargs.update(critic=dataclasses.replace(cfg.critic, offload_while_generating=swaps), num_threads=threads,
+                  lr_decay_steps=cfg.trainer.total_steps * optimizer_steps_per_rl_step)
+    return WorkerGroup(CriticLearner(cfg.actor.backend), len(plan.critics), kwargs=kwargs,
+                       num_cpus=cfg.cluster.actor_cpus_per_rank, num_gpus=plan.critics[0].gpus,
+                       placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.critics], timeout_s=timeout_s,
+                       name="critic")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -58,8 +58,9 @@ class _RankHost:
 class WorkerGroup:
     def __init__(self, cls, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
                  num_cpus: float = 1.0, num_gpus: float = 0.0, env: dict[str, str] | None = None,
-                 placement_group=None, timeout_s: float = 1800.0):
-        self.world_size, self.timeout_s = world_size, timeout_s
+                 placement_group=None, timeout_s: float = 1800.0, name: str = "trainer"):
+        """``name``: what errors call the ranks ("trainer rank 3", "critic rank 0")."""
+        self.world_size, self.timeout_s, self.name = world_size, timeout_s, name
         # One intra-op thread per rank unless told otherwise: ranks share the node's cores.
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1)
@@ -93,12 +94,12 @@ class WorkerGroup:
         """All results, but fail as soon as ANY rank fails: its peers may be blocked in a
         collective waiting for it, and would only give up at the process-group timeout."""
         try:
-            return first_failure(refs, [f"trainer rank {r}" for r in range(len(refs))], self.timeout_s)
+            return first_failure(refs, [f"{self.name} rank {r}" for r in range(len(refs))], self.timeout_s)
         except WorkerFailed as e:
             raise WorkerGroupError(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
-            raise WorkerGroupError(f"trainer ranks did not answer within {self.timeout_s:.0f}s",
-                                   "trainer ranks") from e
+            raise WorkerGroupError(f"{self.name} ranks did not answer within {self.timeout_s:.0f}s",
+                                   f"{self.name} ranks") from e
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank with the same arguments (put in the object store once)."""
@@ -109,9 +110,16 @@ class WorkerGroup:
         """``call`` on every rank, but only rank 0's result comes back; the others answer None once
         done (or their error). Every rank returns the same full result, and a large one (a batch's
         log-probs) would otherwise travel to the driver once per rank."""
+        return self.submit_rank0(method, *args, **kwargs)()
+
+    def submit_rank0(self, method: str, *args, **kwargs) -> Callable[[], Any]:
+        """``call_rank0`` started now and awaited later: returns a function that waits for every rank
+        and gives rank 0's result, so the driver can keep another group busy meanwhile (the critic's
+        forward beside the actor's). Calls on one group run in the order they were submitted."""
         args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
-        return self._get([self.hosts[0].call.remote(method, *args, **kwargs)]
-                         + [h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]])[0]
+        refs = ([self.hosts[0].call.remote(method, *args, **kwargs)]
+                + [h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]])
+        return lambda: self._get(refs)[0]
 
     def shutdown(self) -> None:
         for h in self.hosts:
