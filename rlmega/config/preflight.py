@@ -7,7 +7,7 @@ data files, the run folder, the dashboard address, the devices, the embedded Ray
 the embedded cluster's processes fit this machine's memory and cores. ``rlmega train`` and
 ``rlmega check-config`` run both, so a mistake costs seconds, not a cluster start-up. With
 algorithm.advantage_estimator=gae also the critic's folder (critic.path: a value model or causal LM of the
-policy's shape) and the launch (torchrun cannot host the critic's worker group).
+policy's shape; rlmega/config/critic_rules.py) and the launch (torchrun cannot host the critic's worker group).
 
     cfg = load_config("configs/tiny_cpu.yaml")
     preflight(cfg)          # ConfigError listing every problem: "field: problem. Fix: ..."
@@ -25,10 +25,12 @@ import socket
 import tempfile
 from typing import List
 
+from rlmega.config import critic_rules
+from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
-from rlmega.config.model_files import HeaderError, read_safetensors_header, tokenizer_problems, weight_problems
+from rlmega.config.model_files import tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
-from rlmega.config.validate import ConfigError, critic_ranks, problem
+from rlmega.config.validate import ConfigError, problem
 from rlmega.data.prompts import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -95,90 +97,6 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     return why and problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
                            "use an architecture vLLM serves (vLLM's supported-models list), e.g. Llama, Qwen2, "
                            "Phi3, Gemma")
-
-
-def _critic(cfg: RLConfig) -> List[str]:
-    """gae: the folder the critic starts from (critic.path, else model.path) builds a value model of the policy's
-    shape. critic.path: a critic's export (XForTokenClassification, its score.weight [1, hidden]) or a causal
-    LM (its body), whose architecture the learner takes, with the policy's hidden_size, num_hidden_layers and
-    vocab_size (the critic reads the policy's tokens), and safetensors weights."""
-    if cfg.algorithm.advantage_estimator != "gae":
-        return []
-    path, fix = cfg.critic.path, ("point critic.path at a critic's export (e.g. RUN_DIR/critic_hf_final) or a "
-                                  "causal LM folder of the policy's shape, or leave it empty (model.path)")
-    if not path:
-        return _token_classification("model.path", cfg.model.path, cfg) if cfg.actor.backend == "fsdp" else []
-    if not os.path.isdir(path):
-        return [problem("critic.path", f"{path!r} is not a folder", fix)]
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:
-        return [problem("critic.path", f"cannot read {path}/config.json: {e}", fix)]
-    if not isinstance(hf, dict):
-        return [problem("critic.path", f"{path}/config.json holds a JSON {type(hf).__name__}, not an object", fix)]
-    from rlmega.config.value_model import causal_lm_config, is_value_model  # imports torch: only here
-
-    value = is_value_model(hf)
-    causal = causal_lm_config(hf) if value else hf
-    archs = hf.get("architectures") or []
-    kinds = ("ForCausalLM", "ForTokenClassification")
-    why = (f"architectures {archs} names neither a causal LM nor a value model (XForTokenClassification)"
-           if archs and not any(a.endswith(kinds) for a in archs) else
-           unsupported_reason(causal) if cfg.actor.backend == "megatron" else transformers_reason(path, causal))
-    if why:
-        return [problem("critic.path", f"{path!r}: {why}", fix)]
-    out = _token_classification("critic.path", path, cfg, hf) if cfg.actor.backend == "fsdp" else []
-    try:
-        with open(os.path.join(cfg.model.path, "config.json")) as f:
-            policy = json.load(f)
-    except (OSError, ValueError):
-        policy = None  # model.path's own check names it
-    for key in ("hidden_size", "num_hidden_layers", "vocab_size") if isinstance(policy, dict) else ():
-        if hf.get(key) != policy.get(key):
-            out.append(problem("critic.path", f"{key}={hf.get(key)} in {path}/config.json, but model.path's "
-                               f"{key}={policy.get(key)}: the critic is the policy's architecture and scores the "
-                               "policy's tokens", "use a critic made from this policy (or from a model of its "
-                               "shape and vocabulary), or leave critic.path empty"))
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        return out + [problem("critic.path", f"{path!r} has no *.safetensors weights", "save the critic or model "
-                              "into that folder with save_pretrained (safetensors), or the critic's export_hf")]
-    if not value:
-        return out + [problem("critic.path", why, "save the model again with save_pretrained, or fix config.json")
-                      for why in weight_problems(path, hf)]
-    try:
-        head = {k: v for f in files for k, v in read_safetensors_header(f).items()}.get("score.weight")
-    except (HeaderError, OSError) as e:
-        return out + [problem("critic.path", f"a weights file is not a complete safetensors file: {e}",
-                              "export the critic again (export_hf)")]
-    if head is None or head[1] != [1, hf.get("hidden_size")]:
-        out.append(problem("critic.path", f"config.json names a value model, but its weights have "
-                           f"{'no score.weight' if head is None else f'score.weight {head[1]}'} (a value head is "
-                           f"[1, hidden_size={hf.get('hidden_size')}])", "export the critic again (export_hf), or "
-                           "point critic.path at the causal LM it was made from (a fresh value head is drawn)"))
-    return out
-
-
-def _token_classification(field: str, path: str, cfg: RLConfig, hf: dict | None = None) -> List[str]:
-    """actor.backend=fsdp builds the critic as transformers' AutoModelForTokenClassification of the folder's
-    model_type; [] where that has a class (or model.path's own check already refuses the folder)."""
-    if hf is None:
-        try:
-            with open(os.path.join(path, "config.json")) as f:
-                hf = json.load(f)
-        except (OSError, ValueError):
-            return []
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES as names
-
-    model_type = hf.get("model_type") if isinstance(hf, dict) else None
-    if model_type is None or model_type in names:
-        return []
-    return [problem(field, f"{path!r}: the critic of algorithm.advantage_estimator=gae on actor.backend=fsdp is "
-                    "transformers' AutoModelForTokenClassification, which has "
-                    f"no class for model_type={model_type!r}", "use actor.backend=megatron, or a model family with an "
-                    "XForTokenClassification in transformers (e.g. Llama, Qwen2, Qwen3), or "
-                    "algorithm.advantage_estimator other than gae")]
 
 
 def _reward(cfg: RLConfig) -> List[str]:
@@ -364,7 +282,7 @@ def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
     from rlmega.agents.tasks import task_configs
 
-    out = _model(cfg) + _critic(cfg) + _reward(cfg)
+    out = _model(cfg) + critic_rules.folder_problems(cfg) + _reward(cfg)
     for i, t in enumerate(cfg.tasks or task_configs(cfg)):  # each task's prompt files (the data section's)
         f, d = (f"tasks[{i}].data" if cfg.tasks else "data"), t.data
         out += (_data_file(f"{f}.train_path", d.train_path, d.prompt_key, d.label_key, f)

