@@ -294,7 +294,7 @@ class MegatronActor(Actor):
         drops tokens by this forward's ratio, it is the count before that drop)."""
         count = real = nonempty = 0.0
         for mb in mbs:
-            fields = policy._per_token_on(mb, "cpu")
+            fields = policy.per_token_on(mb, "cpu")
             T = fields["labels"].numel()
             guess = fields.get("old_logprobs", fields.get("rollout_logprobs", torch.zeros(T)))
             count += float(loss_fn(fields, guess.float(), torch.zeros(T))[1])

@@ -68,14 +68,14 @@ class MegatronCritic(Critic):
 
         def step(data_iterator, chunk):
             mb = next(data_iterator)
-            output = policy._forward(chunk, mb)
+            output = policy.forward_chunk(chunk, mb)
 
             def collect(out):
                 return out.sum() * 0.0, torch.ones((), dtype=torch.int), {"values": _values(out)}
 
             return output, collect
 
-        outs = policy._run(self.manager.model, mbs, step, forward_only=True)
+        outs = policy.run_schedule(self.manager.model, mbs, step, forward_only=True)
         return batching.gather_responses(mbs, outs if ps.is_pipeline_last_stage(ignore_virtual=True)
                                          else None, "values", batch)
 
@@ -88,10 +88,10 @@ class MegatronCritic(Critic):
 
         def step(data_iterator, chunk):
             mb = next(data_iterator)
-            output = policy._forward(chunk, mb)
+            output = policy.forward_chunk(chunk, mb)
 
             def loss(out):
-                fields = policy._per_token_on(mb, out.device)
+                fields = policy.per_token_on(mb, out.device)
                 numerator, count, stats = loss_fn(fields, _values(out))
                 stats = {k: torch.as_tensor(v, dtype=torch.float64, device=out.device).detach()
                          for k, v in stats.items()}
@@ -100,7 +100,7 @@ class MegatronCritic(Critic):
 
             return output, loss
 
-        outs = policy._run(self.manager.model, mbs, step, forward_only=False)
+        outs = policy.run_schedule(self.manager.model, mbs, step, forward_only=False)
         last = ps.is_pipeline_last_stage(ignore_virtual=True)
         keys = value_loss.SUM_KEYS
         sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if last and outs else None

@@ -31,7 +31,7 @@ from rlmega.megatron.vocab_parallel import entropy, token_logprobs
 LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
-def _forward(model, mb: dict) -> torch.Tensor:
+def forward_chunk(model, mb: dict) -> torch.Tensor:
     """Logits (B*S, V/tp) of one micro-batch's packed rows (B, S), row-major like its per-token fields."""
     device = next(model.parameters()).device
     tokens, positions = mb["tokens"].to(device), mb["position_ids"].to(device)
@@ -85,7 +85,7 @@ def _rope_at(model, positions: torch.Tensor):
         del rope.forward
 
 
-def _run(model: list, micro_batches: list[dict], step_fn, forward_only: bool) -> list[dict]:
+def run_schedule(model: list, micro_batches: list[dict], step_fn, forward_only: bool) -> list[dict]:
     config = unwrap(model[0]).config
     vpp = len(model)
     # Packed rows differ in length: pipeline stages exchange shapes before each transfer.
@@ -117,7 +117,7 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
     def step(data_iterator, chunk):
         mb = next(data_iterator)
         with _routed(routes, chunk, mb):
-            logits = _forward(chunk, mb)
+            logits = forward_chunk(chunk, mb)
 
         def collect(output):
             out = {"logprobs": token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)}
@@ -127,7 +127,7 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
 
         return logits, collect
 
-    outs = _run(model, micro_batches, step, forward_only=True)
+    outs = run_schedule(model, micro_batches, step, forward_only=True)
     return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
@@ -146,10 +146,10 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
     def step(data_iterator, chunk):
         mb = next(data_iterator)
         with _routed(routes, chunk, mb):
-            logits = _forward(chunk, mb)
+            logits = forward_chunk(chunk, mb)
 
         def loss(output):
-            fields = _per_token_on(mb, output.device)
+            fields = per_token_on(mb, output.device)
             lp = token_logprobs(output, fields["labels"], vocab_size, temperature)
             ent = None
             if with_entropy:
@@ -167,11 +167,11 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
 
         return logits, loss
 
-    outs = _run(model, micro_batches, step, forward_only=False)
+    outs = run_schedule(model, micro_batches, step, forward_only=False)
     return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
-def _per_token_on(mb: dict, device) -> dict:
+def per_token_on(mb: dict, device) -> dict:
     """The micro-batch with its flat per-token fields (labels, masks, advantages, ...) on ``device``."""
     return {k: v.to(device) if torch.is_tensor(v) and v.dim() == 1 else v for k, v in mb.items()}
 
