@@ -4,9 +4,11 @@ A random tiny model almost never writes "<tool>...</tool>", so a test of the mul
 see no tool call. This one is the tiny Qwen2 of rlmega.tiny_model after a few hundred steps of plain
 supervised training (transformers, float32, CPU, seconds) on targets in the agent loop's own format
 (rlmega.agents.sft): "12+34=" -> "<tool>calculator:12+34</tool>" [<result>46</result>] "46</s>", the
-result masked. Sampling at temperature 1 it calls the tool in most trajectories, sometimes badly.
+result masked. Sampling at temperature 1 it calls the tool in most trajectories, sometimes badly: 15 of
+16 in tests/e2e/test_agent_loops.py after 300 steps; after 150 (the earlier default) it was 7 here,
+below that test's 8 (how well the format sits after a short training depends on float summation order).
 
-    path = make_tool_model(tmp_path / "tool_model", steps=300)
+    path = make_tool_model(tmp_path / "tool_model")   # 300 steps, ~18 s on 2 cores
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 
-def make_tool_model(out_dir, steps: int = 150, batch: int = 16, lr: float = 3e-3, seed: int = 0) -> Path:
+def make_tool_model(out_dir, steps: int = 300, batch: int = 16, lr: float = 3e-3, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlmega.agents.sft import sft_example
