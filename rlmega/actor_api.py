@@ -38,35 +38,52 @@ from rlmega.algorithms import kl as kl_lib
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.profiling import TraceRecorder
 
-# actor.backend -> "module:Class", imported only when that backend runs.
+# actor.backend -> "module:Class" of each role a trainer rank can play (the critic: algorithm.advantage_estimator
+# =gae, rlmega/critic_api.py), imported only when that backend runs.
 BACKENDS = {
     "megatron": "rlmega.megatron.actor:MegatronActor",
     "fsdp": "rlmega.fsdp.actor:FSDPActor",
 }
+CRITICS = {
+    "megatron": "rlmega.megatron.critic:MegatronCritic",
+    "fsdp": "rlmega.fsdp.critic:FSDPCritic",
+}
+_ROLES = {"actor": BACKENDS, "critic": CRITICS}
+
+
+def _check(backend: str, role: str) -> None:
+    if backend not in _ROLES[role]:
+        what = "is not a backend" if role == "actor" else f"has no {role}"
+        raise ValueError(f"actor.backend={backend!r} {what}; choose one of {sorted(_ROLES[role])}")
+
+
+def backend_class(backend: str, role: str = "actor") -> type:
+    """The class of ``role`` ("actor": an Actor, "critic": a Critic) on ``actor.backend`` (imports its
+    package, and its library, only now)."""
+    _check(backend, role)
+    module, name = _ROLES[role][backend].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def actor_class(backend: str) -> type["Actor"]:
-    """The Actor subclass of ``actor.backend`` (imports its package, and its library, only now)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"actor.backend={backend!r} is not a backend; choose one of {sorted(BACKENDS)}")
-    module, name = BACKENDS[backend].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The Actor subclass of ``actor.backend``."""
+    return backend_class(backend, "actor")
 
 
 @dataclasses.dataclass(frozen=True)
 class Learner:
-    """A picklable stand-in for ``actor_class(backend)``: calling it in a rank's process builds that
-    backend's Actor there. Launchers take it where they take a class (WorkerGroup, TorchrunGroup), so
-    the driver never imports a backend's library (megatron-core, FSDP): only the ranks do."""
+    """A picklable stand-in for ``backend_class(backend, role)``: calling it in a rank's process builds that
+    backend's Actor (or Critic) there. Launchers take it where they take a class (WorkerGroup,
+    TorchrunGroup), so the driver never imports a backend's library (megatron-core, FSDP): only the ranks do."""
 
     backend: str
+    role: str = "actor"
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:  # fail in the driver, before any rank starts
-            raise ValueError(f"actor.backend={self.backend!r} is not a backend; choose one of {sorted(BACKENDS)}")
+        _check(self.backend, self.role)  # fail in the driver, before any rank starts
 
-    def __call__(self, *args, **kwargs) -> "Actor":
-        return actor_class(self.backend)(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return backend_class(self.backend, self.role)(*args, **kwargs)
 
 
 class Actor(abc.ABC):

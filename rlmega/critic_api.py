@@ -1,7 +1,7 @@
 """The critic's interface: a value model on the trainer ranks, for ``algorithm.advantage_estimator: gae``.
 
 A backend's critic is one class that subclasses ``Critic`` (rlmega/megatron/critic.py: MegatronCritic,
-rlmega/fsdp/critic.py: FSDPCritic) and one line in ``CRITICS``; ``actor.backend`` picks it (the critic
+rlmega/fsdp/critic.py: FSDPCritic) and one line in rlmega.actor_api.CRITICS; ``actor.backend`` picks it (the critic
 runs on the actor's backend) and ``critic_class`` imports it, so nothing above this line imports a
 backend's library. The rules of rlmega/actor_api.py hold here too: every method is collective (every
 rank, same arguments), whole batch in and whole result out, losses normalised over the global batch,
@@ -16,38 +16,19 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 
+from rlmega.actor_api import Learner, backend_class
 from rlmega.config.schema import ModelConfig
 from rlmega.data.rollout_batch import RolloutBatch
 
-# actor.backend -> "module:Class" of its critic, imported only when that backend runs.
-CRITICS = {
-    "megatron": "rlmega.megatron.critic:MegatronCritic",
-    "fsdp": "rlmega.fsdp.critic:FSDPCritic",
-}
-
-
 def critic_class(backend: str) -> type["Critic"]:
-    """The Critic subclass of ``backend`` (imports its package, and its library, only now)."""
-    if backend not in CRITICS:
-        raise ValueError(f"actor.backend={backend!r} has no critic; choose one of {sorted(CRITICS)}")
-    module, name = CRITICS[backend].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The Critic subclass of ``actor.backend`` (rlmega.actor_api.CRITICS; imports its library only now)."""
+    return backend_class(backend, "critic")
 
 
-@dataclasses.dataclass(frozen=True)
-class CriticLearner:
-    """A picklable stand-in for ``critic_class(backend)`` (see rlmega.actor_api.Learner)."""
-
-    backend: str
-
-    def __post_init__(self):
-        if self.backend not in CRITICS:
-            raise ValueError(f"actor.backend={self.backend!r} has no critic; choose one of {sorted(CRITICS)}")
-
-    def __call__(self, *args, **kwargs) -> "Critic":
-        return critic_class(self.backend)(*args, **kwargs)
+def critic_learner(backend: str) -> Learner:
+    """A picklable stand-in for ``critic_class(backend)`` (rlmega.actor_api.Learner)."""
+    return Learner(backend, role="critic")
 
 
 def critic_kwargs(cfg) -> dict:

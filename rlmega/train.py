@@ -68,6 +68,10 @@ def train(cfg: RLConfig) -> RunDir:
 def _train(cfg: RLConfig, run: RunDir) -> None:
     t = cfg.trainer
     checkpoint = run.checkpoint_to_resume(t.resume)  # checked complete here, before any worker loads it
+    if checkpoint and cfg.algorithm.advantage_estimator == "gae" and not critic_checkpoint(checkpoint).is_dir():
+        raise ResumeError(f"{checkpoint} has no critic checkpoint ({critic_checkpoint(checkpoint)} is missing): it "
+                          "was not saved by a run with algorithm.advantage_estimator=gae. Fix: resume it with its own "
+                          "estimator, or start a new run (trainer.run_dir) from its policy (model.path)")
     settings = resume_settings(cfg)
     changed = changed_settings(checkpoint, settings) if checkpoint else []
     if changed:
@@ -157,13 +161,8 @@ def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | Non
                   f"{earlier} lines in {run.metrics_path} are replaced", flush=True)
             run.rewrite_metrics([])
         return 0, [], None
-    if roles.has_critic:
-        critic = critic_checkpoint(path)
-        if not critic.is_dir():
-            raise ResumeError(f"{path} has no critic checkpoint ({critic} is missing): it was not saved by a run "
-                              "with algorithm.advantage_estimator=gae. Fix: resume it with its own estimator, or "
-                              "start a new run (trainer.run_dir) from its policy (model.path)")
-        roles.call_critics("load_checkpoint", str(critic))
+    if roles.has_critic:  # there: _train checked it before any worker started
+        roles.call_critics("load_checkpoint", str(critic_checkpoint(path)))
     step, extra = roles.call_actors("load_checkpoint", str(path))
     data.load_state_dict(extra["data"])
     run.rewrite_metrics(extra["history"])

@@ -7,7 +7,7 @@ import ray
 
 from rlmega.actor_api import Learner
 from rlmega.config.schema import RLConfig
-from rlmega.critic_api import CriticLearner, critic_kwargs
+from rlmega.critic_api import critic_kwargs, critic_learner
 from rlmega.launch import torchrun_group
 from rlmega.launch.placement import PlacementPlan
 from rlmega.launch.worker_group import WorkerGroup
@@ -45,7 +45,7 @@ def start_critic(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, sw
     kwargs = critic_kwargs(cfg)
     kwargs.update(critic=dataclasses.replace(cfg.critic, offload_while_generating=swaps), num_threads=threads,
                   lr_decay_steps=cfg.trainer.total_steps * optimizer_steps_per_rl_step)
-    return WorkerGroup(CriticLearner(cfg.actor.backend), len(plan.critics), kwargs=kwargs,
+    return WorkerGroup(critic_learner(cfg.actor.backend), len(plan.critics), kwargs=kwargs,
                        num_cpus=cfg.cluster.actor_cpus_per_rank, num_gpus=plan.critics[0].gpus,
                        placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.critics], timeout_s=timeout_s,
                        name="critic")

@@ -100,3 +100,15 @@ def test_kill_9_and_resume_of_a_ppo_run_matches_the_uninterrupted_run(model, str
         for key in ("loss", "reward_mean", "grad_norm", "kl_ref", *CRITIC_KEYS):
             assert g[key] == w[key], \
                 f"step {g['step']} {key}: resumed {g[key]} vs straight {w[key]}"
+
+
+def test_resuming_a_checkpoint_without_a_critic_is_refused_before_any_worker_starts(model, straight, tmp_path):
+    import shutil
+
+    lone = tmp_path / "other" / "checkpoints" / "step_00000002"  # the policy's checkpoint, its critic left behind
+    shutil.copytree(straight / "checkpoints" / "step_00000002", lone)
+    out = subprocess.run(_cmd(model, tmp_path / "new", f"trainer.resume={lone}"), capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "has no critic checkpoint" in out.stderr and "critic/step_00000002 is missing" in out.stderr
+    assert "placement" not in out.stderr  # refused before Ray placed any worker

@@ -18,8 +18,9 @@ from transformers import AutoModelForTokenClassification
 from rlmega.testing.multiproc import run_on_ranks
 from rlmega.tiny_model import make_tiny_model
 
-# (tp, pp, world) on Megatron; ("fsdp", world): the FSDP critic, data parallel.
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2), "fsdp_dp2": ("fsdp", 2)}
+# (backend, tp, pp, world): Megatron layouts, and the FSDP critic (data parallel).
+LAYOUTS = {"tp1": ("megatron", 1, 1, 1), "tp2": ("megatron", 2, 1, 2), "pp2": ("megatron", 1, 2, 2),
+           "fsdp_dp2": ("fsdp", 1, 1, 2)}
 STEPS = 2
 # Measured (float32, this machine): Megatron TP1 vs transformers max 2.4e-7; vs TP1, before training /
 # after two steps: TP2 2.5e-7 / 2.7e-6, PP2 0 / 0, FSDP DP2 2.4e-7 / 1.4e-6; the export in transformers 1.8e-7.
@@ -35,12 +36,14 @@ def _batch():
     return dataclasses.replace(batch, returns=returns)
 
 
-def _megatron_body(path: str, tp: int, pp: int, world: int, ckpt: str | None):
+def _train_body(backend: str, path: str, tp: int, pp: int, world: int, ckpt: str | None):
+    """A critic on ``backend`` from the causal LM: values, two train steps toward fixed returns, values."""
     from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.megatron.critic import MegatronCritic
+    from rlmega.critic_api import critic_class
 
-    critic = MegatronCritic(ModelConfig(path=path), ParallelismConfig(tp, pp, None, world), OptimizerConfig(lr=1e-3),
-                            CriticConfig(cliprange_value=0.2), max_tokens_per_micro_batch=64)
+    critic = critic_class(backend)(ModelConfig(path=path), ParallelismConfig(tp, pp, None, world),
+                                   OptimizerConfig(lr=1e-3), CriticConfig(cliprange_value=0.2),
+                                   max_tokens_per_micro_batch=64)
     critic.setup()
     batch = _batch()
     before = critic.compute_values(batch)
@@ -49,31 +52,11 @@ def _megatron_body(path: str, tp: int, pp: int, world: int, ckpt: str | None):
         old = critic.compute_values(batch)
         metrics.append(critic.train_step(dataclasses.replace(batch, old_values=old)))
     after = critic.compute_values(batch)
-    extra = {}
     if ckpt:
         critic.save_checkpoint(f"{ckpt}/ckpt", step=STEPS)
         critic.export_hf(f"{ckpt}/hf")
     critic.teardown()
-    return before, metrics, after, extra
-
-
-def _fsdp_body(path: str, world: int):
-    """The same critic, data and steps on the FSDP backend."""
-    from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.fsdp.critic import FSDPCritic
-
-    critic = FSDPCritic(ModelConfig(path=path), ParallelismConfig(world_size=world), OptimizerConfig(lr=1e-3),
-                        CriticConfig(cliprange_value=0.2), max_tokens_per_micro_batch=64)
-    critic.setup()
-    batch = _batch()
-    before = critic.compute_values(batch)
-    metrics = []
-    for _ in range(STEPS):
-        old = critic.compute_values(batch)
-        metrics.append(critic.train_step(dataclasses.replace(batch, old_values=old)))
-    after = critic.compute_values(batch)
-    critic.teardown()
-    return before, metrics, after, {}
+    return before, metrics, after
 
 
 def _reload_body(ckpt: str, path: str):
@@ -127,21 +110,17 @@ def _max_diff(a, b) -> float:
 
 def test_critic_matches_transformers_across_layouts_and_backends(qwen2, tmp_path):
     runs = {}
-    for name, layout in LAYOUTS.items():
-        if layout[0] == "fsdp":  # the other backend on the same weights, data and steps
-            runs[name] = run_on_ranks(_fsdp_body, layout[1], args=(qwen2, layout[1]), timeout_s=300)[0]
-            continue
-        tp, pp, world = layout
+    for name, (backend, tp, pp, world) in LAYOUTS.items():
         ckpt = str(tmp_path) if name == "tp1" else None
-        runs[name] = run_on_ranks(_megatron_body, world, args=(qwen2, tp, pp, world, ckpt), timeout_s=300)[0]
-    before, metrics, after, _ = runs["tp1"]
+        runs[name] = run_on_ranks(_train_body, world, args=(backend, qwen2, tp, pp, world, ckpt), timeout_s=300)[0]
+    before, metrics, after = runs["tp1"]
     hf = _hf_values(qwen2, _batch())
     print("tp1 vs transformers", _max_diff(before, hf))
     assert _max_diff(before, hf) <= VALUE_ATOL
     # the critic learns: the value loss falls toward the fixed returns
     assert metrics[1]["critic/vf_loss"] < metrics[0]["critic/vf_loss"]
     assert _max_diff(before, after) > 1e-3
-    for name, (b, m, a, _) in runs.items():
+    for name, (b, m, a) in runs.items():
         print(name, "before", _max_diff(b, before), "after", _max_diff(a, after))
         assert _max_diff(b, before) <= VALUE_ATOL and _max_diff(a, after) <= VALUE_ATOL, name
         for mine, ref in zip(m, metrics):
