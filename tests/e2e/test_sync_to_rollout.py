@@ -232,6 +232,10 @@ def tied_engine(engines, tied_model):  # after `engines`: Ray is up
 
 
 TIED_STEPS = 4
+# Several real updates at lr 1e-2 sharpen the logits, and the float32 gap grows with them: measured on a
+# 2-core machine (2026-11-26) 9.5e-7 before any update up to 5.7e-6 after 3-4 (tp1, pp2; fsdp 4.8e-6), where
+# MAX_DIFF (5e-6) held on the machine it was set on. Without the tied-head fix the gap was 0.61 after one.
+TIED_MAX_DIFF = 1e-5
 
 
 @pytest.mark.parametrize("name", ["tp1", "tp2", "pp2", "tp2_pp2", "pp2_vpp2"])
@@ -257,7 +261,7 @@ def test_tied_embeddings_keep_parity_through_several_updates(tied_model, tied_en
         diffs.append(diff)
         print(name, "tied parity per step", [f"{d['max']:.2e}" for d in diffs])
         for step, d in enumerate(diffs):
-            assert d["max"] <= MAX_DIFF and d["mean"] <= MEAN_DIFF, f"{name} after {step} updates: {d}"
+            assert d["max"] <= TIED_MAX_DIFF and d["mean"] <= MEAN_DIFF, f"{name} after {step} updates: {d}"
     finally:
         group.shutdown()
 
@@ -304,7 +308,7 @@ def test_fsdp_sync_keeps_tied_parity_through_several_updates(tied_model, tied_en
         diffs.append(diff)
         print("fsdp tied parity per step", [f"{d['max']:.2e}" for d in diffs])
         for step, d in enumerate(diffs):
-            assert d["max"] <= MAX_DIFF and d["mean"] <= MEAN_DIFF, f"fsdp after {step} updates: {d}"
+            assert d["max"] <= TIED_MAX_DIFF and d["mean"] <= MEAN_DIFF, f"fsdp after {step} updates: {d}"
         assert any(not torch.equal(x, y) for x, y in zip(first.rollout_logprobs, again.rollout_logprobs)), \
             "the engine samples as before: the updates did not reach it"
     finally:
