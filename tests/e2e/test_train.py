@@ -308,7 +308,8 @@ def test_single_turn_agent_loop_trains_exactly_as_the_batched_rollout_did(model,
     """Issue 13: rollouts now go through agent loops (per-request generation on the async engine, judging
     inside the loop), and the single-turn default must change no number. The golden file holds the
     metrics of this very command at commit 76095c7, before the change (batched LLM.generate + reward
-    workers), on this machine type; every field it has must come out identical (times excepted)."""
+    workers); every field the samples decide must come out identical, the trainer's float32 results within
+    the rounding another CPU's kernels give (times excepted)."""
     run = tmp_path / "run"
     _run([sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
           f"trainer.run_dir={run}", "trainer.total_steps=3", "trainer.save_every=0", "trainer.warmup_sft_steps=8",
@@ -318,7 +319,20 @@ def test_single_turn_agent_loop_trains_exactly_as_the_batched_rollout_did(model,
           "parallelism.world_size=1", "trainer.resume=none"])
     golden = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
     got = _metrics(run)
-    assert [{k: g[k] for k in want} for want, g in zip(golden, got)] == golden
+    assert len(got) == len(golden)
+    for want, g in zip(golden, got):
+        # What the samples decide (tokens, rewards, lengths, packing, clipping) is identical everywhere.
+        assert {k: g[k] for k in want if k not in KERNEL_FLOATS} == {k: v for k, v in want.items()
+                                                                     if k not in KERNEL_FLOATS}
+        # Float32 results of the trainer's kernels: identical on the machine the golden file was recorded
+        # on, and within 3.8e-7 relative on another CPU (2026-11-26: same samples, other summation rounding).
+        for k in KERNEL_FLOATS.intersection(want):
+            limit = 5e-6 if k.startswith("logprob_diff") else 2e-6 * abs(want[k])  # the former: |engine - trainer|
+            assert abs(g[k] - want[k]) <= limit, f"step {want['step']} {k}: {g[k]} vs golden {want[k]}"
+
+
+KERNEL_FLOATS = {"loss", "grad_norm", "entropy", "kl_ref", "ppo_kl", "rollout_is_ratio", "logprob_diff_max",
+                 "logprob_diff_mean"}
 
 
 def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path):
