@@ -34,16 +34,37 @@ def skip_weight_sync(version_to_skip: int) -> None:
     Roles._send_weights = send
 
 
-def main_with_a_skipped_sync(argv: list[str]) -> int:
-    """``python -m rlmega.testing.faults VERSION CONFIG [key=value ...]``: rlmega train, the sync of VERSION
-    skipped (tests/e2e/test_train.py: the parity guard must stop the run)."""
-    from rlmega.train import main
+def hang_after_step(step: int) -> None:
+    """Patch RunDir so that the driver blocks for good right after it logs ``step``: a kill -9 test then
+    kills a driver that finished exactly that step and started no other (no race between the test's
+    poll of metrics.jsonl and a fast next step, or its checkpoint)."""
+    import time
 
-    skip_weight_sync(int(argv[0]))
-    return main(argv[1:])
+    from rlmega.runs import RunDir
+
+    real = RunDir.log
+
+    def log(self, metrics: dict) -> None:
+        real(self, metrics)
+        if metrics.get("step") == step:
+            while True:
+                time.sleep(3600)
+
+    RunDir.log = log
+
+
+def main(argv: list[str]) -> int:
+    """``python -m rlmega.testing.faults FAULT N CONFIG [key=value ...]``: rlmega train with one fault.
+    FAULT ``skip-sync``: the sync of version N sends nothing (tests/e2e/test_train.py: the parity guard
+    must stop the run); ``hang-after``: the driver blocks after logging step N (the kill -9 resume tests)."""
+    from rlmega.train import main as train_main
+
+    fault, n = argv[0], int(argv[1])
+    {"skip-sync": skip_weight_sync, "hang-after": hang_after_step}[fault](n)
+    return train_main(argv[2:])
 
 
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main_with_a_skipped_sync(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -130,11 +130,13 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp
 
 def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_path):
     run, tag = tmp_path / "resumed", f"driver-killed-{os.getpid()}"
-    proc = subprocess.Popen(_cmd(model, run, 4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    cmd = _cmd(model, run, 4)
+    cmd[1:3] = ["-m", "rlmega.testing.faults", "hang-after", "3"]  # the driver stops right after step 3
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", "RLMEGA_TEST_TAG": tag},
                             start_new_session=True)
     deadline = time.monotonic() + 500
-    try:  # kill -9 once step 3 is logged: the step-2 checkpoint exists, step 3 is past it
+    try:  # kill -9 once step 3 is logged: the step-2 checkpoint exists, step 3 is past it, step 4 never starts
         while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 3"
             time.sleep(0.5)
@@ -340,7 +342,7 @@ def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path
     while the trainer holds step 3's. The guard must checkpoint and stop there, naming the numbers."""
     run = tmp_path / "skipped_sync"
     cmd = _cmd(model, run, 5, NO_WARM_START, "trainer.save_every=0", "optimizer.lr=1e-2")
-    cmd[1:3] = ["-m", "rlmega.testing.faults", "2"]  # python -m rlmega.testing.faults VERSION CONFIG ...
+    cmd[1:3] = ["-m", "rlmega.testing.faults", "skip-sync", "2"]  # python -m rlmega.testing.faults FAULT N CONFIG ...
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-4000:]

@@ -82,7 +82,9 @@ def test_ppo_logs_the_critic_and_its_warm_up_leaves_the_policy_alone(straight):
 
 def test_kill_9_and_resume_of_a_ppo_run_matches_the_uninterrupted_run(model, straight, tmp_path):
     run = tmp_path / "resumed"
-    proc = subprocess.Popen(_cmd(model, run), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    cmd = _cmd(model, run)
+    cmd[1:3] = ["-m", "rlmega.testing.faults", "hang-after", "3"]  # the driver stops right after step 3
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"}, start_new_session=True)
     deadline = time.monotonic() + 500
     try:  # kill -9 once step 3 is logged: the step-2 checkpoint (policy and critic) exists, step 3 is past it
