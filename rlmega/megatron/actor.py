@@ -47,7 +47,7 @@ from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, Opti
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.megatron import batching, checkpoint, policy, routing_replay
 from rlmega.megatron.hf_io import iter_hf_buckets
-from rlmega.megatron.model_manager import MegatronModelManager
+from rlmega.megatron.model_manager import PHASE_KINDS, MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
                                     tensor_parallel_rank)
 
@@ -414,11 +414,7 @@ class MegatronActor(Actor):
         return self.policy.export_hf(out_dir, overwrite)
 
     # ---- colocated GPUs: give the device to the rollout engines and take it back --------------
-    # (kind, offload method, onload method) of MegatronModelManager, in offload order.
-    _PHASE_KINDS = (("grads", "offload_grads", "onload_grads"),
-                    ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
-                    ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
-                    ("params", "offload_params", "onload_params"))
+    _PHASE_KINDS = PHASE_KINDS
 
     def offload_for_rollout(self, keep_params: bool = False) -> dict:
         """Move the policy's state to host memory and return the freed memory to the CUDA driver.

@@ -22,7 +22,7 @@ from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, Par
 from rlmega.critic_api import Critic
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.megatron import batching, checkpoint, policy
-from rlmega.megatron.model_manager import MegatronModelManager
+from rlmega.megatron.model_manager import PHASE_KINDS, MegatronModelManager
 from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
 
@@ -124,10 +124,7 @@ class MegatronCritic(Critic):
     def export_hf(self, out_dir, overwrite: bool = False):
         return self.manager.export_hf(out_dir, overwrite)
 
-    _KINDS = (("grads", "offload_grads", "onload_grads"),
-              ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
-              ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
-              ("params", "offload_params", "onload_params"))
+    _KINDS = PHASE_KINDS
 
     def offload_for_rollout(self) -> dict:
         """critic.offload_while_generating (resolved by the caller): everything to the host."""

@@ -66,6 +66,14 @@ def transformer_engine_usable() -> bool:
     return True
 
 
+# (kind, offload method, onload method) of MegatronModelManager, in offload order: what a colocated
+# trainer (MegatronActor) or critic (MegatronCritic) releases while the engines generate.
+PHASE_KINDS = (("grads", "offload_grads", "onload_grads"),
+               ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
+               ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
+               ("params", "offload_params", "onload_params"))
+
+
 class MegatronModelManager:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
                  lr_decay_steps: int = 1000, hf_config: dict | None = None,
