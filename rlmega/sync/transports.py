@@ -1,22 +1,29 @@
 """How a bucket of HF-named tensors reaches the rollout engines.
 
-``sync_model_to_rollout`` (MegatronActor) streams each pipeline stage's weights as buckets
-from one sender rank per stage and hands each bucket to a transport:
+``sync_model_to_rollout`` (MegatronActor, FSDPActor) streams each pipeline stage's weights as
+buckets from one sender rank per stage and hands each bucket to a transport:
 
     DirectTransport([worker, ...])   engines are objects in this process (tests, one-process runs)
     RayTransport([handle, ...])      engines are Ray actors: the bucket goes into the object store
                                      once, as raw bytes, and every engine reads it from there
                                      (zero-copy on a node)
+    CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
+                                     through the host (a design not yet run on a GPU; selected nowhere)
 
-A transport is picklable (it travels to the trainer ranks) and has two methods:
-``send(bucket, version)`` hands a bucket over (it may return before the engines have loaded it),
-and ``flush()`` returns once every engine has loaded everything sent, or raises naming the engine
-that failed. The sender calls ``flush()`` before the sync's closing barrier. On GPUs the next
-transport is vLLM's own weight-transfer engine over NCCL/CUDA IPC; the interface stays the same.
+A transport is picklable (it travels to the trainer ranks; each rank's copy is its own sender) and
+has two methods: ``send(bucket, version)`` hands a bucket over (it may return before the engines
+have loaded it), and ``flush()`` returns once every engine has loaded everything sent, or raises
+naming the engine that failed. The sender calls ``flush()`` before the sync's closing barrier.
+
+The engine side (RolloutWorker) is ``receive_weights(bucket, version, sender)`` per bucket and
+``finish_weights(version, sender)`` at the flush: the engine loads a sync's buckets in ONE vLLM
+reload, opened by the first bucket and closed once every sender has finished
+(rlmega/workers/weight_stream.py). ``sender`` is a key per transport copy.
 """
 from __future__ import annotations
 
 import collections
+import uuid
 import warnings
 from typing import Sequence
 
@@ -55,7 +62,7 @@ class _ByteView:
                                     "typestr": "|u1", "version": 3}
 
 
-def _byte_array(t: torch.Tensor) -> np.ndarray:
+def byte_array(t: torch.Tensor) -> np.ndarray:
     """The bytes of ``t`` (on the CPU, contiguous) as a read-only uint8 array, without a copy."""
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
@@ -77,65 +84,99 @@ class _RawBucket:
 
     def __reduce__(self):
         ts = [t.detach().cpu().contiguous() for _, t in self.bucket]
-        return _tensors_from_bytes, ([n for n, _ in self.bucket], [_byte_array(t) for t in ts],
+        return _tensors_from_bytes, ([n for n, _ in self.bucket], [byte_array(t) for t in ts],
                                      [t.dtype for t in ts], [tuple(t.shape) for t in ts])
 
 
-class DirectTransport:
+class _Sender:
+    """A transport copy's key at the engines: made in the process that first sends, never pickled
+    (the driver's transport and each rank's copy must not share one)."""
+
+    _sender: str | None = None
+
+    @property
+    def sender(self) -> str:
+        if self._sender is None:
+            self._sender = uuid.uuid4().hex
+        return self._sender
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_sender", None)
+        return state
+
+
+class DirectTransport(_Sender):
     def __init__(self, engines: Sequence):
         self.engines = list(engines)
+        self._version: int | None = None
 
     def send(self, bucket: Bucket, version: int) -> None:
         for engine in self.engines:
-            engine.update_weights(bucket, version)
+            engine.receive_weights(bucket, version, self.sender)
+        self._version = version
 
     def flush(self) -> None:
-        """Nothing to wait for: ``send`` loaded the bucket."""
+        """Every engine's reload of this sync has ended (``send`` handed the buckets over)."""
+        version, self._version = self._version, None
+        if version is None:
+            return
+        for i, engine in enumerate(self.engines):
+            try:
+                engine.finish_weights(version, self.sender)
+            except Exception as e:
+                raise RuntimeError(f"rollout engine {i} failed to load weights version {version}: {e}") from e
 
 
-class RayTransport:
-    """Buckets through Ray's object store, pipelined: the engines load bucket k while the sender
-    gathers and puts bucket k+1.
+class RayTransport(_Sender):
+    """Buckets through Ray's object store, pipelined: the engines take bucket k while the sender
+    gathers and puts bucket k+1, and load each bucket as it comes, in the sync's one reload.
 
     At most ``max_in_flight`` buckets (default 2) are unacknowledged: before putting bucket k+2 the
-    sender waits until every engine has loaded bucket k, so the object store holds at most two
-    buckets per sender whatever the model's size. The engines are threaded actors (max_concurrency,
-    see rlmega/launch/roles.py ``_engine_options``), so the buckets in flight may load at once and in
-    any order: RolloutWorker.update_weights is thread-safe, and a fused vLLM layer split across
-    buckets waits in the engine until its last piece arrives, so no order exposes a half-loaded
-    layer. The engines do not retry tasks (a retried bucket would load twice).
+    sender waits until every engine has taken bucket k (handed it to its model process, which has
+    room for two unread buckets: rlmega/workers/weight_stream.py), so the object store holds at
+    most two buckets per sender whatever the model's size. The engines are threaded actors
+    (max_concurrency, see rlmega/launch/roles.py ``_engine_options``), so the buckets in flight may
+    arrive at once and in any order: a fused vLLM layer split across buckets waits in the engine
+    until its last piece arrives, so no order exposes a half-loaded layer. ``flush`` waits for the
+    reload. The engines do not retry tasks (a retried bucket would load twice).
     """
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight}: at least 1 (the bucket being loaded)")
         self.engines, self.timeout_s, self.max_in_flight = list(engines), timeout_s, max_in_flight
-        self._in_flight: collections.deque = collections.deque()  # (refs, version, first name), oldest first
+        self._in_flight: collections.deque = collections.deque()  # (refs, what), oldest first
+        self._version: int | None = None
 
     def send(self, bucket: Bucket, version: int) -> None:
         while len(self._in_flight) >= self.max_in_flight:
             self._wait(*self._in_flight.popleft())
         ref = self._put(bucket)  # once, shared by all engines
-        refs = [e.update_weights.remote(ref, version) for e in self.engines]
-        self._in_flight.append((refs, version, bucket[0][0]))
+        refs = [e.receive_weights.remote(ref, version, self.sender) for e in self.engines]
+        self._in_flight.append((refs, f"the bucket starting with {bucket[0][0]!r} (weights version {version})"))
+        self._version = version
 
     def flush(self) -> None:
+        version, self._version = self._version, None
         try:
             while self._in_flight:
                 self._wait(*self._in_flight.popleft())
         finally:
             self._in_flight.clear()  # after an error the rest is abandoned, not waited on again
+        if version is not None:
+            self._wait([e.finish_weights.remote(version, self.sender) for e in self.engines],
+                       f"weights version {version}")
 
     def _put(self, bucket: Bucket):
         import ray
 
         return ray.put(_RawBucket(bucket))
 
-    def _wait(self, refs: list, version: int, first: str) -> None:
-        """Return once every engine has loaded one bucket; raise naming the engine that did not."""
+    def _wait(self, refs: list, what: str) -> None:
+        """Return once every engine has answered one call; raise naming the engine that did not."""
         import ray
 
-        what = f"the bucket starting with {first!r} (weights version {version})"
         _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         if late:
             late_ids = {r.hex() for r in late}

@@ -8,14 +8,15 @@ method on every worker (one per TP rank) and returns their results as a list.
 
 Arguments cross process boundaries msgpack-encoded (to the engine core, and at TP > 1 on through the
 executor's message queue to the workers): a torch tensor arrives as a list there, bytes arrive
-intact. Weights therefore go as a file: ``stage_weights`` writes one safetensors file per call in
-shared memory (/dev/shm: RAM, not disk), the call carries its path, and the worker reads the tensors
-from it. Measured on a 0.4 GB model (2-core CPU machine): the same bucket as safetensors *bytes*
-inside the call took 1.9 to 2.1 s from ``save`` to loaded (serialised, copied into msgpack, through
-the socket, copied out, parsed), the file 0.4 to 1.0 s, vLLM's own reload of it 0.16 to 0.8 s
-(the machine was shared; ranges are 5 runs). The file lives only for the call: the sender deletes it
-when the call returns, and the engine core deletes what a dead owner left (``rlmega_watch_owner``).
-All workers must see the file: they share the engine's node (TP within a node).
+intact. Weights therefore go as files in shared memory (rlmega/workers/bucket_files.py), and one sync
+is one call, ``rlmega_load_stream``: a single ``reload_weights`` whose iterator reads the buckets as
+the RolloutWorker writes them, until the sync's end. While it runs the engine core runs nothing
+else (a utility call blocks its loop): no step ever sees a half-loaded model. Why one call per
+sync, not per bucket: each ``reload_weights`` restores every layer of the model on the meta device,
+puts back the ones it did not load and re-processes every attention layer; the tied-head rebuild,
+the CPU expert repack and the prefix-cache reset follow it. Measured before (one reload per bucket,
+each bucket written with safetensors and read into memory): a sync cost 2.4x vLLM's own reload of
+the same tensors at TP1, 4.3x at TP2xPP2 (tools/bench/weight_sync.py).
 
 Names carry an ``rlmega_`` prefix: vLLM's own worker already has methods such as ``update_weights``
 (its weight-transfer API), and an extension must not shadow them.
@@ -23,38 +24,16 @@ Names carry an ``rlmega_`` prefix: vLLM's own worker already has methods such as
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import shutil
-import tempfile
 import time
-import uuid
 
 import torch
 
+from rlmega.workers import bucket_files
 from rlmega.workers.route_store import RouteStore
 
 EXTENSION = "rlmega.workers.vllm_extension.RolloutExtension"  # the engine argument's value
-SHM = "/dev/shm"
-_PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies
-
-
-def stage_weights(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """Write HF-named tensors as one safetensors file for the engine's workers; returns its path.
-
-    /dev/shm when it has room for twice the file (Docker gives containers 64 MB by default), else the
-    temporary directory: there the page cache serves the worker, as the file is read at once.
-    """
-    from safetensors.torch import save_file
-
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
-    size = sum(t.nbytes for t in tensors.values())
-    directory = tempfile.gettempdir()
-    if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > 2 * size + (64 << 20):
-        directory = SHM
-    path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.safetensors")
-    save_file(tensors, path)
-    return path
 
 
 def tied_layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
@@ -129,27 +108,44 @@ def _repack_cpu_experts(model: torch.nn.Module, loaded: list[str]) -> list[str]:
     return done
 
 
-def _staged_by(pid: int) -> list[str]:
-    return [p for d in (SHM, tempfile.gettempdir()) for p in glob.glob(os.path.join(d, f"{_PREFIX}{pid}-*"))]
-
-
 class RolloutExtension:
     """Mixed into vLLM's worker: ``self`` is the worker, ``self.model_runner`` its model runner."""
 
-    def rlmega_reload_weights(self, path: str) -> int:
-        """Load the HF-named tensors of a ``stage_weights`` file in place; returns how many it held.
+    def rlmega_rank(self) -> int:
+        """The name of this worker's folder in a sync directory (bucket_files)."""
+        return int(getattr(self, "rank", 0))
 
-        ``reload_weights`` (not ``model.load_weights``) because the CPU backend repacks linear
-        weights after loading (see rlmega/workers/rollout.py). Tensors are read one at a time from
-        the mapped file, as vLLM asks for them.
+    def rlmega_load_stream(self, directory: str, idle_timeout_s: float) -> int:
+        """Load, in place, every bucket written to this worker's folder of ``directory`` until the
+        sync ends; one ``reload_weights`` for them all. Returns how many tensors it loaded.
+
+        ``reload_weights`` (not ``model.load_weights``) because the CPU backend repacks linear weights
+        after loading, layer by layer, once a layer's tensors have all arrived. A bucket holds whole
+        vLLM layers only (the RolloutWorker holds back a fused layer's tensors until all have come:
+        rlmega/workers/fused_layers.py), so a stream cut short between buckets leaves no layer half
+        written: what did not arrive keeps its old weights, and the error is raised.
         """
-        from safetensors import safe_open
+        names: list[str] = []
 
-        with safe_open(path, framework="pt") as f:
-            names = list(f.keys())
-            self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
-        _refresh_tied_layers(self.model_runner.get_model(), names)
-        _repack_cpu_experts(self.model_runner.get_model(), names)
+        def weights():
+            for name, tensor in bucket_files.read_stream(directory, self.rlmega_rank(), idle_timeout_s):
+                names.append(name)
+                yield name, tensor
+
+        model = self.model_runner.get_model()
+        try:
+            self.model_runner.reload_weights(weights_iterator=weights())
+        except BaseException:
+            # The layers still on the meta device (not loaded yet) get their old tensors back.
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            with contextlib.suppress(Exception):
+                finalize_layerwise_reload(model, self.model_runner.model_config)
+            raise
+        finally:
+            shutil.rmtree(os.path.join(directory, str(self.rlmega_rank())), ignore_errors=True)
+        _refresh_tied_layers(model, names)
+        _repack_cpu_experts(model, names)
         return len(names)
 
     def rlmega_param_names_and_packing(self) -> tuple[list[str], dict[str, list[str]]]:
@@ -165,8 +161,8 @@ class RolloutExtension:
         SIGKILL (a Ray actor killed, OOM) left it running, idle or finishing its requests (measured).
         So a daemon thread here polls the owner and kills what it would orphan: this process, and, when
         this is a model worker under the engine core (the multiprocess executor), the engine core too
-        (the other workers follow it through vLLM's death pipe), after deleting weight files the owner
-        staged and could not delete. A dead owner is one that has exited or is a zombie; psutil checks
+        (the other workers follow it through vLLM's death pipe), after deleting the weight buckets the
+        owner staged and could not delete. A dead owner is one that has exited or is a zombie; psutil checks
         the creation time, so a reused pid is not the owner. Returns this pid.
         """
         import threading
@@ -189,9 +185,8 @@ class RolloutExtension:
         def watch() -> None:
             while not gone():
                 time.sleep(interval_s)
-            for path in _staged_by(owner_pid):  # a bucket the owner was sending when it died
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            for path in bucket_files.staged_by(owner_pid):  # a sync the owner was sending when it died
+                shutil.rmtree(path, ignore_errors=True)
             for p in victims:
                 try:
                     p.kill()

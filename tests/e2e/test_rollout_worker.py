@@ -114,6 +114,34 @@ def _engine_body(model_dir: str) -> dict:
         list(pool.map(lambda b: w.update_weights([(n, original[n]) for n in b], version=4), buckets))
     out["pending_after_threads"] = w.pending_weights()
     out["restored_by_threads"] = _as_dicts(w.generate(**probe))
+    # One sync from two senders (two pipeline stages, each its own transport) in small buckets split
+    # inside fused layers: ONE reload in the engine, ended when both have finished. Sender 1's first
+    # bucket comes before sender 0 starts, so sender 0's finish must wait for sender 1's.
+    w.update_weights([("lm_head.weight", torch.zeros_like(original["lm_head.weight"]))], version=5)
+    reloads = w.weight_reloads()
+    halves = [shuffled[0::2], shuffled[1::2]]
+    chunks = [[h[i:i + 5] for i in range(0, len(h), 5)] for h in halves]
+
+    def stage(k, parts):
+        for part in parts:
+            w.receive_weights([(n, original[n]) for n in part], 6, sender=f"stage{k}")
+
+    stage(1, chunks[1][:1])
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(lambda: (stage(0, chunks[0]), w.finish_weights(6, "stage0"), time.monotonic())[2])
+        # A request sent while the sync loads waits for its end and gets the new version.
+        during = pool.submit(w.generate, **probe)
+        time.sleep(0.5)
+        out["stream_first_done_early"] = first.done() or during.done()
+        stage(1, chunks[1][1:])
+        w.finish_weights(6, "stage1")
+        second_done = time.monotonic()
+        out["stream_first_waited"] = first.result() >= second_done - 1e-3
+        out["stream_during"] = _as_dicts(during.result())
+    out["stream_reloads"] = w.weight_reloads() - reloads
+    out["stream_version"] = w.weight_version()
+    out["stream_pending"] = w.pending_weights()
+    out["restored_by_stream"] = _as_dicts(w.generate(**probe))
     tm["3_update_weights"] = time.perf_counter() - t
 
     # 3b. serving single requests: many threads at once, abort, stop strings (tests below).
@@ -200,7 +228,8 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     """Both pause policies with long requests in flight, user aborts around a pause, busy_seconds."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rlmega.workers.rollout import _continuation, _params
+    from rlmega.workers.generation import continuation as _continuation
+    from rlmega.workers.generation import sampling_params as _params
 
     out: dict = {}
     long = dict(max_tokens=INFLIGHT_TOKENS, ignore_eos=True)
@@ -395,6 +424,12 @@ def test_update_weights_in_place_and_streamed(run):
     # buckets from 6 threads at once, in any order, fused layers split across them
     assert run["pending_after_threads"] == []
     assert strip(run["restored_by_threads"]) == strip(run["before"])
+    # one sync, two senders: one reload; requests sent meanwhile wait for its end
+    assert run["stream_reloads"] == 1 and run["stream_version"] == 6 and run["stream_pending"] == []
+    assert not run["stream_first_done_early"] and run["stream_first_waited"]
+    assert strip(run["restored_by_stream"]) == strip(run["before"])
+    assert strip(run["stream_during"]) == strip(run["before"])
+    assert {s["weight_version"] for s in run["stream_during"]} == {6}
 
 
 @pytest.mark.timeout(400)
@@ -581,7 +616,7 @@ def test_busy_seconds_counts_running_requests_only(run):
 
 def test_stop_across_cuts_finds_the_first_stop_string_spanning_a_cut():
     from rlmega.tiny_model import make_tokenizer
-    from rlmega.workers.rollout import _stop_across_cuts
+    from rlmega.workers.generation import stop_across_cuts as _stop_across_cuts
 
     tok = make_tokenizer()
     ids = tok.encode("xxabyycdzzab")
@@ -613,12 +648,13 @@ def _dying_engine_body(model_dir: str, log_path: str) -> str:
     error must name the engine core's own exception and the log it is in."""
     import os
 
+    import rlmega.workers.engine_lifecycle as engine_lifecycle
     import rlmega.workers.rollout as rollout
     from rlmega.workers.engine_errors import EngineDied
 
     for target, path in ((1, log_path), (2, log_path.replace(".out", ".err"))):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), target)  # as a Ray worker's logs
-    rollout._whole_prefills = lambda max_model_len: {}  # the engine arguments before the fix
+    engine_lifecycle.whole_prefills = lambda max_model_len: {}  # the engine arguments before the fix
     w = rollout.RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB)
     try:
         w.generate(LONG_PROMPTS, n=8, max_tokens=8, seed=11, ignore_eos=True)

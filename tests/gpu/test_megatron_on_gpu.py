@@ -153,9 +153,12 @@ class _Sink:
     def __init__(self):
         self.received = {}
 
-    def update_weights(self, bucket, version):
+    def receive_weights(self, bucket, version, sender):
         for name, t in bucket:
             self.received[name] = t.detach().to("cpu", copy=True)
+
+    def finish_weights(self, version, sender):
+        pass
 
 
 def _colocated_body(path, cycle):

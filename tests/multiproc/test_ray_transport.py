@@ -1,8 +1,8 @@
 """RayTransport's pipeline, on Ray actors that stand in for the engines (each load takes a fixed time).
 
-Checks the contract sync_model_to_rollout relies on: buckets load in the order sent, at most two
-are in flight (bucket k is loaded before bucket k+2 is put), flush waits for all, and an engine's
-failure or silence surfaces naming that engine. The real engines: tests/e2e/test_sync_to_rollout.py.
+Checks the contract sync_model_to_rollout relies on: buckets arrive in the order sent, at most two
+are in flight (bucket k is taken before bucket k+2 is put), flush ends the sync once (finish_weights)
+after all of them, and an engine's failure or silence surfaces naming that engine. The real engines: tests/e2e/test_sync_to_rollout.py.
 """
 import sys
 import time
@@ -23,7 +23,7 @@ class SlowEngine:
     def __init__(self, delay: float = LOAD_S, fail_on: str | None = None):
         self.delay, self.fail_on, self.calls = delay, fail_on, []
 
-    def update_weights(self, named_tensors, version: int) -> None:
+    def receive_weights(self, named_tensors, version: int, sender) -> None:
         start = time.time()
         names = [n for n, _ in named_tensors]
         if self.fail_on in names:
@@ -32,8 +32,14 @@ class SlowEngine:
         self.calls.append({"first": names[0], "version": version, "start": start, "end": time.time(),
                            "sum": float(sum(t.sum() for _, t in named_tensors))})
 
+    def finish_weights(self, version: int, sender) -> None:
+        self.calls.append({"finish": version, "end": time.time()})
+
     def log(self) -> list[dict]:
-        return self.calls
+        return [c for c in self.calls if "finish" not in c]
+
+    def finishes(self) -> list[dict]:
+        return [c for c in self.calls if "finish" in c]
 
 
 class KeepingEngine:
@@ -42,8 +48,11 @@ class KeepingEngine:
     def __init__(self):
         self.got = []
 
-    def update_weights(self, named_tensors, version: int) -> None:
+    def receive_weights(self, named_tensors, version: int, sender) -> None:
         self.got += [(n, t.clone()) for n, t in named_tensors]
+
+    def finish_weights(self, version: int, sender) -> None:
+        pass
 
     def received(self) -> list:
         return self.got
@@ -86,6 +95,22 @@ def test_buckets_pipeline_two_deep_in_order_and_flush_waits(cluster):
                 assert returned[version, k] >= calls[k - 2]["end"], (version, k)
     logs = ray.get([e.log.remote() for e in engines])
     assert all([c["version"] for c in log] == [1] * 5 + [2] * 5 for log in logs)
+    # One finish per sync (the engine's one reload ends there), after that sync's buckets.
+    for log, fin in zip(logs, ray.get([e.finishes.remote() for e in engines])):
+        assert [f["finish"] for f in fin] == [1, 2]
+        assert fin[0]["end"] >= log[4]["end"] and fin[1]["end"] >= log[9]["end"]
+
+
+def test_each_copy_of_a_transport_is_its_own_sender():
+    """A sync's senders (one per pipeline stage) each get a pickled copy of the driver's transport; the
+    engine keeps its reload open until every sender has finished, so their keys must differ."""
+    import pickle
+
+    transport = RayTransport([])
+    first = transport.sender
+    copies = [pickle.loads(pickle.dumps(transport)) for _ in range(2)]
+    keys = {first, *(c.sender for c in copies)}
+    assert len(keys) == 3 and transport.sender == first  # stable within a copy
 
 
 def test_an_engine_failure_surfaces_naming_the_engine(cluster):

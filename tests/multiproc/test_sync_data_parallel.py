@@ -23,8 +23,11 @@ class RecordingEngine:
     def __init__(self):
         self.tensors, self.versions = {}, []
 
-    def update_weights(self, named_tensors, version: int) -> None:
+    def receive_weights(self, named_tensors, version: int, sender) -> None:
         self.tensors.update((n, t.clone()) for n, t in named_tensors)
+        self.versions.append(version)
+
+    def finish_weights(self, version: int, sender) -> None:
         self.versions.append(version)
 
 

@@ -71,9 +71,12 @@ TARGET_RATIO_TP1 = 1.3  # issue 12: sync_s / reload_s at TP1, production transpo
 class NullEngine:
     """An engine that drops every bucket: with DirectTransport it times the gather alone."""
 
-    def update_weights(self, named_tensors, version: int) -> None:
+    def receive_weights(self, named_tensors, version: int, sender) -> None:
         for _ in named_tensors:
             pass
+
+    def finish_weights(self, version: int, sender) -> None:
+        pass
 
 
 TRANSPORTS = {
@@ -131,29 +134,44 @@ def _timed_rollout_worker_cls():
     from rlmega.workers.rollout import RolloutWorker
 
     class TimedRolloutWorker(RolloutWorker):
-        """RolloutWorker that records when each update_weights call starts and ends (wall clock),
-        and can time vLLM's reload of a copy of the weights it holds itself (``time_reload``)."""
+        """RolloutWorker that records when each receive_weights / finish_weights call starts and ends
+        (wall clock), and can time vLLM's reload of a copy of the weights it holds itself (``time_reload``)."""
 
-        def update_weights(self, named_tensors, version):
+        def _timed(self, kind, fn, *args):
             start = time.time()
+            prof = getattr(self, "_prof", None)
+            try:
+                if prof is None:
+                    return fn(*args)
+                with self._prof_lock:  # one Profile, calls on several threads: one at a time (untimed)
+                    return prof.runcall(fn, *args)
+            finally:
+                self._timings = getattr(self, "_timings", [])
+                self._timings.append({"kind": kind, "start": start, "end": time.time()})
+
+        def receive_weights(self, named_tensors, version, sender):
             named_tensors = list(named_tensors)
             self._order = getattr(self, "_order", {})
             for name, _ in named_tensors:  # the order the syncs deliver, for time_reload
                 self._order.setdefault(name, len(self._order))
-            if getattr(self, "_profile_next", False):
+            if getattr(self, "_profile_next", False) and getattr(self, "_prof", None) is None:
                 import cProfile
+
+                import threading
+
+                self._prof, self._prof_lock = cProfile.Profile(), threading.Lock()
+            return self._timed("receive", super().receive_weights, named_tensors, version, sender)
+
+        def finish_weights(self, version, sender):
+            out = self._timed("finish", super().finish_weights, version, sender)
+            if getattr(self, "_prof", None) is not None and not self._weights._by_sender:  # the sync's last
                 import io
                 import pstats
 
-                self._profile_next, prof = False, cProfile.Profile()
-                prof.runcall(super().update_weights, named_tensors, version)
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
-                self._profile = out.getvalue()
-            else:
-                super().update_weights(named_tensors, version)
-            self._timings = getattr(self, "_timings", [])
-            self._timings.append({"start": start, "end": time.time(), "first": named_tensors[0][0]})
+                text = io.StringIO()
+                pstats.Stats(self._prof, stream=text).sort_stats("cumulative").print_stats(25)
+                self._profile, self._prof, self._profile_next = text.getvalue(), None, False
+            return out
 
         def time_reload(self) -> float:
             """Seconds of vLLM's reload_weights of the whole HF state dict, already in the model's process.
@@ -227,7 +245,8 @@ def _read_logs(log_dir: Path) -> list[dict]:
 def _breakdown(run: dict) -> dict:
     """The slowest sender's transport time and its parts; the engine's time over all buckets."""
     slowest = max(run["sends"], key=lambda r: r["send_s"])
-    return {**slowest, "engine_s": sum(c["end"] - c["start"] for c in run["engine"])}
+    calls = run["engine"]  # the sync's one reload is open from the first bucket's arrival to the last finish
+    return {**slowest, "engine_s": max(c["end"] for c in calls) - min(c["start"] for c in calls)}
 
 
 def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> list[dict]:

@@ -1,0 +1,140 @@
+"""Weight buckets as files in shared memory: how a RolloutWorker hands tensors to its engine's model process.
+
+The model lives in another process (vLLM's engine core, or its workers at TP > 1), and arguments of
+``collective_rpc`` cross as msgpack, so tensors go as files in /dev/shm (RAM, not disk). One weight sync
+is one directory, ``<shm>/rlmega-weights-<owner pid>-<uuid>/``, with a folder per model worker (its
+rank). A bucket is written once (``write_bucket``), hard-linked into every worker's folder, and its
+first name dropped: each worker reads its link as views of the file's mapping (no copy; ``read_bucket``)
+and unlinks it, so tmpfs frees the bucket once every worker has read it and vLLM has let go of the
+views. A file ``END`` in the directory says no bucket follows (``read_stream`` returns).
+
+The format is this module's own: 8 bytes little-endian header length, a JSON header
+``[[name, dtype, shape, offset, nbytes], ...]``, then each tensor's bytes at a 64-byte aligned offset
+(a view of any dtype needs its offset aligned; safetensors packs tensors without gaps, and its
+``save_file`` copies each tensor to ``bytes`` once more before writing).
+
+A dead owner's directories are removed by the engine (``staged_by``, used by ``rlmega_watch_owner``).
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import torch
+
+from rlmega.sync.transports import byte_array
+
+SHM = "/dev/shm"
+PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies
+END = "END"
+_ALIGN = 64
+
+
+def open_sync_dir(ranks: list[int], nbytes_hint: int) -> str:
+    """A new, empty sync directory with one folder per rank; /dev/shm when it has room.
+
+    Docker gives a container 64 MB of /dev/shm by default: with less than three buckets'
+    (``nbytes_hint``) room, the temporary directory, whose page cache then serves the reader.
+    """
+    base = tempfile.gettempdir()
+    if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > 3 * nbytes_hint + (64 << 20):
+        base = SHM
+    directory = os.path.join(base, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    for rank in ranks:
+        os.makedirs(os.path.join(directory, str(rank)))
+    return directory
+
+
+def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.Tensor]], ranks: list[int]) -> int:
+    """Write one bucket (file ``seq``) and hand it to every rank's folder; returns its tensor bytes.
+
+    The tensors' bytes are written straight from their memory (an object-store view, a trainer's
+    parameter: ``byte_array`` leaves its storage resizable). A folder's link appears only once the
+    file is whole, so a reader never sees half a bucket.
+    """
+    tensors = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+    header, offset = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
+        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+    head = json.dumps(header).encode()
+    start = -(-(8 + len(head)) // _ALIGN) * _ALIGN  # data offsets count from here
+    name = f"{seq:08d}.bin"
+    path = os.path.join(directory, name)
+    with open(path, "wb", buffering=0) as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for (_, t), (_, _, _, off, nbytes) in zip(tensors, header):
+            if nbytes:
+                f.seek(start + off)
+                f.write(byte_array(t))
+    for rank in ranks:
+        os.link(path, os.path.join(directory, str(rank), name))
+    os.unlink(path)
+    return sum(h[4] for h in header)
+
+
+def read_bucket(path: str) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one bucket file, as views of its mapping (private: a write would not reach the file)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        # MAP_POPULATE: map every page now, in one go, rather than fault them in one by one as vLLM reads.
+        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    n = int.from_bytes(m[:8], "little")
+    header = json.loads(m[8:8 + n])
+    start = -(-(8 + n) // _ALIGN) * _ALIGN
+    data = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping alive as long as a view does
+    return [(name, data[start + off:start + off + nbytes].view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, off, nbytes in header]
+
+
+def unread(directory: str, ranks: list[int]) -> int:
+    """Buckets some rank has not read yet."""
+    return len(set(itertools.chain.from_iterable(os.listdir(os.path.join(directory, str(r))) for r in ranks)))
+
+
+def end(directory: str) -> None:
+    """No bucket follows: the readers return once they have read what is there."""
+    open(os.path.join(directory, END), "w").close()
+
+
+def read_stream(directory: str, rank: int, idle_timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every bucket handed to ``rank``, as the buckets arrive, until ``END``.
+
+    Each file is unlinked once its tensors are handed on. Raises TimeoutError after ``idle_timeout_s``
+    without a bucket or ``END`` (a sender that died mid-sync must not hold the engine forever).
+    """
+    mine = os.path.join(directory, str(rank))
+    last, nap = time.monotonic(), 1e-4
+    while True:
+        names = sorted(os.listdir(mine))
+        for name in names:
+            path = os.path.join(mine, name)
+            yield from read_bucket(path)
+            os.unlink(path)
+        if names:
+            last, nap = time.monotonic(), 1e-4
+            continue
+        # END is written after the last bucket is linked, so an empty folder seen after END is final.
+        if os.path.exists(os.path.join(directory, END)):
+            if not os.listdir(mine):
+                return
+            continue
+        if time.monotonic() - last > idle_timeout_s:
+            raise TimeoutError(f"no weight bucket for {idle_timeout_s:g} s and no end of the sync ({directory})")
+        time.sleep(nap)
+        nap = min(2 * nap, 2e-3)  # waiting costs a few wake-ups per ms at most
+
+
+def staged_by(pid: int) -> list[str]:
+    """Sync directories a process made (in either place ``open_sync_dir`` puts them)."""
+    return [p for d in (SHM, tempfile.gettempdir()) for p in glob.glob(os.path.join(d, f"{PREFIX}{pid}-*"))]

@@ -1,0 +1,123 @@
+"""The vLLM engine of a RolloutWorker: its arguments, start, shutdown, and the model's CPU threads.
+
+Processes, CPU threads, whole prefills and the log-probs mode are explained in docs/rollout_engine.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from rlmega.workers.vllm_extension import EXTENSION
+
+_GiB = 1 << 30
+
+
+def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int, seed: int,
+                kv_cache_space_gb: float, gpu_memory_utilization: float, tensor_parallel_size: int,
+                enforce_eager: bool, enable_prefix_caching: bool, profile_dir: str | None,
+                attention_backend: str | None):
+    """vLLM's ``AsyncEngineArgs`` for a RolloutWorker (and the environment vLLM reads at import and start)."""
+    # vLLM reads these when it is imported and when the engine starts, so set them first.
+    # AsyncLLM always runs its engine core in a child process. On CPU, "0" keeps the model in that
+    # process too (the uniproc executor, as vLLM does on GPUs at TP 1); with "1" vLLM's CPU platform
+    # starts one more process for it (platforms/cpu.py), only so that it can pin its threads, which
+    # this worker turns off (docs/rollout_engine.md: CPU threads). Measured here: that process costs
+    # ~6 s of CPU at every engine start (it imports torch and vLLM again) and 2 s more at shutdown.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if device == "cpu" else "1"
+    engine_kwargs: dict = {}
+    if device == "cpu":
+        # The env var holds whole GiB only (int() in vllm/envs.py and platforms/cpu.py) and wins
+        # over kv_cache_memory_bytes; a fractional size therefore goes through the engine argument.
+        if float(kv_cache_space_gb).is_integer():
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gb))
+        else:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * _GiB)
+        engine_kwargs.update(whole_prefills(max_model_len))
+    else:
+        engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+
+    if attention_backend:  # vLLM's attention kernels by name (e.g. TRITON_ATTN); None: vLLM's choice
+        engine_kwargs["attention_backend"] = attention_backend
+    if profile_dir:  # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)
+        from vllm.config import ProfilerConfig
+
+        # No Python stacks (vLLM's default has them): ops and shapes, like the trainer ranks' traces;
+        # stacks made one traced step's engine trace 16 MB and the step ~30 s slower here.
+        # ignore_frontend: the engine's trace only, not also one of this process's asyncio loop.
+        engine_kwargs["profiler_config"] = ProfilerConfig(
+            profiler="torch", torch_profiler_dir=os.path.abspath(profile_dir),
+            torch_profiler_with_stack=False, torch_profiler_record_shapes=True, ignore_frontend=True)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from rlmega.config.hf_support import architecture_overrides
+
+    return AsyncEngineArgs(
+        model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+        logprobs_mode="processed_logprobs",  # log_softmax(logits / T): docs/rollout_engine.md
+        # Off by default: a prefix-cache hit reuses KV computed in another batch, and exact
+        # resume (same seeds, same weights -> same samples) must not depend on cache history.
+        enable_prefix_caching=enable_prefix_caching,
+        worker_extension_cls=EXTENSION,
+        disable_log_stats=True,  # no periodic throughput lines in the logs
+        hf_overrides=architecture_overrides(model_path),  # config.json with only model_type
+        **engine_kwargs,
+    )
+
+
+async def start_engine(args, tensor_parallel_size: int):
+    """Runs on the loop, so AsyncLLM starts its output handler there."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    config = args.create_engine_config()
+    if tensor_parallel_size > 1 and config.parallel_config.distributed_executor_backend == "ray":
+        # vLLM chose its Ray executor because this actor runs in a placement group, but the engine
+        # core that starts that executor is a child process, not a Ray worker, and cannot see the
+        # group itself: hand it over, so that vLLM's workers go into this slot's bundles.
+        # TODO(gpu): not yet run on a TP > 1 GPU engine.
+        from ray.util import get_current_placement_group
+
+        config.parallel_config.placement_group = get_current_placement_group()
+    return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
+
+
+async def shutdown_engine(engine) -> None:
+    engine.shutdown()
+
+
+def whole_prefills(max_model_len: int) -> dict:
+    """Engine arguments that never split a prompt's prefill across engine steps (CPU only).
+
+    With chunked prefill, a step whose token budget (2048) ends inside a prompt computes part of its
+    prefill and throws the token it sampled away; for a seeded request vLLM then rewinds that
+    request's generator (``gen.set_offset(gen.get_offset() - 4)`` in ``_bookkeeping_sync``,
+    vllm/v1/worker/gpu_model_runner.py). Only CUDA generators have offsets: on CPU it raises
+    "CPU Generator does not use offset" and the engine core dies (issue 22 C: 64 requests of ~45
+    tokens did it). Whole prefills keep every request's seed and its samples; a step then takes as
+    many whole prompts as fit the budget, which must hold the longest prompt (max_model_len).
+    """
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
+@contextlib.contextmanager
+def engine_threads(device: str, num_threads: int | None):
+    """The environment vLLM's model worker is spawned with, for its thread count (docs/rollout_engine.md)."""
+    env: dict[str, str] = {}
+    if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "OMP_NUM_THREADS": str(num_threads or torch.get_num_threads())}
+    elif num_threads is not None and device == "cuda":
+        env = {"OMP_NUM_THREADS": str(num_threads)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,164 @@
+"""One weight sync, one reload in the engine: the RolloutWorker's side of loading weights.
+
+The engine's side is ``rlmega_load_stream`` (rlmega/workers/vllm_extension.py: why one reload per
+sync). A sync's first bucket opens a sync directory (rlmega/workers/bucket_files.py) and starts that
+call, not awaited; each bucket's whole vLLM layers (rlmega/workers/fused_layers.py) are written there as
+files of about ``FILE_BYTES``, so the engine loads the first while the next is written, and at most
+``MAX_UNREAD`` files wait unread: shared memory never holds a whole large model. ``finish`` ends the
+stream once every sender of the sync has finished, waits for the reload, resets the prefix cache, and
+only then sets the weights version and lets requests through (they wait while a stream is open: they
+would run on the new weights labelled with the old version).
+
+Senders: a sync may have several at once (one per pipeline stage, each its own transport; one-shot
+``update_weights`` calls from many threads), each a key. The stream stays open until every sender
+that sent into it has finished; a sender whose first bucket comes after the others all finished
+opens a second reload: correct, only slower.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import threading
+import time
+from typing import Any
+
+from rlmega.workers import bucket_files
+from rlmega.workers.fused_layers import FusedLayers
+
+logger = logging.getLogger(__name__)
+
+# Files of a few tens of MB: the engine starts on the first within ~10 ms (write ~0.35 s/GB here), and a
+# file costs a link, a map and an unlink (~0.1 ms). Measured on the 0.4 GB benchmark model, TP1: 32 MiB
+# files gave the same sync time as 16 MiB and 64 MiB within noise.
+FILE_BYTES = 32 << 20
+MAX_UNREAD = 2  # files written and not yet read by every model worker; a writer waits for room
+IDLE_TIMEOUT_S = 600.0  # the engine ends a stream with no bucket and no end for this long (a dead sender)
+
+
+class _Sync:
+    """One open stream: its directory, the engine call loading it, and who sends into it."""
+
+    def __init__(self, directory: str, future):
+        self.directory, self.future = directory, future
+        self.senders: set = set()
+        self.seq = itertools.count()
+        self.done = threading.Event()  # the reload returned (or failed) and all is cleaned up
+        self.error: BaseException | None = None
+
+
+class WeightStream:
+    def __init__(self, worker, layers: FusedLayers, ranks: list[int], idle_timeout_s: float = IDLE_TIMEOUT_S):
+        """``worker``: the RolloutWorker (its engine, loop, version and gate); ``ranks``: its model
+        workers' folder names (``rlmega_rank``)."""
+        self.worker, self.layers, self.ranks, self.idle_timeout_s = worker, layers, ranks, idle_timeout_s
+        self._lock = threading.RLock()  # re-entered when the engine call fails at once (_start's callback)
+        self._open: _Sync | None = None
+        self._by_sender: dict[Any, _Sync] = {}
+        self.reloads = 0  # reloads the engine has finished (one per sync)
+        # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
+        self.loaded = asyncio.Event()
+        self.loaded.set()
+
+    def check_ready(self) -> None:
+        """Raise if a fused layer waits for its other tensors and no sync is loading (that sync
+        ended without them). While one is, a request waits for its end instead (generation.py)."""
+        if self._open is None:
+            self.layers.check_none_pending()
+
+    def receive(self, named_tensors, version: int, sender) -> None:
+        """Hand a bucket's whole layers to the engine (returns once written, not loaded)."""
+        named_tensors = list(named_tensors)
+        if not named_tensors:
+            return
+        groups = self.layers.complete(named_tensors)
+        with self._lock:
+            sync = self._open
+            if sync is None:  # (also for a bucket of held pieces only: its sender is in this sync)
+                largest = max([sum(t.numel() * t.element_size() for _, t in g) for g in groups], default=0)
+                sync = self._start(max(FILE_BYTES, largest))
+            sync.senders.add(sender)
+            self._by_sender[sender] = sync
+        for chunk in _files(groups, FILE_BYTES):
+            self._wait_for_room(sync, version)
+            bucket_files.write_bucket(sync.directory, next(sync.seq), chunk, self.ranks)
+
+    def finish(self, version: int, sender) -> None:
+        """``sender`` has sent everything; returns once what it sent is loaded, with ``version`` set."""
+        with self._lock:
+            sync = self._by_sender.pop(sender, None) or self._open
+            if sync is None:  # nothing sent and nothing loading: the version alone
+                self.worker._version = version
+                return
+            sync.senders.discard(sender)
+            closing = sync is self._open and not sync.senders
+            if closing:
+                self._open = None
+                bucket_files.end(sync.directory)
+        if closing:
+            try:
+                self.worker._result(sync.future)
+                self.reloads += 1
+                self.worker._run(self.worker._engine.reset_prefix_cache())
+                self.worker._version = version
+            except BaseException as e:
+                sync.error = e
+            finally:
+                self._close(sync)
+        sync.done.wait()
+        if sync.error is not None:
+            raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
+                               f"{type(sync.error).__name__}: {sync.error}") from sync.error
+
+    def _start(self, nbytes_hint: int) -> _Sync:
+        directory = bucket_files.open_sync_dir(self.ranks, nbytes_hint)
+        w = self.worker
+        future = asyncio.run_coroutine_threadsafe(
+            w._engine.collective_rpc("rlmega_load_stream", args=(directory, self.idle_timeout_s)), w._loop)
+        sync = self._open = _Sync(directory, future)  # (the caller holds the lock)
+        w._loop.call_soon_threadsafe(self.loaded.clear)
+        future.add_done_callback(lambda _: self._ended_early(sync))
+        return sync
+
+    def _ended_early(self, sync: _Sync) -> None:
+        """The engine's call returned while the sync was open: it failed (or timed out waiting)."""
+        with self._lock:
+            if self._open is not sync:
+                return  # finish closed it and handles the result
+            self._open = None
+        exc = sync.future.exception()
+        sync.error = exc or RuntimeError("the engine's weight stream ended before the sync did")
+        logger.error("weight stream %s ended early: %r", sync.directory, sync.error)
+        self._close(sync)
+
+    def _close(self, sync: _Sync) -> None:
+        shutil.rmtree(sync.directory, ignore_errors=True)
+        self.worker._loop.call_soon_threadsafe(self.loaded.set)
+        sync.done.set()
+
+    def _wait_for_room(self, sync: _Sync, version: int) -> None:
+        nap = 1e-4
+        while bucket_files.unread(sync.directory, self.ranks) >= MAX_UNREAD:
+            if sync.future.done():
+                break
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3)
+        if sync.future.done():  # before its end: an error (the engine died, a name it does not know)
+            sync.done.wait()
+            raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
+                               f"{type(sync.error).__name__}: {sync.error}") from sync.error
+
+
+def _files(groups: list[list[tuple[str, Any]]], limit: int):
+    """Consecutive whole layers in lists of about ``limit`` bytes (a bigger layer goes alone)."""
+    chunk, size = [], 0
+    for group in groups:
+        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk += group
+        size += nbytes
+    if chunk:
+        yield chunk
