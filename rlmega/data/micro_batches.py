@@ -1,18 +1,18 @@
 """RolloutBatch samples -> one packed micro-batch of model inputs and per-token RL targets.
 
-Several sequences share one row (no padding to the longest sequence); a block-diagonal causal
-mask and per-sequence positions keep them independent. In a row, the token at position t is
+Several sequences share one row (no padding to the longest sequence); attention causal within each
+sequence (its offsets in ``row_cu`` / ``cu_seqlens``) and per-sequence positions keep them independent. In a row, the token at position t is
 predicted by the logits at t-1, so a sample's response tokens [s+P, s+L) are scored at the
 "prediction positions" [s+P-1, s+L-1); every per-token field below lives on those positions.
 
-With the dense mask (CPU, no Transformer Engine) a micro-batch is B rows of S tokens, each row no
-longer than its longest sample (``packing.split_rows``: attention cost grows with the square of
-a row); with THD packing (Transformer Engine) it is one row, B = 1. Per-token fields are flat over
+A micro-batch is one packed row (B = 1; attention per sequence: Transformer Engine's THD, Megatron's
+local spec through rlmega.megatron.packed_attention, FSDP through rlmega.fsdp.packed_attention), or B
+rows when ``min_shape`` adds rows of padding (expert-parallel ranks that must run equal shapes). Per-token fields are flat over
 the rows, row-major: position t of row r is index r * S + t, as ``logits.flatten(0, 1)`` orders them.
 
     mb = build_micro_batch(batch, [3, 0, 7])
     mb["tokens"]          (B, S) int64     mb["position_ids"]  (B, S)
-    mb["attention_mask"]  (B, 1, S, S) bool, True = may not attend (CPU path; TE uses cu_seqlens)
+    mb["cu_seqlens"], mb["max_seqlen"]  the first row's sequence offsets (int32) and longest sequence
     mb["labels"]          (B*S,) next token at each position (0 where unused)
     mb["loss_mask"]       (B*S,) float, response_mask on prediction positions, else 0
     mb["seq_ids"]         (B*S,) int64, index into mb["indices"] (0 on padding, which is masked)
@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import torch
 
-from rlmega.data.packing import block_causal_mask, pack, placeholder_sample, split_rows
+from rlmega.data.packing import pack, placeholder_sample
 from rlmega.data.rollout_batch import RolloutBatch
 
 _PER_TOKEN = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "returns", "old_values")
 
 
 def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int = 1,
-                      dense_mask: bool = True, min_shape: tuple[int, int] | None = None) -> dict:
-    """``dense_mask``: rows of the longest sample's length and their block-causal masks;
-    False: one THD row (``cu_seqlens``, ``max_seqlen``) for Transformer Engine.
+                      min_shape: tuple[int, int] | None = None) -> dict:
+    """The samples ``indices`` packed into one row (their offsets in ``row_cu[0]`` and ``cu_seqlens``).
 
-    ``min_shape`` (B, S), dense mask only: at least B rows of at least S tokens, the extra all
-    padding (each padding token sees only itself). Megatron's allgather MoE token dispatcher gathers
+    ``min_shape`` (B, S): at least B rows of at least S tokens, the extra all padding. Megatron's allgather MoE token dispatcher gathers
     equal-sized token blocks over the expert-parallel group, so expert-parallel ranks must run
     micro-batches of one shape (``micro_batch_shape`` gives each rank's, the caller takes the max).
 
@@ -47,17 +45,16 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int
     forward and backward take part in the schedule's collectives like any micro-batch.
     """
     if not indices:
-        mb = build_micro_batch(batch, [placeholder_sample(batch.lengths())], row_multiple, dense_mask, min_shape)
+        mb = build_micro_batch(batch, [placeholder_sample(batch.lengths())], row_multiple, min_shape)
         mb["loss_mask"] = torch.zeros_like(mb["loss_mask"])
         mb["indices"], mb["response_positions"], mb["rows"] = [], [], []
         mb["real_tokens"], mb["generated"] = torch.zeros_like(mb["real_tokens"]), torch.zeros_like(mb["generated"])
         return mb
-    lengths = {i: int(batch.tokens[i].numel()) for i in indices}
-    rows = split_rows(list(indices), lengths) if dense_mask else [list(indices)]
+    rows = [list(indices)]  # one row: attention is per sequence, so a long row costs nothing extra
     packed = [pack([batch.tokens[i] for i in row], row_multiple=row_multiple) for row in rows]
     S = max(p["tokens"].shape[1] for p in packed)  # rows are padded to the longest (a multiple of row_multiple)
     B, order = len(rows), [i for row in rows for i in row]
-    if min_shape is not None and dense_mask:
+    if min_shape is not None:
         B, S = max(B, min_shape[0]), max(S, min_shape[1])
     tokens = torch.zeros(B, S, dtype=torch.int64)
     position_ids = torch.zeros(B, S, dtype=torch.int64)
@@ -95,23 +92,15 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int
     }
     if batch.routed_experts is not None:
         mb["routed_experts"] = pack_routes(batch.routed_experts, rows, row_cu, B, S)
-    if dense_mask:
-        # rows shorter than S: their tail is padding, which block_causal_mask lets see only itself
-        masks = [block_causal_mask(p["cu_seqlens"], S) for p in packed]
-        masks += [block_causal_mask(torch.zeros(1, dtype=torch.int32), S)] * (B - len(packed))  # padding rows
-        mb["attention_mask"] = torch.cat(masks)
-    else:
-        mb["cu_seqlens"], mb["max_seqlen"] = packed[0]["cu_seqlens"], packed[0]["max_seqlen"]
+    mb["cu_seqlens"], mb["max_seqlen"] = packed[0]["cu_seqlens"], packed[0]["max_seqlen"]
     return mb
 
 
 def micro_batch_shape(lengths: list[int], indices: list[int], row_multiple: int = 1) -> tuple[int, int]:
-    """(B, S) of ``build_micro_batch(batch, indices, row_multiple)`` with the dense mask, from lengths only."""
+    """(B, S) of ``build_micro_batch(batch, indices, row_multiple)``, from lengths only: one row."""
     if not indices:
         indices = [placeholder_sample(lengths)]
-    rows = split_rows(list(indices), {i: lengths[i] for i in indices})
-    longest = max(sum(lengths[i] for i in row) for row in rows)
-    return len(rows), -(-longest // row_multiple) * row_multiple
+    return 1, -(-sum(lengths[i] for i in indices) // row_multiple) * row_multiple
 
 
 def pack_routes(routes: list[torch.Tensor], rows: list[list[int]], row_cu: list[list[int]], B: int,

@@ -1,17 +1,15 @@
 """Token-budget micro-batching and sequence packing (pure torch/python, no process groups).
 
     plan = plan_micro_batches(batch.lengths(), max_tokens=8192, dp_size=2, multiple_of=pp)
-    for idx in plan[dp_rank]:                      # one micro-batch = one packed row (THD) ...
+    for idx in plan[dp_rank]:                      # one micro-batch = one packed row
         row = pack([batch.tokens[i] for i in idx], row_multiple=tp)
         ...  logits = model(row["tokens"], row["position_ids"], packed_seq_params(row["cu_seqlens"]))
         per_seq = unpack(token_logprobs, row["cu_seqlens"])
-    rows = split_rows(idx, batch.lengths())        # ... or rows no longer than its longest sample (dense mask)
 
 A packed row holds S sequences back to back, then right padding: ``[a a | b b b | pad]``.
-Attention must stay inside each sequence: Transformer Engine reads ``cu_seqlens`` (THD format,
-attention per sequence, so one long row costs nothing extra); the dense fallback is
-``block_causal_mask``, whose cost grows with the square of the row: there a micro-batch is
-several short rows (``split_rows``).
+Attention must stay inside each sequence: Transformer Engine reads ``cu_seqlens`` (THD format), the
+local spec's and FSDP's SDPA run once per sequence, so one long row costs nothing extra.
+``block_causal_mask`` is the dense (T, T) equivalent, the reference the tests check them against.
 """
 from __future__ import annotations
 
@@ -132,29 +130,11 @@ def _split_fullest(bins: list[list[int]], lengths: list[int]) -> list[list[int]]
     return bins[:b] + halves + bins[b + 1 :]
 
 
-def split_rows(indices: list[int], lengths) -> list[list[int]]:
-    """One micro-batch's samples -> rows of at most its longest sample's length (first-fit-decreasing).
-
-    Why rows at all: with a dense block-causal mask (the CPU path) attention costs the square of
-    the row, whoever is in it, so one 2048-token row of 40-token sequences pays 50x the attention
-    of the sequences alone. Rows no longer than the longest sample cost no more attention than
-    that sample's own row, and FFD leaves no more padding than one sequence per row would: packed
-    into these rows, a micro-batch never costs more than the unpacked one. Returns the rows in
-    order, each ascending; ``lengths[i]`` is sample i's length (a list or a dict).
-    """
-    if not indices:
-        return []
-    order = sorted(indices, key=lambda i: (-lengths[i], i))
-    return [sorted(row) for row in _first_fit_decreasing(order, lengths, lengths[order[0]])]
-
-
-def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_multiple: int = 1,
-                       rows: bool = False) -> float:
+def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_multiple: int = 1) -> float:
     """Real tokens / computed tokens of a plan.
 
-    A micro-batch is one row padded up to ``row_multiple``, or with ``rows`` the (B, S) block of
-    its ``split_rows``, each row padded to the longest row (rounded up to ``row_multiple``); an empty
-    one (a placeholder) computes the shortest sample's row and counts no real token.
+    A micro-batch is one row padded up to ``row_multiple``; an empty one (a placeholder) computes the
+    shortest sample's row and counts no real token.
     """
     real = computed = 0
     for rank in plan:
@@ -163,9 +143,7 @@ def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_mult
                 computed += -(-min(lengths) // row_multiple) * row_multiple
                 continue
             real += sum(lengths[i] for i in mb)
-            groups = split_rows(mb, lengths) if rows else [mb]
-            longest = max(sum(lengths[i] for i in g) for g in groups)
-            computed += len(groups) * (-(-longest // row_multiple) * row_multiple)
+            computed += -(-sum(lengths[i] for i in mb) // row_multiple) * row_multiple
     return real / computed if computed else 1.0
 
 
@@ -210,8 +188,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
     """(1, 1, T, T) bool, True = may NOT attend (Megatron's convention).
 
     A token sees earlier-or-same positions of its own sequence; a padding token sees only itself,
-    so no softmax row is empty (an all-masked row would give NaN). Dense O(T^2): for tests and
-    CPU runs; with Transformer Engine pass ``cu_seqlens`` instead.
+    so no softmax row is empty (an all-masked row would give NaN). Dense O(T^2): the reference of the
+    tests; the trainers attend per sequence from ``cu_seqlens``.
     """
     seq_ids = _seq_ids(cu_seqlens, total_len)  # (T,)
     pos = torch.arange(total_len)

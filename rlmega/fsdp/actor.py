@@ -140,7 +140,7 @@ class FSDPActor(Actor):
         plan = plan_micro_batches(lengths, self.cfg.max_tokens_per_micro_batch, self.world_size, allow_empty=True)
         n = max(len(p) for p in plan)
         plan = [p + [[] for _ in range(n - len(p))] for p in plan]
-        mbs = [build_micro_batch(batch, idx, dense_mask=False) for idx in plan[self.rank]]
+        mbs = [build_micro_batch(batch, idx) for idx in plan[self.rank]]
         return mbs, padding_efficiency(lengths, plan)
 
     def _all_gather(self, obj) -> list:

@@ -119,7 +119,7 @@ class FSDPCritic(Critic):
         (each forward all-gathers, so every rank runs the same number)."""
         plan = plan_micro_batches(batch.lengths(), self.max_tokens, self.world_size, allow_empty=True)
         mine = plan[self.rank] + [[]] * (max(len(p) for p in plan) - len(plan[self.rank]))
-        return [build_micro_batch(batch, idx, dense_mask=False) for idx in mine]
+        return [build_micro_batch(batch, idx) for idx in mine]
 
     def _values(self, mb: dict) -> torch.Tensor:
         """(T,) float32: the head's one output at every position of a one-row packed micro-batch."""

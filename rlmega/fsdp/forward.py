@@ -1,6 +1,6 @@
 """Packed micro-batch -> logits, token log-probs and entropy through a Hugging Face causal LM.
 
-A micro-batch is ``rlmega.data.micro_batches.build_micro_batch(batch, indices, dense_mask=False)``:
+A micro-batch is ``rlmega.data.micro_batches.build_micro_batch(batch, indices)``:
 ONE row of several sequences, ``tokens`` and ``position_ids`` (1, T) with positions restarting at 0
 per sequence, and flat per-token fields (T,) on the same positions as the logits.
 
@@ -25,7 +25,7 @@ def forward_logits(model, mb: dict) -> torch.Tensor:
     """Logits (T, V) of a one-row packed micro-batch, in the model's dtype, on its device."""
     tokens = mb["tokens"]
     if tokens.shape[0] != 1:
-        raise ValueError(f"FSDP micro-batches are one packed row (build_micro_batch(..., dense_mask=False)); "
+        raise ValueError(f"FSDP micro-batches are one packed row (build_micro_batch(...)); "
                          f"got {tokens.shape[0]} rows")
     device = next(model.parameters()).device
     out = model(input_ids=tokens.to(device), position_ids=mb["position_ids"].to(device),

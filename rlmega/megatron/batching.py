@@ -24,7 +24,6 @@ def plan(manager, batch: RolloutBatch, max_tokens: int, pp: int) -> tuple[list[d
     # nothing to the loss but keep it in the schedule's and the optimizer's collectives
     lengths = batch.lengths()
     planned = plan_micro_batches(lengths, max_tokens, dp, multiple_of=multiple, allow_empty=True)
-    thd = manager.use_te
     shapes = [None] * len(planned[dp_rank])
     if manager.transformer_config.expert_model_parallel_size > 1:
         # Every MoE layer's token dispatch is a collective over the expert-parallel group (part of
@@ -32,14 +31,13 @@ def plan(manager, batch: RolloutBatch, max_tokens: int, pp: int) -> tuple[list[d
         # and with the allgather dispatcher (CPU) of one shape (it gathers equal blocks).
         count = max(len(p) for p in planned)
         planned = [p + [[]] * (count - len(p)) for p in planned]
-        if not thd and manager.transformer_config.moe_token_dispatcher_type == "allgather":
+        if not manager.use_te and manager.transformer_config.moe_token_dispatcher_type == "allgather":
             per_rank = [[micro_batch_shape(lengths, idx) for idx in p] for p in planned]
             shapes = [tuple(max(s[j][d] for s in per_rank) for d in (0, 1)) for j in range(count)]
         else:
             shapes = [None] * count
-    mbs = [build_micro_batch(batch, idx, dense_mask=not thd, min_shape=shape)
-           for idx, shape in zip(planned[dp_rank], shapes)]
-    return mbs, padding_efficiency(lengths, planned, rows=not thd)
+    mbs = [build_micro_batch(batch, idx, min_shape=shape) for idx, shape in zip(planned[dp_rank], shapes)]
+    return mbs, padding_efficiency(lengths, planned)
 
 
 def gather_responses(mbs: list[dict], outs: list[dict] | None, key: str, batch: RolloutBatch) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from rlmega.megatron.packed_attention import packed_rows
 from rlmega.megatron.runtime import for_collective
 
 
@@ -39,9 +40,8 @@ def _forward_step(data_iterator, model):
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     b, t = inputs.shape
     position_ids = torch.arange(t, device=inputs.device).unsqueeze(0).expand(b, t)
-    # Local-spec attention takes an explicit mask: True means "may not attend" (future tokens).
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=inputs.device), diagonal=1)
-    output = model(inputs, position_ids, causal.view(1, 1, t, t), labels=labels)  # (b, t) losses
+    with packed_rows(model, position_ids, [[0, t]] * b) as params:  # each row one causal sequence
+        output = model(inputs, position_ids, None, packed_seq_params=params, labels=labels)  # (b, t) losses
     return output, partial(_loss, torch.ones_like(labels, dtype=torch.float32))
 
 
@@ -85,8 +85,8 @@ def _logits_step(data_iterator, model):
     tokens = next(data_iterator)  # (b, t)
     b, t = tokens.shape
     position_ids = torch.arange(t, device=tokens.device).unsqueeze(0).expand(b, t)
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=tokens.device), diagonal=1)
-    logits = model(tokens, position_ids, causal.view(1, 1, t, t))  # (b, t, vocab / tp)
+    with packed_rows(model, position_ids, [[0, t]] * b) as params:
+        logits = model(tokens, position_ids, None, packed_seq_params=params)  # (b, t, vocab / tp)
 
     def keep(output):
         return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"logits": output.detach().clone()}

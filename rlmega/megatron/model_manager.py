@@ -34,13 +34,15 @@ from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, va
 from rlmega.megatron import checkpoint, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
+from rlmega.megatron.packed_attention import PackedSDPAttention
 from rlmega.megatron.value_head import ValueHead
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def layer_spec(use_te: bool, shape: ModelShape | None = None):
-    """Transformer Engine's layer spec on a GPU when TE is importable; the local spec otherwise.
+    """Transformer Engine's layer spec on a GPU when TE is importable; the local spec with rlmega's
+    ``PackedSDPAttention`` otherwise (forward it with ``packed_attention.packed_rows``).
 
     ``shape`` adds Qwen3's q/k norms and MoE layers (the local spec's SequentialMLP experts:
     ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight``; TE's grouped experts:
@@ -52,8 +54,12 @@ def layer_spec(use_te: bool, shape: ModelShape | None = None):
 
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=qk_norm)
-    return get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
                                     normalization="RMSNorm")
+    # fused SDPA per packed sequence (and RoPE without cats) instead of DotProductAttention's
+    # materialised, unfused (B*heads, S, S) scores: rlmega/megatron/packed_attention.py
+    spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
+    return spec
 
 
 def transformer_engine_usable() -> bool:

@@ -7,12 +7,13 @@ whole global batch (``calculate_per_token_loss``). Micro-batches are packed rows
 lengths, so pipeline stages exchange shapes first (``variable_seq_lengths``): nothing is padded to
 the longest sequence (with VPP, rows share the longest row's length).
 
-Attention over a packed row: on CPU (local layer spec) a block-diagonal causal mask; with
-Transformer Engine on a GPU, THD ``PackedSeqParams`` built from ``cu_seqlens``.
+Attention over a packed row: without Transformer Engine (the local layer spec), causal SDPA per
+sequence of each row (``packed_attention.packed_rows``); with Transformer Engine on a GPU, THD
+``PackedSeqParams`` built from ``cu_seqlens``.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.packed_attention import packed_rows, uses_packed_sdpa
 from rlmega.megatron.routing_replay import RoutePass
 from rlmega.megatron.runtime import for_collective
 from rlmega.megatron.vocab_parallel import entropy, token_logprobs
@@ -41,14 +43,14 @@ def forward_chunk(model, mb: dict) -> torch.Tensor:
         # routers' aux / z losses and their token counts (megatron-core: (B, S) bool, True = padding);
         # routing itself, and so every output, is unchanged
         extra["padding_mask"] = ~mb["real_tokens"].view(tokens.shape).to(device)
-    if "attention_mask" not in mb:  # Transformer Engine: THD packing, no dense mask
+    if uses_packed_sdpa(unwrap(model)):  # local spec: SDPA per sequence (packed_attention.py)
+        with packed_rows(model, positions, mb["row_cu"]) as params:
+            logits = model(tokens, positions, None, packed_seq_params=params, **extra)
+    else:  # Transformer Engine: THD packing
         cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
         logits = model(tokens, positions, None, packed_seq_params=params, **extra)
-    else:
-        with _rope_at(model, positions):
-            logits = model(tokens, positions, mb["attention_mask"].to(device), **extra)
     # not the last pipeline stage: hidden states (S, B, H), passed on as they are
     return logits.flatten(0, 1) if _is_last_stage(model) else logits
 
@@ -56,33 +58,6 @@ def forward_chunk(model, mb: dict) -> torch.Tensor:
 def _is_last_stage(chunk) -> bool:
     """This model chunk computes logits (the last chunk of the last pipeline stage)."""
     return unwrap(chunk).post_process
-
-
-@contextmanager
-def _rope_at(model, positions: torch.Tensor):
-    """RoPE at each sequence's own positions (1, T) for the forward passes inside this block.
-
-    Megatron's GPTModel ignores position_ids for RoPE and rotates token t of the row by angle t*f,
-    its offset in the packed row. Relative positions make that equal in exact arithmetic, but the
-    float32 angle t*f carries rounding up to ulp(t*f)/2 (1.5e-5 rad at t=500), while vLLM and
-    transformers rotate by p*f with p the position inside the sequence. On the demo's trained model,
-    with 512-token rows, that cost 1.2e-4 in log-probs against the engine; 1.4e-5 now, as much as
-    vLLM vs transformers (tools/parity_probe.py).
-    The angles come from Megatron's own get_emb (same interleaving and scaling), indexed by position;
-    with B rows each row has its own: (S, B, 1, dim), which broadcasts over heads in Megatron's
-    ``t * cos(freqs)`` as its (S, 1, 1, dim) does over the batch.
-    """
-    rope = getattr(unwrap(model), "rotary_pos_emb", None)
-    if rope is None:
-        yield
-        return
-    table = rope.get_emb(int(positions.max()) + 1)  # (L, 1, 1, dim)
-    emb = table[positions.t()].squeeze(3) if positions.shape[0] > 1 else table[positions[0]]  # (S, B|1, 1, dim)
-    rope.forward = lambda *args, **kwargs: emb  # shadows the class's (cached) forward for this row
-    try:
-        yield
-    finally:
-        del rope.forward
 
 
 def run_schedule(model: list, micro_batches: list[dict], step_fn, forward_only: bool) -> list[dict]:

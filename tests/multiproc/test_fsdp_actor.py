@@ -201,12 +201,12 @@ def test_packing_changes_no_logprob(models):
     for name, path in models.items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
-            mb = build_micro_batch(batch, list(range(N)), dense_mask=False)
+            mb = build_micro_batch(batch, list(range(N)))
             lp, _ = micro_batch_logprobs(model, mb, T)
             packed = scatter_responses(lp, mb)
             diff = 0.0
             for i in range(N):
-                one = build_micro_batch(batch, [i], dense_mask=False)
+                one = build_micro_batch(batch, [i])
                 alone = scatter_responses(micro_batch_logprobs(model, one, T)[0], one)[i]
                 diff = max(diff, (alone - packed[i]).abs().max().item())
             # measured: 4.8e-7 (tied and untied)
@@ -223,7 +223,7 @@ def test_dropout_is_off_in_train_mode(models):
     from rlmega.fsdp.forward import micro_batch_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(models["untied"], dtype=torch.float32, attention_dropout=0.5).train()
-    mb = build_micro_batch(random_batch(N, seed=1), list(range(N)), dense_mask=False)
+    mb = build_micro_batch(random_batch(N, seed=1), list(range(N)))
     with torch.no_grad():
         assert not torch.equal(micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0])
         _no_dropout(model)

@@ -31,7 +31,7 @@ MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk", "mixtral")
 # (tp, pp, vpp, ep); EP layouts load the MoE models only.
 LAYOUTS = {"tp1": (1, 1, None, 1), "tp2": (2, 1, None, 1), "pp2": (1, 2, None, 1), "tp2_pp2": (2, 2, None, 1),
            "pp2_vpp2": (1, 2, 2, 1), "ep2": (1, 1, None, 2), "tp2_ep2": (2, 1, None, 2), "pp2_ep2": (1, 2, None, 2)}
-ATOL = 1e-4  # the design contract; measured max 4.1e-6 (llama_untied_vocab130), MoE 3.1e-6 (tp2_ep2)
+ATOL = 1e-5  # measured max 3.0e-6 (qwen3 tp2), MoE 1.7e-6 (PackedSDPAttention; 4.1e-6 with megatron's own)
 
 
 def _hf_state(folder: Path) -> dict[str, torch.Tensor]:

@@ -177,8 +177,8 @@ def test_routing_replay(results):
     same = [k for k in r if k not in ("rows_per_mb", "seqs_per_row", "r2_metrics", "aux")]
     for x in results[1:]:  # every rank returns the same results (its own plan aside)
         assert {k: x[k] for k in same} == {k: r[k] for k in same}
-    # packing really on: several rows per micro-batch, several sequences per row
-    assert max(b for x in results for b, _ in x["rows_per_mb"]) > 1 and max(x["seqs_per_row"] for x in results) > 1
+    # packing really on: several sequences per row
+    assert max(x["seqs_per_row"] for x in results) > 1
     assert r["routes_shape_ok"] and r["recorded_min"] >= 0  # every token got a route
     assert r["hf_max_diff"] < 5e-6  # measured 4.8e-7
     # (a) bit-exact

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlmega.data.packing import block_causal_mask, pack, padding_efficiency, plan_micro_batches, split_rows, unpack
+from rlmega.data.packing import block_causal_mask, pack, padding_efficiency, plan_micro_batches, unpack
 
 
 def random_lengths(n, lo=1, hi=100, seed=0):
@@ -54,29 +54,6 @@ def test_plan_ffd_is_tight():
     lower_bound = -(-sum(lengths) // 512)
     assert len(plan[0]) <= lower_bound + 1
     assert padding_efficiency(lengths, plan, row_multiple=1) == 1.0
-
-
-def test_split_rows_hand_computed():
-    # longest 9: FFD of [9, 5, 4, 3, 2] into rows of 9 -> {9}, {5, 4}, {3, 2}
-    lengths = {10: 5, 11: 9, 12: 2, 13: 4, 14: 3}
-    assert split_rows([10, 11, 12, 13, 14], lengths) == [[11], [10, 13], [12, 14]]
-    assert split_rows([], lengths) == []
-    # a plan's padding with rows: 23 real tokens in a (3, 9) block
-    assert padding_efficiency([5, 9, 2, 4, 3], [[[0, 1, 2, 3, 4]]], rows=True) == 23 / 27
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_split_rows_never_cost_more_than_one_sequence_per_row(seed):
-    """Rows of at most the longest sample: no more attention (sum of row^2) and no more padded
-    tokens than one sequence per row padded to the longest, and every sample exactly once."""
-    lengths = random_lengths(40, seed=seed)
-    rows = split_rows(list(range(40)), lengths)
-    assert sorted(i for r in rows for i in r) == list(range(40))
-    longest = max(lengths)
-    fills = [sum(lengths[i] for i in r) for r in rows]
-    assert max(fills) <= longest
-    assert len(rows) * max(fills) <= 40 * longest  # padded tokens: (B, S) block vs one row per sample
-    assert sum(f * f for f in fills) <= 40 * longest * longest
 
 
 def test_plan_multiple_of_splits_most_populated_bin():
@@ -206,8 +183,8 @@ def test_placeholder_micro_batch_has_no_loss_tokens_and_scatters_nothing():
     from rlmega.testing.batches import random_batch
 
     batch = random_batch(3, seed=1)
-    for dense in (True, False):
-        mb = build_micro_batch(batch, [], dense_mask=dense)
+    for min_shape in (None, (2, 30)):
+        mb = build_micro_batch(batch, [], min_shape=min_shape)
         shortest = min(range(3), key=lambda i: (batch.lengths()[i], i))
         assert mb["tokens"].shape[1] >= batch.lengths()[shortest] and mb["tokens"][0, 0] == batch.tokens[shortest][0]
         assert float(mb["loss_mask"].sum()) == 0.0 and mb["indices"] == []
@@ -231,9 +208,9 @@ def test_routes_pack_into_rows_and_back():
     from rlmega.data.micro_batches import build_micro_batch, unpack_rows
 
     batch = _routed_batch()
-    mb = build_micro_batch(batch, list(range(len(batch))))
+    mb = build_micro_batch(batch, list(range(len(batch))), min_shape=(2, 1))  # a padding row too
     B, S = mb["tokens"].shape
-    assert B > 1 and max(len(r) for r in mb["rows"]) > 1  # several rows, several sequences in a row
+    assert B == 2 and len(mb["rows"][0]) == len(batch)  # one packed row, then a row of padding
     rows = mb["routed_experts"]
     assert rows.shape == (B, S, 3, 2) and rows.dtype == torch.int16
     back = unpack_rows(rows, mb)
@@ -246,7 +223,7 @@ def test_routes_pack_into_rows_and_back():
     assert bool(mb["real_tokens"][mb["generated"]].all())
 
 
-def test_min_shape_pads_with_rows_that_see_only_themselves():
+def test_min_shape_pads_with_rows_of_padding():
     from rlmega.data.micro_batches import build_micro_batch, micro_batch_shape
 
     batch = _routed_batch()
@@ -256,8 +233,8 @@ def test_min_shape_pads_with_rows_that_see_only_themselves():
     small = build_micro_batch(batch, idx)
     B, S = small["tokens"].shape
     big = build_micro_batch(batch, idx, min_shape=(B + 2, S + 3))
-    assert big["tokens"].shape == (B + 2, S + 3) and big["attention_mask"].shape == (B + 2, 1, S + 3, S + 3)
-    assert bool((~big["attention_mask"][B:, 0] == torch.eye(S + 3, dtype=torch.bool)).all())
+    assert big["tokens"].shape == (B + 2, S + 3) and B == 1
+    assert torch.equal(big["cu_seqlens"], small["cu_seqlens"]) and big["row_cu"] == small["row_cu"]
     assert float(big["loss_mask"].sum()) == float(small["loss_mask"].sum())
     assert int(big["real_tokens"].sum()) == int(small["real_tokens"].sum())
     assert bool((big["routed_experts"][B:] == -1).all())

@@ -14,8 +14,9 @@ k3 to fixed reference log-probs (Megatron's reference forward), token mean over 
 temperature 1.
 
     megatron      rlmega's MegatronActor.train_step on one rank (actor.backend=megatron, the default
-                  layout: world 1, token budget 2048, packed rows with a block-diagonal causal mask;
-                  it also computes the entropy metric), reference log-probs given.
+                  layout: world 1, token budget 2048, one packed row per micro-batch, attention causal
+                  SDPA per sequence, rlmega/megatron/packed_attention.py; it also computes the entropy
+                  metric), reference log-probs given.
     fsdp          rlmega's FSDPActor.train_step at world 1 (actor.backend=fsdp: the HF model under
                   fully_shard per decoder layer and at the root, over the same one-rank gloo group;
                   token budget 2048, packed rows whose position ids restart per sequence; attention

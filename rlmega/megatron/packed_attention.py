@@ -1,0 +1,173 @@
+"""Core attention of the local layer spec: torch's fused SDPA, causal within each packed sequence.
+
+Megatron-core's local ``DotProductAttention`` materialises the (B*heads, S, S) scores of a whole
+packed row and runs mask and softmax unfused: every (query, key) pair of the row is computed, of which
+only sum(len_i^2) / 2 are kept. Here each sequence of a row goes through
+``scaled_dot_product_attention(is_causal=True)`` on its own slice (the flash kernel on CPU and GPU: no
+score matrix, no masked blocks), and the outputs are concatenated back. A row's tail (padding, and the
+all-padding rows an expert-parallel micro-batch may add) is one causal segment of its own; its outputs
+are never read (loss mask 0; MoE routers get the padding mask).
+
+RoPE is applied here, just before the attention, not by Megatron's attention: its
+``apply_rotary_pos_emb`` takes cos and sin of the angles in every layer, for q and for k, and rotates
+with two ``cat``s. Here cos and sin are computed once per forward, at each token's position in its own
+sequence (as vLLM and transformers rotate), and a rotation is one multiply and two in-place
+multiply-adds. Inside ``packed_rows`` the model's ``rotary_pos_emb`` returns None, so Megatron's
+attention applies none of its own.
+
+    with packed_rows(model_chunk, position_ids, row_cu) as params:      # position_ids (B, S)
+        logits = model_chunk(tokens, position_ids, None, packed_seq_params=params)
+
+Called without ``packed_rows`` (no ``RowPacking``), the module is plain causal SDPA (or SDPA under the
+given boolean mask, True = may not attend) and Megatron applies RoPE as usual.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+
+from rlmega.megatron.hf_io import unwrap
+
+
+@dataclasses.dataclass
+class RowPacking(PackedSeqParams):
+    """Packed rows (B, S) in Megatron's sbhd layout: ``qkv_format="sbhd"``, so Megatron's attention hands
+    it to the core attention untouched (only "thd" changes what it does).
+
+    ``segments``: lengths of the causal segments over the rows' tokens, row-major (sum = B * S).
+    ``cos`` (S, B, 1, head_dim), ``sin`` (S, B, 1, head_dim / 2): of each token's angles (cos repeated
+    for both halves), or None (no RoPE in the model).
+    """
+    segments: list[int] = dataclasses.field(default_factory=list)
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def row_segments(row_cu: list[list[int]], rows: int, row_len: int) -> list[int]:
+    """Segment lengths of ``rows`` rows of ``row_len`` tokens: each row's sequences (offsets ``row_cu[r]``,
+    from 0 to the row's used length), then its padding tail; rows beyond ``row_cu`` are all padding."""
+    segments = []
+    for r in range(rows):
+        cu = row_cu[r] if r < len(row_cu) else [0]
+        segments += [e - s for s, e in zip(cu[:-1], cu[1:])]
+        if row_len > cu[-1]:
+            segments.append(row_len - cu[-1])
+    return segments
+
+
+@contextmanager
+def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]]):
+    """The ``RowPacking`` of one micro-batch for ``chunk``'s forward passes inside this block.
+
+    position_ids: (B, S), each token's position in its own sequence (they restart per sequence).
+    While the block is open the chunk's rotary embedding returns None (RoPE happens in the core
+    attention, from the cos/sin here): a shadow of its (cached) forward, removed on exit. Angles at each
+    token's position in its own sequence, not at its offset in the row: equal in exact arithmetic, but
+    the float32 angle t*f carries rounding up to ulp(t*f)/2 (1.5e-5 rad at t=500), which cost 1.2e-4 in
+    log-probs against vLLM on the demo's trained model with 512-token rows (tools/parity_probe.py).
+    Yields None, touching nothing, for a chunk whose attention is not ``PackedSDPAttention`` (TE).
+    """
+    B, S = position_ids.shape
+    model = unwrap(chunk)
+    if not uses_packed_sdpa(model):
+        yield None
+        return
+    rope = getattr(model, "rotary_pos_emb", None)
+    cos = sin = None
+    if rope is not None:
+        # Megatron's own angles (its inverse frequencies, scaling and interleaving), indexed by position
+        table = rope.get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim): [freqs, freqs] (not interleaved)
+        if model.config.rotary_interleaved:
+            raise ValueError("packed_rows: interleaved RoPE is not supported (HF Llama/Qwen rotate halves)")
+        half = table[..., : table.shape[-1] // 2].to(position_ids.device)
+        angles = half[position_ids.t()].squeeze(3)  # (S, B, 1, dim / 2)
+        # in float32, then in the activations' dtype, as Megatron's rotation casts them
+        dtype = model.config.params_dtype
+        cos, sin = torch.cos(angles).repeat(1, 1, 1, 2).to(dtype), torch.sin(angles).to(dtype)
+    params = RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S,
+                        segments=row_segments(row_cu, B, S), cos=cos, sin=sin)
+    if rope is not None:
+        rope.forward = lambda *args, **kwargs: None
+    try:
+        yield params
+    finally:
+        if rope is not None:
+            del rope.forward
+
+
+def uses_packed_sdpa(model) -> bool:
+    """Whether this (unwrapped) model chunk's layers attend with ``PackedSDPAttention``."""
+    found = getattr(model, "_rlmega_packed_sdpa", None)
+    if found is None:
+        found = any(isinstance(m, PackedSDPAttention) for m in model.modules())
+        model._rlmega_packed_sdpa = found
+    return found
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on halves: x (S, B, H, D); cos (S, B, 1, D), sin (S, B, 1, D/2) -> (S, B, H, D), a new tensor.
+
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], Megatron's non-interleaved rotation without its
+    ``cat``s: one multiply, then two multiply-adds in place on the halves of the result.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos
+    half = x1.shape[-1]
+    out[..., :half].addcmul_(x2, sin, value=-1.0)
+    out[..., half:].addcmul_(x1, sin)
+    return out
+
+
+class PackedSDPAttention(MegatronModule):
+    """Drop-in for megatron-core's ``DotProductAttention`` (same constructor and forward contract):
+    query (S, B, heads/tp, D), key/value (S, B, groups/tp, D) -> (S, B, heads/tp * D)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("PackedSDPAttention: context parallelism needs Transformer Engine's attention")
+        if config.window_size is not None or config.softmax_type != "vanilla":
+            raise ValueError("PackedSDPAttention: sliding windows and softmax offsets are not supported")
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        # apply_query_key_layer_scaling: Megatron divides the scale by the layer number and multiplies
+        # it back inside its fp32 softmax, so the product is this plain scale either way
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("PackedSDPAttention: attention_bias is not supported")
+        S, B = query.shape[:2]
+        dropout = self.dropout if self.training else 0.0
+        gqa = query.shape[2] != key.shape[2]
+        if not isinstance(packed_seq_params, RowPacking):
+            if packed_seq_params is not None:
+                raise ValueError(f"PackedSDPAttention takes RowPacking or no packing, got {packed_seq_params.qkv_format!r}")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, H, S, D)
+            mask = None if attention_mask is None else ~attention_mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=mask is None, scale=self.softmax_scale, enable_gqa=gqa)
+            return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (S, B, H*D)
+        if packed_seq_params.cos is not None:
+            query = rotate(query, packed_seq_params.cos, packed_seq_params.sin)
+            key = rotate(key, packed_seq_params.cos, packed_seq_params.sin)
+        # rows one after the other: (B*S, H, D); split, not slicing: the backward of a split is one cat
+        q, k, v = (t.transpose(0, 1).reshape(B * S, *t.shape[2:]) for t in (query, key, value))
+        outs = []
+        for qs, ks, vs in zip(*(t.split(packed_seq_params.segments) for t in (q, k, v))):
+            o = F.scaled_dot_product_attention(  # (1, H, len, D)
+                qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                dropout_p=dropout, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+            outs.append(o[0].transpose(0, 1))  # (len, H, D)
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (B*S, H, D)
+        return out.reshape(B, S, -1).transpose(0, 1).contiguous()  # (S, B, H*D)
