@@ -8,7 +8,7 @@ buckets from one sender rank per stage and hands each bucket to a transport:
                                      once, as raw bytes, and every engine reads it from there
                                      (zero-copy on a node)
     CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
-                                     through the host (a design not yet run on a GPU; selected nowhere)
+                                     through the host (not yet run on a GPU; selected nowhere)
 
 A transport is picklable (it travels to the trainer ranks; each rank's copy is its own sender) and
 has two methods: ``send(bucket, version)`` hands a bucket over (it may return before the engines
@@ -187,3 +187,30 @@ class RayTransport(_Sender):
                 ray.get(ref)
             except Exception as e:
                 raise RuntimeError(f"rollout engine {i} failed to load {what}: {e}") from e
+
+
+class CudaIpcTransport(RayTransport):
+    """Same node, GPU tensors: the engines get CUDA IPC handles of the trainer's tensors
+    (rlmega/sync/cuda_ipc.py) instead of their bytes, and load them in the sync's one reload, with
+    no copy through host memory. The sent tensors are held here until ``flush`` has returned.
+
+    Not yet run on a GPU (TODO(gpu), see cuda_ipc.py); selected nowhere. Raises at ``send`` without
+    CUDA or for host tensors.
+    """
+
+    def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
+        super().__init__(engines, timeout_s, max_in_flight)
+        self._held: list[torch.Tensor] = []
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        finally:
+            self._held.clear()  # the engines have loaded (or given up on) what the handles point at
+
+    def _put(self, bucket: Bucket):
+        from rlmega.sync.cuda_ipc import ipc_bucket
+
+        records, kept = ipc_bucket(bucket)
+        self._held += kept
+        return records  # small: passed inline with the call, not through the object store

@@ -115,9 +115,10 @@ class RolloutExtension:
         """The name of this worker's folder in a sync directory (bucket_files)."""
         return int(getattr(self, "rank", 0))
 
-    def rlmega_load_stream(self, directory: str, idle_timeout_s: float) -> int:
+    def rlmega_load_stream(self, directory: str, idle_timeout_s: float) -> dict:
         """Load, in place, every bucket written to this worker's folder of ``directory`` until the
-        sync ends; one ``reload_weights`` for them all. Returns how many tensors it loaded.
+        sync ends; one ``reload_weights`` for them all. Returns {"tensors": how many it loaded,
+        "seconds": the call's time, "waited_s": of which waiting for buckets}.
 
         ``reload_weights`` (not ``model.load_weights``) because the CPU backend repacks linear weights
         after loading, layer by layer, once a layer's tensors have all arrived. A bucket holds whole
@@ -126,9 +127,10 @@ class RolloutExtension:
         written: what did not arrive keeps its old weights, and the error is raised.
         """
         names: list[str] = []
+        start, waited = time.perf_counter(), [0.0]
 
         def weights():
-            for name, tensor in bucket_files.read_stream(directory, self.rlmega_rank(), idle_timeout_s):
+            for name, tensor in bucket_files.read_stream(directory, self.rlmega_rank(), idle_timeout_s, waited):
                 names.append(name)
                 yield name, tensor
 
@@ -146,7 +148,7 @@ class RolloutExtension:
             shutil.rmtree(os.path.join(directory, str(self.rlmega_rank())), ignore_errors=True)
         _refresh_tied_layers(model, names)
         _repack_cpu_experts(model, names)
-        return len(names)
+        return {"tensors": len(names), "seconds": time.perf_counter() - start, "waited_s": waited[0]}
 
     def rlmega_param_names_and_packing(self) -> tuple[list[str], dict[str, list[str]]]:
         """The vLLM model's parameter names and its ``packed_modules_mapping`` (fused -> HF shards)."""

@@ -57,6 +57,7 @@ class WeightStream:
         self._open: _Sync | None = None
         self._by_sender: dict[Any, _Sync] = {}
         self.reloads = 0  # reloads the engine has finished (one per sync)
+        self.last_load: list[dict] = []  # what each model worker's rlmega_load_stream returned, last sync
         # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
         self.loaded = asyncio.Event()
         self.loaded.set()
@@ -76,7 +77,7 @@ class WeightStream:
         with self._lock:
             sync = self._open
             if sync is None:  # (also for a bucket of held pieces only: its sender is in this sync)
-                largest = max([sum(t.numel() * t.element_size() for _, t in g) for g in groups], default=0)
+                largest = max([sum(t.nbytes for _, t in g) for g in groups], default=0)
                 sync = self._start(max(FILE_BYTES, largest))
             sync.senders.add(sender)
             self._by_sender[sender] = sync
@@ -98,7 +99,7 @@ class WeightStream:
                 bucket_files.end(sync.directory)
         if closing:
             try:
-                self.worker._result(sync.future)
+                self.last_load = self.worker._result(sync.future)
                 self.reloads += 1
                 self.worker._run(self.worker._engine.reset_prefix_cache())
                 self.worker._version = version
@@ -154,7 +155,7 @@ def _files(groups: list[list[tuple[str, Any]]], limit: int):
     """Consecutive whole layers in lists of about ``limit`` bytes (a bigger layer goes alone)."""
     chunk, size = [], 0
     for group in groups:
-        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+        nbytes = sum(t.nbytes for _, t in group)  # (a tensor's, or a CUDA IPC record's)
         if chunk and size + nbytes > limit:
             yield chunk
             chunk, size = [], 0

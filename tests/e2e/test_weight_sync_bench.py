@@ -1,6 +1,7 @@
 """tools/bench/weight_sync.py --smoke: the weight-sync benchmark runs end to end (a real vLLM engine, a
 real Megatron rank on Ray) in seconds, so it cannot rot again (it raised NameError before), and its
-JSON holds the numbers issue 12 asks for: sync seconds over the engine's own reload, per transport."""
+JSON holds the numbers issues 12 and 26 ask for: sync seconds over the engine's own reload, per transport,
+and how many reloads a sync made in the engine (one for the production transport, whatever the buckets)."""
 import json
 import subprocess
 import sys
@@ -29,6 +30,8 @@ def test_weight_sync_smoke_reports_the_ratio_to_the_engines_reload(tmp_path):
         for part in ("gather_s", "send_s", "put_s", "wait_s", "engine_s"):
             assert row[part] > 0, (kind, part, row[part])
         assert row["send_s"] >= row["put_s"]
-    assert rows["ray"]["target"] == 1.3 and rows["ray"]["verdict"] in ("PASS", "MISS")
+    assert rows["ray"]["reloads"] == 1  # one reload in the engine per sync ...
+    assert rows["ray-stopwait"]["reloads"] == rows["ray-stopwait"]["buckets"]  # ... flushing each bucket: one each
+    assert rows["ray"]["target"] == 1.1 and rows["ray"]["verdict"] in ("PASS", "MISS")
     assert "verdict" not in rows["ray-stopwait"]  # the target is the production transport's
-    assert f"{rows['ray']['ratio']:8.3f}" in proc.stdout and "<= 1.3: " + rows["ray"]["verdict"] in proc.stdout
+    assert f"{rows['ray']['ratio']:8.3f}" in proc.stdout and "<= 1.1: " + rows["ray"]["verdict"] in proc.stdout
