@@ -84,8 +84,10 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]]):
     if rope is not None:
         # Megatron's own angles (its inverse frequencies, scaling and interleaving), indexed by position
         table = rope.get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim): [freqs, freqs] (not interleaved)
-        if model.config.rotary_interleaved:
-            raise ValueError("packed_rows: interleaved RoPE is not supported (HF Llama/Qwen rotate halves)")
+        if model.config.rotary_interleaved or table.shape[-1] != model.config.kv_channels:
+            raise ValueError("packed_rows: RoPE over whole heads, halves rotated (HF Llama/Qwen) only; got "
+                             f"interleaved={model.config.rotary_interleaved}, rotary dim {table.shape[-1]} of "
+                             f"head dim {model.config.kv_channels}")
         half = table[..., : table.shape[-1] // 2].to(position_ids.device)
         angles = half[position_ids.t()].squeeze(3)  # (S, B, 1, dim / 2)
         # in float32, then in the activations' dtype, as Megatron's rotation casts them
