@@ -21,6 +21,7 @@ CORE = [
     "pyarrow",  # Parquet prompt datasets (rlmega.data.prompts)
     "tqdm",  # the trainer's progress bar
     "tensorboard",  # event files next to metrics.jsonl
+    "matplotlib==3.11.2",  # RUN_DIR/curves.png and `rlmega plot` (rlmega/plots.py)
     "fastapi",  # the coordinator's dashboard
     "uvicorn",
     "httpx",  # HTTP judgers (rlmega/judgers/http.py)

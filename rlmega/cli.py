@@ -5,6 +5,7 @@
     rlmega check-config CONFIG [key=value ...]   validate a config, that it runs here, its prompts; print it
     rlmega demo [--steps N] [--run-dir DIR] [key=value ...]   the `make demo` job (see the README)
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
+    rlmega plot RUN_DIR [RUN_DIR ...] [--out FILE]   curves of one run, or several side by side (rlmega/plots.py)
 """
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ def _stop(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from rlmega.plots import CURVES, MetricsError, plot_runs
+
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / CURVES if len(args.run_dirs) == 1 else Path(CURVES)
+    try:
+        titles = plot_runs(args.run_dirs, out)
+    except MetricsError as e:
+        print(f"rlmega plot: {e}", file=sys.stderr)
+        return 2
+    print(f"rlmega plot: {out} ({', '.join(titles)})")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
@@ -95,6 +109,12 @@ def main(argv=None) -> int:
     st = sub.add_parser("stop", help="ask a running `rlmega train` to checkpoint and stop after its current step")
     st.add_argument("run_dir", help="the run's trainer.run_dir")
     st.set_defaults(fn=_stop)
+    pl = sub.add_parser("plot", help="draw reward, held-out accuracy, KL, response length and step time of one "
+                        "run or several (overlaid, e.g. sync vs async) into a PNG")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="trainer.run_dir of each run (its metrics.jsonl)")
+    pl.add_argument("--out", default="", help="the PNG to write; default RUN_DIR/curves.png for one run, "
+                    "./curves.png for several")
+    pl.set_defaults(fn=_plot)
     args = p.parse_args(argv)
     return args.fn(args)
 

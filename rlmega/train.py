@@ -62,7 +62,22 @@ def train(cfg: RLConfig) -> RunDir:
         _train(cfg, run)
     finally:  # the TensorBoard / wandb writers flush and close on errors and interrupts too
         run.close()
+        draw_curves(run)  # at the end, on a stop, and after a failure that left steps behind
     return run
+
+
+def draw_curves(run: RunDir) -> None:
+    """RUN_DIR/curves.png from the metrics file. A failure here is logged, never raised: it must not
+    hide the error a failed run is ending with, nor fail a run that trained."""
+    try:
+        if not run.read_metrics():  # nothing logged (a run that failed before its first step)
+            return
+        from rlmega.plots import plot_run
+
+        print(f"rlmega: curves {plot_run(run.path)}", flush=True)
+    except Exception as e:  # noqa: BLE001 -- any drawing problem, as the docstring says
+        log.warning("could not draw %s/curves.png (%s: %s); `rlmega plot %s` draws it from metrics.jsonl",
+                    run.path, type(e).__name__, e, run.path)
 
 
 def _train(cfg: RLConfig, run: RunDir) -> None:
