@@ -56,6 +56,7 @@ def straight(model, tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
     out = _run(_cmd(model, run, 4, "logging.profile_steps=[2]"))  # tracing step 2 changes no number (torchrun test)
     (run / "driver.log").write_text(out.stderr)
+    (run / "driver.out").write_text(out.stdout)
     return run
 
 
@@ -81,6 +82,9 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
     assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (straight / "hf_final" / "config.json").exists()
     assert list((straight / "tensorboard").iterdir())
+    # the run's picture, drawn from metrics.jsonl as the run ended (rlmega/plots.py; tests/unit/test_plots.py)
+    assert (straight / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"rlmega: curves {straight / 'curves.png'}" in (straight / "driver.out").read_text()
 
 
 def test_profile_steps_write_a_trace_per_rank_and_engine(straight):
@@ -210,6 +214,7 @@ def test_sigterm_and_rlmega_stop_checkpoint_and_exit_3_resumably(model, tmp_path
     assert "stopped at step" in err and "SIGTERM" in err, err[-2000:]
     steps = [m["step"] for m in _metrics(run) if m["step"] > 0]
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"  # nothing lost
+    assert (run / "curves.png").exists()  # a stopped run draws its curves too
     assert not _left_behind(tag)
 
     # resume from that checkpoint, then stop from another shell with `rlmega stop RUN_DIR`
