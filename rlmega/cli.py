@@ -3,7 +3,8 @@
     rlmega train CONFIG [key=value ...] [--resume]   the RL trainer (rlmega/train.py); --resume continues from
                                                  the newest complete checkpoint, trainer.resume=PATH from a named one
     rlmega check-config CONFIG [key=value ...]   validate a config, that it runs here, its prompts; print it
-    rlmega demo [--steps N] [--run-dir DIR] [key=value ...]   the `make demo` job (see the README)
+    rlmega demo [--config CONFIG] [--steps N] [--run-dir DIR] [key=value ...]   the demo's tiny model, then
+                                                 train CONFIG (default configs/demo_cpu.yaml) on it: `make demo`
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
     rlmega plot RUN_DIR [RUN_DIR ...] [--out FILE]   curves of one run, or several side by side (rlmega/plots.py)
 """
@@ -14,31 +15,58 @@ import sys
 from pathlib import Path
 
 
-def _check_config(args) -> int:
-    from rlmega.config import ConfigError, dump_config, load_config
+class PromptDataError(ValueError):
+    """A prompt file's rows cannot be read or tokenized (what `rlmega train` reports as "prompt data: ...")."""
+
+
+def check_config(config: str | Path, overrides=()):
+    """What `rlmega check-config` checks, in this process: the config against the schema and itself, against
+    this machine (preflight), and its prompts tokenized as `rlmega train` does before any worker starts.
+    The resolved RLConfig; ConfigError (each problem by field, with its fix) or PromptDataError."""
+    from rlmega.config import load_config
     from rlmega.config.preflight import preflight
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        preflight(cfg)
-    except ConfigError as e:
-        print(f"rlmega: {e}", file=sys.stderr)
-        return 2
-    try:  # the prompts, tokenized as `rlmega train` does before any worker: bad rows are named too
+    cfg = load_config(config, list(overrides))
+    preflight(cfg)
+    try:  # bad rows are named by file and row
         from transformers import AutoTokenizer
 
         from rlmega.agents.tasks import Tasks
 
         Tasks(cfg, AutoTokenizer.from_pretrained(cfg.model.path))
-    except (ValueError, OSError) as e:  # what train reports as "prompt data: ..." (exit code 2)
-        print(f"rlmega: prompt data: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        raise PromptDataError(f"prompt data: {e}") from e
+    return cfg
+
+
+def _check_config(args) -> int:
+    from rlmega.config import ConfigError, dump_config
+
+    try:
+        cfg = check_config(args.config, args.overrides)
+    except (ConfigError, PromptDataError) as e:  # exit code 2, as `rlmega train` gives for its input
+        print(f"rlmega: {e}", file=sys.stderr)
         return 2
     print(dump_config(cfg), end="")
     return 0
 
 
+# The demo's tiny Qwen2: head_dim 64 (vLLM's CPU attention needs it); 4 heads / 2 KV heads so TP2 splits both.
+DEMO_MODEL = dict(hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0)
+
+
+def _config_value(config: Path, overrides, dotted: str, default):
+    """A value as the config file and dotlist overrides set it, read before the model exists (load_config
+    checks the model folder, which the demo has yet to make); ``default`` where neither sets it."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+    value = OmegaConf.select(raw, dotted, default=None)
+    return default if value is None else value
+
+
 def _demo(args) -> int:
-    """Tiny model (made once), then configs/demo_cpu.yaml (or --config): a supervised warm start and RL on addition."""
+    """Tiny model (made once, in RUN_DIR/tiny_model), then configs/demo_cpu.yaml (or --config) on it."""
     import rlmega
     from rlmega.tiny_model import make_tiny_model
     from rlmega.train import main as train_main
@@ -48,14 +76,14 @@ def _demo(args) -> int:
         print(f"rlmega demo: {config} not found; the demo needs a source checkout. Fix: pip install -e . "
               "from the repository, or run rlmega train CONFIG with a config of your own", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir)
+    # the config's own run folder and length unless given here (configs/*.yaml's first lines rely on it)
+    run_dir = Path(args.run_dir or _config_value(config, args.overrides, "trainer.run_dir", "runs/demo"))
     model = run_dir / "tiny_model"
     if not (model / "config.json").exists():
-        # head_dim 64 (vLLM's CPU attention needs it); 4 heads / 2 KV heads so TP2 splits both.
-        make_tiny_model(model, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0, overwrite=True)
+        make_tiny_model(model, **DEMO_MODEL, overwrite=True)
         print(f"rlmega demo: made tiny model in {model}", flush=True)
-    return train_main([str(config), f"model.path={model}", f"trainer.run_dir={run_dir}",
-                       f"trainer.total_steps={args.steps}", *args.overrides])
+    steps = [f"trainer.total_steps={args.steps}"] if args.steps is not None else []
+    return train_main([str(config), f"model.path={model}", f"trainer.run_dir={run_dir}", *steps, *args.overrides])
 
 
 def _stop(args) -> int:
@@ -84,21 +112,18 @@ def _plot(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["train"]:  # the trainer owns its arguments
-        from rlmega.train import main as train_main
-
-        return train_main(argv[1:])
+def parser() -> argparse.ArgumentParser:
+    """The `rlmega` command's parser (`rlmega train`'s own arguments: rlmega.train.parser)."""
     p = argparse.ArgumentParser(prog="rlmega", description="RL for LLMs on Megatron-core, vLLM and Ray")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check-config", help="validate a config and print it resolved")
     c.add_argument("config")
     c.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=10")
     c.set_defaults(fn=_check_config)
-    d = sub.add_parser("demo", help="run the foundation demo (what `make demo` runs)")
-    d.add_argument("--run-dir", default="runs/demo")
-    d.add_argument("--steps", type=int, default=60)
+    d = sub.add_parser("demo", help="make the demo's tiny model in RUN_DIR/tiny_model (once), then train on it "
+                       "(what `make demo` runs)")
+    d.add_argument("--run-dir", default="", help="default: the config's trainer.run_dir (runs/demo for the demo)")
+    d.add_argument("--steps", type=int, default=None, help="RL steps; default: the config's trainer.total_steps")
     d.add_argument("--config", default="", help="another config on the demo's tiny model, made in RUN_DIR/tiny_model "
                    "(e.g. configs/ppo_gae_cpu.yaml); default configs/demo_cpu.yaml")
     d.add_argument("overrides", nargs="*", help="dotlist overrides of configs/demo_cpu.yaml, e.g. "
@@ -115,7 +140,16 @@ def main(argv=None) -> int:
     pl.add_argument("--out", default="", help="the PNG to write; default RUN_DIR/curves.png for one run, "
                     "./curves.png for several")
     pl.set_defaults(fn=_plot)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # the trainer owns its arguments
+        from rlmega.train import main as train_main
+
+        return train_main(argv[1:])
+    args = parser().parse_args(argv)
     return args.fn(args)
 
 

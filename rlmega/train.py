@@ -221,12 +221,16 @@ def main(argv=None) -> int:
             torchrun_group.release_ranks()
 
 
-def _main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlmega train", description=__doc__.splitlines()[0])
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=10")
     p.add_argument("--resume", action="store_true", help="same as trainer.resume=auto")
-    args = p.parse_args(argv)
+    return p
+
+
+def _main(argv=None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, [*args.overrides, *(["trainer.resume=auto"] if args.resume else [])])

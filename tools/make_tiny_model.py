@@ -4,7 +4,7 @@ Usage:
     python tools/make_tiny_model.py OUT_DIR [--arch qwen2|qwen3|qwen3_moe|mixtral|llama|phi3] [--hidden-size 128]
         [--num-layers 4] [--num-heads 2] [--num-kv-heads 1] [--intermediate-size N]
         [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (qwen3_moe, mixtral)
-        [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite]
+        [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite | --if-missing]
 
 Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from rlmega.tiny_model import ARCHITECTURES, make_tiny_model
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES))
@@ -35,7 +35,17 @@ def main(argv=None) -> None:
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--if-missing", action="store_true", help="leave an OUT_DIR that holds a model (config.json) "
+                   "as it is: a config's first-line command makes its model once, then trains")
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
     args = vars(p.parse_args(argv))
+    if args.pop("if_missing") and (Path(args["out_dir"]) / "config.json").exists():
+        print(f"{args['out_dir']}: a model is there already; kept (--if-missing)")
+        return
     try:
         path = make_tiny_model(args.pop("out_dir"), **args)
     except (ValueError, FileExistsError) as e:
