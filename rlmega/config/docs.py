@@ -104,6 +104,8 @@ def render() -> str:
         "overrides on the command line, e.g. `rlmega train configs/tiny_cpu.yaml trainer.total_steps=10`.",
         "`rlmega check-config CONFIG [overrides]` validates one and prints it resolved; every problem is named",
         "by its dotted field and says the fix. `null` is YAML's None. Choices are `Literal[...]` types.",
+        "Each file in `configs/` starts with the command that runs it from a fresh clone (the ones on a tiny",
+        "model make it first); `tests/unit/test_shipped_configs.py` checks every one of them with check-config.",
         "",
         "Sections: " + ", ".join(f"[`{name}`](#{_anchor(name)})" for name, _, _ in sections) + ".",
         "",
