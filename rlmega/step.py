@@ -3,7 +3,7 @@ advantages, train, sync.
 
 The roles (actor ranks, engines, agent loops and their judgers) do the work and the producer
 (rlmega/agents/produce.py) makes the batches; this file only moves data between them and times each
-phase. ``rl_step`` returns the step's metrics (see README for the keys).
+phase. ``rl_step`` returns the step's metrics (docs/troubleshooting.md lists the keys).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from rlmega.judgers.base import RewardError
 
 log = logging.getLogger("rlmega")
 
-# Exit codes of `rlmega train` (README, "When things go wrong").
+# Exit codes of `rlmega train` (docs/troubleshooting.md).
 EXIT_OK, EXIT_RUNTIME, EXIT_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 

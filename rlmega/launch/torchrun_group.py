@@ -148,7 +148,7 @@ class TorchrunGroup:
         if os.environ.get(BOUND_ENV) != "1":
             log.warning("torchrun's key-value stores listen on every interface with no authentication, and "
                         "they carry the ranks' commands (pickles): launch with `python -m rlmega.launch.torchrun` "
-                        "(the same arguments) to keep them on this group's address (README, Launching)")
+                        "(the same arguments) to keep them on this group's address (docs/launching.md)")
         self.store, self.k = _store(), 0
         self._host = _Host()
         # One thread runs every local call: the CUDA device a rank binds to is per thread.

@@ -2,7 +2,7 @@
 
 Run on a GPU machine (one GPU is enough: world size 1, NCCL) with
     python -m pytest tests/gpu -q -s
-The tests need megatron-core importable there (see ../shared/GPU.md for bringing its wheel).
+The tests need megatron-core importable there (tools/gpu/README.md: bringing its wheel).
 """
 from pathlib import Path
 

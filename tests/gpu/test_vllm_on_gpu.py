@@ -1,6 +1,6 @@
 """vLLM on CUDA beside a Megatron trainer on the same GPU: the colocated RL cycle without Ray.
 
-What ../shared/GPU.md's proof list asks of one GPU (items 2 and 3), in one spawned process:
+What the GPU proof list (docs/gpu.md) asks of one GPU (items 2 and 3), in one spawned process:
 - a RolloutWorker engine on the GPU (bf16) generates; ``sleep(1)`` frees its device memory and
   ``wake_up`` brings it back, and the same seeded request then gives the same tokens;
 - the trainer (MegatronActor, bf16 compute, fp32 log-probs) scores the engine's samples: the parity of
@@ -12,7 +12,7 @@ What ../shared/GPU.md's proof list asks of one GPU (items 2 and 3), in one spawn
 
 The model is a Qwen2.5-0.5B shape (896 wide, 24 layers, tied embeddings, vocabulary 151,936) with
 random weights, made on the spot. Skipped without CUDA or without vLLM (tests/gpu/conftest.py; the
-GPU machine carries vLLM as described in ../shared/GPU.md and tools/gpu/README.md).
+GPU machine carries vLLM as tools/gpu/README.md describes).
 
     python -m pytest tests/gpu/test_vllm_on_gpu.py -s
 """
