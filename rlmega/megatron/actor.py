@@ -366,7 +366,8 @@ class MegatronActor(Actor):
         except at expert parallelism > 1, where every rank gathers (an EP group spans DP ranks; with
         DP > EP the EP groups other than the sender's gather for nothing: a known cost, docs/moe.md).
         Every rank meets at the closing barrier. Returns what this rank did: ``gathered`` HF tensors
-        (0 outside replica 0), and sent bytes, tensors, buckets, the (name, shape) list, and seconds.
+        it built (the senders alone: the other TP ranks only send their shards to them; 0 outside
+        replica 0), and sent bytes, tensors, buckets, the (name, shape) list, and seconds.
         """
         tp_rank, dp_rank = tensor_parallel_rank(), data_parallel_rank_and_size()[0]
         sender = tp_rank == 0 and dp_rank == 0
@@ -375,10 +376,10 @@ class MegatronActor(Actor):
         # Expert parallelism splits the experts over data-parallel ranks: replica 0's expert gathers
         # need every EP rank, so with EP > 1 every rank iterates (the dense gathers stay per TP group).
         if dp_rank == 0 or self.policy.transformer_config.expert_model_parallel_size > 1:
-            for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes):
+            for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes, to_first=True):
                 sent["gathered"] += len(bucket)
                 if not sender:
-                    continue  # the other TP ranks only took part in the gathers
+                    continue  # replica > 0 under EP: it only took part in the expert gathers
                 transport.send(bucket, version)
                 sent["buckets"] += 1
                 for name, t in bucket:

@@ -132,7 +132,7 @@ def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None =
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of this rank's pipeline stage, one Megatron parameter at a time.
 
     Collective over the stage's TP group (and, for MoE, its expert-TP and expert-parallel groups):
@@ -140,6 +140,11 @@ def iter_hf_tensors(chunks: list, shape: ModelShape) -> Iterator[tuple[str, torc
     expert of each layer exactly once whatever EP rank holds it. Only one parameter's full tensor
     (EP experts' for an expert parameter) exists at a time. With tied embeddings the last stage's
     copy of the head is skipped: HF stores the embedding once.
+
+    ``to_first``: only the first rank of each TP group wants the tensors (a weight sync's sender):
+    the shards are gathered to it alone (``dist.gather``: the others send theirs and build nothing),
+    and the other ranks yield nothing. Experts under EP > 1 are still all-gathered over TP (the EP
+    gather needs the full tensor on every rank) but yielded on the first rank only.
     """
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
@@ -150,20 +155,29 @@ def iter_hf_tensors(chunks: list, shape: ModelShape) -> Iterator[tuple[str, torc
             expert = expert_index(name)
             group, size = (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()) \
                 if expert is not None else (tp_group, tp)
+            dense = expert is None or ps.get_expert_model_parallel_world_size() == 1
+            mine = not to_first or size == 1 or dist.get_rank(group=group) == 0
             if getattr(param, "tensor_model_parallel", False) and size > 1:
-                shards = [torch.empty_like(param) for _ in range(size)]
-                dist.all_gather(shards, param.data.contiguous(), group=group)
+                if to_first and dense:
+                    shards = [torch.empty_like(param) for _ in range(size)] if mine else None
+                    dist.gather(param.data.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
+                else:
+                    shards = [torch.empty_like(param) for _ in range(size)]
+                    dist.all_gather(shards, param.data.contiguous(), group=group)
             else:
                 shards = [param.data]
-            if expert is None or ps.get_expert_model_parallel_world_size() == 1:
-                for hf_name, value in from_megatron_shards(name, shards, shape).items():
-                    yield hf_name, value.detach().contiguous()
+            if dense:
+                if mine:
+                    for hf_name, value in from_megatron_shards(name, shards, shape).items():
+                        yield hf_name, value.detach().contiguous()
                 continue
             # Expert parallel: the same local expert of every EP rank; rank r's is expert r*E/EP + j.
             full = _cat_shards(name, shards, shape)
             ep = ps.get_expert_model_parallel_world_size()
             gathered = [torch.empty_like(full) for _ in range(ep)]
             dist.all_gather(gathered, full, group=ps.get_expert_model_parallel_group())
+            if not mine:
+                continue
             per_rank = shape.num_experts // ep
             for r, value in enumerate(gathered):
                 global_name = with_expert_index(name, expert - offset + r * per_rank)
@@ -182,10 +196,11 @@ def _cat_shards(name: str, shards: list[torch.Tensor], shape: ModelShape) -> tor
     return hf[names[0]].contiguous()
 
 
-def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int,
+                    to_first: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``iter_hf_tensors`` grouped into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
     bucket, size = [], 0
-    for name, value in iter_hf_tensors(chunks, shape):
+    for name, value in iter_hf_tensors(chunks, shape, to_first):
         nbytes = value.numel() * value.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

@@ -245,7 +245,8 @@ class RolloutWorker:
     def finish_weights(self, version: int, sender) -> None:
         """``sender`` sent its last bucket; returns once every bucket of the sync is loaded (the reload
         ends when every sender that sent into it has finished), with the prefix cache reset and
-        ``version`` set. Raises if the engine failed to load."""
+        ``version`` set. Raises if the engine failed to load. It waits for the other senders: a Ray
+        actor hosting the worker needs a thread per sender (rlmega/launch/engines.py gives 256)."""
         self._weights.finish(version, sender)
 
     def start_profile(self, prefix: str) -> None:

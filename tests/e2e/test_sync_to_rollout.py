@@ -101,7 +101,7 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
         assert sorted(got) == sorted(hf.items()), f"{name}: names/shapes differ from the HF state dict"
         assert all(rank["buckets"] > 1 for rank in sent if rank["tensors"])  # 64 KiB buckets: streamed
         tp, pp = LAYOUTS[name][:2]
-        assert sum(1 for rank in sent if rank["gathered"]) == tp * pp  # data-parallel replica 0 only
+        assert sum(1 for rank in sent if rank["gathered"]) == pp  # a stage's sender alone builds full tensors
 
         before = _sample_and_compare(group, engines)
         for batch, diff in before:

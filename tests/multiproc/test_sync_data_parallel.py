@@ -1,7 +1,7 @@
 """sync_model_to_rollout at TP2 x DP2 on 4 real gloo ranks: data-parallel replica 0 alone gathers.
 
 The engine here records what it receives (the real vLLM engine is tests/e2e/test_sync_to_rollout.py);
-what matters is which ranks run the TP all-gathers and that the weights arrive exact.
+what matters is which ranks run the TP gathers (to the sender only) and that the weights arrive exact.
 """
 import pytest
 import torch
@@ -42,21 +42,25 @@ def _sync_body(path):
     actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(2, 1, None, 4), OptimizerConfig(),
                           ActorConfig(), AlgorithmConfig())
     actor.setup(with_reference=False)
-    # Count this rank's all-gathers (hf_io's TP gathers call dist.all_gather) during the sync only.
-    gathers, real_all_gather = [], dist.all_gather
+    # Count this rank's TP gathers during the sync only: hf_io gathers a sync's shards to the sender
+    # (dist.gather), all-gathering only what every rank needs (experts under EP > 1: none here).
+    calls, real = [], {"all_gather": dist.all_gather, "gather": dist.gather}
 
-    def counting_all_gather(*args, **kwargs):
-        gathers.append(1)
-        return real_all_gather(*args, **kwargs)
+    def counting(kind):
+        def call(*args, **kwargs):
+            calls.append(kind)
+            return real[kind](*args, **kwargs)
+        return call
 
     engine = RecordingEngine()
-    dist.all_gather = counting_all_gather
+    dist.all_gather, dist.gather = counting("all_gather"), counting("gather")
     try:
         sent = actor.sync_model_to_rollout(DirectTransport([engine]), 7, bucket_bytes=64 << 10)
     finally:
-        dist.all_gather = real_all_gather
-    out = {"dp": data_parallel_rank_and_size()[0], "tp": tensor_parallel_rank(), "all_gathers": len(gathers),
-           "sent": sent, "received": engine.tensors, "versions": set(engine.versions)}
+        dist.all_gather, dist.gather = real["all_gather"], real["gather"]
+    out = {"dp": data_parallel_rank_and_size()[0], "tp": tensor_parallel_rank(), "gathers": calls.count("gather"),
+           "all_gathers": calls.count("all_gather"), "sent": sent, "received": engine.tensors,
+           "versions": set(engine.versions)}
     actor.teardown()
     return out
 
@@ -68,11 +72,13 @@ def test_only_replica_0_gathers_and_the_engine_gets_exact_weights(hf_model):
     assert sorted(by_place) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for tp in (0, 1):
         replica0, replica1 = by_place[(0, tp)], by_place[(1, tp)]
-        assert replica0["all_gathers"] > 0 and replica0["sent"]["gathered"] == len(hf)
-        # DP 1 holds the same weights: it must not repeat the TP all-gathers (nor anything else but the barrier).
-        assert replica1["all_gathers"] == 0, f"DP 1, TP {tp} ran {replica1['all_gathers']} all-gathers"
+        assert replica0["gathers"] > 0 and replica0["all_gathers"] == 0  # to the sender only
+        # DP 1 holds the same weights: it must not repeat the TP gathers (nor anything else but the barrier).
+        assert replica1["gathers"] == replica1["all_gathers"] == 0, f"DP 1, TP {tp} gathered: {replica1}"
         assert replica1["sent"]["gathered"] == 0 and replica1["sent"]["tensors"] == 0 and not replica1["received"]
-    assert by_place[(0, 1)]["sent"]["tensors"] == 0 and not by_place[(0, 1)]["received"]  # TP 1 only gathers
+    # TP 1 sends its shards to TP 0 and builds no full tensor; TP 0 builds every one and sends them.
+    assert by_place[(0, 1)]["sent"]["gathered"] == by_place[(0, 1)]["sent"]["tensors"] == 0
+    assert not by_place[(0, 1)]["received"] and by_place[(0, 0)]["sent"]["gathered"] == len(hf)
     sender = by_place[(0, 0)]
     got = sender["received"]
     assert sender["sent"]["tensors"] == len(hf) and sender["versions"] == {7} and sender["sent"]["buckets"] > 1

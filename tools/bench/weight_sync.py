@@ -417,7 +417,11 @@ def main(argv: list[str] | None = None) -> dict:
                                "vocab_size": args.vocab_size, "params": n_params, "bytes": nbytes},
                      "bucket_mb": args.bucket_mb, "repeats": args.repeats, "transports": args.transports,
                "layouts": []}
-    Engine = ray.remote(num_cpus=0.5)(_timed_rollout_worker_cls())
+    from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY
+
+    # Threads as production's engines have (rlmega/launch/engines.py): each sender's buckets in flight,
+    # and a finish_weights waiting for the other senders of the sync.
+    Engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)(_timed_rollout_worker_cls())
     engine = Engine.remote(hf_model, max_model_len=128, seed=0, kv_cache_space_gb=1)
     try:
         t0 = time.perf_counter()
