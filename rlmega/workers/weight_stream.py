@@ -82,8 +82,12 @@ class WeightStream:
             sync.senders.add(sender)
             self._by_sender[sender] = sync
         for chunk in _files(groups, FILE_BYTES):
-            self._wait_for_room(sync, version)
-            bucket_files.write_bucket(sync.directory, next(sync.seq), chunk, self.ranks)
+            try:
+                self._wait_for_room(sync, version)
+                bucket_files.write_bucket(sync.directory, next(sync.seq), chunk, self.ranks)
+            except OSError:  # the sync's directory went with a failed engine call: say why
+                self._raise_if_ended(sync, version)
+                raise
 
     def finish(self, version: int, sender) -> None:
         """``sender`` has sent everything; returns once what it sent is loaded, with ``version`` set."""
@@ -140,12 +144,15 @@ class WeightStream:
 
     def _wait_for_room(self, sync: _Sync, version: int) -> None:
         nap = 1e-4
-        while bucket_files.unread(sync.directory, self.ranks) >= MAX_UNREAD:
-            if sync.future.done():
-                break
+        while not sync.future.done() and bucket_files.unread(sync.directory, self.ranks) >= MAX_UNREAD:
             time.sleep(nap)
             nap = min(2 * nap, 2e-3)
-        if sync.future.done():  # before its end: an error (the engine died, a name it does not know)
+        self._raise_if_ended(sync, version)
+
+    def _raise_if_ended(self, sync: _Sync, version: int) -> None:
+        """The engine's call ended while buckets still come: an error (the engine died, a name it
+        does not know, no bucket for ``idle_timeout_s``)."""
+        if sync.future.done():
             sync.done.wait()
             raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error

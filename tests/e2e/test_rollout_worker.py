@@ -142,6 +142,14 @@ def _engine_body(model_dir: str) -> dict:
     out["stream_version"] = w.weight_version()
     out["stream_pending"] = w.pending_weights()
     out["restored_by_stream"] = _as_dicts(w.generate(**probe))
+    # A name the model does not have: the engine's reload fails, says so, and the model keeps its weights.
+    try:
+        w.update_weights([("model.layers.0.no_such.weight", torch.zeros(2))], version=7)
+        out["unknown_name"] = "loaded"
+    except RuntimeError as e:
+        out["unknown_name"] = str(e)
+    out["version_after_error"] = w.weight_version()
+    out["after_error"] = _as_dicts(w.generate(**probe))
     tm["3_update_weights"] = time.perf_counter() - t
 
     # 3b. serving single requests: many threads at once, abort, stop strings (tests below).
@@ -430,6 +438,9 @@ def test_update_weights_in_place_and_streamed(run):
     assert strip(run["restored_by_stream"]) == strip(run["before"])
     assert strip(run["stream_during"]) == strip(run["before"])
     assert {s["weight_version"] for s in run["stream_during"]} == {6}
+    # a failed load names itself and leaves the weights as they were
+    assert "rollout engine failed to load weights version 7" in run["unknown_name"], run["unknown_name"]
+    assert run["version_after_error"] == 6 and strip(run["after_error"]) == strip(run["before"])
 
 
 @pytest.mark.timeout(400)
