@@ -14,9 +14,10 @@ the RolloutWorker writes them, until the sync's end. While it runs the engine co
 else (a utility call blocks its loop): no step ever sees a half-loaded model. Why one call per
 sync, not per bucket: each ``reload_weights`` restores every layer of the model on the meta device,
 puts back the ones it did not load and re-processes every attention layer; the tied-head rebuild,
-the CPU expert repack and the prefix-cache reset follow it. Measured before (one reload per bucket,
-each bucket written with safetensors and read into memory): a sync cost 2.4x vLLM's own reload of
-the same tensors at TP1, 4.3x at TP2xPP2 (tools/bench/weight_sync.py).
+the CPU expert repack and the prefix-cache reset follow it. Measured (tools/bench/weight_sync.py,
+0.4 GB): a sync cost 2.37x vLLM's own reload of the same tensors at TP1 and 4.34x at TP2xPP2 with one
+reload per bucket (safetensors files read into memory), 2.10x and 3.04x with one per sync
+(docs/rollout_engine.md: where the rest goes).
 
 Names carry an ``rlmega_`` prefix: vLLM's own worker already has methods such as ``update_weights``
 (its weight-transfer API), and an extension must not shadow them.
