@@ -1,14 +1,16 @@
 """RolloutBatch samples -> one packed micro-batch of model inputs and per-token RL targets.
 
 Several sequences share one row (no padding to the longest sequence); attention causal within each
-sequence (its offsets in ``row_cu`` / ``cu_seqlens``) and per-sequence positions keep them independent. In a row, the token at position t is
-predicted by the logits at t-1, so a sample's response tokens [s+P, s+L) are scored at the
-"prediction positions" [s+P-1, s+L-1); every per-token field below lives on those positions.
+sequence (its offsets in ``row_cu`` / ``cu_seqlens``) and per-sequence positions keep them independent.
+In a row, the token at position t is predicted by the logits at t-1, so a sample's response tokens
+[s+P, s+L) are scored at the "prediction positions" [s+P-1, s+L-1); every per-token field below lives
+on those positions.
 
 A micro-batch is one packed row (B = 1; attention per sequence: Transformer Engine's THD, Megatron's
 local spec through rlmega.megatron.packed_attention, FSDP through rlmega.fsdp.packed_attention), or B
-rows when ``min_shape`` adds rows of padding (expert-parallel ranks that must run equal shapes). Per-token fields are flat over
-the rows, row-major: position t of row r is index r * S + t, as ``logits.flatten(0, 1)`` orders them.
+rows when ``min_shape`` adds rows of padding (expert-parallel ranks that must run equal shapes).
+Per-token fields are flat over the rows, row-major: position t of row r is index r * S + t, as
+``logits.flatten(0, 1)`` orders them.
 
     mb = build_micro_batch(batch, [3, 0, 7])
     mb["tokens"]          (B, S) int64     mb["position_ids"]  (B, S)
@@ -35,8 +37,8 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int
                       min_shape: tuple[int, int] | None = None) -> dict:
     """The samples ``indices`` packed into one row (their offsets in ``row_cu[0]`` and ``cu_seqlens``).
 
-    ``min_shape`` (B, S): at least B rows of at least S tokens, the extra all padding. Megatron's allgather MoE token dispatcher gathers
-    equal-sized token blocks over the expert-parallel group, so expert-parallel ranks must run
+    ``min_shape`` (B, S): at least B rows of at least S tokens, the extra all padding. Megatron's
+    allgather MoE token dispatcher gathers equal-sized token blocks over the expert-parallel group, so expert-parallel ranks must run
     micro-batches of one shape (``micro_batch_shape`` gives each rank's, the caller takes the max).
 
     Empty ``indices``: a placeholder (packing.plan_micro_batches with allow_empty) for a data-parallel

@@ -154,7 +154,8 @@ class PackedSDPAttention(MegatronModule):
         gqa = query.shape[2] != key.shape[2]
         if not isinstance(packed_seq_params, RowPacking):
             if packed_seq_params is not None:
-                raise ValueError(f"PackedSDPAttention takes RowPacking or no packing, got {packed_seq_params.qkv_format!r}")
+                raise ValueError("PackedSDPAttention takes RowPacking or no packing, got qkv_format="
+                                 f"{packed_seq_params.qkv_format!r}")
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, H, S, D)
             mask = None if attention_mask is None else ~attention_mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
