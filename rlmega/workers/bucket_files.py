@@ -13,6 +13,10 @@ The format is this module's own: 8 bytes little-endian header length, a JSON hea
 (a view of any dtype needs its offset aligned; safetensors packs tensors without gaps, and its
 ``save_file`` copies each tensor to ``bytes`` once more before writing).
 
+A bucket written into a shared-memory slot kept across syncs (rlmega/workers/shm_slots.py: no new
+pages to fault in and free each sync) is handed over the same way as a ticket, ``<seq>.slot``, naming
+the slot; a file here is the fallback when no slot can take the bucket.
+
 A bucket of CUDA IPC records (rlmega/sync/cuda_ipc.py) is an ``.ipc`` file instead: the records,
 pickled (the sync directory is private to this node's RolloutWorker and its engine); the reader
 rebuilds each tensor over the sender's GPU memory.
@@ -42,8 +46,9 @@ from rlmega.sync.transports import byte_array
 SHM = "/dev/shm"
 PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies
 END = "END"
+TICKET, HELD = ".slot", ".held"  # a bucket in a shared-memory slot (shm_slots.py): handed over, read and still viewed
 _ALIGN = 64
-_MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
+MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
 
 
 def open_sync_dir(ranks: list[int], nbytes_hint: int) -> str:
@@ -68,29 +73,42 @@ def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.
     parameter: ``byte_array`` leaves its storage resizable). A folder's link appears only once the
     file is whole, so a reader never sees half a bucket.
     """
-    if named_tensors and isinstance(named_tensors[0][1], IpcTensor):  # CUDA IPC records, not bytes
-        _write(directory, f"{seq:08d}.ipc", pickle.dumps(named_tensors), ranks)
+    if is_ipc(named_tensors):  # CUDA IPC records, not bytes
+        hand_over(directory, f"{seq:08d}.ipc", pickle.dumps(named_tensors), ranks)
         return sum(t.nbytes for _, t in named_tensors)
-    tensors = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
-    header, offset = [], 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
-        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-    head = json.dumps(header).encode()
-    start = -(-(8 + len(head)) // _ALIGN) * _ALIGN  # data offsets count from here
+    head, start, parts, _ = layout(named_tensors)
+
     def write(f):
-        f.write(len(head).to_bytes(8, "little") + head)
-        for (_, t), (_, _, _, off, nbytes) in zip(tensors, header):
-            if nbytes:
+        f.write(head)
+        for t, off in parts:
+            if t.nbytes:
                 f.seek(start + off)
                 f.write(byte_array(t))
 
-    _write(directory, f"{seq:08d}.bin", write, ranks)
-    return sum(h[4] for h in header)
+    hand_over(directory, f"{seq:08d}.bin", write, ranks)
+    return sum(t.nbytes for t, _ in parts)
 
 
-def _write(directory: str, name: str, content, ranks: list[int]) -> None:
+def is_ipc(named_tensors: list) -> bool:
+    """A bucket of CUDA IPC records (rlmega/sync/cuda_ipc.py), not tensors."""
+    return bool(named_tensors) and isinstance(named_tensors[0][1], IpcTensor)
+
+
+def layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int, list[tuple[torch.Tensor, int]], int]:
+    """A bucket in this module's format: (its first bytes: header length and header, where the data
+    starts, [(tensor on the CPU, contiguous; its offset from the data's start)], the bucket's size)."""
+    tensors = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+    header, offset = [], 0
+    for name, t in tensors:
+        header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, t.nbytes])
+        offset = -(-(offset + t.nbytes) // _ALIGN) * _ALIGN
+    head = json.dumps(header).encode()
+    start = -(-(8 + len(head)) // _ALIGN) * _ALIGN  # data offsets count from here
+    parts = [(t, h[3]) for (_, t), h in zip(tensors, header)]
+    return len(head).to_bytes(8, "little") + head, start, parts, start + offset
+
+
+def hand_over(directory: str, name: str, content, ranks: list[int]) -> None:
     """Write a file (``content``: bytes, or a function of the open file), then link it into each rank's folder."""
     path = os.path.join(directory, name)
     with open(path, "wb", buffering=0) as f:
@@ -112,18 +130,26 @@ def read_bucket(path: str) -> list[tuple[str, torch.Tensor]]:
     # Map every page now, in one go (32 MiB: 4 ms here, against 14 ms for faulting them in one by one
     # as vLLM reads); MAP_POPULATE would instead copy each page of a private writable mapping (14 ms).
     with contextlib.suppress(OSError, ValueError):  # MADV_POPULATE_READ: Linux 5.14+
-        m.madvise(_MADV_POPULATE_READ)
-    n = int.from_bytes(m[:8], "little")
-    header = json.loads(m[8:8 + n])
+        m.madvise(MADV_POPULATE_READ)
+    return views(m, torch.frombuffer(m, dtype=torch.uint8))  # holds the mapping alive as long as a view does
+
+
+def views(buffer, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of the bucket in ``buffer`` (an mmap), as views of ``data``: its bytes as one uint8 tensor."""
+    n = int.from_bytes(buffer[:8], "little")
+    header = json.loads(buffer[8:8 + n])
     start = -(-(8 + n) // _ALIGN) * _ALIGN
-    data = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping alive as long as a view does
     return [(name, data[start + off:start + off + nbytes].view(getattr(torch, dtype)).view(shape))
             for name, dtype, shape, off, nbytes in header]
 
 
 def unread(directory: str, ranks: list[int]) -> int:
-    """Buckets some rank has not read yet."""
-    return len(set(itertools.chain.from_iterable(os.listdir(os.path.join(directory, str(r))) for r in ranks)))
+    """Buckets some rank has not read yet (a ``HELD`` ticket has been read)."""
+    return len(set(itertools.chain.from_iterable(_unread(os.path.join(directory, str(r))) for r in ranks)))
+
+
+def _unread(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if not n.endswith(HELD))
 
 
 def end(directory: str) -> None:
@@ -132,20 +158,28 @@ def end(directory: str) -> None:
 
 
 def read_stream(directory: str, rank: int, idle_timeout_s: float,
-                waited: list[float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                waited: list[float] | None = None, slots=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every bucket handed to ``rank``, as the buckets arrive, until ``END``.
 
-    Each file is unlinked once its tensors are handed on. Raises TimeoutError after ``idle_timeout_s``
-    without a bucket or ``END`` (a sender that died mid-sync must not hold the engine forever).
-    ``waited[0]`` grows by the seconds spent waiting for buckets.
+    Each file is unlinked once its tensors are handed on; a ``TICKET`` (a bucket in a shared-memory
+    slot) goes to ``slots`` (rlmega/workers/shm_slots.py ``SlotReader``), which removes it once the
+    reload holds none of its tensors. Raises TimeoutError after ``idle_timeout_s`` without a bucket or
+    ``END`` (a sender that died mid-sync must not hold the engine forever). ``waited[0]`` grows by the
+    seconds spent waiting for buckets.
     """
     mine = os.path.join(directory, str(rank))
     last, nap = time.monotonic(), 1e-4
     waited = [0.0] if waited is None else waited
     while True:
-        names = sorted(os.listdir(mine))
+        names = _unread(mine)
         for name in names:
             path = os.path.join(mine, name)
+            if name.endswith(TICKET):
+                if slots is None:
+                    raise RuntimeError(f"{path}: a bucket in a shared-memory slot, and no slot reader here")
+                yield from slots.read(path)
+                slots.release()  # (the loader's loop still holds the last tensor: released later)
+                continue
             if name.endswith(".ipc"):  # CUDA IPC records: tensors over the sender's GPU memory
                 with open(path, "rb") as f:
                     yield from ((n, record.open()) for n, record in pickle.load(f))
@@ -157,11 +191,13 @@ def read_stream(directory: str, rank: int, idle_timeout_s: float,
             continue
         # END is written after the last bucket is linked, so an empty folder seen after END is final.
         if os.path.exists(os.path.join(directory, END)):
-            if not os.listdir(mine):
+            if not _unread(mine):
                 return
             continue
         if time.monotonic() - last > idle_timeout_s:
             raise TimeoutError(f"no weight bucket for {idle_timeout_s:g} s and no end of the sync ({directory})")
+        if slots is not None:
+            slots.release()  # the writer may be waiting for a slot the reload has let go of
         t0 = time.monotonic()
         time.sleep(nap)
         waited[0] += time.monotonic() - t0

@@ -316,6 +316,8 @@ class RolloutWorker:
                 self._run(shutdown_engine(engine))
             except Exception as exc:  # teardown is best effort: report, never mask the caller's error
                 logger.warning("vLLM engine shutdown raised %r", exc)
+        if getattr(self, "_weights", None) is not None:
+            self._weights.close()  # the shared-memory slots the engine read the weights from
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=30)

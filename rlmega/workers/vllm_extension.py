@@ -8,13 +8,14 @@ method on every worker (one per TP rank) and returns their results as a list.
 
 Arguments cross process boundaries msgpack-encoded (to the engine core, and at TP > 1 on through the
 executor's message queue to the workers): a torch tensor arrives as a list there, bytes arrive
-intact. Weights therefore go as files in shared memory (rlmega/workers/bucket_files.py), and one sync
-is one call, ``rlmega_load_stream``: a single ``reload_weights`` whose iterator reads the buckets as
-the RolloutWorker writes them, until the sync's end. While it runs the engine core runs nothing
-else (a utility call blocks its loop): no step ever sees a half-loaded model. Why one call per
-sync, not per bucket: each ``reload_weights`` restores every layer of the model on the meta device,
-puts back the ones it did not load and re-processes every attention layer; the tied-head rebuild,
-the CPU expert repack and the prefix-cache reset follow it. Measured (tools/bench/weight_sync.py,
+intact. Weights therefore go through shared memory (slots kept across syncs: rlmega/workers/shm_slots.py;
+else files: rlmega/workers/bucket_files.py), and one sync is one call, ``rlmega_load_stream``: a
+single ``reload_weights`` whose iterator reads the buckets as the RolloutWorker writes them, until
+the sync's end. While it runs the engine core runs nothing else (a utility call blocks its loop):
+no step ever sees a half-loaded model. Why one call per sync, not per bucket: each
+``reload_weights`` restores every layer of the model on the meta device, puts back the ones it did
+not load and re-processes every attention layer; the tied-head rebuild, the CPU expert repack and
+the prefix-cache reset follow it. Measured (tools/bench/weight_sync.py,
 0.4 GB): a sync cost 2.37x vLLM's own reload of the same tensors at TP1 and 4.34x at TP2xPP2 with one
 reload per bucket (safetensors files read into memory), 2.10x and 3.04x with one per sync
 (docs/rollout_engine.md: where the rest goes).
@@ -33,6 +34,7 @@ import torch
 
 from rlmega.workers import bucket_files
 from rlmega.workers.route_store import RouteStore
+from rlmega.workers.shm_slots import SlotReader
 
 EXTENSION = "rlmega.workers.vllm_extension.RolloutExtension"  # the engine argument's value
 
@@ -129,9 +131,12 @@ class RolloutExtension:
         """
         names: list[str] = []
         start, waited = time.perf_counter(), [0.0]
+        slots = getattr(self, "_rlmega_slots", None)
+        if slots is None:  # kept for the worker's life: each slot mapped once (shm_slots.py)
+            slots = self._rlmega_slots = SlotReader()
 
         def weights():
-            for name, tensor in bucket_files.read_stream(directory, self.rlmega_rank(), idle_timeout_s, waited):
+            for name, tensor in bucket_files.read_stream(directory, self.rlmega_rank(), idle_timeout_s, waited, slots):
                 names.append(name)
                 yield name, tensor
 
@@ -146,6 +151,7 @@ class RolloutExtension:
                 finalize_layerwise_reload(model, self.model_runner.model_config)
             raise
         finally:
+            slots.finish()  # (first: a slot still viewed is retired before its ticket goes)
             shutil.rmtree(os.path.join(directory, str(self.rlmega_rank())), ignore_errors=True)
         _refresh_tied_layers(model, names)
         _repack_cpu_experts(model, names)

@@ -2,12 +2,14 @@
 
 The engine's side is ``rlmega_load_stream`` (rlmega/workers/vllm_extension.py: why one reload per
 sync). A sync's first bucket opens a sync directory (rlmega/workers/bucket_files.py) and starts that
-call, not awaited; each bucket's whole vLLM layers (rlmega/workers/fused_layers.py) are written there as
-files of about ``FILE_BYTES``, so the engine loads the first while the next is written, and at most
-``MAX_UNREAD`` files wait unread: shared memory never holds a whole large model. ``finish`` ends the
-stream once every sender of the sync has finished, waits for the reload, resets the prefix cache, and
-only then sets the weights version and lets requests through (they wait while a stream is open: they
-would run on the new weights labelled with the old version).
+call, not awaited; each bucket's whole vLLM layers (rlmega/workers/fused_layers.py) are written in
+pieces of about ``FILE_BYTES``, so the engine loads the first while the next is written, and at most
+``MAX_UNREAD`` wait unread: shared memory never holds a whole large model. A piece goes into a
+shared-memory slot kept across syncs (rlmega/workers/shm_slots.py: no new pages each sync), or, when
+none is free and the pool is full, into a new file. ``finish`` ends the stream once every sender of
+the sync has finished, waits for the reload, resets the prefix cache, and only then sets the weights
+version and lets requests through (they wait while a stream is open: they would run on the new
+weights labelled with the old version).
 
 Senders: a sync may have several at once (one per pipeline stage, each its own transport; one-shot
 ``update_weights`` calls from many threads), each a key. The stream stays open until every sender
@@ -26,6 +28,7 @@ from typing import Any
 
 from rlmega.workers import bucket_files
 from rlmega.workers.fused_layers import FusedLayers
+from rlmega.workers.shm_slots import SlotPool
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class WeightStream:
         self._lock = threading.RLock()  # re-entered when the engine call fails at once (_start's callback)
         self._open: _Sync | None = None
         self._by_sender: dict[Any, _Sync] = {}
+        self.slots = SlotPool(FILE_BYTES)  # shared memory the buckets go through, kept across syncs
         self.reloads = 0  # reloads the engine has finished (one per sync)
         self.last_load: list[dict] = []  # what each model worker's rlmega_load_stream returned, last sync
         # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
@@ -84,7 +88,9 @@ class WeightStream:
         for chunk in _files(groups, FILE_BYTES):
             try:
                 self._wait_for_room(sync, version)
-                bucket_files.write_bucket(sync.directory, next(sync.seq), chunk, self.ranks)
+                seq = next(sync.seq)
+                if self.slots.write(sync.directory, seq, chunk, self.ranks) is None:  # no slot free: a file
+                    bucket_files.write_bucket(sync.directory, seq, chunk, self.ranks)
             except OSError:  # the sync's directory went with a failed engine call: say why
                 self._raise_if_ended(sync, version)
                 raise
@@ -116,6 +122,10 @@ class WeightStream:
             raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error
 
+    def close(self) -> None:
+        """Let go of the shared-memory slots (the engine is shut down, or going)."""
+        self.slots.close()
+
     def _start(self, nbytes_hint: int) -> _Sync:
         directory = bucket_files.open_sync_dir(self.ranks, nbytes_hint)
         w = self.worker
@@ -138,6 +148,7 @@ class WeightStream:
         self._close(sync)
 
     def _close(self, sync: _Sync) -> None:
+        self.slots.end_sync(sync.directory, failed=sync.error is not None)  # (while its tickets are there)
         shutil.rmtree(sync.directory, ignore_errors=True)
         self.worker._loop.call_soon_threadsafe(self.loaded.set)
         sync.done.set()

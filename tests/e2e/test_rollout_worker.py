@@ -142,6 +142,8 @@ def _engine_body(model_dir: str) -> dict:
     out["stream_version"] = w.weight_version()
     out["stream_pending"] = w.pending_weights()
     out["restored_by_stream"] = _as_dicts(w.generate(**probe))
+    # every bucket above went through the same few shared-memory slots (rlmega/workers/shm_slots.py)
+    out["slots"] = len(w._weights.slots)
     # A name the model does not have: the engine's reload fails, says so, and the model keeps its weights.
     try:
         w.update_weights([("model.layers.0.no_such.weight", torch.zeros(2))], version=7)
@@ -437,6 +439,7 @@ def test_update_weights_in_place_and_streamed(run):
     assert not run["stream_first_done_early"] and run["stream_first_waited"]
     assert strip(run["restored_by_stream"]) == strip(run["before"])
     assert strip(run["stream_during"]) == strip(run["before"])
+    assert 0 < run["slots"] <= 8, run["slots"]  # a dozen syncs: slots reused, not new memory each
     assert {s["weight_version"] for s in run["stream_during"]} == {6}
     # a failed load names itself and leaves the weights as they were
     assert "rollout engine failed to load weights version 7" in run["unknown_name"], run["unknown_name"]

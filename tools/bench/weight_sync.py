@@ -45,8 +45,11 @@ the warm-up and each number below is the best of the others.
 ``--transports`` (default ``ray,ray-stopwait``): ``ray`` is rlmega.sync.transports.RayTransport as
 production uses it (each tensor's own bytes through the object store, pipelined: the engine takes
 bucket k while the sender gathers and puts bucket k+1, at most two in flight; one reload for the
-sync); ``ray-stopwait`` is the same transport flushing after every bucket, so each bucket is its own
-reload and nothing overlaps (the mechanism before issues 12 and 26), to show what both buy.
+sync; the engine's worker hands the pieces to vLLM through shared-memory slots kept across syncs);
+``ray-files`` is the same with a new /dev/shm file for every piece (the path before the slots, and
+still the fallback); ``ray-stopwait`` is the same transport flushing after every bucket, so each
+bucket is its own reload and nothing overlaps (the mechanism before issues 12 and 26), to show what
+they buy.
 
 A last line times the object-store round trip alone, in this process, on the model's tensors as
 one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
@@ -85,6 +88,7 @@ class NullEngine:
 
 TRANSPORTS = {
     "ray": "rlmega.sync.transports.RayTransport, pipelined (production)",
+    "ray-files": "the same, each piece of a bucket a new /dev/shm file: no shared-memory slots (before them)",
     "ray-stopwait": "the same, flushing after every bucket: one reload each, nothing overlaps (before issues 12, 26)",
 }
 
@@ -189,6 +193,15 @@ def _timed_rollout_worker_cls():
             names = sorted(order, key=order.get)
             return max(self._run(self._engine.collective_rpc("rlmega_time_reload", args=(self.model_path, names))))
 
+        def use_slots(self, on: bool) -> None:
+            """Off: every piece of a bucket goes as a new file (rlmega/workers/bucket_files.py), as before
+            the shared-memory slots (rlmega/workers/shm_slots.py); the slots stay mapped for the next on."""
+            pool = self._weights.slots
+            if on:
+                pool.__dict__.pop("write", None)
+            else:
+                pool.write = lambda *args: None  # "no slot free": WeightStream writes a file
+
         def profile_next_update(self) -> None:
             self._profile_next = True
 
@@ -286,6 +299,7 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
             # Alternate the transports' order between rounds: neither always runs just after the gather.
             for kind in (list(transports) if i % 2 == 0 else list(transports)[::-1]):
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())  # drop anything stale
+                ray.get(engine.use_slots.remote(kind != "ray-files"))
                 reloads_before = ray.get(engine.weight_reloads.remote())
                 try:
                     seconds, sent = sync(transports[kind])
@@ -321,6 +335,7 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
                 "other_s": best["seconds"] - gather_s - split["send_s"],
             })
             if args.profile_engine:  # one more sync, untimed: the profile slows it down
+                ray.get(engine.use_slots.remote(kind != "ray-files"))
                 ray.get(engine.profile_next_update.remote())
                 sync(transport)
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())
