@@ -12,7 +12,7 @@ flight at a sync finish on the old weights, TIS rollout correction).
 
 Workloads:
   demo  what `make demo` runs (configs/demo_cpu.yaml: a tiny model made on the spot, TP2 x PP2 on 4 CPU
-        ranks + 1 engine, 850 warm-start steps, 60 GRPO steps of 32 prompts x 8, held-out eval every 10),
+        ranks + 1 engine, 850 warm-start steps, 80 GRPO steps of 32 prompts x 8, held-out eval every 10),
         one process per mode. Reported: median time_step over the RL steps (the first --warmup left out),
         the ratio to sync's (target <= 0.7), and each mode's final held-out accuracy (target: async's no
         lower than sync's). Each process is a full demo run, so its accuracy is the one a user would get.
@@ -32,10 +32,22 @@ a noisy quantity (100 held-out problems: a standard error of ~5 points): ``--rou
 every mode with sampling seeds 0..R-1 and reports each round's accuracy and their mean.
 
     .venv/bin/python tools/bench/async_rl.py --workload demo --modes sync,async_k1 --rounds 3 --vary-seed
+
+Does the demo learn, robustly? (issue 27) ``--check`` holds each demo run to the bars below and exits 1 when
+one misses; ``--layouts`` runs the demo in several layouts (LAYOUTS), ``--plot DIR`` draws each layout's
+rounds into one picture (rlmega plot), e.g. the three seeds' curves the README shows:
+
+    .venv/bin/python tools/bench/async_rl.py --workload demo --modes sync --rounds 3 --vary-seed \
+        --layouts tp2pp2,world1 --check --plot runs/bench/demo_learns      # 6 demo runs, ~35 min on 2 cores
+
+Bars (CHECK): RL adds >= 25 points of held-out greedy accuracy to the warm-started model (the eval before
+RL vs the last one), the sampled reward's mean over the last five RL steps exceeds the first five's by
+>= 0.15, and the whole process (model made, warm start, RL, export) takes <= 360 s.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -56,6 +68,10 @@ MODES = {"sync": ["produce.strategy=sync"],
          "async_k1": [*ASYNC_OVERRIDES, "produce.max_staleness=1"],
          "async_k2": [*ASYNC_OVERRIDES, "produce.max_staleness=2"]}
 TARGET_ASYNC_RATIO, TARGET_TRL_RATIO = 0.7, 3.0
+# The demo's layouts a user might try: the config's own (TP2 x PP2 on 4 ranks) and one rank.
+LAYOUTS = {"tp2pp2": [], "world1": ["parallelism.tensor_model_parallel_size=1",
+                                    "parallelism.pipeline_model_parallel_size=1", "parallelism.world_size=1"]}
+CHECK = {"gain": 0.25, "reward_gain": 0.15, "wall_s": 360.0}  # issue 27's bars on one demo run
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -84,17 +100,47 @@ def cpu_busy(before: tuple[int, int]) -> float | None:
     return (busy - before[0]) / (total - before[1]) if total > before[1] else None
 
 
-def run_demo(mode: str, args, work: Path, rnd: int) -> dict:
-    run_dir = work / f"demo-{mode}-r{rnd}"
+def side_name(mode: str, layout: str, args) -> str:
+    """A demo run's side: its mode, tagged with its layout when the run has several (``mode@layout``)."""
+    return f"{mode}@{layout}" if args.tag_layout else mode
+
+
+def run_demo(mode: str, layout: str, args, work: Path, rnd: int) -> dict:
+    name = f"demo-{layout}-{mode}-r{rnd}"
     seed = [f"rollout.seed={rnd}"] if args.vary_seed else []
-    cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(run_dir), *args.demo_extra,
-           *MODES[mode], *seed, "trainer.resume=none"]
+    cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(work / name), *LAYOUTS[layout],
+           *args.demo_extra, *MODES[mode], *seed, "trainer.resume=none"]
     cpu = cpu_times()
-    wall = gvt._run(f"demo {mode}", cmd, gvt._rlmega_env(), work / f"demo-{mode}-r{rnd}.log", args.timeout)
-    rows = _rows(run_dir)
+    wall = gvt._run(f"demo {mode} {layout}", cmd, gvt._rlmega_env(), work / f"{name}.log", args.timeout)
+    rows = _rows(work / name)
     evals = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
-    return {"workload": "demo", "side": mode, "round": rnd, "wall_s": wall, "cpu_busy": cpu_busy(cpu), "steps": _steps(rows),
-            "evals": evals, "final_accuracy": evals[-1][1] if evals else None}
+    out = {"workload": "demo", "side": side_name(mode, layout, args), "layout": layout, "run_dir": name, "round": rnd,
+           "wall_s": wall, "cpu_busy": cpu_busy(cpu), "steps": _steps(rows), "evals": evals,
+           "final_accuracy": evals[-1][1] if evals else None}
+    return {**out, **learning(out["steps"], evals)}
+
+
+def learning(steps: list[dict], evals: list[tuple[int, float]]) -> dict:
+    """What CHECK judges: held-out accuracy gained over RL (last eval minus the one before RL, step 0) and
+    the sampled reward's mean over the last five RL steps minus the first five's."""
+    rewards = [s["reward_mean"] for s in steps]
+    first, last = rewards[:5], rewards[-5:]
+    return {"gain": evals[-1][1] - evals[0][1] if len(evals) > 1 and evals[0][0] == 0 else None,
+            "reward_first5": statistics.fmean(first) if first else None,
+            "reward_last5": statistics.fmean(last) if last else None}
+
+
+def check(run: dict) -> list[str]:
+    """The CHECK bars this demo run misses, in words (empty: it passes)."""
+    f5, l5 = run["reward_first5"], run["reward_last5"]
+    misses = []
+    if run["gain"] is None or run["gain"] < CHECK["gain"]:
+        misses.append(f"held-out gain {run['gain']} < {CHECK['gain']}")
+    if f5 is None or l5 - f5 < CHECK["reward_gain"]:
+        misses.append(f"reward last5 - first5 {None if f5 is None else round(l5 - f5, 3)} < {CHECK['reward_gain']}")
+    if run["wall_s"] > CHECK["wall_s"]:
+        misses.append(f"wall {run['wall_s']:.0f} s > {CHECK['wall_s']:.0f} s")
+    return misses
 
 
 def run_grpo(mode: str, args, overrides: list[str], work: Path, rnd: int) -> dict:
@@ -164,6 +210,16 @@ def report(res: dict) -> None:
             print(f"  TRL/rlmega {mode} (median step) {ratio:.2f}{tag}")
         if workload == "grpo" and "trl_over" not in w:
             print(f"  TRL: skipped ({res['trl_skipped']})")
+    demo = [r for r in res["runs"] if r["workload"] == "demo"]
+    if demo:
+        print(f"\n{'demo run':>26} {'held-out before -> last':>23} {'gain':>6} {'reward first5 -> last5':>22} {'wall_s':>6}"
+              + ("  check (issue 27)" if res.get("check") else ""))
+        for r in demo:
+            ev = f"{r['evals'][0][1]:.2f} -> {r['evals'][-1][1]:.2f}" if r["evals"] else "-"
+            rw = f"{r['reward_first5']:.3f} -> {r['reward_last5']:.3f}" if r["reward_first5"] is not None else "-"
+            verdict = ("  PASS" if not r["misses"] else "  MISS: " + "; ".join(r["misses"])) if res.get("check") else ""
+            print(f"{r['run_dir']:>26} {ev:>23} {r['gain'] if r['gain'] is None else format(r['gain'], '+.2f'):>6} "
+                  f"{rw:>22} {r['wall_s']:6.0f}{verdict}")
     print(f"\nbenchmark runtime {res['runtime_s']:.0f}s")
 
 
@@ -179,6 +235,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--timeout", type=float, default=3600, help="seconds one process may take")
     p.add_argument("--vary-seed", action="store_true", help="demo round r samples with rollout.seed=r, so "
                    "that rounds sample the final accuracy's spread (without it a round repeats the same seed)")
+    p.add_argument("--layouts", default="tp2pp2", help=f"demo workload: comma-separated subset of {','.join(LAYOUTS)}")
+    p.add_argument("--check", action="store_true", help="hold every demo run to issue 27's bars (CHECK); exit 1 "
+                   "when one misses")
+    p.add_argument("--plot", default=None, metavar="DIR", help="draw each demo layout and mode's rounds into "
+                   "DIR/demo-LAYOUT-MODE.png (and keep their metrics in DIR)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="world size 1, a short warm start, 3 RL steps, demo "
                    "workload only, no TRL: a few minutes; CI runs it")
@@ -186,12 +247,14 @@ def main(argv: list[str] | None = None) -> dict:
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
-    args.demo_extra = []
+    layouts = [x for x in args.layouts.split(",") if x]
+    if not layouts or (unknown := set(layouts) - set(LAYOUTS)):
+        p.error(f"--layouts: unknown {sorted(unknown) if layouts else 'none given'}; choose from {list(LAYOUTS)}")
+    args.demo_extra, args.tag_layout = [], len(layouts) > 1
     if args.smoke:
-        args.workload, args.warmup = "demo", 1
+        args.workload, args.warmup, layouts = "demo", 1, ["world1"]
         args.demo_extra = ["--steps", "3", "trainer.warmup_sft_steps=20", "optimizer.lr_warmup_steps=20",
-                           "trainer.eval_every=3", "trainer.save_every=0", "parallelism.tensor_model_parallel_size=1",
-                           "parallelism.pipeline_model_parallel_size=1", "parallelism.world_size=1"]
+                           "trainer.eval_every=3", "trainer.save_every=0"]
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="rlmega-async-bench-"))  # removed on success; kept with its logs on failure
     runs: list[dict] = []
@@ -200,10 +263,12 @@ def main(argv: list[str] | None = None) -> dict:
         for rnd in range(args.rounds):
             order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
             if args.workload in ("demo", "both"):
-                for mode in order:
-                    print(f"round {rnd}: demo {mode} ...", flush=True)
-                    runs.append(run_demo(mode, args, work, rnd))
-                    print(f"  final accuracy {runs[-1]['final_accuracy']}, process {runs[-1]['wall_s']:.0f} s", flush=True)
+                for layout in layouts:
+                    for mode in order:
+                        print(f"round {rnd}: demo {mode} {layout} ...", flush=True)
+                        runs.append(run_demo(mode, layout, args, work, rnd))
+                        runs[-1]["misses"] = check(runs[-1])
+                        print(f"  final accuracy {runs[-1]['final_accuracy']}, process {runs[-1]['wall_s']:.0f} s", flush=True)
             if args.workload in ("grpo", "both"):
                 from rlmega.tiny_model import make_tiny_model
 
@@ -223,7 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     except gvt.SideFailed as e:
         print(f"async_rl: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    res = {"runs": runs, "warmup": args.warmup, "modes": {m: MODES[m] for m in modes},
+    if args.plot:
+        plot_demo(runs, work, Path(args.plot))
+    res = {"runs": runs, "warmup": args.warmup, "modes": {m: MODES[m] for m in modes}, "check": args.check,
            "trl_skipped": why or None, "summary": summarize(runs, args.warmup), "runtime_s": time.perf_counter() - t0}
     report(res)
     if args.json:
@@ -231,7 +298,26 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(res, indent=2))
         print(f"wrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
+    if args.check and any(r["misses"] for r in runs if r["workload"] == "demo"):
+        print("async_rl --check: a demo run missed issue 27's bars (MISS above)", file=sys.stderr)
+        raise SystemExit(1)
     return res
+
+
+def plot_demo(runs: list[dict], work: Path, out: Path) -> None:
+    """One picture per demo layout and mode, its rounds (seeds) overlaid; their metrics kept beside it."""
+    from rlmega.plots import plot_runs
+
+    out.mkdir(parents=True, exist_ok=True)
+    for layout, mode in sorted({(r["layout"], r["side"].split("@")[0]) for r in runs if r["workload"] == "demo"}):
+        names = [r["run_dir"] for r in runs if r["workload"] == "demo" and r["layout"] == layout
+                 and r["side"].split("@")[0] == mode]
+        for name in names:  # metrics.jsonl alone: the picture's data, small (checkpoints stay behind)
+            (out / name).mkdir(exist_ok=True)
+            shutil.copy2(work / name / "metrics.jsonl", out / name / "metrics.jsonl")
+        with contextlib.chdir(out):  # the legend names the runs by their folder, not a temporary path
+            plot_runs(names, f"demo-{layout}-{mode}.png")
+        print(f"wrote {out / f'demo-{layout}-{mode}.png'}", flush=True)
 
 
 def _trl(args, overrides: list[str], work: Path, rnd: int) -> dict:
