@@ -108,8 +108,9 @@ def side_name(mode: str, layout: str, args) -> str:
 def run_demo(mode: str, layout: str, args, work: Path, rnd: int) -> dict:
     name = f"demo-{layout}-{mode}-r{rnd}"
     seed = [f"rollout.seed={rnd}"] if args.vary_seed else []
-    cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(work / name), *LAYOUTS[layout],
-           *args.demo_extra, *MODES[mode], *seed, "trainer.resume=none"]
+    # demo_extra first: it may open with an option (--steps), which must come before the overrides
+    cmd = [sys.executable, "-m", "rlmega.cli", "demo", "--run-dir", str(work / name), *args.demo_extra,
+           *LAYOUTS[layout], *MODES[mode], *seed, "trainer.resume=none"]
     cpu = cpu_times()
     wall = gvt._run(f"demo {mode} {layout}", cmd, gvt._rlmega_env(), work / f"{name}.log", args.timeout)
     rows = _rows(work / name)
