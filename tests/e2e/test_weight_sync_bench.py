@@ -3,6 +3,7 @@ real Megatron rank on Ray) in seconds, so it cannot rot again (it raised NameErr
 JSON holds the numbers issues 12 and 26 ask for: sync seconds over the engine's own reload, per transport,
 and how many reloads a sync made in the engine (one for the production transport, whatever the buckets)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,10 @@ def test_weight_sync_smoke_reports_the_ratio_to_the_engines_reload(tmp_path):
         for part in ("gather_s", "send_s", "put_s", "wait_s", "engine_s"):
             assert row[part] > 0, (kind, part, row[part])
         assert row["send_s"] >= row["put_s"]
+        # the machine's busy core-seconds during the sync (/proc/stat: 10 ms ticks, so >= 0, not > 0 here)
+        assert row["cpu_s"] >= 0 and row["gather_cpu_s"] >= 0 and row["reload_cpu_s"] >= 0
+        assert abs(row["cores"] - row["cpu_s"] / row["sync_s"]) < 1e-9
+        assert abs(row["floor"] * row["reload_s"] * (os.cpu_count() or 1) - row["cpu_s"]) < 1e-9
     assert rows["ray"]["reloads"] == 1  # one reload in the engine per sync ...
     assert rows["ray-stopwait"]["reloads"] == rows["ray-stopwait"]["buckets"]  # ... flushing each bucket: one each
     assert rows["ray"]["target"] == 1.1 and rows["ray"]["verdict"] in ("PASS", "MISS")

@@ -41,6 +41,13 @@ the warm-up and each number below is the best of the others.
                 ``ray-stopwait``.
     other_s     sync_s - gather_s - send_s: the barrier, Ray's calls and noise; negative with PP,
                 where the stages gather and send concurrently, so the parts overlap.
+    cpu_s       core-seconds the whole machine was busy during the sync (/proc/stat: every process,
+                trainer ranks, Ray and the engine; on a quiet machine, the sync's own work). ``cores``
+                is cpu_s / sync_s, the cores it kept busy on average: near the machine's count, the
+                sync is bound by CPU work and overlapping its parts cannot shorten it, only less work
+                can; ``floor`` = cpu_s / the machine's cores / reload_s is the ratio this much work
+                allows at best. ``gather_cpu_s`` and ``reload_cpu_s`` are the same for the gather alone and
+                for the engine's own reload.
 
 ``--transports`` (default ``ray,ray-stopwait``): ``ray`` is rlmega.sync.transports.RayTransport as
 production uses it (each tensor's own bytes through the object store, pipelined: the engine takes
@@ -251,6 +258,12 @@ def object_store_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> dict
     return out
 
 
+def busy_core_seconds() -> float:
+    """Core-seconds the machine has been busy since boot (/proc/stat, all CPUs): not idle, not iowait."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def _read_logs(log_dir: Path) -> list[dict]:
     rows = []
     for f in log_dir.glob("*.jsonl"):
@@ -288,14 +301,22 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
         versions = iter(range(1, 1_000_000))
 
         def sync(transport):
+            cpu0 = busy_core_seconds()
             sent = group.call("sync_model_to_rollout", transport, next(versions), bucket_bytes)
+            sent[0]["cpu_s"] = busy_core_seconds() - cpu0  # (the call's tail after the ranks return: ~ms)
             return max(r["seconds"] for r in sent), sent
+
+        def reload():
+            cpu0 = busy_core_seconds()
+            seconds = ray.get(engine.time_reload.remote())
+            return seconds, busy_core_seconds() - cpu0
 
         null = DirectTransport([NullEngine()])
         transports = {kind: make_transport(kind, [engine], str(log_dir)) for kind in args.transports}
         gathers, reloads, runs = [], [], {kind: [] for kind in transports}
         for i in range(args.repeats + 1):
-            gathers.append(sync(null)[0])
+            seconds, sent = sync(null)
+            gathers.append((seconds, sent[0]["cpu_s"]))
             # Alternate the transports' order between rounds: neither always runs just after the gather.
             for kind in (list(transports) if i % 2 == 0 else list(transports)[::-1]):
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())  # drop anything stale
@@ -310,8 +331,9 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
                 runs[kind].append({"seconds": seconds, "sent": sent, "sends": _read_logs(log_dir),
                                    "engine": ray.get(engine.take_timings.remote()),
                                    "reloads": ray.get(engine.weight_reloads.remote()) - reloads_before})
-            reloads.append(ray.get(engine.time_reload.remote()))
-        gathers, reloads = gathers[1:], reloads[1:]
+            reloads.append(reload())
+        gather_cpus, gathers = [c for _, c in gathers[1:]], [s for s, _ in gathers[1:]]
+        reload_cpus, reloads = [c for _, c in reloads[1:]], [s for s, _ in reloads[1:]]
         gather_s, reload_s = min(gathers), min(reloads)
         for kind, transport in transports.items():
             kruns = runs[kind][1:]
@@ -333,6 +355,10 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
                 "gather_s": gather_s, "gather_runs_s": gathers,
                 **split,  # send_s, put_s, wait_s of the slowest sender; engine_s
                 "other_s": best["seconds"] - gather_s - split["send_s"],
+                "cpu_s": best["sent"][0]["cpu_s"], "cores": best["sent"][0]["cpu_s"] / best["seconds"],
+                "floor": best["sent"][0]["cpu_s"] / (os.cpu_count() or 1) / reload_s,
+                "reload_cpu_s": reload_cpus[reloads.index(reload_s)],
+                "gather_cpu_s": gather_cpus[gathers.index(gather_s)],
             })
             if args.profile_engine:  # one more sync, untimed: the profile slows it down
                 ray.get(engine.use_slots.remote(kind != "ray-files"))
@@ -503,7 +529,10 @@ def report(res: dict) -> None:
               f"{r['senders']} sender(s), {r['reloads']} engine reload(s); of sync_s: gather {r['gather_s'] / s:.0%}, put {r['put_s'] / s:.0%}, "
               f"waiting for the engine {r['wait_s'] / s:.0%}; engine busy {r['engine_s'] / s:.0%} "
               f"(its one-call reload: {r['reload_s'] / s:.0%}); per-round ratios "
-              f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} (median {r['median_round_ratio']:.2f})")
+              f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} (median {r['median_round_ratio']:.2f}); "
+              f"machine busy {r['cpu_s']:.3f} core-s = {r['cores']:.2f} of {os.cpu_count()} cores (ratio "
+              f"floor at this work {r['floor']:.2f}; the gather alone {r['gather_cpu_s']:.3f} core-s, the "
+              f"reload alone {r['reload_cpu_s']:.3f})")
     os_ = res["object_store"]
     print(f"\nobject store, the whole HF state dict as one bucket, in this process: as torch tensors put "
           f"{os_['torch']['put_s']:.3f}s get {os_['torch']['get_s']:.3f}s; as numpy arrays put "
