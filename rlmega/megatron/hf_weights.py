@@ -125,10 +125,15 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelSha
 
 
 def _split_qkv(fused: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    return [t.reshape(-1, *fused.shape[1:]) for t in _qkv_views(fused, shape)]
+
+
+def _qkv_views(fused: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    """q, k, v of a fused [groups * (q_per_group + 2) * head_dim, *rest] tensor (all its KV groups, or
+    one TP shard's), as views of shape [groups, rows_per_group, *rest]."""
     g, d = shape.num_kv_heads, shape.head_dim
     rest = fused.shape[1:]
-    q, k, v = fused.reshape(g, -1, *rest).split([shape.num_heads // g * d, d, d], dim=1)
-    return [t.reshape(-1, *rest) for t in (q, k, v)]
+    return list(fused.reshape(-1, (shape.num_heads // g + 2) * d, *rest).split([shape.num_heads // g * d, d, d], dim=1))
 
 
 def to_megatron_shard(mcore_name: str, get_hf: Callable[[str], torch.Tensor], shape: ModelShape,
@@ -170,7 +175,13 @@ def from_megatron_shards(mcore_name: str, shards: list[torch.Tensor], shape: Mod
     if kind == "split_dim1":
         return {names[0]: _cat(shards, dim=1)}
     if kind == "qkv":
-        return dict(zip(names, _split_qkv(_cat(shards, dim=0), shape)))
+        if len(shards) == 1:
+            return dict(zip(names, _split_qkv(shards[0], shape)))
+        # each shard holds whole KV groups: split it, then one cat per q/k/v (one copy, not a cat of
+        # the shards followed by a copying reshape of each strided part)
+        parts = [_qkv_views(s, shape) for s in shards]
+        rest = shards[0].shape[1:]
+        return {n: torch.cat([p[i] for p in parts], dim=0).reshape(-1, *rest) for i, n in enumerate(names)}
     if kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         return {names[0]: _cat([h[0] for h in halves]), names[1]: _cat([h[1] for h in halves])}

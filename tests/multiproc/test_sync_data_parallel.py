@@ -42,9 +42,11 @@ def _sync_body(path):
     actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(2, 1, None, 4), OptimizerConfig(),
                           ActorConfig(), AlgorithmConfig())
     actor.setup(with_reference=False)
-    # Count this rank's TP gathers during the sync only: hf_io gathers a sync's shards to the sender
-    # (dist.gather), all-gathering only what every rank needs (experts under EP > 1: none here).
-    calls, real = [], {"all_gather": dist.all_gather, "gather": dist.gather}
+    # Count this rank's TP collectives during the sync only: hf_io gathers a sync's shards to the
+    # sender (the others dist.send, it dist.irecv's), all-gathering only what every rank needs
+    # (experts under EP > 1: none here).
+    kinds = ("all_gather", "gather", "send", "irecv")
+    calls, real = [], {kind: getattr(dist, kind) for kind in kinds}
 
     def counting(kind):
         def call(*args, **kwargs):
@@ -53,14 +55,15 @@ def _sync_body(path):
         return call
 
     engine = RecordingEngine()
-    dist.all_gather, dist.gather = counting("all_gather"), counting("gather")
+    for kind in kinds:
+        setattr(dist, kind, counting(kind))
     try:
         sent = actor.sync_model_to_rollout(DirectTransport([engine]), 7, bucket_bytes=64 << 10)
     finally:
-        dist.all_gather, dist.gather = real["all_gather"], real["gather"]
-    out = {"dp": data_parallel_rank_and_size()[0], "tp": tensor_parallel_rank(), "gathers": calls.count("gather"),
-           "all_gathers": calls.count("all_gather"), "sent": sent, "received": engine.tensors,
-           "versions": set(engine.versions)}
+        for kind in kinds:
+            setattr(dist, kind, real[kind])
+    out = {"dp": data_parallel_rank_and_size()[0], "tp": tensor_parallel_rank(), "sent": sent,
+           **{kind: calls.count(kind) for kind in kinds}, "received": engine.tensors, "versions": set(engine.versions)}
     actor.teardown()
     return out
 
@@ -70,11 +73,15 @@ def test_only_replica_0_gathers_and_the_engine_gets_exact_weights(hf_model):
     hf = load_file(f"{hf_model}/model.safetensors")
     by_place = {(r["dp"], r["tp"]): r for r in ranks}
     assert sorted(by_place) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # to the sender only: TP 1 sends each TP-split parameter's shard, TP 0 receives them; nothing else
+    shards = by_place[(0, 1)]["send"]
+    assert shards > 0 and by_place[(0, 0)]["irecv"] == shards and by_place[(0, 0)]["send"] == by_place[(0, 1)]["irecv"] == 0
     for tp in (0, 1):
         replica0, replica1 = by_place[(0, tp)], by_place[(1, tp)]
-        assert replica0["gathers"] > 0 and replica0["all_gathers"] == 0  # to the sender only
+        assert replica0["gather"] == replica0["all_gather"] == 0
         # DP 1 holds the same weights: it must not repeat the TP gathers (nor anything else but the barrier).
-        assert replica1["gathers"] == replica1["all_gathers"] == 0, f"DP 1, TP {tp} gathered: {replica1}"
+        assert replica1["send"] == replica1["irecv"] == replica1["gather"] == replica1["all_gather"] == 0, \
+            f"DP 1, TP {tp} gathered: {replica1}"
         assert replica1["sent"]["gathered"] == 0 and replica1["sent"]["tensors"] == 0 and not replica1["received"]
     # TP 1 sends its shards to TP 0 and builds no full tensor; TP 0 builds every one and sends them.
     assert by_place[(0, 1)]["sent"]["gathered"] == by_place[(0, 1)]["sent"]["tensors"] == 0
