@@ -142,8 +142,8 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False) -> 
     copy of the head is skipped: HF stores the embedding once.
 
     ``to_first``: only the first rank of each TP group wants the tensors (a weight sync's sender):
-    the shards are gathered to it alone (``dist.gather``: the others send theirs and build nothing),
-    and the other ranks yield nothing. Experts under EP > 1 are still all-gathered over TP (the EP
+    the shards are gathered to it alone (``_gather_to_first``: the others send theirs and build
+    nothing), and the other ranks yield nothing. Experts under EP > 1 are still all-gathered over TP (the EP
     gather needs the full tensor on every rank) but yielded on the first rank only.
     """
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
