@@ -50,6 +50,7 @@ from rlmega.megatron.hf_io import iter_hf_buckets
 from rlmega.megatron.model_manager import PHASE_KINDS, MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
                                     tensor_parallel_rank)
+from rlmega.sync.pieces import Piece
 
 
 class MegatronActor(Actor):
@@ -358,25 +359,32 @@ class MegatronActor(Actor):
     def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
         """Stream the policy's weights, in HF names and layout, to the rollout engines.
 
-        Collective: every rank calls it. In data-parallel replica 0, each pipeline stage gathers its
-        TP shards one parameter at a time (no rank ever holds the whole model) and its TP rank 0
-        sends size-bounded buckets through ``transport``, then flushes it (every bucket loaded).
+        Collective: every rank calls it. In data-parallel replica 0, every TP rank of each pipeline
+        stage sends its own blocks of the HF tensors (rlmega/sync/pieces.py; replicated tensors from
+        TP rank 0) in size-bounded buckets through ``transport``, then flushes it (every bucket
+        loaded): nobody gathers, and the engine side places the blocks. A transport that cannot take
+        pieces (``takes_pieces`` false: CUDA IPC) gets whole tensors instead: the stage's TP shards
+        are gathered to TP rank 0 one parameter at a time (no rank ever holds the whole model), and
+        it alone sends.
         The other replicas hold the same weights and skip the gathers: a TP group lies within one
-        replica and the gathers are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors),
+        replica and the gathers, if any, are its only collectives (rlmega.megatron.hf_io.iter_hf_tensors),
         except at expert parallelism > 1, where every rank gathers (an EP group spans DP ranks; with
         DP > EP the EP groups other than the sender's gather for nothing: a known cost, docs/moe.md).
         Every rank meets at the closing barrier. Returns what this rank did: ``gathered`` HF tensors
-        it built (the senders alone: the other TP ranks only send their shards to them; 0 outside
-        replica 0), and sent bytes, tensors, buckets, the (name, shape) list, and seconds.
+        or pieces it built (0 outside replica 0; without pieces, TP rank 0 alone: the other TP ranks
+        only send their shards to it), and sent bytes, tensors (a piece counts as one), buckets, the
+        (name, shape) list (a piece: its HF tensor's whole shape, so every TP rank lists it), and seconds.
         """
         tp_rank, dp_rank = tensor_parallel_rank(), data_parallel_rank_and_size()[0]
-        sender = tp_rank == 0 and dp_rank == 0
+        pieces = getattr(transport, "takes_pieces", False)
+        sender = dp_rank == 0 and (tp_rank == 0 or pieces)
         start = time.perf_counter()
         sent = {"gathered": 0, "bytes": 0, "tensors": 0, "buckets": 0, "names_and_shapes": []}
         # Expert parallelism splits the experts over data-parallel ranks: replica 0's expert gathers
         # need every EP rank, so with EP > 1 every rank iterates (the dense gathers stay per TP group).
         if dp_rank == 0 or self.policy.transformer_config.expert_model_parallel_size > 1:
-            for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes, to_first=True):
+            for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes, to_first=True,
+                                          pieces=pieces):
                 sent["gathered"] += len(bucket)
                 if not sender:
                     continue  # replica > 0 under EP: it only took part in the expert gathers
@@ -384,8 +392,8 @@ class MegatronActor(Actor):
                 sent["buckets"] += 1
                 for name, t in bucket:
                     sent["tensors"] += 1
-                    sent["bytes"] += t.numel() * t.element_size()
-                    sent["names_and_shapes"].append((name, tuple(t.shape)))
+                    sent["bytes"] += t.nbytes  # (a piece's: its block's)
+                    sent["names_and_shapes"].append((name, tuple(t.full_shape if isinstance(t, Piece) else t.shape)))
             if sender:
                 transport.flush()  # a pipelined transport may still be loading the last buckets
         barrier()  # every stage's buckets are loaded when any rank returns

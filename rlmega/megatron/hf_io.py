@@ -25,8 +25,9 @@ from safetensors.torch import save_file
 from megatron.core import parallel_state as ps
 
 from rlmega.megatron.hf_config import ModelShape
-from rlmega.megatron.hf_weights import (expert_index, from_megatron_shards, rule, to_megatron_shard,
+from rlmega.megatron.hf_weights import (expert_index, from_megatron_shards, hf_pieces, rule, to_megatron_shard,
                                         with_expert_index)
+from rlmega.sync.pieces import Piece
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -132,7 +133,8 @@ def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None =
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False,
+                    pieces: bool = False) -> Iterator[tuple[str, torch.Tensor | Piece]]:
     """HF-named full tensors of this rank's pipeline stage, one Megatron parameter at a time.
 
     Collective over the stage's TP group (and, for MoE, its expert-TP and expert-parallel groups):
@@ -145,6 +147,10 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False) -> 
     the shards are gathered to it alone (``_gather_to_first``: the others send theirs and build
     nothing), and the other ranks yield nothing. Experts under EP > 1 are still all-gathered over TP (the EP
     gather needs the full tensor on every rank) but yielded on the first rank only.
+
+    ``pieces`` (with ``to_first``): no gather of dense TP-split parameters: every rank of the group
+    yields its own block of each HF tensor (``hf_pieces``: rlmega/sync/pieces.py), which the receiver
+    places; replicated ones come whole from the first rank. Experts under EP > 1 as above.
     """
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
@@ -157,7 +163,11 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False) -> 
                 if expert is not None else (tp_group, tp)
             dense = expert is None or ps.get_expert_model_parallel_world_size() == 1
             mine = not to_first or size == 1 or dist.get_rank(group=group) == 0
-            if getattr(param, "tensor_model_parallel", False) and size > 1:
+            split = getattr(param, "tensor_model_parallel", False) and size > 1
+            if split and to_first and pieces and dense:
+                yield from hf_pieces(name, param.data, shape, dist.get_rank(group=group), size).items()
+                continue
+            if split:
                 if to_first and dense:
                     shards = _gather_to_first(param.data.contiguous(), group, size, mine)
                 else:
@@ -214,12 +224,12 @@ def _cat_shards(name: str, shards: list[torch.Tensor], shape: ModelShape) -> tor
     return hf[names[0]].contiguous()
 
 
-def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int,
-                    to_first: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int, to_first: bool = False,
+                    pieces: bool = False) -> Iterator[list[tuple[str, torch.Tensor | Piece]]]:
     """``iter_hf_tensors`` grouped into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
     bucket, size = [], 0
-    for name, value in iter_hf_tensors(chunks, shape, to_first):
-        nbytes = value.numel() * value.element_size()
+    for name, value in iter_hf_tensors(chunks, shape, to_first, pieces):
+        nbytes = value.nbytes
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0

@@ -29,6 +29,7 @@ import torch
 from rlmega.config.hf_support import MOE_HF_NAMES  # the per-family HF names of the router and experts
 from rlmega.config.value_model import VALUE_HEAD
 from rlmega.megatron.hf_config import ModelShape
+from rlmega.sync.pieces import Piece
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Expert parameters, both spec forms: (fc1|fc2, expert index).
@@ -134,6 +135,43 @@ def _qkv_views(fused: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
     g, d = shape.num_kv_heads, shape.head_dim
     rest = fused.shape[1:]
     return list(fused.reshape(-1, (shape.num_heads // g + 2) * d, *rest).split([shape.num_heads // g * d, d, d], dim=1))
+
+
+def hf_pieces(mcore_name: str, shard: torch.Tensor, shape: ModelShape, tp_rank: int,
+              tp_size: int) -> dict[str, Piece | torch.Tensor]:
+    """What TP rank ``tp_rank`` sends of one Megatron parameter, without a gather: its block of each HF
+    tensor (rlmega/sync/pieces.py), or for a replicated parameter the whole tensor from rank 0 alone.
+
+    The blocks of all ranks tile each HF tensor exactly (``from_megatron_shards`` of all the shards):
+    q/k/v and gate/up rows, o/down columns, vocabulary rows (the padding rows past the vocabulary
+    dropped: a rank holding only padding sends an empty block, so every tensor gets ``tp_size`` pieces).
+    """
+    kind, names = rule(mcore_name, shape)
+    if kind == "replicated" or tp_size == 1:
+        if tp_rank:
+            return {}
+        return from_megatron_shards(mcore_name, [shard], shape)
+
+    def rows(t: torch.Tensor, total: int) -> Piece:  # rank tp_rank's equal block of ``total`` rows
+        return Piece(t.contiguous(), (total, *t.shape[1:]), 0, tp_rank * t.shape[0], tp_size)
+
+    if kind == "split_dim1":
+        cols = shard.shape[1]
+        return {names[0]: Piece(shard.contiguous(), (shard.shape[0], cols * tp_size), 1, tp_rank * cols, tp_size)}
+    if kind == "qkv":
+        rest = shard.shape[1:]
+        q, k, v = (t.reshape(-1, *rest) for t in _qkv_views(shard, shape))  # (copies: strided rows)
+        d = shape.head_dim
+        return {names[0]: rows(q, shape.num_heads * d), names[1]: rows(k, shape.num_kv_heads * d),
+                names[2]: rows(v, shape.num_kv_heads * d)}
+    if kind == "gate_up":
+        gate, up = shard.chunk(2, dim=0)
+        return {names[0]: rows(gate, gate.shape[0] * tp_size), names[1]: rows(up, up.shape[0] * tp_size)}
+    if kind == "vocab":
+        start = min(tp_rank * shard.shape[0], shape.vocab_size)
+        mine = shard[:min(shard.shape[0], shape.vocab_size - start)]
+        return {names[0]: Piece(mine.contiguous(), (shape.vocab_size, *shard.shape[1:]), 0, start, tp_size)}
+    raise AssertionError(kind)
 
 
 def to_megatron_shard(mcore_name: str, get_hf: Callable[[str], torch.Tensor], shape: ModelShape,

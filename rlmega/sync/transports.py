@@ -13,7 +13,9 @@ buckets from one sender rank per stage and hands each bucket to a transport:
 A transport is picklable (it travels to the trainer ranks; each rank's copy is its own sender) and
 has two methods: ``send(bucket, version)`` hands a bucket over (it may return before the engines
 have loaded it), and ``flush()`` returns once every engine has loaded everything sent, or raises
-naming the engine that failed. The sender calls ``flush()`` before the sync's closing barrier.
+naming the engine that failed. ``takes_pieces`` says whether a bucket may hold Pieces (each TP
+rank's block of an HF tensor, rlmega/sync/pieces.py), which the engine side places: then every TP
+rank sends and nobody gathers. The sender calls ``flush()`` before the sync's closing barrier.
 
 The engine side (RolloutWorker) is ``receive_weights(bucket, version, sender)`` per bucket and
 ``finish_weights(version, sender)`` at the flush: the engine loads a sync's buckets in ONE vLLM
@@ -30,15 +32,20 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from rlmega.sync.pieces import Piece
+
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def _tensors_from_bytes(names, arrays, dtypes, shapes) -> Bucket:
-    """Where a bucket is read (the engine): tensors over the object store's memory, no copy."""
+def _tensors_from_bytes(names, arrays, dtypes, shapes, places=None) -> Bucket:
+    """Where a bucket is read (the engine): tensors over the object store's memory, no copy; a piece's
+    block (``places``: its (full_shape, dim, start, of), None for a whole tensor) as a Piece."""
     with warnings.catch_warnings():
         # "The given NumPy array is not writable": the engine's weight loaders only read them.
         warnings.simplefilter("ignore", UserWarning)
-        return [(n, torch.from_numpy(a).view(dt).reshape(sh)) for n, a, dt, sh in zip(names, arrays, dtypes, shapes)]
+        tensors = [torch.from_numpy(a).view(dt).reshape(sh) for a, dt, sh in zip(arrays, dtypes, shapes)]
+    return [(n, t if place is None else Piece(t, *place))
+            for n, t, place in zip(names, tensors, places or [None] * len(tensors))]
 
 
 class _ByteView:
@@ -83,9 +90,11 @@ class _RawBucket:
         self.bucket = bucket
 
     def __reduce__(self):
-        ts = [t.detach().cpu().contiguous() for _, t in self.bucket]
+        ts = [(t.tensor if isinstance(t, Piece) else t).detach().cpu().contiguous() for _, t in self.bucket]
+        places = [(p.full_shape, p.dim, p.start, p.of) if isinstance(p, Piece) else None for _, p in self.bucket]
         return _tensors_from_bytes, ([n for n, _ in self.bucket], [byte_array(t) for t in ts],
-                                     [t.dtype for t in ts], [tuple(t.shape) for t in ts])
+                                     [t.dtype for t in ts], [tuple(t.shape) for t in ts],
+                                     places if any(places) else None)
 
 
 class _Sender:
@@ -107,6 +116,8 @@ class _Sender:
 
 
 class DirectTransport(_Sender):
+    takes_pieces = True  # the engines place each TP rank's blocks (rlmega/sync/pieces.py)
+
     def __init__(self, engines: Sequence):
         self.engines = list(engines)
         self._version: int | None = None
@@ -141,6 +152,8 @@ class RayTransport(_Sender):
     until its last piece arrives, so no order exposes a half-loaded layer. ``flush`` waits for the
     reload. The engines do not retry tasks (a retried bucket would load twice).
     """
+
+    takes_pieces = True  # the engines place each TP rank's blocks (rlmega/sync/pieces.py)
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         if max_in_flight < 1:
@@ -195,8 +208,11 @@ class CudaIpcTransport(RayTransport):
     no copy through host memory. The sent tensors are held here until ``flush`` has returned.
 
     Not yet run on a GPU (TODO(gpu), see cuda_ipc.py); selected nowhere. Raises at ``send`` without
-    CUDA or for host tensors.
+    CUDA or for host tensors. It takes whole tensors only: the engine's worker, not the RolloutWorker,
+    opens the handles, so there is no place to assemble pieces before the reload.
     """
+
+    takes_pieces = False
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         super().__init__(engines, timeout_s, max_in_flight)

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from rlmega.sync.cuda_ipc import IpcTensor
+from rlmega.sync.pieces import Assembled
 from rlmega.sync.transports import byte_array
 
 SHM = "/dev/shm"
@@ -83,7 +84,7 @@ def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.
         for t, off in parts:
             if t.nbytes:
                 f.seek(start + off)
-                f.write(byte_array(t))
+                f.write(byte_array(t.tensor() if isinstance(t, Assembled) else t))
 
     hand_over(directory, f"{seq:08d}.bin", write, ranks)
     return sum(t.nbytes for t, _ in parts)
@@ -96,8 +97,9 @@ def is_ipc(named_tensors: list) -> bool:
 
 def layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int, list[tuple[torch.Tensor, int]], int]:
     """A bucket in this module's format: (its first bytes: header length and header, where the data
-    starts, [(tensor on the CPU, contiguous; its offset from the data's start)], the bucket's size)."""
-    tensors = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+    starts, [(tensor on the CPU, contiguous, or an Assembled one; its offset from the data's start)],
+    the bucket's size)."""
+    tensors = [(n, t if isinstance(t, Assembled) else t.detach().to("cpu").contiguous()) for n, t in named_tensors]
     header, offset = [], 0
     for name, t in tensors:
         header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, t.nbytes])

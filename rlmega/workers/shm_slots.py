@@ -42,6 +42,7 @@ import warnings
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from rlmega.sync.pieces import Assembled
 from rlmega.workers import bucket_files
 
 # Enough for a few buckets of a few tens of MB in flight and a few held to the reload's end, and for a
@@ -105,7 +106,9 @@ class SlotPool:
         try:
             slot.data[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
             for t, off in parts:
-                if t.nbytes:
+                if isinstance(t, Assembled):  # TP ranks' blocks, each copied to its place: no copy of its own
+                    t.write_into(slot.data[start + off:start + off + t.nbytes])
+                elif t.nbytes:
                     slot.data[start + off:start + off + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
             # (before the links: a rank that got its ticket holds the slot even if linking the next fails)
             slot.tickets = [os.path.join(directory, str(r), name) for r in ranks]

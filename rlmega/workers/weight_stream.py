@@ -11,10 +11,11 @@ the sync has finished, waits for the reload, resets the prefix cache, and only t
 version and lets requests through (they wait while a stream is open: they would run on the new
 weights labelled with the old version).
 
-Senders: a sync may have several at once (one per pipeline stage, each its own transport; one-shot
-``update_weights`` calls from many threads), each a key. The stream stays open until every sender
-that sent into it has finished; a sender whose first bucket comes after the others all finished
-opens a second reload: correct, only slower.
+Senders: a sync may have several at once (one per pipeline stage and TP rank, each its own transport;
+one-shot ``update_weights`` calls from many threads), each a key. The stream stays open until every
+sender that sent into it has finished and no tensor waits for other TP ranks' pieces (so a TP rank
+whose first bucket comes late still lands in it); a sender whose first bucket comes after the others
+all finished opens a second reload: correct, only slower.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from rlmega.sync.pieces import Assembler
 from rlmega.workers import bucket_files
 from rlmega.workers.fused_layers import FusedLayers
 from rlmega.workers.shm_slots import SlotPool
@@ -60,6 +62,7 @@ class WeightStream:
         self._open: _Sync | None = None
         self._by_sender: dict[Any, _Sync] = {}
         self.slots = SlotPool(FILE_BYTES)  # shared memory the buckets go through, kept across syncs
+        self.pieces = Assembler()  # TP ranks' blocks of a tensor, held until all have come (rlmega/sync/pieces.py)
         self.reloads = 0  # reloads the engine has finished (one per sync)
         self.last_load: list[dict] = []  # what each model worker's rlmega_load_stream returned, last sync
         # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
@@ -67,17 +70,23 @@ class WeightStream:
         self.loaded.set()
 
     def check_ready(self) -> None:
-        """Raise if a fused layer waits for its other tensors and no sync is loading (that sync
-        ended without them). While one is, a request waits for its end instead (generation.py)."""
+        """Raise if a fused layer waits for its other tensors, or a tensor for its other TP ranks'
+        pieces, and no sync is loading (that sync ended without them). While one is, a request waits
+        for its end instead (generation.py)."""
         if self._open is None:
             self.layers.check_none_pending()
+            names = self.pieces.pending()
+            if names:
+                raise RuntimeError(f"{len(names)} weights wait for the pieces of their other TP ranks (e.g. "
+                                   f"{names[:4]}): a sync ended without them (a trainer rank that did not send)")
 
     def receive(self, named_tensors, version: int, sender) -> None:
         """Hand a bucket's whole layers to the engine (returns once written, not loaded)."""
         named_tensors = list(named_tensors)
         if not named_tensors:
             return
-        groups = self.layers.complete(named_tensors)
+        # A bucket whose pieces all wait for other ranks' still joins the sync (its sender is counted).
+        groups = self.layers.complete(self.pieces.add(named_tensors))
         with self._lock:
             sync = self._open
             if sync is None:  # (also for a bucket of held pieces only: its sender is in this sync)
@@ -103,7 +112,8 @@ class WeightStream:
                 self.worker._version = version
                 return
             sync.senders.discard(sender)
-            closing = sync is self._open and not sync.senders
+            # Pieces still waiting: a TP rank's sender has yet to send (or finish); it will, into this sync.
+            closing = sync is self._open and not sync.senders and not self.pieces.pending()
             if closing:
                 self._open = None
                 bucket_files.end(sync.directory)
@@ -148,6 +158,8 @@ class WeightStream:
         self._close(sync)
 
     def _close(self, sync: _Sync) -> None:
+        if sync.error is not None:
+            self.pieces.clear()  # a failed sync's held pieces never complete
         self.slots.end_sync(sync.directory, failed=sync.error is not None)  # (while its tickets are there)
         shutil.rmtree(sync.directory, ignore_errors=True)
         self.worker._loop.call_soon_threadsafe(self.loaded.set)

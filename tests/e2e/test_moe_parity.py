@@ -147,8 +147,11 @@ def _sync(group, engine, path):
     version = next(VERSION)
     sent = group.call("sync_model_to_rollout", RayTransport(engine), version, 64 << 10)
     assert ray.get([e.weight_version.remote() for e in engine]) == [version]
-    hf = {k: tuple(v.shape) for k, v in load_file(f"{path}/model.safetensors").items()}
-    assert sorted(ns for rank in sent for ns in rank["names_and_shapes"]) == sorted(hf.items())
+    tensors = load_file(f"{path}/model.safetensors")
+    hf = {k: tuple(v.shape) for k, v in tensors.items()}
+    # (a dense TP-split tensor is listed by each TP rank, each sending its block: rlmega/sync/pieces.py)
+    assert sorted(set(ns for rank in sent for ns in rank["names_and_shapes"])) == sorted(hf.items())
+    assert sum(rank["bytes"] for rank in sent) == sum(t.nbytes for t in tensors.values())  # nothing twice
     assert ray.get(engine[0].pending_weights.remote()) == []  # no expert held back half-filled
 
 
