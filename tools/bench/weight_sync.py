@@ -25,8 +25,9 @@ the warm-up and each number below is the best of the others.
                 transport ``ray``).
     GB/s        bytes sent (the HF state dict) / sync_s.
     gather_s    the same sync into a no-op sink (DirectTransport to an engine whose receive_weights
-                does nothing): TP gathers, HF re-layout (qkv split, gate/up split, cat) and
-                bucketing alone; nothing serialized or sent.
+                does nothing): the HF re-layout (qkv split, gate/up split) of each TP rank's own
+                blocks (rlmega/sync/pieces.py: no TP gather since 2026-11-27) and bucketing alone;
+                nothing serialized or sent.
     send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
       put_s       ``ray.put``: serializing the buckets into the object store;
       wait_s      waiting for the engine: to take buckets (before putting bucket k+2) and, in
