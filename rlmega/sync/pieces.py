@@ -65,13 +65,18 @@ class Assembled:
 
 
 class Assembler:
-    """Pieces held until all of their tensor's have come, from any bucket, sender or thread."""
+    """Pieces held until all of their tensor's have come, from any bucket, sender or thread.
+
+    Keyed by weights version: a late block of a failed sync's version never completes (nor mixes
+    into) the next sync's tensor.
+    """
 
     def __init__(self):
-        self._held: dict[str, list[Piece]] = {}
+        self._held: dict[tuple[int, str], list[Piece]] = {}
         self._lock = threading.Lock()
+        self.held_bytes = 0  # of the pieces held now (zero-copy views pin their object-store buffers)
 
-    def add(self, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    def add(self, named: list[tuple[str, Any]], version: int) -> list[tuple[str, Any]]:
         """``named`` with its pieces taken out; the tensors they complete added as ``Assembled``."""
         out = []
         with self._lock:
@@ -79,22 +84,31 @@ class Assembler:
                 if not isinstance(value, Piece):
                     out.append((name, value))
                     continue
-                held = self._held.setdefault(name, [])
+                held = self._held.setdefault((version, name), [])
                 held.append(value)
+                self.held_bytes += value.nbytes
                 if len(held) == value.of:
-                    del self._held[name]
+                    del self._held[(version, name)]
+                    self.held_bytes -= sum(p.nbytes for p in held)
                     out.append((name, _checked(name, held)))
         return out
 
-    def pending(self) -> list[str]:
-        """Names of tensors some of whose pieces have come, not all."""
+    def pending(self, version: int | None = None) -> list[str]:
+        """Names of tensors (of weights ``version``, or any) some of whose pieces have come, not all."""
         with self._lock:
-            return sorted(self._held)
+            return sorted(n for v, n in self._held if version is None or v == version)
+
+    def drop_older(self, version: int) -> None:
+        """Drop what is held for versions before ``version`` (their syncs are over)."""
+        with self._lock:
+            for key in [k for k in self._held if k[0] < version]:
+                self.held_bytes -= sum(p.nbytes for p in self._held.pop(key))
 
     def clear(self) -> None:
-        """Drop what is held (its sync failed)."""
+        """Drop what is held (a sync ended: what still waits belongs to none that will finish)."""
         with self._lock:
             self._held.clear()
+            self.held_bytes = 0
 
 
 def _checked(name: str, pieces: list[Piece]) -> Assembled:

@@ -15,7 +15,8 @@ has two methods: ``send(bucket, version)`` hands a bucket over (it may return be
 have loaded it), and ``flush()`` returns once every engine has loaded everything sent, or raises
 naming the engine that failed. ``takes_pieces`` says whether a bucket may hold Pieces (each TP
 rank's block of an HF tensor, rlmega/sync/pieces.py), which the engine side places: then every TP
-rank sends and nobody gathers. The sender calls ``flush()`` before the sync's closing barrier.
+rank sends and nobody gathers, and a sender flushes only after its last bucket (a flush waits for the
+sync's reload, which waits for every TP rank's blocks). The sender calls ``flush()`` before the sync's closing barrier.
 
 The engine side (RolloutWorker) is ``receive_weights(bucket, version, sender)`` per bucket and
 ``finish_weights(version, sender)`` at the flush: the engine loads a sync's buckets in ONE vLLM

@@ -1,19 +1,29 @@
 """Fault injection for tests: wrappers that break one thing on purpose."""
 from __future__ import annotations
 
+import dataclasses
+
+from rlmega.sync.pieces import Piece
+
 
 class CorruptingTransport:
-    """Passes buckets on, but adds ``delta`` to one named tensor in transit."""
+    """Passes buckets on, but adds ``delta`` to one named tensor in transit (to each TP rank's block of
+    it when the inner transport takes pieces, rlmega/sync/pieces.py)."""
 
     def __init__(self, inner, tensor_name: str, delta: float = 0.05):
         self.inner, self.tensor_name, self.delta = inner, tensor_name, delta
+        self.takes_pieces = getattr(inner, "takes_pieces", False)
 
     def send(self, bucket, version: int) -> None:
-        bucket = [(n, t + self.delta if n == self.tensor_name else t) for n, t in bucket]
+        bucket = [(n, _shifted(t, self.delta) if n == self.tensor_name else t) for n, t in bucket]
         self.inner.send(bucket, version)
 
     def flush(self) -> None:
         self.inner.flush()
+
+
+def _shifted(t, delta: float):
+    return dataclasses.replace(t, tensor=t.tensor + delta) if isinstance(t, Piece) else t + delta
 
 
 def skip_weight_sync(version_to_skip: int) -> None:

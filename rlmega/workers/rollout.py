@@ -44,6 +44,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rlmega.sync.pieces import Piece
 from rlmega.workers.engine_errors import engine_died
 from rlmega.workers.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
 from rlmega.workers.engine_routes import EngineRoutes, start_recording
@@ -231,6 +232,10 @@ class RolloutWorker:
         # TODO(gpu): vLLM's weight-transfer API (init_weight_transfer_engine / update_weights over
         # NCCL, vllm/distributed/weight_transfer/) avoids the host round trip on GPU; CudaIpcTransport
         # (rlmega/sync/transports.py) is the same-node design, not yet run on a GPU.
+        named_tensors = list(named_tensors)
+        if any(isinstance(t, Piece) for _, t in named_tensors):
+            raise ValueError("update_weights takes whole tensors; TP ranks' blocks (rlmega/sync/pieces.py) go "
+                             "through receive_weights and finish_weights, one sender per rank, in one sync")
         sender = object()
         self.receive_weights(named_tensors, version, sender)
         self.finish_weights(version, sender)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 # files gave the same sync time as 16 MiB and 64 MiB within noise.
 FILE_BYTES = 32 << 20
 MAX_UNREAD = 2  # files written and not yet read by every model worker; a writer waits for room
+HELD_PIECES_BYTES = 2 << 30  # TP ranks' blocks waiting for the other ranks' (a few 512 MiB buckets' worth)
 IDLE_TIMEOUT_S = 600.0  # the engine ends a stream with no bucket and no end for this long (a dead sender)
 
 
@@ -85,9 +86,10 @@ class WeightStream:
         named_tensors = list(named_tensors)
         if not named_tensors:
             return
-        # A bucket whose pieces all wait for other ranks' still joins the sync (its sender is counted).
-        groups = self.layers.complete(self.pieces.add(named_tensors))
         with self._lock:
+            # Placing the pieces and joining the sync in one step: a finish deciding meanwhile whether the
+            # sync may close sees both (a bucket whose pieces all wait still joins: its sender counts).
+            groups = self.layers.complete(self.pieces.add(named_tensors, version))
             sync = self._open
             if sync is None:  # (also for a bucket of held pieces only: its sender is in this sync)
                 largest = max([sum(t.nbytes for _, t in g) for g in groups], default=0)
@@ -103,6 +105,7 @@ class WeightStream:
             except OSError:  # the sync's directory went with a failed engine call: say why
                 self._raise_if_ended(sync, version)
                 raise
+        self._wait_for_pieces(sync, version)
 
     def finish(self, version: int, sender) -> None:
         """``sender`` has sent everything; returns once what it sent is loaded, with ``version`` set."""
@@ -113,13 +116,14 @@ class WeightStream:
                 return
             sync.senders.discard(sender)
             # Pieces still waiting: a TP rank's sender has yet to send (or finish); it will, into this sync.
-            closing = sync is self._open and not sync.senders and not self.pieces.pending()
+            closing = sync is self._open and not sync.senders and not self.pieces.pending(version)
             if closing:
                 self._open = None
                 bucket_files.end(sync.directory)
         if closing:
             try:
                 self.last_load = self.worker._result(sync.future)
+                self.pieces.drop_older(version)  # (late blocks of a failed sync's version: they never complete)
                 self.reloads += 1
                 self.worker._run(self.worker._engine.reset_prefix_cache())
                 self.worker._version = version
@@ -154,6 +158,10 @@ class WeightStream:
             self._open = None
         exc = sync.future.exception()
         sync.error = exc or RuntimeError("the engine's weight stream ended before the sync did")
+        waiting = self.pieces.pending()
+        if waiting:  # the likely cause: a TP rank that never sent its blocks
+            sync.error = RuntimeError(f"{sync.error} ({len(waiting)} tensors still waited for other TP ranks' "
+                                      f"blocks, e.g. {waiting[:3]}: a trainer rank that did not send?)")
         logger.error("weight stream %s ended early: %r", sync.directory, sync.error)
         self._close(sync)
 
@@ -164,6 +172,17 @@ class WeightStream:
         shutil.rmtree(sync.directory, ignore_errors=True)
         self.worker._loop.call_soon_threadsafe(self.loaded.set)
         sync.done.set()
+
+    def _wait_for_pieces(self, sync: _Sync, version: int) -> None:
+        """Hold this sender while more than HELD_PIECES_BYTES of pieces wait for other TP ranks' (they
+        pin their object-store buffers, outside the transports' two-buckets-in-flight bound); a slower
+        rank's buckets complete them. Ranks send the same tensors in the same order, so the slower
+        rank's next bucket always completes, never adds to, what the faster one left waiting."""
+        nap = 1e-4
+        while not sync.future.done() and self.pieces.held_bytes > HELD_PIECES_BYTES:
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3)
+        self._raise_if_ended(sync, version)
 
     def _wait_for_room(self, sync: _Sync, version: int) -> None:
         nap = 1e-4

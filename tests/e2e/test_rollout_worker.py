@@ -152,6 +152,38 @@ def _engine_body(model_dir: str) -> dict:
         out["unknown_name"] = str(e)
     out["version_after_error"] = w.weight_version()
     out["after_error"] = _as_dicts(w.generate(**probe))
+    # One sync from two TP ranks sending pieces (each tensor's two blocks, rlmega/sync/pieces.py): rank 0
+    # sends all of its blocks and finishes before rank 1 sends anything. Its finish must wait, and rank
+    # 1's late blocks must land in the same one reload. update_weights refuses pieces.
+    from rlmega.sync.pieces import Piece
+
+    def blocks(r):
+        for n, t in original.items():
+            lo, hi = (0, -(-t.shape[0] // 2)) if r == 0 else (-(-t.shape[0] // 2), t.shape[0])
+            yield n, Piece(t[lo:hi].contiguous(), tuple(t.shape), 0, lo, 2)
+
+    w.update_weights([("lm_head.weight", torch.zeros_like(original["lm_head.weight"]))], version=8)
+    reloads, (rank0, rank1) = w.weight_reloads(), (list(blocks(0)), list(blocks(1)))
+
+    def tp_rank(r, parts):
+        for k in range(0, len(parts), 7):
+            w.receive_weights(parts[k:k + 7], 9, sender=f"tp{r}")
+        w.finish_weights(9, f"tp{r}")
+        return time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(tp_rank, 0, rank0)
+        time.sleep(0.5)
+        out["pieces_first_done_early"] = first.done()
+        second_done = tp_rank(1, rank1)
+        out["pieces_first_waited"] = first.result() >= second_done - 1e-3
+    out["pieces_reloads"], out["pieces_version"] = w.weight_reloads() - reloads, w.weight_version()
+    out["restored_by_pieces"] = _as_dicts(w.generate(**probe))
+    try:
+        w.update_weights(rank0[:1], version=10)
+        out["update_weights_pieces"] = "loaded"
+    except ValueError as e:
+        out["update_weights_pieces"] = str(e)
     tm["3_update_weights"] = time.perf_counter() - t
 
     # 3b. serving single requests: many threads at once, abort, stop strings (tests below).
@@ -444,6 +476,11 @@ def test_update_weights_in_place_and_streamed(run):
     # a failed load names itself and leaves the weights as they were
     assert "rollout engine failed to load weights version 7" in run["unknown_name"], run["unknown_name"]
     assert run["version_after_error"] == 6 and strip(run["after_error"]) == strip(run["before"])
+    # TP ranks' pieces: the first rank's finish waits for the late rank's blocks, one reload, exact weights
+    assert not run["pieces_first_done_early"] and run["pieces_first_waited"]
+    assert run["pieces_reloads"] == 1 and run["pieces_version"] == 9
+    assert strip(run["restored_by_pieces"]) == strip(run["before"])
+    assert "update_weights takes whole tensors" in run["update_weights_pieces"], run["update_weights_pieces"]
 
 
 @pytest.mark.timeout(400)

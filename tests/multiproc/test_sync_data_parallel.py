@@ -93,7 +93,7 @@ def test_only_replica_0_sends_and_the_engine_gets_exact_weights(hf_model, pieces
         assert replica1["sent"]["gathered"] == 0 and replica1["sent"]["tensors"] == 0 and not replica1["received"]
     tp0, tp1 = by_place[(0, 0)], by_place[(0, 1)]
     assembler, got = Assembler(), {}
-    for name, value in assembler.add(tp0["received"] + tp1["received"]):  # as the engine's RolloutWorker does
+    for name, value in assembler.add(tp0["received"] + tp1["received"], 7):  # as the engine's RolloutWorker does
         assert name not in got  # each tensor arrives (or completes) once
         got[name] = value.tensor() if isinstance(value, Assembled) else value
     assert assembler.pending() == []

@@ -479,7 +479,7 @@ def test_each_tp_ranks_pieces_tile_the_hf_tensors_exactly(arch, tp):
         else:
             assert all(isinstance(v, Piece) and v.of == tp for s in sent for v in s.values())
         for r in reversed(range(tp)):  # any order
-            for hf_name, value in assembler.add(list(sent[r].items())):
+            for hf_name, value in assembler.add(list(sent[r].items()), 1):
                 whole[hf_name] = value if isinstance(value, torch.Tensor) else value.tensor()
     assert assembler.pending() == [] and sorted(whole) == sorted(hf)
     for key, value in hf.items():

@@ -24,12 +24,25 @@ def test_pieces_complete_in_any_order_into_the_whole_tensor(dim):
     full = torch.randn(6, 10)
     parts = _pieces(full, dim, [2, 5])
     a = Assembler()
-    assert a.add([("w", parts[2]), ("b", torch.ones(3))])[0][0] == "b"  # a whole tensor passes straight on
-    assert a.pending() == ["w"] and a.add([("w", parts[0])]) == []
-    (name, done), = a.add([("w", parts[1])])
+    assert a.add([("w", parts[2]), ("b", torch.ones(3))], 1)[0][0] == "b"  # a whole tensor passes straight on
+    assert a.pending() == ["w"] and a.add([("w", parts[0])], 1) == []
+    (name, done), = a.add([("w", parts[1])], 1)
     assert name == "w" and isinstance(done, Assembled) and a.pending() == []
     assert done.shape == full.shape and done.dtype == full.dtype and done.nbytes == full.nbytes
     assert torch.equal(done.tensor(), full)
+
+
+def test_pieces_of_another_weights_version_never_complete_a_tensor():
+    """A late block of a failed sync (version 1) must not mix into the next sync's tensor (version 2)."""
+    old, new = torch.zeros(4, 2), torch.ones(4, 2)
+    a = Assembler()
+    assert a.add([("w", _pieces(old, 0, [2])[1])], 1) == []  # version 1's rank 1 block, late
+    assert a.add([("w", _pieces(new, 0, [2])[0])], 2) == [] and a.pending(2) == ["w"] == a.pending(1)
+    assert a.held_bytes == old.nbytes // 2 + new.nbytes // 2
+    a.drop_older(2)  # version 2's sync ended: version 1's leftovers go
+    assert a.pending(1) == [] and a.held_bytes == new.nbytes // 2
+    (_, done), = a.add([("w", _pieces(new, 0, [2])[1])], 2)
+    assert torch.equal(done.tensor(), new) and a.held_bytes == 0 and a.pending() == []
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -41,7 +54,7 @@ def test_pieces_that_do_not_tile_the_tensor_are_refused_naming_it(bad, match):
     parts = _pieces(torch.randn(6, 4), 0, [3])
     with pytest.raises(ValueError, match=match) as e:
         Assembler().add([("model.layers.0.mlp.gate_proj.weight", parts[0]),
-                         ("model.layers.0.mlp.gate_proj.weight", bad(parts[1]))])
+                         ("model.layers.0.mlp.gate_proj.weight", bad(parts[1]))], 1)
     assert "gate_proj" in str(e.value)
 
 
@@ -58,7 +71,7 @@ def test_pieces_cross_the_object_stores_pickling_as_pieces():
 def test_a_bucket_with_an_assembled_tensor_reads_back_whole(tmp_path):
     """The file fallback and a slot hold the same bytes the whole tensor would have given."""
     full, norm = torch.randn(5, 8), torch.randn(8)
-    (_, whole), = Assembler().add([("w", p) for p in _pieces(full, 0, [1, 3])])
+    (_, whole), = Assembler().add([("w", p) for p in _pieces(full, 0, [1, 3])], 1)
     head, start, parts, size = bucket_files.layout([("n", norm), ("w", whole)])
     slot = torch.zeros(size, dtype=torch.uint8)
     slot[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)

@@ -111,6 +111,9 @@ def _timed_ray_transport_cls():
         def __init__(self, engines, log_dir: str, stop_and_wait: bool):
             super().__init__(engines)
             self.log_dir, self.stop_and_wait = log_dir, stop_and_wait
+            # Flushing after every bucket waits for the sync's reload, which waits for every TP rank's
+            # blocks of a tensor: with pieces, ranks flushing at different tensors would wait on each other.
+            self.takes_pieces = not stop_and_wait
             self._clock = {"send_s": 0.0, "put_s": 0.0, "wait_s": 0.0}
 
         def _timed(self, key, fn, *args):
