@@ -72,11 +72,12 @@ class Assembler:
     """
 
     def __init__(self):
-        self._held: dict[tuple[int, str], list[Piece]] = {}
+        self._held: dict[tuple[int, str], list[tuple[Piece, Any]]] = {}  # (version, name) -> (piece, sender)s
         self._lock = threading.Lock()
         self.held_bytes = 0  # of the pieces held now (zero-copy views pin their object-store buffers)
+        self._held_by: dict[Any, int] = {}  # the same per sender
 
-    def add(self, named: list[tuple[str, Any]], version: int) -> list[tuple[str, Any]]:
+    def add(self, named: list[tuple[str, Any]], version: int, sender: Any = None) -> list[tuple[str, Any]]:
         """``named`` with its pieces taken out; the tensors they complete added as ``Assembled``."""
         out = []
         with self._lock:
@@ -85,13 +86,27 @@ class Assembler:
                     out.append((name, value))
                     continue
                 held = self._held.setdefault((version, name), [])
-                held.append(value)
-                self.held_bytes += value.nbytes
+                held.append((value, sender))
+                self._count(value, sender, +1)
                 if len(held) == value.of:
                     del self._held[(version, name)]
-                    self.held_bytes -= sum(p.nbytes for p in held)
-                    out.append((name, _checked(name, held)))
+                    for p, by in held:
+                        self._count(p, by, -1)
+                    out.append((name, _checked(name, [p for p, _ in held])))
         return out
+
+    def holds(self, sender: Any) -> int:
+        """Bytes of ``sender``'s pieces still waiting for other ranks'."""
+        with self._lock:
+            return self._held_by.get(sender, 0)
+
+    def _count(self, piece: Piece, sender: Any, sign: int) -> None:
+        self.held_bytes += sign * piece.nbytes
+        left = self._held_by.get(sender, 0) + sign * piece.nbytes
+        if left:
+            self._held_by[sender] = left
+        else:
+            self._held_by.pop(sender, None)
 
     def pending(self, version: int | None = None) -> list[str]:
         """Names of tensors (of weights ``version``, or any) some of whose pieces have come, not all."""
@@ -102,13 +117,15 @@ class Assembler:
         """Drop what is held for versions before ``version`` (their syncs are over)."""
         with self._lock:
             for key in [k for k in self._held if k[0] < version]:
-                self.held_bytes -= sum(p.nbytes for p in self._held.pop(key))
+                for p, by in self._held.pop(key):
+                    self._count(p, by, -1)
 
     def clear(self) -> None:
         """Drop what is held (a sync ended: what still waits belongs to none that will finish)."""
         with self._lock:
             self._held.clear()
             self.held_bytes = 0
+            self._held_by.clear()
 
 
 def _checked(name: str, pieces: list[Piece]) -> Assembled:

@@ -89,7 +89,7 @@ class WeightStream:
         with self._lock:
             # Placing the pieces and joining the sync in one step: a finish deciding meanwhile whether the
             # sync may close sees both (a bucket whose pieces all wait still joins: its sender counts).
-            groups = self.layers.complete(self.pieces.add(named_tensors, version))
+            groups = self.layers.complete(self.pieces.add(named_tensors, version, sender))
             sync = self._open
             if sync is None:  # (also for a bucket of held pieces only: its sender is in this sync)
                 largest = max([sum(t.nbytes for _, t in g) for g in groups], default=0)
@@ -105,7 +105,7 @@ class WeightStream:
             except OSError:  # the sync's directory went with a failed engine call: say why
                 self._raise_if_ended(sync, version)
                 raise
-        self._wait_for_pieces(sync, version)
+        self._wait_for_pieces(sync, version, sender)
 
     def finish(self, version: int, sender) -> None:
         """``sender`` has sent everything; returns once what it sent is loaded, with ``version`` set."""
@@ -173,13 +173,14 @@ class WeightStream:
         self.worker._loop.call_soon_threadsafe(self.loaded.set)
         sync.done.set()
 
-    def _wait_for_pieces(self, sync: _Sync, version: int) -> None:
+    def _wait_for_pieces(self, sync: _Sync, version: int, sender) -> None:
         """Hold this sender while more than HELD_PIECES_BYTES of pieces wait for other TP ranks' (they
-        pin their object-store buffers, outside the transports' two-buckets-in-flight bound); a slower
-        rank's buckets complete them. Ranks send the same tensors in the same order, so the slower
-        rank's next bucket always completes, never adds to, what the faster one left waiting."""
+        pin their object-store buffers, outside the transports' two-buckets-in-flight bound) and some
+        of them are its own. Never a deadlock: ranks send the same tensors in the same order, so the
+        first tensor still waiting misses a rank all of whose pieces are complete; that rank is never
+        held, and its next bucket completes it."""
         nap = 1e-4
-        while not sync.future.done() and self.pieces.held_bytes > HELD_PIECES_BYTES:
+        while not sync.future.done() and self.pieces.held_bytes > HELD_PIECES_BYTES and self.pieces.holds(sender):
             time.sleep(nap)
             nap = min(2 * nap, 2e-3)
         self._raise_if_ended(sync, version)

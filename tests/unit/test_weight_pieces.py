@@ -45,6 +45,23 @@ def test_pieces_of_another_weights_version_never_complete_a_tensor():
     assert torch.equal(done.tensor(), new) and a.held_bytes == 0 and a.pending() == []
 
 
+def test_the_rank_holding_nothing_back_is_never_the_one_told_to_wait():
+    """Back-pressure on held pieces (WeightStream._wait_for_pieces) waits only for senders with pieces
+    held: at TP 3, ranks 0 and 1 ahead by two tensors, rank 2 behind holds nothing and goes on."""
+    tensors = [torch.randn(6, 2) for _ in range(3)]
+    parts = [_pieces(t, 0, [2, 4]) for t in tensors]  # parts[tensor][rank]
+    a = Assembler()
+    for rank in (0, 1):
+        assert a.add([(f"t{i}", parts[i][rank]) for i in range(2)], 1, sender=rank) == []
+    assert a.holds(0) == a.holds(1) == 2 * parts[0][0].nbytes and a.holds(2) == 0
+    (_, done), = a.add([("t0", parts[0][2])], 1, sender=2)  # the behind rank completes the first tensor
+    assert torch.equal(done.tensor(), tensors[0]) and a.holds(2) == 0 and a.holds(0) == parts[0][0].nbytes
+    assert a.add([("t1", parts[1][2]), ("t2", parts[2][2])], 1, sender=2)[0][0] == "t1"
+    assert a.holds(2) == parts[2][2].nbytes and a.held_bytes == parts[2][2].nbytes  # now rank 2 is ahead on t2
+    a.clear()
+    assert a.held_bytes == 0 and a.holds(2) == 0
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda p: Piece(p.tensor, p.full_shape, p.dim, p.start + 1, p.of), "gap or overlap|does not fit"),
     (lambda p: Piece(p.tensor[:, :3], p.full_shape, p.dim, p.start, p.of), "does not fit"),
