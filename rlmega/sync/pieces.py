@@ -144,9 +144,10 @@ def _checked(name: str, pieces: list[Piece]) -> Assembled:
     covered = 0
     for lo, hi in spans:
         if lo != covered:
-            raise ValueError(f"the pieces of {name!r} along dim {first.dim} leave a gap or overlap at {min(lo, covered)} "
-                             f"(blocks {spans} of {first.full_shape[first.dim]})")
+            raise ValueError(f"the pieces of {name!r} along dim {first.dim} leave a gap or overlap at "
+                             f"{min(lo, covered)} (blocks {spans} of {first.full_shape[first.dim]})")
         covered = hi
     if covered != first.full_shape[first.dim]:
-        raise ValueError(f"the pieces of {name!r} cover {covered} of {first.full_shape[first.dim]} along dim {first.dim}")
+        raise ValueError(f"the pieces of {name!r} cover {covered} of {first.full_shape[first.dim]} "
+                         f"along dim {first.dim}")
     return Assembled(name, sorted(pieces, key=lambda p: p.start))

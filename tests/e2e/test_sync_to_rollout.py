@@ -99,7 +99,8 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
         hf = {k: tuple(v.shape) for k, v in load_file(f"{hf_model}/model.safetensors").items()}
         got = [ns for rank in sent for ns in rank["names_and_shapes"]]  # (a TP-split tensor: once per TP rank)
         assert sorted(set(got)) == sorted(hf.items()), f"{name}: names/shapes differ from the HF state dict"
-        assert sum(rank["bytes"] for rank in sent) == sum(v.nbytes for v in load_file(f"{hf_model}/model.safetensors").values())
+        tensors = load_file(f"{hf_model}/model.safetensors").values()
+        assert sum(rank["bytes"] for rank in sent) == sum(v.nbytes for v in tensors)  # each byte sent once
         assert all(rank["buckets"] > 1 for rank in sent if rank["tensors"])  # 64 KiB buckets: streamed
         tp, pp = LAYOUTS[name][:2]
         # no gather: every TP rank of replica 0 sends its own blocks (rlmega/sync/pieces.py)
