@@ -66,6 +66,7 @@ def test_the_rank_holding_nothing_back_is_never_the_one_told_to_wait():
     (lambda p: Piece(p.tensor, p.full_shape, p.dim, p.start + 1, p.of), "gap or overlap|does not fit"),
     (lambda p: Piece(p.tensor[:, :3], p.full_shape, p.dim, p.start, p.of), "does not fit"),
     (lambda p: Piece(p.tensor.double(), p.full_shape, p.dim, p.start, p.of), "disagree"),
+    (lambda p: Piece(p.tensor, p.full_shape, p.dim, 0, p.of), "gap or overlap"),  # both blocks at 0: fits, overlaps
 ])
 def test_pieces_that_do_not_tile_the_tensor_are_refused_naming_it(bad, match):
     parts = _pieces(torch.randn(6, 4), 0, [3])
