@@ -4,6 +4,7 @@
     python tools/bench/megatron_mfu.py --smoke            # CPU or GPU: tiny float32 shape, a few seconds
     python tools/bench/megatron_mfu.py --json runs/bench/mfu.json --seq-len 4096 --micro-batch 1
     python tools/bench/megatron_mfu.py --backend fsdp     # the same shape, data and formula on actor.backend=fsdp
+    python tools/bench/megatron_mfu.py --profile runs/bench/mfu_kernels.txt   # + one profiled step: where it goes
 
 The model is built from an HF config dict in code (``MegatronModelManager(hf_config=...)``, random
 init, no weights), wrapped as training wraps it (Float16Module for bf16, Megatron DDP, the distributed
@@ -105,7 +106,35 @@ def _world_of_one() -> None:
         os.environ.setdefault(k, v)
 
 
-def _megatron_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, steps: int, warmup: int):
+def _timed(step, steps: int, warmup: int, dev: torch.device, profile: str) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones; then, with
+    ``profile``, one more call under torch.profiler, its ops by self time on the device (CPU time
+    on a CPU) written to that file: where the step goes, for the next speed-up."""
+    times = []
+    for i in range(warmup + steps):
+        _sync(dev)
+        start = time.perf_counter()
+        step()
+        _sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        cuda = dev.type == "cuda"
+        with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step()
+            _sync(dev)
+        table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=40, max_name_column_width=90)
+        Path(profile).parent.mkdir(parents=True, exist_ok=True)
+        Path(profile).write_text(f"one step, {dev}\n{table}\n")
+    return times
+
+
+def _megatron_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, steps: int, warmup: int,
+                    profile: str = ""):
     """(parameters, step times after the warm-up, losses, device) of Megatron LM steps on ``tokens``."""
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.lm_step import lm_forward_backward
@@ -120,15 +149,13 @@ def _megatron_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int
                                   OptimizerConfig(lr=1e-5, use_distributed_optimizer=True), hf_config=hf)
         mm.setup_model_and_optimizer(load_weights=False)
         params = sum(p.numel() for c in mm.unwrapped() for p in c.parameters())
-        times, losses = [], []
-        for i in range(warmup + steps):
-            _sync(dev)
-            start = time.perf_counter()
+        losses = []
+
+        def step():
             losses.append(lm_forward_backward(mm.model, tokens, micro_batch))
             mm.optimizer_step()
-            _sync(dev)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+
+        times = _timed(step, steps, warmup, dev, profile)
         del mm
     finally:
         teardown_megatron()
@@ -141,7 +168,8 @@ def fsdp_config(hf: dict) -> dict:
     return {**hf, "model_type": model_type}
 
 
-def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, steps: int, warmup: int):
+def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, steps: int, warmup: int,
+                profile: str = ""):
     """(parameters, step times after the warm-up, losses, device) of FSDP2 LM steps on ``tokens``."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -160,10 +188,9 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
         tokens = tokens.to(dev)
         params = sum(p.numel() for p in mm.model.parameters())
         chunks = tokens.split(micro_batch)
-        times, losses = [], []
-        for i in range(warmup + steps):
-            _sync(dev)
-            start = time.perf_counter()
+        losses = []
+
+        def step():
             total = 0.0
             for k, chunk in enumerate(chunks):
                 mm.before_micro_batch(mm.model, is_last_micro_batch=k == len(chunks) - 1)
@@ -173,9 +200,8 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
                 total += loss.detach()
             mm.optimizer_step()
             losses.append(float(total))
-            _sync(dev)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+
+        times = _timed(step, steps, warmup, dev, profile)
         del mm
     finally:
         if dist.is_initialized():
@@ -184,12 +210,12 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
 
 
 def run(hf: dict, dtype: str, seq_len: int, micro_batch: int, micro_batches: int, steps: int, warmup: int,
-        peak_n: int, peak_repeats: int, backend: str = "megatron") -> dict:
+        peak_n: int, peak_repeats: int, backend: str = "megatron", profile: str = "") -> dict:
     _world_of_one()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, hf["vocab_size"], (micro_batch * micro_batches, seq_len + 1), generator=g)
     steps_fn = {"megatron": _megatron_steps, "fsdp": _fsdp_steps}[backend]
-    params, times, losses, dev = steps_fn(hf, dtype, tokens, micro_batch, steps, warmup)
+    params, times, losses, dev = steps_fn(hf, dtype, tokens, micro_batch, steps, warmup, profile)
     peak_mem = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
     step_s = sorted(times)[len(times) // 2]  # median
     tokens_per_step = micro_batch * micro_batches * seq_len
@@ -222,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peak-n", type=int, default=None, help="matmul size of the peak measurement")
     ap.add_argument("--peak-repeats", type=int, default=5)
     ap.add_argument("--json", default="", help="also write the result here")
+    ap.add_argument("--profile", default="", help="profile one more step; its op table (by self time) goes here")
     a = ap.parse_args(argv)
     if a.smoke:
         hf, dtype, d = TINY, "float32", dict(seq_len=64, micro_batch=2, micro_batches=2, steps=3, warmup=1, peak_n=256)
@@ -234,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(a, k) is not None:
             d[k] = getattr(a, k)
     result = run(hf, dtype, d["seq_len"], d["micro_batch"], d["micro_batches"], d["steps"], d["warmup"],
-                 d["peak_n"], a.peak_repeats, a.backend)
+                 d["peak_n"], a.peak_repeats, a.backend, a.profile)
     print(f"{a.backend} on {result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, {result['tokens_per_s']:.0f} tokens/s, "
           f"{result['achieved_tflops']:.3g} TFLOP/s model; matmul peak {result['matmul_peak_tflops']:.3g} TFLOP/s "
           f"-> MFU {100 * result['mfu_vs_matmul_peak']:.1f}%"
