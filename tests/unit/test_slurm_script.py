@@ -2,8 +2,10 @@
 refuses to run outside a job with a message that says how to submit it. The real runs are in
 tests/e2e/test_slurm.py."""
 import os
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,16 @@ def test_outside_a_job_it_says_how_to_submit():
 def test_missing_hosts_compares_short_names():
     assert missing_hosts(["n1", "n2.cluster", "n3"], ["n1.cluster", "n2"]) == ["n3"]
     assert missing_hosts(["n1"], ["n1"]) == []
+
+
+def test_it_pauses_without_a_sleep_process():
+    """A `sleep` child of the job script was found alive after its cancelled job was gone
+    (tests/e2e/test_slurm.py); the script naps with `read -t` instead, which starts no process."""
+    text = SBATCH.read_text()
+    assert not re.search(r"^[^#]*\bsleep\b", text, re.M), "the script starts a sleep process: use nap"
+    nap = [line for line in text.splitlines() if line.startswith(("exec {nap_fd}", "nap()"))]
+    assert len(nap) == 2, nap
+    start = time.monotonic()
+    out = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(nap) + "\nnap 0.5\nnap 0.5\necho done"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout == "done\n" and 0.9 < time.monotonic() - start < 5, (out, time.monotonic() - start)
