@@ -27,6 +27,7 @@ from typing import List
 
 from rlmega.config import critic_rules
 from rlmega.config.critic_rules import critic_ranks
+from rlmega.config.engine_mode import records_routes
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
 from rlmega.config.model_files import tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
@@ -97,6 +98,21 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     return why and problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
                            "use an architecture vLLM serves (vLLM's supported-models list), e.g. Llama, Qwen2, "
                            "Phi3, Gemma")
+
+
+def _engine_mode(cfg: RLConfig) -> List[str]:
+    """rollout.enforce_eager=false where the engines must run eager (they record MoE routes)."""
+    if cfg.rollout.enforce_eager is not False:
+        return []
+    try:
+        recording = records_routes(cfg)
+    except (OSError, ValueError):  # an unreadable config.json: _model says so
+        return []
+    if not recording:
+        return []
+    return [problem("rollout.enforce_eager", "is false, but the engines record each token's routed experts (a "
+                    "mixture-of-experts model on actor.backend=megatron), and replayed CUDA graphs never call "
+                    "the recording hook", "leave rollout.enforce_eager null (eager for this model) or set it true")]
 
 
 def _reward(cfg: RLConfig) -> List[str]:
@@ -282,7 +298,7 @@ def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
     from rlmega.agents.tasks import task_configs
 
-    out = _model(cfg) + critic_rules.folder_problems(cfg) + _reward(cfg)
+    out = _model(cfg) + _engine_mode(cfg) + critic_rules.folder_problems(cfg) + _reward(cfg)
     for i, t in enumerate(cfg.tasks or task_configs(cfg)):  # each task's prompt files (the data section's)
         f, d = (f"tasks[{i}].data" if cfg.tasks else "data"), t.data
         out += (_data_file(f"{f}.train_path", d.train_path, d.prompt_key, d.label_key, f)

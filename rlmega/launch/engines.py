@@ -4,12 +4,9 @@
 """
 from __future__ import annotations
 
-import json
-import os
-
 import ray
 
-from rlmega.config.hf_support import num_experts
+from rlmega.config.engine_mode import enforce_eager, records_routes
 from rlmega.config.schema import RLConfig
 from rlmega.launch.placement import Slot
 from rlmega.workers.rollout import GENERATION_GROUP, RolloutWorker
@@ -42,29 +39,8 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
             kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
-            record_routes=records_routes(cfg)))
+            record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg)))
     return engines
-
-
-def records_routes(cfg: RLConfig) -> bool:
-    """Whether the engines record each token's routed experts: every mixture-of-experts model trained
-    by the Megatron backend (config.json at model.path names routed experts), whatever
-    ``algorithm.routing_replay`` says. The trainer replays them only under ``rollout`` (R3); under
-    ``none`` and ``trainer`` they are what ``router_mismatch`` (the trainer's live top-k vs the engine's,
-    without replay) is measured against. Never for a dense model: its engines get no capture hooks at
-    all, so a dense run costs nothing. Not for actor.backend=fsdp, which has no routing replay.
-
-    Recording needs an eager engine (CUDA-graph replay never calls the capture hook): RolloutWorker runs
-    eager unless told otherwise, and refuses record_routes with enforce_eager=False.
-    """
-    if cfg.actor.backend != "megatron":
-        return False
-    path = os.path.join(cfg.model.path, "config.json")
-    if not os.path.isfile(path):  # the preflight requires one; without it there is nothing to record
-        return False
-    with open(path) as f:
-        hf = json.load(f)
-    return isinstance(hf, dict) and num_experts(hf) > 0
 
 
 def engine_options(pg, slot: Slot) -> dict:

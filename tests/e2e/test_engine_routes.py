@@ -256,7 +256,7 @@ def test_engines_record_routes_for_every_moe_model_on_megatron(model_dir, tmp_pa
     """router_mismatch (the trainer's live top-k vs the engine's) needs the engine's routes whatever
     routing_replay says; a dense model's engines get no capture hooks; FSDP has no routing replay."""
     from rlmega.config.schema import RLConfig
-    from rlmega.launch.engines import records_routes
+    from rlmega.config.engine_mode import records_routes
 
     dense = make_tiny_model(tmp_path / "dense", arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1,
                             num_layers=1, seed=0)
@@ -269,3 +269,30 @@ def test_engines_record_routes_for_every_moe_model_on_megatron(model_dir, tmp_pa
         assert not records_routes(cfg), replay
     cfg.model.path, cfg.algorithm.routing_replay, cfg.actor.backend = str(model_dir), "none", "fsdp"
     assert not records_routes(cfg)
+
+
+def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
+    """rollout.enforce_eager null: eager on CPU and for a MoE model's route-recording engines, CUDA graphs
+    on CUDA otherwise; a value set wins, and false is refused by the preflight where routes are recorded."""
+    from rlmega.config.engine_mode import enforce_eager
+    from rlmega.config.preflight import _engine_mode
+    from rlmega.config.schema import RLConfig
+
+    dense = make_tiny_model(tmp_path / "dense", arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1,
+                            num_layers=1, seed=0)
+    cfg = RLConfig()
+    cfg.actor.backend, cfg.model.path = "megatron", str(dense)
+    assert enforce_eager(cfg)  # cpu
+    cfg.rollout.device = "cuda"
+    assert not enforce_eager(cfg)
+    cfg.model.path = str(model_dir)  # MoE: the engines record routes
+    assert enforce_eager(cfg) and _engine_mode(cfg) == []
+    cfg.rollout.enforce_eager = False
+    [why] = _engine_mode(cfg)
+    assert "rollout.enforce_eager" in why and "routed experts" in why, why
+    cfg.model.path = str(dense)
+    assert not enforce_eager(cfg) and _engine_mode(cfg) == []
+    cfg.rollout.device, cfg.rollout.enforce_eager = "cpu", False
+    assert not enforce_eager(cfg)  # a value set wins, on CPU too
+    cfg.rollout.device, cfg.rollout.enforce_eager = "cuda", True
+    assert enforce_eager(cfg)
