@@ -8,7 +8,7 @@ buckets from one sender rank per stage and hands each bucket to a transport:
                                      once, as raw bytes, and every engine reads it from there
                                      (zero-copy on a node)
     CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
-                                     through the host (not yet run on a GPU; selected nowhere)
+                                     through the host (its records ran on one GPU; selected nowhere yet)
 
 A transport is picklable (it travels to the trainer ranks; each rank's copy is its own sender) and
 has two methods: ``send(bucket, version)`` hands a bucket over (it may return before the engines
@@ -208,9 +208,11 @@ class CudaIpcTransport(RayTransport):
     (rlmega/sync/cuda_ipc.py) instead of their bytes, and load them in the sync's one reload, with
     no copy through host memory. The sent tensors are held here until ``flush`` has returned.
 
-    Not yet run on a GPU (TODO(gpu), see cuda_ipc.py); selected nowhere. Raises at ``send`` without
-    CUDA or for host tensors. It takes whole tensors only: the engine's worker, not the RolloutWorker,
-    opens the handles, so there is no place to assemble pieces before the reload.
+    Its records have run on one GPU into a real engine (cuda_ipc.py: 0.20 s for a 0.92 GiB sync), not
+    yet through Ray. Selected nowhere: Ray gives each engine only its own GPUs (CUDA_VISIBLE_DEVICES),
+    and a handle opens only where its GPU is visible. Raises at ``send`` without CUDA or for host
+    tensors. It takes whole tensors only: the engine's worker, not the RolloutWorker, opens the
+    handles, so there is no place to assemble pieces before the reload.
     """
 
     takes_pieces = False
