@@ -16,9 +16,11 @@ Run on one GPU (an H200, vLLM 0.26, 2026-11-27; tests/gpu/test_vllm_on_gpu.py): 
 0.92 GiB bf16 model went through a RolloutWorker to the engine's own process, which opened them and
 reloaded a sync in 0.20-0.21 s (0.40 s into a CUDA-graph engine); the first sync of the run, through
 host shared memory, took 1.33 s (slots made included). The engine's log-probs then matched the
-trainer's (mean 0.009 in bf16). TODO(gpu), not run
-yet: processes with different CUDA_VISIBLE_DEVICES (Ray's engines on other GPUs of the node see only
-their own: the UUID lookup below then refuses), and an engine at TP > 1 (each worker maps the whole tensor).
+trainer's (mean 0.009 in bf16).
+
+TODO(gpu), not run yet: processes with different CUDA_VISIBLE_DEVICES (Ray's engines on other GPUs
+of the node see only their own: the UUID lookup below then refuses), and an engine at TP > 1 (each
+worker maps the whole tensor).
 """
 from __future__ import annotations
 
