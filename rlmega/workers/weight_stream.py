@@ -46,8 +46,8 @@ IDLE_TIMEOUT_S = 600.0  # the engine ends a stream with no bucket and no end for
 class _Sync:
     """One open stream: its directory, the engine call loading it, and who sends into it."""
 
-    def __init__(self, directory: str, future):
-        self.directory, self.future = directory, future
+    def __init__(self, directory: str, future, version: int):
+        self.directory, self.future, self.version = directory, future, version
         self.senders: set = set()
         self.seq = itertools.count()
         self.done = threading.Event()  # the reload returned (or failed) and all is cleaned up
@@ -66,6 +66,9 @@ class WeightStream:
         self.pieces = Assembler()  # TP ranks' blocks of a tensor, held until all have come (rlmega/sync/pieces.py)
         self.reloads = 0  # reloads the engine has finished (one per sync)
         self.last_load: list[dict] = []  # what each model worker's rlmega_load_stream returned, last sync
+        # The last failed sync's (version, error): its late buckets (other senders' in flight) are refused,
+        # not loaded in a new stream that no finish would close (generation would wait for its idle timeout).
+        self._failed: tuple[int, BaseException] | None = None
         # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
         self.loaded = asyncio.Event()
         self.loaded.set()
@@ -87,13 +90,15 @@ class WeightStream:
         if not named_tensors:
             return
         with self._lock:
+            if self._open is None:
+                self._refuse_if_failed(version)
             # Placing the pieces and joining the sync in one step: a finish deciding meanwhile whether the
             # sync may close sees both (a bucket whose pieces all wait still joins: its sender counts).
             groups = self.layers.complete(self.pieces.add(named_tensors, version, sender))
             sync = self._open
             if sync is None:  # (also for a bucket of held pieces only: its sender is in this sync)
                 largest = max([sum(t.nbytes for _, t in g) for g in groups], default=0)
-                sync = self._start(max(FILE_BYTES, largest))
+                sync = self._start(max(FILE_BYTES, largest), version)
             sync.senders.add(sender)
             self._by_sender[sender] = sync
         for chunk in _files(groups, FILE_BYTES):
@@ -112,6 +117,7 @@ class WeightStream:
         with self._lock:
             sync = self._by_sender.pop(sender, None) or self._open
             if sync is None:  # nothing sent and nothing loading: the version alone
+                self._refuse_if_failed(version)
                 self.worker._version = version
                 return
             sync.senders.discard(sender)
@@ -136,16 +142,23 @@ class WeightStream:
             raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error
 
+    def _refuse_if_failed(self, version: int) -> None:
+        """A bucket or finish of the version whose sync failed, with no sync open: a sender that was late."""
+        if self._failed is not None and self._failed[0] == version:
+            err = self._failed[1]
+            raise RuntimeError(f"weights version {version} failed to load already ({type(err).__name__}: {err}); "
+                               "a late bucket or finish of it is refused: send the weights again as a new version")
+
     def close(self) -> None:
         """Let go of the shared-memory slots (the engine is shut down, or going)."""
         self.slots.close()
 
-    def _start(self, nbytes_hint: int) -> _Sync:
+    def _start(self, nbytes_hint: int, version: int) -> _Sync:
         directory = bucket_files.open_sync_dir(self.ranks, nbytes_hint)
         w = self.worker
         future = asyncio.run_coroutine_threadsafe(
             w._engine.collective_rpc("rlmega_load_stream", args=(directory, self.idle_timeout_s)), w._loop)
-        sync = self._open = _Sync(directory, future)  # (the caller holds the lock)
+        sync = self._open = _Sync(directory, future, version)  # (the caller holds the lock)
         w._loop.call_soon_threadsafe(self.loaded.clear)
         future.add_done_callback(lambda _: self._ended_early(sync))
         return sync
@@ -168,6 +181,7 @@ class WeightStream:
     def _close(self, sync: _Sync) -> None:
         if sync.error is not None:
             self.pieces.clear()  # a failed sync's held pieces never complete
+            self._failed = (sync.version, sync.error)
         self.slots.end_sync(sync.directory, failed=sync.error is not None)  # (while its tickets are there)
         shutil.rmtree(sync.directory, ignore_errors=True)
         self.worker._loop.call_soon_threadsafe(self.loaded.set)

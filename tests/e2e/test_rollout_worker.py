@@ -151,6 +151,15 @@ def _engine_body(model_dir: str) -> dict:
     except RuntimeError as e:
         out["unknown_name"] = str(e)
     out["version_after_error"] = w.weight_version()
+    # A late bucket of that version (another sender's, in flight when it failed) is refused: loaded, it
+    # would open a stream no finish closes, and the request below would wait for its idle timeout.
+    reloads = w.weight_reloads()
+    try:
+        w.receive_weights([("lm_head.weight", original["lm_head.weight"])], 7, sender="late")
+        out["late_bucket"] = "taken"
+    except RuntimeError as e:
+        out["late_bucket"] = str(e)
+    out["late_bucket_opened"] = w._weights._open is not None or w.weight_reloads() != reloads
     out["after_error"] = _as_dicts(w.generate(**probe))
     # One sync from two TP ranks sending pieces (each tensor's two blocks, rlmega/sync/pieces.py): rank 0
     # sends all of its blocks and finishes before rank 1 sends anything. Its finish must wait, and rank
@@ -476,6 +485,8 @@ def test_update_weights_in_place_and_streamed(run):
     # a failed load names itself and leaves the weights as they were
     assert "rollout engine failed to load weights version 7" in run["unknown_name"], run["unknown_name"]
     assert run["version_after_error"] == 6 and strip(run["after_error"]) == strip(run["before"])
+    assert "weights version 7 failed to load already" in run["late_bucket"] and not run["late_bucket_opened"], \
+        run["late_bucket"]
     # TP ranks' pieces: the first rank's finish waits for the late rank's blocks, one reload, exact weights
     assert not run["pieces_first_done_early"] and run["pieces_first_waited"]
     assert run["pieces_reloads"] == 1 and run["pieces_version"] == 9
