@@ -6,7 +6,7 @@ The GPU machine has no internet and takes at most 64 MiB a call (working tree in
 What is stripped and patched, and why, is in tools/gpu/README.md and in BUNDLE_README below (it goes
 inside the bundle). Stdlib only; downloads go through ``pip download``.
 
-    python tools/gpu/make_bundle.py                 # -> .gpucarry/{part1,part2,install.sh,smoke_kernels.py,CALLS.md}
+    python tools/gpu/make_bundle.py                 # -> .gpucarry/{part1,part2,trainer,install.sh,smoke_kernels.py,CALLS.md}
     python tools/gpu/make_bundle.py --offline       # use the cached wheels only
 
 Idempotent: wheels are cached (with their sha256 checked) under <out>/cache/wheels, and the bundle is only
@@ -471,15 +471,36 @@ def worktree_bytes(repo: Path) -> int:
     return total
 
 
-def calls(outrel: str, nparts: int) -> list[tuple[list[str], str]]:
+# What the first call measures while it carries part 1: the MFU benchmark on both learners (~100 s on an
+# H200), with the trainer's wheels installed beside it (the bundle, in the later calls, has them too).
+MFU = ("python3 tools/bench/megatron_mfu.py --json $OUT/mfu_megatron.json --profile $OUT/mfu_megatron_kernels.txt"
+       " 2>&1 | tail -3; python3 tools/bench/megatron_mfu.py --backend fsdp --json $OUT/mfu_fsdp.json"
+       " --profile $OUT/mfu_fsdp_kernels.txt 2>&1 | tail -3")
+
+
+def calls(outrel: str, nparts: int) -> list[tuple[list[str], str, int]]:
+    """(carry, command, timeout_s) of each device call, in order. Each part-carrying call before the
+    last copies its part; the first also measures MFU. The last part's call installs the bundle and runs
+    the engine test (the longest, ~320 s on an H200); one more call runs the rest of tests/gpu (~250 s),
+    the install already in place. Split so that no call nears the 600 s limit."""
     seq = []
     for k in range(1, nparts):
-        seq.append(([f"{outrel}/part{k}"],
-                     f"mkdir -p /tmp/w && cp {outrel}/part{k}/* /tmp/w/ && ls -l /tmp/w"))
+        copy = f"mkdir -p /tmp/w && cp {outrel}/part{k}/* /tmp/w/ && ls -l /tmp/w"
+        if k == 1:
+            seq.append(([f"{outrel}/part1", f"{outrel}/trainer"],
+                        f"{copy} && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir"
+                        f" --target /tmp/site0 {outrel}/trainer/*.whl && export PYTHONPATH=/tmp/site0:$PWD"
+                        f" PYTHONUNBUFFERED=1 && ({MFU})", 320))
+        else:
+            seq.append(([f"{outrel}/part{k}"], copy, 120))
+    engine_test = "tests/gpu/test_vllm_on_gpu.py"
     last = (f"set -o pipefail; mkdir -p /tmp/w && cp {outrel}/part{nparts}/* /tmp/w/ && bash {outrel}/install.sh"
-            f" && export {TEST_ENV} && python3 {outrel}/smoke_kernels.py"
-            f" && python3 -m pytest tests/gpu -s --durations=15 2>&1 | tee $OUT/pytest_gpu.log")
-    seq.append(([f"{outrel}/part{nparts}", f"{outrel}/install.sh", f"{outrel}/smoke_kernels.py"], last))
+            f" && export {TEST_ENV} RLMEGA_GPU_RESULTS=$OUT/vllm_gpu.json PYTHONUNBUFFERED=1"
+            f" && python3 {outrel}/smoke_kernels.py"
+            f" && python3 -m pytest {engine_test} -s -p no:cacheprovider 2>&1 | tee $OUT/pytest_vllm.log")
+    seq.append(([f"{outrel}/part{nparts}", f"{outrel}/install.sh", f"{outrel}/smoke_kernels.py"], last, 600))
+    seq.append(([], f"set -o pipefail; export {TEST_ENV} && python3 -m pytest tests/gpu --ignore={engine_test}"
+                    f" -p no:cacheprovider --durations=15 2>&1 | tee $OUT/pytest_gpu.log", 400))
     return seq
 
 
@@ -539,15 +560,22 @@ def main() -> None:
     size, digest = bundle.stat().st_size, sha256(bundle)
     log(f"bundle.tar.xz: {size:,} bytes ({size / MiB:.1f} MiB), sha256 {digest}")
 
-    # 4. parts + install.sh + smoke_kernels.py + CALLS.md
+    # 4. parts + trainer/ (the first call's wheels) + install.sh + smoke_kernels.py + CALLS.md
     part_bytes = int(args.part_mib * MiB)
     parts = split(bundle, out, part_bytes)
+    trainer = out / "trainer"
+    if trainer.exists():
+        shutil.rmtree(trainer)
+    trainer.mkdir()
+    for _, name, _ in TRAINER_WHEELS:
+        shutil.copy2(wheel_dir / name, trainer / name)
+    trainer_bytes = sum(f.stat().st_size for f in trainer.iterdir())
     tree = worktree_bytes(repo)
     for p, n, _ in parts:
         log(f"{p.relative_to(repo)}: {n:,} bytes ({n / MiB:.1f} MiB)")
-    if part_bytes + tree + 64 * 1024 > DEVICE_CARRY_LIMIT:
-        log(f"WARNING: a {args.part_mib} MiB part + the working tree ({tree / MiB:.1f} MiB) may exceed the device "
-            f"call's 64 MiB: use a smaller --part-mib")
+    if part_bytes + trainer_bytes + tree + 64 * 1024 > DEVICE_CARRY_LIMIT:
+        log(f"WARNING: a {args.part_mib} MiB part + the trainer's wheels ({trainer_bytes / MiB:.1f} MiB) + the "
+            f"working tree ({tree / MiB:.1f} MiB) may exceed the device call's 64 MiB: use a smaller --part-mib")
     part_lines = "\n".join(f'  "{p.name} {n} {h}"' for p, n, h in parts)
     install = (INSTALL_SH.replace("@@VLLM_VERSION@@", VLLM_VERSION).replace("@@OUTREL@@", outrel)
                .replace("@@SIZE@@", str(size)).replace("@@SHA@@", digest).replace("@@PARTS@@", part_lines))
@@ -559,15 +587,15 @@ def main() -> None:
     lines = [f"# Device calls for bundle {digest[:16]} ({size / MiB:.1f} MiB in {len(parts)} parts; "
              f"working tree {tree / MiB:.1f} MiB)",
              "# Issue them back to back: /tmp/w lives only while the machine stays warm (~30 s idle).",
-             "# The last one reinstalls only if needed (install.sh skips a bundle already in /tmp/site).", ""]
-    for i, (carry, cmd) in enumerate(seq, 1):
+             f"# Call {len(parts)} installs the bundle (install.sh skips one already in /tmp/site); call 1 also measures MFU.",
+             ""]
+    for i, (carry, cmd, timeout) in enumerate(seq, 1):
         if len(cmd) > 2000:
             die(f"call {i} command is {len(cmd)} characters (the device takes at most 2000)")
-        timeout = 600 if i == len(seq) else 120
         lines.append(f"call {i}/{len(seq)}: run(carry={json.dumps(carry)}, timeout_s={timeout},")
         lines.append(f"          command={json.dumps(cmd)})")
-    lines += ["", f"Repeating call {len(seq)} on the same warm machine skips the install (install.sh sees the bundle's",
-              "sha256 in /tmp/site) and reruns the tests. Then give_back unless you run more at once."]
+    lines += ["", f"Repeating call {len(seq) - 1} on the same warm machine skips the install (install.sh sees the "
+              "bundle's", "sha256 in /tmp/site) and reruns the tests. Then give_back unless you run more at once."]
     text = "\n".join(lines) + "\n"
     (out / "CALLS.md").write_text(text)
     print()
