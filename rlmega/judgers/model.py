@@ -4,7 +4,7 @@
                          max_tokens=4, engine_kwargs={"device": "cpu", "max_model_len": 512})
 
 From a config, the judger's own fields give the engine (``engine_settings``: device, max_model_len and
-gpu_memory_utilization or kv_cache_space_gb, CUDA graphs on CUDA; rlmega.judgers.factory).
+gpu_memory_utilization or kv_cache_space_gb; rlmega.judgers.factory).
 
 For each trajectory the judge is asked `prompt_template.format(prompt=..., response=..., label=...)`
 (a literal brace in the template is written `{{`), tokenized with the judge model's own tokenizer
@@ -44,8 +44,7 @@ def engine_settings(c) -> dict:
     device and context (device, max_model_len) and the memory setting of that device, so a judge never
     silently gets RolloutWorker's defaults (a CPU engine of 512 tokens). device null (a config not
     resolved by load_config, which sets rollout.device): cpu. max_model_len null: the judge model's
-    max_position_embeddings, at most 4096 (a longer context needs a KV cache of its size to start). On
-    CUDA the engine is compiled with CUDA graphs, on CPU eager (RolloutWorker's default)."""
+    max_position_embeddings, at most 4096 (a longer context needs a KV cache of its size to start)."""
     from rlmega.judgers.validate import max_positions
 
     device = c.device or "cpu"
@@ -54,9 +53,7 @@ def engine_settings(c) -> dict:
         length = min(max_positions(c.model_path) or DEFAULT_JUDGE_CONTEXT, DEFAULT_JUDGE_CONTEXT)
     out = {"device": device, "max_model_len": int(length)}
     if device == "cuda":
-        # CUDA graphs, as the rollout engines by default (rlmega/config/engine_mode.py: 7-10x faster
-        # generation measured on an H200); a judge's weights never change and it records no routes.
-        out.update(gpu_memory_utilization=float(c.gpu_memory_utilization), enforce_eager=False)
+        out["gpu_memory_utilization"] = float(c.gpu_memory_utilization)
     else:
         out["kv_cache_space_gb"] = float(c.kv_cache_space_gb)
     return out

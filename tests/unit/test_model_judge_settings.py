@@ -25,7 +25,7 @@ def test_engine_settings_come_from_the_judgers_own_fields(tmp_path):
         "device": "cpu", "max_model_len": 4096, "kv_cache_space_gb": 1.0}  # the model's 32768, capped
     assert engine_settings(JudgerConfig(kind="model", model_path=path, device="cuda", max_model_len=8192,
                                         gpu_memory_utilization=0.2)) == {
-        "device": "cuda", "max_model_len": 8192, "gpu_memory_utilization": 0.2, "enforce_eager": False}
+        "device": "cuda", "max_model_len": 8192, "gpu_memory_utilization": 0.2}
     (tmp_path / "s").mkdir()
     small = _judge_model(tmp_path / "s", 512)
     assert engine_settings(JudgerConfig(kind="model", model_path=small))["max_model_len"] == 512
