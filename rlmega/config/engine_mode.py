@@ -39,10 +39,12 @@ def enforce_eager(cfg: RLConfig) -> bool:
     routes, CUDA graphs on CUDA.
 
     Why (measured, docs/speed.md): on an H200 (vLLM 0.26, Qwen2.5-0.5B shape, 32 samples x 128 tokens)
-    the compiled engine generated in 0.43 s what the eager one did in 4.4 s (its other steps: 3.0-3.2 s),
-    with the same log-prob parity to the trainer after a weight sync (mean 0.0088 vs 0.0089); on this
-    project's 2-core CPU machine compiling doubled the engine's start (11.9 -> 23.7 s) to save ~10% of
-    generation.
+    the compiled engine generated in 0.43 s what the eager one did in 3.0-4.4 s (~7x; docs/speed.md says
+    why the timings differ in kind), with the same log-prob parity to the trainer after a weight sync
+    (mean 0.0088 vs 0.0089). vLLM's own sleep-mode tests run its default, compiled engine; rlmega has
+    not yet slept a compiled engine on a GPU (tests/gpu/test_vllm_on_gpu.py does, on the next lease). On
+    this project's 2-core CPU machine compiling doubled the engine's start (11.9 -> 23.7 s) to save ~10%
+    of generation.
     """
     set_value = cfg.rollout.enforce_eager
     if set_value is not None:

@@ -106,7 +106,7 @@ def _engine_mode(cfg: RLConfig) -> List[str]:
         return []
     try:
         recording = records_routes(cfg)
-    except (OSError, ValueError):  # an unreadable config.json: _model says so
+    except (OSError, ValueError, TypeError):  # an unreadable or malformed config.json: _model says so
         return []
     if not recording:
         return []

@@ -91,7 +91,7 @@ class RolloutConfig:
     """Fraction of GPU memory vLLM may take on CUDA (the rest is left to the colocated actor)."""
     enforce_eager: Optional[bool] = None
     """vLLM's enforce_eager: true runs the model eagerly; false compiles it and, on CUDA, replays CUDA
-    graphs. null: false on cuda (measured on an H200: generation 7-10x faster, the same log-prob parity,
+    graphs. null: false on cuda (measured on an H200: generation ~7x faster, the same log-prob parity,
     docs/speed.md), true on cpu (compiling doubles the engine's start for ~10% of generation) and
     whenever the engines record MoE routes (graph replay skips the recording hook; false is refused then)."""
     seed: int = 0

@@ -75,7 +75,8 @@ class RolloutWorker:
             raise ValueError(
                 "record_routes=True needs enforce_eager=True: replayed CUDA graphs never call the MoE routers' "
                 "capture hook, so decoded tokens would have no recorded route (router_mismatch and rollout "
-                "routing replay would be silently wrong). rlmega's engines (rlmega/launch/engines.py) run eager; "
+                "routing replay would be silently wrong). rlmega's engines run eager whenever they record routes "
+                "(rlmega/config/engine_mode.py); "
                 "fix: leave enforce_eager=True, or record_routes=False (algorithm.routing_replay=none on a dense "
                 "model / actor.backend=fsdp)")
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
@@ -231,7 +232,7 @@ class RolloutWorker:
         """
         # TODO(gpu): vLLM's weight-transfer API (init_weight_transfer_engine / update_weights over
         # NCCL, vllm/distributed/weight_transfer/) avoids the host round trip on GPU; CudaIpcTransport
-        # (rlmega/sync/transports.py) is the same-node design, not yet run on a GPU.
+        # (rlmega/sync/transports.py) is the same-node design: its records ran on one GPU, not yet via Ray.
         named_tensors = list(named_tensors)
         if any(isinstance(t, Piece) for _, t in named_tensors):
             raise ValueError("update_weights takes whole tensors; TP ranks' blocks (rlmega/sync/pieces.py) go "

@@ -66,9 +66,10 @@ class WeightStream:
         self.pieces = Assembler()  # TP ranks' blocks of a tensor, held until all have come (rlmega/sync/pieces.py)
         self.reloads = 0  # reloads the engine has finished (one per sync)
         self.last_load: list[dict] = []  # what each model worker's rlmega_load_stream returned, last sync
-        # The last failed sync's (version, error): its late buckets (other senders' in flight) are refused,
-        # not loaded in a new stream that no finish would close (generation would wait for its idle timeout).
-        self._failed: tuple[int, BaseException] | None = None
+        # The last failed sync's (version, what failed): its late buckets (other senders' in flight) are
+        # refused, not loaded in a new stream that no finish would close (requests would wait for its idle
+        # timeout). Set under the lock that closes the sync, so no late bucket slips in between.
+        self._failed: tuple[int, str] | None = None
         # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
         self.loaded = asyncio.Event()
         self.loaded.set()
@@ -145,9 +146,8 @@ class WeightStream:
     def _refuse_if_failed(self, version: int) -> None:
         """A bucket or finish of the version whose sync failed, with no sync open: a sender that was late."""
         if self._failed is not None and self._failed[0] == version:
-            err = self._failed[1]
-            raise RuntimeError(f"weights version {version} failed to load already ({type(err).__name__}: {err}); "
-                               "a late bucket or finish of it is refused: send the weights again as a new version")
+            raise RuntimeError(f"weights version {version} failed to load already ({self._failed[1]}); a late "
+                               "bucket or finish of it is refused: send the weights again as a new version")
 
     def close(self) -> None:
         """Let go of the shared-memory slots (the engine is shut down, or going)."""
@@ -169,19 +169,20 @@ class WeightStream:
             if self._open is not sync:
                 return  # finish closed it and handles the result
             self._open = None
-        exc = sync.future.exception()
-        sync.error = exc or RuntimeError("the engine's weight stream ended before the sync did")
-        waiting = self.pieces.pending()
-        if waiting:  # the likely cause: a TP rank that never sent its blocks
-            sync.error = RuntimeError(f"{sync.error} ({len(waiting)} tensors still waited for other TP ranks' "
-                                      f"blocks, e.g. {waiting[:3]}: a trainer rank that did not send?)")
+            exc = sync.future.exception()  # (done: this is its callback)
+            sync.error = exc or RuntimeError("the engine's weight stream ended before the sync did")
+            waiting = self.pieces.pending()
+            if waiting:  # the likely cause: a TP rank that never sent its blocks
+                sync.error = RuntimeError(f"{sync.error} ({len(waiting)} tensors still waited for other TP ranks' "
+                                          f"blocks, e.g. {waiting[:3]}: a trainer rank that did not send?)")
+            self._failed = (sync.version, f"{type(sync.error).__name__}: {sync.error}")  # (before a late bucket looks)
         logger.error("weight stream %s ended early: %r", sync.directory, sync.error)
         self._close(sync)
 
     def _close(self, sync: _Sync) -> None:
         if sync.error is not None:
             self.pieces.clear()  # a failed sync's held pieces never complete
-            self._failed = (sync.version, sync.error)
+            self._failed = (sync.version, f"{type(sync.error).__name__}: {sync.error}")
         self.slots.end_sync(sync.directory, failed=sync.error is not None)  # (while its tickets are there)
         shutil.rmtree(sync.directory, ignore_errors=True)
         self.worker._loop.call_soon_threadsafe(self.loaded.set)

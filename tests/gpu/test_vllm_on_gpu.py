@@ -162,8 +162,12 @@ def _cycle_body(model_dir: str) -> dict:
         except Exception as e:  # noted (the test fails on it), and the cycle goes on through host memory
             ph["refit_error"] = f"{type(transport).__name__}: {type(e).__name__}: {e}"
             print("REFIT FAILED:", ph["refit_error"], flush=True)
-            transport = DirectTransport([engine])
-            sent = actor.sync_model_to_rollout(transport, version=step + 1)
+            try:  # ends a sync the failed transport left open (a send that raised before its flush)
+                transport.flush()
+            except Exception:
+                pass
+            transport = DirectTransport([engine])  # as another version: the engine refuses a failed one's
+            sent = actor.sync_model_to_rollout(transport, version=100 + step + 1)
         ph["refit_s"], ph["refit_gib"] = time.perf_counter() - t, sent["bytes"] / GiB
         ph["refit_via"] = type(transport).__name__
         actor.offload_for_rollout()
@@ -173,6 +177,8 @@ def _cycle_body(model_dir: str) -> dict:
         ph["engine_changed"] = any(a.logprobs != b.logprobs for a, b in zip(old, samples))
         steps.append(ph)
         print("STEP", json.dumps(ph), flush=True)
+    # The last step's requests once more, timed as the compiled engine's are below (its second call).
+    _, out["eager_generate_again_s"] = generate(STEPS)
     actor.onload_for_training()
     batch = batch_from_samples(samples)
     diffs.append(logprob_diff(batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask))
@@ -183,7 +189,7 @@ def _cycle_body(model_dir: str) -> dict:
     engine.shutdown()
     print("EAGER", json.dumps(out), flush=True)
     try:
-        out["cuda_graphs"] = _with_cuda_graphs(actor, model_dir, samples, steps[-1]["generate_s"])
+        out["cuda_graphs"] = _with_cuda_graphs(actor, model_dir, samples, out["eager_generate_again_s"])
     except Exception as e:  # the eager part's results still come back
         out["cuda_graphs"] = {"error": f"{type(e).__name__}: {e}"}
     actor.teardown()
@@ -192,7 +198,8 @@ def _cycle_body(model_dir: str) -> dict:
 
 def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -> dict:
     """A compiled engine (CUDA graphs) takes the trainer's last weights through CUDA IPC and generates
-    what the eager engine last did (``samples``, ``eager_generate_s``): same requests, seed, weights."""
+    what the eager engine last did (``samples``; ``eager_generate_s``: the eager engine's second call
+    of them): same requests, seed, weights. Then it sleeps and wakes up, and generates again."""
     from rlmega.data.samples import batch_from_samples
     from rlmega.sync.parity import logprob_diff
     from rlmega.workers.rollout import RolloutWorker
@@ -209,21 +216,29 @@ def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -
         got = engine.generate(PROMPTS, n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
         return got, time.perf_counter() - t
 
-    at_start, _ = generate(STEPS)  # the model folder's weights, before any sync
-    t = time.perf_counter()
-    actor.sync_model_to_rollout(_IpcDirect([engine]), version=STEPS)
-    graphs["refit_s"] = time.perf_counter() - t
-    generate(STEPS)  # (warm: the first batch of each size may still capture)
-    graph_samples, graphs["generate_s"] = generate(STEPS)
-    graphs["response_tokens"] = sum(len(s.response_ids) for s in graph_samples)
-    graphs["eager_generate_s"] = eager_generate_s  # the same requests, seed and weights, eager
-    graphs["eager_response_tokens"] = sum(len(s.response_ids) for s in samples)
-    graphs["same_tokens_as_eager"] = [s.response_ids for s in graph_samples] == [s.response_ids for s in samples]
-    actor.onload_for_training()
-    for key, got in (("parity_before_sync", at_start), ("parity", graph_samples)):
-        b = batch_from_samples(got)
-        graphs[key] = logprob_diff(b.rollout_logprobs, actor.compute_logprobs(b), b.response_mask)
-    engine.shutdown()
+    try:
+        at_start, _ = generate(STEPS)  # the model folder's weights, before any sync
+        t = time.perf_counter()
+        actor.sync_model_to_rollout(_IpcDirect([engine]), version=STEPS)
+        graphs["refit_s"] = time.perf_counter() - t
+        _, graphs["generate_first_s"] = generate(STEPS)
+        graph_samples, graphs["generate_s"] = generate(STEPS)
+        graphs["response_tokens"] = sum(len(s.response_ids) for s in graph_samples)
+        graphs["eager_generate_s"] = eager_generate_s  # the same requests, seed and weights, eager
+        graphs["eager_response_tokens"] = sum(len(s.response_ids) for s in samples)
+        graphs["same_tokens_as_eager"] = [s.response_ids for s in graph_samples] == [s.response_ids for s in samples]
+        # Sleep and wake a compiled engine, as the colocated cycle does (the graphs stay captured).
+        awake = _free()
+        engine.sleep(1)
+        graphs["freed_by_sleep_gib"] = _free() - awake
+        engine.wake_up()
+        woken, _ = generate(STEPS)
+        actor.onload_for_training()
+        for key, got in (("parity_before_sync", at_start), ("parity", graph_samples), ("parity_after_wake", woken)):
+            b = batch_from_samples(got)
+            graphs[key] = logprob_diff(b.rollout_logprobs, actor.compute_logprobs(b), b.response_mask)
+    finally:
+        engine.shutdown()
     return graphs
 
 
@@ -250,4 +265,6 @@ def test_engine_and_trainer_share_one_gpu_through_colocated_steps(tmp_path):
     # The compiled engine took the synced weights: its log-probs match the trainer's as the eager ones do,
     # and before the sync (the model folder's weights) they did not (measured: mean 0.0088 vs 0.176).
     g = r["cuda_graphs"]
+    assert "error" not in g, g
     assert g["response_tokens"] > 0 and g["parity"]["mean"] < 0.05 < g["parity_before_sync"]["mean"], g
+    assert g["parity_after_wake"]["mean"] < 0.05 and g["freed_by_sleep_gib"] > 1.0, g

@@ -43,8 +43,10 @@ def test_it_pauses_without_a_sleep_process():
     (tests/e2e/test_slurm.py); the script naps with `read -t` instead, which starts no process."""
     text = SBATCH.read_text()
     assert not re.search(r"^[^#]*\bsleep\b", text, re.M), "the script starts a sleep process: use nap"
-    nap = [line for line in text.splitlines() if line.startswith(("exec {nap_fd}", "nap()"))]
-    assert len(nap) == 2, nap
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("{ exec {nap_fd}"))
+    last = next(i for i, line in enumerate(lines) if line.startswith("nap()"))
+    nap = lines[first:last + 1]  # the pipe (or its FIFO fallback) and the function
     start = time.monotonic()
     out = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(nap) + "\nnap 0.5\nnap 0.5\necho done"],
                          capture_output=True, text=True, timeout=30)
