@@ -296,3 +296,35 @@ def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
     assert not enforce_eager(cfg)  # a value set wins, on CPU too
     cfg.rollout.device, cfg.rollout.enforce_eager = "cuda", True
     assert enforce_eager(cfg)
+
+
+def test_start_engines_hands_each_engine_the_resolved_enforce_eager(model_dir, tmp_path, monkeypatch):
+    """rollout.enforce_eager acts: start_engines passes its resolution (and record_routes) to every engine."""
+    from rlmega.config.schema import RLConfig
+    from rlmega.launch import engines
+    from rlmega.launch.placement import Slot
+
+    started = []
+
+    class Engine:  # the Ray actor class's surface start_engines uses: .options(...).remote(...)
+        @staticmethod
+        def options(**_):
+            return Engine
+
+        @staticmethod
+        def remote(*args, **kwargs):
+            started.append(kwargs)
+
+    monkeypatch.setattr(engines, "engine_actor_class", lambda: Engine)
+    monkeypatch.setattr(engines, "engine_options", lambda pg, slot: {})
+    dense = make_tiny_model(tmp_path / "dense", arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1,
+                            num_layers=1, seed=0)
+    cfg = RLConfig()
+    cfg.actor.backend, cfg.rollout.device = "megatron", "cuda"
+    slots = [Slot(group=0, bundles=(0,), gpus=1.0, cpus=1.0)] * 2
+    for path, setting, eager, routes in ((dense, None, False, False), (dense, True, True, False),
+                                         (model_dir, None, True, True)):
+        cfg.model.path, cfg.rollout.enforce_eager = str(path), setting
+        started.clear()
+        engines.start_engines(cfg, [None], slots, [1, 1], None)
+        assert [(k["enforce_eager"], k["record_routes"]) for k in started] == [(eager, routes)] * 2, (path, setting)
