@@ -195,7 +195,10 @@ NO_WARM_START = "trainer.warmup_sft_steps=0"
 def _wait_for_steps(proc, run, n, timeout=400):
     deadline = time.monotonic() + timeout
     while not ((run / "metrics.jsonl").exists() and len([m for m in _metrics(run) if m["step"] > 0]) >= n):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended or stalled before step {n}"
+        if proc.poll() is not None:  # ended: say why (its stderr), not only that it did
+            err = proc.stderr.read() if proc.stderr else ""
+            pytest.fail(f"the run ended (exit {proc.returncode}) before step {n}:\n{(err or '')[-3000:]}")
+        assert time.monotonic() < deadline, f"the run stalled before step {n}"
         time.sleep(0.5)
 
 
