@@ -94,6 +94,13 @@ class RolloutConfig:
     graphs. null: false on cuda (measured on an H200: generation ~7x faster, the same log-prob parity,
     docs/speed.md), true on cpu (compiling doubles the engine's start for ~10% of generation) and
     whenever the engines record MoE routes (graph replay skips the recording hook; false is refused then)."""
+    weight_transport: Literal["ray", "collective"] = "ray"
+    """How a weight sync's buckets reach the engines. ray: through Ray's object store (on one node
+    each engine reads them from shared memory; the fastest measured here, docs/speed.md). collective:
+    broadcast over a torch.distributed group of each sending trainer rank and the engines (gloo for
+    CPU tensors, NCCL for CUDA tensors: no object store and no host copy between nodes;
+    rlmega/sync/collective.py). NCCL needs vLLM tensor_parallel_size 1 and engines on GPUs of their own
+    (cluster.colocate: false), and has not run on a GPU yet."""
     seed: int = 0
     """Sampling seed; engine i uses seed + i."""
     parity_warn: Optional[float] = None

@@ -253,6 +253,25 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     return out
 
 
+def _transport_problems(cfg: RLConfig) -> List[str]:
+    """rollout.weight_transport=collective on GPUs broadcasts over NCCL into the engine actor's GPU,
+    which a vLLM TP > 1 engine's actor does not hold (rlmega/launch/engines.py engine_options), and
+    which NCCL refuses to share with a trainer rank (one communicator, one rank per GPU)."""
+    r, out = cfg.rollout, []
+    if r.weight_transport != "collective" or r.device != "cuda":
+        return out
+    if r.tensor_parallel_size > 1:
+        out.append(problem("rollout.weight_transport", f"collective with rollout.tensor_parallel_size="
+                           f"{r.tensor_parallel_size} on cuda: the NCCL broadcast lands in the engine actor's GPU, "
+                           "and the actor of a TP > 1 engine holds none (its vLLM workers do)",
+                           "set rollout.weight_transport=ray, or rollout.tensor_parallel_size=1"))
+    if cfg.cluster.colocate:
+        out.append(problem("rollout.weight_transport", "collective with cluster.colocate=true on cuda: engines "
+                           "share the trainer ranks' GPUs, and NCCL will not join two processes on one GPU",
+                           "set rollout.weight_transport=ray (on one node), or cluster.colocate=false"))
+    return out
+
+
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
     """The model's shape against the layout: Megatron's divisibility rules (megatron only) and vLLM's."""
     out = (megatron_model_problems("parallelism", cfg.parallelism, shape)
@@ -354,7 +373,7 @@ def validate(cfg: RLConfig) -> None:
     # A number already refused as not finite is not reported again by the agent-side checks.
     out += [p for p in task_problems(cfg) if _field_of(p) not in {_field_of(b) for b in bad_numbers}]
     if not bad_ranges:  # the arithmetic below divides by these sizes
-        out += _backend_problems(cfg)
+        out += _backend_problems(cfg) + _transport_problems(cfg)
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)
         out += critic_rules.section_problems(cfg)

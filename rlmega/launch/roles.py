@@ -34,6 +34,7 @@ from rlmega.launch.placement import placement_plan
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
+from rlmega.sync.collective import CollectiveTransport
 from rlmega.sync.transports import RayTransport
 from rlmega.workers.coordinator import ActorManager
 
@@ -54,6 +55,7 @@ class Roles:
         self.actors: WorkerGroup | None = None
         self.critics: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
         self.engines: list = []
+        self.weight_transport = None  # made at the first sync (Roles._transport)
         self.hosts: dict[str, AgentLoopHost] = {}  # task name -> its agent loop (rlmega/agents/)
         self.background: BackgroundLoop | None = None
         self.manager: ActorManager | None = None
@@ -137,7 +139,7 @@ class Roles:
                 ray.kill(handle)
             except Exception:  # already dead
                 pass
-        self.engines = []
+        self.engines, self.weight_transport = [], None
         for group in (self.actors, self.critics):
             if group is not None:
                 try:
@@ -268,10 +270,17 @@ class Roles:
                 log.warning("resuming the engines after a failed weight sync failed too", exc_info=True)
         return {**sent, "preempted": preempted}
 
+    def _transport(self):
+        """rollout.weight_transport's transport to the engines, made once: a CollectiveTransport's trainer
+        ranks keep their process groups with the engines across syncs by its key."""
+        if self.weight_transport is None:
+            kind = CollectiveTransport if self.cfg.rollout.weight_transport == "collective" else RayTransport
+            self.weight_transport = kind(self.engines, self.call_timeout_s)
+        return self.weight_transport
+
     def _send_weights(self, version: int, bucket_bytes: int) -> dict:
         try:
-            sent = self.actors.call("sync_model_to_rollout", RayTransport(self.engines, self.call_timeout_s),
-                                    version, bucket_bytes)
+            sent = self.actors.call("sync_model_to_rollout", self._transport(), version, bucket_bytes)
         except WorkerGroupError as e:
             dead = self._dead_engines()
             if dead:  # the ranks failed because an engine they were sending to is gone

@@ -9,6 +9,9 @@ buckets from one sender rank per stage and hands each bucket to a transport:
                                      (zero-copy on a node)
     CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
                                      through the host (its records ran on one GPU; selected nowhere yet)
+    CollectiveTransport([handle, ...])  any node: each bucket broadcast over a torch.distributed group of
+                                     the sender and the engines, gloo or NCCL (rlmega/sync/collective.py;
+                                     ``rollout.weight_transport: collective``)
 
 A transport is picklable (it travels to the trainer ranks; each rank's copy is its own sender) and
 has two methods: ``send(bucket, version)`` hands a bucket over (it may return before the engines

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rlmega.sync import collective
 from rlmega.sync.pieces import Piece
 from rlmega.workers.engine_errors import engine_died
 from rlmega.workers.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
@@ -254,6 +255,17 @@ class RolloutWorker:
         ``version`` set. Raises if the engine failed to load. It waits for the other senders: a Ray
         actor hosting the worker needs a thread per sender (rlmega/launch/engines.py gives 256)."""
         self._weights.finish(version, sender)
+
+    def join_weight_group(self, name: str, host: str, port: int, rank: int, world: int, backend: str,
+                          timeout_s: float) -> None:
+        """Join a sender's weight group (CollectiveTransport, rlmega/sync/collective.py); returns once
+        every member has."""
+        collective.join(name, host, port, rank, world, backend, timeout_s)
+
+    def receive_broadcast(self, name: str, seq: int, toc: list, version: int, sender, timeout_s: float) -> None:
+        """Bucket ``seq`` of weight group ``name``: its bytes come by broadcast, ``toc`` says what they
+        hold; then as ``receive_weights``."""
+        self.receive_weights(collective.receive(name, seq, toc, timeout_s), version, sender)
 
     def start_profile(self, prefix: str) -> None:
         """Trace the engine until stop_profile (needs profile_dir); files are named ``prefix``_..."""

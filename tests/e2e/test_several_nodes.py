@@ -177,12 +177,15 @@ def test_a_node_that_does_not_see_the_run_dir_is_named(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_run_trains_across_nodes(cluster, tmp_path):
+    """With rollout.weight_transport=collective: the weights of the trainer ranks on the engine's node
+    and on the other node reach it by gloo broadcast (rlmega/sync/collective.py), and the engine then
+    samples from the trainer's weights (the step's parity)."""
     model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
            f"trainer.run_dir={run}", "trainer.total_steps=2", "trainer.save_every=0", "trainer.warmup_sft_steps=2",
            "rollout.max_response_tokens=8", "data.synthetic_size=100", "logging.tensorboard=false",
-           f"cluster.address={cluster.address}", "cluster.cpu_ranks_per_node=2"]
+           f"cluster.address={cluster.address}", "cluster.cpu_ranks_per_node=2", "rollout.weight_transport=collective"]
     start = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -190,6 +193,8 @@ def test_the_tiny_run_trains_across_nodes(cluster, tmp_path):
     print(f"tiny run across nodes: {time.monotonic() - start:.0f} s")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+    print("parity_max per step", [m.get("parity_max") for m in metrics])
+    assert all(m["parity_max"] < 1e-4 for m in metrics), metrics  # float32: ~1e-6 when the sync is right
     # "placement: trainer ranks on nodes A (ip): 0 1, B (ip): 2 3; rollout engines on nodes A (ip): 0"
     line = re.search(r"placement: trainer ranks on nodes (.*); rollout engines on nodes (.*)", out.stderr)
     assert line, out.stderr[-3000:]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 
 from rlmega.data.samples import batch_from_samples  # noqa: E402
+from rlmega.sync.collective import CollectiveTransport  # noqa: E402
 from rlmega.sync.parity import logprob_diff  # noqa: E402
 from rlmega.sync.transports import RayTransport  # noqa: E402
 from rlmega.testing.faults import CorruptingTransport  # noqa: E402
@@ -87,14 +88,25 @@ def _sample_and_compare(group, engines, seed=0, n=2):
 LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2_pp2": (2, 2, None),
            "pp2_vpp2": (1, 2, 2),
            # DP 2: replica 0 alone gathers and sends; after the train step it must hold the trained weights
-           "tp2_dp2": (2, 1, None, 2)}
+           "tp2_dp2": (2, 1, None, 2),
+           # rollout.weight_transport=collective: each of the 4 senders broadcasts its pieces over gloo
+           "tp2_pp2_collective": (2, 2, None)}
+
+
+def _groups_joined(engines) -> list[int]:
+    """How many CollectiveTransport groups each engine's process has joined (and not dropped)."""
+    count = lambda self: len(__import__("rlmega.sync.collective", fromlist=["_joined"])._joined)  # noqa: E731
+    return ray.get([e.__ray_call__.remote(count) for e in engines])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, name):
     group = _group(hf_model, *LAYOUTS[name])
+    # made once for both syncs, as Roles does: the collective one keeps its groups across them
+    transport = CollectiveTransport(engines) if name.endswith("_collective") else RayTransport(engines)
+    joined = _groups_joined(engines)
     try:
-        sent = _sync(group, engines)
+        sent = _sync(group, engines, transport)
         # Names and shapes sent are exactly the HF model's state dict.
         hf = {k: tuple(v.shape) for k, v in load_file(f"{hf_model}/model.safetensors").items()}
         got = [ns for rank in sent for ns in rank["names_and_shapes"]]  # (a TP-split tensor: once per TP rank)
@@ -111,8 +123,10 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} before training: {diff}"
 
         train_step_on_fixed_rewards(group, before[0][0])
-        _sync(group, engines)
+        _sync(group, engines, transport)
         after = _sample_and_compare(group, engines)
+        if name.endswith("_collective"):  # one group per sender (4), joined at the first sync and kept
+            assert [n - m for n, m in zip(_groups_joined(engines), joined)] == [4] * len(engines)
         print(name, "parity before", [d for _, d in before], "after", [d for _, d in after])
         for (b0, _), (b1, diff) in zip(before, after):
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} after training: {diff}"

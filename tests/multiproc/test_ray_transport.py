@@ -1,8 +1,12 @@
-"""RayTransport's pipeline, on Ray actors that stand in for the engines (each load takes a fixed time).
+"""RayTransport's and CollectiveTransport's pipelines, on Ray actors that stand in for the engines
+(each load takes a fixed time).
 
 Checks the contract sync_model_to_rollout relies on: buckets arrive in the order sent, at most two
 are in flight (bucket k is taken before bucket k+2 is put), flush ends the sync once (finish_weights)
-after all of them, and an engine's failure or silence surfaces naming that engine. The real engines: tests/e2e/test_sync_to_rollout.py.
+after all of them, and an engine's failure or silence surfaces naming that engine. CollectiveTransport
+(broadcasts over gloo): intact buckets, pieces included, whichever engine thread takes which bucket,
+one group per sender kept across syncs, a failure named and a new group after it. The real engines:
+tests/e2e/test_sync_to_rollout.py.
 """
 import sys
 import time
@@ -12,6 +16,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from rlmega.sync import collective  # noqa: E402
+from rlmega.sync.collective import CollectiveTransport  # noqa: E402
+from rlmega.sync.pieces import Piece  # noqa: E402
 from rlmega.sync.transports import RayTransport  # noqa: E402
 
 LOAD_S = 0.3
@@ -56,6 +63,36 @@ class KeepingEngine:
 
     def received(self) -> list:
         return self.got
+
+
+class BroadcastEngine(KeepingEngine):
+    """Receives buckets by broadcast as RolloutWorker does (join_weight_group, receive_broadcast); its
+    loads take ``delay`` s, so the engine's threads take the buckets in flight at once; with ``stagger``
+    an even bucket's thread starts late, so the next bucket's reaches the group first; fails on a
+    bucket holding ``fail_on``."""
+
+    def __init__(self, delay: float = 0.0, fail_on: str | None = None, stagger: bool = False):
+        super().__init__()
+        self.delay, self.fail_on, self.stagger, self.joins, self.finished = delay, fail_on, stagger, 0, []
+
+    def join_weight_group(self, name, host, port, rank, world, backend, timeout_s) -> None:
+        collective.join(name, host, port, rank, world, backend, timeout_s)
+        self.joins += 1
+
+    def receive_broadcast(self, name, seq, toc, version, sender, timeout_s) -> None:
+        if self.stagger and seq % 2 == 0:
+            time.sleep(0.2)
+        bucket = collective.receive(name, seq, toc, timeout_s)
+        if self.fail_on in [n for n, _ in bucket]:
+            raise ValueError(f"cannot load {self.fail_on}")
+        time.sleep(self.delay)
+        self.receive_weights([(n, t.tensor.clone() if isinstance(t, Piece) else t) for n, t in bucket], version, sender)
+
+    def finish_weights(self, version: int, sender) -> None:
+        self.finished.append(version)
+
+    def state(self) -> dict:
+        return {"joins": self.joins, "finished": self.finished, "got": self.got}
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +191,66 @@ def test_sent_views_of_a_flat_buffer_arrive_intact_and_the_buffer_stays_releasab
     assert flat.untyped_storage().nbytes() == flat16.untyped_storage().nbytes() == 0
     offload.onload_tensors(saved)
     assert torch.equal(flat, expected[0]) and torch.equal(flat16, expected[1])
+
+
+def _mixed_bucket(k: int):
+    """float32, bf16, int64, a non-contiguous view, an empty tensor and a TP rank's piece."""
+    gen = torch.Generator().manual_seed(k)
+    base = torch.randn(6, 5, generator=gen)
+    return [(f"b{k}.w", base), (f"b{k}.t", base.t()), (f"b{k}.h", torch.randn(7, generator=gen).bfloat16()),
+            (f"b{k}.i", torch.arange(5) * k), (f"b{k}.e", torch.zeros(0, 3)),
+            (f"b{k}.p", Piece(torch.randn(2, 5, generator=gen), (4, 5), 0, 2, 2))]
+
+
+def test_collective_buckets_arrive_intact_in_one_group_per_sender_kept_across_syncs(cluster):
+    Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)  # threaded, as Roles starts engines
+    engines = [Engine.remote(delay=0.05, stagger=True) for _ in range(2)]
+    transport = CollectiveTransport(engines)
+    sent = []
+    for version in (1, 2):
+        for k in range(5):
+            bucket = _mixed_bucket(10 * version + k)
+            transport.send(bucket, version)
+            sent += bucket
+        transport.flush()
+    for state in ray.get([e.state.remote() for e in engines]):
+        assert state["joins"] == 1 and state["finished"] == [1, 2]  # one group for both syncs
+        got = dict(state["got"])
+        assert sorted(got) == sorted(n for n, _ in sent)  # every tensor, once
+        for name, t in sent:
+            t = t.tensor if isinstance(t, Piece) else t
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+
+
+def test_collective_failure_names_the_engine_and_the_next_sync_makes_a_new_group(cluster):
+    Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)
+    engines = [Engine.remote(), Engine.remote(fail_on="b1.w")]
+    transport = CollectiveTransport(engines, timeout_s=30)
+    with pytest.raises(RuntimeError, match=r"(?s)rollout engine 1 failed to load .*'b1.w'.*version 3.*cannot load b1.w"):
+        for k in range(4):
+            transport.send(_mixed_bucket(k), 3)
+        transport.flush()
+    ray.get(engines[1].__ray_call__.remote(lambda self: setattr(self, "fail_on", None)))
+    for k in range(3):
+        transport.send(_mixed_bucket(k), 4)
+    transport.flush()
+    for state in ray.get([e.state.remote() for e in engines]):
+        assert state["joins"] == 2 and state["finished"] == [4]
+        got = dict(state["got"][-18:])  # the second sync's 3 buckets of 6
+        assert torch.equal(got["b2.w"], _mixed_bucket(2)[0][1])
+
+
+def test_flatten_keeps_each_tensors_bytes_and_refuses_a_bucket_on_two_devices():
+    bucket = _mixed_bucket(3)
+    flat, toc = collective.flatten(bucket)
+    assert flat.dtype == torch.uint8 and flat.numel() == collective.nbytes_of(toc)
+    assert all(offset % 64 == 0 for _, _, _, offset, _ in toc)
+    back = collective.unflatten(flat, toc)
+    for (n, t), (m, u) in zip(bucket, back):
+        assert n == m and type(t) is type(u)
+        t, u = (t.tensor, u.tensor) if isinstance(t, Piece) else (t, u)
+        assert u.dtype == t.dtype and torch.equal(u, t)
+    assert (back[-1][1].full_shape, back[-1][1].dim, back[-1][1].start, back[-1][1].of) == ((4, 5), 0, 2, 2)
+    meta = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="several devices"):
+        collective.flatten([("a", torch.ones(3)), ("b", meta)])

@@ -121,6 +121,29 @@ def test_bad_choice():
         validate(cfg)
 
 
+def test_collective_weight_transport_needs_an_engine_actor_with_a_gpu_on_cuda():
+    rejects("rollout.weight_transport=nccl", field="rollout.weight_transport")
+    msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", "rollout.tensor_parallel_size=2",
+                  "cluster.colocate=false", field="rollout.weight_transport")
+    assert "holds none" in msg and "rollout.weight_transport=ray" in msg
+    msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", field="rollout.weight_transport")
+    assert "colocate" in msg and "one GPU" in msg
+    cfg = RLConfig()
+    cfg.rollout.weight_transport, cfg.rollout.device, cfg.cluster.colocate = "collective", "cuda", False
+    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]  # TP 1: its actor has the GPU
+    cfg.rollout.device = "cpu"
+    cfg.cluster.colocate = True
+    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]  # gloo: anywhere
+
+
+def _problems(cfg) -> list[str]:
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
 def test_tp_must_divide_heads(tmp_path):
     model = write_model(tmp_path, heads=6, kv_heads=6, hidden=384)
     msg = rejects(f"model.path={model}", "parallelism.tensor_model_parallel_size=4", "parallelism.world_size=4",

@@ -29,7 +29,8 @@ the warm-up and each number below is the best of the others.
                 blocks (rlmega/sync/pieces.py: no TP gather since 2026-11-27) and bucketing alone;
                 nothing serialized or sent.
     send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
-      put_s       ``ray.put``: serializing the buckets into the object store;
+      put_s       ``ray.put``: serializing the buckets into the object store (collective: copying
+                  each into the one buffer it broadcasts);
       wait_s      waiting for the engine: to take buckets (before putting bucket k+2) and, in
                   flush, for its reload to end.
     engine_s    the span the engine's reload is open: from the first bucket reaching
@@ -50,14 +51,16 @@ the warm-up and each number below is the best of the others.
                 allows at best. ``gather_cpu_s`` and ``reload_cpu_s`` are the same for the gather alone and
                 for the engine's own reload.
 
-``--transports`` (default ``ray,ray-stopwait``): ``ray`` is rlmega.sync.transports.RayTransport as
+``--transports`` (default ``ray,ray-stopwait,collective``): ``ray`` is rlmega.sync.transports.RayTransport as
 production uses it (each tensor's own bytes through the object store, pipelined: the engine takes
 bucket k while the sender gathers and puts bucket k+1, at most two in flight; one reload for the
 sync; the engine's worker hands the pieces to vLLM through shared-memory slots kept across syncs);
 ``ray-files`` is the same with a new /dev/shm file for every piece (the path before the slots, and
 still the fallback); ``ray-stopwait`` is the same transport flushing after every bucket, so each
 bucket is its own reload and nothing overlaps (the mechanism before issues 12 and 26), to show what
-they buy.
+they buy; ``collective`` is rlmega.sync.collective.CollectiveTransport (``rollout.weight_transport:
+collective``): each bucket broadcast over a gloo group of the sender and the engine, the path that
+needs neither shared memory nor the object store (between nodes; NCCL on GPUs).
 
 A last line times the object-store round trip alone, in this process, on the model's tensors as
 one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
@@ -98,13 +101,15 @@ TRANSPORTS = {
     "ray": "rlmega.sync.transports.RayTransport, pipelined (production)",
     "ray-files": "the same, each piece of a bucket a new /dev/shm file: no shared-memory slots (before them)",
     "ray-stopwait": "the same, flushing after every bucket: one reload each, nothing overlaps (before issues 12, 26)",
+    "collective": "rlmega.sync.collective.CollectiveTransport: each bucket broadcast over gloo (the path between nodes)",
 }
 
 
-def _timed_ray_transport_cls():
+def _timed_transport_cls(collective: bool):
+    from rlmega.sync.collective import CollectiveTransport
     from rlmega.sync.transports import RayTransport
 
-    class TimedRayTransport(RayTransport):
+    class TimedRayTransport(CollectiveTransport if collective else RayTransport):
         """RayTransport that times its put and wait parts; ``flush`` appends one row per sender and
         sync to ``log_dir``/PID.jsonl. ``stop_and_wait``: flush after every bucket."""
 
@@ -146,7 +151,7 @@ def _timed_ray_transport_cls():
 def make_transport(kind: str, engines, log_dir: str):
     if kind not in TRANSPORTS:
         raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
-    return _timed_ray_transport_cls()(engines, log_dir, stop_and_wait=kind == "ray-stopwait")
+    return _timed_transport_cls(kind == "collective")(engines, log_dir, stop_and_wait=kind == "ray-stopwait")
 
 
 def _timed_rollout_worker_cls():
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layouts", default="1x1,2x2", help="comma-separated TPxPP, world = TP*PP")
     p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (production's default: 512)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported), after 1 warm-up")
-    p.add_argument("--transports", default="ray,ray-stopwait",
+    p.add_argument("--transports", default="ray,ray-stopwait,collective",
                    help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()))
     p.add_argument("--profile-engine", action="store_true",
                    help="cProfile one sync's receive_weights/finish_weights in the engine's actor "
