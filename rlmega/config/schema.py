@@ -98,9 +98,9 @@ class RolloutConfig:
     """How a weight sync's buckets reach the engines. ray: through Ray's object store (on one node
     each engine reads them from shared memory; the fastest measured here, docs/speed.md). collective:
     broadcast over a torch.distributed group of each sending trainer rank and the engines (gloo for
-    CPU tensors, NCCL for CUDA tensors: no object store and no host copy between nodes;
-    rlmega/sync/collective.py). NCCL needs vLLM tensor_parallel_size 1 and engines on GPUs of their own
-    (cluster.colocate: false), and has not run on a GPU yet."""
+    CPU tensors, NCCL for CUDA tensors: no object store, and on GPUs no host copy on the trainer's side;
+    rlmega/sync/collective.py). NCCL needs vLLM tensor_parallel_size 1, engines on GPUs of their own
+    (cluster.colocate: false), and one engine or one sender (TP = PP = 1); it has not run on a GPU yet."""
     seed: int = 0
     """Sampling seed; engine i uses seed + i."""
     parity_warn: Optional[float] = None

@@ -269,6 +269,13 @@ def _transport_problems(cfg: RLConfig) -> List[str]:
         out.append(problem("rollout.weight_transport", "collective with cluster.colocate=true on cuda: engines "
                            "share the trainer ranks' GPUs, and NCCL will not join two processes on one GPU",
                            "set rollout.weight_transport=ray (on one node), or cluster.colocate=false"))
+    p = cfg.parallelism
+    senders = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if senders > 1 and r.num_engines > 1:
+        out.append(problem("rollout.weight_transport", f"collective on cuda with {senders} sending trainer ranks "
+                           f"(TP x PP) and {r.num_engines} engines: each sender has its own NCCL communicator with "
+                           "every engine, and engines taking their broadcasts in different orders can deadlock",
+                           "set rollout.weight_transport=ray, or use one engine, or a trainer at TP = PP = 1"))
     return out
 
 

@@ -3,9 +3,11 @@ that needs no shared memory and no object store (gloo on CPU tensors, NCCL on CU
 
 Why: RayTransport puts each bucket into Ray's object store, from which each engine reads it; across
 nodes Ray then copies the object over its own object transfer, and on GPUs every byte also goes
-through host memory twice. A process group carries the bytes straight from the sender's memory to
-each engine's (NCCL: GPU to GPU, the path verl, OpenRLHF and NeMo-RL use between nodes); the Ray call
-that goes with each bucket carries only its table of contents.
+through the trainer's host memory. A process group carries the bytes straight from the sender's
+memory to each engine actor's (NCCL: GPU to GPU, the path verl, OpenRLHF and NeMo-RL use between
+nodes); the Ray call that goes with each bucket carries only its table of contents. From the engine
+actor on, a bucket takes RayTransport's path: through host shared memory into vLLM's process (on
+GPUs, CUDA IPC records of the received buffer would save that hop: not built).
 
     sender (a trainer rank)                       each engine (RolloutWorker, a Ray actor)
     first send: host a rendezvous (TCPStore),  ->  join_weight_group: join it as rank 1..N
@@ -17,8 +19,10 @@ that goes with each bucket carries only its table of contents.
 A group is made once per sending process and kept across syncs: the driver makes one transport for
 the run, each trainer rank's copy of it finds its group by the transport's key. The engines receive a
 group's buckets in the order they were broadcast (``seq``), whichever of their threads takes which
-call. Any failure breaks the group on both sides (a broadcast half received leaves the two ends out of
-step); the next sync makes a new one.
+call. A failure the sender sees (or a sync that did not flush) makes it give its group up; its next
+sync makes a new one, and an engine retires the sender's old group when it joins the new one (an
+engine whose own receive failed retires it at once). Groups given up on are kept, not destroyed
+(``_retired``: destroying one with a broadcast unanswered blocks for its whole timeout).
 
 Run on CPU with gloo (tests/e2e/test_sync_to_rollout.py: log-prob parity through training, TP1 and
 TP2 pieces; across simulated nodes in tests/e2e/test_several_nodes.py; tools/bench/weight_sync.py
@@ -27,7 +31,9 @@ the buffer at each end; docs/rollout_engine.md). TODO(gpu), not run yet: NCCL (t
 tensors); the lent GPU machines have one GPU, and NCCL joins no two processes on one GPU. Its receive
 buffer is on the engine actor's GPU, so the engine must hold one of its own: vLLM TP = 1
 (rlmega/launch/engines.py gives a TP > 1 engine's actor no GPU) and not colocated with a trainer rank;
-rlmega/config/validate.py refuses the other cases.
+rlmega/config/validate.py refuses the other cases, and several senders with several engines (each
+sender has its own communicator with every engine: engines taking the broadcasts in different orders
+could deadlock on their GPUs).
 """
 from __future__ import annotations
 
@@ -54,11 +60,16 @@ class _Group:
     store: object  # the rendezvous (the sender hosts it; kept alive with the group)
     next_seq: int = 0  # the next bucket to broadcast (sender) or receive (engine)
     broken: str | None = None
+    clean: bool = True  # (sender) every sync through it has flushed: the engines are in step with it
     turn: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
 
+_PROCESS = uuid.uuid4().hex[:12]  # this process's part of its groups' names
 _joined: dict[str, _Group] = {}  # an engine's groups, by name
 _sending: dict[str, _Group] = {}  # a sender process's groups, by its transport's key
+# Groups given up on, never deleted: destroying a gloo group with a broadcast still unanswered blocks for
+# its whole timeout (up to 30 min in a run), so a failure would be reported that late. One per failure.
+_retired: list[_Group] = []
 _lock = threading.Lock()
 
 
@@ -128,14 +139,17 @@ def _backend(device: torch.device) -> str:
 
 # ---- the engine's side (called by RolloutWorker.join_weight_group / receive_broadcast) -----------
 def join(name: str, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
-    """Join sender group ``name`` as ``rank``: returns once every member has joined."""
+    """Join sender group ``name`` as ``rank``: returns once every member has joined. The same sender's
+    earlier group (a name that differs only after its last dot) is retired: the sender gave it up."""
     import torch.distributed as dist
 
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("a weight group over NCCL needs a GPU in the engine's actor (vLLM tensor parallel "
-                               "size 1; at TP > 1 the actor holds none): use rollout.weight_transport: ray")
-        torch.cuda.set_device(torch.cuda.current_device())
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("a weight group over NCCL needs a GPU in the engine's actor (vLLM tensor parallel "
+                           "size 1; at TP > 1 the actor holds none): use rollout.weight_transport: ray")
+    sender = name.rpartition(".")[0] + "."
+    with _lock:
+        for old in [g for n, g in _joined.items() if n.startswith(sender)]:
+            _retire(old, "its sender made a new group")
     store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
     pg = _new_process_group(dist.PrefixStore(name, store), rank, world, backend, timeout_s)
     with _lock:
@@ -156,7 +170,7 @@ def receive(name: str, seq: int, toc: list[tuple], timeout_s: float) -> Bucket:
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
         flat = torch.empty(nbytes_of(toc), dtype=torch.uint8, device=device)
         try:
-            group.pg.broadcast(flat, 0).wait()
+            _ended(group.pg.broadcast(flat, 0), group.backend)
         except BaseException as e:
             _break(group, f"{type(e).__name__}: {e}")
             raise
@@ -165,13 +179,30 @@ def receive(name: str, seq: int, toc: list[tuple], timeout_s: float) -> Bucket:
     return unflatten(flat, toc)
 
 
+def _ended(work, backend: str) -> None:
+    """Wait for a broadcast. NCCL's ``wait`` only orders the current stream after it: synchronise, so its
+    bytes are there. A broken NCCL broadcast is not an exception here: NCCL's watchdog ends the process
+    when the group's timeout passes (TORCH_NCCL_ASYNC_ERROR_HANDLING), and Ray names the engine or
+    trainer rank that died."""
+    work.wait()
+    if backend == "nccl":
+        torch.cuda.current_stream().synchronize()
+
+
 def _break(group: _Group, why: str) -> None:
     """Out of step for good: refuse its later buckets, forget it (the sender makes a new group)."""
     with _lock:
-        _joined.pop(group.name, None)
+        _retire(group, why)
     with group.turn:
-        group.broken = group.broken or why
         group.turn.notify_all()
+
+
+def _retire(group: _Group, why: str) -> None:
+    """(under _lock) Out of the registries for good, kept alive (see _retired)."""
+    group.broken = group.broken or why
+    if _joined.get(group.name) is group:
+        del _joined[group.name]
+    _retired.append(group)
 
 
 # ---- the sender's side ----------------------------------------------------------------------------
@@ -193,7 +224,10 @@ class CollectiveTransport(RayTransport):
         while len(self._in_flight) >= self.max_in_flight:
             self._wait(*self._in_flight.popleft())
         flat, toc = self._put(bucket)
-        group = self._group(_backend(flat.device))
+        # A sync's first bucket: a group whose last sync did not flush (this rank failed between its
+        # sends) may be out of step with the engines: make a new one.
+        group = self._group(_backend(flat.device), fresh=self._version is None)
+        group.clean = False
         seq, group.next_seq = group.next_seq, group.next_seq + 1
         try:
             refs = [e.receive_broadcast.remote(group.name, seq, toc, version, self.sender, self.timeout_s)
@@ -216,20 +250,30 @@ class CollectiveTransport(RayTransport):
         try:
             super()._wait(refs, what)
             if work is not None:
-                work.wait()
+                _ended(work, _backend(flat.device))
         except BaseException as e:
             self._drop(f"{type(e).__name__}: {e}")
             raise
 
-    def _group(self, backend: str) -> _Group:
-        """This process's group with the engines (made at the first send, and after a failure)."""
+    def flush(self) -> None:
+        super().flush()  # (a failure has dropped the group: _wait)
         group = _sending.get(self.key)
-        if group is not None and group.backend == backend and not group.broken:
+        if group is not None:
+            group.clean = True
+
+    def _group(self, backend: str, fresh: bool) -> _Group:
+        """This process's group with the engines (made at the first send, after a failure, and when
+        the last sync through it did not flush)."""
+        group = _sending.get(self.key)
+        if group is not None and group.backend == backend and not group.broken and (group.clean or not fresh):
             return group
+        if group is not None:
+            self._drop("replaced")
         import ray
         import torch.distributed as dist
 
-        name, world = uuid.uuid4().hex, 1 + len(self.engines)
+        # The engines retire this sender's earlier group when it joins one with the same name up to the last dot.
+        name, world = f"{self.key}.{_PROCESS}.{uuid.uuid4().hex[:8]}", 1 + len(self.engines)
         host = ray.util.get_node_ip_address()
         store = dist.TCPStore(host, 0, world, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=self.timeout_s))
@@ -248,6 +292,7 @@ class CollectiveTransport(RayTransport):
 
     def _drop(self, why: str) -> None:
         """A failure leaves the group out of step: the next send makes a new one."""
-        group = _sending.pop(self.key, None)
-        if group is not None:
-            group.broken = why
+        with _lock:
+            group = _sending.pop(self.key, None)
+            if group is not None:
+                _retire(group, why)

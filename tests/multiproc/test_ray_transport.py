@@ -92,7 +92,7 @@ class BroadcastEngine(KeepingEngine):
         self.finished.append(version)
 
     def state(self) -> dict:
-        return {"joins": self.joins, "finished": self.finished, "got": self.got}
+        return {"joins": self.joins, "finished": self.finished, "got": self.got, "groups": len(collective._joined)}
 
 
 @pytest.fixture(scope="module")
@@ -232,12 +232,14 @@ def test_collective_failure_names_the_engine_and_the_next_sync_makes_a_new_group
         transport.flush()
     ray.get(engines[1].__ray_call__.remote(lambda self: setattr(self, "fail_on", None)))
     for k in range(3):
-        transport.send(_mixed_bucket(k), 4)
+        transport.send([(n.replace("b", "c", 1), t) for n, t in _mixed_bucket(100 + k)], 4)  # new values and names
     transport.flush()
     for state in ray.get([e.state.remote() for e in engines]):
-        assert state["joins"] == 2 and state["finished"] == [4]
-        got = dict(state["got"][-18:])  # the second sync's 3 buckets of 6
-        assert torch.equal(got["b2.w"], _mixed_bucket(2)[0][1])
+        # a new group for the second sync; the engine retired the first (one group left, not two)
+        assert state["joins"] == 2 and state["finished"] == [4] and state["groups"] == 1
+        got = dict(state["got"])
+        for k in range(3):
+            assert torch.equal(got[f"c{100 + k}.w"], _mixed_bucket(100 + k)[0][1])
 
 
 def test_flatten_keeps_each_tensors_bytes_and_refuses_a_bucket_on_two_devices():
@@ -254,3 +256,19 @@ def test_flatten_keeps_each_tensors_bytes_and_refuses_a_bucket_on_two_devices():
     meta = torch.empty(3, device="meta")
     with pytest.raises(ValueError, match="several devices"):
         collective.flatten([("a", torch.ones(3)), ("b", meta)])
+
+
+def test_collective_sync_that_did_not_flush_leaves_its_group_to_a_new_one(cluster):
+    """A rank that failed between its sends never flushed: the engines may be out of step with its group."""
+    Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)
+    engines = [Engine.remote()]
+    first = CollectiveTransport(engines)
+    first.send(_mixed_bucket(0), 1)
+    ray.get(first._in_flight[0][0])  # received, never flushed
+    again = CollectiveTransport(engines)  # the next sync's copy of the same transport, in the same process
+    again.key = first.key
+    again.send(_mixed_bucket(1), 2)
+    again.flush()
+    state = ray.get(engines[0].state.remote())
+    assert state["joins"] == 2 and state["groups"] == 1 and state["finished"] == [2]
+    assert torch.equal(dict(state["got"])["b1.w"], _mixed_bucket(1)[0][1])

@@ -128,6 +128,10 @@ def test_collective_weight_transport_needs_an_engine_actor_with_a_gpu_on_cuda():
     assert "holds none" in msg and "rollout.weight_transport=ray" in msg
     msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", field="rollout.weight_transport")
     assert "colocate" in msg and "one GPU" in msg
+    msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", "cluster.colocate=false",
+                  "rollout.num_engines=2", "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=2",
+                  field="rollout.weight_transport")
+    assert "deadlock" in msg and "2 sending trainer ranks" in msg
     cfg = RLConfig()
     cfg.rollout.weight_transport, cfg.rollout.device, cfg.cluster.colocate = "collective", "cuda", False
     assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]  # TP 1: its actor has the GPU
