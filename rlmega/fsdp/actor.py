@@ -309,6 +309,8 @@ class FSDPActor(Actor):
                 sent["bytes"] += t.numel() * t.element_size()
                 sent["names_and_shapes"].append((name, tuple(t.shape)))
 
+        if sender and hasattr(transport, "begin"):
+            transport.begin(version, bucket_bytes)  # the engines' reloads start while the first bucket is gathered
         bucket, size = [], 0
         for name, value in self.policy.iter_full_tensors():
             sent["gathered"] += 1

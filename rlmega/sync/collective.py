@@ -215,10 +215,14 @@ class CollectiveTransport(RayTransport):
     """
 
     takes_pieces = True  # the engines place each TP rank's blocks, as with RayTransport
+    local_slots = False  # (it exists for engines on other nodes; on one node RayTransport writes their memory)
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         super().__init__(engines, timeout_s, max_in_flight)
         self.key = uuid.uuid4().hex  # made once (the driver's); every copy of this transport shares it
+
+    def begin(self, version: int, nbytes_hint: int) -> None:
+        """(Nothing to open ahead: the first ``send`` makes or checks the group.)"""
 
     def send(self, bucket: Bucket, version: int) -> None:
         while len(self._in_flight) >= self.max_in_flight:
@@ -245,15 +249,16 @@ class CollectiveTransport(RayTransport):
         """The bucket as one buffer to broadcast (its one copy, as ``ray.put`` is RayTransport's)."""
         return flatten(bucket)
 
-    def _wait(self, refs: list, what: str, work=None, flat=None) -> None:
+    def _wait(self, refs: list, what: str, work=None, flat=None) -> list:
         """The engines' answers to one call and, for a bucket, this side's broadcast having ended."""
         try:
-            super()._wait(refs, what)
+            answers = super()._wait(refs, what)
             if work is not None:
                 _ended(work, _backend(flat.device))
         except BaseException as e:
             self._drop(f"{type(e).__name__}: {e}")
             raise
+        return answers
 
     def flush(self) -> None:
         super().flush()  # (a failure has dropped the group: _wait)

@@ -6,7 +6,9 @@ buckets from one sender rank per stage and hands each bucket to a transport:
     DirectTransport([worker, ...])   engines are objects in this process (tests, one-process runs)
     RayTransport([handle, ...])      engines are Ray actors: the bucket goes into the object store
                                      once, as raw bytes, and every engine reads it from there
-                                     (zero-copy on a node)
+                                     (zero-copy on a node); whole host tensors for engines on the
+                                     sender's node are written straight into their shared memory
+                                     instead (rlmega/sync/local_slots.py)
     CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
                                      through the host (its records ran on one GPU; selected nowhere yet)
     CollectiveTransport([handle, ...])  any node: each bucket broadcast over a torch.distributed group of
@@ -147,6 +149,12 @@ class RayTransport(_Sender):
     """Buckets through Ray's object store, pipelined: the engines take bucket k while the sender
     gathers and puts bucket k+1, and load each bucket as it comes, in the sync's one reload.
 
+    A sync's first bucket opens the sync on every engine (``begin_weights``: their reloads start).
+    When every engine is on this node, buckets of whole host tensors skip the object store: this
+    sender writes them into the engines' shared-memory slots itself (rlmega/sync/local_slots.py; one
+    copy instead of two, and no serial put before the engine starts). TP ranks' pieces, device
+    tensors and engines on other nodes take the object store as below.
+
     At most ``max_in_flight`` buckets (default 2) are unacknowledged: before putting bucket k+2 the
     sender waits until every engine has taken bucket k (handed it to its model process, which has
     room for two unread buckets: rlmega/workers/weight_stream.py), so the object store holds at
@@ -158,6 +166,9 @@ class RayTransport(_Sender):
     """
 
     takes_pieces = True  # the engines place each TP rank's blocks (rlmega/sync/pieces.py)
+    # Buckets of whole host tensors for engines on this node go straight into their shared memory
+    # (rlmega/sync/local_slots.py) instead of the object store; false: always the object store.
+    local_slots = True
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         if max_in_flight < 1:
@@ -165,33 +176,66 @@ class RayTransport(_Sender):
         self.engines, self.timeout_s, self.max_in_flight = list(engines), timeout_s, max_in_flight
         self._in_flight: collections.deque = collections.deque()  # (refs, what), oldest first
         self._version: int | None = None
+        self._local = None  # this sync's LocalSync, when its engines are on this node (set at its first bucket)
+
+    def begin(self, version: int, nbytes_hint: int) -> None:
+        """Open the sync on every engine before the first bucket is ready (their reloads start while
+        the sender gathers it); ``send`` does it at the first bucket otherwise."""
+        if self._version is None and self.local_slots:
+            from rlmega.sync.local_slots import LocalSync
+
+            self._local = LocalSync.begin(self.engines, version, self.sender, nbytes_hint, self.timeout_s, self._wait)
+        self._version = version
 
     def send(self, bucket: Bucket, version: int) -> None:
+        self.begin(version, _nbytes(bucket))  # (once per sync)
+        if self._local is not None and _whole_host_tensors(bucket):
+            self._write_local(bucket)
+            return
+        self._send_through_store(bucket, version)
+
+    def _send_through_store(self, bucket: Bucket, version: int) -> None:
         while len(self._in_flight) >= self.max_in_flight:
             self._wait(*self._in_flight.popleft())
         ref = self._put(bucket)  # once, shared by all engines
         refs = [e.receive_weights.remote(ref, version, self.sender) for e in self.engines]
         self._in_flight.append((refs, f"the bucket starting with {bucket[0][0]!r} (weights version {version})"))
-        self._version = version
+
+    def _write_local(self, bucket: Bucket) -> None:
+        from rlmega.sync.local_slots import Ended
+
+        try:
+            self._local.send(bucket)
+        except Ended:  # the engine's stream failed: its own error says why
+            self.flush()
+            raise
 
     def flush(self) -> None:
         version, self._version = self._version, None
+        local, self._local = self._local, None
+        retired = None
         try:
+            if local is not None:  # layers it could not complete: the RolloutWorker holds their other tensors
+                rest = local.held_back()
+                if rest:
+                    self._send_through_store(rest, version)
             while self._in_flight:
                 self._wait(*self._in_flight.popleft())
+            if version is not None:
+                retired = self._wait([e.finish_weights.remote(version, self.sender) for e in self.engines],
+                                     f"weights version {version}")
         finally:
             self._in_flight.clear()  # after an error the rest is abandoned, not waited on again
-        if version is not None:
-            self._wait([e.finish_weights.remote(version, self.sender) for e in self.engines],
-                       f"weights version {version}")
+            if local is not None:
+                local.end(retired)  # (None after a failure: every slot the sync used is retired)
 
     def _put(self, bucket: Bucket):
         import ray
 
         return ray.put(_RawBucket(bucket))
 
-    def _wait(self, refs: list, what: str) -> None:
-        """Return once every engine has answered one call; raise naming the engine that did not."""
+    def _wait(self, refs: list, what: str) -> list:
+        """Every engine's answer to one call; raise naming the engine that did not answer or failed."""
         import ray
 
         _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
@@ -199,11 +243,22 @@ class RayTransport(_Sender):
             late_ids = {r.hex() for r in late}
             names = ", ".join(f"rollout engine {i}" for i, r in enumerate(refs) if r.hex() in late_ids)
             raise TimeoutError(f"{names} did not load {what} within {self.timeout_s:g} s")
+        out = []
         for i, ref in enumerate(refs):
             try:
-                ray.get(ref)
+                out.append(ray.get(ref))
             except Exception as e:
                 raise RuntimeError(f"rollout engine {i} failed to load {what}: {e}") from e
+        return out
+
+
+def _nbytes(bucket: Bucket) -> int:
+    return sum(t.nbytes for _, t in bucket)
+
+
+def _whole_host_tensors(bucket: Bucket) -> bool:
+    """Buckets the local path writes: whole tensors (not TP ranks' pieces) in host memory."""
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" for _, t in bucket)
 
 
 class CudaIpcTransport(RayTransport):
@@ -219,6 +274,7 @@ class CudaIpcTransport(RayTransport):
     """
 
     takes_pieces = False
+    local_slots = False  # (its buckets are device tensors)
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         super().__init__(engines, timeout_s, max_in_flight)

@@ -67,7 +67,8 @@ def open_sync_dir(ranks: list[int], nbytes_hint: int) -> str:
     return directory
 
 
-def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.Tensor]], ranks: list[int]) -> int:
+def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.Tensor]], ranks: list[int],
+                 tag: str = "") -> int:
     """Write one bucket (file ``seq``) and hand it to every rank's folder; returns its tensor bytes.
 
     The tensors' bytes are written straight from their memory (an object-store view, a trainer's
@@ -75,7 +76,7 @@ def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.
     file is whole, so a reader never sees half a bucket.
     """
     if is_ipc(named_tensors):  # CUDA IPC records, not bytes
-        hand_over(directory, f"{seq:08d}.ipc", pickle.dumps(named_tensors), ranks)
+        hand_over(directory, f"{seq:08d}{tag}.ipc", pickle.dumps(named_tensors), ranks)
         return sum(t.nbytes for _, t in named_tensors)
     head, start, parts, _ = layout(named_tensors)
 
@@ -86,7 +87,7 @@ def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.
                 f.seek(start + off)
                 f.write(byte_array(t.tensor() if isinstance(t, Assembled) else t))
 
-    hand_over(directory, f"{seq:08d}.bin", write, ranks)
+    hand_over(directory, f"{seq:08d}{tag}.bin", write, ranks)
     return sum(t.nbytes for t, _ in parts)
 
 

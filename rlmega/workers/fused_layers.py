@@ -46,6 +46,13 @@ class FusedLayers:
                     out.append(list(group.items()))
         return out
 
+    def take_pending(self) -> list[tuple[str, Any]]:
+        """The held-back tensors, handed over and forgotten here."""
+        with self._lock:
+            out = [item for group in self._pending.values() for item in group.items()]
+            self._pending.clear()
+        return out
+
     def pending(self) -> list[str]:
         """HF names held back because their vLLM layer is still incomplete."""
         with self._lock:

@@ -106,7 +106,8 @@ class RolloutWorker:
             self.vocab_size = self._engine.model_config.get_vocab_size()
             vllm_names, packed = self._run(self._engine.collective_rpc("rlmega_param_names_and_packing"))[0]
             experts = self._run(self._engine.collective_rpc("rlmega_expert_layers"))[0]
-            self._layers = FusedLayers(vllm_names, packed, experts)
+            self._layer_args = (vllm_names, packed, experts)
+            self._layers = FusedLayers(*self._layer_args)
             ranks = self._run(self._engine.collective_rpc("rlmega_rank"))
             self._weights = WeightStream(self, self._layers, ranks)
             # MoE routing replay: what the engine records for each Sample (rlmega/workers/engine_routes.py)
@@ -249,12 +250,23 @@ class RolloutWorker:
         back to back. Requests sent meanwhile wait until the load ends."""
         self._weights.receive(named_tensors, version, sender)
 
-    def finish_weights(self, version: int, sender) -> None:
+    def begin_weights(self, version: int, sender, nbytes_hint: int) -> dict:
+        """Open a sync for a sender on this node that writes its buckets itself (rlmega/sync/local_slots.py):
+        the sync's directory, the model workers' folders in it, this worker's node, and what makes a
+        whole vLLM layer (FusedLayers' arguments)."""
+        import ray
+
+        directory = self._weights.begin(version, sender, nbytes_hint)
+        return {"directory": directory, "ranks": self._weights.ranks, "layers": self._layer_args,
+                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None}
+
+    def finish_weights(self, version: int, sender) -> list[str]:
         """``sender`` sent its last bucket; returns once every bucket of the sync is loaded (the reload
         ends when every sender that sent into it has finished), with the prefix cache reset and
         ``version`` set. Raises if the engine failed to load. It waits for the other senders: a Ray
-        actor hosting the worker needs a thread per sender (rlmega/launch/engines.py gives 256)."""
-        self._weights.finish(version, sender)
+        actor hosting the worker needs a thread per sender (rlmega/launch/engines.py gives 256).
+        Returns the slots the model workers retired in that sync (rlmega/workers/shm_slots.py)."""
+        return self._weights.finish(version, sender)
 
     def join_weight_group(self, name: str, host: str, port: int, rank: int, world: int, backend: str,
                           timeout_s: float) -> None:

@@ -11,6 +11,10 @@ use, every model worker maps it while reading that sync, and the file goes with 
 mappings keep the memory, which the kernel frees when the last process holding one exits, however it
 exits (a RolloutWorker and its engine killed together by Ray leave nothing in /dev/shm).
 
+The writer is the RolloutWorker, or a trainer rank on the engine's node writing its own buckets
+(rlmega/sync/local_slots.py: a pool per engine in that process; it learns the slots its engine's readers
+retired from ``finish_weights``, since the sync directory is gone by then).
+
 Hand-over: the writer fills a free slot (bucket_files' format) and links a ticket ``<seq>.slot``
 holding the slot's first path (its id in every reader's map) into every rank's folder of the sync
 directory, where the rank's stream reads it in order with any bucket files. A slot is free again once
@@ -93,16 +97,17 @@ class SlotPool:
         self._slots: list[_Slot] = []
         self._lock = threading.Lock()
 
-    def write(self, directory: str, seq: int, named_tensors: list, ranks: list[int]) -> int | None:
+    def write(self, directory: str, seq: int, named_tensors: list, ranks: list[int], tag: str = "") -> int | None:
         """Write a bucket into a free slot and hand it to every rank's folder of sync ``directory``;
-        its tensor bytes, or None when no slot can take it (write a file instead)."""
+        its tensor bytes, or None when no slot can take it (write a file instead). ``tag``: this
+        writer's mark in the ticket's name (several processes write into one sync)."""
         if bucket_files.is_ipc(named_tensors):
             return None
         head, start, parts, size = bucket_files.layout(named_tensors)
         slot = self._acquire(size, directory)
         if slot is None:
             return None
-        name = f"{seq:08d}{bucket_files.TICKET}"
+        name = f"{seq:08d}{tag}{bucket_files.TICKET}"
         try:
             slot.data[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
             for t, off in parts:
@@ -142,13 +147,16 @@ class SlotPool:
         self._slots.append(slot)
         return slot
 
-    def end_sync(self, directory: str, failed: bool) -> None:
-        """Sync ``directory``'s reload has returned; call before removing the directory. Drops the slots
-        its readers retired, or, when it failed, every slot it used (a model worker of the failed
-        reload may still read them)."""
+    def end_sync(self, directory: str, failed: bool, retired: list[str] | None = None) -> None:
+        """Sync ``directory``'s reload has returned; call before removing the directory, or pass the
+        ``retired-<id>`` marks found in it. Drops the slots its readers retired, or, when it failed,
+        every slot it used (a model worker of the failed reload may still read them)."""
+        def is_retired(s: _Slot) -> bool:
+            mark = s.retired_mark()
+            return os.path.basename(mark) in retired if retired is not None else os.path.exists(mark)
+
         with self._lock:
-            self._slots = [s for s in self._slots if s.sync != directory or not (
-                failed or os.path.exists(s.retired_mark()))]
+            self._slots = [s for s in self._slots if s.sync != directory or not (failed or is_retired(s))]
 
     def close(self) -> None:
         """Forget every slot (a mapping goes with the last view of it: never unmapped under a writer)."""

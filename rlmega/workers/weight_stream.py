@@ -20,8 +20,10 @@ all finished opens a second reload: correct, only slower.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import os
 import shutil
 import threading
 import time
@@ -30,7 +32,7 @@ from typing import Any
 from rlmega.sync.pieces import Assembler
 from rlmega.workers import bucket_files
 from rlmega.workers.fused_layers import FusedLayers
-from rlmega.workers.shm_slots import SlotPool
+from rlmega.workers.shm_slots import RETIRED, SlotPool
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class _Sync:
         self.seq = itertools.count()
         self.done = threading.Event()  # the reload returned (or failed) and all is cleaned up
         self.error: BaseException | None = None
+        self.retired: list[str] = []  # the readers' retired-slot marks, read before the directory goes
 
 
 class WeightStream:
@@ -85,6 +88,18 @@ class WeightStream:
                 raise RuntimeError(f"{len(names)} weights wait for the pieces of their other TP ranks (e.g. "
                                    f"{names[:4]}): a sync ended without them (a trainer rank that did not send)")
 
+    def begin(self, version: int, sender, nbytes_hint: int) -> str:
+        """Open (or join) a sync for ``sender`` without a bucket; its directory, where a sender on this
+        node writes whole vLLM layers itself (rlmega/sync/local_slots.py). The engine's reload starts now."""
+        with self._lock:
+            sync = self._open
+            if sync is None:
+                self._refuse_if_failed(version)
+                sync = self._start(max(FILE_BYTES, nbytes_hint), version)
+            sync.senders.add(sender)
+            self._by_sender[sender] = sync
+        return sync.directory
+
     def receive(self, named_tensors, version: int, sender) -> None:
         """Hand a bucket's whole layers to the engine (returns once written, not loaded)."""
         named_tensors = list(named_tensors)
@@ -102,7 +117,7 @@ class WeightStream:
                 sync = self._start(max(FILE_BYTES, largest), version)
             sync.senders.add(sender)
             self._by_sender[sender] = sync
-        for chunk in _files(groups, FILE_BYTES):
+        for chunk in files_of_layers(groups, FILE_BYTES):
             try:
                 self._wait_for_room(sync, version)
                 seq = next(sync.seq)
@@ -113,14 +128,15 @@ class WeightStream:
                 raise
         self._wait_for_pieces(sync, version, sender)
 
-    def finish(self, version: int, sender) -> None:
-        """``sender`` has sent everything; returns once what it sent is loaded, with ``version`` set."""
+    def finish(self, version: int, sender) -> list[str]:
+        """``sender`` has sent everything; returns once what it sent is loaded, with ``version`` set: the
+        slots the readers retired in that sync (``retired-<id>`` marks; a writer never fills them again)."""
         with self._lock:
             sync = self._by_sender.pop(sender, None) or self._open
             if sync is None:  # nothing sent and nothing loading: the version alone
                 self._refuse_if_failed(version)
                 self.worker._version = version
-                return
+                return []
             sync.senders.discard(sender)
             # Pieces still waiting: a TP rank's sender has yet to send (or finish); it will, into this sync.
             closing = sync is self._open and not sync.senders and not self.pieces.pending(version)
@@ -142,6 +158,7 @@ class WeightStream:
         if sync.error is not None:
             raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error
+        return sync.retired
 
     def _refuse_if_failed(self, version: int) -> None:
         """A bucket or finish of the version whose sync failed, with no sync open: a sender that was late."""
@@ -184,6 +201,8 @@ class WeightStream:
             self.pieces.clear()  # a failed sync's held pieces never complete
             self._failed = (sync.version, f"{type(sync.error).__name__}: {sync.error}")
         self.slots.end_sync(sync.directory, failed=sync.error is not None)  # (while its tickets are there)
+        with contextlib.suppress(OSError):
+            sync.retired = [n for n in os.listdir(sync.directory) if n.startswith(RETIRED)]
         shutil.rmtree(sync.directory, ignore_errors=True)
         self.worker._loop.call_soon_threadsafe(self.loaded.set)
         sync.done.set()
@@ -216,7 +235,7 @@ class WeightStream:
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error
 
 
-def _files(groups: list[list[tuple[str, Any]]], limit: int):
+def files_of_layers(groups: list[list[tuple[str, Any]]], limit: int):
     """Consecutive whole layers in lists of about ``limit`` bytes (a bigger layer goes alone)."""
     chunk, size = [], 0
     for group in groups:

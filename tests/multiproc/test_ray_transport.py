@@ -24,7 +24,14 @@ from rlmega.sync.transports import RayTransport  # noqa: E402
 LOAD_S = 0.3
 
 
-class SlowEngine:
+class RemoteEngine:
+    """An engine on another node: RayTransport's buckets come through the object store."""
+
+    def begin_weights(self, version: int, sender, nbytes_hint: int) -> dict:
+        return {"node": "elsewhere", "directory": "", "ranks": [], "layers": ([], {}, {})}
+
+
+class SlowEngine(RemoteEngine):
     """Takes ``delay`` seconds per bucket; fails on a bucket holding ``fail_on``."""
 
     def __init__(self, delay: float = LOAD_S, fail_on: str | None = None):
@@ -49,7 +56,7 @@ class SlowEngine:
         return [c for c in self.calls if "finish" in c]
 
 
-class KeepingEngine:
+class KeepingEngine(RemoteEngine):
     """Keeps a copy of every tensor it is sent (what the engine's weight loader would read)."""
 
     def __init__(self):
@@ -161,6 +168,7 @@ def test_an_engine_failure_surfaces_naming_the_engine(cluster):
 
 def test_an_engine_that_does_not_answer_times_out_naming_the_engine(cluster):
     engines = [cluster.remote(delay=5.0)]
+    ray.get(engines[0].log.remote())  # started (the sync's first call, begin_weights, is timed too)
     transport = RayTransport(engines, timeout_s=0.5)
     transport.send(_buckets(1)[0], 1)
     with pytest.raises(TimeoutError, match=r"rollout engine 0 did not load .*'b0.weight'.*within 0.5 s"):

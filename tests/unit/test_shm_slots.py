@@ -122,6 +122,28 @@ def test_a_slot_viewed_after_the_reload_is_retired_never_refilled(pool):
     assert all(torch.equal(k, s) for k, (_, s) in zip(kept, _weights(0)))
 
 
+def test_a_writer_in_another_process_learns_the_retired_slots_from_the_marks_it_is_given(pool):
+    """A trainer rank writing an engine's slots (rlmega/sync/local_slots.py) ends its sync after the
+    engine removed the directory: it gets the readers' retired-<id> marks (finish_weights) instead."""
+    reader = shm_slots.SlotReader()
+    d = bucket_files.open_sync_dir([0], MB)
+    try:
+        pool.write(d, 0, _weights(0), [0], tag="-sender")
+        assert os.listdir(os.path.join(d, "0")) == ["00000000-sender.slot"]  # its writer's mark in the name
+        pool.write(d, 1, _weights(1), [0], tag="-sender")
+        bucket_files.end(d)
+        kept = [t for n, t in bucket_files.read_stream(d, 0, 5, slots=reader) if n == "a.weight"][:1]
+        reader.finish()  # the first bucket's slot is still viewed: retired
+        marks = [n for n in os.listdir(d) if n.startswith(shm_slots.RETIRED)]
+        assert len(marks) == 1 and len(pool) == 2
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    pool.end_sync(d, failed=False, retired=marks)
+    assert len(pool) == 1  # the retired one dropped, the other kept for the next sync
+    got = _sync(pool, {0: reader}, [_weights(2)], ranks=(0,))
+    assert _equal(got[0], _weights(2)) and torch.equal(kept[0], _weights(0)[0][1])
+
+
 def test_slots_are_taken_back_while_a_stream_is_read(pool):
     """Writer and reader at once, as in a sync: slots come back as the loader moves on, so a few serve many buckets."""
     reader = shm_slots.SlotReader()

@@ -30,7 +30,8 @@ the warm-up and each number below is the best of the others.
                 nothing serialized or sent.
     send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
       put_s       ``ray.put``: serializing the buckets into the object store (collective: copying
-                  each into the one buffer it broadcasts);
+                  each into the one buffer it broadcasts; ``ray`` on the engine's node: writing
+                  them into the engine's shared-memory slots, also reported as ``local_s``);
       wait_s      waiting for the engine: to take buckets (before putting bucket k+2) and, in
                   flush, for its reload to end.
     engine_s    the span the engine's reload is open: from the first bucket reaching
@@ -51,12 +52,15 @@ the warm-up and each number below is the best of the others.
                 allows at best. ``gather_cpu_s`` and ``reload_cpu_s`` are the same for the gather alone and
                 for the engine's own reload.
 
-``--transports`` (default ``ray,ray-stopwait,collective``): ``ray`` is rlmega.sync.transports.RayTransport as
-production uses it (each tensor's own bytes through the object store, pipelined: the engine takes
-bucket k while the sender gathers and puts bucket k+1, at most two in flight; one reload for the
-sync; the engine's worker hands the pieces to vLLM through shared-memory slots kept across syncs);
-``ray-files`` is the same with a new /dev/shm file for every piece (the path before the slots, and
-still the fallback); ``ray-stopwait`` is the same transport flushing after every bucket, so each
+``--transports`` (default ``ray,ray-store,ray-stopwait,collective``): ``ray`` is
+rlmega.sync.transports.RayTransport as production uses it: pipelined, one reload for the sync; a
+bucket of whole host tensors for an engine on the sender's node is written by the sender straight
+into the engine's shared-memory slots (rlmega/sync/local_slots.py), TP ranks' pieces go through the
+object store (each tensor's own bytes; the engine takes bucket k while the sender puts bucket k+1, at
+most two in flight) and the engine's worker copies them into its slots; ``ray-store`` is the same with
+every bucket through the object store (the path before the local slots; engines on other nodes);
+``ray-files`` is ``ray-store`` with a new /dev/shm file for every piece (the path before the slots,
+and still the fallback); ``ray-stopwait`` is the same transport flushing after every bucket, so each
 bucket is its own reload and nothing overlaps (the mechanism before issues 12 and 26), to show what
 they buy; ``collective`` is rlmega.sync.collective.CollectiveTransport (``rollout.weight_transport:
 collective``): each bucket broadcast over a gloo group of the sender and the engine, the path that
@@ -98,7 +102,8 @@ class NullEngine:
 
 
 TRANSPORTS = {
-    "ray": "rlmega.sync.transports.RayTransport, pipelined (production)",
+    "ray": "rlmega.sync.transports.RayTransport, pipelined (production): on this node the sender writes the engine's slots",
+    "ray-store": "the same through the object store, the RolloutWorker writing the slots (before local slots)",
     "ray-files": "the same, each piece of a bucket a new /dev/shm file: no shared-memory slots (before them)",
     "ray-stopwait": "the same, flushing after every bucket: one reload each, nothing overlaps (before issues 12, 26)",
     "collective": "rlmega.sync.collective.CollectiveTransport: each bucket broadcast over gloo (the path between nodes)",
@@ -113,13 +118,14 @@ def _timed_transport_cls(collective: bool):
         """RayTransport that times its put and wait parts; ``flush`` appends one row per sender and
         sync to ``log_dir``/PID.jsonl. ``stop_and_wait``: flush after every bucket."""
 
-        def __init__(self, engines, log_dir: str, stop_and_wait: bool):
+        def __init__(self, engines, log_dir: str, stop_and_wait: bool, local_slots: bool = True):
             super().__init__(engines)
             self.log_dir, self.stop_and_wait = log_dir, stop_and_wait
+            self.local_slots = local_slots and not collective
             # Flushing after every bucket waits for the sync's reload, which waits for every TP rank's
             # blocks of a tensor: with pieces, ranks flushing at different tensors would wait on each other.
             self.takes_pieces = not stop_and_wait
-            self._clock = {"send_s": 0.0, "put_s": 0.0, "wait_s": 0.0}
+            self._clock = {"send_s": 0.0, "put_s": 0.0, "wait_s": 0.0, "local_s": 0.0}
 
         def _timed(self, key, fn, *args):
             t0 = time.perf_counter()
@@ -142,6 +148,10 @@ def _timed_transport_cls(collective: bool):
         def _put(self, bucket):
             return self._timed("put_s", super()._put, bucket)
 
+        def _write_local(self, bucket):  # the sender's copy into the engine's slots: what the put was
+            write = super()._write_local
+            return self._timed("local_s", lambda b: self._timed("put_s", write, b), bucket)
+
         def _wait(self, *pending):
             return self._timed("wait_s", super()._wait, *pending)
 
@@ -151,7 +161,8 @@ def _timed_transport_cls(collective: bool):
 def make_transport(kind: str, engines, log_dir: str):
     if kind not in TRANSPORTS:
         raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
-    return _timed_transport_cls(kind == "collective")(engines, log_dir, stop_and_wait=kind == "ray-stopwait")
+    return _timed_transport_cls(kind == "collective")(engines, log_dir, stop_and_wait=kind == "ray-stopwait",
+                                                      local_slots=kind in ("ray", "ray-stopwait"))  # (not ray-files)
 
 
 def _timed_rollout_worker_cls():
@@ -420,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layouts", default="1x1,2x2", help="comma-separated TPxPP, world = TP*PP")
     p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (production's default: 512)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported), after 1 warm-up")
-    p.add_argument("--transports", default="ray,ray-stopwait,collective",
+    p.add_argument("--transports", default="ray,ray-store,ray-stopwait,collective",
                    help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()))
     p.add_argument("--profile-engine", action="store_true",
                    help="cProfile one sync's receive_weights/finish_weights in the engine's actor "
