@@ -310,7 +310,7 @@ class FSDPActor(Actor):
                 sent["names_and_shapes"].append((name, tuple(t.shape)))
 
         if sender and hasattr(transport, "begin"):
-            transport.begin(version, bucket_bytes)  # the engines' reloads start while the first bucket is gathered
+            transport.begin(version, 0)  # the engines' reloads start while the first bucket is gathered
         bucket, size = [], 0
         for name, value in self.policy.iter_full_tensors():
             sent["gathered"] += 1

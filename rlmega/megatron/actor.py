@@ -383,7 +383,7 @@ class MegatronActor(Actor):
         # Expert parallelism splits the experts over data-parallel ranks: replica 0's expert gathers
         # need every EP rank, so with EP > 1 every rank iterates (the dense gathers stay per TP group).
         if sender and hasattr(transport, "begin"):
-            transport.begin(version, bucket_bytes)  # the engines' reloads start while the first bucket is gathered
+            transport.begin(version, 0)  # the engines' reloads start while the first bucket is gathered
         if dp_rank == 0 or self.policy.transformer_config.expert_model_parallel_size > 1:
             for bucket in iter_hf_buckets(self.policy.model, self.policy.shape, bucket_bytes, to_first=True,
                                           pieces=pieces):

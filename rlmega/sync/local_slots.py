@@ -4,9 +4,10 @@ Why: through the object store a bucket was copied twice before vLLM's reload rea
 into Ray's object store (``ray.put``, serial: at TP 1 the whole model is one bucket, 0.03 s of a
 0.28 s sync of the 0.4 GB benchmark model), then by the RolloutWorker into a shared-memory slot
 (rlmega/workers/shm_slots.py). A sender on the engine's node can write the slot itself: one copy,
-and the engine's reload starts before it (``begin_weights`` opens the sync at the first bucket).
+and the engine's reload starts before it (``begin_weights`` opens the sync before the first bucket is
+gathered: RayTransport.begin, which the actors call).
 
-    a sync's first bucket   begin_weights on every engine: the sync's directory (the engine's one
+    a sync's start          begin_weights on every engine: the sync's directory (the engine's one
                             reload starts reading it), its model workers' folders, its node, and
                             what makes a whole vLLM layer (rlmega/workers/fused_layers.py)
     each bucket             whole vLLM layers (the incomplete ones held back, as the RolloutWorker
@@ -19,8 +20,10 @@ and the engine's reload starts before it (``begin_weights`` opens the sync at th
 The slots follow shm_slots' protocol unchanged (tickets, held reads, retired slots); this process is
 their writer instead of the RolloutWorker. A pool per engine: a model worker maps a slot at the first
 sync it reads it in, while its file is still in that sync's directory, so a slot serves one engine.
-RayTransport uses it for buckets of whole CPU tensors when every engine is on this node; TP ranks'
-pieces (rlmega/sync/pieces.py) still go through the object store, where the RolloutWorker places them.
+RayTransport uses it for buckets of whole CPU tensors when its one engine is on this node; TP ranks'
+pieces (rlmega/sync/pieces.py) still go through the object store, where the RolloutWorker places them,
+and so do several engines' buckets (this sender would copy each bucket once per engine, one after the
+other; through the object store it is copied once, and the engines copy it in parallel).
 """
 from __future__ import annotations
 
@@ -56,8 +59,12 @@ class LocalSync:
 
         infos = answers([e.begin_weights.remote(version, sender, nbytes_hint) for e in engines],
                         f"the start of weights version {version}")
-        here = ray.get_runtime_context().get_node_id()
-        if not infos or any(i["node"] != here or os.path.dirname(i["directory"]) != bucket_files.SHM for i in infos):
+        if len(infos) != 1:  # several engines: one object-store copy that their workers copy in parallel
+            return None
+        here, info = ray.get_runtime_context().get_node_id(), infos[0]
+        # (the folder check: a Ray Client driver reports the head's node, and a private /dev/shm hides it)
+        if info["node"] != here or os.path.dirname(info["directory"]) != bucket_files.SHM or \
+                not os.path.isdir(os.path.join(info["directory"], str(info["ranks"][0]))):
             return None
         return LocalSync(engines, infos, sender, timeout_s)
 
@@ -70,7 +77,7 @@ class LocalSync:
                     self._wait_for_room(directory, ranks)
                     if pool.write(directory, seq, chunk, ranks, self.tag) is None:  # no slot free: a file
                         bucket_files.write_bucket(directory, seq, chunk, ranks, self.tag)
-                except OSError as e:  # the sync's directory went with a failed reload: finish says why
+                except FileNotFoundError as e:  # the sync's directory went with a failed reload: finish says why
                     raise Ended(f"the engine's weight stream {directory} ended while buckets still came: {e}") from e
 
     def held_back(self) -> list:

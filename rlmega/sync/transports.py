@@ -24,8 +24,9 @@ rank sends and nobody gathers, and a sender flushes only after its last bucket (
 sync's reload, which waits for every TP rank's blocks). The sender calls ``flush()`` before the sync's closing barrier.
 
 The engine side (RolloutWorker) is ``receive_weights(bucket, version, sender)`` per bucket and
-``finish_weights(version, sender)`` at the flush: the engine loads a sync's buckets in ONE vLLM
-reload, opened by the first bucket and closed once every sender has finished
+``finish_weights(version, sender)`` at the flush, and ``begin_weights`` (RayTransport, at the sync's
+start: rlmega/sync/local_slots.py): the engine loads a sync's buckets in ONE vLLM reload, opened by
+``begin_weights`` or the first bucket and closed once every sender has finished
 (rlmega/workers/weight_stream.py). ``sender`` is a key per transport copy.
 """
 from __future__ import annotations
@@ -180,7 +181,8 @@ class RayTransport(_Sender):
 
     def begin(self, version: int, nbytes_hint: int) -> None:
         """Open the sync on every engine before the first bucket is ready (their reloads start while
-        the sender gathers it); ``send`` does it at the first bucket otherwise."""
+        the sender gathers it); ``send`` does it at the first bucket otherwise. ``nbytes_hint``: the
+        largest tensor known to come (the engine keeps shared memory for it, else uses a disk folder)."""
         if self._version is None and self.local_slots:
             from rlmega.sync.local_slots import LocalSync
 
@@ -188,11 +190,22 @@ class RayTransport(_Sender):
         self._version = version
 
     def send(self, bucket: Bucket, version: int) -> None:
-        self.begin(version, _nbytes(bucket))  # (once per sync)
-        if self._local is not None and _whole_host_tensors(bucket):
-            self._write_local(bucket)
-            return
-        self._send_through_store(bucket, version)
+        try:
+            self.begin(version, max(t.nbytes for _, t in bucket))  # (once per sync)
+            if self._local is not None and _whole_host_tensors(bucket):
+                self._write_local(bucket)
+                return
+            self._send_through_store(bucket, version)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A send failed: this copy's sync is over (the caller fails the sync), and the slots it wrote
+        are never filled again (a reader may still view them, or never mapped them)."""
+        local, self._local, self._version = self._local, None, None
+        if local is not None:
+            local.end(None)
 
     def _send_through_store(self, bucket: Bucket, version: int) -> None:
         while len(self._in_flight) >= self.max_in_flight:
@@ -209,6 +222,8 @@ class RayTransport(_Sender):
         except Ended:  # the engine's stream failed: its own error says why
             self.flush()
             raise
+        # Any other failure (no room left, no engine reading): no finish, so the engine never labels the
+        # weights it loaded so far with this version; its stream ends failed at its idle timeout.
 
     def flush(self) -> None:
         version, self._version = self._version, None
@@ -228,6 +243,11 @@ class RayTransport(_Sender):
             self._in_flight.clear()  # after an error the rest is abandoned, not waited on again
             if local is not None:
                 local.end(retired)  # (None after a failure: every slot the sync used is retired)
+
+    def __getstate__(self):  # a copy for another process starts with no sync of its own
+        state = super().__getstate__()
+        state.update(_local=None, _version=None, _in_flight=collections.deque())
+        return state
 
     def _put(self, bucket: Bucket):
         import ray
@@ -250,10 +270,6 @@ class RayTransport(_Sender):
             except Exception as e:
                 raise RuntimeError(f"rollout engine {i} failed to load {what}: {e}") from e
         return out
-
-
-def _nbytes(bucket: Bucket) -> int:
-    return sum(t.nbytes for _, t in bucket)
 
 
 def _whole_host_tensors(bucket: Bucket) -> bool:

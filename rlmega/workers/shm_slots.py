@@ -75,10 +75,11 @@ class _Slot:
 
     def free(self) -> bool:
         # A ticket is renamed <seq>.held at most once, then unlinked: a check of the first name, then
-        # of the second, cannot miss one that is moving. A reader retiring the slot says so first.
-        return not self.writing and not os.path.exists(self.retired_mark()) and not any(
+        # of the second, cannot miss one that is moving. A reader retiring the slot marks it before it
+        # unlinks the ticket, so the mark is looked for after the tickets: one of the two is seen.
+        return not self.writing and not any(
             os.path.exists(t) or os.path.exists(t.removesuffix(bucket_files.TICKET) + bucket_files.HELD)
-            for t in self.tickets)
+            for t in self.tickets) and not os.path.exists(self.retired_mark())
 
     def retired_mark(self) -> str:
         return retired_mark(self.sync or "", self.path)

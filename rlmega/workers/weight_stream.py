@@ -156,6 +156,8 @@ class WeightStream:
                 self._close(sync)
         sync.done.wait()
         if sync.error is not None:
+            # again: a writer in another process (local_slots.py) may have added a file after the first removal
+            shutil.rmtree(sync.directory, ignore_errors=True)
             raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error
         return sync.retired

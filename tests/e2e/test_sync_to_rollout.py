@@ -178,16 +178,16 @@ def test_corrupt_tensor_in_transit_breaks_parity_and_versions_count(hf_model, en
             _sync(group, engines)
         for _, diff in _sample_and_compare(group, engines):
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF
-        # From this process (the engines' node) RayTransport writes their slots itself
+        # From this process (the engine's node) RayTransport writes one engine's slots itself
         # (rlmega/sync/local_slots.py): a name vLLM does not know fails that sync, named, not a hang;
         # the next sync loads, and parity is back.
-        bad = RayTransport(engines, timeout_s=120)
+        bad = RayTransport(engines[:1], timeout_s=120)
         version = next(VERSION)
         with pytest.raises(RuntimeError, match=r"(?s)rollout engine 0 failed to load weights version "
                                                rf"{version}.*no module or parameter named .layers\.0\.no_such."):
             bad.send([("model.layers.0.no_such.weight", torch.zeros(64, 128))], version)
             bad.flush()
-        assert len(local_slots._pools) == len(engines)  # it went the local way: a slot pool per engine here
+        assert len(local_slots._pools) == 1  # it went the local way: a slot pool for the engine here
         _sync(group, engines)
         for _, diff in _sample_and_compare(group, engines):
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF

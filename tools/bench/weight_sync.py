@@ -31,7 +31,8 @@ the warm-up and each number below is the best of the others.
     send_s      the slowest sender's time inside the transport (``send`` + ``flush``), split into
       put_s       ``ray.put``: serializing the buckets into the object store (collective: copying
                   each into the one buffer it broadcasts; ``ray`` on the engine's node: writing
-                  them into the engine's shared-memory slots, also reported as ``local_s``);
+                  them into the engine's shared-memory slots, waiting for room included, also
+                  reported as ``local_s``);
       wait_s      waiting for the engine: to take buckets (before putting bucket k+2) and, in
                   flush, for its reload to end.
     engine_s    the span the engine's reload is open: from the first bucket reaching
@@ -39,7 +40,9 @@ the warm-up and each number below is the best of the others.
                 worker writes each bucket to shared memory (files of whole layers) while vLLM's
                 one ``reload_weights`` reads them as they come; then the tied-head refresh, CPU
                 expert repack and prefix-cache reset. engine_s - reload_s is what streaming the
-                buckets across processes adds to the engine's own reload.
+                buckets across processes adds to the engine's own reload. With ``ray`` on the
+                engine's node no bucket reaches receive_weights (the sender writes the slots): the
+                span is then the finish alone.
     reloads     vLLM reloads the sync made: 1 with ``ray`` (one per sync), one per bucket with
                 ``ray-stopwait``.
     other_s     sync_s - gather_s - send_s: the barrier, Ray's calls and noise; negative with PP,
