@@ -6,8 +6,8 @@ buckets from one sender rank per stage and hands each bucket to a transport:
     DirectTransport([worker, ...])   engines are objects in this process (tests, one-process runs)
     RayTransport([handle, ...])      engines are Ray actors: the bucket goes into the object store
                                      once, as raw bytes, and every engine reads it from there
-                                     (zero-copy on a node); whole host tensors for engines on the
-                                     sender's node are written straight into their shared memory
+                                     (zero-copy on a node); whole host tensors for one engine on the
+                                     sender's node are written straight into its shared memory
                                      instead (rlmega/sync/local_slots.py)
     CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
                                      through the host (its records ran on one GPU; selected nowhere yet)
@@ -150,11 +150,12 @@ class RayTransport(_Sender):
     """Buckets through Ray's object store, pipelined: the engines take bucket k while the sender
     gathers and puts bucket k+1, and load each bucket as it comes, in the sync's one reload.
 
-    A sync's first bucket opens the sync on every engine (``begin_weights``: their reloads start).
-    When every engine is on this node, buckets of whole host tensors skip the object store: this
-    sender writes them into the engines' shared-memory slots itself (rlmega/sync/local_slots.py; one
-    copy instead of two, and no serial put before the engine starts). TP ranks' pieces, device
-    tensors and engines on other nodes take the object store as below.
+    ``begin`` (the actors call it before gathering; else the first bucket) opens the sync on every
+    engine (``begin_weights``: their reloads start). When the one engine is on this node, buckets of
+    whole host tensors skip the object store: this sender writes them into the engine's shared-memory
+    slots itself (rlmega/sync/local_slots.py; one copy instead of two, and no serial put before the
+    engine starts). TP ranks' pieces, device tensors, engines on other nodes and several engines take
+    the object store as below.
 
     At most ``max_in_flight`` buckets (default 2) are unacknowledged: before putting bucket k+2 the
     sender waits until every engine has taken bucket k (handed it to its model process, which has
@@ -177,7 +178,7 @@ class RayTransport(_Sender):
         self.engines, self.timeout_s, self.max_in_flight = list(engines), timeout_s, max_in_flight
         self._in_flight: collections.deque = collections.deque()  # (refs, what), oldest first
         self._version: int | None = None
-        self._local = None  # this sync's LocalSync, when its engines are on this node (set at its first bucket)
+        self._local = None  # this sync's LocalSync, when its one engine is on this node (set by begin)
 
     def begin(self, version: int, nbytes_hint: int) -> None:
         """Open the sync on every engine before the first bucket is ready (their reloads start while
