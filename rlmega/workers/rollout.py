@@ -8,6 +8,7 @@ fresh process each: vLLM keeps process-wide state).
     sample = worker.generate_one([1, 5, 7], max_tokens=64, seed=3, request_id="a")  # from any thread
     worker.abort("a")                       # from another thread: "a" returns what it has, "abort"
     worker.update_weights(actor.export_hf_weights(), version=step)   # loaded when it returns
+    worker.begin_weights(version=step, sender=key, nbytes_hint=0)  # a sync's start (its reload opens)
     worker.receive_weights(bucket, version=step, sender=key)   # a sync's buckets (transports), then
     worker.finish_weights(version=step, sender=key)            # one reload in the engine for them all
     n = worker.pause_generation(abort_in_flight=True)   # a sync while requests are in flight:
