@@ -94,13 +94,21 @@ class RolloutConfig:
     graphs. null: false on cuda (measured on an H200: generation ~7x faster, the same log-prob parity,
     docs/speed.md), true on cpu (compiling doubles the engine's start for ~10% of generation) and
     whenever the engines record MoE routes (graph replay skips the recording hook; false is refused then)."""
-    weight_transport: Literal["ray", "collective"] = "ray"
+    weight_transport: Literal["ray", "collective", "cuda_ipc"] = "ray"
     """How a weight sync's buckets reach the engines. ray: through Ray's object store (on one node
     each engine reads them from shared memory; the fastest measured here, docs/speed.md). collective:
     broadcast over a torch.distributed group of each sending trainer rank and the engines (gloo for
     CPU tensors, NCCL for CUDA tensors: no object store, and on GPUs no host copy on the trainer's side;
     rlmega/sync/collective.py). NCCL needs vLLM tensor_parallel_size 1, engines on GPUs of their own
-    (cluster.colocate: false), and one engine or one sender (TP = PP = 1); it has not run on a GPU yet."""
+    (cluster.colocate: false), and one engine or one sender (TP = PP = 1); it has not run on a GPU yet.
+    cuda_ipc: the engine opens CUDA IPC handles of the trainer's GPU tensors, no copy through the host
+    (rlmega/sync/cuda_ipc.py; 0.20 s for 0.92 GiB on an H200, outside Ray). A handle opens only on a GPU
+    the engine sees, so it needs rollout.device=cuda, cluster.colocate=true, one engine of
+    tensor_parallel_size 1 and a trainer at pipeline size 1 (its sender, rank 0, shares the engine's GPU)."""
+    attention_backend: Optional[str] = None
+    """vLLM's attention kernels by name (its ``attention_backend`` engine argument, e.g. TRITON_ATTN or
+    FLASH_ATTN); null: vLLM's own choice. Set it where vLLM's default kernels are missing (a vLLM
+    installed without its flash-attention libraries, tools/gpu/README.md)."""
     seed: int = 0
     """Sampling seed; engine i uses seed + i."""
     parity_warn: Optional[float] = None

@@ -258,6 +258,8 @@ def _transport_problems(cfg: RLConfig) -> List[str]:
     which a vLLM TP > 1 engine's actor does not hold (rlmega/launch/engines.py engine_options), and
     which NCCL refuses to share with a trainer rank (one communicator, one rank per GPU)."""
     r, out = cfg.rollout, []
+    if r.weight_transport == "cuda_ipc":
+        return _cuda_ipc_problems(cfg)
     if r.weight_transport != "collective" or r.device != "cuda":
         return out
     if r.tensor_parallel_size > 1:
@@ -276,6 +278,33 @@ def _transport_problems(cfg: RLConfig) -> List[str]:
                            f"(TP x PP) and {r.num_engines} engines: each sender has its own NCCL communicator with "
                            "every engine, and engines taking their broadcasts in different orders can deadlock",
                            "set rollout.weight_transport=ray, or use one engine, or a trainer at TP = PP = 1"))
+    return out
+
+
+def _cuda_ipc_problems(cfg: RLConfig) -> List[str]:
+    """rollout.weight_transport=cuda_ipc: the engine opens handles of the sending rank's GPU memory, and
+    Ray shows each process only its own GPUs (CUDA_VISIBLE_DEVICES). Colocated, trainer rank 0 and the
+    one engine share bundle 0's GPU; the sender is rank 0 (FSDP; Megatron at PP 1: TP rank 0 of
+    replica 0 after gathering its TP shards)."""
+    r, c, p, fix = cfg.rollout, cfg.cluster, cfg.parallelism, "set rollout.weight_transport=ray"
+    why = "a CUDA IPC handle opens only in a process that sees the sender's GPU"
+    out = []
+    if r.device != "cuda":
+        out.append(problem("rollout.weight_transport", f"cuda_ipc with rollout.device={r.device}: CUDA IPC "
+                           "hands over GPU memory", fix + " (on CPU)"))
+        return out
+    if not c.colocate:
+        out.append(problem("rollout.weight_transport", "cuda_ipc with cluster.colocate=false: the engine runs "
+                           f"on GPUs of its own, and {why}", fix + ", or cluster.colocate=true"))
+    if r.num_engines != 1 or r.tensor_parallel_size != 1:
+        out.append(problem("rollout.weight_transport", f"cuda_ipc with rollout.num_engines={r.num_engines} and "
+                           f"tensor_parallel_size={r.tensor_parallel_size}: only one engine of TP 1 shares the "
+                           f"sending rank's GPU, and {why}",
+                           fix + ", or rollout.num_engines=1 and rollout.tensor_parallel_size=1"))
+    if p.pipeline_model_parallel_size > 1:
+        out.append(problem("rollout.weight_transport", f"cuda_ipc with parallelism.pipeline_model_parallel_size="
+                           f"{p.pipeline_model_parallel_size}: each pipeline stage sends from its own GPU, and {why}",
+                           fix + ", or a trainer at pipeline size 1"))
     return out
 
 

@@ -39,7 +39,8 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
             kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
-            record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg)))
+            record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
+            attention_backend=r.attention_backend))
     return engines
 
 

@@ -35,7 +35,7 @@ from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.collective import CollectiveTransport
-from rlmega.sync.transports import RayTransport
+from rlmega.sync.transports import CudaIpcTransport, RayTransport
 from rlmega.workers.coordinator import ActorManager
 
 log = logging.getLogger("rlmega")
@@ -274,7 +274,8 @@ class Roles:
         """rollout.weight_transport's transport to the engines, made once: a CollectiveTransport's trainer
         ranks keep their process groups with the engines across syncs by its key."""
         if self.weight_transport is None:
-            kind = CollectiveTransport if self.cfg.rollout.weight_transport == "collective" else RayTransport
+            kind = {"collective": CollectiveTransport, "cuda_ipc": CudaIpcTransport}.get(
+                self.cfg.rollout.weight_transport, RayTransport)
             self.weight_transport = kind(self.engines, self.call_timeout_s)
         return self.weight_transport
 

@@ -299,7 +299,8 @@ def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
 
 
 def test_start_engines_hands_each_engine_the_resolved_enforce_eager(model_dir, tmp_path, monkeypatch):
-    """rollout.enforce_eager acts: start_engines passes its resolution (and record_routes) to every engine."""
+    """rollout.enforce_eager acts: start_engines passes its resolution (and record_routes, attention_backend) to
+    every engine."""
     from rlmega.config.schema import RLConfig
     from rlmega.launch import engines
     from rlmega.launch.placement import Slot
@@ -328,3 +329,8 @@ def test_start_engines_hands_each_engine_the_resolved_enforce_eager(model_dir, t
         started.clear()
         engines.start_engines(cfg, [None], slots, [1, 1], None)
         assert [(k["enforce_eager"], k["record_routes"]) for k in started] == [(eager, routes)] * 2, (path, setting)
+        assert [k["attention_backend"] for k in started] == [None] * 2  # null: vLLM's own choice
+    cfg.rollout.attention_backend = "TRITON_ATTN"  # acts: every engine is started with it
+    started.clear()
+    engines.start_engines(cfg, [None], slots, [1, 1], None)
+    assert [k["attention_backend"] for k in started] == ["TRITON_ATTN"] * 2

@@ -140,6 +140,23 @@ def test_collective_weight_transport_needs_an_engine_actor_with_a_gpu_on_cuda():
     assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]  # gloo: anywhere
 
 
+def test_cuda_ipc_weight_transport_needs_the_engine_on_the_senders_gpu():
+    msg = rejects("rollout.weight_transport=cuda_ipc", field="rollout.weight_transport")
+    assert "rollout.device=cpu" in msg and "rollout.weight_transport=ray" in msg
+    msg = rejects("rollout.weight_transport=cuda_ipc", "rollout.device=cuda", "cluster.colocate=false",
+                  field="rollout.weight_transport")
+    assert "GPUs of its own" in msg
+    msg = rejects("rollout.weight_transport=cuda_ipc", "rollout.device=cuda", "rollout.num_engines=2",
+                  "parallelism.world_size=2", field="rollout.weight_transport")
+    assert "num_engines=2" in msg
+    msg = rejects("rollout.weight_transport=cuda_ipc", "rollout.device=cuda", "parallelism.world_size=2",
+                  "parallelism.pipeline_model_parallel_size=2", field="rollout.weight_transport")
+    assert "pipeline_model_parallel_size=2" in msg
+    cfg = RLConfig()
+    cfg.rollout.weight_transport, cfg.rollout.device = "cuda_ipc", "cuda"  # colocated, one engine: accepted
+    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]
+
+
 def _problems(cfg) -> list[str]:
     try:
         validate(cfg)
