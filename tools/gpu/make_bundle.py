@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
-"""Make the stripped vLLM 0.26.0 bundle that the GPU machine gets in a few device calls, and print those calls.
+"""Make the bundle that brings `rlmega train`'s missing packages to the GPU machine in a few device calls, and print
+those calls (tools/gpu/prove.py runs the GPU proof list once they are in).
 
-The GPU machine has no internet and takes at most 64 MiB a call (working tree included), so vLLM 0.26.0
-(a 290 MiB wheel) travels stripped (113 MiB unpacked, ~66 MiB as tar.xz) in parts of at most 55 MiB.
-What is stripped and patched, and why, is in tools/gpu/README.md and in BUNDLE_README below (it goes
-inside the bundle). Stdlib only; downloads go through ``pip download``.
+The GPU machine has no internet and takes at most 64 MiB a call (working tree included). It has torch 2.11,
+transformers and most of the scientific stack, but not vLLM, Ray, megatron-core, omegaconf, uvicorn or math-verify.
+So they travel as one xz bundle split into parts that each fit a call:
 
-    python tools/gpu/make_bundle.py                 # -> .gpucarry/{part1,part2,trainer,install.sh,smoke_kernels.py,CALLS.md}
+- vLLM 0.26.0 (a 290 MiB wheel) stripped to ~106 MiB unpacked (no flash-attention, no MoE kernels unless --moe);
+- Ray 2.60.0 (a 76 MiB wheel) without its Java jars and the dashboard's web client (~159 MiB unpacked);
+- the wheels of their and rlmega's dependencies that the machine lacks (MACHINE_PACKAGES says what it has;
+  ``check_closure`` proves every requirement is met by one or the other before anything is written).
+
+What is stripped and patched, and why, is in tools/gpu/README.md and in BUNDLE_README below (it goes inside the
+bundle). Stdlib only; downloads go through ``pip download``.
+
+    python tools/gpu/make_bundle.py                 # -> .gpucarry/{part1,part2,install.sh,smoke_kernels.py,CALLS.md}
+    python tools/gpu/make_bundle.py --moe           # + vLLM's MoE kernels (prove.py step d): one part more
     python tools/gpu/make_bundle.py --offline       # use the cached wheels only
 
 Idempotent: wheels are cached (with their sha256 checked) under <out>/cache/wheels, and the bundle is only
@@ -93,11 +102,82 @@ TRAINER_WHEELS = [
      "fe3835eb8d33daece0e799090eda89719dbccee7aa39ef94eed3818cafa5a7e8"),
 ]
 
+# Ray for the embedded cluster `rlmega train` starts (cp312 manylinux2014), unpacked into ray_tree/ less RAY_STRIP_DIRS.
+RAY_WHEEL = ("ray==2.60.0", "ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl",
+             "b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a")
+RAY_STRIP_DIRS = [
+    "ray/jars/",                     # 33 MB: Java workers (ray_dist.jar); rlmega's workers are Python
+    "ray/dashboard/client/build/",   # 10 MB: the dashboard's web client; rlmega starts Ray with include_dashboard=False
+]
+RAY_MUST_KEEP = ["ray/_raylet.so", "ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet"]
+
+# What else `rlmega train` (setup.py's CORE) and Ray/vLLM need that the machine lacks, as wheels (--no-deps).
+RUN_WHEELS = [
+    ("jsonschema==4.26.0", "jsonschema-4.26.0-py3-none-any.whl",
+     "d489f15263b8d200f8387e64b4c3a75f06629559fb73deb8fdfb525f2dab50ce"),
+    ("jsonschema-specifications==2025.9.1", "jsonschema_specifications-2025.9.1-py3-none-any.whl",
+     "98802fee3a11ee76ecaca44429fda8a41bff98b00a0f2838151b113f210cc6fe"),
+    ("referencing==0.37.0", "referencing-0.37.0-py3-none-any.whl",
+     "381329a9f99628c9069361716891d34ad94af76e461dcb0335825aecc7692231"),
+    ("rpds-py==2026.9.1", "rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+     "addeda51556dac7c1a2f14cda62db8b621cd12afba3091d03a96c72932387eab"),
+    ("uvicorn==0.54.0", "uvicorn-0.54.0-py3-none-any.whl",
+     "505bdb0f318731d45f1f712071fc781a8981f6847a31c902c9f5e652d4f67faf"),
+    ("math-verify==0.9.0", "math_verify-0.9.0-py3-none-any.whl",
+     "3703e7c4885354027fa84409d762a596a2906d1fd4deb78361876bd905a76194"),
+    ("latex2sympy2_extended==1.11.0", "latex2sympy2_extended-1.11.0-py3-none-any.whl",
+     "aebb77d52ce269e25028e4bea89ddb14d242ba36bcf7b636496fb5fd9728d234"),
+]
+
+# The GPU machine's Python packages (the device tool's KINDS.md, "Python packages already there", read
+# 2026-11-17; names only: versions are not listed there). check_closure holds every requirement against this.
+MACHINE_PACKAGES = set("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
+formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna
+imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe
+matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals
+networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft
+pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
+scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six sortedcontainers
+statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
+triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
+zipp""".split())
+
+# vLLM 0.26's requirements that are neither on the machine nor carried, and why an eager-or-graphs dense (and, with
+# --moe, MoE) LLM/AsyncLLM engine runs without them. check_closure stops when vLLM's list and this one drift apart.
+VLLM_LEFT_OUT = {
+    "blake3": "multimodal hashing (text-only prompts)",
+    "prometheus-fastapi-instrumentator": "the API server's metrics (rlmega serves its own)",
+    "lm-format-enforcer": "structured output (patched to lazy annotations)",
+    "llguidance": "structured output (patched)", "outlines-core": "structured output", "lark": "structured output",
+    "xgrammar": "structured output (patched)",
+    "mistral-common": "Mistral tokenizers", "compressed-tensors": "quantized checkpoints",
+    "depyf": "compile debugging dumps", "watchfiles": "the API server's reload", "python-json-logger": "JSON logs",
+    "ijson": "the API server's streaming parser", "anthropic": "the Anthropic-compatible API server",
+    "model-hosting-container-standards": "SageMaker serving", "mcp": "tool servers of the API server",
+    "opentelemetry-sdk": "tracing", "opentelemetry-api": "tracing", "opentelemetry-exporter-otlp": "tracing",
+    "opentelemetry-semantic-conventions-ai": "tracing",
+    "torchcodec": "video/audio inputs", "pynvvideocodec": "video inputs",
+    "flashinfer-python": "flashinfer kernels and sampler (VLLM_USE_FLASHINFER_SAMPLER=0: PyTorch's)",
+    "apache-tvm-ffi": "flashinfer's FFI", "tilelang": "tilelang kernels", "nvidia-cudnn-frontend": "cuDNN attention",
+    "nvtx": "NVTX ranges", "fastsafetensors": "GPU-direct loading", "nvidia-cutlass-dsl": "CuTe-DSL kernels (FA4)",
+    "quack-kernels": "CuTe-DSL kernels", "tokenspeed-mla": "DeepSeek MLA kernels", "humming-kernels": "quant kernels",
+}
+
 # Paths removed from the vllm wheel (each must match something, or the script stops).
 STRIP_FILES = [
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",    # 305 MB FlashAttention-2 (TRITON_ATTN is used instead)
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",    # 153 MB FlashAttention-3
-    "vllm/_moe_C_stable_libtorch.abi3.so",         # 47 MB MoE kernels (torch.ops._moe_C): no MoE models
+    "vllm/_moe_C_stable_libtorch.abi3.so",         # 47 MB MoE kernels (torch.ops._moe_C): no MoE models (kept with --moe)
     "vllm/vllm-rs",                                # 43 MB Rust API-server frontend binary
     "vllm/_flashmla_C.abi3.so",                    # FlashMLA (DeepSeek MLA)
     "vllm/_flashmla_extension_C.abi3.so",
@@ -111,6 +191,7 @@ STRIP_DIRS = [
     "vllm/third_party/tml_fa4/",                   # FA4 for the "inkling" model only
     "vllm/entrypoints/serve/instrumentator/static/",  # swagger-ui assets of the API server
 ]
+MOE_KERNELS = "vllm/_moe_C_stable_libtorch.abi3.so"
 MUST_KEEP = [
     "vllm/_C_stable_libtorch.abi3.so",   # core custom ops, imported unconditionally by platforms/cuda.py
     "vllm/cumem_allocator.abi3.so",      # sleep / wake_up
@@ -146,10 +227,15 @@ TAR_MTIME = 1767225600  # 2026-01-01T00:00:00Z, fixed so that the tar (and its s
 DEVICE_CARRY_LIMIT = 64 * MiB
 
 BUNDLE_README = """\
-# Stripped vLLM 0.26.0 bundle (dense models, eager, TRITON_ATTN, PyTorch sampler, no API server)
+# rlmega's GPU carry: stripped vLLM 0.26.0 (TRITON_ATTN, PyTorch sampler, no API server{moe_title}), Ray 2.60.0, wheels
 
 Made by rlmega's tools/gpu/make_bundle.py (see tools/gpu/README.md there).
-Source: vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl (290 MiB, 708 MiB unpacked) -> vllm_tree/ (~113 MiB).
+Source: vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl (290 MiB, 708 MiB unpacked) -> vllm_tree/;
+ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl (76 MiB, 193 MiB unpacked) -> ray_tree/ (~159 MiB).
+
+## Removed from Ray
+{ray_strip}
+(rlmega starts Ray with include_dashboard=False and Python workers only.)
 
 ## Removed from the vllm package
 {strip}
@@ -169,6 +255,7 @@ third_party/triton_kernels, third_party/flash_linear_attention, third_party/flas
 ## Wheels (wheels/, checked by SHA256SUMS)
 vLLM's runtime dependencies the GPU machine lacks: {deps}
 rlmega's trainer: {trainer}
+What else `rlmega train`, Ray and vLLM need that the machine lacks: {run}
 
 ## Use
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0
@@ -179,7 +266,7 @@ LLM(model=..., enforce_eager=True, attention_backend="TRITON_ATTN", ...)
 
 INSTALL_SH = r"""#!/usr/bin/env bash
 # GENERATED by tools/gpu/make_bundle.py: do not edit, rerun the script.
-# Reassemble, check and install the stripped vLLM @@VLLM_VERSION@@ bundle (+ megatron-core, omegaconf, antlr4) on the GPU machine.
+# Reassemble, check and install the carry (stripped vLLM @@VLLM_VERSION@@, Ray, megatron-core, omegaconf, ...) on the GPU machine.
 # Before it, each device call copied its part:   mkdir -p /tmp/w && cp @@OUTREL@@/partK/* /tmp/w/
 # Usage: bash @@OUTREL@@/install.sh      (env overrides: W=/tmp/w SITE=/tmp/site PY=python3)
 # Then:  export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
@@ -196,7 +283,7 @@ PARTS=(
 @@PARTS@@
 )
 check_import() {
-  PYTHONPATH="$SITE" "$PY" -c "import vllm, vllm._C_stable_libtorch, vllm.cumem_allocator; from vllm import LLM, SamplingParams; from vllm.v1.engine.async_llm import AsyncLLM; import megatron.core, omegaconf; print('vllm', vllm.__version__, 'OK from', vllm.__file__, '| megatron-core', megatron.core.__version__)"
+  PYTHONPATH="$SITE" "$PY" -c "import vllm, vllm._C_stable_libtorch, vllm.cumem_allocator; from vllm import LLM, SamplingParams; from vllm.v1.engine.async_llm import AsyncLLM; import megatron.core, omegaconf, ray, ray._raylet, uvicorn, math_verify, jsonschema; print('vllm', vllm.__version__, 'OK from', vllm.__file__, '| megatron-core', megatron.core.__version__, '| ray', ray.__version__)"
 }
 if [ -f "$SITE/.rlmega_bundle_sha256" ] && [ "$(cat "$SITE/.rlmega_bundle_sha256")" = "$EXP_SHA" ]; then
   echo "bundle $EXP_SHA already installed in $SITE"; check_import; echo "done: export PYTHONPATH=$SITE"; exit 0
@@ -224,9 +311,11 @@ tar -C "$W/x" -xJf "$B"
 mkdir -p "$SITE"
 rm -f "$SITE/.rlmega_bundle_sha256"
 "$PY" -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$W"/x/wheels/*.whl
-rm -rf "$SITE/vllm" "$SITE"/vllm-*.dist-info
+rm -rf "$SITE/vllm" "$SITE"/vllm-*.dist-info "$SITE/ray" "$SITE"/ray-*.dist-info
 cp -a "$W/x/vllm_tree/." "$SITE/"
-cp "$W/x/README.md" "$SITE/VLLM_STRIPPED_README.md"
+cp -a "$W/x/ray_tree/." "$SITE/"
+cp "$W/x/README.md" "$SITE/RLMEGA_CARRY_README.md"
+rm -rf "$W/x" "$B"
 check_import
 echo "$EXP_SHA" > "$SITE/.rlmega_bundle_sha256"
 echo "done: export PYTHONPATH=$SITE"
@@ -309,23 +398,25 @@ def fetch_wheels(wheels, wheel_dir: Path, offline: bool) -> None:
             die(f"{name}: sha256 {got} != expected {want} (not the wheel the bundle was proven with)")
 
 
-# ------------------------------------------------------------------------------------------------ vllm tree
-def _stripped(name: str) -> str | None:
+# ------------------------------------------------------------------------------------------------ trees
+def _stripped(name: str, files: list[str], dirs: list[str]) -> str | None:
     if "/__pycache__/" in name or name.startswith("__pycache__/"):
         return "__pycache__"
-    if name in STRIP_FILES:
+    if name in files:
         return name
-    for d in STRIP_DIRS:
+    for d in dirs:
         if name.startswith(d):
             return d
     return None
 
 
-def stage_vllm_tree(wheel: Path, tree: Path) -> dict:
+def stage_tree(wheel: Path, tree: Path, files: list[str], dirs: list[str], must_keep: list[str]) -> dict:
+    """Unpack ``wheel`` into ``tree`` less ``files`` and ``dirs`` (each rule must match something, every
+    ``must_keep`` file must be there; else the script stops). Returns {rule: [files, bytes]} removed."""
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
-    hits = {k: [0, 0] for k in STRIP_FILES + STRIP_DIRS}
+    hits = {k: [0, 0] for k in files + dirs}
     kept = kept_bytes = 0
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
@@ -334,7 +425,7 @@ def stage_vllm_tree(wheel: Path, tree: Path) -> dict:
                 continue
             if name.startswith("/") or ".." in name.split("/"):
                 die(f"unsafe path in wheel: {name}")
-            rule = _stripped(name)
+            rule = _stripped(name, files, dirs)
             if rule is not None:
                 if rule in hits:
                     hits[rule][0] += 1
@@ -345,18 +436,85 @@ def stage_vllm_tree(wheel: Path, tree: Path) -> dict:
             with z.open(info) as src, open(dest, "wb") as dst:
                 shutil.copyfileobj(src, dst, MiB)
             mode = (info.external_attr >> 16) & 0o777
-            os.chmod(dest, mode if mode else 0o644)
+            os.chmod(dest, mode if mode else 0o644)  # Ray's gcs_server and raylet stay executable
             kept += 1
             kept_bytes += info.file_size
     unmatched = [k for k, (n, _) in hits.items() if n == 0]
     if unmatched:
         die(f"strip rules that match nothing in {wheel.name} (the wheel changed?): {unmatched}")
-    for k in MUST_KEEP:
+    for k in must_keep:
         if not (tree / k).is_file():
             die(f"{k} missing from the staged tree")
-    log(f"vllm tree: kept {kept} files, {kept_bytes / MiB:.1f} MiB; removed "
+    log(f"{tree.name}: kept {kept} files, {kept_bytes / MiB:.1f} MiB; removed "
         f"{sum(b for _, b in hits.values()) / MiB:.1f} MiB")
-    return {k: v for k, v in hits.items()}
+    return hits
+
+
+# ------------------------------------------------------------------------------------------------ closure
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements(wheel: Path) -> list[str]:
+    """Names of what ``wheel`` requires on Python 3.12, Linux x86_64 (extras and other markers' lines left out)."""
+    try:
+        from packaging.markers import Marker
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.markers import Marker
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req, _, marker = line.removeprefix("Requires-Dist:").partition(";")
+        if marker.strip() and not Marker(marker.strip()).evaluate(env):
+            continue
+        out.append(_norm(re.split(r"[\s\[<>=!~(]", req.strip(), maxsplit=1)[0]))
+    return out
+
+
+def check_closure(wheel_dir: Path, wheels: list[tuple[str, str, str]], core: list[str],
+                  machine: set[str] = MACHINE_PACKAGES) -> None:
+    """Every package `rlmega train` needs is on the machine or carried: setup.py's CORE requirements, and each
+    carried wheel's own requirements; vLLM's, except exactly the ones VLLM_LEFT_OUT names. Names only (the
+    machine's versions are not listed). Stops with what is missing."""
+    have = {_norm(n) for n in machine} | {_norm(re.split(r"[=<>]", req)[0]) for req, _, _ in wheels}
+    missing = {}
+    for req in core:
+        name = _norm(re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0])
+        if name not in have:
+            missing.setdefault("setup.py CORE", []).append(name)
+    for req, file, _ in wheels:
+        names = requirements(wheel_dir / file)
+        if file == VLLM_WHEEL[1]:
+            absent = {n for n in names if n not in have}
+            left = {_norm(n) for n in VLLM_LEFT_OUT}
+            if absent != left:
+                die(f"vLLM's requirements and VLLM_LEFT_OUT drifted apart: not carried and not listed: "
+                    f"{sorted(absent - left)}; listed but now carried or gone: {sorted(left - absent)}")
+            continue
+        lack = [n for n in names if n not in have]
+        if lack:
+            missing[req] = lack
+    if missing:
+        die("neither on the GPU machine (MACHINE_PACKAGES) nor carried: " +
+            "; ".join(f"{k} needs {', '.join(v)}" for k, v in missing.items()) + ". Add their wheels to RUN_WHEELS")
+    log(f"closure: setup.py's CORE and every carried wheel's requirements are on the machine or carried "
+        f"({len(VLLM_LEFT_OUT)} of vLLM's left out on purpose)")
+
+
+def setup_core(repo: Path) -> list[str]:
+    """setup.py's CORE requirement strings (read, not imported: importing it runs setup())."""
+    text = (repo / "setup.py").read_text()
+    block = re.search(r"^CORE = \[(.*?)^\]", text, re.S | re.M)
+    if block is None:
+        die("setup.py has no CORE = [...] list")
+    return re.findall(r'"([^"]+)"', re.sub(r"#.*", "", block.group(1)))
 
 
 def apply_patches(tree: Path) -> None:
@@ -392,7 +550,7 @@ def _tarinfo(path: Path, arcname: str) -> tarfile.TarInfo:
 
 def stage_entries(stage: Path) -> list[Path]:
     out = []
-    for top in ("README.md", "wheels", "vllm_tree"):
+    for top in ("README.md", "wheels", "vllm_tree", "ray_tree"):
         p = stage / top
         out.append(p)
         if p.is_dir():
@@ -471,36 +629,29 @@ def worktree_bytes(repo: Path) -> int:
     return total
 
 
-# What the first call measures while it carries part 1: the MFU benchmark on both learners (~100 s on an
-# H200), with the trainer's wheels installed beside it (the bundle, in the later calls, has them too).
-MFU = ("python3 tools/bench/megatron_mfu.py --json $OUT/mfu_megatron.json --profile $OUT/mfu_megatron_kernels.txt"
-       " 2>&1 | tail -3; python3 tools/bench/megatron_mfu.py --backend fsdp --json $OUT/mfu_fsdp.json"
-       " --profile $OUT/mfu_fsdp_kernels.txt 2>&1 | tail -3")
+# The proof list's environment on the GPU machine: the carry first on the path; vLLM's Triton attention (no
+# flash-attention libraries carried) and PyTorch sampler (no flashinfer).
+PROVE_ENV = "PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1"
+PROVE = "python3 tools/gpu/prove.py --attention-backend TRITON_ATTN --out $OUT"
 
 
-def calls(outrel: str, nparts: int) -> list[tuple[list[str], str, int]]:
-    """(carry, command, timeout_s) of each device call, in order. Each part-carrying call before the
-    last copies its part; the first also measures MFU. The last part's call installs the bundle and runs
-    the engine test (the longest, ~320 s on an H200); one more call runs the rest of tests/gpu (~250 s),
-    the install already in place. Split so that no call nears the 600 s limit."""
+def calls(outrel: str, nparts: int, steps: str) -> list[tuple[list[str], str, int]]:
+    """(carry, command, timeout_s) of each device call, in order: every part's call copies its part (the first
+    also says what the machine has); the last part's installs everything and starts tools/gpu/prove.py on
+    ``steps`` with a 560 s deadline; one more call goes on from where that one stopped, with what the lease
+    has left (its --from and timeout are filled in then, from summary.json's next_step and `status`)."""
     seq = []
     for k in range(1, nparts):
         copy = f"mkdir -p /tmp/w && cp {outrel}/part{k}/* /tmp/w/ && ls -l /tmp/w"
         if k == 1:
-            seq.append(([f"{outrel}/part1", f"{outrel}/trainer"],
-                        f"{copy} && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir"
-                        f" --target /tmp/site0 {outrel}/trainer/*.whl && export PYTHONPATH=/tmp/site0:$PWD"
-                        f" PYTHONUNBUFFERED=1 && ({MFU})", 320))
-        else:
-            seq.append(([f"{outrel}/part{k}"], copy, 120))
-    engine_test = "tests/gpu/test_vllm_on_gpu.py"
-    last = (f"set -o pipefail; mkdir -p /tmp/w && cp {outrel}/part{nparts}/* /tmp/w/ && bash {outrel}/install.sh"
-            f" && export {TEST_ENV} RLMEGA_GPU_RESULTS=$OUT/vllm_gpu.json PYTHONUNBUFFERED=1"
-            f" && python3 {outrel}/smoke_kernels.py"
-            f" && python3 -m pytest {engine_test} -s -p no:cacheprovider 2>&1 | tee $OUT/pytest_vllm.log")
-    seq.append(([f"{outrel}/part{nparts}", f"{outrel}/install.sh", f"{outrel}/smoke_kernels.py"], last, 600))
-    seq.append(([], f"set -o pipefail; export {TEST_ENV} && python3 -m pytest tests/gpu --ignore={engine_test}"
-                    f" -p no:cacheprovider --durations=15 2>&1 | tee $OUT/pytest_gpu.log", 400))
+            copy += " && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv && df -h /tmp /dev/shm"
+        seq.append(([f"{outrel}/part{k}"], copy, 120))
+    install = (f"set -o pipefail; mkdir -p /tmp/w && cp {outrel}/part{nparts}/* /tmp/w/ && bash {outrel}/install.sh"
+               f" && export {PROVE_ENV} && python3 {outrel}/smoke_kernels.py && {PROVE} --steps {steps}"
+               f" --deadline-s 560 2>&1 | tee $OUT/prove.log")
+    seq.append(([f"{outrel}/part{nparts}", f"{outrel}/install.sh", f"{outrel}/smoke_kernels.py"], install, 600))
+    seq.append(([], f"set -o pipefail; export {PROVE_ENV} && {PROVE} --steps {steps} --from NEXT --deadline-s "
+                    f"LEFT-40 2>&1 | tee $OUT/prove.log", "LEFT"))
     return seq
 
 
@@ -510,7 +661,10 @@ def main() -> None:
     ap.add_argument("--repo", type=Path, default=repo_default, help="rlmega checkout (default: this script's)")
     ap.add_argument("--out", type=Path, default=None, help="output folder inside the repo (default: <repo>/.gpucarry)")
     ap.add_argument("--cache", type=Path, default=None, help="download/staging cache (default: <out>/cache)")
-    ap.add_argument("--part-mib", type=float, default=55.0, help="largest part, MiB (default 55)")
+    ap.add_argument("--moe", action="store_true", help="keep vLLM's MoE kernels (47 MB, ~39 MiB compressed: one part "
+                    "more) for prove.py's step d")
+    ap.add_argument("--part-mib", type=float, default=0.0, help="largest part, MiB (default: what a call takes "
+                    "beside the working tree, less 2 MiB)")
     ap.add_argument("--xz-preset", type=int, default=9, help="xz preset (default 9: 64 MiB dictionary)")
     ap.add_argument("--offline", action="store_true", help="do not run pip: use cached wheels only")
     args = ap.parse_args()
@@ -525,31 +679,36 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     ensure_excluded(repo, out)
 
-    # 1. wheels
+    # 1. wheels, and the proof that they and the machine hold everything
     wheel_dir = cache / "wheels"
-    fetch_wheels([VLLM_WHEEL] + VLLM_DEP_WHEELS + TRAINER_WHEELS, wheel_dir, args.offline)
+    carried = VLLM_DEP_WHEELS + TRAINER_WHEELS + RUN_WHEELS
+    fetch_wheels([VLLM_WHEEL, RAY_WHEEL] + carried, wheel_dir, args.offline)
+    check_closure(wheel_dir, [VLLM_WHEEL, RAY_WHEEL] + carried, setup_core(repo))
 
-    # 2. stage: README.md, wheels/ (+SHA256SUMS), vllm_tree/
-    stage = cache / "stage"
+    # 2. stage: README.md, wheels/ (+SHA256SUMS), vllm_tree/, ray_tree/
+    stage = cache / ("stage_moe" if args.moe else "stage")
     if stage.exists():
         shutil.rmtree(stage)
     (stage / "wheels").mkdir(parents=True)
-    hits = stage_vllm_tree(wheel_dir / VLLM_WHEEL[1], stage / "vllm_tree")
+    strip_files = [f for f in STRIP_FILES if not (args.moe and f == MOE_KERNELS)]
+    hits = stage_tree(wheel_dir / VLLM_WHEEL[1], stage / "vllm_tree", strip_files, STRIP_DIRS,
+                      MUST_KEEP + ([MOE_KERNELS] if args.moe else []))
+    ray_hits = stage_tree(wheel_dir / RAY_WHEEL[1], stage / "ray_tree", [], RAY_STRIP_DIRS, RAY_MUST_KEEP)
     apply_patches(stage / "vllm_tree")
     sums = []
-    for _, name, want in sorted(VLLM_DEP_WHEELS + TRAINER_WHEELS, key=lambda w: w[1]):
+    for _, name, want in sorted(carried, key=lambda w: w[1]):
         shutil.copy2(wheel_dir / name, stage / "wheels" / name)
         sums.append(f"{want}  {name}\n")
     (stage / "wheels" / "SHA256SUMS").write_text("".join(sums))
-    strip_lines = "\n".join(f"- {k} ({n} files, {b / 1e6:.1f} MB)" for k, (n, b) in hits.items())
+    lines = lambda h: "\n".join(f"- {k} ({n} files, {b / 1e6:.1f} MB)" for k, (n, b) in h.items())  # noqa: E731
     (stage / "README.md").write_text(BUNDLE_README.format(
-        strip=strip_lines,
-        deps=", ".join(r for r, _, _ in VLLM_DEP_WHEELS) + ".",
-        trainer=", ".join(r for r, _, _ in TRAINER_WHEELS) + "."))
+        moe_title=", with MoE kernels" if args.moe else ", dense models only", strip=lines(hits),
+        ray_strip=lines(ray_hits), deps=", ".join(r for r, _, _ in VLLM_DEP_WHEELS) + ".",
+        trainer=", ".join(r for r, _, _ in TRAINER_WHEELS) + ".", run=", ".join(r for r, _, _ in RUN_WHEELS) + "."))
 
     # 3. bundle (recompressed only when the staged content changed)
-    bundle = cache / "bundle.tar.xz"
-    fp_file = cache / "bundle.fingerprint"
+    bundle = cache / ("bundle_moe.tar.xz" if args.moe else "bundle.tar.xz")
+    fp_file = bundle.with_suffix(".fingerprint")
     fp = fingerprint(stage, args.xz_preset)
     if bundle.exists() and fp_file.exists() and fp_file.read_text().strip() == fp:
         log(f"staged content unchanged: reusing {bundle}")
@@ -558,24 +717,21 @@ def main() -> None:
         write_bundle(stage, bundle, args.xz_preset)
         fp_file.write_text(fp + "\n")
     size, digest = bundle.stat().st_size, sha256(bundle)
-    log(f"bundle.tar.xz: {size:,} bytes ({size / MiB:.1f} MiB), sha256 {digest}")
+    log(f"{bundle.name}: {size:,} bytes ({size / MiB:.1f} MiB), sha256 {digest}")
 
-    # 4. parts + trainer/ (the first call's wheels) + install.sh + smoke_kernels.py + CALLS.md
-    part_bytes = int(args.part_mib * MiB)
-    parts = split(bundle, out, part_bytes)
-    trainer = out / "trainer"
-    if trainer.exists():
-        shutil.rmtree(trainer)
-    trainer.mkdir()
-    for _, name, _ in TRAINER_WHEELS:
-        shutil.copy2(wheel_dir / name, trainer / name)
-    trainer_bytes = sum(f.stat().st_size for f in trainer.iterdir())
+    # 4. parts (as few as fit a call beside the working tree, of equal size) + install.sh + smoke_kernels.py + CALLS.md
     tree = worktree_bytes(repo)
+    room = DEVICE_CARRY_LIMIT - tree - 2 * MiB - 64 * 1024  # install.sh, smoke_kernels.py and slack
+    limit = int(args.part_mib * MiB) if args.part_mib else room
+    if limit > room:
+        die(f"--part-mib {args.part_mib} leaves no room for the working tree ({tree / MiB:.1f} MiB) in a 64 MiB call")
+    nparts = -(-size // limit)
+    parts = split(bundle, out, -(-size // nparts))
     for p, n, _ in parts:
         log(f"{p.relative_to(repo)}: {n:,} bytes ({n / MiB:.1f} MiB)")
-    if part_bytes + trainer_bytes + tree + 64 * 1024 > DEVICE_CARRY_LIMIT:
-        log(f"WARNING: a {args.part_mib} MiB part + the trainer's wheels ({trainer_bytes / MiB:.1f} MiB) + the "
-            f"working tree ({tree / MiB:.1f} MiB) may exceed the device call's 64 MiB: use a smaller --part-mib")
+    old_trainer = out / "trainer"  # (an older layout's folder; the bundle holds those wheels)
+    if old_trainer.exists():
+        shutil.rmtree(old_trainer)
     part_lines = "\n".join(f'  "{p.name} {n} {h}"' for p, n, h in parts)
     install = (INSTALL_SH.replace("@@VLLM_VERSION@@", VLLM_VERSION).replace("@@OUTREL@@", outrel)
                .replace("@@SIZE@@", str(size)).replace("@@SHA@@", digest).replace("@@PARTS@@", part_lines))
@@ -583,19 +739,26 @@ def main() -> None:
     os.chmod(out / "install.sh", 0o755)
     (out / "smoke_kernels.py").write_text(SMOKE_PY.replace("@@OUTREL@@", outrel))
 
-    seq = calls(outrel, len(parts))
+    steps = "a,b,c,d,e" if args.moe else "a,b,c,e"
+    seq = calls(outrel, len(parts), steps)
     lines = [f"# Device calls for bundle {digest[:16]} ({size / MiB:.1f} MiB in {len(parts)} parts; "
-             f"working tree {tree / MiB:.1f} MiB)",
+             f"working tree {tree / MiB:.1f} MiB){' with MoE kernels' if args.moe else ''}",
              "# Issue them back to back: /tmp/w lives only while the machine stays warm (~30 s idle).",
-             f"# Call {len(parts)} installs the bundle (install.sh skips one already in /tmp/site); call 1 also measures MFU.",
+             f"# Call {len(parts)} installs the carry and starts tools/gpu/prove.py (steps {steps}); call "
+             f"{len(parts) + 1} goes on from summary.json's next_step.",
              ""]
     for i, (carry, cmd, timeout) in enumerate(seq, 1):
         if len(cmd) > 2000:
             die(f"call {i} command is {len(cmd)} characters (the device takes at most 2000)")
         lines.append(f"call {i}/{len(seq)}: run(carry={json.dumps(carry)}, timeout_s={timeout},")
         lines.append(f"          command={json.dumps(cmd)})")
-    lines += ["", f"Repeating call {len(seq) - 1} on the same warm machine skips the install (install.sh sees the "
-              "bundle's", "sha256 in /tmp/site) and reruns the tests. Then give_back unless you run more at once."]
+    lines += ["", f"Call {len(seq)}: NEXT is summary.json's next_step of call {len(seq) - 1} (none: every step "
+              "passed, skip it); LEFT is `status`'s budget_left_s less 30 (the give-back).",
+              "A step it does not reach is where the next lease starts (docs/gpu.md). Repeating an install call on "
+              "the same warm machine skips the install (install.sh sees the bundle's sha256 in /tmp/site).",
+              "Then give_back unless you run more at once.", "",
+              "If a warm machine still has time after the proof list (../shared/GPU.md item 2), the GPU tests:",
+              f"run(carry=[], timeout_s=LEFT, command={json.dumps(f'set -o pipefail; export {TEST_ENV} && python3 -m pytest tests/gpu -p no:cacheprovider --durations=15 2>&1 | tee $OUT/pytest_gpu.log')})"]
     text = "\n".join(lines) + "\n"
     (out / "CALLS.md").write_text(text)
     print()
