@@ -26,8 +26,12 @@ QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_mo
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
                      tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
                      router_aux_loss_coef=0.001)
+# Qwen2.5-0.5B's published shape: configs/gpu_one.yaml's model (tools/gpu/prove.py makes it with random weights)
+QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                  num_hidden_layers=24, intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=True)
 GPU_CONFIGS = [("qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B), ("llama3_8b_tp2pp2vpp2.yaml", LLAMA3_8B),
-               ("qwen3_30b_a3b_ep8pp2_2nodes.yaml", QWEN3_30B_A3B)]
+               ("qwen3_30b_a3b_ep8pp2_2nodes.yaml", QWEN3_30B_A3B), ("gpu_one.yaml", QWEN25_05B)]
 
 
 @pytest.mark.parametrize("name, hf", GPU_CONFIGS)

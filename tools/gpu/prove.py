@@ -65,7 +65,7 @@ MODELS = {
 # and CUDA graphs need a GPU; batches sized for 2 cores).
 CPU_OVERRIDES = ["rollout.device=cpu", "model.dtype=float32", "rollout.weight_transport=ray",
                  "rollout.enforce_eager=true", "rollout.n=4", "rollout.max_response_tokens=16",
-                 "trainer.prompts_per_step=4", "trainer.global_batch_size=8", "trainer.warmup_sft_steps=20",
+                 "trainer.prompts_per_step=4", "trainer.global_batch_size=8", "trainer.warmup_sft_steps=80",
                  "trainer.warmup_sft_lr=1e-3", "actor.max_tokens_per_micro_batch=512"]
 SMOKE_OVERRIDES = ["trainer.warmup_sft_steps=2"]
 
@@ -98,8 +98,8 @@ class Step:
 STEPS = [
     Step("a", "GRPO, Megatron learner, checkpoint + resume", 480, 300),
     Step("b", "GRPO, FSDP learner, checkpoint + resume", 480, 300),
-    Step("c", "PPO with a learned critic (GAE)", 300, 200),
-    Step("d", "Qwen3-MoE with rollout routing replay (R3)", 300, 200),
+    Step("c", "PPO with a learned critic (GAE)", 300, 300),
+    Step("d", "Qwen3-MoE with rollout routing replay (R3)", 300, 300),
     Step("e", "MFU of both learners (tools/bench/megatron_mfu.py)", 300, 120),
 ]
 STEP_KEYS = [s.key for s in STEPS]
