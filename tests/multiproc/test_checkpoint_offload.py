@@ -3,7 +3,6 @@
 All on real gloo ranks with MegatronModelManager on a tiny Qwen2 model.
 """
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -9,7 +9,6 @@ forward itself). World 1 then runs MegatronActor through the same sequence on th
 world 2 also checks the non-finite skip and the Polyak update.
 """
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch

@@ -3,7 +3,6 @@ the rollout metrics, warm-start targets in the tool format, and Tasks' resumable
 import math
 
 import pytest
-import torch
 
 from rlmega.agents.metrics import rollout_metrics
 from rlmega.agents.sft import sft_example

@@ -44,7 +44,7 @@ def hf_config(arch: str = "qwen2", **over) -> dict:
 def random_hf_tensors(shape: ModelShape, seed: int = 0) -> dict[str, torch.Tensor]:
     """Every HF tensor of a one-layer model, random (norms too, so nothing is trivially 1)."""
     g = torch.Generator().manual_seed(seed)
-    h, d, q_rows, kv_rows = shape.hidden_size, shape.head_dim, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, q_rows, kv_rows = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     p = "model.layers.0."
     sizes = {
         "model.embed_tokens.weight": (shape.vocab_size, h),
