@@ -241,7 +241,7 @@ def _learning_body(path):
 
     def objective():  # advantage-weighted mean log-prob of each response
         lp = actor.compute_logprobs(batch)
-        return float(sum(w * l.mean() for w, l in zip(weights, lp)))
+        return float(sum(w * lp_i.mean() for w, lp_i in zip(weights, lp)))
 
     before = objective()
     for _ in range(4):

@@ -184,7 +184,10 @@ def report(res: dict) -> None:
     warmup = res["warmup"]
     for r in res["runs"]:
         steps = r["steps"][warmup:]
-        med = (lambda k: statistics.median(s.get(k, 0.0) for s in steps) if steps else float("nan"))
+
+        def med(k: str, steps: list = steps) -> float:  # steps bound now: a new list each iteration
+            return statistics.median(s.get(k, 0.0) for s in steps) if steps else float("nan")
+
         acc = f"{r['final_accuracy']:.3f}" if r.get("final_accuracy") is not None else "-"
         cpu = f"{r['cpu_busy']:.2f}" if r.get("cpu_busy") is not None else "-"
         print(f"{r['workload']:>8} {r['side']:>9} {r['round']:>5} {r['wall_s']:7.0f} {len(steps):>5} "
