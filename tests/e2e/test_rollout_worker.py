@@ -232,7 +232,8 @@ def _single_requests(w) -> dict:
     jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(8)]
     out["sequential"] = [dict(vars(w.generate_one(p, seed=s, **one))) for p, s in jobs]
     with ThreadPoolExecutor(8) as pool:
-        out["concurrent"] = [dict(vars(x)) for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)]
+        out["concurrent"] = [dict(vars(x))
+                             for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)]
     out["outstanding_after"] = w.num_outstanding()
 
     # generate's prompt i sample j is generate_one with seed + i * n + j

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
             d[k] = getattr(a, k)
     result = run(hf, dtype, d["seq_len"], d["micro_batch"], d["micro_batches"], d["steps"], d["warmup"],
                  d["peak_n"], a.peak_repeats, a.backend, a.profile)
-    print(f"{a.backend} on {result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, {result['tokens_per_s']:.0f} tokens/s, "
+    print(f"{a.backend} on {result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, "
+          f"{result['tokens_per_s']:.0f} tokens/s, "
           f"{result['achieved_tflops']:.3g} TFLOP/s model; matmul peak {result['matmul_peak_tflops']:.3g} TFLOP/s "
           f"-> MFU {100 * result['mfu_vs_matmul_peak']:.1f}%"
           + (f"; datasheet {result['datasheet_tflops']:.1f} -> MFU {100 * result['mfu_vs_datasheet']:.1f}%"
