@@ -7,7 +7,7 @@ EXTRAS ?= cpu,dev
 comma  := ,
 STAMP  := $(VENV)/.rlmega-installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo test install clean chromium slurm bench-trl-env bench-grpo
+.PHONY: demo test lint install clean chromium slurm bench-trl-env bench-grpo
 
 install: $(STAMP)
 
@@ -26,9 +26,13 @@ $(STAMP): setup.py Makefile
 demo: $(STAMP)
 	$(VENV)/bin/rlmega demo
 
-test: $(STAMP) chromium slurm
+test: $(STAMP) lint chromium slurm
 	@# pytest exits 5 when it collected no test: a suite that ran nothing is a failure too.
 	$(PY) -m pytest; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc
+
+# ruff (ruff.toml) before the half-hour suite: an undefined name or unused import fails in a second.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # tests/e2e/test_dashboard_browser.py drives headless Chromium: install it if missing and we are root
 # (CI); otherwise say so and go on (that test skips).

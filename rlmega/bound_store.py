@@ -18,7 +18,8 @@ import socket
 
 from torch.distributed import TCPStore
 
-# Set by rlmega.launch.torchrun for the ranks it starts: their agent's stores are bound (torchrun_group warns otherwise).
+# Set by rlmega.launch.torchrun for the ranks it starts: their agent's stores are bound
+# (torchrun_group warns otherwise).
 BOUND_ENV = "RLMEGA_TORCHRUN_STORES_BOUND"
 
 

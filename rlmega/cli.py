@@ -71,7 +71,8 @@ def _demo(args) -> int:
     from rlmega.tiny_model import make_tiny_model
     from rlmega.train import main as train_main
 
-    config = Path(args.config) if args.config else Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+    config = (Path(args.config) if args.config
+              else Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml")
     if not config.is_file():
         print(f"rlmega demo: {config} not found; the demo needs a source checkout. Fix: pip install -e . "
               "from the repository, or run rlmega train CONFIG with a config of your own", file=sys.stderr)

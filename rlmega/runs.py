@@ -201,7 +201,8 @@ class RunDir:
     def prune_checkpoints(self, keep: int) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints (never the latest one)."""
         latest = self.latest_checkpoint()
-        steps = sorted(p for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name)) if self.checkpoints.exists() else []
+        steps = (sorted(p for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name))
+                 if self.checkpoints.exists() else [])
         doomed = [p for p in steps[:-keep] if p != latest] if keep > 0 else []
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)

@@ -85,7 +85,8 @@ CHAT_TEMPLATE = (
 
 # Qwen2Tokenizer's pre-tokenizer split (transformers/models/qwen2/tokenization_qwen2.py).
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -150,8 +151,9 @@ def make_tiny_model(
     intermediate_size defaults to 2 * hidden_size. num_experts, top_k, moe_intermediate_size
     (default hidden_size // 2) and norm_topk_prob only apply to arch="qwen3_moe" (num_experts, top_k and
     moe_intermediate_size to arch="mixtral" too, whose intermediate_size is ignored). The same seed gives
-    byte-identical weights; the caller's RNG state is left untouched. The folder appears whole or not at all: it is written to a
-    temporary sibling and renamed into place. An existing `out_dir` is an error unless `overwrite`.
+    byte-identical weights; the caller's RNG state is left untouched. The folder appears whole or not
+    at all: it is written to a temporary sibling and renamed into place. An existing `out_dir` is an
+    error unless `overwrite`.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not supported; choose one of {sorted(ARCHITECTURES)}")

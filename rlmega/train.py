@@ -244,7 +244,8 @@ def _main(argv=None) -> int:
     except (RewardError, ParityError) as e:  # reward.on_error=fail and a judger failed; the parity guard
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_RUNTIME
-    except (InputError, ClusterError, ResumeError) as e:  # ClusterError: too few nodes, or folders the nodes do not share
+    # ClusterError: too few nodes, or folders the nodes do not share
+    except (InputError, ClusterError, ResumeError) as e:
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:

@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 * hidden size")
     p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe, mixtral: routed experts per layer")
     p.add_argument("--top-k", type=int, default=2, help="qwen3_moe, mixtral: experts per token")
-    p.add_argument("--moe-intermediate-size", type=int, default=None, help="qwen3_moe, mixtral: default hidden size // 2")
+    p.add_argument("--moe-intermediate-size", type=int, default=None,
+                   help="qwen3_moe, mixtral: default hidden size // 2")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's own size")
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)

@@ -32,7 +32,8 @@ def judger_bundles(judgers: list[JudgerConfig]) -> list[dict]:
         if j.kind == "ray":
             out += [_bundle(j.cpus_per_actor, j.memory_mb_per_actor)] * j.num_actors
         elif j.kind == "model":  # its engine; on cuda with a GPU of its own
-            out.append({**_bundle(j.cpus_per_actor, j.memory_mb_per_actor), **({"GPU": 1} if j.device == "cuda" else {})})
+            out.append({**_bundle(j.cpus_per_actor, j.memory_mb_per_actor),
+                        **({"GPU": 1} if j.device == "cuda" else {})})
     return out
 
 

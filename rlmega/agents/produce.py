@@ -239,7 +239,8 @@ class Producer:
                     kept.append((req, g))
             if not alg.dynamic_sampling or _valid(kept) >= want or rounds >= alg.max_sampling_rounds:
                 break
-        if alg.dynamic_sampling:  # the first `want` good groups in draw order (failed ones met on the way stay: counted)
+        # the first `want` good groups in draw order (failed ones met on the way stay: counted)
+        if alg.dynamic_sampling:
             valid, cut = 0, len(kept)
             for i, (_, g) in enumerate(kept):
                 valid += g.error is None

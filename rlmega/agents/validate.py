@@ -22,7 +22,8 @@ def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
                 out.append(problem(f"{field}.tools[{i}]", f"no tool named {name!r}",
                                    f"use one of {', '.join(TOOL_NAMES)}"))
         if not loop.tools:
-            out.append(problem(f"{field}.tools", "a tool loop without tools", "name at least one tool, e.g. [calculator]"))
+            out.append(problem(f"{field}.tools", "a tool loop without tools",
+                               "name at least one tool, e.g. [calculator]"))
         if loop.max_turns < 1:
             out.append(problem(f"{field}.max_turns", f"{loop.max_turns}", "set max_turns >= 1"))
         if loop.max_total_tokens < 0 or loop.max_total_tokens > rollout.max_response_tokens:
@@ -64,7 +65,8 @@ def task_problems(cfg) -> list[str]:
     for i, t in enumerate(cfg.tasks):
         f = f"tasks[{i}]"
         if not t.name or t.name in names:
-            out.append(problem(f"{f}.name", f"{t.name!r} is empty or used by an earlier task", "give each task its own name"))
+            out.append(problem(f"{f}.name", f"{t.name!r} is empty or used by an earlier task",
+                               "give each task its own name"))
         names.add(t.name)
         if not (finite_number(t.weight) and t.weight >= 0):
             out.append(problem(f"{f}.weight", f"{t.weight} is not a finite number >= 0",

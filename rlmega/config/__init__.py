@@ -17,7 +17,7 @@ from rlmega.config.schema import (
 from rlmega.config.validate import VLLM_CPU_HEAD_SIZES, ConfigError, validate
 
 __all__ = [
-    "RLConfig", "ActorConfig", "ClusterConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "AlgorithmConfig",
-    "RewardConfig", "DataConfig", "TrainerConfig", "LoggingConfig", "ConfigError", "load_config", "dump_config", "validate",
-    "VLLM_CPU_HEAD_SIZES",
+    "RLConfig", "ActorConfig", "ClusterConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig",
+    "RolloutConfig", "AlgorithmConfig", "RewardConfig", "DataConfig", "TrainerConfig", "LoggingConfig",
+    "ConfigError", "load_config", "dump_config", "validate", "VLLM_CPU_HEAD_SIZES",
 ]

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rlmega.config.schema import RLConfig
 from rlmega.config.validate import ConfigError, problem, validate
@@ -135,7 +135,7 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError([problem("override", f"{o!r} is not of the form key=value", fix) for o in bad])
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except (OmegaConfBaseException, yaml.YAMLError) as e:  # a value that is not YAML, e.g. "a.b=[" or "[???]"
+    except (OmegaConfBaseException, yaml.YAMLError):  # a value that is not YAML, e.g. "a.b=[" or "[???]"
         # Name the override: parse each alone (the first that fails is the culprit).
         for o in overrides:
             try:

@@ -126,7 +126,8 @@ def model_problems(cfg: RLConfig, num_experts: int) -> List[str]:
                            "TP > 1 need sequence parallelism for training (megatron-core refuses the train step "
                            "without it), which rlmega does not enable yet",
                            "use expert parallelism with TP 1: parallelism.tensor_model_parallel_size=1 and "
-                           "parallelism.expert_model_parallel_size > 1 (it must divide num_experts and world_size / PP)"))
+                           "parallelism.expert_model_parallel_size > 1 (it must divide num_experts and "
+                           "world_size / PP)"))
     if num_experts % ep:
         dp = max(1, par.world_size // (tp * pp))
         out.append(problem("parallelism.expert_model_parallel_size",

@@ -87,7 +87,8 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     path = cfg.model.path
     if cfg.actor.backend == "megatron":
         why = unsupported_reason(hf)
-        return why and problem("model.path", f"{path!r}: {why}", "use a model of an architecture listed there, or convert yours, "
+        return why and problem("model.path", f"{path!r}: {why}",
+                               "use a model of an architecture listed there, or convert yours, "
                                "or set actor.backend=fsdp (FSDP2 trains any causal LM transformers builds)")
     why = transformers_reason(path, hf)
     if why:

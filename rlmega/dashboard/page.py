@@ -26,7 +26,8 @@ PAGE_HTML = r"""<!doctype html>
   .pill.stop { background: #c62828; } .pill.down { background: #777; }
   main { display: grid; grid-template-columns: repeat(auto-fill, minmax(360px, 1fr)); gap: 14px; padding: 14px 20px; }
   section { background: #fff; border-radius: 8px; padding: 12px 16px; box-shadow: 0 1px 2px #0002; }
-  .charts { grid-column: 1 / -1; display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 14px; }
+  .charts { grid-column: 1 / -1; display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr));
+            gap: 14px; }
   h2 { font-size: 13px; text-transform: uppercase; letter-spacing: .05em; color: #667; margin: 0 0 8px; }
   .big { font-size: 28px; font-weight: 600; font-variant-numeric: tabular-nums; }
   .bar { height: 8px; background: #e3e6ec; border-radius: 4px; margin: 8px 0; }
@@ -66,8 +67,10 @@ PAGE_HTML = r"""<!doctype html>
     <h2>Step timings (s)</h2>
     <table>
       <tr><th></th><th>last</th><th>mean</th><th>count</th></tr>
-      <tr><td>training step</td><td id="training-step-last">–</td><td id="training-step-mean">–</td><td id="training-step-count">–</td></tr>
-      <tr><td>batch generation</td><td id="batch-generation-last">–</td><td id="batch-generation-mean">–</td><td id="batch-generation-count">–</td></tr>
+      <tr><td>training step</td><td id="training-step-last">–</td><td id="training-step-mean">–</td>
+          <td id="training-step-count">–</td></tr>
+      <tr><td>batch generation</td><td id="batch-generation-last">–</td><td id="batch-generation-mean">–</td>
+          <td id="batch-generation-count">–</td></tr>
     </table>
   </section>
   <section><h2>Queues</h2><div id="queues"></div><div id="queue-charts"></div></section>

@@ -18,7 +18,8 @@ Per-token fields are flat over the rows, row-major: position t of row r is index
     mb["labels"]          (B*S,) next token at each position (0 where unused)
     mb["loss_mask"]       (B*S,) float, response_mask on prediction positions, else 0
     mb["seq_ids"]         (B*S,) int64, index into mb["indices"] (0 on padding, which is masked)
-    mb["advantages"|"old_logprobs"|"ref_logprobs"|"rollout_logprobs"|"returns"|"old_values"]  (B*S,) when the batch has them
+    mb["advantages"|"old_logprobs"|"ref_logprobs"|"rollout_logprobs"|"returns"|"old_values"]
+                          (B*S,) when the batch has them
     mb["rows"], mb["row_cu"]  the sample indices of each row and their offsets in it (len + 1 each)
     mb["real_tokens"]     (B*S,) bool, False on padding;  mb["generated"] (B*S,) bool, the response tokens
     mb["routed_experts"]  (B, S, M, K) int16 when the batch has routes (-1 on padding and where the batch has -1)
@@ -38,8 +39,9 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int
     """The samples ``indices`` packed into one row (their offsets in ``row_cu[0]`` and ``cu_seqlens``).
 
     ``min_shape`` (B, S): at least B rows of at least S tokens, the extra all padding. Megatron's
-    allgather MoE token dispatcher gathers equal-sized token blocks over the expert-parallel group, so expert-parallel ranks must run
-    micro-batches of one shape (``micro_batch_shape`` gives each rank's, the caller takes the max).
+    allgather MoE token dispatcher gathers equal-sized token blocks over the expert-parallel group, so
+    expert-parallel ranks must run micro-batches of one shape (``micro_batch_shape`` gives each rank's,
+    the caller takes the max).
 
     Empty ``indices``: a placeholder (packing.plan_micro_batches with allow_empty) for a data-parallel
     rank with no sample of its own: the shortest sample's tokens with a zero loss mask and no

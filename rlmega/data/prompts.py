@@ -167,7 +167,8 @@ def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label",
         objects = _jsonl_objects(path)
     else:
         raise ValueError(f"{path}: unknown prompt file type {suffix!r}. "
-                         f"Fix: use JSON Lines ({', '.join(JSONL_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)})")
+                         f"Fix: use JSON Lines ({', '.join(JSONL_SUFFIXES)}) "
+                         f"or Parquet ({', '.join(PARQUET_SUFFIXES)})")
 
     rows: List[Row] = []
     skipped = Skipped()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union

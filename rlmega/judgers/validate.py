@@ -125,7 +125,8 @@ def _engine_problems(c: JudgerConfig, f: str) -> list[str]:
     """A model judge's engine settings (rlmega.judgers.model.engine_settings)."""
     out = []
     if c.device not in (None, "cpu", "cuda"):
-        out.append(problem(f"{f}.device", f"{c.device!r} is not a device", "choose cpu or cuda, or null (rollout.device)"))
+        out.append(problem(f"{f}.device", f"{c.device!r} is not a device",
+                           "choose cpu or cuda, or null (rollout.device)"))
     tokens = c.max_tokens if isinstance(c.max_tokens, int) else 1
     if c.max_model_len is None:
         pass  # the judge model's own context, capped (rlmega.judgers.model.engine_settings)

@@ -96,9 +96,9 @@ def placement_plan(parallel, rollout, cluster, critic_world: int = 0) -> Placeme
                 f"cluster.cpu_ranks_per_node: {cluster.cpu_ranks_per_node} applies to CPU runs only; with "
                 f"rollout.device=cuda the ranks per node are cluster.gpus_per_node={cluster.gpus_per_node}. "
                 "Fix: set cluster.cpu_ranks_per_node=0 (and cluster.gpus_per_node to the GPUs of a node)")
-        return _gpu_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines, rollout.tensor_parallel_size,
-                         cluster.colocate, cluster.gpus_per_node, cluster.actor_cpus_per_rank, cluster.engine_cpus,
-                         critic_world)
+        return _gpu_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines,
+                         rollout.tensor_parallel_size, cluster.colocate, cluster.gpus_per_node,
+                         cluster.actor_cpus_per_rank, cluster.engine_cpus, critic_world)
     if cluster.cpu_ranks_per_node and parallel.world_size:  # world 0: torchrun holds the ranks, engines only
         return _cpu_nodes_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines,
                                cluster.colocate, cluster.cpu_ranks_per_node, cluster.actor_cpus_per_rank,

@@ -189,7 +189,8 @@ class TorchrunGroup:
             failed = [r for r, out in sorted(results.items()) if out[0] == "error"]
             if failed:  # report the first failure at once: its peers may wait for it in a collective
                 _, cause, what, tb = results[failed[0]]
-                raise WorkerGroupError(f"trainer rank {failed[0]} raised {what}", f"trainer rank {failed[0]}", cause, tb)
+                raise WorkerGroupError(f"trainer rank {failed[0]} raised {what}", f"trainer rank {failed[0]}",
+                                       cause, tb)
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in results]
                 raise WorkerGroupError(f"trainer ranks {missing} did not answer within {self.timeout_s:.0f}s",

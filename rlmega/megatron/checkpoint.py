@@ -109,7 +109,8 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     final, partial = start_save(root, step)
     sd = _sharded(model, optimizer, with_rng=True, extra_models=extra_models)
     # Plain values are "common" state: rank 0 stores them once.
-    sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd, "scheduler": scheduler.state_dict() if scheduler else None,
+    sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd,
+                  "scheduler": scheduler.state_dict() if scheduler else None,
                   "extra": extra or {}, "layout": _layout(),
                   "extra_models": sorted(extra_models or {})}
     use_in_process_queue()  # else Megatron's writer starts a Manager process that outlives a kill -9

@@ -4,8 +4,9 @@
     tcfg, gpt_kwargs = megatron_config_from_hf(hf_config_dict, tp=2, pp=2, vpp=None)
 
 Supported: Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen3-MoE
-(Qwen3MoeForCausalLM) and Mixtral (MixtralForCausalLM), also named only by model_type: GQA, RoPE theta and Llama-3 RoPE scaling, RMSNorm
-eps, SwiGLU, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm (Megatron ``qk_layernorm``), tied or untied
+(Qwen3MoeForCausalLM) and Mixtral (MixtralForCausalLM), also named only by model_type: GQA, RoPE theta
+and Llama-3 RoPE scaling, RMSNorm eps, SwiGLU, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm (Megatron
+``qk_layernorm``), tied or untied
 embeddings; Qwen3-MoE's and Mixtral's routed experts (top-k softmax router, ``norm_topk_prob``, no shared
 experts).
 

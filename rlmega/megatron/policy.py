@@ -133,7 +133,8 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
             numerator, count, stats = loss_fn(fields, lp, ent)
             # Everything stays on the device (the caller sums over micro-batches, then copies once):
             # reading a number here would make the host wait for the device every micro-batch.
-            stats = {k: torch.as_tensor(v, dtype=torch.float64, device=output.device).detach() for k, v in stats.items()}
+            stats = {k: torch.as_tensor(v, dtype=torch.float64, device=output.device).detach()
+                     for k, v in stats.items()}
             stats["numerator"] = numerator.detach().double()
             stats["count"] = count.detach().double()
             if keep_logprobs:

@@ -9,16 +9,18 @@ REPLAY_FORWARD replays every token. Ours, per model and per micro-batch:
   the same process, with its own instances, is never touched) and maps each to its model-wide MoE
   layer index (``router.layer_number``, global across pipeline stages and virtual chunks).
 - ``ModelRoutes.micro_batch(chunk_index, rows, replay)`` scopes one forward of one chunk: with
-  ``replay`` and ``rows`` (micro-batch rows (B, S, M, K), -1 = no route) the routers replay them, otherwise they route live;
-  either way each router keeps the experts it used and its live top-k. It is entered inside the
+  ``replay`` and ``rows`` (micro-batch rows (B, S, M, K), -1 = no route) the routers replay them,
+  otherwise they route live; either way each router keeps the experts it used and its live top-k. It
+  is entered inside the
   pipeline schedule's forward_step, i.e. per micro-batch and per chunk, right around the forward.
 
 Mixed rows: megatron's REPLAY_FORWARD would gather scores at index -1. Rows without a recorded
 route (the last sampled token, which the engine never processed; tool-output tokens; padding) must be
 routed by the trainer's own router, so our ``get_replay_topk`` always computes the live top-k (it
 is needed anyway for the ``router_mismatch`` metric) and takes the target only on rows that have
-one (a row holding any -1 is routed live as a whole: a half-recorded top-k is no route). Probabilities are then ``scores.gather(1, used)``: for live rows that equals torch.topk's values
-bit for bit, so a fully live "replay" is the plain forward.
+one (a row holding any -1 is routed live as a whole: a half-recorded top-k is no route). Probabilities
+are then ``scores.gather(1, used)``: for live rows that equals torch.topk's values bit for bit, so a
+fully live "replay" is the plain forward.
 
 Activation recomputation is refused by the Megatron actor (actor.activation_checkpointing), so no
 router runs again in the backward and REPLAY_BACKWARD's queue is not needed; ``ModelRoutes`` refuses a
@@ -110,7 +112,8 @@ class ModelRoutes:
             config = model.config
             if getattr(config, "recompute_granularity", None) is not None:
                 raise ValueError("routing replay with activation recomputation is not supported by the megatron "
-                                 "actor (the recomputed forward would route again); set actor.activation_checkpointing=false")
+                                 "actor (the recomputed forward would route again); "
+                                 "set actor.activation_checkpointing=false")
             if getattr(config, "sequence_parallel", False):
                 raise ValueError("routing replay assumes no sequence parallelism (each router sees all tokens)")
             numbers = moe_layer_numbers(config.num_layers, config.moe_layer_freq)
@@ -300,7 +303,8 @@ def route_metrics(counts: dict, load: torch.Tensor) -> dict:
     """router_mismatch, routes_live_fraction (NaN where nothing was compared / replayed) and, per MoE
     layer, the expert load as max / mean tokens per expert (1 = balanced; num_experts / topk at most)."""
     out = {
-        "router_mismatch": counts["mismatch_pairs"] / counts["compared_pairs"] if counts["compared_pairs"] else float("nan"),
+        "router_mismatch": (counts["mismatch_pairs"] / counts["compared_pairs"] if counts["compared_pairs"]
+                            else float("nan")),
         "routes_live_fraction": counts["live_pairs"] / counts["real_pairs"] if counts["real_pairs"] else float("nan"),
     }
     if load.numel() and float(load.sum()) > 0:

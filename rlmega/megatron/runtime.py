@@ -4,8 +4,9 @@ Each trainer rank calls ``init_megatron(tp, pp, vpp, seed)`` once, after its lau
 a Ray actor, ``rlmega.testing.multiproc``) has set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` (and ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` on GPUs). Without a GPU it uses gloo and
 switches on the CPU layer (``cpu_support``; both, and the MoE-without-Transformer-Engine shim
-``cpu_support.moe_without_transformer_engine``, patch megatron-core for the whole process); with GPUs it uses NCCL and binds the rank to the GPU
-``device_ordinal`` picks (torchrun: all of the node's GPUs visible; Ray: one GPU per actor).
+``cpu_support.moe_without_transformer_engine``, patch megatron-core for the whole process); with GPUs
+it uses NCCL and binds the rank to the GPU ``device_ordinal`` picks (torchrun: all of the node's GPUs
+visible; Ray: one GPU per actor).
 ``teardown_megatron()`` undoes it, so one process can set up several layouts in a row.
 """
 from __future__ import annotations

@@ -3,8 +3,9 @@
     python -m torch.distributed.run --standalone --nproc-per-node 3 -m rlmega.testing.torchrun_probe
 
 Rank 0 builds a Probe on every rank, checks that calls return every rank's answer in rank order
-(``call_rank0``: rank 0's only, the others send None but run it too), then calls ``fail`` in which rank 2 raises while rank 0's own share hangs (as it would in a
-collective waiting for rank 2): the group must report rank 2 by name at once. Prints one JSON line.
+(``call_rank0``: rank 0's only, the others send None but run it too), then calls ``fail`` in which
+rank 2 raises while rank 0's own share hangs (as it would in a collective waiting for rank 2): the
+group must report rank 2 by name at once. Prints one JSON line.
 """
 import json
 import os
@@ -47,7 +48,8 @@ def main() -> int:
     try:
         group.call("fail", 2)
     except torchrun_group.WorkerGroupError as e:
-        out.update(error=str(e), worker=e.worker, cause=type(e.cause).__name__, traceback="fails on purpose" in e.remote_traceback)
+        out.update(error=str(e), worker=e.worker, cause=type(e.cause).__name__,
+                   traceback="fails on purpose" in e.remote_traceback)
     out["seconds_to_report"] = time.monotonic() - start
     group.shutdown()
     print(json.dumps(out), flush=True)

@@ -121,7 +121,10 @@ class ActorManager:
             prefill, decode = prefill + p * frac, decode + d * frac
         # Aggregate wall-clock rate: over the window, or over the run so far while it is younger.
         span = now - max(lo, self._earliest_start)
-        rate = (lambda n: n / span if span > 0 else 0.0)
+
+        def rate(n: float) -> float:
+            return n / span if span > 0 else 0.0
+
         total_p, total_d = self._totals["prefill"], self._totals["decode"]
         return {"window_s": self._window_s,
                 "tokens_per_s": rate(prefill + decode),

@@ -177,7 +177,8 @@ class RolloutWorker:
         """
         self._weights.check_ready()
         generation.warn_truncation(top_p, top_k)
-        params = generation.sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed, ignore_eos)
+        params = generation.sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed,
+                                            ignore_eos)
         return self._run(generation.generate_request(self, list(prompt_ids), params,
                                                     request_id or f"one{next(self._ids)}", 0))
 
@@ -314,7 +315,8 @@ class RolloutWorker:
         return float(value)
 
     def engine_threads(self) -> list[int]:
-        """Intra-op threads of each vLLM model worker (what ``num_threads`` set; docs/rollout_engine.md: CPU threads)."""
+        """Intra-op threads of each vLLM model worker (what ``num_threads`` set; docs/rollout_engine.md:
+        CPU threads)."""
         return self._run(self._engine.collective_rpc("rlmega_num_threads"))
 
     def sleep(self, level: int = 1) -> bool:

@@ -260,8 +260,9 @@ class RolloutExtension:
         the requests of ``input_batch.req_ids`` one after another, ``num_scheduled_tokens`` each,
         starting at position ``num_computed_tokens`` (``GPUModelRunner._prepare_inputs``). So
         ``_prepare_inputs`` is wrapped to note that layout, ``execute_model`` to hand the step's rows
-        out to a per-request store (``RouteStore``, rlmega/workers/route_store.py) once the forward is done; ``rlmega_take_routes``
-        returns and forgets them. A recomputed position (a preempted request's re-prefill) overwrites
+        out to a per-request store (``RouteStore``, rlmega/workers/route_store.py) once the forward is
+        done; ``rlmega_take_routes`` returns and forgets them. A recomputed position (a preempted
+        request's re-prefill) overwrites
         its row; positions the step did not compute (prefix-cache hits) have none.
 
         TP: the router's gate is replicated and its input is the all-reduced hidden state, the same on

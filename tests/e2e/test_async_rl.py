@@ -96,8 +96,8 @@ def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(moe_mod
     come out exactly as uninterrupted (R3 replays the buffered routes: lost ones would be routed live)."""
     run = tmp_path / "resumed"
     proc = subprocess.Popen(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                            start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, start_new_session=True)
     deadline = time.monotonic() + 500
     try:  # kill -9 at the first checkpoint (buffered steps take a fraction of a second: it may be step 4's)
         while not (run / "checkpoints" / "latest").exists():

@@ -37,7 +37,8 @@ def test_smoke_reports_sync_and_async_with_ratios_and_accuracy(tmp_path):
     assert "async_k1/sync step time" in proc.stdout and "final held-out accuracy" in proc.stdout
     for run in r["runs"]:  # the check's inputs, from the run's own metrics
         rewards = [s["reward_mean"] for s in run["steps"]]
-        assert run["reward_first5"] == pytest.approx(sum(rewards) / 3) == run["reward_last5"]  # 3 steps: both windows are all
+        # 3 steps: both windows are all
+        assert run["reward_first5"] == pytest.approx(sum(rewards) / 3) == run["reward_last5"]
         assert run["evals"][0][0] == 0 and run["gain"] == run["evals"][-1][1] - run["evals"][0][1]
     for mode in ("sync", "async_k1"):  # one picture per layout and mode, from the copied metrics
         assert (plots / f"demo-world1-{mode}.png").stat().st_size > 10_000

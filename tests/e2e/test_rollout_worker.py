@@ -232,7 +232,8 @@ def _single_requests(w) -> dict:
     jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(8)]
     out["sequential"] = [dict(vars(w.generate_one(p, seed=s, **one))) for p, s in jobs]
     with ThreadPoolExecutor(8) as pool:
-        out["concurrent"] = [dict(vars(x)) for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)]
+        out["concurrent"] = [dict(vars(x))
+                             for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)]
     out["outstanding_after"] = w.num_outstanding()
 
     # generate's prompt i sample j is generate_one with seed + i * n + j
@@ -427,7 +428,9 @@ def test_generate_shapes_stops_and_seeds(run):
             assert s["response_ids"][-1] not in STOP_IDS
     assert sum(s["finish_reason"] == "stop" for s in stopped) >= 6  # P(no stop in 12) ~ 0.7%
 
-    ids = lambda samples: [s["response_ids"] for s in samples]
+    def ids(samples):
+        return [s["response_ids"] for s in samples]
+
     assert run["seed_a"] == run["seed_b"]  # same seed: same tokens and log-probs
     assert ids(run["seed_a"]) != ids(run["seed_c"])
     assert len({tuple(r) for r in ids(run["seed_a"])}) == len(run["seed_a"])  # no two samples share a stream
@@ -467,8 +470,9 @@ def test_update_weights_in_place_and_streamed(run):
     assert run["generate_while_pending"].startswith("RuntimeError")
     assert run["pending_after_second"] == []
     # same seed, same weights: identical tokens and log-probs; each sample says which weights made it
-    strip = lambda samples: [{k: v for k, v in s.items() if k not in ("weight_version", "token_versions")}
-                             for s in samples]
+    def strip(samples):
+        return [{k: v for k, v in s.items() if k not in ("weight_version", "token_versions")} for s in samples]
+
     assert strip(run["restored"]) == strip(run["before"])
     assert [s["weight_version"] for s in run["before"] + run["zeroed"] + run["restored"]] == \
         [0] * len(run["before"]) + [1] * len(run["zeroed"]) + [2] * len(run["restored"])

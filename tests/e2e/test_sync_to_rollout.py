@@ -120,7 +120,7 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
         assert sum(1 for rank in sent if rank["tensors"]) == tp * pp
 
         before = _sample_and_compare(group, engines)
-        for batch, diff in before:
+        for _, diff in before:
             assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} before training: {diff}"
 
         train_step_on_fixed_rewards(group, before[0][0])
@@ -161,7 +161,7 @@ def test_trainer_releases_its_weights_after_a_ray_sync_and_trains_on(hf_model, e
             # train_phase: take everything back; the weights are the synced ones, bit for bit
             assert group.call("onload_for_training")[0]["offloaded"] == [], cycle
             assert all(torch.equal(a, b) for a, b in zip(group.call("compute_logprobs", batch)[0], synced)), cycle
-            for b, diff in _sample_and_compare(group, engines, seed=cycle + 1):
+            for _, diff in _sample_and_compare(group, engines, seed=cycle + 1):
                 assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"cycle {cycle}: {diff}"
     finally:
         group.shutdown()

@@ -132,7 +132,8 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp
     out = subprocess.run([*TORCHRUN, "2", "-m", "rlmega.train", *_cmd(model, tmp_path / "r", 2)[3:]],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode != 0  # the serving rank was released: no hang
-    assert "parallelism.world_size: is 4 but torchrun started 2 processes. Fix: start torchrun with --nnodes x --nproc-per-node = 4" in out.stderr, out.stderr[-3000:]
+    assert ("parallelism.world_size: is 4 but torchrun started 2 processes. "
+            "Fix: start torchrun with --nnodes x --nproc-per-node = 4") in out.stderr, out.stderr[-3000:]
 
 
 def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_path):
@@ -365,5 +366,6 @@ def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["parity_max"] <= 5e-6 and m["parity_samples"] > 0 for m in metrics[:2])
     assert metrics[2]["parity_max"] > 1e-2  # rollout.parity_stop's float32 default
-    assert "step 3: the engine's log-probs" in out.stderr and "rollout.parity_stop=0.01" in out.stderr, out.stderr[-3000:]
+    assert "step 3: the engine's log-probs" in out.stderr and "rollout.parity_stop=0.01" in out.stderr, \
+        out.stderr[-3000:]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"

@@ -37,7 +37,8 @@ def test_weight_sync_smoke_reports_the_ratio_to_the_engines_reload(tmp_path):
         assert row["cpu_s"] >= 0 and row["gather_cpu_s"] >= 0 and row["reload_cpu_s"] >= 0
         assert abs(row["cores"] - row["cpu_s"] / row["sync_s"]) < 1e-9
         assert abs(row["floor"] * row["reload_s"] * (os.cpu_count() or 1) - row["cpu_s"]) < 1e-9
-    assert rows["ray"]["reloads"] == rows["ray-store"]["reloads"] == rows["collective"]["reloads"] == 1  # one reload per sync ...
+    # one reload per sync ...
+    assert rows["ray"]["reloads"] == rows["ray-store"]["reloads"] == rows["collective"]["reloads"] == 1
     assert rows["ray-stopwait"]["reloads"] == rows["ray-stopwait"]["buckets"]  # ... flushing each bucket: one each
     assert rows["ray"]["target"] == 1.1 and rows["ray"]["verdict"] in ("PASS", "MISS")
     assert all("verdict" not in rows[k] for k in ("ray-store", "ray-stopwait", "collective"))  # the default transport's

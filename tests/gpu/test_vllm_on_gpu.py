@@ -24,7 +24,6 @@ GPU machine carries vLLM as tools/gpu/README.md describes).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import json

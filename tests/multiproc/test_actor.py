@@ -63,7 +63,8 @@ def reference(hf_model):
 def _assert_same_run(got, ref, what):
     for step, (g, r) in enumerate(zip(got, ref)):
         for key in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref"):
-            assert abs(g[key] - r[key]) <= REL * max(abs(r[key]), 1e-6), f"{what} step {step} {key}: {g[key]} vs {r[key]}"
+            assert abs(g[key] - r[key]) <= REL * max(abs(r[key]), 1e-6), \
+                f"{what} step {step} {key}: {g[key]} vs {r[key]}"
         assert g["tokens"] == r["tokens"]
 
 
@@ -241,7 +242,7 @@ def _learning_body(path):
 
     def objective():  # advantage-weighted mean log-prob of each response
         lp = actor.compute_logprobs(batch)
-        return float(sum(w * l.mean() for w, l in zip(weights, lp)))
+        return float(sum(w * lp_i.mean() for w, lp_i in zip(weights, lp)))
 
     before = objective()
     for _ in range(4):

@@ -107,7 +107,8 @@ def _phases_body(path, cycle):
         metrics.append(actor.train_step(dataclasses.replace(batch, old_logprobs=old)))
         if step == 0:  # what Roles.rollout_phase does around the weight sync
             kept = actor.offload_for_rollout(keep_params=True)
-            released["params kept"] = sum(s.untyped_storage().nbytes() for s in offload.model_params(actor.policy.model))
+            released["params kept"] = sum(s.untyped_storage().nbytes()
+                                          for s in offload.model_params(actor.policy.model))
             full = actor.offload_for_rollout()
             released["params"] = sum(s.untyped_storage().nbytes() for s in offload.model_params(actor.policy.model))
             released["grads"] = sum(s.untyped_storage().nbytes() for s in offload.model_grads(actor.policy.model))

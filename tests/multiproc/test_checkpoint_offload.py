@@ -3,7 +3,6 @@
 All on real gloo ranks with MegatronModelManager on a tiny Qwen2 model.
 """
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,10 +250,15 @@ def _offload_body(path: str, offload_between: bool):
         }
         held = {k: sum(s.nbytes() for s in v) for k, v in storages.items()}
         assert all(held.values()), held  # there was something to release
-        mm.offload_params(); mm.offload_grads(); mm.offload_optimizer_state()
+        mm.offload_params()
+        mm.offload_grads()
+        mm.offload_optimizer_state()
         mm.offload_megatron_copy_params()  # fp32: the master weights are the params; nothing extra
         released = {k: sum(s.nbytes() for s in v) for k, v in storages.items()}
-        mm.load_megatron_copy_params(); mm.onload_optimizer_state(); mm.onload_grads(); mm.onload_params()
+        mm.load_megatron_copy_params()
+        mm.onload_optimizer_state()
+        mm.onload_grads()
+        mm.onload_params()
         after = _snapshot(mm)
         restored = all(_same(before[k], after[k]) for k in ("params", "moments")) and _same(
             grads, offload.model_grads(mm.model))

@@ -9,7 +9,6 @@ forward itself). World 1 then runs MegatronActor through the same sequence on th
 world 2 also checks the non-finite skip and the Polyak update.
 """
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +84,7 @@ def _body(models: dict, world: int, with_megatron: bool, extra_checks: str | Non
     for name, path in models.items():
         actor = FSDPActor(*_configs(path, world), temperature=T)
         actor.setup()
-        out["fsdp"][name] = _rl_sequence(actor, lambda: _fsdp_full(actor))
+        out["fsdp"][name] = _rl_sequence(actor, lambda actor=actor: _fsdp_full(actor))
         if extra_checks and name == "tied":
             out["checks"] = _extra_checks(actor, path, extra_checks)
         del actor
@@ -97,9 +96,11 @@ def _body(models: dict, world: int, with_megatron: bool, extra_checks: str | Non
         for name, path in models.items():
             actor = MegatronActor(*_configs(path, world), temperature=T)
             actor.setup()
-            out["megatron"][name] = _rl_sequence(
-                # cloned: on the CPU these are views of the live parameters
-                actor, lambda: {k: v.clone() for k, v in gather_hf_tensors(actor.policy.model, actor.policy.shape).items()})
+
+            def full(actor=actor):  # cloned: on the CPU these are views of the live parameters
+                return {k: v.clone() for k, v in gather_hf_tensors(actor.policy.model, actor.policy.shape).items()}
+
+            out["megatron"][name] = _rl_sequence(actor, full)
             teardown_megatron(destroy_process_group=False)  # the next model sets its groups up again
     if dist.get_rank() != 0:  # every rank's numbers are compared; the weights only from rank 0 (they are full tensors)
         for runs in (out["fsdp"], out["megatron"]):

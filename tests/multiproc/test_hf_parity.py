@@ -1,8 +1,9 @@
 """HF -> Megatron: logits equal transformers' for every layout; Megatron -> HF is bit-identical.
 
 Tiny models (Qwen2 untied with an odd vocabulary and QKV bias, Llama tied, Llama untied
-with vocab 130, Qwen3 with q/k norms, Qwen3-MoE with 8 experts top-2, Mixtral with 4 experts top-2) get every weight perturbed (so
-norms and biases are not their trivial init), are loaded by MegatronModelManager at (TP, PP, VPP) in
+with vocab 130, Qwen3 with q/k norms, Qwen3-MoE with 8 experts top-2, Mixtral with 4 experts top-2)
+get every weight perturbed (so norms and biases are not their trivial init), are loaded by
+MegatronModelManager at (TP, PP, VPP) in
 {(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)}, run forward through Megatron's schedule, and exported
 back to HF folders. The MoE model also runs with expert parallelism: EP2 and TP2 x EP2 (4 ranks), and a
 second Qwen3-MoE without norm_topk_prob checks the other router mapping (moe_router_pre_softmax=True).

@@ -1,7 +1,8 @@
 """Megatron layouts are invisible to the math: TP/PP/VPP/DP runs equal the one-process run.
 
 A single-process GPT (TP1 PP1, Llama-shaped, built by MegatronModelManager from an HF config)
-makes the weights, saves them with Megatron's dist checkpointing, and records loss and gradient norm for three optimizer steps on a fixed batch.
+makes the weights, saves them with Megatron's dist checkpointing, and records loss and gradient norm
+for three optimizer steps on a fixed batch.
 Each layout then loads those weights (resharded by dist checkpointing), runs the same batch
 through ``get_forward_backward_func()`` + Megatron DDP + the distributed optimizer on 4 real
 gloo ranks, and must reproduce the reference within rel 1e-5.

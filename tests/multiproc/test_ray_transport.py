@@ -160,7 +160,8 @@ def test_each_copy_of_a_transport_is_its_own_sender():
 def test_an_engine_failure_surfaces_naming_the_engine(cluster):
     engines = [cluster.remote(delay=0.01), cluster.remote(delay=0.01, fail_on="b1.bias")]
     transport = RayTransport(engines)
-    with pytest.raises(RuntimeError, match=r"(?s)rollout engine 1 failed to load .*'b1.weight'.*version 3.*cannot load b1.bias"):
+    with pytest.raises(RuntimeError,
+                       match=r"(?s)rollout engine 1 failed to load .*'b1.weight'.*version 3.*cannot load b1.bias"):
         for bucket in _buckets(4):
             transport.send(bucket, 3)
         transport.flush()
@@ -234,7 +235,8 @@ def test_collective_failure_names_the_engine_and_the_next_sync_makes_a_new_group
     Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)
     engines = [Engine.remote(), Engine.remote(fail_on="b1.w")]
     transport = CollectiveTransport(engines, timeout_s=30)
-    with pytest.raises(RuntimeError, match=r"(?s)rollout engine 1 failed to load .*'b1.w'.*version 3.*cannot load b1.w"):
+    with pytest.raises(RuntimeError,
+                       match=r"(?s)rollout engine 1 failed to load .*'b1.w'.*version 3.*cannot load b1.w"):
         for k in range(4):
             transport.send(_mixed_bucket(k), 3)
         transport.flush()

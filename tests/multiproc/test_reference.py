@@ -7,7 +7,6 @@ Polyak update must move it, and a resumed run must get back the reference it had
 import dataclasses
 
 import pytest
-import torch
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks

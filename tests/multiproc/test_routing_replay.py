@@ -36,8 +36,9 @@ def _body(path):
     from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(
-        ModelConfig(path=path, seed=3), ParallelismConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                                         expert_model_parallel_size=2, world_size=4),
+        ModelConfig(path=path, seed=3),
+        ParallelismConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                          virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2, world_size=4),
         OptimizerConfig(lr=1e-2), ActorConfig(max_tokens_per_micro_batch=48, moe_aux_loss_coeff=0.01,
                                               moe_z_loss_coeff=0.001),
         AlgorithmConfig(kl_coef=0.0, entropy_coef=0.0, routing_replay="trainer"), temperature=1.0,
@@ -136,7 +137,8 @@ def _body(path):
         loss_fn = functools.partial(rl.rl_loss, dataclasses.replace(actor.algo, loss_agg_mode=mode), on_policy=True)
         mbs, _ = actor._plan(flat)
         if pad:  # one more row and 8 more columns of padding in every micro-batch (equal on every rank)
-            mbs = [build_micro_batch(flat, mb["indices"], min_shape=(mb["tokens"].shape[0] + 1, mb["tokens"].shape[1] + 8))
+            mbs = [build_micro_batch(flat, mb["indices"],
+                                     min_shape=(mb["tokens"].shape[0] + 1, mb["tokens"].shape[1] + 8))
                    for mb in mbs]
         routes = actor._route_pass(actor.policy, mbs, replay=False, record=False)
         rr.clear_aux_losses()

@@ -68,7 +68,8 @@ def test_a_group_rlmega_starts_listens_on_master_addr_only():
 def test_a_group_that_spans_nodes_refuses_a_store_on_loopback():
     BoundTCPStore.refuse_loopback = True
     try:
-        with pytest.raises(RuntimeError, match="resolves to loopback on this node.*Fix: pass this node's network address"):
+        with pytest.raises(RuntimeError,
+                           match="resolves to loopback on this node.*Fix: pass this node's network address"):
             BoundTCPStore("localhost", 0, is_master=True)
     finally:
         BoundTCPStore.refuse_loopback = False

@@ -31,7 +31,8 @@ def test_each_backend_implements_the_whole_interface(backend):
 
 def test_learner_pickles_and_refuses_an_unknown_backend():
     assert pickle.loads(pickle.dumps(Learner("fsdp"))) == Learner("fsdp")
-    with pytest.raises(ValueError, match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]"):
+    with pytest.raises(ValueError,
+                       match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]"):
         Learner("deepspeed")
 
 

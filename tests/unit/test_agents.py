@@ -3,7 +3,6 @@ the rollout metrics, warm-start targets in the tool format, and Tasks' resumable
 import math
 
 import pytest
-import torch
 
 from rlmega.agents.metrics import rollout_metrics
 from rlmega.agents.sft import sft_example
@@ -102,7 +101,8 @@ def test_on_error_fail_ends_the_run_naming_task_prompt_label_and_fix():
     from rlmega.judgers.base import RewardError
     from rlmega.step import check_judgements
 
-    bad = TrajectoryGroup("calc", 3, "46", [_traj([5], [], 0.0), _traj([5], [], 0.0, error="judger 'c': ZeroDivisionError")])
+    bad = TrajectoryGroup("calc", 3, "46",
+                          [_traj([5], [], 0.0), _traj([5], [], 0.0, error="judger 'c': ZeroDivisionError")])
     check_judgements([bad], "zero")  # counted, not raised
     with pytest.raises(RewardError) as e:
         check_judgements([bad], "fail")

@@ -34,7 +34,8 @@ def env(tmp_path_factory):
             (mixtral / f.name).write_bytes(f.read_bytes())
     files = {
         "good.jsonl": '{"prompt": "1+2=", "label": "3"}\n' * 4,
-        "bad_json_row3.jsonl": '{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n{"prompt": "oops"\n',
+        "bad_json_row3.jsonl": ('{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n'
+                                '{"prompt": "oops"\n'),
         "null_label_row2.jsonl": '{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": null}\n',
         "empty_prompt_row2.jsonl": '{"prompt": "1+2=", "label": "3"}\n{"prompt": "  ", "label": "4"}\n',
         "bad_message_row1.jsonl": '{"prompt": [{"role": "user"}], "label": "3"}\n',
@@ -74,7 +75,8 @@ def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
         out = d / name
         out.mkdir()
         for f in model.iterdir():
-            if f.name not in drop and f.name not in (files or {}) and not (config is not None and f.name == "config.json"):
+            if (f.name not in drop and f.name not in (files or {})
+                    and not (config is not None and f.name == "config.json")):
                 os.link(f, out / f.name)
         if config is not None:
             (out / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
@@ -235,7 +237,8 @@ CASES = [
     ("a million samples per prompt", ["rollout.n=1000000"], None, "rollout.n: 1000000 must be in [1, 4096]"),
     ("1000 engines on this machine", ["rollout.num_engines=1000"], None,
      "rollout.num_engines: 4 trainer ranks, 1000 engines"),
-    ("a million agent actors", ["agent_loop.num_ray_actors=1000000"], None, "agent_loop.num_ray_actors: 1000000 actors"),
+    ("a million agent actors", ["agent_loop.num_ray_actors=1000000"], None,
+     "agent_loop.num_ray_actors: 1000000 actors"),
     ("1000 agent actors on this machine", ["agent_loop.num_ray_actors=1000"], None,
      "agent_loop.num_ray_actors: 4 trainer ranks, 1 engines with 1 GiB of KV cache each and 2000 agent/judger "
      "actors need at least"),
@@ -468,8 +471,8 @@ def test_critic_settings_are_not_refused_without_gae(env, monkeypatch, tmp_path)
     with pytest.raises(WorkersWouldStart):
         train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
                         "trainer.resume=none", f"critic.path={env['d']}/nope",
-                        "critic.parallelism.tensor_model_parallel_size=3", "critic.cliprange_value=0", "algorithm.lam=0.9",
-                        "algorithm.lam_critic=1.0"])
+                        "critic.parallelism.tensor_model_parallel_size=3", "critic.cliprange_value=0",
+                        "algorithm.lam=0.9", "algorithm.lam_critic=1.0"])
 
 
 def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):

@@ -78,7 +78,8 @@ def test_dump_load_round_trip(tmp_path):
 
 def test_tiny_cpu_yaml_loads(tmp_path):
     with open(TINY_YAML) as f:
-        assert f.readline().strip() == "# rlmega demo --config configs/tiny_cpu.yaml"  # makes its model (test_shipped_configs)
+        # makes its model (test_shipped_configs)
+        assert f.readline().strip() == "# rlmega demo --config configs/tiny_cpu.yaml"
     model = write_model(tmp_path, heads=4, kv_heads=2, hidden=256, layers=4)
     cfg = load_config(TINY_YAML, [f"model.path={model}"])
     par = cfg.parallelism

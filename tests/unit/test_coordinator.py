@@ -219,14 +219,14 @@ def test_prometheus_staleness_and_busy():
     m.report_staleness(2, {0: 20, 1: 10})
     m.report_busy(2, 0.875, 0.5)
     lines = prometheus_text(m.status(json_safe=False)).splitlines()
-    assert [l for l in lines if "rlmega_staleness" in l] == [
+    assert [line for line in lines if "rlmega_staleness" in line] == [
         "# HELP rlmega_staleness_trajectories Trajectories trained since the start, by staleness "
         "(trainer step - sampling weight version).",
         "# TYPE rlmega_staleness_trajectories gauge",
         'rlmega_staleness_trajectories{staleness="0"} 50',
         'rlmega_staleness_trajectories{staleness="1"} 10',
         'rlmega_staleness_trajectories{staleness="2"} 2']
-    assert [l for l in lines if l.startswith("rlmega_busy")] == [
+    assert [line for line in lines if line.startswith("rlmega_busy")] == [
         'rlmega_busy_fraction{role="engine"} 0.875', 'rlmega_busy_fraction{role="trainer"} 0.5']
     assert "# TYPE rlmega_busy_fraction gauge" in lines
     m.cleanup()
@@ -267,7 +267,7 @@ def test_api_status_and_metrics_over_http(manager):
                      'rlmega_metric{name="pg_clip_frac"} 0.1', 'rlmega_step 7', 'rlmega_total_steps 100',
                      '# TYPE rlmega_tokens_per_second gauge']:
         assert expected in lines, f"{expected!r} missing from\n{text}"
-    rate = next(l for l in lines if l.startswith('rlmega_tokens_per_second{kind="total"}'))
+    rate = next(line for line in lines if line.startswith('rlmega_tokens_per_second{kind="total"}'))
     assert float(rate.split()[-1]) > 0
 
     code, ctype, html = _get(manager, "/")

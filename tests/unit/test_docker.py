@@ -46,7 +46,8 @@ def _pip_steps(commands: list[str]) -> list[tuple[str, ...]]:
         verb = next(w for w in words if w in ("install", "uninstall"))
         args = [w for w in words[words.index(verb) + 1:] if not w.startswith("-")]
         # the image leaves out the dev extra (test tools)
-        args = [re.sub(r"\[([^]]*)\]", lambda m: "[" + ",".join(e for e in m.group(1).split(",") if e != "dev") + "]", a)
+        args = [re.sub(r"\[([^]]*)\]",
+                       lambda m: "[" + ",".join(e for e in m.group(1).split(",") if e != "dev") + "]", a)
                 for a in args]
         steps.append((verb, *args))
     return steps
@@ -154,7 +155,8 @@ def test_cpu_image_builds_and_runs_the_demo(tmp_path):
         base = os.environ.get("RLMEGA_DOCKER_BASE")
         if not base:
             assert os.geteuid() == 0 and shutil.which("debootstrap"), \
-                "making the base image needs root and debootstrap (apt-get install debootstrap), or set RLMEGA_DOCKER_BASE"
+                "making the base image needs root and debootstrap (apt-get install debootstrap), " \
+                "or set RLMEGA_DOCKER_BASE"
             base = f"rlmega-base:test-{os.getpid()}"
             t = time.monotonic()
             out = subprocess.run([str(DOCKER / "make_cpu_base.sh"), base], capture_output=True, text=True, timeout=900)

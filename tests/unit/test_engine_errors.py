@@ -1,6 +1,7 @@
 """engine_root_cause on vLLM's log text: the engine core's last exception, not the caller's echo."""
 from rlmega.workers.engine_errors import engine_died, engine_root_cause
 
+# vLLM's log lines verbatim (the parser's input): they stay as long as vLLM wrote them.
 LOG = """\
 (EngineCore pid=14652) INFO 11-24 23:13:40 [core.py:133] Initializing a V1 LLM engine
 (EngineCore pid=14652) ERROR 11-24 23:13:41 [core.py:1512] EngineCore encountered a fatal error.
@@ -13,7 +14,7 @@ LOG = """\
 (EngineCore pid=14652) ERROR 11-24 23:13:41 [core.py:1512] RuntimeError: CPU Generator does not use offset
 (MainProcess pid=14519) ERROR 11-24 23:13:41 [async_llm.py:906] AsyncLLM output_handler failed.
 (MainProcess pid=14519) ERROR 11-24 23:13:41 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
-"""
+"""  # noqa: E501
 
 
 def test_root_cause_is_the_engine_cores_exception_with_its_frame():

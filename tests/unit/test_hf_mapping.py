@@ -44,7 +44,7 @@ def hf_config(arch: str = "qwen2", **over) -> dict:
 def random_hf_tensors(shape: ModelShape, seed: int = 0) -> dict[str, torch.Tensor]:
     """Every HF tensor of a one-layer model, random (norms too, so nothing is trivially 1)."""
     g = torch.Generator().manual_seed(seed)
-    h, d, q_rows, kv_rows = shape.hidden_size, shape.head_dim, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, q_rows, kv_rows = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     p = "model.layers.0."
     sizes = {
         "model.embed_tokens.weight": (shape.vocab_size, h),
@@ -202,7 +202,8 @@ def test_gate_up_on_tp_rank_r_is_gate_r_then_up_r(tp):
 
 # ---- hf_weights: errors ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["decoder.layers.0.mlp.router.weight", "decoder.layers.2.self_attention.q_layernorm.weight",
+@pytest.mark.parametrize("name", ["decoder.layers.0.mlp.router.weight",
+                                  "decoder.layers.2.self_attention.q_layernorm.weight",
                                   "embedding.position_embeddings.weight", "nonsense"])
 def test_rule_for_an_unknown_name_raises_naming_it(name):
     shape = ModelShape.from_hf(hf_config("qwen2"), 1)
@@ -279,7 +280,8 @@ def test_model_shape_fields():
 def test_megatron_config_from_hf_maps_the_hyper_parameters():
     cfg, kw = megatron_config_from_hf(hf_config("qwen2", rope_theta=1_000_000.0, rms_norm_eps=1e-5,
                                                  num_hidden_layers=4, max_position_embeddings=2048), tp=2, pp=2)
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups) == (4, HIDDEN, HEADS, KV_HEADS)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups) == \
+        (4, HIDDEN, HEADS, KV_HEADS)
     assert cfg.ffn_hidden_size == FFN and cfg.kv_channels == HEAD_DIM
     assert cfg.layernorm_epsilon == 1e-5 and cfg.normalization == "RMSNorm" and cfg.gated_linear_unit
     assert cfg.add_qkv_bias and not cfg.add_bias_linear
@@ -346,13 +348,15 @@ def test_qwen3_has_qk_norms_and_no_qkv_bias():
     assert tcfg.qk_layernorm and not tcfg.add_qkv_bias and tcfg.num_moe_experts is None
     assert rule("decoder.layers.3.self_attention.q_layernorm.weight", shape) == (
         "replicated", ["model.layers.3.self_attn.q_norm.weight"])
-    assert rule("decoder.layers.3.self_attention.k_layernorm.weight", shape)[1] == ["model.layers.3.self_attn.k_norm.weight"]
+    assert rule("decoder.layers.3.self_attention.k_layernorm.weight", shape)[1] == [
+        "model.layers.3.self_attn.k_norm.weight"]
     # model_type alone names the class too
     del cfg["architectures"]
     assert ModelShape.from_hf(cfg).architecture == "Qwen3ForCausalLM"
 
 
-@pytest.mark.parametrize("key", ["num_local_experts", "num_experts"])  # transformers 5 writes the first, Qwen the second
+# transformers 5 writes the first, Qwen the second
+@pytest.mark.parametrize("key", ["num_local_experts", "num_experts"])
 def test_qwen3_moe_shape_and_router_mapping(key):
     cfg = qwen3_moe_config()
     cfg[key] = cfg.pop("num_local_experts")
@@ -394,7 +398,8 @@ def test_moe_expert_names_both_spec_forms_round_trip(family):
           [(gate_n, (32, HIDDEN)), (up_n, (32, HIDDEN)), (down_n, (HIDDEN, 32))]}
     for fc1, fc2 in [("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
                       "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"),
-                     ("decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.1.mlp.experts.linear_fc2.weight2")]:
+                     ("decoder.layers.1.mlp.experts.linear_fc1.weight2",
+                      "decoder.layers.1.mlp.experts.linear_fc2.weight2")]:
         shards = [to_megatron_shard(fc1, hf.__getitem__, shape, r, 2) for r in range(2)]
         gate, up = hf[e + gate_n + ".weight"], hf[e + up_n + ".weight"]
         assert torch.equal(shards[0], torch.cat([gate[:16], up[:16]]))  # like the dense fc1: [gate_r; up_r]

@@ -32,7 +32,8 @@ def test_engine_settings_come_from_the_judgers_own_fields(tmp_path):
 
 
 def test_a_cuda_judge_reserves_a_gpu_in_its_bundle():
-    cpu, cuda = (JudgerConfig(name=d, kind="model", model_path="x", device=d, cpus_per_actor=0.5) for d in ("cpu", "cuda"))
+    cpu, cuda = (JudgerConfig(name=d, kind="model", model_path="x", device=d, cpus_per_actor=0.5)
+                 for d in ("cpu", "cuda"))
     assert judger_bundles([cpu, cuda]) == [{"CPU": 0.5}, {"CPU": 0.5, "GPU": 1}]
 
 

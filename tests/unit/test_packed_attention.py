@@ -46,5 +46,6 @@ def test_a_plain_batch_of_rows_is_causal_sdpa():
     """B > 1 rows without packing (as the MFU bench feeds it): the same as transformers' sdpa."""
     packed, plain = _model(packed_attention.NAME), _model("sdpa")
     tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(2))
-    err = (packed(input_ids=tokens, use_cache=False).logits - plain(input_ids=tokens, use_cache=False).logits).abs().max()
+    err = (packed(input_ids=tokens, use_cache=False).logits
+           - plain(input_ids=tokens, use_cache=False).logits).abs().max()
     assert err < 1e-5, err  # measured ~5e-7

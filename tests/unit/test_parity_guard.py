@@ -18,7 +18,8 @@ def test_only_samples_of_the_current_weights_are_measured():
 
 
 def test_verdicts_and_nan():
-    assert [parity_verdict(x, 1e-3, 1e-2) for x in (1e-6, 1e-3, 2e-3, 1e-2, 0.5)] == ["ok", "ok", "warn", "warn", "stop"]
+    assert [parity_verdict(x, 1e-3, 1e-2) for x in (1e-6, 1e-3, 2e-3, 1e-2, 0.5)] == \
+        ["ok", "ok", "warn", "warn", "stop"]
     assert parity_verdict(math.nan, 1e-3, 1e-2) == "stop"
 
 

@@ -129,11 +129,13 @@ def test_cpu_ranks_per_node_makes_one_group_per_node_and_spreads_engines():
     assert plan.groups == [[{"CPU": 0.75}, {"CPU": 0.75}], [{"CPU": 0.75}, {"CPU": 0.5}]]
     assert all(s.gpus == 0 for s in plan.ranks + plan.engines)
     # not colocated: each engine a bundle of its own on its node; vLLM TP does not change a CPU engine's bundle
-    plan = placement_plan(par, RolloutConfig(num_engines=2, tensor_parallel_size=2), ClusterConfig(cpu_ranks_per_node=2, colocate=False))
+    plan = placement_plan(par, RolloutConfig(num_engines=2, tensor_parallel_size=2),
+                          ClusterConfig(cpu_ranks_per_node=2, colocate=False))
     assert [(s.group, s.bundles) for s in plan.engines] == [(0, (2,)), (1, (2,))]
     assert [len(g) for g in plan.groups] == [3, 3]
     # no Ray trainer ranks (torchrun's ranks): the engines alone, in one group
-    plan = placement_plan(ParallelismConfig(world_size=0), RolloutConfig(num_engines=2), ClusterConfig(cpu_ranks_per_node=2, colocate=False))
+    plan = placement_plan(ParallelismConfig(world_size=0), RolloutConfig(num_engines=2),
+                          ClusterConfig(cpu_ranks_per_node=2, colocate=False))
     assert plan.ranks == [] and plan.groups == [[{"CPU": 0.5}, {"CPU": 0.5}]]
     # the default keeps the single PACK group, which Ray may put on any node
     assert not placement_plan(par, roll, ClusterConfig()).one_node_per_group
@@ -144,7 +146,8 @@ def test_cpu_ranks_per_node_refuses_tp_groups_across_nodes_and_gpu_runs():
         placement_plan(ParallelismConfig(tensor_model_parallel_size=2, world_size=6), RolloutConfig(),
                        ClusterConfig(cpu_ranks_per_node=3))
     with pytest.raises(PlacementError, match="cluster.cpu_ranks_per_node: 2 applies to CPU runs only"):
-        placement_plan(ParallelismConfig(world_size=4), RolloutConfig(device="cuda"), ClusterConfig(cpu_ranks_per_node=2))
+        placement_plan(ParallelismConfig(world_size=4), RolloutConfig(device="cuda"),
+                       ClusterConfig(cpu_ranks_per_node=2))
 
 
 def test_cpu_ranks_per_node_is_checked_when_the_config_loads(tmp_path):

@@ -129,7 +129,8 @@ def test_overlong_mask_drops_cut_responses_from_the_loss_and_penalty_shapes_rewa
     assert m["overlong_penalty_mean"] == pytest.approx(-0.5)
     cfg.algorithm.overlong_buffer_tokens, cfg.algorithm.overlong_penalty_factor = 5, 2.0
     shaped, _ = shape_overlong(batch, rows, cfg)
-    assert shaped.rewards.tolist() == pytest.approx([0.0 - 2.0, 1.0 - 1.6, 2.0], abs=1e-7)  # float32: -0.6 is 2.4e-8 off
+    # float32: -0.6 is 2.4e-8 off
+    assert shaped.rewards.tolist() == pytest.approx([0.0 - 2.0, 1.0 - 1.6, 2.0], abs=1e-7)
 
 
 def test_stale_groups_are_found_by_their_oldest_token_and_dropped_with_their_requests():
@@ -143,5 +144,6 @@ def test_stale_groups_are_found_by_their_oldest_token_and_dropped_with_their_req
     drop_groups(batch, [1, 2], k=1)
     assert [g.label for g in batch.groups] == ["0", "3"] and [r.label for _, r in batch.requests] == ["0", "3"]
     assert batch.stats["stale_dropped"] == 2
-    with pytest.raises(RuntimeError, match="batch 4: every group is older than produce.max_staleness=0.*on_stale=requeue"):
+    with pytest.raises(RuntimeError,
+                       match="batch 4: every group is older than produce.max_staleness=0.*on_stale=requeue"):
         drop_groups(batch, [0, 1], k=0)

@@ -170,10 +170,12 @@ def _replace_item(name, i, value):
         (_with(sample_ids=torch.tensor([1, 2, 3, 2, 5])), r"sample_ids\[3\] = 2 repeats"),
         (_replace_item("routed_experts", 1, torch.zeros(6, 2, 2, dtype=torch.int16)),
          r"routed_experts\[1\] must have shape \(7, num_moe_layers, topk\)"),
-        (_replace_item("routed_experts", 2, torch.zeros(4, 2, 2, dtype=torch.int64)), r"routed_experts\[2\] must be int16"),
+        (_replace_item("routed_experts", 2, torch.zeros(4, 2, 2, dtype=torch.int64)),
+         r"routed_experts\[2\] must be int16"),
         (_replace_item("routed_experts", 3, torch.zeros(4, 3, 2, dtype=torch.int16)),
          r"routed_experts\[3\] has \(num_moe_layers, topk\) = \(3, 2\)"),
-        (_replace_item("routed_experts", 0, torch.full((5, 2, 2), -2, dtype=torch.int16)), r"routed_experts\[0\] holds -2"),
+        (_replace_item("routed_experts", 0, torch.full((5, 2, 2), -2, dtype=torch.int16)),
+         r"routed_experts\[0\] holds -2"),
     ],
 )
 def test_validate_names_field_and_index(fields, message):

@@ -1,5 +1,4 @@
 """RunDir: metrics lines, rewrite on resume, checkpoint pruning, TensorBoard and wandb (offline)."""
-import json
 import time
 from pathlib import Path
 

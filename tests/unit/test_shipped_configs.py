@@ -42,7 +42,8 @@ def _parse(name: str, argv: list):
         if argv[:1] == ["rlmega"]:
             return argv[1], cli.parser().parse_args(argv[1:])
         if argv[:1] == ["python"] and len(argv) > 1 and argv[1].startswith("tools/"):
-            assert (ROOT / argv[1]).is_file(), f"configs/{name}: first line runs {argv[1]}, which is not in the checkout"
+            assert (ROOT / argv[1]).is_file(), \
+                f"configs/{name}: first line runs {argv[1]}, which is not in the checkout"
             return argv[1], _tool_parser(argv[1]).parse_args(argv[2:])
     except SystemExit:
         pytest.fail(f"configs/{name}: the first line's command {shlex.join(argv)!r} does not parse (see stderr)")
@@ -53,7 +54,8 @@ def _parse(name: str, argv: list):
 def first_line_commands(path: Path) -> list:
     """[(kind, parsed arguments)] of the config's first line, `# CMD [&& CMD ...]`."""
     line = path.read_text().splitlines()[0]
-    assert line.startswith("# "), f"configs/{path.name}: the first line must be `# COMMAND` (how to run it), not {line!r}"
+    assert line.startswith("# "), \
+        f"configs/{path.name}: the first line must be `# COMMAND` (how to run it), not {line!r}"
     return [_parse(path.name, shlex.split(part)) for part in line[2:].split("&&")]
 
 
@@ -105,7 +107,8 @@ def test_check_config_passes_on_the_model_the_first_line_makes(path, models, tmp
         if model is not None or not Path((yaml.safe_load(path.read_text())["model"])["path"]).is_absolute():
             pytest.fail(f"configs/{path.name}: rlmega check-config fails on the model its first line makes:\n{e}")
         other = [p for p in e.problems if not p.startswith(CLUSTER_ONLY)]
-        assert not other, f"configs/{path.name} (a cluster config): problems beyond its storage and GPUs:\n" + "\n".join(other)
+        assert not other, \
+            f"configs/{path.name} (a cluster config): problems beyond its storage and GPUs:\n" + "\n".join(other)
     except cli.PromptDataError as e:
         pytest.fail(f"configs/{path.name}: {e}")
     else:

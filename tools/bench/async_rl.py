@@ -154,7 +154,8 @@ def run_grpo(mode: str, args, overrides: list[str], work: Path, rnd: int) -> dic
 
 
 def median_step(runs: list[dict], workload: str, side: str, warmup: int) -> float | None:
-    steps = [s["time_step"] for r in runs if r["workload"] == workload and r["side"] == side for s in r["steps"][warmup:]]
+    steps = [s["time_step"] for r in runs if r["workload"] == workload and r["side"] == side
+             for s in r["steps"][warmup:]]
     return statistics.median(steps) if steps else None
 
 
@@ -184,7 +185,10 @@ def report(res: dict) -> None:
     warmup = res["warmup"]
     for r in res["runs"]:
         steps = r["steps"][warmup:]
-        med = (lambda k: statistics.median(s.get(k, 0.0) for s in steps) if steps else float("nan"))
+
+        def med(k: str, steps: list = steps) -> float:  # steps bound now: a new list each iteration
+            return statistics.median(s.get(k, 0.0) for s in steps) if steps else float("nan")
+
         acc = f"{r['final_accuracy']:.3f}" if r.get("final_accuracy") is not None else "-"
         cpu = f"{r['cpu_busy']:.2f}" if r.get("cpu_busy") is not None else "-"
         print(f"{r['workload']:>8} {r['side']:>9} {r['round']:>5} {r['wall_s']:7.0f} {len(steps):>5} "
@@ -213,7 +217,8 @@ def report(res: dict) -> None:
             print(f"  TRL: skipped ({res['trl_skipped']})")
     demo = [r for r in res["runs"] if r["workload"] == "demo"]
     if demo:
-        print(f"\n{'demo run':>26} {'held-out before -> last':>23} {'gain':>6} {'reward first5 -> last5':>22} {'wall_s':>6}"
+        print(f"\n{'demo run':>26} {'held-out before -> last':>23} {'gain':>6} "
+              f"{'reward first5 -> last5':>22} {'wall_s':>6}"
               + ("  check (issue 27)" if res.get("check") else ""))
         for r in demo:
             ev = f"{r['evals'][0][1]:.2f} -> {r['evals'][-1][1]:.2f}" if r["evals"] else "-"
@@ -225,7 +230,8 @@ def report(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["demo", "grpo", "both"], default="both")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--rounds", type=int, default=1, help="each round: one process per mode (and TRL)")
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
                         print(f"round {rnd}: demo {mode} {layout} ...", flush=True)
                         runs.append(run_demo(mode, layout, args, work, rnd))
                         runs[-1]["misses"] = check(runs[-1])
-                        print(f"  final accuracy {runs[-1]['final_accuracy']}, process {runs[-1]['wall_s']:.0f} s", flush=True)
+                        print(f"  final accuracy {runs[-1]['final_accuracy']}, "
+                              f"process {runs[-1]['wall_s']:.0f} s", flush=True)
             if args.workload in ("grpo", "both"):
                 from rlmega.tiny_model import make_tiny_model
 

@@ -211,7 +211,8 @@ def report(res: dict, warmup: int) -> None:
                   + f" {s['response_length']:8.1f}  {s['time_step']:.2f}{tag}")
     print()
     for rnd in sorted({r["round"] for r in res["runs"]}):
-        per = {side: summarize([r for r in res["runs"] if r["round"] == rnd], side, warmup) for side in ("trl", "rlmega")}
+        per = {side: summarize([r for r in res["runs"] if r["round"] == rnd], side, warmup)
+               for side in ("trl", "rlmega")}
         if per["trl"] and per["rlmega"]:
             print(f"round {rnd}: TRL/rlmega {per['trl']['step_s'] / per['rlmega']['step_s']:.2f} "
                   f"(median step {per['trl']['step_s']:.2f} / {per['rlmega']['step_s']:.2f} s)")
@@ -237,7 +238,8 @@ def report(res: dict, warmup: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="python of TRL's venv (see above)")
     p.add_argument("--rounds", type=int, default=2, help="each round: one process per side")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per process")

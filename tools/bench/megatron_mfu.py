@@ -36,6 +36,7 @@ each. On an H100/H200 it is also quoted against the datasheet's dense bf16 peak 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -151,11 +152,13 @@ def _megatron_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int
         params = sum(p.numel() for c in mm.unwrapped() for p in c.parameters())
         losses = []
 
-        def step():
+        def step(mm):
             losses.append(lm_forward_backward(mm.model, tokens, micro_batch))
             mm.optimizer_step()
 
-        times = _timed(step, steps, warmup, dev, profile)
+        # mm goes in as an argument, not as a free variable of step: `del mm` below (the model freed
+        # before teardown) would leave a closure over it pointing at nothing.
+        times = _timed(functools.partial(step, mm), steps, warmup, dev, profile)
         del mm
     finally:
         teardown_megatron()
@@ -190,7 +193,7 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
         chunks = tokens.split(micro_batch)
         losses = []
 
-        def step():
+        def step(mm):
             total = 0.0
             for k, chunk in enumerate(chunks):
                 mm.before_micro_batch(mm.model, is_last_micro_batch=k == len(chunks) - 1)
@@ -201,7 +204,7 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
             mm.optimizer_step()
             losses.append(float(total))
 
-        times = _timed(step, steps, warmup, dev, profile)
+        times = _timed(functools.partial(step, mm), steps, warmup, dev, profile)  # as above
         del mm
     finally:
         if dist.is_initialized():
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
             d[k] = getattr(a, k)
     result = run(hf, dtype, d["seq_len"], d["micro_batch"], d["micro_batches"], d["steps"], d["warmup"],
                  d["peak_n"], a.peak_repeats, a.backend, a.profile)
-    print(f"{a.backend} on {result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, {result['tokens_per_s']:.0f} tokens/s, "
+    print(f"{a.backend} on {result['device']} {dtype}: {result['params'] / 1e6:.1f}M params, "
+          f"{result['tokens_per_s']:.0f} tokens/s, "
           f"{result['achieved_tflops']:.3g} TFLOP/s model; matmul peak {result['matmul_peak_tflops']:.3g} TFLOP/s "
           f"-> MFU {100 * result['mfu_vs_matmul_peak']:.1f}%"
           + (f"; datasheet {result['datasheet_tflops']:.1f} -> MFU {100 * result['mfu_vs_datasheet']:.1f}%"

@@ -105,11 +105,13 @@ class NullEngine:
 
 
 TRANSPORTS = {
-    "ray": "rlmega.sync.transports.RayTransport, pipelined (production): on this node the sender writes the engine's slots",
+    "ray": "rlmega.sync.transports.RayTransport, pipelined (production): on this node the sender writes "
+           "the engine's slots",
     "ray-store": "the same through the object store, the RolloutWorker writing the slots (before local slots)",
     "ray-files": "the same, each piece of a bucket a new /dev/shm file: no shared-memory slots (before them)",
     "ray-stopwait": "the same, flushing after every bucket: one reload each, nothing overlaps (before issues 12, 26)",
-    "collective": "rlmega.sync.collective.CollectiveTransport: each bucket broadcast over gloo (the path between nodes)",
+    "collective": "rlmega.sync.collective.CollectiveTransport: each bucket broadcast over gloo "
+                  "(the path between nodes)",
 }
 
 
@@ -549,7 +551,8 @@ def report(res: dict) -> None:
             continue
         s = r["sync_s"]
         print(f"{r['layout']} {r['transport']}: {r['tensors']} tensors in {r['buckets']} bucket(s) from "
-              f"{r['senders']} sender(s), {r['reloads']} engine reload(s); of sync_s: gather {r['gather_s'] / s:.0%}, put {r['put_s'] / s:.0%}, "
+              f"{r['senders']} sender(s), {r['reloads']} engine reload(s); of sync_s: "
+              f"gather {r['gather_s'] / s:.0%}, put {r['put_s'] / s:.0%}, "
               f"waiting for the engine {r['wait_s'] / s:.0%}; engine busy {r['engine_s'] / s:.0%} "
               f"(its one-call reload: {r['reload_s'] / s:.0%}); per-round ratios "
               f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} (median {r['median_round_ratio']:.2f}); "
