@@ -379,7 +379,8 @@ def markdown(summary: dict) -> str:
     head = (f"{summary['date']}, {summary['device']}, {summary['mode']}; rlmega {summary['commit']}; "
             f"{summary['software']}")
     rows = ["| step | run | exit | steps | step s | generate | log-probs | train | sync (refit s, GiB) | "
-            "tokens/s/GPU (CPU: /s) | parity max / mean | reward first -> last | peak GPU GiB (trainer, engine, total) | wall s |",
+            "tokens/s/GPU (CPU: /s) | parity max / mean | reward first -> last | "
+            "peak GPU GiB (trainer, engine, total) | wall s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         s, mem = r.get("result", {}), r.get("gpu_memory_gib", {})
@@ -397,8 +398,10 @@ def markdown(summary: dict) -> str:
         rows.append(
             f"| {r['step']} | {r['run']} | {status} | {steps[0] if steps else '-'}-{steps[-1] if steps else '-'} | "
             f"{_fmt(s.get('step_s'))} | {_fmt(s.get('generate_s'))} | {_fmt(s.get('logprob_s'))} | "
-            f"{_fmt(s.get('train_s'))} | {_fmt(s.get('sync_s'))} ({_fmt(s.get('refit_s'))}, {_fmt(s.get('refit_gib'))}) | "
-            f"{_fmt(s.get('tokens_per_s_per_gpu') or s.get('tokens_per_s'), 0)} | {_fmt(s.get('parity_max'), 3)} / {_fmt(s.get('parity_mean'), 3)} | "
+            f"{_fmt(s.get('train_s'))} | {_fmt(s.get('sync_s'))} "
+            f"({_fmt(s.get('refit_s'))}, {_fmt(s.get('refit_gib'))}) | "
+            f"{_fmt(s.get('tokens_per_s_per_gpu') or s.get('tokens_per_s'), 0)} | "
+            f"{_fmt(s.get('parity_max'), 3)} / {_fmt(s.get('parity_mean'), 3)} | "
             f"{_fmt(s.get('reward_first'), 3)} -> {_fmt(s.get('reward_last'), 3)} | "
             f"{_fmt(mem.get('trainer'))}, {_fmt(mem.get('engine'))}, {_fmt(mem.get('total'))} | "
             f"{_fmt(r.get('seconds'), 0)} |")
