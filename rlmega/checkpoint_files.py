@@ -13,9 +13,13 @@ up, says so as CheckpointSpaceError. rlmega/checkpoint_scan.py judges which fold
 from __future__ import annotations
 
 import errno
+import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from rlmega.durable import fsync_dir, fsync_tree, replace_durably
@@ -89,6 +93,54 @@ def undo_failed_save(error: BaseException, root: Path, partial: Path) -> None:
             f"the partial save was removed and {root / 'latest'} still names the last good checkpoint "
             f"({latest(root).name if latest(root) else 'none yet'}). Fix: free space, or point "
             "trainer.run_dir at a larger filesystem, then resume") from error
+
+
+@contextmanager
+def saving(root: Path, partial: Path, final: Path):
+    """The block writes ``partial`` (every rank); then ``finish_save`` puts it in place as ``final``. A
+    failure undoes the save (``undo_failed_save``: CheckpointSpaceError for a full disk) and is raised."""
+    try:
+        yield
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            undo_failed_save(e, root, partial)
+        raise
+    finish_save(root, partial, final)
+
+
+def rng_state() -> dict:
+    """This process's RNG states: Python's, NumPy's, torch's and (on a GPU) CUDA's."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back what ``rng_state`` took (CUDA's only where this process has a GPU)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# Copied from the model's folder into an HF export (the weights and config.json are written fresh).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def finish_export(partial: Path, out_dir: Path, source: Path | None) -> None:
+    """An HF export written to ``partial``: the tokenizer files of ``source`` (the model's folder, if any)
+    beside it, then renamed into place as ``out_dir`` (whole, or not at all)."""
+    for name in TOKENIZER_FILES if source else ():
+        if (source / name).exists():
+            shutil.copy2(source / name, partial / name)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    partial.rename(out_dir)
 
 
 def _replaced(final: Path) -> Path:

@@ -124,9 +124,9 @@ class Producer:
             last = min(version - 1 + self.k, self.end - 1)  # no batch is made past the last step
             self._wait(lambda: self._next > last or self._stopped, f"batch {last} before the sync to {version}")
         sent = self.roles.rollout_phase(version, in_flight=self.in_flight)
-        # sync_seconds: the weight transfer alone (the slowest sender's), inside time_sync's release and wake
+        # time_weight_transfer: the transfer alone (the slowest sender's), inside time_sync's release and wake
         return {"preempted_requests": sent.get("preempted", 0), "sync_bytes": sent["bytes"],
-                "sync_seconds": sent["seconds"]}
+                "time_weight_transfer": sent["seconds"]}
 
     def pause(self) -> None:
         """Start no batch until ``advance``, and wait for the one in production (a checkpoint's state)."""

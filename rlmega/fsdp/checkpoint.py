@@ -15,10 +15,8 @@ the saved one (another world size has other ranks: each keeps its own seeded gen
 from __future__ import annotations
 
 import pickle
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,26 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
-from rlmega.checkpoint_files import finish_save, resolve, start_save, undo_failed_save
+from rlmega.checkpoint_files import resolve, rng_state, saving, set_rng_state, start_save
 
 BACKEND = "fsdp"  # common.pt's meta["backend"]; checkpoint_scan.py tells the two formats apart by it
 
 
-def rng_state() -> dict:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _state(model, optimizer, extra_models: dict | None) -> dict:
@@ -83,7 +66,7 @@ def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, ext
     common = {"meta": {"backend": BACKEND, "step": step, "scheduler": scheduler.state_dict() if scheduler else None,
                        "extra": extra or {}, "world_size": dist.get_world_size(),
                        "has_optimizer_state": optimizer is not None, "extra_models": sorted(extra_models or {})}}
-    try:
+    with saving(root, partial, final):
         dcp.save(state, checkpoint_id=str(partial))  # collective: a failure on any rank raises on every rank
         failure = None
         if rank == 0:
@@ -96,12 +79,6 @@ def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, ext
             if failure is not None:
                 raise failure
             raise RuntimeError(f"rank 0 failed to write {partial / 'common.pt'}")
-    except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        undo_failed_save(e, root, partial)
-        raise
-    finish_save(root, partial, final)
     return final
 
 

@@ -6,7 +6,7 @@
     for i, mb in enumerate(micro_batches):
         mm.before_micro_batch(mm.model, is_last_micro_batch=i == len(micro_batches) - 1)
         loss(mm.model(**mb)).backward()                  # the caller's loss, averaged over the global batch
-    grad_norm, lrs = mm.optimizer_step()                 # the step was taken iff grad_norm is finite
+    taken, grad_norm, lr = mm.optimizer_step()           # StepResult (taken iff grad_norm is finite)
     mm.save_checkpoint("runs/x/checkpoints", step=1)     # DCP, sharded, atomic (fsdp/checkpoint.py)
 
 Layout: every parameter is sharded over all ``world_size`` ranks (dim 0) as a DTensor; each decoder
@@ -30,12 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from rlmega import offload
 from rlmega.algorithms.lr_schedule import LRSchedule
+from rlmega.checkpoint_files import finish_export
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
+from rlmega.engine_api import StepResult
 from rlmega.fsdp import checkpoint, packed_attention
 
-# Copied from model.path into an export (the weights and config.json are written fresh).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -187,14 +186,14 @@ class FSDPModelManager:
         dist.all_reduce(sq)
         return float(sq.sqrt())
 
-    def optimizer_step(self, skip_nonfinite: bool = True, lr: float | None = None) -> tuple[float, list[float]]:
+    def optimizer_step(self, skip_nonfinite: bool = True, lr: float | None = None) -> StepResult:
         """Clip to optimizer.clip_grad, step, advance the schedule, zero the gradients.
-        Returns (grad_norm before clipping, the LR of each param group used).
+        Returns StepResult(taken, grad_norm before clipping, the LR used), as MegatronModelManager's.
 
         ``lr`` overrides the schedule for this one step and leaves the schedule where it was. A
         non-finite norm (the same on every rank: it is global) skips the step everywhere, weights
         and Adam state unchanged, with ``skip_nonfinite``; without it every rank raises
-        FloatingPointError. The step was taken iff the returned norm is finite (also
+        FloatingPointError, gradients zeroed. The step was taken iff the returned norm is finite (also
         ``self.last_step_taken``).
         """
         opt = self.optimizer
@@ -215,7 +214,7 @@ class FSDPModelManager:
                 self.grad_scaler.update()
             if not skip_nonfinite:
                 raise FloatingPointError(f"non-finite grad norm {grad_norm}: step not taken")
-            return grad_norm, lrs
+            return StepResult(False, grad_norm, lrs[0])
         clip = self.optim_cfg.clip_grad
         coeff = clip / (grad_norm + 1.0e-6)  # Megatron's clip_grad_by_total_norm_fp32
         if clip > 0 and coeff < 1.0:
@@ -231,7 +230,7 @@ class FSDPModelManager:
         opt.zero_grad(set_to_none=True)
         if scheduled:
             self.lr_scheduler.step(1)
-        return grad_norm, lrs
+        return StepResult(True, grad_norm, lrs[0])
 
     # ---- weights out ------------------------------------------------------------------------
     def get_model_state_dict(self, cpu_offload: bool = True, full_state_dict: bool = True) -> dict:
@@ -329,13 +328,7 @@ class FSDPModelManager:
             partial = out_dir.with_name(out_dir.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
             _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(partial, safe_serialization=True)
-            source = Path(self.model_cfg.path) if self.model_cfg.path else None
-            for name in _TOKENIZER_FILES if source else ():
-                if (source / name).exists():
-                    shutil.copy2(source / name, partial / name)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            partial.rename(out_dir)
+            finish_export(partial, out_dir, Path(self.model_cfg.path) if self.model_cfg.path else None)
         dist.barrier()
         return out_dir
 

@@ -14,10 +14,8 @@ Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,9 +27,10 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 # The root's files (step_N, .partial, latest, disk-full handling) are backend-neutral; the names are
 # re-exported here for existing callers (train.py imports CheckpointSpaceError from this module).
 from rlmega.checkpoint_files import (  # noqa: F401
-    CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, start_save,
-    step_dir, undo_failed_save,
+    CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, saving,
+    start_save, step_dir, undo_failed_save,
 )
+from rlmega import checkpoint_files as files
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
 from rlmega.megatron.save_results import use_in_process_queue
@@ -56,21 +55,12 @@ def _saved_layout(meta: dict) -> tuple[int, ...]:
 
 
 def rng_state() -> dict:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
+    """checkpoint_files.rng_state and Megatron's tensor-parallel RNG tracker's states."""
+    return {**files.rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    files.set_rng_state(state)
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -114,15 +104,9 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
                   "extra": extra or {}, "layout": _layout(),
                   "extra_models": sorted(extra_models or {})}
     use_in_process_queue()  # else Megatron's writer starts a Manager process that outlives a kill -9
-    try:
+    with saving(root, partial, final):
         dist_checkpointing.save(sd, str(partial))  # collective: a failure on any rank raises on every rank
         dist.barrier()  # every rank's shards are on disk
-    except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        undo_failed_save(e, root, partial)
-        raise
-    finish_save(root, partial, final)
     return final
 
 

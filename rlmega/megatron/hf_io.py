@@ -27,11 +27,10 @@ from megatron.core import parallel_state as ps
 from rlmega.megatron.hf_config import ModelShape
 from rlmega.megatron.hf_weights import (expert_index, from_megatron_shards, hf_pieces, rule, to_megatron_shard,
                                         with_expert_index)
+from rlmega.checkpoint_files import finish_export
 from rlmega.sync.pieces import Piece
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -224,21 +223,6 @@ def _cat_shards(name: str, shards: list[torch.Tensor], shape: ModelShape) -> tor
     return hf[names[0]].contiguous()
 
 
-def iter_hf_buckets(chunks: list, shape: ModelShape, bucket_bytes: int, to_first: bool = False,
-                    pieces: bool = False) -> Iterator[list[tuple[str, torch.Tensor | Piece]]]:
-    """``iter_hf_tensors`` grouped into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, value in iter_hf_tensors(chunks, shape, to_first, pieces):
-        nbytes = value.nbytes
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, value))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor]:
     """All of this stage's HF tensors at once, on the CPU (for export)."""
     return {k: v.cpu() for k, v in iter_hf_tensors(chunks, shape)}
@@ -275,11 +259,6 @@ def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: 
         dtype = next(iter(tensors.values())).dtype
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
         (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
-        for name in _TOKENIZER_FILES:
-            if (source / name).exists():
-                shutil.copy2(source / name, partial / name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        partial.rename(out_dir)
+        finish_export(partial, out_dir, source)
     dist.barrier()
     return out_dir

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from rlmega.megatron.model_manager import make_data_iterator_list
 from rlmega.megatron.packed_attention import packed_rows
 from rlmega.megatron.runtime import for_collective
 
@@ -56,8 +57,7 @@ def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int
         raise ValueError(f"batch of {tokens.shape[0]} rows is not divisible by micro_batch_size={micro_batch_size}")
     micro = list(tokens.split(micro_batch_size))
     vpp = len(model)
-    # Every model chunk pulls from its own iterator over the same micro-batches.
-    iters = [iter(micro) for _ in range(vpp)] if vpp > 1 else iter(micro)
+    iters = make_data_iterator_list(micro, vpp_size=vpp)  # each model chunk pulls every micro-batch
     for chunk in model:
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
@@ -106,7 +106,7 @@ def forward_logits(model: list, tokens: torch.Tensor, micro_batch_size: int = 1)
     vpp = len(model)
     outputs = get_forward_backward_func()(
         forward_step_func=_logits_step,
-        data_iterator=[iter(micro) for _ in range(vpp)] if vpp > 1 else iter(micro),
+        data_iterator=make_data_iterator_list(micro, vpp_size=vpp),
         model=model if vpp > 1 else model[0],
         num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batch_size,
         forward_only=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -31,6 +32,7 @@ from megatron.core.transformer.module import Float16Module
 
 from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
+from rlmega.engine_api import StepResult
 from rlmega.megatron import checkpoint, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
@@ -78,6 +80,22 @@ PHASE_KINDS = (("grads", "offload_grads", "onload_grads"),
                ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
                ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
                ("params", "offload_params", "onload_params"))
+
+
+def make_data_iterator_list(data_iterator: Iterable, padding: bool = False, vpp_size: int = 1):
+    """The data iterator megatron-core's pipeline schedule takes: with virtual pipeline stages
+    (``vpp_size`` > 1) a list of one iterator per model chunk, each over every micro-batch (each chunk
+    pulls each one in turn), else one iterator. ``padding``: each dict micro-batch gets
+    "max_batch_seqlen", the longest row over all of them (the schedule's ``seq_length``; with VPP the
+    rows in flight share that length). The one place that builds it (MegatronModelManager's
+    ``make_data_iterator_list``, rlmega/megatron/policy.py and lm_step.py)."""
+    micro_batches = list(data_iterator)
+    if padding:
+        longest = max((mb["tokens"].shape[-1] for mb in micro_batches if isinstance(mb, dict)), default=0)
+        for mb in micro_batches:
+            if isinstance(mb, dict):
+                mb["max_batch_seqlen"] = longest
+    return [iter(micro_batches) for _ in range(vpp_size)] if vpp_size > 1 else iter(micro_batches)
 
 
 class MegatronModelManager:
@@ -202,8 +220,8 @@ class MegatronModelManager:
         )
 
     # ---- stepping ---------------------------------------------------------------------------
-    def optimizer_step(self, skip_nonfinite: bool = True, lr: float | None = None) -> tuple[bool, float, float]:
-        """Clip, step and advance the LR schedule. Returns (updated, grad_norm, lr used).
+    def optimizer_step(self, skip_nonfinite: bool = True, lr: float | None = None) -> StepResult:
+        """Clip, step and advance the LR schedule. Returns StepResult(taken, grad_norm, lr used).
 
         ``lr`` overrides the schedule for this one step and leaves the schedule where it was
         (a warm start outside the RL schedule); the next scheduled step restores the scheduled LR.
@@ -225,10 +243,10 @@ class MegatronModelManager:
         found_inf = opt.prepare_grads()
         grad_norm = float(opt.get_grad_norm())
         if found_inf or not math.isfinite(grad_norm):
-            opt.zero_grad()
+            self.zero_grad()
             if not skip_nonfinite:
                 raise FloatingPointError(f"non-finite grad norm {grad_norm}: step not taken")
-            return False, grad_norm, lr
+            return StepResult(False, grad_norm, lr)
         if self.optim_cfg.clip_grad > 0:
             for inner in getattr(opt, "chained_optimizers", [opt]):
                 params = inner.get_parameters()
@@ -237,7 +255,14 @@ class MegatronModelManager:
         ok = opt.step_with_ready_grads()
         if ok and scheduled:
             self.scheduler.step(increment=1)
-        return bool(ok), grad_norm, lr
+        return StepResult(bool(ok), grad_norm, lr)
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients: DDP's buffers (each parameter's main_grad) and the optimizer's
+        (the next train pass zeroes the buffers too; a skipped step leaves nothing behind it either way)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
     # ---- offload (each kind separately; see offload.py) --------------------------------------
     def _offload(self, kind: str, tensors) -> None:
@@ -283,6 +308,10 @@ class MegatronModelManager:
     def export_hf(self, out_dir: str | Path, overwrite: bool = False) -> Path:
         return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite,
                          hf_config=self.hf_config if self.shape.value_head else None)
+
+    def make_data_iterator_list(self, data_iterator: Iterable, padding: bool = False, vpp_size: int | None = None):
+        """``make_data_iterator_list`` for this manager's chunks (``vpp_size`` None: the model's own)."""
+        return make_data_iterator_list(data_iterator, padding, self.vpp if vpp_size is None else vpp_size)
 
     def unwrapped(self) -> list[GPTModel]:
         return [unwrap(c) for c in self.model]

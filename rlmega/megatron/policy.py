@@ -24,6 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlmega.megatron.hf_io import unwrap
+from rlmega.megatron.model_manager import make_data_iterator_list
 from rlmega.megatron.packed_attention import packed_rows, uses_packed_sdpa
 from rlmega.megatron.routing_replay import RoutePass
 from rlmega.megatron.runtime import for_collective
@@ -65,13 +66,13 @@ def run_schedule(model: list, micro_batches: list[dict], step_fn, forward_only: 
     vpp = len(model)
     # Packed rows differ in length: pipeline stages exchange shapes before each transfer.
     config.variable_seq_lengths = True
-    iters = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+    iters = make_data_iterator_list(micro_batches, padding=True, vpp_size=vpp)
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
     return get_forward_backward_func()(
         forward_step_func=step_fn, data_iterator=iters, model=model if vpp > 1 else model[0],
-        num_microbatches=len(micro_batches), seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
+        num_microbatches=len(micro_batches), seq_length=micro_batches[0]["max_batch_seqlen"],
         micro_batch_size=1, forward_only=forward_only,
     )
 
@@ -142,6 +143,50 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
             return numerator, count.detach().round().int(), stats
 
         return logits, loss
+
+    outs = run_schedule(model, micro_batches, step, forward_only=False)
+    return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def _values(output: torch.Tensor) -> torch.Tensor:
+    """A value head's output (T, 1) -> (T,) float32 (Float16Module hands it back in fp32 already)."""
+    return output[:, 0].float()
+
+
+@torch.no_grad()
+def forward_values(model: list, micro_batches: list[dict]) -> list[dict] | None:
+    """Per micro-batch {"values": (T,)} of a value model (rlmega/megatron/value_head.py) on the last
+    stage; None elsewhere."""
+
+    def step(data_iterator, chunk):
+        mb = next(data_iterator)
+        output = forward_chunk(chunk, mb)
+
+        def collect(out):
+            return out.sum() * 0.0, torch.ones((), dtype=torch.int), {"values": _values(out)}
+
+        return output, collect
+
+    outs = run_schedule(model, micro_batches, step, forward_only=True)
+    return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def train_values(model: list, micro_batches: list[dict], loss_fn) -> list[dict] | None:
+    """``train_micro_batches`` of a value model: ``loss_fn(fields, values (T,))`` -> (numerator, count,
+    stats); each micro-batch's stats (sums, float64 on the device) on the last stage, None elsewhere."""
+
+    def step(data_iterator, chunk):
+        mb = next(data_iterator)
+        output = forward_chunk(chunk, mb)
+
+        def loss(out):
+            fields = per_token_on(mb, out.device)
+            numerator, count, stats = loss_fn(fields, _values(out))
+            stats = {k: torch.as_tensor(v, dtype=torch.float64, device=out.device).detach() for k, v in stats.items()}
+            stats["numerator"], stats["count"] = numerator.detach().double(), count.detach().double()
+            return numerator, count.detach().round().int(), stats
+
+        return output, loss
 
     outs = run_schedule(model, micro_batches, step, forward_only=False)
     return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None

@@ -99,7 +99,7 @@ def test_deadline_leaves_steps_unstarted_for_the_next_lease(tmp_path, monkeypatc
 
 def test_the_summary_takes_medians_after_the_first_step_and_the_worst_parity():
     ms = [{"step": i, "time_step": t, "time_generate": 1.0, "time_logprob": 0.5, "time_train": 2.0,
-           "time_sync": 0.4, "sync_seconds": 0.3, "sync_bytes": 2 * prove.GiB, "tokens_per_s": tps,
+           "time_sync": 0.4, "time_weight_transfer": 0.3, "sync_bytes": 2 * prove.GiB, "tokens_per_s": tps,
            "response_length": 100.0, "reward_mean": r, "parity_max": p, "logprob_diff_mean": 0.01}
           for i, t, tps, r, p in ((1, 90.0, 10.0, 0.1, 0.02), (2, 5.0, 1000.0, 0.2, 0.05), (3, 7.0, 800.0, 0.3, 0.03))]
     s = prove.summarise_train(ms, gpus=1)

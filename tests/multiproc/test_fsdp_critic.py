@@ -50,9 +50,11 @@ def _critic(path: str, world: int, hf_config: dict | None = None):
     from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.fsdp.critic import FSDPCritic
 
-    # adam_eps 0.1: Adam's first steps ~linear in the gradient (see test_fsdp_actor.py's _configs)
+    # adam_eps 0.1: Adam's first steps ~linear in the gradient (see test_fsdp_actor.py's _configs);
+    # offload_while_generating as Roles resolves it for a colocated critic on GPUs (offload_for_rollout acts)
     c = FSDPCritic(ModelConfig(path=path, seed=SEED), ParallelismConfig(1, 1, None, world),
-                   OptimizerConfig(lr=5e-3, clip_grad=1.0, adam_eps=0.1), CriticConfig(cliprange_value=0.2),
+                   OptimizerConfig(lr=5e-3, clip_grad=1.0, adam_eps=0.1),
+                   CriticConfig(cliprange_value=0.2, offload_while_generating=True),
                    max_tokens_per_micro_batch=BUDGETS[world], hf_config=hf_config)
     c.setup()
     return c

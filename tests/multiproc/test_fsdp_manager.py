@@ -126,7 +126,7 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     res["checkpointing_diff"] = max((a - b).abs().max().item() for a, b in zip(
         _locals(p.grad for p in m.parameters()), _locals(p.grad for p in ac.model.parameters())))
     del ac
-    res["grad_norm"], res["lrs"] = mm.optimizer_step()
+    _, res["grad_norm"], _ = mm.optimizer_step()  # StepResult(taken, grad_norm, lr)
     res["tied_after_step"] = m.lm_head.weight is m.model.embed_tokens.weight
     after = mm.get_model_state_dict()
     if rank == 0:
@@ -153,7 +153,7 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     steps_before = mm.lr_scheduler.num_steps
     loss = _loss(m, _my_rows(_batch(2)))
     (loss * (float("nan") if rank == 1 else 1.0)).backward()
-    norm, _ = mm.optimizer_step()
+    _, norm, _ = mm.optimizer_step()
     after_nan = _locals(list(m.parameters()) + [v for s in mm.optimizer.state.values() for v in s.values()])
     res["nan_skipped"] = (math.isnan(norm) and not mm.last_step_taken and steps_before == mm.lr_scheduler.num_steps
                           and all(torch.equal(a, b) for a, b in zip(before, after_nan))
@@ -233,7 +233,7 @@ def _world1_body(tied: str, out: str) -> dict:
     out, res = Path(out), {}
     mm = _manager(tied)
     _loss(mm.model, _batch(0)).backward()
-    res["grad_norm"], _ = mm.optimizer_step()
+    _, res["grad_norm"], _ = mm.optimizer_step()
     res["step_diff"] = _max_diff(torch.load(out / "after_step_w2.pt"), mm.get_model_state_dict())
     fresh = _manager(tied, weight_decay=0.05)
     step, extra = fresh.load_checkpoint(out / "ckpt")  # saved at world 2: DCP reshards

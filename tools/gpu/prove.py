@@ -340,7 +340,7 @@ def summarise_train(metrics: list[dict], gpus: int) -> dict:
         "step_s": _median(col("time_step")), "first_step_s": round(metrics[0]["time_step"], 3),
         "generate_s": _median(col("time_generate")), "logprob_s": _median(col("time_logprob")),
         "train_s": _median(col("time_train")), "sync_s": _median(col("time_sync")),
-        "refit_s": _median(col("sync_seconds")), "refit_gib": None, "tokens_per_s": tps,
+        "refit_s": _median(col("time_weight_transfer")), "refit_gib": None, "tokens_per_s": tps,
         "tokens_per_s_per_gpu": round(tps / gpus, 1) if tps is not None and gpus else None,
         "response_length": _median(col("response_length")),
         "reward_first": round(metrics[0]["reward_mean"], 4), "reward_last": round(metrics[-1]["reward_mean"], 4),

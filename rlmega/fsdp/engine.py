@@ -1,0 +1,219 @@
+"""FSDPEngine: rlmega.engine_api.TrainEngine over torch FSDP2 and any Hugging Face causal LM (or its value model).
+
+It is an FSDPModelManager (the sharded model, AdamW, LR schedule, offload, DCP checkpoints) that also
+runs the passes. How a step maps onto FSDP2:
+- Every rank plans the whole batch the same way (packing.plan_micro_batches, balanced by tokens) and runs
+  its share. Each forward all-gathers the parameters, so every rank runs the SAME number of micro-batches:
+  a rank with fewer gets placeholders (build_micro_batch(batch, []): zero loss mask).
+- Gradients are reduced only on the last micro-batch (before_micro_batch).
+- Global normalisation (Megatron's calculate_per_token_loss): each micro-batch back-propagates its loss
+  numerator; ``normalize_grads(count)`` then multiplies the sharded gradients by world_size / global count
+  (FSDP2's reduce-scatter averages over ranks, i.e. divides by world_size), so the gradient is exactly
+  d(sum numerators)/d(theta) / count, the single-process one, before clipping and the optimizer step. The
+  count is only known after the forwards (rollout correction may drop tokens by the forward's own
+  log-probs), hence after, not before.
+- The HF model trains as Megatron's mapping does: dropout off (train mode kept for activation
+  checkpointing) and the pad token's embedding row trained (HF's padding_idx would freeze it).
+- After a no-grad pass the root's parameters are resharded (FSDP2 keeps them whole otherwise).
+
+``value_head``: the policy's architecture as transformers' ``AutoModelForTokenClassification`` with one
+label, no bias and no dropout (rlmega/fsdp/value_model.py): the critic's.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.data.micro_batches import build_micro_batch, scatter_responses
+from rlmega.data.packing import padding_efficiency, plan_micro_batches
+from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.distributed import init_distributed
+from rlmega.engine_api import Head, LossFn, TrainEngine
+from rlmega.checkpoint_files import resolve
+from rlmega.fsdp.checkpoint import read_meta
+from rlmega.fsdp.forward import forward_logits, micro_batch_logprobs
+from rlmega.fsdp.model_manager import FSDPModelManager, local_shard
+from rlmega.fsdp.value_model import value_model
+
+
+def _reshard(model) -> None:
+    """Back to sharded parameters. FSDP2 keeps the ROOT module's parameters unsharded after a forward
+    (its backward would gather them again at once); after a no-grad forward no backward comes, so
+    they would stay whole: full-size memory, and parameters that no longer pair with the other
+    model's shards (the Polyak update) or with the optimizer's."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _no_dropout(model: torch.nn.Module) -> None:
+    """Dropout off, as Megatron's mapping sets it (hidden and attention dropout 0): a log-prob (or value)
+    must be a function of the weights (the PPO ratio's old and new, parity with the engine). The model
+    stays in train mode, which HF's activation checkpointing needs."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0  # HF attention modules pass it to sdpa in train mode
+
+
+class FSDPEngine(FSDPModelManager, TrainEngine):
+    # "params" moves the gradients too (None between steps: nothing held); there is no fp32 copy apart
+    # from the parameters (the sharded parameters are the optimizer's float32 master weights)
+    PHASE_KINDS = ("optimizer state", "params")
+
+    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
+                 actor: ActorConfig | None = None, *, value_head: bool = False, with_optimizer: bool = True,
+                 max_tokens_per_micro_batch: int | None = None, lr_decay_steps: int = 1000,
+                 hf_config: dict | None = None):
+        """``actor``: the policy's knobs the model needs (activation checkpointing, the token budget); None
+        for a value model (``value_head``: the critic's, without recomputation). The process group must
+        be up (``init_process``) with parallelism.world_size ranks."""
+        actor = actor or ActorConfig()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if parallel.world_size != world:
+            raise ValueError(f"parallelism.world_size={parallel.world_size} but {world} ranks were started; fix: "
+                             "set parallelism.world_size (critic.parallelism for the critic) to the trainer's ranks")
+        super().__init__(model, optimizer, actor, world, rank, lr_decay_steps=lr_decay_steps, hf_config=hf_config)
+        self.value_head, self.with_optimizer = value_head, with_optimizer
+        self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
+        if value_head:
+            self.AUTO_CLASS = "AutoModelForTokenClassification"  # what an export is rebuilt with
+
+    # ---- process and model --------------------------------------------------------------------
+    @staticmethod
+    def init_process(parallel: ParallelismConfig, seed: int) -> None:
+        init_distributed()
+
+    @staticmethod
+    def teardown_process() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def model_provider_func(self) -> torch.nn.Module:
+        if self.value_head:
+            return value_model(self.model_cfg, self.hf_config)
+        return super().model_provider_func()
+
+    def build(self) -> None:
+        self.setup_model_and_optimizer(with_optimizer=self.with_optimizer)
+        # HF builds the input embedding with padding_idx=config.pad_token_id, which zeroes that row's
+        # gradient. A sampled sequence may hold the pad token (Qwen's pad is <|endoftext|>); Megatron
+        # (and the gradient of the loss) trains its row like any other, so this backend does too.
+        # padding_idx only acts in the backward: the forward is unchanged.
+        emb = self.model.get_input_embeddings()
+        if getattr(emb, "padding_idx", None) is not None:
+            emb.padding_idx = None
+        _no_dropout(self.model)
+        self.vocab_size = int(self.model.config.vocab_size)
+
+    # ---- passes -------------------------------------------------------------------------------
+    def plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
+        """This rank's packed one-row micro-batches, padded with placeholders to the largest rank's count
+        (every rank must run the same forwards: each one all-gathers), and the plan's efficiency."""
+        lengths = batch.lengths()
+        plan = plan_micro_batches(lengths, self.max_tokens, self.world_size, allow_empty=True)
+        n = max(len(p) for p in plan)
+        plan = [p + [[] for _ in range(n - len(p))] for p in plan]
+        return [build_micro_batch(batch, idx) for idx in plan[self.rank]], padding_efficiency(lengths, plan)
+
+    def _outputs(self, mb: dict, head: Head) -> tuple:
+        """The Head's per-token outputs of one micro-batch, in its order: (log-probs, entropy or None) or
+        (values,)."""
+        if head.kind == "values":
+            return (forward_logits(self.model, mb)[:, 0].float(),)  # (T, 1) -> (T,)
+        return micro_batch_logprobs(self.model, mb, head.temperature, head.entropy, head.entropy_grad)
+
+    @torch.no_grad()
+    def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict]:
+        keys = ("values",) if head.kind == "values" else ("logprobs", "entropy")
+        outs = [dict(zip(keys, self._outputs(mb, head))) for mb in mbs]
+        _reshard(self.model)
+        return outs
+
+    def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict]:
+        device, outs = self.device, []
+        for k, mb in enumerate(mbs):
+            self.before_micro_batch(self.model, is_last_micro_batch=k == len(mbs) - 1)
+            fields = {key: v.to(device) if torch.is_tensor(v) and v.dim() == 1 else v for key, v in mb.items()}
+            outputs = self._outputs(fields, head)
+            numerator, count, stats = loss_fn(fields, *outputs)
+            if not numerator.requires_grad:  # e.g. nothing of the loss depends on the weights: still run
+                numerator = numerator + outputs[0].sum() * 0.0  # the backward, whose reduce-scatter every rank joins
+            numerator.backward()
+            out = {key: torch.as_tensor(v, device=device).double() for key, v in stats.items()}
+            out["numerator"], out["count"] = numerator.detach().double(), count.detach().double()
+            if head.keep_logprobs:
+                out["logprobs"] = outputs[0].detach()
+            outs.append(out)
+        return outs
+
+    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str,
+                         batch: RolloutBatch) -> list[torch.Tensor]:
+        mine = {}
+        for mb, out in zip(mbs, outs or []):
+            mine.update({i: v.detach().float().cpu() for i, v in scatter_responses(out[key], mb).items()})
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, mine)
+        merged = {i: v for part in parts for i, v in part.items()}
+        return [merged[i] for i in range(len(batch))]
+
+    def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
+        sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if outs else \
+            torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums)  # on the device: the GPU under nccl, the host under gloo
+        return dict(zip(keys, sums.cpu().tolist()))
+
+    # ---- optimizer ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def normalize_grads(self, count: float) -> None:
+        """Sharded gradients *= world_size / count (local shards: no communication)."""
+        scale = self.world_size / max(count, 1.0)
+        if scale == 1.0:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                local_shard(p.grad).mul_(scale)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ---- memory -------------------------------------------------------------------------------
+    def offload(self, kind: str) -> None:
+        if kind == "params":
+            self.offload_param_and_grad(offload_grad=True)
+        else:
+            self.offload_optimizer()
+
+    def onload(self, kind: str) -> None:
+        if kind == "params":
+            self.load_param_and_grad(self.device, load_grad=True)
+        else:
+            self.load_optimizer(self.device)
+
+    # ---- state --------------------------------------------------------------------------------
+    def saved_models(self, root) -> set[str]:
+        return set(read_meta(resolve(root))["extra_models"])
+
+    # ---- weights out --------------------------------------------------------------------------
+    def weights_out(self, pieces: bool) -> tuple[bool, Iterator]:
+        """Every rank takes part in each parameter's all-gather (one at a time: only the bucket being
+        filled is held in full); rank 0 sends."""
+        return self.rank == 0, self.iter_full_tensors()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def param_pairs(self, other: "FSDPEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mine, theirs = list(self.model.named_parameters()), list(other.model.named_parameters())
+        if [n for n, _ in mine] != [n for n, _ in theirs]:
+            raise RuntimeError("reference and policy parameters differ: they must be built from one config")
+        return [(local_shard(a), local_shard(b)) for (_, a), (_, b) in zip(mine, theirs)]

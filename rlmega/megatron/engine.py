@@ -1,0 +1,146 @@
+"""MegatronEngine: rlmega.engine_api.TrainEngine over megatron-core (tensor, pipeline, data, expert parallel).
+
+It is a MegatronModelManager (the model, optimizer, schedule, offload and checkpoints of one model on
+one rank) that also runs the passes: packed micro-batches planned per data-parallel rank
+(rlmega/megatron/batching.py), forward and forward+backward through megatron-core's own pipeline
+schedule with the loss as its ``loss_func`` (rlmega/megatron/policy.py), and the per-sample results
+gathered from the last pipeline stage over the data-parallel ranks.
+
+    MegatronEngine.init_process(cfg.parallelism, seed)          # megatron's parallel state
+    engine = MegatronEngine(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor)
+    engine.build()
+    outs = engine.forward(*engine.plan(batch)[:1], Head())     # see rlmega/engine_api.py
+
+MoE routing replay is Megatron's alone: ``routes`` (a routing_replay.RoutePass) rides along a pass;
+MegatronActor keeps its bookkeeping (rlmega/megatron/actor.py).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.engine_api import Head, LossFn, TrainEngine
+from rlmega.megatron import batching, checkpoint, policy
+from rlmega.megatron.hf_io import iter_hf_tensors
+from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager
+from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
+                                    tensor_parallel_rank)
+
+
+class MegatronEngine(MegatronModelManager, TrainEngine):
+    PHASE_KINDS = tuple(kind for kind, _, _ in MOVES)  # grads, optimizer state, main params, params
+    _MOVES = {kind: (off, on) for kind, off, on in MOVES}
+
+    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
+                 actor: ActorConfig | None = None, *, value_head: bool = False, with_optimizer: bool = True,
+                 max_tokens_per_micro_batch: int | None = None, lr_decay_steps: int = 1000,
+                 hf_config: dict | None = None):
+        """``actor``: the policy's knobs the model needs (its MoE router-loss coefficients, its token budget);
+        None for a value model (``value_head``: a hidden -> 1 head, the critic's). Every MoE policy's
+        routers get megatron's RouterReplay hook: it routes live unless a pass replays, and it is what
+        measures router_mismatch (rlmega/megatron/routing_replay.py)."""
+        actor = actor or ActorConfig()
+        super().__init__(model, parallel, optimizer, lr_decay_steps=lr_decay_steps, hf_config=hf_config,
+                         moe_aux_loss_coeff=actor.moe_aux_loss_coeff, moe_z_loss_coeff=actor.moe_z_loss_coeff,
+                         routing_replay=not value_head, value_head=value_head)
+        self.with_optimizer = with_optimizer
+        self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
+        self.vocab_size = self.shape.vocab_size
+
+    # ---- process and model --------------------------------------------------------------------
+    @staticmethod
+    def init_process(parallel: ParallelismConfig, seed: int) -> None:
+        init_megatron(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                      parallel.virtual_pipeline_model_parallel_size, seed=seed,
+                      ep=parallel.expert_model_parallel_size)
+
+    @staticmethod
+    def teardown_process() -> None:
+        teardown_megatron()
+
+    def build(self) -> None:
+        self.setup_model_and_optimizer(load_weights=bool(self.model_cfg.path), with_optimizer=self.with_optimizer)
+
+    # ---- passes -------------------------------------------------------------------------------
+    def plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
+        return batching.plan(self, batch, self.max_tokens, self.parallel.pipeline_model_parallel_size)
+
+    def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict] | None:
+        if head.kind == "values":
+            return policy.forward_values(self.model, mbs)
+        return policy.forward_logprobs(self.model, mbs, self.vocab_size, head.temperature, head.entropy,
+                                       routes=routes)
+
+    def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict] | None:
+        if head.kind == "values":
+            return policy.train_values(self.model, mbs, loss_fn)
+        return policy.train_micro_batches(self.model, mbs, self.vocab_size, head.temperature, loss_fn,
+                                          with_entropy=head.entropy, entropy_grad=head.entropy_grad,
+                                          keep_logprobs=head.keep_logprobs, routes=routes)
+
+    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str,
+                         batch: RolloutBatch) -> list[torch.Tensor]:
+        return batching.gather_responses(mbs, outs, key, batch)
+
+    def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
+        # outs is None off the last pipeline stage, and [] on a rank with no micro-batch there
+        sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if outs else None
+        sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
+        return dict(zip(keys, sums.tolist()))
+
+    # ---- optimizer ----------------------------------------------------------------------------
+    def normalize_grads(self, count: float) -> None:
+        """Nothing to do: Megatron's schedule has already divided the gradients by the global count (its
+        ``calculate_per_token_loss``: the loss functions hand it their counts)."""
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def advance_lr_schedule(self, steps: int) -> None:
+        self.scheduler.step(increment=steps)
+
+    # ---- memory -------------------------------------------------------------------------------
+    def offload(self, kind: str) -> None:
+        getattr(self, self._MOVES[kind][0])()
+
+    def onload(self, kind: str) -> None:
+        getattr(self, self._MOVES[kind][1])()
+
+    # ---- state --------------------------------------------------------------------------------
+    def save_checkpoint(self, root, step: int, extra: dict | None = None, extra_models: dict | None = None):
+        models = {k: v.model for k, v in (extra_models or {}).items()} or None
+        return MegatronModelManager.save_checkpoint(self, root, step, extra, models)
+
+    def load_checkpoint(self, root, model_only: bool = False, extra_models: dict | None = None) -> tuple[int, dict]:
+        models = {k: v.model for k, v in (extra_models or {}).items()} or None
+        return MegatronModelManager.load_checkpoint(self, checkpoint.latest(root) or root, model_only, models)
+
+    def saved_models(self, root) -> set[str]:
+        return set(checkpoint.saved_models(checkpoint.latest(root) or root))
+
+    # ---- weights out --------------------------------------------------------------------------
+    def weights_out(self, pieces: bool) -> tuple[bool, Iterator]:
+        """In data-parallel replica 0, every TP rank of each pipeline stage sends its own blocks of the HF
+        tensors with ``pieces`` (replicated tensors from TP rank 0); without, TP rank 0 sends whole
+        tensors, gathered one parameter at a time. The other replicas hold the same weights and skip
+        the gathers, except under expert parallelism > 1: an EP group spans DP ranks, so replica 0's
+        expert gathers need every rank (with DP > EP the EP groups other than the sender's gather for
+        nothing: a known cost, docs/moe.md)."""
+        dp_rank = data_parallel_rank_and_size()[0]
+        sender = dp_rank == 0 and (tensor_parallel_rank() == 0 or pieces)
+        iterate = dp_rank == 0 or self.transformer_config.expert_model_parallel_size > 1
+        tensors = iter_hf_tensors(self.model, self.shape, to_first=True, pieces=pieces) if iterate else iter(())
+        return sender, tensors
+
+    def barrier(self) -> None:
+        barrier()
+
+    def param_pairs(self, other: "MegatronEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mine = [(n, p) for chunk in self.unwrapped() for n, p in chunk.named_parameters()]
+        theirs = [(n, p) for chunk in other.unwrapped() for n, p in chunk.named_parameters()]
+        if [n for n, _ in mine] != [n for n, _ in theirs]:
+            raise RuntimeError("reference and policy parameters differ: they must be built from one config")
+        return [(a, b) for (_, a), (_, b) in zip(mine, theirs)]

@@ -1,0 +1,314 @@
+"""PolicyActor: the RL learner of one trainer rank, written once over a backend engine.
+
+It implements rlmega.actor_api.Actor (whose docstrings are the contract): the loss composition
+(rlmega.algorithms.rl_loss), the non-finite rule, the reference policy and its Polyak update, the step
+metrics, the weight-sync bookkeeping and what a checkpoint holds. Everything a backend alone can do is
+its engine's (rlmega/engine_api.py): each backend's actor is this class with its engine class
+(rlmega/megatron/actor.py: MegatronActor, rlmega/fsdp/actor.py: FSDPActor).
+
+    actor = MegatronActor(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor, cfg.algorithm,
+                          temperature=cfg.rollout.temperature)
+    actor.setup()                                   # process groups, policy, reference
+    old = actor.compute_logprobs(batch)             # list of (response_len,) per sample
+    ref = actor.compute_ref_logprobs(batch)
+    metrics = actor.train_step(replace(batch, old_logprobs=old, ref_logprobs=ref, advantages=adv))
+    actor.update_ref_policy(0.05)
+
+An RL step of one optimizer step needs no separate old-log-prob forward (train_step explains why):
+
+    metrics = actor.train_step(replace(batch, ref_logprobs=ref, advantages=adv), optimizer_steps_per_rl_step=1)
+    old = metrics["old_logprobs"]                   # what compute_logprobs would have returned
+
+Backend hooks (no-ops here; MegatronActor's MoE routing replay overrides them): ``_forward_routing``,
+``_pass_routes``, ``_forward_done``, ``_train_routing``, ``_train_routes``, ``_train_done``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rlmega.actor_api import Actor
+from rlmega.algorithms import polyak, rl_loss
+from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.engine_api import Head, StepResult, TrainEngine
+from rlmega.sync.stream import stream_weights
+
+
+class PolicyActor(Actor):
+    engine_class: type[TrainEngine]
+    """The backend's engine (each backend's subclass sets it)."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
+                 actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
+                 lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
+        """``num_threads``: this process's intra-op threads (torch.set_num_threads), set here because
+        the actor is built at its process's start (WorkerGroup, torchrun); None leaves them."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
+        # null clip ranges / aggregation = the policy loss's published default (a copy: the caller's
+        # config is left as given)
+        algorithm = dataclasses.replace(algorithm).resolve_defaults()
+        self.cfg, self.algo, self.temperature = actor, algorithm, temperature
+        self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
+        self.policy: TrainEngine | None = None
+        self.reference: TrainEngine | None = None
+        # False once the reference may differ from model.path (a copy after the warm start, a
+        # Polyak update, a reference restored from a checkpoint): from then on checkpoints carry it.
+        self.reference_moved = False
+        self._ref_master: list | None = None  # float32 copy of a low-precision reference (update_ref_policy)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def setup(self, with_reference: bool = True) -> None:
+        self.engine_class.init_process(self.parallel, self.model_cfg.seed)
+        self.policy = self._engine(with_optimizer=True)
+        if with_reference:
+            self.reference = self._engine(with_optimizer=False)
+            if not self.model_cfg.path:  # built from scratch: the reference starts as the policy
+                self.update_ref_policy(1.0)
+            if self.cfg.offload_reference:
+                self.reference.offload("params")
+        self.vocab_size = self.policy.vocab_size
+
+    def _engine(self, with_optimizer: bool) -> TrainEngine:
+        """A built engine of the policy's model (weights from model.path, or ``hf_config`` at random), with
+        its optimizer and LR schedule when ``with_optimizer`` (the policy), without (the reference)."""
+        engine = self.engine_class(self.model_cfg, self.parallel, self.optim_cfg, self.cfg,
+                                   with_optimizer=with_optimizer, lr_decay_steps=self.lr_decay_steps,
+                                   hf_config=self.hf_config)
+        engine.build()
+        return engine
+
+    def teardown(self) -> None:
+        self.engine_class.teardown_process()
+
+    def _plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
+        """This data-parallel rank's packed micro-batches of the policy, and the plan's padding efficiency."""
+        return self.policy.plan(batch)
+
+    # ---- forward passes ---------------------------------------------------------------------
+    def _logprobs(self, engine: TrainEngine, batch: RolloutBatch, with_entropy: bool,
+                  replay: bool = False, record: bool = False):
+        """(log-probs, entropies or None) per sample under ``engine``'s model. ``replay`` / ``record``: the
+        backend's routing of this pass (MoE routing replay, MegatronActor)."""
+        mbs, _ = engine.plan(batch)
+        routes = self._pass_routes(engine, batch, mbs, replay, record)
+        outs = engine.forward(mbs, Head(temperature=self.temperature, entropy=with_entropy), routes)
+        lp = engine.gather_responses(mbs, outs, "logprobs", batch)
+        ent = engine.gather_responses(mbs, outs, "entropy", batch) if with_entropy else None
+        self._forward_done(engine, routes, batch)
+        return lp, ent
+
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
+        lp, ent = self._logprobs(self.policy, batch, with_entropy, *self._forward_routing(batch, "compute_logprobs"))
+        return (lp, ent) if with_entropy else lp
+
+    def compute_ref_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        if self.reference is None:
+            raise RuntimeError("this actor was set up without a reference policy")
+        replay, _ = self._forward_routing(batch, "compute_ref_logprobs")
+        with self._reference_onloaded():
+            return self._logprobs(self.reference, batch, with_entropy=False, replay=replay)[0]
+
+    # ---- training ---------------------------------------------------------------------------
+    def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
+        """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start).
+
+        ``lr``: a constant learning rate outside the RL schedule (which it neither uses nor advances).
+        """
+        return self._step(batch, rl_loss.sft_loss, Head(temperature=1.0, entropy=True), lr=lr)
+
+    def train_step(self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None) -> dict:
+        """One RL optimizer step on the whole batch (needs advantages, and old_logprobs unless on-policy).
+
+        Old log-probs are the policy's before the RL step's first update: the PPO ratio's
+        denominator and the rollout-correction weights' numerator. The batch carries them
+        (compute_logprobs) unless the caller says this call is the RL step's only optimizer step
+        (``optimizer_steps_per_rl_step=1``, only the caller knows how it splits the step). Then
+        ``old_logprobs`` may be None: the policy before this update is the one running this very
+        forward, so its log-probs, detached, are the old ones (ratio exactly 1; the same numbers
+        as a separate no-grad forward, see tests/multiproc/test_actor.py), and the result holds
+        them as "old_logprobs": per sample, batch order, on every rank, as compute_logprobs returns.
+        """
+        on_policy = rl_loss.check_train_batch(self.algo, batch, optimizer_steps_per_rl_step)
+        loss_fn = functools.partial(rl_loss.rl_loss, self.algo, on_policy=on_policy)
+        batch, replay = self._train_routing(batch, on_policy)
+        head = Head(temperature=self.temperature, entropy=True, entropy_grad=self.algo.entropy_coef > 0,
+                    keep_logprobs=on_policy)
+        return self._train_metrics(self._step(batch, loss_fn, head, replay=replay), on_policy)
+
+    def _step(self, batch: RolloutBatch, loss_fn, head: Head, lr: float | None = None, replay: bool = False) -> dict:
+        """One optimizer step: forward + backward of this rank's micro-batches, the global sums, then the
+        step, or a skip (or FloatingPointError) on every rank alike: loss and grad norm are global."""
+        engine = self.policy
+        if self.cfg.offload_optimizer and "optimizer state" in engine.offloaded:
+            engine.onload("optimizer state")
+        mbs, efficiency = engine.plan(batch)
+        routes, real_mbs = self._train_routes(engine, batch, mbs, replay, loss_fn)
+        outs = engine.forward_backward(mbs, head, loss_fn, routes)
+        extra = self._train_done(routes, batch, real_mbs)
+        # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
+        old = engine.gather_responses(mbs, outs, "logprobs", batch) if head.keep_logprobs else None
+        s = engine.global_sums(outs, rl_loss.SUM_KEYS)
+        loss = rl_loss.global_loss(s)
+        if math.isfinite(loss):
+            engine.normalize_grads(s["count"])
+            step = engine.optimizer_step(skip_nonfinite=self.cfg.skip_nonfinite_steps, lr=lr)
+        else:
+            engine.zero_grad()  # nothing of this step may leak into the next one's gradients
+            if not self.cfg.skip_nonfinite_steps:
+                raise FloatingPointError(f"non-finite loss {loss}: step not taken")
+            step = StepResult(False, float("nan"), engine.current_lr())
+        if self.cfg.offload_optimizer:
+            engine.offload("optimizer state")
+        return {**rl_loss.step_metrics(s, efficiency, step.grad_norm, step.lr, step.taken, old), **extra}
+
+    def advance_lr_schedule(self, steps: int) -> float:
+        """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.
+
+        The schedule counts the optimizer steps of full RL steps (Roles.optimizer_steps_per_rl_step);
+        a short batch takes fewer (rlmega.step), and this keeps the schedule on the RL-step clock.
+        """
+        if steps > 0:
+            self.policy.advance_lr_schedule(steps)
+        return self.policy.current_lr()
+
+    # ---- reference policy ---------------------------------------------------------------------
+    @torch.no_grad()
+    def update_ref_policy(self, rate: float | None = None) -> None:
+        """ref <- (1 - rate) * ref + rate * policy (Polyak); rate 1 copies the policy exactly.
+
+        ``rate`` None uses actor.ref_update_rate (the driver calls it once per RL step).
+
+        The blend runs in float32 on each rank's own parameters (or shards: both models are laid out
+        alike). In bf16 (8 significant bits) a step of rate * (policy - ref) below half a unit in the last
+        place rounds back to ref, so an in-place bf16 blend would leave the reference where it is for good
+        (1% of 1.0 -> 1.05 is 5e-4, under bf16's 3.9e-3 there). A float32 copy of the reference
+        (``_ref_master``, rlmega.algorithms.polyak; on the host with actor.offload_reference) carries the
+        blend; the bf16 reference is that copy rounded once per update. It starts from the reference
+        whenever the reference is replaced (a copy, a checkpoint load) and is not checkpointed: a resumed
+        run restarts it from the saved bf16 reference (losing at most half a bf16 unit per element once).
+        """
+        rate = self.cfg.ref_update_rate if rate is None else rate
+        if self.reference is None or rate == 0:
+            return
+        with self._reference_onloaded():
+            pairs = self.reference.param_pairs(self.policy)
+            if rate == 1.0:
+                for r, p in pairs:
+                    r.copy_(p)  # exact, even where the old reference held inf/NaN
+                self._ref_master = None  # the reference is the policy, nothing below its precision
+            else:
+                self._ref_master = polyak.blend(pairs, rate, self._ref_master, host=self.cfg.offload_reference)
+        self.reference_moved = True
+
+    @contextmanager
+    def _reference_onloaded(self):
+        offloaded = "params" in self.reference.offloaded
+        if offloaded:
+            self.reference.onload("params")
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.reference.offload("params")
+
+    # ---- weights out, checkpoints, export -----------------------------------------------------
+    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
+        """Stream the policy's weights, in HF names and layout, to the rollout engines: the engine says
+        which ranks send and what (``weights_out``: on Megatron each TP rank's own blocks as pieces, or
+        whole tensors gathered to TP rank 0 for a transport that cannot take pieces, ``takes_pieces``
+        false: CUDA IPC; on FSDP rank 0's full tensors, gathered one at a time); rlmega.sync.stream
+        buckets them through ``transport``. Every rank meets at the closing barrier, so every bucket is
+        loaded when any rank returns. Returns what this rank did: ``gathered`` tensors, and sent
+        bytes, tensors (a piece counts as one), buckets, the (name, shape) list (a piece: its HF tensor's
+        whole shape) and seconds."""
+        start = time.perf_counter()
+        sender, tensors = self.policy.weights_out(pieces=getattr(transport, "takes_pieces", False))
+        sent = stream_weights(tensors, transport, version, bucket_bytes, sender)
+        self.policy.barrier()  # every stage's buckets are loaded when any rank returns
+        sent["seconds"] = time.perf_counter() - start
+        return sent
+
+    def save_checkpoint(self, root, step: int, extra: dict | None = None):
+        """Policy, optimizer, schedule, RNG and ``extra``; plus the reference once it has moved away
+        from model.path (otherwise resuming rebuilds it from there, and the checkpoint stays half the size)."""
+        if self.reference is None or not self.reference_moved:
+            return self.policy.save_checkpoint(root, step, extra)
+        with self._reference_onloaded():
+            return self.policy.save_checkpoint(root, step, extra, extra_models={"reference": self.reference})
+
+    def load_checkpoint(self, root, model_only: bool = False):
+        """Restore what ``save_checkpoint`` wrote; a saved reference replaces the one from model.path."""
+        if self.reference is None or "reference" not in self.policy.saved_models(root):
+            return self.policy.load_checkpoint(root, model_only)
+        with self._reference_onloaded():
+            out = self.policy.load_checkpoint(root, model_only, extra_models={"reference": self.reference})
+        self.reference_moved = True
+        self._ref_master = None  # the Polyak blend restarts from the loaded reference
+        return out
+
+    def export_hf(self, out_dir, overwrite: bool = False):
+        return self.policy.export_hf(out_dir, overwrite)
+
+    # ---- colocated GPUs: give the device to the rollout engines and take it back --------------
+    def offload_for_rollout(self, keep_params: bool = False) -> dict:
+        """Move the policy's state to host memory and return the freed memory to the CUDA driver.
+
+        Does nothing unless ``actor.offload_while_generating`` (Roles resolves its None). With
+        ``keep_params`` the parameters stay, because a weight sync to the engines still reads them.
+        Returns the kinds now on the host and the device bytes still allocated.
+        """
+        engine = self.policy
+        if self.cfg.offload_while_generating:
+            for kind in engine.PHASE_KINDS:
+                if kind not in engine.offloaded and not (keep_params and kind == "params"):
+                    engine.offload(kind)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the caching allocator would otherwise keep the freed blocks
+        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        return {"offloaded": sorted(engine.offloaded), "device_bytes": allocated}
+
+    def onload_for_training(self) -> dict:
+        """Bring back what ``offload_for_rollout`` released (the optimizer state stays on the host
+        when ``actor.offload_optimizer`` keeps it there between steps: the train step loads it)."""
+        engine = self.policy
+        for kind in engine.PHASE_KINDS:
+            if kind in engine.offloaded and not (kind == "optimizer state" and self.cfg.offload_optimizer):
+                engine.onload(kind)
+        return {"offloaded": sorted(engine.offloaded)}
+
+    # ---- backend hooks (MoE routing replay: MegatronActor) -------------------------------------
+    def _forward_routing(self, batch: RolloutBatch, what: str) -> tuple[bool, bool]:
+        """(replay, record) of a log-prob pass ``what`` ("compute_logprobs" or "compute_ref_logprobs")."""
+        return False, False
+
+    def _pass_routes(self, engine: TrainEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, record: bool):
+        """The routing a no-grad pass carries to the engine (None: the model's own)."""
+        return None
+
+    def _forward_done(self, engine: TrainEngine, routes, batch: RolloutBatch) -> None:
+        """After a no-grad pass's gathers (collectives allowed)."""
+
+    def _train_routing(self, batch: RolloutBatch, on_policy: bool) -> tuple[RolloutBatch, bool]:
+        """(the batch a train step trains on, whether its pass replays routes)."""
+        return batch, False
+
+    def _train_routes(self, engine: TrainEngine, batch: RolloutBatch, mbs: list[dict], replay: bool,
+                      loss_fn) -> tuple[object, int]:
+        """(the routing a train pass carries, the micro-batches with real tokens over every rank)."""
+        return None, 0
+
+    def _train_done(self, routes, batch: RolloutBatch, real_mbs: int) -> dict:
+        """Metrics of a train pass's routing (collectives allowed: before any non-finite raise)."""
+        return {}
+
+    def _train_metrics(self, metrics: dict, on_policy: bool) -> dict:
+        """A train step's metrics, completed by the backend."""
+        return metrics
