@@ -31,7 +31,6 @@ import abc
 import dataclasses
 import importlib
 
-import torch
 
 from rlmega.algorithms import gae as gae_lib
 from rlmega.algorithms import kl as kl_lib
@@ -84,6 +83,23 @@ class Learner:
 
     def __call__(self, *args, **kwargs):
         return backend_class(self.backend, self.role)(*args, **kwargs)
+
+
+def advantages_and_returns(batch: RolloutBatch, algo) -> tuple[list, list]:
+    """GAE's (advantages, returns) of a judged batch with the critic's ``old_values``, by the algorithm
+    section ``algo`` (rlmega.algorithms.gae.advantages_and_returns; Actor.compute_advantages_and_returns
+    says what the batch carries). The driver calls it: pure arithmetic, no trainer rank involved."""
+    a, masks = algo, batch.response_mask
+    if batch.rewards is None or batch.old_values is None:
+        raise ValueError("compute_advantages_and_returns needs batch.rewards and batch.old_values (the critic's)")
+    kl = None
+    if a.kl_coef > 0 and a.kl_in_reward:
+        if batch.old_logprobs is None or batch.ref_logprobs is None:
+            raise ValueError("algorithm.kl_in_reward needs batch.old_logprobs and batch.ref_logprobs")
+        kl = [kl_lib.kl_penalty(o, r, a.kl_estimator) for o, r in zip(batch.old_logprobs, batch.ref_logprobs)]
+    return gae_lib.advantages_and_returns(batch.rewards, batch.old_values, masks, kl, gamma=a.gamma, lam=a.lam,
+                                          lam_critic=a.lam_critic, lam_actor_alpha=a.lam_actor_alpha,
+                                          whiten_advantages=a.whiten_advantages, kl_coef=a.kl_coef)
 
 
 class Actor(abc.ABC):
@@ -164,26 +180,9 @@ class Actor(abc.ABC):
         GAE's credit passes over it. Advantages use lam (or VAPO's length-adaptive lam_actor_alpha),
         returns lam_critic (default lam); advantages are whitened over the batch's action tokens when
         algorithm.whiten_advantages. Pure arithmetic (rlmega.algorithms.gae): no collective, the same
-        result on every rank."""
-        a, masks = self.algo, batch.response_mask
-        if batch.rewards is None or batch.old_values is None:
-            raise ValueError("compute_advantages_and_returns needs batch.rewards and batch.old_values (the critic's)")
-        kl = None
-        if a.kl_coef > 0 and a.kl_in_reward:
-            if batch.old_logprobs is None or batch.ref_logprobs is None:
-                raise ValueError("algorithm.kl_in_reward needs batch.old_logprobs and batch.ref_logprobs")
-            kl = [kl_lib.kl_penalty(o, r, a.kl_estimator) for o, r in zip(batch.old_logprobs, batch.ref_logprobs)]
-        rewards = gae_lib.token_rewards(batch.rewards, masks, kl, a.kl_coef)
-        lam_critic = a.lam if a.lam_critic is None else a.lam_critic
-        lam_actor = a.lam
-        if a.lam_actor_alpha is not None:  # VAPO: longer responses look further ahead
-            lam_actor = gae_lib.adaptive_lambda(torch.tensor([float(m.sum()) for m in masks]), a.lam_actor_alpha)
-        advantages, returns = gae_lib.gae_per_sample(rewards, batch.old_values, masks, a.gamma, lam_actor)
-        if a.lam_actor_alpha is not None or lam_critic != a.lam:  # decoupled: the critic's own lambda
-            returns = gae_lib.gae_per_sample(rewards, batch.old_values, masks, a.gamma, lam_critic)[1]
-        if a.whiten_advantages:
-            advantages = gae_lib.whiten(advantages, masks)
-        return [x.float() for x in advantages], [x.float() for x in returns]
+        result on every rank; the driver computes it itself (``advantages_and_returns``), this entry point
+        is the seed API's."""
+        return advantages_and_returns(batch, self.algo)
 
     # ---- weights out ----------------------------------------------------------------------------
     @abc.abstractmethod

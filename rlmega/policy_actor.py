@@ -136,8 +136,9 @@ class PolicyActor(Actor):
         as a separate no-grad forward, see tests/multiproc/test_actor.py), and the result holds
         them as "old_logprobs": per sample, batch order, on every rank, as compute_logprobs returns.
         """
-        on_policy = rl_loss.check_train_batch(self.algo, batch, optimizer_steps_per_rl_step)
-        loss_fn = functools.partial(rl_loss.rl_loss, self.algo, on_policy=on_policy)
+        settings = {name: getattr(self.algo, name) for name in rl_loss.SETTINGS}  # the loss takes values
+        on_policy = rl_loss.check_train_batch(batch, optimizer_steps_per_rl_step, **settings)
+        loss_fn = functools.partial(rl_loss.rl_loss, on_policy=on_policy, **settings)
         batch, replay = self._train_routing(batch, on_policy)
         head = Head(temperature=self.temperature, entropy=True, entropy_grad=self.algo.entropy_coef > 0,
                     keep_logprobs=on_policy)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rlmega.actor_api import advantages_and_returns
 from rlmega.algorithms import advantages as adv_lib
 from rlmega.algorithms import kl as kl_lib
 from rlmega.agents.metrics import rollout_metrics, staleness_metrics
@@ -82,7 +83,7 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
         values = values() if gae else None
     batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
     if gae:
-        advantages, returns = roles.call_actors("compute_advantages_and_returns", batch)
+        advantages, returns = advantages_and_returns(batch, a)  # here: pure arithmetic, no trainer rank
         batch = dataclasses.replace(batch, advantages=advantages, returns=returns)
     else:
         seq_rewards = batch.rewards.clone()

@@ -200,3 +200,30 @@ def adaptive_lambda(response_lens: torch.Tensor, alpha: float) -> torch.Tensor:
         raise ValueError(f"adaptive lambda alpha must be > 0, got {alpha}")
     lam = 1.0 - 1.0 / (alpha * response_lens.to(F64))  # (N,); len 0 -> -inf -> clamped to 0
     return lam.clamp(0.0, 1.0)
+
+
+def advantages_and_returns(seq_rewards: torch.Tensor, old_values: Sequence[torch.Tensor],
+                           response_mask: Sequence[torch.Tensor], kl: Sequence[torch.Tensor] | None, *,
+                           gamma: float, lam: float, lam_critic: float | None = None,
+                           lam_actor_alpha: float | None = None, whiten_advantages: bool = True,
+                           kl_coef: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO with a critic: per-token advantages for the policy and returns for the critic, per sample (float32).
+
+    seq_rewards: (N,) the judges' reward of each sample, given on its last action token; old_values: the
+    critic's (response_len,) per sample; response_mask: (response_len,) per sample, 0 on tool output (no
+    action: no reward, advantage or return, and GAE's credit passes over it); kl: a (response_len,) per-token
+    KL penalty per sample (``kl_coef`` weighs it) or None. Advantages use ``lam`` (or VAPO's length-adaptive
+    lambda with ``lam_actor_alpha``), returns ``lam_critic`` (default ``lam``); advantages are whitened over the
+    batch's action tokens when ``whiten_advantages``.
+    """
+    rewards = token_rewards(seq_rewards, response_mask, kl, kl_coef)
+    lam_c = lam if lam_critic is None else lam_critic
+    lam_a = lam
+    if lam_actor_alpha is not None:  # VAPO: longer responses look further ahead
+        lam_a = adaptive_lambda(torch.tensor([float(m.sum()) for m in response_mask]), lam_actor_alpha)
+    advantages, returns = gae_per_sample(rewards, old_values, response_mask, gamma, lam_a)
+    if lam_actor_alpha is not None or lam_c != lam:  # decoupled: the critic's own lambda
+        returns = gae_per_sample(rewards, old_values, response_mask, gamma, lam_c)[1]
+    if whiten_advantages:
+        advantages = whiten(advantages, response_mask)
+    return [x.float() for x in advantages], [x.float() for x in returns]

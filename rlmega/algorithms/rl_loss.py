@@ -17,7 +17,6 @@ import torch
 from rlmega.algorithms import kl as kl_lib
 from rlmega.algorithms import losses
 from rlmega.algorithms import rollout_correction as rc_lib
-from rlmega.config.schema import AlgorithmConfig
 
 # The per-micro-batch sums every loss returns in ``stats`` (0-dim tensors), in this order.
 STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref",
@@ -26,50 +25,59 @@ STAT_KEYS = ("tokens", "pg_loss", "clipped", "ppo_kl", "entropy", "kl_ref",
 SUM_KEYS = ("numerator", "count", *STAT_KEYS)
 
 
-def rl_loss(algo: AlgorithmConfig, mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None,
-            on_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+# rl_loss's settings, by name: the algorithm section's fields of the same names (their defaults resolved,
+# rlmega.config.schema.AlgorithmConfig.resolve_defaults); rlmega/policy_actor.py hands them over as values.
+SETTINGS = ("policy_loss", "clip_eps_low", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_in_reward",
+            "kl_estimator", "entropy_coef", "loss_agg_mode", "rollout_correction", "rollout_is_cap",
+            "rollout_is_bounds_low", "rollout_is_bounds_high")
+
+
+def rl_loss(mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None, *, on_policy: bool = False,
+            policy_loss: str, clip_eps_low: float, clip_eps_high: float, dual_clip_c: float, kl_coef: float,
+            kl_in_reward: bool, kl_estimator: str, entropy_coef: float, loss_agg_mode: str,
+            rollout_correction: str, rollout_is_cap: float, rollout_is_bounds_low: float,
+            rollout_is_bounds_high: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The RL loss of one micro-batch: policy gradient (+ rollout correction, KL to the reference,
-    entropy bonus), aggregated by ``algo.loss_agg_mode``.
+    entropy bonus), aggregated by ``loss_agg_mode``; the settings are the algorithm section's (SETTINGS).
 
     logprobs, entropy: (T,) this forward's, at the prediction positions. ``on_policy``: the old
     log-probs are this forward's own, detached (the RL step's only optimizer step): the PPO ratio is
-    exactly 1 and the clip inactive. ``algo`` has its defaults resolved (AlgorithmConfig.resolve_defaults).
+    exactly 1 and the clip inactive.
     """
-    a, mask, seq_ids, n = algo, mb["loss_mask"], mb["seq_ids"], mb["num_seqs"]
+    mask, seq_ids, n = mb["loss_mask"], mb["seq_ids"], mb["num_seqs"]
     response_mask = mask  # every response token: the denominator of the token statistics
     old = logprobs.detach() if on_policy else mb["old_logprobs"]  # (T,)
     weight, rc = None, None
     if "rollout_logprobs" in mb:
-        weight, keep, rc = rc_lib.correct(a.rollout_correction, old, mb["rollout_logprobs"],
-                                          mask, seq_ids, n, a.rollout_is_cap, a.rollout_is_bounds_low,
-                                          a.rollout_is_bounds_high)
-        if a.rollout_correction in ("mis_token", "mis_seq"):
+        weight, keep, rc = rc_lib.correct(rollout_correction, old, mb["rollout_logprobs"], mask, seq_ids, n,
+                                          rollout_is_cap, rollout_is_bounds_low, rollout_is_bounds_high)
+        if rollout_correction in ("mis_token", "mis_seq"):
             mask = mask * keep  # dropped tokens leave every loss term and its denominator (as verl)
-    elif a.rollout_correction != "none":
-        raise ValueError(f"algorithm.rollout_correction={a.rollout_correction} needs the rollout log-probs "
+    elif rollout_correction != "none":
+        raise ValueError(f"algorithm.rollout_correction={rollout_correction} needs the rollout log-probs "
                          "in the batch (RolloutBatch.rollout_logprobs)")
-    if a.policy_loss == "gspo":
-        pg, st = losses.gspo(logprobs, old, mb["advantages"], mask, seq_ids, n, a.clip_eps_low, a.clip_eps_high)
+    if policy_loss == "gspo":
+        pg, st = losses.gspo(logprobs, old, mb["advantages"], mask, seq_ids, n, clip_eps_low, clip_eps_high)
     else:
-        pg, st = losses.ppo_clip(logprobs, old, mb["advantages"], mask, a.clip_eps_low,
-                                 a.clip_eps_high, a.dual_clip_c if a.policy_loss == "dual_clip" else None)
-    if a.rollout_correction == "tis":
+        pg, st = losses.ppo_clip(logprobs, old, mb["advantages"], mask, clip_eps_low, clip_eps_high,
+                                 dual_clip_c if policy_loss == "dual_clip" else None)
+    if rollout_correction == "tis":
         pg = pg * weight  # truncated IS weight, detached: corrects the sampling distribution
     total = pg
     kl_metric = torch.zeros_like(logprobs)
     if "ref_logprobs" in mb:
-        if a.kl_coef > 0 and not a.kl_in_reward:
-            total = total + a.kl_coef * kl_lib.kl_penalty(logprobs, mb["ref_logprobs"], a.kl_estimator) * mask
+        if kl_coef > 0 and not kl_in_reward:
+            total = total + kl_coef * kl_lib.kl_penalty(logprobs, mb["ref_logprobs"], kl_estimator) * mask
         # the metric is always k3's value, the unbiased (>= 0) estimate of KL(pi||ref), whatever
         # estimator the loss uses (k2's value is biased; see rlmega.algorithms.kl)
         kl_metric = kl_lib.kl_penalty(logprobs.detach(), mb["ref_logprobs"], "k3")
-    if a.entropy_coef > 0:
-        total = total + losses.entropy_bonus(entropy, mask, a.entropy_coef)
-    numerator, count = losses.aggregate(total, mask, seq_ids, n, a.loss_agg_mode)
+    if entropy_coef > 0:
+        total = total + losses.entropy_bonus(entropy, mask, entropy_coef)
+    numerator, count = losses.aggregate(total, mask, seq_ids, n, loss_agg_mode)
     zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
     stats = {
         "tokens": response_mask.sum(),
-        "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, a.loss_agg_mode)[0],
+        "pg_loss": losses.aggregate(pg.detach(), mask, seq_ids, n, loss_agg_mode)[0],
         "clipped": (st["clipped"] * mask).sum(), "ppo_kl": (st["ppo_kl"] * mask).sum(),
         "entropy": (entropy.detach() * response_mask).sum(), "kl_ref": (kl_metric * response_mask).sum(),
         "rc_tokens": response_mask.sum() if rc is not None else zero,
@@ -91,9 +99,11 @@ def sft_loss(mb: dict, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> 
     return nll, mask.sum(), stats
 
 
-def check_train_batch(algo: AlgorithmConfig, batch, optimizer_steps_per_rl_step: int | None) -> bool:
+def check_train_batch(batch, optimizer_steps_per_rl_step: int | None, *, kl_coef: float, kl_in_reward: bool,
+                      rollout_correction: str, **_) -> bool:
     """Refuse a RolloutBatch a train step cannot use; returns whether the step is on-policy (the
-    batch has no old log-probs and this is the RL step's only optimizer step)."""
+    batch has no old log-probs and this is the RL step's only optimizer step). The settings as rl_loss's
+    (the others are taken and ignored, so the same dict serves both)."""
     if batch.advantages is None:
         raise ValueError("train_step needs batch.advantages")
     on_policy = batch.old_logprobs is None
@@ -103,10 +113,10 @@ def check_train_batch(algo: AlgorithmConfig, batch, optimizer_steps_per_rl_step:
             f"optimizer step; it was told optimizer_steps_per_rl_step={optimizer_steps_per_rl_step}: "
             "the steps after the first must compare with the policy before the first, which this "
             "forward no longer is. Pass optimizer_steps_per_rl_step=1 only for a single step.")
-    if algo.kl_coef > 0 and not algo.kl_in_reward and batch.ref_logprobs is None:
+    if kl_coef > 0 and not kl_in_reward and batch.ref_logprobs is None:
         raise ValueError("algorithm.kl_coef > 0 needs batch.ref_logprobs (compute_ref_logprobs)")
-    if algo.rollout_correction != "none" and batch.rollout_logprobs is None:
-        raise ValueError(f"algorithm.rollout_correction={algo.rollout_correction} needs "
+    if rollout_correction != "none" and batch.rollout_logprobs is None:
+        raise ValueError(f"algorithm.rollout_correction={rollout_correction} needs "
                          "batch.rollout_logprobs (the engine's log-probs of the sampled tokens); "
                          "set algorithm.rollout_correction=none for batches without them")
     return on_policy

@@ -134,7 +134,8 @@ def _body(path):
     flat = dataclasses.replace(batch, advantages=[torch.zeros_like(a) for a in batch.advantages])
 
     def router_grad(mode, pad=False, fix=True):
-        loss_fn = functools.partial(rl.rl_loss, dataclasses.replace(actor.algo, loss_agg_mode=mode), on_policy=True)
+        settings = {name: getattr(actor.algo, name) for name in rl.SETTINGS}
+        loss_fn = functools.partial(rl.rl_loss, on_policy=True, **{**settings, "loss_agg_mode": mode})
         mbs, _ = actor._plan(flat)
         if pad:  # one more row and 8 more columns of padding in every micro-batch (equal on every rank)
             mbs = [build_micro_batch(flat, mb["indices"],

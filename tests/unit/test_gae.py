@@ -208,3 +208,38 @@ def test_adaptive_lambda():
     torch.testing.assert_close(lam, t(.8, .98, 0, 0, 0), atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="alpha"):
         G.adaptive_lambda(torch.tensor([10]), alpha=0.0)
+
+
+def test_advantages_and_returns_composes_the_pieces_the_driver_uses():
+    """The driver's GAE (issue 39: no trainer round trip): outcome rewards + KL, lam for the policy and its
+    own lam_critic for the returns, VAPO's length-adaptive lambda, whitening over action tokens."""
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.tensor([1.0, 1, 0, 1]), torch.tensor([1.0, 1, 1])]
+    values = [torch.randn(4, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)]
+    kl = [torch.rand(4, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64)]
+    seq = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    adv, ret = G.advantages_and_returns(seq, values, masks, kl, gamma=0.9, lam=0.8, lam_critic=1.0,
+                                        whiten_advantages=False, kl_coef=0.1)
+    rewards = G.token_rewards(seq, masks, kl, 0.1)
+    want_adv, _ = G.gae_per_sample(rewards, values, masks, 0.9, 0.8)
+    _, want_ret = G.gae_per_sample(rewards, values, masks, 0.9, 1.0)  # the critic's own lambda
+    for a, w in zip(adv + ret, want_adv + want_ret):
+        assert a.dtype == torch.float32 and torch.equal(a, w.float())
+    vapo, _ = G.advantages_and_returns(seq, values, masks, None, gamma=1.0, lam=0.9, lam_actor_alpha=0.05)
+    lam_i = G.adaptive_lambda(torch.tensor([3.0, 3.0]), 0.05)  # 1 - 1 / (0.05 * 3 action tokens)
+    want = G.whiten(G.gae_per_sample(G.token_rewards(seq, masks), values, masks, 1.0, lam_i)[0], masks)
+    assert all(torch.equal(a, w.float()) for a, w in zip(vapo, want))
+
+
+def test_the_drivers_gae_refuses_a_kl_reward_without_log_probs():
+    import dataclasses
+
+    from rlmega.actor_api import advantages_and_returns
+    from rlmega.config.schema import AlgorithmConfig
+    from rlmega.testing.batches import random_batch
+
+    batch = random_batch(3, seed=0)
+    batch = dataclasses.replace(batch, old_values=[torch.zeros(n) for n in batch.response_lens()], old_logprobs=None)
+    algo = AlgorithmConfig(advantage_estimator="gae", kl_coef=0.1, kl_in_reward=True)
+    with pytest.raises(ValueError, match="kl_in_reward needs batch.old_logprobs"):
+        advantages_and_returns(batch, algo)
