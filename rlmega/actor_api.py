@@ -9,11 +9,14 @@ Rules every method follows (the contract the callers rely on):
 
 - **Collective.** A WorkerGroup or TorchrunGroup calls each method on every rank with the same
   arguments; a method may run collectives, so no rank may skip a call another rank makes.
-- **Whole batch in, whole result out.** Every rank receives the same full RolloutBatch; the backend
-  splits it over its data-parallel ranks (packed micro-batches under actor.max_tokens_per_micro_batch,
-  balanced by tokens) and every rank returns the same full result. Callers keep rank 0's.
+- **Planned once, each rank its share.** A batch's micro-batches are planned once, by the driver
+  (rlmega/data/shards.py: packed under actor.max_tokens_per_micro_batch, balanced by tokens, as the
+  backend's ``data_layout`` asks), and each data-parallel rank receives only its ``Shard``: a method that
+  takes a batch takes a Shard, and answers per-sample results for the shard's own samples
+  (rlmega/launch/sharded.py puts them back in batch order). A whole RolloutBatch is still accepted
+  (tests, one process): every rank then plans it alike, runs its share and returns the whole result.
 - **Per-sample results** (log-probs, entropies) are a list with one float32 (response_len,) tensor per
-  sample, on the host, in batch order.
+  sample, on the host, in batch order (a Shard's: its own samples, in order).
 - **Global normalisation.** A loss is normalised over the global batch (all micro-batches of all
   ranks), never averaged per micro-batch or per rank: ``rlmega.algorithms.rl_loss`` gives each
   micro-batch's (numerator, count, stats); the backend sums them over everything, then divides once.
@@ -117,6 +120,11 @@ class Actor(abc.ABC):
     a reference restored from a checkpoint): from then on checkpoints carry it."""
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def data_layout(self) -> tuple:
+        """(rlmega.data.shards.Layout: how the policy wants a batch split, this rank's data-parallel rank),
+        after ``setup``: the driver plans each batch with it once."""
+
     @abc.abstractmethod
     def setup(self, with_reference: bool = True) -> None:
         """Join the process group, build the policy (weights from model.path) with its optimizer and

@@ -4,7 +4,8 @@ A backend's critic is one class that subclasses ``Critic`` (rlmega/megatron/crit
 rlmega/fsdp/critic.py: FSDPCritic) and one line in rlmega.actor_api.CRITICS; ``actor.backend`` picks it (the critic
 runs on the actor's backend) and ``critic_class`` imports it, so nothing above this line imports a
 backend's library. The rules of rlmega/actor_api.py hold here too: every method is collective (every
-rank, same arguments), whole batch in and whole result out, losses normalised over the global batch,
+rank, same other arguments), a batch planned once with each data-parallel rank its share (or the whole
+batch in, the whole result out), losses normalised over the global batch,
 the same skip decision on every rank, float32 values whatever the model computes in.
 
 The value model is the policy's architecture with its output layer replaced by a hidden -> 1 projection
@@ -50,6 +51,10 @@ class Critic(abc.ABC):
     LM's HF folder; dtype; seed: the fresh head's), ``critic`` its CriticConfig (cliprange_value),
     ``critic_kwargs(cfg)`` gives them all for a run; ``hf_config`` (a causal LM's config dict) builds the
     body from it with random weights instead of a path; ``num_threads`` as the actor's."""
+
+    @abc.abstractmethod
+    def data_layout(self) -> tuple:
+        """(rlmega.data.shards.Layout, this rank's data-parallel rank), after ``setup`` (Actor.data_layout)."""
 
     @abc.abstractmethod
     def setup(self) -> None:

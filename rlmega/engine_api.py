@@ -8,9 +8,10 @@ optimizer) and, for KL, a reference engine (without); a critic one value engine.
 
     engine = MegatronEngine(model, parallel, optimizer, actor, lr_decay_steps=..., with_optimizer=True)
     engine.build()                                          # model (+ optimizer and LR schedule)
-    mbs, efficiency = engine.plan(batch)                    # this rank's packed micro-batches
+    shard = engine.shard(batch)                             # this rank's share (or the driver's Shard)
+    mbs = engine.micro_batches(shard)                       # its packed micro-batches
     outs = engine.forward(mbs, Head(temperature=0.7))       # per micro-batch {"logprobs": (T,)} (no grad)
-    lp = engine.gather_responses(mbs, outs, "logprobs", batch)   # per sample, every rank
+    lp = engine.gather_responses(mbs, outs, "logprobs", shard)   # per sample of the shard
     outs = engine.forward_backward(mbs, Head(entropy=True), loss_fn)   # per micro-batch sums
     sums = engine.global_sums(outs, SUM_KEYS)               # over micro-batches and ranks
     engine.normalize_grads(sums["count"])                   # the global token mean
@@ -31,7 +32,9 @@ from typing import Callable, Iterator, Literal, NamedTuple
 
 import torch
 
+from rlmega.data.micro_batches import build_micro_batch
 from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.data.shards import Layout, Shard, plan_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +95,29 @@ class TrainEngine(abc.ABC):
     vocab_size: int
     """The model's vocabulary (its real size, without padding), once built."""
 
-    # ---- passes -------------------------------------------------------------------------------
+    # ---- data ---------------------------------------------------------------------------------
     @abc.abstractmethod
-    def plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
-        """This rank's packed micro-batches of ``batch`` (at most the engine's token budget each,
-        balanced by tokens over the data-parallel ranks, placeholders where a rank must still join the
-        collectives), and the padding efficiency of the whole plan."""
+    def layout(self) -> Layout:
+        """How this engine wants a batch split over its data-parallel ranks (rlmega/data/shards.py)."""
+
+    @abc.abstractmethod
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank."""
+
+    def shard(self, data: RolloutBatch | Shard) -> Shard:
+        """This rank's share: a Shard the driver planned as it is; a whole batch planned here (every rank
+        makes the same plan) and kept whole, the share's micro-batches indexing it."""
+        if isinstance(data, Shard):
+            return data
+        return plan_step(data.lengths(), self.layout()).shard(data, self.dp_rank(), whole=True)
+
+    def micro_batches(self, shard: Shard) -> list[dict]:
+        """The shard's packed micro-batches (rlmega.data.micro_batches.build_micro_batch; placeholders for
+        [] entries), each at least the plan's shape where it has one."""
+        return [build_micro_batch(shard.batch, idx, min_shape=shape)
+                for idx, shape in zip(shard.micro_batches, shard.shapes)]
+
+    # ---- passes -------------------------------------------------------------------------------
 
     @abc.abstractmethod
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict] | None:
@@ -110,10 +130,14 @@ class TrainEngine(abc.ABC):
         stats) as float64 on the device, and "logprobs" with ``head.keep_logprobs``."""
 
     @abc.abstractmethod
-    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str,
-                         batch: RolloutBatch) -> list[torch.Tensor]:
-        """Per-token outputs ``key`` of this rank's micro-batches -> the whole batch's per-sample float32
-        list (response tokens only, host, batch order), on every rank."""
+    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
+        """Per-token outputs ``key`` of this rank's micro-batches -> a float32 (response_len,) per sample of
+        the shard's own (``shard.own`` order), on the host, on every rank of this data-parallel rank."""
+
+    @abc.abstractmethod
+    def gather_data_parallel(self, shard: Shard, results: list) -> list:
+        """Every data-parallel rank's per-sample ``results`` (for its ``shard.samples``) -> one list over the
+        whole batch, on every rank (for a caller that gave every rank the whole batch)."""
 
     @abc.abstractmethod
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:

@@ -36,6 +36,7 @@ from rlmega.actor_api import Actor
 from rlmega.algorithms import polyak, rl_loss
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.data.shards import Shard
 from rlmega.engine_api import Head, StepResult, TrainEngine
 from rlmega.sync.stream import stream_weights
 
@@ -88,43 +89,57 @@ class PolicyActor(Actor):
     def teardown(self) -> None:
         self.engine_class.teardown_process()
 
-    def _plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
+    def data_layout(self):
+        """(how the policy wants a batch split, this rank's data-parallel rank): what the driver plans with."""
+        return self.policy.layout(), self.policy.dp_rank()
+
+    def _plan(self, batch: RolloutBatch | Shard) -> tuple[list[dict], float]:
         """This data-parallel rank's packed micro-batches of the policy, and the plan's padding efficiency."""
-        return self.policy.plan(batch)
+        shard = self.policy.shard(batch)
+        return self.policy.micro_batches(shard), shard.efficiency
+
+    @staticmethod
+    def _per_sample(engine: TrainEngine, mbs: list[dict], outs, key: str, shard: Shard, data) -> list[torch.Tensor]:
+        """A pass's per-token ``key`` as per-sample results: the shard's own samples for a Shard, the whole
+        batch (gathered over the data-parallel ranks) for a caller that gave every rank all of it."""
+        mine = engine.gather_responses(mbs, outs, key, shard)
+        return mine if isinstance(data, Shard) else engine.gather_data_parallel(shard, mine)
 
     # ---- forward passes ---------------------------------------------------------------------
-    def _logprobs(self, engine: TrainEngine, batch: RolloutBatch, with_entropy: bool,
+    def _logprobs(self, engine: TrainEngine, data: RolloutBatch | Shard, with_entropy: bool,
                   replay: bool = False, record: bool = False):
         """(log-probs, entropies or None) per sample under ``engine``'s model. ``replay`` / ``record``: the
         backend's routing of this pass (MoE routing replay, MegatronActor)."""
-        mbs, _ = engine.plan(batch)
-        routes = self._pass_routes(engine, batch, mbs, replay, record)
+        shard = engine.shard(data)
+        mbs = engine.micro_batches(shard)
+        routes = self._pass_routes(engine, shard.batch, mbs, replay, record)
         outs = engine.forward(mbs, Head(temperature=self.temperature, entropy=with_entropy), routes)
-        lp = engine.gather_responses(mbs, outs, "logprobs", batch)
-        ent = engine.gather_responses(mbs, outs, "entropy", batch) if with_entropy else None
-        self._forward_done(engine, routes, batch)
+        lp = self._per_sample(engine, mbs, outs, "logprobs", shard, data)
+        ent = self._per_sample(engine, mbs, outs, "entropy", shard, data) if with_entropy else None
+        self._forward_done(engine, routes, shard.batch)
         return lp, ent
 
-    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
-        lp, ent = self._logprobs(self.policy, batch, with_entropy, *self._forward_routing(batch, "compute_logprobs"))
+    def compute_logprobs(self, batch: RolloutBatch | Shard, with_entropy: bool = False):
+        lp, ent = self._logprobs(self.policy, batch, with_entropy,
+                                 *self._forward_routing(_batch_of(batch), "compute_logprobs"))
         return (lp, ent) if with_entropy else lp
 
-    def compute_ref_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+    def compute_ref_logprobs(self, batch: RolloutBatch | Shard) -> list[torch.Tensor]:
         if self.reference is None:
             raise RuntimeError("this actor was set up without a reference policy")
-        replay, _ = self._forward_routing(batch, "compute_ref_logprobs")
+        replay, _ = self._forward_routing(_batch_of(batch), "compute_ref_logprobs")
         with self._reference_onloaded():
             return self._logprobs(self.reference, batch, with_entropy=False, replay=replay)[0]
 
     # ---- training ---------------------------------------------------------------------------
-    def sft_step(self, batch: RolloutBatch, lr: float | None = None) -> dict:
+    def sft_step(self, batch: RolloutBatch | Shard, lr: float | None = None) -> dict:
         """One optimizer step of supervised fine-tuning on the responses (e.g. a warm start).
 
         ``lr``: a constant learning rate outside the RL schedule (which it neither uses nor advances).
         """
         return self._step(batch, rl_loss.sft_loss, Head(temperature=1.0, entropy=True), lr=lr)
 
-    def train_step(self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None) -> dict:
+    def train_step(self, batch: RolloutBatch | Shard, optimizer_steps_per_rl_step: int | None = None) -> dict:
         """One RL optimizer step on the whole batch (needs advantages, and old_logprobs unless on-policy).
 
         Old log-probs are the policy's before the RL step's first update: the PPO ratio's
@@ -137,25 +152,31 @@ class PolicyActor(Actor):
         them as "old_logprobs": per sample, batch order, on every rank, as compute_logprobs returns.
         """
         settings = {name: getattr(self.algo, name) for name in rl_loss.SETTINGS}  # the loss takes values
-        on_policy = rl_loss.check_train_batch(batch, optimizer_steps_per_rl_step, **settings)
+        on_policy = rl_loss.check_train_batch(_batch_of(batch), optimizer_steps_per_rl_step, **settings)
         loss_fn = functools.partial(rl_loss.rl_loss, on_policy=on_policy, **settings)
-        batch, replay = self._train_routing(batch, on_policy)
         head = Head(temperature=self.temperature, entropy=True, entropy_grad=self.algo.entropy_coef > 0,
                     keep_logprobs=on_policy)
-        return self._train_metrics(self._step(batch, loss_fn, head, replay=replay), on_policy)
+        return self._train_metrics(self._step(batch, loss_fn, head, on_policy=on_policy), on_policy)
 
-    def _step(self, batch: RolloutBatch, loss_fn, head: Head, lr: float | None = None, replay: bool = False) -> dict:
+    def _step(self, data: RolloutBatch | Shard, loss_fn, head: Head, lr: float | None = None,
+              on_policy: bool | None = None) -> dict:
         """One optimizer step: forward + backward of this rank's micro-batches, the global sums, then the
-        step, or a skip (or FloatingPointError) on every rank alike: loss and grad norm are global."""
+        step, or a skip (or FloatingPointError) on every rank alike: loss and grad norm are global.
+        ``on_policy`` None: not an RL step (the warm start), so no routing replay either."""
         engine = self.policy
         if self.cfg.offload_optimizer and "optimizer state" in engine.offloaded:
             engine.onload("optimizer state")
-        mbs, efficiency = engine.plan(batch)
-        routes, real_mbs = self._train_routes(engine, batch, mbs, replay, loss_fn)
+        shard = engine.shard(data)
+        replay = False
+        if on_policy is not None:
+            batch, replay = self._train_routing(shard.batch, on_policy)
+            shard = dataclasses.replace(shard, batch=batch)
+        mbs = engine.micro_batches(shard)
+        routes, real_mbs = self._train_routes(engine, shard.batch, mbs, replay, loss_fn)
         outs = engine.forward_backward(mbs, head, loss_fn, routes)
-        extra = self._train_done(routes, batch, real_mbs)
+        extra = self._train_done(routes, shard.batch, real_mbs)
         # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
-        old = engine.gather_responses(mbs, outs, "logprobs", batch) if head.keep_logprobs else None
+        old = self._per_sample(engine, mbs, outs, "logprobs", shard, data) if head.keep_logprobs else None
         s = engine.global_sums(outs, rl_loss.SUM_KEYS)
         loss = rl_loss.global_loss(s)
         if math.isfinite(loss):
@@ -168,7 +189,7 @@ class PolicyActor(Actor):
             step = StepResult(False, float("nan"), engine.current_lr())
         if self.cfg.offload_optimizer:
             engine.offload("optimizer state")
-        return {**rl_loss.step_metrics(s, efficiency, step.grad_norm, step.lr, step.taken, old), **extra}
+        return {**rl_loss.step_metrics(s, shard.efficiency, step.grad_norm, step.lr, step.taken, old), **extra}
 
     def advance_lr_schedule(self, steps: int) -> float:
         """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.
@@ -313,3 +334,8 @@ class PolicyActor(Actor):
     def _train_metrics(self, metrics: dict, on_policy: bool) -> dict:
         """A train step's metrics, completed by the backend."""
         return metrics
+
+
+def _batch_of(data: RolloutBatch | Shard) -> RolloutBatch:
+    """The samples a call carries: a whole batch, or a shard's."""
+    return data.batch if isinstance(data, Shard) else data

@@ -23,6 +23,7 @@ from rlmega.algorithms import losses, value_loss
 from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.critic_api import Critic
 from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.data.shards import Shard
 from rlmega.engine_api import Head, StepResult, TrainEngine
 
 VALUES = Head(kind="values")
@@ -57,21 +58,29 @@ class ValueCritic(Critic):
     def teardown(self) -> None:
         self.engine_class.teardown_process()
 
+    def data_layout(self):
+        """(how the value model wants a batch split, this rank's data-parallel rank)."""
+        return self.manager.layout(), self.manager.dp_rank()
+
     # ---- values and training ------------------------------------------------------------------
     @torch.no_grad()
-    def compute_values(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        mbs, _ = self.manager.plan(batch)
-        return self.manager.gather_responses(mbs, self.manager.forward(mbs, VALUES), "values", batch)
+    def compute_values(self, batch: RolloutBatch | Shard) -> list[torch.Tensor]:
+        engine = self.manager
+        shard = engine.shard(batch)
+        mbs = engine.micro_batches(shard)
+        mine = engine.gather_responses(mbs, engine.forward(mbs, VALUES), "values", shard)
+        return mine if isinstance(batch, Shard) else engine.gather_data_parallel(shard, mine)
 
-    def train_step(self, batch: RolloutBatch) -> dict:
+    def train_step(self, batch: RolloutBatch | Shard) -> dict:
         """Each micro-batch back-propagates its loss numerator; numerators, counts and statistics are
         summed over micro-batches and ranks, and the gradient normalised over the global count: the
         gradient of the global batch's loss, whatever the layout or token budget. A non-finite loss or
         gradient norm skips the step on every rank (the sums and the norm are global)."""
-        if batch.returns is None:
-            raise ValueError("critic train_step needs batch.returns (the GAE returns, rlmega.algorithms.gae)")
         engine = self.manager
-        mbs, _ = engine.plan(batch)
+        shard = engine.shard(batch)
+        if shard.batch.returns is None:
+            raise ValueError("critic train_step needs batch.returns (the GAE returns, rlmega.algorithms.gae)")
+        mbs = engine.micro_batches(shard)
         loss_fn = functools.partial(value_loss.critic_loss, cliprange=self.cfg.cliprange_value,
                                     loss_agg_mode=self.loss_agg_mode)
         s = engine.global_sums(engine.forward_backward(mbs, VALUES, loss_fn), value_loss.SUM_KEYS)

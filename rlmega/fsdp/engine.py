@@ -2,9 +2,9 @@
 
 It is an FSDPModelManager (the sharded model, AdamW, LR schedule, offload, DCP checkpoints) that also
 runs the passes. How a step maps onto FSDP2:
-- Every rank plans the whole batch the same way (packing.plan_micro_batches, balanced by tokens) and runs
-  its share. Each forward all-gathers the parameters, so every rank runs the SAME number of micro-batches:
-  a rank with fewer gets placeholders (build_micro_batch(batch, []): zero loss mask).
+- A batch is planned once (rlmega/data/shards.py, balanced by tokens) and each rank runs its share. Each
+  forward all-gathers the parameters, so every rank runs the SAME number of micro-batches (``layout``'s
+  equal_counts): a rank with fewer gets placeholders (build_micro_batch(batch, []): zero loss mask).
 - Gradients are reduced only on the last micro-batch (before_micro_batch).
 - Global normalisation (Megatron's calculate_per_token_loss): each micro-batch back-propagates its loss
   numerator; ``normalize_grads(count)`` then multiplies the sharded gradients by world_size / global count
@@ -28,9 +28,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-from rlmega.data.micro_batches import build_micro_batch, scatter_responses
-from rlmega.data.packing import padding_efficiency, plan_micro_batches
-from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.data.micro_batches import scatter_responses
+from rlmega.data.shards import Layout, Shard
 from rlmega.distributed import init_distributed
 from rlmega.engine_api import Head, LossFn, TrainEngine
 from rlmega.checkpoint_files import resolve
@@ -112,16 +111,15 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         _no_dropout(self.model)
         self.vocab_size = int(self.model.config.vocab_size)
 
-    # ---- passes -------------------------------------------------------------------------------
-    def plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
-        """This rank's packed one-row micro-batches, padded with placeholders to the largest rank's count
-        (every rank must run the same forwards: each one all-gathers), and the plan's efficiency."""
-        lengths = batch.lengths()
-        plan = plan_micro_batches(lengths, self.max_tokens, self.world_size, allow_empty=True)
-        n = max(len(p) for p in plan)
-        plan = [p + [[] for _ in range(n - len(p))] for p in plan]
-        return [build_micro_batch(batch, idx) for idx in plan[self.rank]], padding_efficiency(lengths, plan)
+    # ---- data ---------------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        """Every rank runs as many micro-batches (each forward all-gathers the parameters)."""
+        return Layout(dp_size=self.world_size, max_tokens=self.max_tokens, equal_counts=True)
 
+    def dp_rank(self) -> int:
+        return self.rank
+
+    # ---- passes -------------------------------------------------------------------------------
     def _outputs(self, mb: dict, head: Head) -> tuple:
         """The Head's per-token outputs of one micro-batch, in its order: (log-probs, entropy or None) or
         (values,)."""
@@ -153,15 +151,17 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
             outs.append(out)
         return outs
 
-    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str,
-                         batch: RolloutBatch) -> list[torch.Tensor]:
+    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
         mine = {}
         for mb, out in zip(mbs, outs or []):
             mine.update({i: v.detach().float().cpu() for i, v in scatter_responses(out[key], mb).items()})
+        return [mine[i] for i in shard.own]
+
+    def gather_data_parallel(self, shard: Shard, results: list) -> list:
         parts = [None] * self.world_size
-        dist.all_gather_object(parts, mine)
+        dist.all_gather_object(parts, dict(zip(shard.samples, results)))
         merged = {i: v for part in parts for i, v in part.items()}
-        return [merged[i] for i in range(len(batch))]
+        return [merged[i] for i in range(len(merged))]
 
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
         sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if outs else \

@@ -26,11 +26,13 @@ from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop
 from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
+from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.launch import threads, torchrun_group
 from rlmega.launch.agent_loops import start_agent_loops
 from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.engines import start_engines
 from rlmega.launch.placement import placement_plan
+from rlmega.launch.sharded import ShardedCalls
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
@@ -110,12 +112,14 @@ class Roles:
                  _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
                  _by_node(node_names(engine_nodes)))
         self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
+        self.actor_calls = ShardedCalls(self.actors, self.actors.call("data_layout"))
         if self.has_critic:
             offload = self.cfg.critic.offload_while_generating
             self.critic_swaps = (c.colocate and r.device == "cuda") if offload is None else offload
             self.critics = start_critic(self.cfg, plan, self.pgs, rank_threads, self.critic_swaps,
                                         self.optimizer_steps_per_rl_step(), self.call_timeout_s)
             self.critics.call("setup")
+            self.critic_calls = ShardedCalls(self.critics, self.critics.call("data_layout"))
         self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
         concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
         for i, value in enumerate(concurrency):
@@ -177,13 +181,17 @@ class Roles:
             raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s", what) from e
 
     def call_actors(self, method: str, *args, **kwargs):
-        """Rank 0's result (every rank returns the same). Brings a released trainer back first."""
+        """Rank 0's result (every rank returns the same); a call on a RolloutBatch goes as one share per
+        data-parallel rank and comes back merged (rlmega/launch/sharded.py). Brings a released trainer
+        back first."""
         if self.trainer_released:
             self.train_phase()
         return self._call_actors(method, *args, **kwargs)
 
     def _call_actors(self, method: str, *args, **kwargs):
         try:
+            if args and isinstance(args[0], RolloutBatch):  # planned here once, each rank only its share
+                return self.actor_calls.submit(method, *args, **kwargs)()
             return self.actors.call_rank0(method, *args, **kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
@@ -204,7 +212,10 @@ class Roles:
         if self.critics is None:
             raise RuntimeError("this run has no critic (algorithm.advantage_estimator is not gae)")
         try:
-            wait = self.critics.submit_rank0(method, *args, **kwargs)
+            if args and isinstance(args[0], RolloutBatch):
+                wait = self.critic_calls.submit(method, *args, **kwargs)
+            else:
+                wait = self.critics.submit_rank0(method, *args, **kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 

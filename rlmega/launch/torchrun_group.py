@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from rlmega.bound_store import BOUND_ENV
-from rlmega.launch.worker_group import WorkerGroupError
+from rlmega.launch.worker_group import WorkerGroupError, first_rank_of
 
 log = logging.getLogger("rlmega")
 
@@ -90,6 +90,7 @@ class _Host:
 
     def __init__(self):
         self.worker = None
+        self.store = None  # this rank's client of the store, made when a sharded call first needs it
 
     def run(self, command: tuple) -> Any:
         kind, payload = command
@@ -111,6 +112,13 @@ class _Host:
             cls, args, kwargs = payload
             self.worker = cls(*args, **kwargs)
             return None
+        if kind == "call_shards":  # this rank's share is under its own key (TorchrunGroup.submit_shards)
+            method, key, dp_of_rank, args, kwargs = payload
+            me = rank() or 0
+            self.store = self.store or _store()
+            shard = pickle.loads(self.store.get(f"{key}/{dp_of_rank[me]}"))
+            out = getattr(self.worker, method)(shard, *args, **kwargs)
+            return out if first_rank_of(dp_of_rank)[dp_of_rank[me]] == me else None
         method, args, kwargs = payload
         out = getattr(self.worker, method)(*args, **kwargs)
         return None if kind == "call_rank0" and rank() else out  # see TorchrunGroup.call_rank0
@@ -172,6 +180,20 @@ class TorchrunGroup:
         """``call``, but only rank 0's result is kept: the others store None through the TCPStore
         (every rank returns the same full result; see WorkerGroup.call_rank0)."""
         return self._send(("call_rank0", (method, args, kwargs)))[0]
+
+    def submit_shards(self, method: str, shards: list, dp_of_rank: list[int], *args, **kwargs):
+        """WorkerGroup.submit_shards through the store: each data-parallel rank's share under a key of its
+        own, read only by its ranks. Runs now; returns the function that gives the results."""
+        key = f"shards/{self.k}"
+        for d, shard in enumerate(shards):
+            self.store.set(f"{key}/{d}", pickle.dumps(shard))
+        try:
+            out = self._send(("call_shards", (method, key, list(dp_of_rank), args, kwargs)))
+        finally:
+            for d in range(len(shards)):
+                self.store.delete_key(f"{key}/{d}")
+        first = first_rank_of(dp_of_rank)
+        return lambda: [out[first[d]] for d in range(len(shards))]
 
     def _send(self, command: tuple) -> list:
         k, self.k = self.k, self.k + 1

@@ -121,7 +121,33 @@ class WorkerGroup:
                 + [h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]])
         return lambda: self._get(refs)[0]
 
+    def submit_shards(self, method: str, shards: list, dp_of_rank: list[int], *args, **kwargs) -> Callable[[], list]:
+        """``method`` on every rank with its data-parallel rank's share first (``shards[d]``, put in the object
+        store once and fetched only by the ranks of data-parallel rank d: rlmega/data/shards.py), the same
+        other arguments. Returns a function that waits for every rank and gives one result per data-parallel
+        rank: its first trainer rank's (the others answer None once done, or their error)."""
+        refs_by_dp = [ray.put(s) for s in shards]
+        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        first = first_rank_of(dp_of_rank)
+        refs = [(h.call if first[dp_of_rank[r]] == r else h.call_quiet).remote(method, refs_by_dp[dp_of_rank[r]],
+                                                                             *args, **kwargs)
+                for r, h in enumerate(self.hosts)]
+
+        def result() -> list:
+            out = self._get(refs)
+            return [out[first[d]] for d in range(len(shards))]
+
+        return result
+
     def shutdown(self) -> None:
         for h in self.hosts:
             ray.kill(h)
         self.hosts = []
+
+
+def first_rank_of(dp_of_rank: list[int]) -> dict[int, int]:
+    """{data-parallel rank: its lowest trainer rank}, the one whose result a sharded call keeps."""
+    first: dict[int, int] = {}
+    for r, d in enumerate(dp_of_rank):
+        first.setdefault(d, r)
+    return first

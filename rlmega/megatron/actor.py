@@ -94,10 +94,15 @@ class MegatronActor(PolicyActor):
 
     def _route_results(self, routes, batch: RolloutBatch) -> dict:
         """Collectives: the pass's routes (when recorded, into self._trainer_routes) and its metrics."""
-        if routes.record:
+        if routes.record:  # by sample id: a later train step may be planned (and split over DP) otherwise
+            ids, lengths = batch.sample_ids.tolist(), batch.lengths()
+            recorded = routes.recorded_routes()
+            missing = [ids[i] for mb in routes.mbs for i in mb["indices"] if i not in recorded]
+            if missing:
+                raise RuntimeError(f"routing replay: no routes were recorded for samples {missing[:5]}")
             shape = (routes.routes.num_moe_layers, routes.routes.topk)
-            full = routing_replay.gather_routes(routes.recorded_routes(), batch.lengths(), shape)
-            self._trainer_routes = dict(zip(batch.sample_ids.tolist(), full))
+            self._trainer_routes = routing_replay.gather_routes(
+                {ids[i]: r for i, r in recorded.items()}, {ids[i]: lengths[i] for i in recorded}, shape)
         counts, load = routing_replay.reduce_counts(routes.counts, routes.load)
         return routing_replay.route_metrics(counts, load)
 

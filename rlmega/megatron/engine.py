@@ -21,9 +21,10 @@ from typing import Iterator
 import torch
 
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-from rlmega.data.rollout_batch import RolloutBatch
+from rlmega.data.micro_batches import scatter_responses
+from rlmega.data.shards import Layout, Shard
 from rlmega.engine_api import Head, LossFn, TrainEngine
-from rlmega.megatron import batching, checkpoint, policy
+from rlmega.megatron import checkpoint, policy
 from rlmega.megatron.hf_io import iter_hf_tensors
 from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager
 from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
@@ -64,9 +65,22 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
     def build(self) -> None:
         self.setup_model_and_optimizer(load_weights=bool(self.model_cfg.path), with_optimizer=self.with_optimizer)
 
+    # ---- data ---------------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        """Megatron's interleaved schedule needs a multiple of PP micro-batches per rank. Under expert
+        parallelism every MoE layer's token dispatch is a collective over the expert-parallel group (part of
+        the data-parallel ranks): each rank runs as many micro-batches (placeholders fill in), and with the
+        allgather dispatcher (CPU, no Transformer Engine) of one shape (it gathers equal blocks)."""
+        ep = self.transformer_config.expert_model_parallel_size > 1
+        allgather = not self.use_te and self.transformer_config.moe_token_dispatcher_type == "allgather"
+        return Layout(dp_size=data_parallel_rank_and_size()[1], max_tokens=self.max_tokens,
+                      multiple_of=self.parallel.pipeline_model_parallel_size if self.vpp > 1 else 1,
+                      equal_counts=ep, equal_shapes=ep and allgather)
+
+    def dp_rank(self) -> int:
+        return data_parallel_rank_and_size()[0]
+
     # ---- passes -------------------------------------------------------------------------------
-    def plan(self, batch: RolloutBatch) -> tuple[list[dict], float]:
-        return batching.plan(self, batch, self.max_tokens, self.parallel.pipeline_model_parallel_size)
 
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict] | None:
         if head.kind == "values":
@@ -81,9 +95,25 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
                                           with_entropy=head.entropy, entropy_grad=head.entropy_grad,
                                           keep_logprobs=head.keep_logprobs, routes=routes)
 
-    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str,
-                         batch: RolloutBatch) -> list[torch.Tensor]:
-        return batching.gather_responses(mbs, outs, key, batch)
+    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
+        """The last pipeline stage's outputs (``outs``, None elsewhere), shared with the stage's peers."""
+        order = [i for mb in mbs for i in mb["indices"]]
+        all_lens = shard.batch.response_lens()  # once: it walks the whole batch
+        lens = [all_lens[i] for i in order]
+        flat = None
+        if outs is not None:
+            pieces = {}
+            for mb, out in zip(mbs, outs):
+                pieces.update(scatter_responses(out[key], mb))
+            flat = torch.cat([pieces[i] for i in order]) if order else torch.zeros(0)
+        mine = dict(zip(order, policy.share_from_last_stage(flat, sum(lens)).float().split(lens)))
+        return [mine[i] for i in shard.own]
+
+    def gather_data_parallel(self, shard: Shard, results: list) -> list:
+        merged = {}
+        for part in policy.all_gather_data_parallel(dict(zip(shard.samples, results))):
+            merged.update(part)
+        return [merged[i] for i in range(len(merged))]
 
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
         # outs is None off the last pipeline stage, and [] on a rank with no micro-batch there

@@ -268,13 +268,14 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return out.to(t.device)
 
 
-def gather_routes(local: dict[int, torch.Tensor], lengths: list[int], shape: tuple[int, int]) -> list[torch.Tensor]:
-    """Every rank's ``RoutePass.recorded_routes`` -> the whole batch's routes, every layer, on every rank.
+def gather_routes(local: dict[int, torch.Tensor], lengths: dict[int, int], shape: tuple[int, int]) -> dict:
+    """Every rank's recorded routes, keyed by sample id -> those of every sample any rank recorded, every
+    layer, on every rank.
 
     Pipeline stages hold disjoint layers (-1 elsewhere, and expert ids >= 0): an element-wise max over
     the pipeline group merges them; tensor-parallel ranks recorded the same routes; data-parallel
     ranks hold disjoint samples, gathered over Megatron's gloo group.
-    shape: (num_moe_layers, topk). Returns per sample (L_i, M, K) int16, batch order.
+    lengths: each sample's token count; shape: (num_moe_layers, topk). Returns {sample id: (L_i, M, K) int16}.
     """
     order = sorted(local)
     flat = torch.cat([local[i] for i in order]) if order else torch.zeros(0, *shape, dtype=torch.int16)
@@ -283,11 +284,7 @@ def gather_routes(local: dict[int, torch.Tensor], lengths: list[int], shape: tup
     group = ps.get_data_parallel_group_gloo()
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
-    merged = {i: t for part in parts for i, t in part.items()}
-    missing = [i for i in range(len(lengths)) if i not in merged]
-    if missing:
-        raise RuntimeError(f"routing replay: no rank recorded routes for samples {missing[:5]}")
-    return [merged[i] for i in range(len(lengths))]
+    return {i: t for part in parts for i, t in part.items()}
 
 
 def reduce_counts(counts: torch.Tensor, load: torch.Tensor) -> tuple[dict, torch.Tensor]:
