@@ -24,9 +24,9 @@ synchronous and thread-safe (it runs a coroutine on that loop and waits), so a R
 
     rlmega/workers/engine_lifecycle.py   engine arguments, start, shutdown, the model's CPU threads
     rlmega/workers/generation.py         Sample, requests, the pause gate, partial-rollout continuation
-    rlmega/workers/fused_layers.py       holding back a fused vLLM layer until all its tensors came
-    rlmega/workers/weight_stream.py      one reload per weight sync (bucket_files.py: the files;
-                                         vllm_extension.py: the engine's side)
+    rlmega/sync/fused_layers.py          holding back a fused vLLM layer until all its tensors came
+    rlmega/workers/weight_stream.py      one reload per weight sync (rlmega/sync/bucket_files.py: the
+                                         files; vllm_extension.py: the engine's side)
     rlmega/workers/engine_routes.py      MoE routes per sample (R3)
 
 How and why (seeds, processes, log-probs, weights, in-flight syncs, routes, CPU threads):
@@ -46,11 +46,11 @@ from collections.abc import Iterable
 import torch
 
 from rlmega.sync import collective
+from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Piece
 from rlmega.workers.engine_errors import engine_died
 from rlmega.workers.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
 from rlmega.workers.engine_routes import EngineRoutes, start_recording
-from rlmega.workers.fused_layers import FusedLayers
 from rlmega.workers import generation
 from rlmega.workers.generation import Sample
 from rlmega.workers.weight_stream import WeightStream
@@ -232,7 +232,7 @@ class RolloutWorker:
         returns. Thread-safe: calls at the same time share one reload.
 
         A partial set is fine, and a call may end inside a fused vLLM layer: that layer's tensors wait
-        here until the rest arrive in a later call (rlmega/workers/fused_layers.py). Prefix cache reset.
+        here until the rest arrive in a later call (rlmega/sync/fused_layers.py). Prefix cache reset.
         """
         # TODO(gpu): vLLM's weight-transfer API (init_weight_transfer_engine / update_weights over
         # NCCL, vllm/distributed/weight_transfer/) avoids the host round trip on GPU; CudaIpcTransport
@@ -267,7 +267,7 @@ class RolloutWorker:
         ends when every sender that sent into it has finished), with the prefix cache reset and
         ``version`` set. Raises if the engine failed to load. It waits for the other senders: a Ray
         actor hosting the worker needs a thread per sender (rlmega/launch/engines.py gives 256).
-        Returns the slots the model workers retired in that sync (rlmega/workers/shm_slots.py)."""
+        Returns the slots the model workers retired in that sync (rlmega/sync/shm_slots.py)."""
         return self._weights.finish(version, sender)
 
     def join_weight_group(self, name: str, host: str, port: int, rank: int, world: int, backend: str,

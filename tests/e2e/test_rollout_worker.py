@@ -142,7 +142,7 @@ def _engine_body(model_dir: str) -> dict:
     out["stream_version"] = w.weight_version()
     out["stream_pending"] = w.pending_weights()
     out["restored_by_stream"] = _as_dicts(w.generate(**probe))
-    # every bucket above went through the same few shared-memory slots (rlmega/workers/shm_slots.py)
+    # every bucket above went through the same few shared-memory slots (rlmega/sync/shm_slots.py)
     out["slots"] = len(w._weights.slots)
     # A name the model does not have: the engine's reload fails, says so, and the model keeps its weights.
     try:
