@@ -24,7 +24,7 @@ rebuilds each tensor over the sender's GPU memory.
 A dead owner's directories are removed by the engine (``staged_by``, used by ``rlmega_watch_owner``).
 
 Both writers of a sync directory follow one hand-over, so its sizes live here, below both: the
-RolloutWorker's WeightStream (rlmega/workers/weight_stream.py) and a trainer rank on the engine's
+RolloutWorker's WeightStream (rlmega/rollout/weight_stream.py) and a trainer rank on the engine's
 node writing its own buckets (rlmega/sync/local_slots.py) cut whole layers into files of about
 ``FILE_BYTES`` (``files_of_layers``; also the size of a shared-memory slot) and wait while
 ``MAX_UNREAD`` of them are unread (``unread``). They were the engine side's constants; the trainer

@@ -171,7 +171,7 @@ def make_transport(kind: str, engines, log_dir: str):
 
 
 def _timed_rollout_worker_cls():
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     class TimedRolloutWorker(RolloutWorker):
         """RolloutWorker that records when each receive_weights / finish_weights call starts and ends

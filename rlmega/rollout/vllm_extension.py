@@ -34,9 +34,9 @@ import torch
 
 from rlmega.sync import bucket_files
 from rlmega.sync.shm_slots import SlotReader
-from rlmega.workers.route_store import RouteStore
+from rlmega.rollout.route_store import RouteStore
 
-EXTENSION = "rlmega.workers.vllm_extension.RolloutExtension"  # the engine argument's value
+EXTENSION = "rlmega.rollout.vllm_extension.RolloutExtension"  # the engine argument's value
 
 
 def tied_layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
@@ -260,7 +260,7 @@ class RolloutExtension:
         the requests of ``input_batch.req_ids`` one after another, ``num_scheduled_tokens`` each,
         starting at position ``num_computed_tokens`` (``GPUModelRunner._prepare_inputs``). So
         ``_prepare_inputs`` is wrapped to note that layout, ``execute_model`` to hand the step's rows
-        out to a per-request store (``RouteStore``, rlmega/workers/route_store.py) once the forward is
+        out to a per-request store (``RouteStore``, rlmega/rollout/route_store.py) once the forward is
         done; ``rlmega_take_routes`` returns and forgets them. A recomputed position (a preempted
         request's re-prefill) overwrites
         its row; positions the step did not compute (prefix-cache hits) have none.

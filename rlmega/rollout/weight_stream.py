@@ -1,6 +1,6 @@
 """One weight sync, one reload in the engine: the RolloutWorker's side of loading weights.
 
-The engine's side is ``rlmega_load_stream`` (rlmega/workers/vllm_extension.py: why one reload per
+The engine's side is ``rlmega_load_stream`` (rlmega/rollout/vllm_extension.py: why one reload per
 sync). A sync's first bucket opens a sync directory (rlmega/sync/bucket_files.py) and starts that
 call, not awaited; each bucket's whole vLLM layers (rlmega/sync/fused_layers.py) are written in
 pieces of about ``FILE_BYTES``, so the engine loads the first while the next is written, and at most
@@ -69,7 +69,7 @@ class WeightStream:
         # refused, not loaded in a new stream that no finish would close (requests would wait for its idle
         # timeout). Set under the lock that closes the sync, so no late bucket slips in between.
         self._failed: tuple[int, str] | None = None
-        # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
+        # Set while no stream is open (loop thread only: requests wait on it in rlmega/rollout/generation.py).
         self.loaded = asyncio.Event()
         self.loaded.set()
 
