@@ -206,7 +206,7 @@ class Actor(abc.ABC):
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
         """Policy, optimizer, LR schedule, every rank's RNG and ``extra`` (rank 0's plain values) under
         root/step_N, written to step_N.partial then renamed, and root/latest pointing at it; plus the
-        reference once ``reference_moved``. A full disk raises rlmega.checkpoint_files.CheckpointSpaceError
+        reference once ``reference_moved``. A full disk raises rlmega.rundir.checkpoint_files.CheckpointSpaceError
         with the partial save removed. Returns the checkpoint's path."""
 
     @abc.abstractmethod

@@ -88,7 +88,7 @@ def _demo(args) -> int:
 
 
 def _stop(args) -> int:
-    from rlmega.stopping import request_stop
+    from rlmega.rundir.stopping import request_stop
 
     try:
         path = request_stop(args.run_dir)

@@ -28,7 +28,7 @@ from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff, on_policy_diff
-from rlmega.workers.engine_errors import engine_death_in
+from rlmega.rollout.engine_errors import engine_death_in
 
 log = logging.getLogger("rlmega")
 TRUNCATED = ("length", "max_tokens")  # finish reasons of a response cut at its token budget

@@ -29,13 +29,13 @@ from rlmega.launch import torchrun_group
 from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
-from rlmega.checkpoint_files import CheckpointSpaceError
+from rlmega.rundir.checkpoint_files import CheckpointSpaceError
 from rlmega.profiling import profiled
-from rlmega.runs import (ResumeError, RunDir, changed_settings, critic_checkpoint, refuse_a_held_folder,
+from rlmega.rundir.run import (ResumeError, RunDir, changed_settings, critic_checkpoint, refuse_a_held_folder,
                          resume_settings)
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.sync.parity import ParityError, ParityGuard
-from rlmega.stopping import StopRequest
+from rlmega.rundir.stopping import StopRequest
 from rlmega.judgers.base import RewardError
 
 log = logging.getLogger("rlmega")

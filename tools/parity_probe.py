@@ -79,7 +79,7 @@ def warm_start(model_dir: str, steps: int, lr: float, batch: int, seed: int) -> 
 def _engine(model_dir: str, prompts: list, n: int, temperature: float, max_tokens: int, q) -> None:
     """All vLLM work in one spawned process: a batched generate, then each sequence alone."""
     try:
-        from rlmega.workers.rollout import RolloutWorker
+        from rlmega.rollout.rollout import RolloutWorker
 
         w = RolloutWorker(model_dir, max_model_len=64, seed=0, kv_cache_space_gb=1)
         batched = [dict(vars(s)) for s in w.generate(prompts, n=n, temperature=temperature,
@@ -133,7 +133,7 @@ def megatron_logprobs(model_dir: str, samples: list, tp: int, pp: int, temperatu
     from rlmega.data.samples import batch_from_samples
     from rlmega.launch.worker_group import WorkerGroup
     from rlmega.megatron.actor import MegatronActor
-    from rlmega.workers.rollout import Sample
+    from rlmega.rollout.rollout import Sample
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     group = WorkerGroup(MegatronActor, tp * pp, kwargs=dict(

@@ -15,7 +15,7 @@ import itertools
 import logging
 import uuid
 
-from rlmega.workers.rollout import GENERATION_GROUP
+from rlmega.rollout.rollout import GENERATION_GROUP
 
 log = logging.getLogger(__name__)
 

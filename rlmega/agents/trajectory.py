@@ -50,7 +50,7 @@ class Trajectory:
     judge_error: str | None = None
     routed_experts: torch.Tensor | None = None
     """MoE routing replay: (len(prompt_ids) + len(response_ids), num_moe_layers, topk) int16, the engine's
-    routes (rlmega.workers.rollout.Sample.routed_experts); -1 rows for tool-output tokens (routed by
+    routes (rlmega.rollout.rollout.Sample.routed_experts); -1 rows for tool-output tokens (routed by
     the trainer) and where the engine recorded none (the last token). None when not recorded. A tensor,
     so that a checkpoint of the async buffer (plain data + tensors) keeps it."""
 

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             return 1
         print(f"{out} is up to date")
         return 0
-    from rlmega.durable import replace_durably
+    from rlmega.rundir.durable import replace_durably
 
     replace_durably(out, text)
     print(f"wrote {out} ({len(_sections())} sections)")

@@ -31,7 +31,7 @@ from rlmega.config.errors import ConfigError, problem
 from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, UNIT, ModelShape, Rule, divisors,
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
-from rlmega.runs import find_checkpoint
+from rlmega.rundir.run import find_checkpoint
 from rlmega.sync.parity_limits import parity_limits
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in

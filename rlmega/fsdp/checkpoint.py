@@ -1,13 +1,13 @@
 """Sharded FSDP2 checkpoints with torch.distributed.checkpoint (DCP), in the shared root layout.
 
     ROOT/step_00000010/   .metadata, __R_0.distcp (every rank's shards), common.pt (rank 0)
-    ROOT/latest           written after the rename (rlmega/checkpoint_files.py: .partial, fsync, rename)
+    ROOT/latest           written after the rename (rlmega/rundir/checkpoint_files.py: .partial, fsync, rename)
 
 In the DCP files: "model" (this model's sharded state dict, HF names), "optimizer" (AdamW state and
 param groups by parameter name), each extra model by its name, and "rng_rank{R}" per rank (Python,
 NumPy, torch CPU and CUDA generators). common.pt holds {"meta": {"backend": "fsdp", "step",
 "scheduler", "extra", "world_size", "extra_models"}}: what the driver reads without loading tensors
-(rlmega/runs.py reads meta.extra, rlmega/checkpoint_scan.py judges completeness by "backend").
+(rlmega/rundir/run.py reads meta.extra, rlmega/rundir/checkpoint_scan.py judges completeness by "backend").
 
 DCP reshards on load, so model and optimizer state load at any world size; the RNG state only at
 the saved one (another world size has other ranks: each keeps its own seeded generators).
@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
-from rlmega.checkpoint_files import resolve, rng_state, saving, set_rng_state, start_save
+from rlmega.rundir.checkpoint_files import resolve, rng_state, saving, set_rng_state, start_save
 
-BACKEND = "fsdp"  # common.pt's meta["backend"]; checkpoint_scan.py tells the two formats apart by it
+BACKEND = "fsdp"  # common.pt's meta["backend"]; rlmega/rundir/checkpoint_scan.py tells the two formats apart by it
 
 
 

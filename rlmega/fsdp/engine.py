@@ -32,7 +32,7 @@ from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
 from rlmega.distributed import init_distributed
 from rlmega.engine_api import Head, LossFn, TrainEngine
-from rlmega.checkpoint_files import resolve
+from rlmega.rundir.checkpoint_files import resolve
 from rlmega.fsdp.checkpoint import read_meta
 from rlmega.fsdp.forward import forward_logits, micro_batch_logprobs
 from rlmega.fsdp.model_manager import FSDPModelManager, local_shard

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from rlmega import offload
 from rlmega.algorithms.lr_schedule import LRSchedule
-from rlmega.checkpoint_files import finish_export
+from rlmega.rundir.checkpoint_files import finish_export
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
 from rlmega.engine_api import StepResult
 from rlmega.fsdp import checkpoint, packed_attention

@@ -77,7 +77,7 @@ class ModelJudger(Judger):
             raise RuntimeError(f"judger {name!r} (model) needs a running Ray: call ray.init() first")
         from transformers import AutoTokenizer
 
-        from rlmega.workers.rollout import RolloutWorker
+        from rlmega.rollout.rollout import RolloutWorker
 
         self.model_path, self.prompt_template, self.max_tokens = model_path, prompt_template, max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -9,7 +9,7 @@ import ray
 from rlmega.config.engine_mode import enforce_eager, records_routes
 from rlmega.config.schema import RLConfig
 from rlmega.launch.placement import Slot
-from rlmega.workers.rollout import GENERATION_GROUP, RolloutWorker
+from rlmega.rollout.rollout import GENERATION_GROUP, RolloutWorker
 
 # Generation calls one engine actor runs at once (threads; most wait on the engine): requests in flight
 # per engine, in its GENERATION_GROUP. Its other calls (weight buckets, pause/resume, versions) have
@@ -56,7 +56,7 @@ def engine_options(pg, slot: Slot) -> dict:
     so that many callers' ``generate_one`` (and ``generate``) calls are in the engine at once and vLLM
     batches them continuously, and ``max_concurrency=ENGINE_CONTROL_CONCURRENCY`` for the other calls
     (``abort``, weight buckets, pause/resume); each call's thread waits on the engine's own asyncio
-    loop (rlmega/workers/rollout.py). Order
+    loop (rlmega/rollout/rollout.py). Order
     between calls no longer matters: the pipelined RayTransport's buckets used to need Ray's in-order
     execution of one caller's update_weights calls, but RolloutWorker.update_weights is thread-safe
     and holds back every fused layer until all its tensors arrived, whatever order or threads they

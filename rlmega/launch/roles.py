@@ -38,7 +38,7 @@ from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.collective import CollectiveTransport
 from rlmega.sync.transports import CudaIpcTransport, RayTransport
-from rlmega.workers.coordinator import ActorManager
+from rlmega.coordinator import ActorManager
 
 log = logging.getLogger("rlmega")
 

@@ -7,7 +7,7 @@ Layout under a checkpoint root:
 
 Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it, renames it and
 then updates ``latest`` (fsynced), so a crash at any point leaves a complete checkpoint to load
-(rlmega/checkpoint_files.py, shared with the FSDP backend).
+(rlmega/rundir/checkpoint_files.py, shared with the FSDP backend).
 Model weights reshard on load (save at TP2, load at PP2); optimizer state and RNG state are
 restored when the layout is the same. RNG state is per rank (Python, NumPy, torch, CUDA,
 Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
@@ -26,11 +26,11 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 # The root's files (step_N, .partial, latest, disk-full handling) are backend-neutral; the names are
 # re-exported here for existing callers (train.py imports CheckpointSpaceError from this module).
-from rlmega.checkpoint_files import (  # noqa: F401
+from rlmega.rundir.checkpoint_files import (  # noqa: F401
     CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, saving,
     start_save, step_dir, undo_failed_save,
 )
-from rlmega import checkpoint_files as files
+from rlmega.rundir import checkpoint_files as files
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
 from rlmega.megatron.save_results import use_in_process_queue

@@ -27,7 +27,7 @@ from megatron.core import parallel_state as ps
 from rlmega.megatron.hf_config import ModelShape
 from rlmega.megatron.hf_weights import (expert_index, from_megatron_shards, hf_pieces, rule, to_megatron_shard,
                                         with_expert_index)
-from rlmega.checkpoint_files import finish_export
+from rlmega.rundir.checkpoint_files import finish_export
 from rlmega.sync.pieces import Piece
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

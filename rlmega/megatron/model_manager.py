@@ -215,7 +215,7 @@ class MegatronModelManager:
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
             # On resume the config's schedule wins over the checkpoint's (only the step count is taken
             # from it): config.yaml records the new values, and a longer trainer.total_steps must
-            # stretch the decay. The driver logs what changed (runs.py: changed_settings).
+            # stretch the decay. The driver logs what changed (rlmega/rundir/run.py: changed_settings).
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         )
 

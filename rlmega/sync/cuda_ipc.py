@@ -5,7 +5,7 @@ that GPU (colocated) or a neighbour. ``torch.multiprocessing.reductions.reduce_t
 tensor into a picklable handle (a cudaIpcMemHandle of its storage, offsets, a ref counter); another
 process rebuilds a tensor over the same device memory from it, with no copy through the host. The
 engine's worker extension rebuilds them and loads them in the sync's one reload, like the shared-memory
-buckets (rlmega/workers/bucket_files.py writes these records to an ``.ipc`` file instead of bytes).
+buckets (rlmega/sync/bucket_files.py writes these records to an ``.ipc`` file instead of bytes).
 
 Rules the sender keeps: the tensors stay alive and unchanged until ``flush`` returns (the engine reads
 the trainer's memory), and their kernels have finished before the handles go (``ipc_bucket``

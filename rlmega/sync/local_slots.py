@@ -3,13 +3,13 @@
 Why: through the object store a bucket was copied twice before vLLM's reload read it: by the sender
 into Ray's object store (``ray.put``, serial: at TP 1 the whole model is one bucket, 0.03 s of a
 0.28 s sync of the 0.4 GB benchmark model), then by the RolloutWorker into a shared-memory slot
-(rlmega/workers/shm_slots.py). A sender on the engine's node can write the slot itself: one copy,
+(rlmega/sync/shm_slots.py). A sender on the engine's node can write the slot itself: one copy,
 and the engine's reload starts before it (``begin_weights`` opens the sync before the first bucket is
 gathered: RayTransport.begin, which the actors call).
 
     a sync's start          begin_weights on every engine: the sync's directory (the engine's one
                             reload starts reading it), its model workers' folders, its node, and
-                            what makes a whole vLLM layer (rlmega/workers/fused_layers.py)
+                            what makes a whole vLLM layer (rlmega/sync/fused_layers.py)
     each bucket             whole vLLM layers (the incomplete ones held back, as the RolloutWorker
                             does) in pieces of ~FILE_BYTES, each into a slot of this process's pool
                             for that engine (a new file when none is free), at most MAX_UNREAD unread
@@ -32,10 +32,10 @@ import os
 import time
 from typing import Callable, Sequence
 
-from rlmega.workers import bucket_files
-from rlmega.workers.fused_layers import FusedLayers
-from rlmega.workers.shm_slots import SlotPool
-from rlmega.workers.weight_stream import FILE_BYTES, MAX_UNREAD, files_of_layers
+from rlmega.sync import bucket_files
+from rlmega.sync.bucket_files import FILE_BYTES, MAX_UNREAD, files_of_layers
+from rlmega.sync.fused_layers import FusedLayers
+from rlmega.sync.shm_slots import SlotPool
 
 _pools: dict[str, SlotPool] = {}  # engine actor id -> this process's slots for it (kept across syncs)
 

@@ -27,7 +27,7 @@ The engine side (RolloutWorker) is ``receive_weights(bucket, version, sender)`` 
 ``finish_weights(version, sender)`` at the flush, and ``begin_weights`` (RayTransport, at the sync's
 start: rlmega/sync/local_slots.py): the engine loads a sync's buckets in ONE vLLM reload, opened by
 ``begin_weights`` or the first bucket and closed once every sender has finished
-(rlmega/workers/weight_stream.py). ``sender`` is a key per transport copy.
+(rlmega/rollout/weight_stream.py). ``sender`` is a key per transport copy.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ class RayTransport(_Sender):
 
     At most ``max_in_flight`` buckets (default 2) are unacknowledged: before putting bucket k+2 the
     sender waits until every engine has taken bucket k (handed it to its model process, which has
-    room for two unread buckets: rlmega/workers/weight_stream.py), so the object store holds at
+    room for two unread buckets: rlmega/rollout/weight_stream.py), so the object store holds at
     most two buckets per sender whatever the model's size. The engines are threaded actors
     (max_concurrency, see rlmega/launch/roles.py ``_engine_options``), so the buckets in flight may
     arrive at once and in any order: a fused vLLM layer split across buckets waits in the engine

@@ -50,7 +50,7 @@ def hang_after_step(step: int) -> None:
     poll of metrics.jsonl and a fast next step, or its checkpoint)."""
     import time
 
-    from rlmega.runs import RunDir
+    from rlmega.rundir.run import RunDir
 
     real = RunDir.log
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmega.workers import coordinator
-from rlmega.workers.coordinator import ActorManager
+from rlmega import coordinator
+from rlmega.coordinator import ActorManager
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

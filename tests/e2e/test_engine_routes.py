@@ -40,7 +40,7 @@ def _perturbed(model_dir: str, seed: int = 1) -> dict:
 def _engine_body(model_dir: str) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     t0 = time.perf_counter()
     out: dict = {"timing": {}}
@@ -94,7 +94,7 @@ def _engine_body(model_dir: str) -> dict:
     warned: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("rlmega.workers.engine_routes").addHandler(handler)
+    logging.getLogger("rlmega.rollout.engine_routes").addHandler(handler)
     pool = ThreadPoolExecutor(2)
     futs = [pool.submit(w.generate_one, PROMPTS[2], max_tokens=200, ignore_eos=True, request_id=f"steal{i}")
             for i in range(2)]
@@ -200,7 +200,7 @@ def test_rows_a_part_computed_but_lacks_are_counted_and_warned_once(run):
 
 
 def test_recording_routes_refuses_cuda_graphs():
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     with pytest.raises(ValueError, match="record_routes=True needs enforce_eager=True"):
         RolloutWorker("/nonexistent", record_routes=True, enforce_eager=False)

@@ -39,7 +39,7 @@ def _as_dicts(samples) -> list[dict]:
 def _engine_body(model_dir: str) -> dict:
     """Everything that needs vLLM, in one process. Returns plain data and timings."""
     t0 = time.perf_counter()
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     out: dict = {"timing": {}}
     tm = out["timing"]
@@ -142,7 +142,7 @@ def _engine_body(model_dir: str) -> dict:
     out["stream_version"] = w.weight_version()
     out["stream_pending"] = w.pending_weights()
     out["restored_by_stream"] = _as_dicts(w.generate(**probe))
-    # every bucket above went through the same few shared-memory slots (rlmega/workers/shm_slots.py)
+    # every bucket above went through the same few shared-memory slots (rlmega/sync/shm_slots.py)
     out["slots"] = len(w._weights.slots)
     # A name the model does not have: the engine's reload fails, says so, and the model keeps its weights.
     try:
@@ -280,8 +280,8 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     """Both pause policies with long requests in flight, user aborts around a pause, busy_seconds."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rlmega.workers.generation import continuation as _continuation
-    from rlmega.workers.generation import sampling_params as _params
+    from rlmega.rollout.generation import continuation as _continuation
+    from rlmega.rollout.generation import sampling_params as _params
 
     out: dict = {}
     long = dict(max_tokens=INFLIGHT_TOKENS, ignore_eos=True)
@@ -682,7 +682,7 @@ def test_busy_seconds_counts_running_requests_only(run):
 
 def test_stop_across_cuts_finds_the_first_stop_string_spanning_a_cut():
     from rlmega.tiny_model import make_tokenizer
-    from rlmega.workers.generation import stop_across_cuts as _stop_across_cuts
+    from rlmega.rollout.generation import stop_across_cuts as _stop_across_cuts
 
     tok = make_tokenizer()
     ids = tok.encode("xxabyycdzzab")
@@ -714,9 +714,9 @@ def _dying_engine_body(model_dir: str, log_path: str) -> str:
     error must name the engine core's own exception and the log it is in."""
     import os
 
-    import rlmega.workers.engine_lifecycle as engine_lifecycle
-    import rlmega.workers.rollout as rollout
-    from rlmega.workers.engine_errors import EngineDied
+    import rlmega.rollout.engine_lifecycle as engine_lifecycle
+    import rlmega.rollout.rollout as rollout
+    from rlmega.rollout.engine_errors import EngineDied
 
     for target, path in ((1, log_path), (2, log_path.replace(".out", ".err"))):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), target)  # as a Ray worker's logs

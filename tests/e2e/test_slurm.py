@@ -246,7 +246,7 @@ def cancelled(slurm, model, tmp_path_factory):
 
 
 def test_scancel_leaves_no_process_and_a_resumable_checkpoint(slurm, cancelled):
-    from rlmega.runs import find_checkpoint
+    from rlmega.rundir.run import find_checkpoint
 
     run, job, info, took = cancelled
     out = slurm.output(job)

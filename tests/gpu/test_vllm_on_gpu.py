@@ -98,7 +98,7 @@ def _cycle_body(model_dir: str) -> dict:
     from rlmega.sync.parity import logprob_diff
     from rlmega.sync.transports import DirectTransport
     from rlmega.testing.rl_step import train_step_on_fixed_rewards
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     out: dict = {"free_at_start_gib": _free()}
     t0 = time.perf_counter()
@@ -201,7 +201,7 @@ def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -
     of them): same requests, seed, weights. Then it sleeps and wakes up, and generates again."""
     from rlmega.data.samples import batch_from_samples
     from rlmega.sync.parity import logprob_diff
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     actor.offload_for_rollout(keep_params=True)
     t0 = time.perf_counter()

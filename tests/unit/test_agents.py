@@ -116,6 +116,6 @@ def test_the_engine_class_has_no_coroutine_methods_so_ray_hosts_it_as_a_threaded
     time: concurrent generate_one requests were then served serially (25.3 s instead of 1.5 s for 64)."""
     import inspect
 
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     assert not [n for n, m in inspect.getmembers(RolloutWorker) if inspect.iscoroutinefunction(m)]

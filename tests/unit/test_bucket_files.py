@@ -1,4 +1,4 @@
-"""The shared-memory bucket files a RolloutWorker hands its engine (rlmega/workers/bucket_files.py):
+"""The shared-memory bucket files a RolloutWorker hands its engine (rlmega/sync/bucket_files.py):
 bytes round trip exactly (any dtype, shape, order, empty or non-contiguous tensors) as aligned views of
 the file, every rank reads each bucket, files go once read, the stream ends at END and gives up on a
 silent sender. No engine: the engine's side is tests/e2e/test_rollout_worker.py."""
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from rlmega.workers import bucket_files
+from rlmega.sync import bucket_files
 
 
 @pytest.fixture

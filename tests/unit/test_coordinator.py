@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from rlmega.dashboard.app import prometheus_text
-from rlmega.workers import coordinator
-from rlmega.workers.coordinator import ActorManager
+from rlmega import coordinator
+from rlmega.coordinator import ActorManager
 
 
 class FakeClock:

@@ -14,7 +14,7 @@ import torch
 
 from rlmega.sync.cuda_ipc import IpcTensor, ipc_bucket
 from rlmega.sync.transports import CudaIpcTransport
-from rlmega.workers import bucket_files
+from rlmega.sync import bucket_files
 
 
 def _record(value: float, shape, dtype=torch.float32) -> IpcTensor:

@@ -1,5 +1,5 @@
 """engine_root_cause on vLLM's log text: the engine core's last exception, not the caller's echo."""
-from rlmega.workers.engine_errors import engine_died, engine_root_cause
+from rlmega.rollout.engine_errors import engine_died, engine_root_cause
 
 # vLLM's log lines verbatim (the parser's input): they stay as long as vLLM wrote them.
 LOG = """\
@@ -39,7 +39,7 @@ def test_engine_died_reads_the_cause_from_the_log(tmp_path):
 
 
 def test_an_engine_death_is_found_inside_a_failed_requests_text():
-    from rlmega.workers.engine_errors import engine_death_in
+    from rlmega.rollout.engine_errors import engine_death_in
 
     err = ("GenerationFailed('generation failed 3 times: RayTaskError(EngineDied)(\"ray::RolloutWorker.generate_one()"
            " ... EngineDied: the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)\\n"

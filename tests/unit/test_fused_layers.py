@@ -1,9 +1,9 @@
-"""FusedLayers (rlmega/workers/fused_layers.py): which HF tensors fill which vLLM layer, and that a
+"""FusedLayers (rlmega/sync/fused_layers.py): which HF tensors fill which vLLM layer, and that a
 fused layer goes on only whole, whatever the buckets' boundaries. Names as vLLM's Qwen2 and Qwen3-MoE
 report them (the real engines: tests/e2e/test_rollout_worker.py, tests/e2e/test_engine_routes.py)."""
 import random
 
-from rlmega.workers.fused_layers import FusedLayers
+from rlmega.sync.fused_layers import FusedLayers
 
 VLLM = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
         "model.layers.0.self_attn.qkv_proj.bias", "model.layers.0.mlp.gate_up_proj.weight",

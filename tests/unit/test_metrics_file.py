@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from rlmega.runs import RunDir
+from rlmega.rundir.run import RunDir
 
 
 def test_a_half_written_last_line_is_cut_back_on_open(tmp_path, caplog):

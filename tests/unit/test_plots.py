@@ -1,5 +1,5 @@
 """Curves from metrics.jsonl (rlmega/plots.py) and `rlmega plot`, on metrics files written here in the
-trainer's format (rlmega/runs.py: one JSON object a line, NaN logged as null, a step-0 eval line)."""
+trainer's format (rlmega/rundir/run.py: one JSON object a line, NaN logged as null, a step-0 eval line)."""
 import json
 import struct
 
@@ -7,7 +7,7 @@ import pytest
 
 from rlmega.cli import main as cli_main
 from rlmega.plots import CURVES, MetricsError, panel_titles, plot_run, plot_runs, read_metrics
-from rlmega.runs import RunDir
+from rlmega.rundir.run import RunDir
 
 ALL_PANELS = ["reward (mean)", "held-out accuracy", "KL to reference", "response length (tokens)",
               "step time by phase (s)"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from rlmega.checkpoint_scan import problem
-from rlmega.runs import ResumeError, RunDir, changed_settings, find_checkpoint
+from rlmega.rundir.checkpoint_scan import problem
+from rlmega.rundir.run import ResumeError, RunDir, changed_settings, find_checkpoint
 
 
 def _checkpoint(root: Path, step: int, settings: dict | None = None) -> Path:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmega.runs import ResumeError, RunDir
+from rlmega.rundir.run import ResumeError, RunDir
 
 
 def test_metrics_log_rewrite_and_nan(tmp_path):

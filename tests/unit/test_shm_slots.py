@@ -1,4 +1,4 @@
-"""Shared-memory slots kept across weight syncs (rlmega/workers/shm_slots.py): a second sync through
+"""Shared-memory slots kept across weight syncs (rlmega/sync/shm_slots.py): a second sync through
 the same slots gives the reader exactly the second weights, with no new slot nor mapping, and no slot
 has a name in /dev/shm after its first sync; a slot any tensor of which is still alive in the reader
 is never refilled (while held in a reload, nor after it: retired); a failed sync's slots are dropped;
@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from rlmega.workers import bucket_files, shm_slots
+from rlmega.sync import bucket_files, shm_slots
 
 MB = 1 << 20
 
@@ -155,7 +155,7 @@ def test_slots_are_taken_back_while_a_stream_is_read(pool):
     thread.start()
     try:
         for seq, bucket in enumerate(sent):
-            while bucket_files.unread(d, [0]) >= 2:  # weight_stream's MAX_UNREAD
+            while bucket_files.unread(d, [0]) >= 2:  # bucket_files.MAX_UNREAD
                 pass
             assert pool.write(d, seq, bucket, [0]) is not None
         bucket_files.end(d)

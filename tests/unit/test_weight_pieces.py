@@ -10,7 +10,7 @@ import torch
 
 from rlmega.sync.pieces import Assembled, Assembler, Piece
 from rlmega.sync.transports import _RawBucket
-from rlmega.workers import bucket_files
+from rlmega.sync import bucket_files
 
 
 def _pieces(full: torch.Tensor, dim: int, cuts: list[int]) -> list[Piece]:

@@ -171,7 +171,7 @@ def make_transport(kind: str, engines, log_dir: str):
 
 
 def _timed_rollout_worker_cls():
-    from rlmega.workers.rollout import RolloutWorker
+    from rlmega.rollout.rollout import RolloutWorker
 
     class TimedRolloutWorker(RolloutWorker):
         """RolloutWorker that records when each receive_weights / finish_weights call starts and ends
@@ -226,8 +226,8 @@ def _timed_rollout_worker_cls():
             return max(self._run(self._engine.collective_rpc("rlmega_time_reload", args=(self.model_path, names))))
 
         def use_slots(self, on: bool) -> None:
-            """Off: every piece of a bucket goes as a new file (rlmega/workers/bucket_files.py), as before
-            the shared-memory slots (rlmega/workers/shm_slots.py); the slots stay mapped for the next on."""
+            """Off: every piece of a bucket goes as a new file (rlmega/sync/bucket_files.py), as before
+            the shared-memory slots (rlmega/sync/shm_slots.py); the slots stay mapped for the next on."""
             pool = self._weights.slots
             if on:
                 pool.__dict__.pop("write", None)

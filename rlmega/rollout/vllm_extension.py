@@ -8,8 +8,8 @@ method on every worker (one per TP rank) and returns their results as a list.
 
 Arguments cross process boundaries msgpack-encoded (to the engine core, and at TP > 1 on through the
 executor's message queue to the workers): a torch tensor arrives as a list there, bytes arrive
-intact. Weights therefore go through shared memory (slots kept across syncs: rlmega/workers/shm_slots.py;
-else files: rlmega/workers/bucket_files.py), and one sync is one call, ``rlmega_load_stream``: a
+intact. Weights therefore go through shared memory (slots kept across syncs: rlmega/sync/shm_slots.py;
+else files: rlmega/sync/bucket_files.py), and one sync is one call, ``rlmega_load_stream``: a
 single ``reload_weights`` whose iterator reads the buckets as the RolloutWorker writes them, until
 the sync's end. While it runs the engine core runs nothing else (a utility call blocks its loop):
 no step ever sees a half-loaded model. Why one call per sync, not per bucket: each
@@ -32,11 +32,11 @@ import time
 
 import torch
 
-from rlmega.workers import bucket_files
-from rlmega.workers.route_store import RouteStore
-from rlmega.workers.shm_slots import SlotReader
+from rlmega.sync import bucket_files
+from rlmega.sync.shm_slots import SlotReader
+from rlmega.rollout.route_store import RouteStore
 
-EXTENSION = "rlmega.workers.vllm_extension.RolloutExtension"  # the engine argument's value
+EXTENSION = "rlmega.rollout.vllm_extension.RolloutExtension"  # the engine argument's value
 
 
 def tied_layer_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
@@ -126,7 +126,7 @@ class RolloutExtension:
         ``reload_weights`` (not ``model.load_weights``) because the CPU backend repacks linear weights
         after loading, layer by layer, once a layer's tensors have all arrived. A bucket holds whole
         vLLM layers only (the RolloutWorker holds back a fused layer's tensors until all have come:
-        rlmega/workers/fused_layers.py), so a stream cut short between buckets leaves no layer half
+        rlmega/sync/fused_layers.py), so a stream cut short between buckets leaves no layer half
         written: what did not arrive keeps its old weights, and the error is raised.
         """
         names: list[str] = []
@@ -260,7 +260,7 @@ class RolloutExtension:
         the requests of ``input_batch.req_ids`` one after another, ``num_scheduled_tokens`` each,
         starting at position ``num_computed_tokens`` (``GPUModelRunner._prepare_inputs``). So
         ``_prepare_inputs`` is wrapped to note that layout, ``execute_model`` to hand the step's rows
-        out to a per-request store (``RouteStore``, rlmega/workers/route_store.py) once the forward is
+        out to a per-request store (``RouteStore``, rlmega/rollout/route_store.py) once the forward is
         done; ``rlmega_take_routes`` returns and forgets them. A recomputed position (a preempted
         request's re-prefill) overwrites
         its row; positions the step did not compute (prefix-cache hits) have none.

@@ -1,11 +1,11 @@
 """One weight sync, one reload in the engine: the RolloutWorker's side of loading weights.
 
-The engine's side is ``rlmega_load_stream`` (rlmega/workers/vllm_extension.py: why one reload per
-sync). A sync's first bucket opens a sync directory (rlmega/workers/bucket_files.py) and starts that
-call, not awaited; each bucket's whole vLLM layers (rlmega/workers/fused_layers.py) are written in
+The engine's side is ``rlmega_load_stream`` (rlmega/rollout/vllm_extension.py: why one reload per
+sync). A sync's first bucket opens a sync directory (rlmega/sync/bucket_files.py) and starts that
+call, not awaited; each bucket's whole vLLM layers (rlmega/sync/fused_layers.py) are written in
 pieces of about ``FILE_BYTES``, so the engine loads the first while the next is written, and at most
 ``MAX_UNREAD`` wait unread: shared memory never holds a whole large model. A piece goes into a
-shared-memory slot kept across syncs (rlmega/workers/shm_slots.py: no new pages each sync), or, when
+shared-memory slot kept across syncs (rlmega/sync/shm_slots.py: no new pages each sync), or, when
 none is free and the pool is full, into a new file. ``finish`` ends the stream once every sender of
 the sync has finished, waits for the reload, resets the prefix cache, and only then sets the weights
 version and lets requests through (they wait while a stream is open: they would run on the new
@@ -29,18 +29,14 @@ import threading
 import time
 from typing import Any
 
+from rlmega.sync import bucket_files
+from rlmega.sync.bucket_files import FILE_BYTES, MAX_UNREAD, files_of_layers
+from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Assembler
-from rlmega.workers import bucket_files
-from rlmega.workers.fused_layers import FusedLayers
-from rlmega.workers.shm_slots import RETIRED, SlotPool
+from rlmega.sync.shm_slots import RETIRED, SlotPool
 
 logger = logging.getLogger(__name__)
 
-# Files of a few tens of MB: the engine starts on the first within ~10 ms (write ~0.35 s/GB here), and a
-# file costs a link, a map and an unlink (~0.1 ms). Measured on the 0.4 GB benchmark model, TP1: 32 MiB
-# files gave the same sync time as 16 MiB and 64 MiB within noise.
-FILE_BYTES = 32 << 20
-MAX_UNREAD = 2  # files written and not yet read by every model worker; a writer waits for room
 HELD_PIECES_BYTES = 2 << 30  # TP ranks' blocks waiting for the other ranks' (a few 512 MiB buckets' worth)
 IDLE_TIMEOUT_S = 600.0  # the engine ends a stream with no bucket and no end for this long (a dead sender)
 
@@ -73,7 +69,7 @@ class WeightStream:
         # refused, not loaded in a new stream that no finish would close (requests would wait for its idle
         # timeout). Set under the lock that closes the sync, so no late bucket slips in between.
         self._failed: tuple[int, str] | None = None
-        # Set while no stream is open (loop thread only: requests wait on it in rlmega/workers/generation.py).
+        # Set while no stream is open (loop thread only: requests wait on it in rlmega/rollout/generation.py).
         self.loaded = asyncio.Event()
         self.loaded.set()
 
@@ -236,16 +232,3 @@ class WeightStream:
             raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
                                f"{type(sync.error).__name__}: {sync.error}") from sync.error
 
-
-def files_of_layers(groups: list[list[tuple[str, Any]]], limit: int):
-    """Consecutive whole layers in lists of about ``limit`` bytes (a bigger layer goes alone)."""
-    chunk, size = [], 0
-    for group in groups:
-        nbytes = sum(t.nbytes for _, t in group)  # (a tensor's, or a CUDA IPC record's)
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk += group
-        size += nbytes
-    if chunk:
-        yield chunk

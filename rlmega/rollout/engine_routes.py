@@ -1,8 +1,8 @@
 """The routes a RolloutWorker's engine recorded, per engine request, laid onto each Sample (MoE, R3).
 
-RolloutWorker (rlmega/workers/rollout.py) side of route capture; the engine side, which records them
+RolloutWorker (rlmega/rollout/rollout.py) side of route capture; the engine side, which records them
 inside vLLM's worker, is ``rlmega_record_routes`` / ``rlmega_take_routes`` in
-rlmega/workers/vllm_extension.py and its store, rlmega/workers/route_store.py.
+rlmega/rollout/vllm_extension.py and its store, rlmega/rollout/route_store.py.
 
     routes = await start_recording(engine)          # EngineRoutes: (num_moe_layers, topk) per row
     rows = routes.empty()                           # (0, layers, topk) int16
@@ -84,7 +84,7 @@ class EngineRoutes:
                 "they go to the trainer as -1 rows (routed live, counted in routes_live_fraction). Either the "
                 "engine replays CUDA graphs (the routers' capture hook never runs: RolloutWorker needs "
                 "enforce_eager=True to record routes) or vLLM's internal request ids no longer are "
-                "'<id>-<suffix>' (rlmega/workers/route_store.py matches them). Further cases are counted "
+                "'<id>-<suffix>' (rlmega/rollout/route_store.py matches them). Further cases are counted "
                 "silently (RolloutWorker.routes_missing()).", engine_id, missing, len(must_have))
 
 

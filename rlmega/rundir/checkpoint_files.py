@@ -8,7 +8,7 @@
 Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it, renames it
 (``finish_save``) and then updates ``latest`` (fsynced), so a crash at any point leaves a complete
 checkpoint to load. A save that fails undoes itself (``undo_failed_save``) and, when the disk filled
-up, says so as CheckpointSpaceError. rlmega/checkpoint_scan.py judges which folders are complete.
+up, says so as CheckpointSpaceError. rlmega/rundir/checkpoint_scan.py judges which folders are complete.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlmega.durable import fsync_dir, fsync_tree, replace_durably
+from rlmega.rundir.durable import fsync_dir, fsync_tree, replace_durably
 
 
 class CheckpointSpaceError(OSError):
@@ -153,7 +153,7 @@ def _move_into_place(partial: Path, final: Path) -> None:
     """Rename the finished save to step_N durably. A step_N already there (a resume from an older
     checkpoint passing it again) is renamed aside first, never deleted before the new one is in:
     a crash at any point leaves a complete step_N, or the previous checkpoint for `latest` to fall
-    back to (runs.py resumes from the newest complete one)."""
+    back to (run.py resumes from the newest complete one)."""
     fsync_tree(partial)  # every rank's shards and rank 0's common files are on disk
     aside = _replaced(final)
     if final.exists():

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from rlmega.workers.vllm_extension import EXTENSION
+from rlmega.rollout.vllm_extension import EXTENSION
 
 _GiB = 1 << 30
 

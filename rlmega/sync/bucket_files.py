@@ -13,7 +13,7 @@ The format is this module's own: 8 bytes little-endian header length, a JSON hea
 (a view of any dtype needs its offset aligned; safetensors packs tensors without gaps, and its
 ``save_file`` copies each tensor to ``bytes`` once more before writing).
 
-A bucket written into a shared-memory slot kept across syncs (rlmega/workers/shm_slots.py: no new
+A bucket written into a shared-memory slot kept across syncs (rlmega/sync/shm_slots.py: no new
 pages to fault in and free each sync) is handed over the same way as a ticket, ``<seq>.slot``, naming
 the slot; a file here is the fallback when no slot can take the bucket.
 
@@ -22,6 +22,13 @@ pickled (the sync directory is private to this node's RolloutWorker and its engi
 rebuilds each tensor over the sender's GPU memory.
 
 A dead owner's directories are removed by the engine (``staged_by``, used by ``rlmega_watch_owner``).
+
+Both writers of a sync directory follow one hand-over, so its sizes live here, below both: the
+RolloutWorker's WeightStream (rlmega/rollout/weight_stream.py) and a trainer rank on the engine's
+node writing its own buckets (rlmega/sync/local_slots.py) cut whole layers into files of about
+``FILE_BYTES`` (``files_of_layers``; also the size of a shared-memory slot) and wait while
+``MAX_UNREAD`` of them are unread (``unread``). They were the engine side's constants; the trainer
+side importing them from there made rlmega/sync and the engine side import each other.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -50,6 +58,12 @@ END = "END"
 TICKET, HELD = ".slot", ".held"  # a bucket in a shared-memory slot (shm_slots.py): handed over, read and still viewed
 _ALIGN = 64
 MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
+
+# Files of a few tens of MB: the engine starts on the first within ~10 ms (write ~0.35 s/GB here), and a
+# file costs a link, a map and an unlink (~0.1 ms). Measured on the 0.4 GB benchmark model, TP1: 32 MiB
+# files gave the same sync time as 16 MiB and 64 MiB within noise.
+FILE_BYTES = 32 << 20
+MAX_UNREAD = 2  # files written and not yet read by every model worker; a writer waits for room
 
 
 def open_sync_dir(ranks: list[int], nbytes_hint: int) -> str:
@@ -65,6 +79,20 @@ def open_sync_dir(ranks: list[int], nbytes_hint: int) -> str:
     for rank in ranks:
         os.makedirs(os.path.join(directory, str(rank)))
     return directory
+
+
+def files_of_layers(groups: list[list[tuple[str, Any]]], limit: int):
+    """Consecutive whole layers in lists of about ``limit`` bytes (a bigger layer goes alone)."""
+    chunk, size = [], 0
+    for group in groups:
+        nbytes = sum(t.nbytes for _, t in group)  # (a tensor's, or a CUDA IPC record's)
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk += group
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.Tensor]], ranks: list[int],
@@ -165,7 +193,7 @@ def read_stream(directory: str, rank: int, idle_timeout_s: float,
     """Every tensor of every bucket handed to ``rank``, as the buckets arrive, until ``END``.
 
     Each file is unlinked once its tensors are handed on; a ``TICKET`` (a bucket in a shared-memory
-    slot) goes to ``slots`` (rlmega/workers/shm_slots.py ``SlotReader``), which removes it once the
+    slot) goes to ``slots`` (rlmega/sync/shm_slots.py ``SlotReader``), which removes it once the
     reload holds none of its tensors. Raises TimeoutError after ``idle_timeout_s`` without a bucket or
     ``END`` (a sender that died mid-sync must not hold the engine forever). ``waited[0]`` grows by the
     seconds spent waiting for buckets.

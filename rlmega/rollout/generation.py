@@ -1,6 +1,6 @@
 """Generation requests: the gate a weight sync closes, and partial rollouts that go on after it.
 
-The functions take the RolloutWorker as ``self`` and run on its event loop (rlmega/workers/rollout.py);
+The functions take the RolloutWorker as ``self`` and run on its event loop (rlmega/rollout/rollout.py);
 they live outside the class because Ray makes any actor class with an ``async def`` method an asyncio
 actor, whose methods then run one at a time. What a request is, how a pause cuts and resumes it, how
 stop strings across a cut end it, and which log-probs vLLM returns: docs/rollout_engine.md.
@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from rlmega.workers.engine_routes import fit_rows
+from rlmega.rollout.engine_routes import fit_rows
 
 
 @dataclasses.dataclass

@@ -1,9 +1,9 @@
 """Inside vLLM's worker (TP rank 0): the routes its MoE routers picked, per engine request (R3).
 
-``RolloutExtension.rlmega_record_routes`` (rlmega/workers/vllm_extension.py) hooks each router's
+``RolloutExtension.rlmega_record_routes`` (rlmega/rollout/vllm_extension.py) hooks each router's
 ``capture_fn`` to ``capture`` and wraps the model runner's step so that ``begin_step`` / ``end_step``
 frame each forward; ``rlmega_take_routes`` hands a request's rows out with ``take``. The RolloutWorker
-side that lays them onto samples is rlmega/workers/engine_routes.py.
+side that lays them onto samples is rlmega/rollout/engine_routes.py.
 
     store = RouteStore(num_layers=2, topk=2)
     store.layout = (["a#0-1f2e3d4c"], np.array([6]), np.array([0]))   # the step's requests, tokens, starts
@@ -76,7 +76,7 @@ class RouteStore:
         ``"<id>-<8 hex>"`` (``InputProcessor.assign_request_id``), the id the model runner (and so this
         store) sees. Matched as ``<id>`` or ``<id>-<suffix without '-'>`` (not by the suffix's length):
         if vLLM changes its suffix otherwise, nothing matches, and the RolloutWorker warns and counts
-        the missing rows (rlmega/workers/engine_routes.py) instead of returning -1 rows silently.
+        the missing rows (rlmega/rollout/engine_routes.py) instead of returning -1 rows silently.
         """
         wanted, out = set(request_ids), {}
         for rid in list(self.rows):

@@ -47,7 +47,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from rlmega.sync.pieces import Assembled
-from rlmega.workers import bucket_files
+from rlmega.sync import bucket_files
 
 # Enough for a few buckets of a few tens of MB in flight and a few held to the reload's end, and for a
 # model's largest layer (an embedding) in a slot of its own.

@@ -22,12 +22,12 @@ The worker owns an ``AsyncLLM`` whose event loop runs in a daemon thread; every 
 synchronous and thread-safe (it runs a coroutine on that loop and waits), so a Ray actor with
 ``max_concurrency`` > 1 serves many callers' requests at once (vLLM batches them). Its parts:
 
-    rlmega/workers/engine_lifecycle.py   engine arguments, start, shutdown, the model's CPU threads
-    rlmega/workers/generation.py         Sample, requests, the pause gate, partial-rollout continuation
-    rlmega/workers/fused_layers.py       holding back a fused vLLM layer until all its tensors came
-    rlmega/workers/weight_stream.py      one reload per weight sync (bucket_files.py: the files;
-                                         vllm_extension.py: the engine's side)
-    rlmega/workers/engine_routes.py      MoE routes per sample (R3)
+    rlmega/rollout/engine_lifecycle.py   engine arguments, start, shutdown, the model's CPU threads
+    rlmega/rollout/generation.py         Sample, requests, the pause gate, partial-rollout continuation
+    rlmega/sync/fused_layers.py          holding back a fused vLLM layer until all its tensors came
+    rlmega/rollout/weight_stream.py      one reload per weight sync (rlmega/sync/bucket_files.py: the
+                                         files; vllm_extension.py: the engine's side)
+    rlmega/rollout/engine_routes.py      MoE routes per sample (R3)
 
 How and why (seeds, processes, log-probs, weights, in-flight syncs, routes, CPU threads):
 docs/rollout_engine.md.
@@ -46,14 +46,14 @@ from collections.abc import Iterable
 import torch
 
 from rlmega.sync import collective
+from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Piece
-from rlmega.workers.engine_errors import engine_died
-from rlmega.workers.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
-from rlmega.workers.engine_routes import EngineRoutes, start_recording
-from rlmega.workers.fused_layers import FusedLayers
-from rlmega.workers import generation
-from rlmega.workers.generation import Sample
-from rlmega.workers.weight_stream import WeightStream
+from rlmega.rollout.engine_errors import engine_died
+from rlmega.rollout.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
+from rlmega.rollout.engine_routes import EngineRoutes, start_recording
+from rlmega.rollout import generation
+from rlmega.rollout.generation import Sample
+from rlmega.rollout.weight_stream import WeightStream
 
 # The Ray concurrency group of the generation calls when an actor hosts the worker: a request waiting
 # at a paused gate holds its thread, so weight syncs, pause and resume go to the default group and
@@ -111,7 +111,7 @@ class RolloutWorker:
             self._layers = FusedLayers(*self._layer_args)
             ranks = self._run(self._engine.collective_rpc("rlmega_rank"))
             self._weights = WeightStream(self, self._layers, ranks)
-            # MoE routing replay: what the engine records for each Sample (rlmega/workers/engine_routes.py)
+            # MoE routing replay: what the engine records for each Sample (rlmega/rollout/engine_routes.py)
             self._routes: EngineRoutes | None = None
             if record_routes:
                 self._routes = self._run(start_recording(self._engine))
@@ -214,7 +214,7 @@ class RolloutWorker:
 
     def routes_missing(self) -> dict:
         """MoE route recording's misses: {"parts": engine requests lacking rows they computed, "rows": how
-        many rows} (rlmega/workers/engine_routes.py); zeros when routes are not recorded."""
+        many rows} (rlmega/rollout/engine_routes.py); zeros when routes are not recorded."""
         r = self._routes
         return {"parts": 0 if r is None else r.missing_parts, "rows": 0 if r is None else r.missing_rows}
 
@@ -226,13 +226,13 @@ class RolloutWorker:
         return self._on_loop(lambda: self._busy_closed + (time.monotonic() - self._busy_since
                                                           if self._running else 0.0))
 
-    # ---- weights: one reload in the engine per sync (rlmega/workers/weight_stream.py) -------
+    # ---- weights: one reload in the engine per sync (rlmega/rollout/weight_stream.py) -------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named tensors in place (any iterable, any subset) and set ``version``; loaded when it
         returns. Thread-safe: calls at the same time share one reload.
 
         A partial set is fine, and a call may end inside a fused vLLM layer: that layer's tensors wait
-        here until the rest arrive in a later call (rlmega/workers/fused_layers.py). Prefix cache reset.
+        here until the rest arrive in a later call (rlmega/sync/fused_layers.py). Prefix cache reset.
         """
         # TODO(gpu): vLLM's weight-transfer API (init_weight_transfer_engine / update_weights over
         # NCCL, vllm/distributed/weight_transfer/) avoids the host round trip on GPU; CudaIpcTransport
@@ -267,7 +267,7 @@ class RolloutWorker:
         ends when every sender that sent into it has finished), with the prefix cache reset and
         ``version`` set. Raises if the engine failed to load. It waits for the other senders: a Ray
         actor hosting the worker needs a thread per sender (rlmega/launch/engines.py gives 256).
-        Returns the slots the model workers retired in that sync (rlmega/workers/shm_slots.py)."""
+        Returns the slots the model workers retired in that sync (rlmega/sync/shm_slots.py)."""
         return self._weights.finish(version, sender)
 
     def join_weight_group(self, name: str, host: str, port: int, rank: int, world: int, backend: str,

@@ -24,9 +24,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-from rlmega.checkpoint_scan import STEP_DIR as _STEP_DIR
-from rlmega.checkpoint_scan import latest_name, newest_complete, problem, read_common, step_folders
-from rlmega.durable import fsync_dir, replace_durably
+from rlmega.rundir.checkpoint_scan import STEP_DIR as _STEP_DIR
+from rlmega.rundir.checkpoint_scan import latest_name, newest_complete, problem, read_common, step_folders
+from rlmega.rundir.durable import fsync_dir, replace_durably
 
 log = logging.getLogger("rlmega")
 

@@ -1,0 +1,8 @@
+"""A run's folder on disk, for the driver and both training backends (no backend import here).
+
+    run.py               RunDir: metrics, TensorBoard, config.yaml, which checkpoint to resume from
+    checkpoint_files.py  a checkpoint root's files: .partial, rename, ``latest``, undo, RNG state
+    checkpoint_scan.py   which checkpoint folders are complete, judged before any worker loads one
+    durable.py           writes that survive a crash (fsync of the file and of its folder)
+    stopping.py          StopRequest: signals and ``rlmega stop RUN_DIR`` (the folder's STOP file)
+"""
