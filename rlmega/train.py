@@ -112,7 +112,8 @@ def _train(cfg: RLConfig, run: RunDir) -> None:
             print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
-        with Producer(roles, data, cfg, start, produced) as producer:  # sync, or async: generates while we train
+        # sync, or async: it generates while we train
+        with Producer(roles.generation(), data, cfg, start, produced) as producer:
             producer.advance(start)
             bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
             done = saved = start

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from rlmega.agents.loop import AgentLoop, GroupRequest, make_agent_loop
 from rlmega.agents.router import EngineRouter
@@ -137,3 +137,23 @@ class BackgroundLoop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+@dataclasses.dataclass
+class Generation:
+    """What the producer (rlmega/agents/produce.py) generates through, and no more: the agent loops' hosts by
+    task and the event loop they run on, the coordinator's prompt and result queues and its stop flag, and
+    three calls into the roles: ``sync(version, in_flight=...)`` the new weights into the engines (the
+    colocated rollout phase), ``rollout(requests)`` groups outside the schedule (a stale group again, with
+    the engines given the devices first), ``failures()`` generation tries failed so far.
+    rlmega.launch.roles.Roles.generation() makes it."""
+
+    hosts: dict
+    loop: asyncio.AbstractEventLoop
+    prompts: Any
+    results: Any
+    should_stop: Callable[[], bool]
+    sync: Callable[..., dict]
+    rollout: Callable[[list], list]
+    failures: Callable[[], int]
+    timeout_s: float

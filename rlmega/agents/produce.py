@@ -1,7 +1,7 @@
 """The producer: makes the trainer's batches through the agent loops, synchronously or asynchronously
 (produce.strategy), with DAPO's dynamic sampling (algorithm.dynamic_sampling).
 
-    with Producer(roles, data, cfg, start=step, state=extra.get("producer")) as producer:  # close()s on exit
+    with Producer(roles.generation(), data, cfg, start=step, state=extra.get("producer")) as producer:  # close()s
         producer.advance(step)              # the engines hold weights `step`: batches up to step + k may start
         batch = producer.take(step)         # batch `step`, the one RL step `step` trains on (waits for it)
         ... log-probs, train ...
@@ -41,6 +41,7 @@ import threading
 import time
 
 from rlmega.agents.buffer import ProducedBatch
+from rlmega.agents.hosting import Generation
 from rlmega.agents.loop import GroupRequest
 from rlmega.agents.trajectory import TrajectoryGroup, staleness
 from rlmega.algorithms.dapo import is_uniform
@@ -70,18 +71,20 @@ class ProductionStalled(RuntimeError):
 
 
 class Producer:
-    def __init__(self, roles, data, cfg, start: int, state: dict | None = None):
+    def __init__(self, gen: Generation, data, cfg, start: int, state: dict | None = None):
+        """``gen``: what it generates through (rlmega.agents.hosting.Generation: hosts, queues, the stop flag,
+        the weight sync); ``data``: the tasks' prompts (rlmega.agents.tasks.Tasks)."""
         pr = cfg.produce
-        self.roles, self.data, self.cfg = roles, data, cfg
+        self.gen, self.data, self.cfg = gen, data, cfg
         self.sync_mode = pr.strategy == "sync"
         self.k = 0 if self.sync_mode else pr.max_staleness
         self.deterministic = self.sync_mode or pr.deterministic
         # sync trains on the newest weights by definition: a buffered batch (an async checkpoint) is redone
         self.on_stale = "requeue" if self.sync_mode else pr.on_stale
         self.in_flight = None if self.sync_mode else pr.in_flight
-        self.timeout_s = roles.call_timeout_s
+        self.timeout_s = gen.timeout_s
         self.end = cfg.trainer.total_steps  # no batch past the last step
-        self.prompts, self.results = roles.manager.prompts, roles.manager.results  # hosted by the coordinator
+        self.prompts, self.results = gen.prompts, gen.results  # hosted by the coordinator
         self._cond = threading.Condition()
         self._next, self._allowed, self._producing = start, None, None
         self._hold, self._closing, self._stopped, self._error = True, False, False, None
@@ -90,7 +93,7 @@ class Producer:
                 self.results.put(ProducedBatch.from_state(s))
         if state:
             self._next = max(start, state["next_batch"])
-        self._loop = roles.background.loop
+        self._loop = gen.loop
         self._wake = asyncio.Event()
         self._future = asyncio.run_coroutine_threadsafe(self._main(), self._loop)
 
@@ -123,7 +126,7 @@ class Producer:
         if self.deterministic and self.k:
             last = min(version - 1 + self.k, self.end - 1)  # no batch is made past the last step
             self._wait(lambda: self._next > last or self._stopped, f"batch {last} before the sync to {version}")
-        sent = self.roles.rollout_phase(version, in_flight=self.in_flight)
+        sent = self.gen.sync(version, in_flight=self.in_flight)
         # time_weight_transfer: the transfer alone (the slowest sender's), inside time_sync's release and wake
         return {"preempted_requests": sent.get("preempted", 0), "sync_bytes": sent["bytes"],
                 "time_weight_transfer": sent["seconds"]}
@@ -174,7 +177,7 @@ class Producer:
         if not stale:
             return batch
         if self.on_stale == "requeue":  # generated again now, with the weights the trainer holds
-            redone = self.roles.rollout([batch.requests[i] for i in stale])
+            redone = self.gen.rollout([batch.requests[i] for i in stale])
             for i, g in zip(stale, redone):
                 batch.groups[i] = g
             batch.stats["stale_requeued"] = len(stale)
@@ -207,7 +210,7 @@ class Producer:
             with self._cond:
                 if self._closing:
                     return None
-                if self.roles.manager.should_stop():  # the coordinator's flag, polled by the producer
+                if self.gen.should_stop():  # the coordinator's flag, polled by the producer
                     self._stopped = True
                     self._cond.notify_all()
                     return None
@@ -226,7 +229,7 @@ class Producer:
         cfg, alg = self.cfg, self.cfg.algorithm
         want, n, base = cfg.trainer.prompts_per_step, cfg.rollout.n, sample_seed(cfg.rollout.seed, b)
         start = time.perf_counter()
-        failures = await asyncio.to_thread(self.roles.generation_failures)
+        failures = await asyncio.to_thread(self.gen.failures)
         kept: list[tuple[tuple[str, GroupRequest], TrajectoryGroup]] = []
         drawn = rounds = filtered = 0
         while True:
@@ -252,7 +255,7 @@ class Producer:
             req.prompt_index = g.prompt_index = i
         stats = {"time_generate": time.perf_counter() - start, "sampling_rounds": rounds, "prompts_drawn": drawn,
                  "groups_filtered": filtered, "groups_short": max(0, want - _valid(kept)),
-                 "generation_failures": await asyncio.to_thread(self.roles.generation_failures) - failures}
+                 "generation_failures": await asyncio.to_thread(self.gen.failures) - failures}
         return ProducedBatch(index=b, groups=[g for _, g in kept], requests=[r for r, _ in kept], stats=stats)
 
     async def _run(self, b: int, requests: list) -> list[TrajectoryGroup]:
@@ -260,7 +263,7 @@ class Producer:
 
         async def one(task: str, req: GroupRequest) -> TrajectoryGroup:
             try:
-                return await self.roles.hosts[task].run_group(req)
+                return await self.gen.hosts[task].run_group(req)
             finally:
                 self.prompts.done(b)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop
+from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, Generation
 from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
@@ -32,6 +32,7 @@ from rlmega.launch.agent_loops import start_agent_loops
 from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.engines import start_engines
 from rlmega.launch.placement import placement_plan
+from rlmega.launch.phases import ColocatedPhases
 from rlmega.launch.sharded import ShardedCalls
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.trainer_group import start_critic, start_trainer
@@ -66,8 +67,7 @@ class Roles:
         self.critic_swaps = False  # the critic does too
         # Async production generates while the trainer trains: the engines never sleep for it.
         self.keep_engines_awake = cfg.produce.strategy == "async"
-        self.engines_asleep = False
-        self.trainer_released = False
+        self.phases: ColocatedPhases | None = None  # who holds the devices (rlmega/launch/phases.py)
         self._profile_name = ""  # the profile being recorded (logging.profile_steps)
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -127,6 +127,10 @@ class Roles:
         # What the models compute with, as vLLM's processes report it (threads per model worker)
         log.info("engine model threads: %s", self._get([e.engine_threads.remote() for e in self.engines],
                                                        "rollout engine"))
+        self.phases = ColocatedPhases(
+            engines=lambda method: self._get([getattr(e, method).remote() for e in self.engines], "rollout engine"),
+            trainer=self._call_actors, critic=self.call_critics if self.critics is not None else None,
+            swaps=self.swaps, critic_swaps=self.critic_swaps, keep_engines_awake=self.keep_engines_awake)
         self.hosts, self.background, agents_pg = start_agent_loops(self.cfg, self.engines, self.pg_timeout_s)
         if agents_pg is not None:
             self.pgs.append(agents_pg)
@@ -184,8 +188,7 @@ class Roles:
         """Rank 0's result (every rank returns the same); a call on a RolloutBatch goes as one share per
         data-parallel rank and comes back merged (rlmega/launch/sharded.py). Brings a released trainer
         back first."""
-        if self.trainer_released:
-            self.train_phase()
+        self.phases.before_training()
         return self._call_actors(method, *args, **kwargs)
 
     def _call_actors(self, method: str, *args, **kwargs):
@@ -232,9 +235,7 @@ class Roles:
         group is in flight at once, each through its task's agent loop (rlmega/agents/)."""
         import asyncio
 
-        if self.engines_asleep:
-            self._release_trainer(keep_params=False)
-            self._wake_engines()
+        self.phases.before_generation()
 
         async def run_all():
             return await asyncio.gather(*[self.hosts[task].run_group(req) for task, req in requests])
@@ -261,9 +262,7 @@ class Roles:
         """
         if in_flight not in (None, "finish", "abort"):
             raise ValueError(f"in_flight={in_flight!r}: choose None, 'finish' or 'abort'")
-        if self.trainer_released:
-            self.train_phase()
-        self._wake_engines()
+        self.phases.before_sync()
         if in_flight is None:
             return self._send_weights(version, bucket_bytes)
         failed = True
@@ -305,39 +304,21 @@ class Roles:
         return {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
 
     # ---- colocated phases (GPU: engines and trainer take turns on the same devices) ---------
-    # generate -> train_phase [engines sleep, trainer onloads] -> log-probs, train ->
-    # rollout_phase [trainer offloads grads + optimizer state, empty_cache; engines wake; weights
-    # sync; trainer offloads its params] -> generate ...
-    # Every call is made on CPU too (engines answer sleep with False, the actor offloads only when
-    # actor.offload_while_generating resolves to True), so CPU runs exercise the order.
     def train_phase(self) -> None:
-        """Engines free their GPU memory, the trainer takes its parameters and state back."""
-        if not self.engines_asleep and not self.keep_engines_awake:
-            self.engines_asleep = any(self._get([e.sleep.remote() for e in self.engines], "rollout engine"))
-        self._call_actors("onload_for_training")
-        if self.critics is not None and self.critic_swaps:
-            self.call_critics("onload_for_training")
-        self.trainer_released = False
+        """Engines free their GPU memory, the trainer takes its parameters and state back (phases.py)."""
+        self.phases.train_phase()
 
     def rollout_phase(self, version: int, in_flight: str | None = None) -> dict:
         """After training: release the trainer, wake the engines and send them the new weights
         (``in_flight``: what happens to requests in flight, see sync_weights)."""
-        self._release_trainer(keep_params=True)  # the sync below still reads the parameters
-        self._wake_engines()
-        sent = self.sync_weights(version, in_flight=in_flight)
-        self._release_trainer(keep_params=False)
-        return sent
+        return self.phases.rollout_phase(lambda: self.sync_weights(version, in_flight=in_flight))
 
-    def _release_trainer(self, keep_params: bool) -> None:
-        self._call_actors("offload_for_rollout", keep_params=keep_params)
-        if self.critics is not None and self.critic_swaps and not keep_params:  # no sync reads the critic
-            self.call_critics("offload_for_rollout")
-        self.trainer_released = self.swaps and not keep_params
-
-    def _wake_engines(self) -> None:
-        if self.engines_asleep:
-            self._get([e.wake_up.remote() for e in self.engines], "rollout engine")
-            self.engines_asleep = False
+    def generation(self) -> "Generation":
+        """What the producer (rlmega/agents/produce.py) generates through: no more of Roles than that."""
+        return Generation(hosts=self.hosts, loop=self.background.loop, prompts=self.manager.prompts,
+                          results=self.manager.results, should_stop=self.manager.should_stop,
+                          sync=self.rollout_phase, rollout=self.rollout, failures=self.generation_failures,
+                          timeout_s=self.call_timeout_s)
 
     # ---- profiling (logging.profile_steps, rlmega/profiling.py) --------------------------------
     def _engine_profile_dir(self) -> str | None:
