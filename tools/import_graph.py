@@ -20,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[1] / "rlmega"
 
 # Bottom first; a package may import its own layer and the ones below.
 LAYERS = [
-    ["testing"],                                       # test helpers (below nothing in the product; see ALLOWED)
-    ["bound_store", "distributed", "offload", "profiling", "tiny_model", "lm_demo", "bench"],
-    ["config", "algorithms", "data", "rundir"],        # schema and rules; pure math; batches; run folders
-    ["engine_api", "actor_api", "critic_api", "sync", "rewards"],  # the learner's contract, weights out, rewards
-    ["policy_actor", "value_critic", "megatron", "fsdp"],          # the learners
-    ["rollout", "judgers", "dashboard", "coordinator"],            # the engine side, judging, the coordinator
-    ["agents"],                                                    # trajectories, production
-    ["launch", "plots"],                                           # roles on Ray / torchrun
-    ["step", "preflight", "train", "cli", "__main__"],             # the driver and the commands
+    ["bound_store", "distributed", "offload", "profiling", "tiny_model"],   # process-level helpers
+    ["config", "algorithms", "data", "rundir"],          # schema and rules; pure math; batches; run folders
+    ["engine_api", "actor_api", "critic_api", "sync", "rewards"],   # the learner's contract, weights out, rewards
+    ["policy_actor", "value_critic", "megatron", "fsdp"],           # the learners
+    ["rollout", "judgers", "dashboard"],                            # the engine side, judging, the web page
+    ["agents"],                                                     # trajectories, production
+    ["coordinator", "launch", "plots"],                             # the run's roles on Ray / torchrun
+    ["step", "preflight", "train", "cli", "__main__"],              # the driver and the commands
+    ["testing", "lm_demo"],                                         # tests' helpers, the Megatron LM demo
 ]
 # Upward arrows kept on purpose, each with why (docs/architecture.md repeats them).
 ALLOWED = {

@@ -50,7 +50,7 @@ import torch
 
 from rlmega.sync.cuda_ipc import IpcTensor
 from rlmega.sync.pieces import Assembled
-from rlmega.sync.transports import byte_array
+from rlmega.sync.byte_views import byte_array
 
 SHM = "/dev/shm"
 PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies

@@ -36,9 +36,9 @@ import uuid
 import warnings
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from rlmega.sync.byte_views import byte_array
 from rlmega.sync.pieces import Piece
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -55,34 +55,6 @@ def _tensors_from_bytes(names, arrays, dtypes, shapes, places=None) -> Bucket:
             for n, t, place in zip(names, tensors, places or [None] * len(tensors))]
 
 
-class _ByteView:
-    """A contiguous CPU tensor's bytes as numpy sees them (``__array_interface__``), holding the tensor.
-
-    ``Tensor.numpy()`` would be the same zero-copy view, but torch marks the tensor's storage
-    non-resizable for good when it makes one (torch/csrc/utils/tensor_numpy.cpp, ``tensor_to_numpy``:
-    ``set_resizable(false)``, kept after the array is gone). On CPU at TP 1 the bucket's tensors
-    are views of the policy's own parameter storage (Megatron's flat DDP buffer), so after one
-    weight sync the colocated release (rlmega.megatron.offload, ``storage.resize_(0)``) failed with
-    "Trying to resize storage that is not resizable". This view leaves the storage as it was; it
-    lives only while ``ray.put`` copies the bytes into the object store, and the trainer releases
-    parameters only after the sync has flushed.
-    """
-
-    __slots__ = ("tensor", "__array_interface__")
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t  # numpy keeps this object (the array's .base), so the memory stays alive
-        self.__array_interface__ = {"data": (t.data_ptr(), True), "shape": (t.numel() * t.element_size(),),
-                                    "typestr": "|u1", "version": 3}
-
-
-def byte_array(t: torch.Tensor) -> np.ndarray:
-    """The bytes of ``t`` (on the CPU, contiguous) as a read-only uint8 array, without a copy."""
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return np.asarray(_ByteView(t))
-
-
 class _RawBucket:
     """A bucket that pickles as each tensor's own bytes (numpy byte views: pickle-5 out-of-band).
 
@@ -90,7 +62,7 @@ class _RawBucket:
     (every replicated norm weight) would carry the whole buffer, once per tensor (10.4 GB for a
     0.4 GB model at TP1), and torch's storage pickling copies several times on both sides.
     Here ray.put makes one copy into the object store and the reader none. The byte views are
-    not ``Tensor.numpy()`` (see _ByteView): the sender's storages stay resizable for the release.
+    not ``Tensor.numpy()`` (rlmega/sync/byte_views.py): the sender's storages stay resizable for the release.
     """
 
     def __init__(self, bucket: Bucket):
