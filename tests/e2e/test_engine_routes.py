@@ -301,9 +301,9 @@ def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
 def test_start_engines_hands_each_engine_the_resolved_enforce_eager(model_dir, tmp_path, monkeypatch):
     """rollout.enforce_eager acts: start_engines passes its resolution (and record_routes, attention_backend) to
     every engine."""
+    from rlmega.config.placement_rules import Slot
     from rlmega.config.schema import RLConfig
     from rlmega.launch import engines
-    from rlmega.launch.placement import Slot
 
     started = []
 
