@@ -117,8 +117,7 @@ def _engine_mode(cfg: RLConfig) -> List[str]:
 
 
 def _reward(cfg: RLConfig) -> List[str]:
-    from rlmega.rewards.registry import RewardResolveError, resolve
-
+    from rlmega.config.dotted_path import RewardResolveError, resolve
     from rlmega.judgers.validate import SIGNATURE_FIX, signature_problem
 
     try:

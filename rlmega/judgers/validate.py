@@ -4,7 +4,7 @@
     # ["agent_loop.judgers[1].url: kind http needs a url. Fix: ...", ...]
 
 Each problem names the field (`<prefix>[i].<field>`, or the list itself for whole-list rules) and the
-fix, in the style of rlmega.config.validate. Dotted paths are imported (registry.resolve), and a model
+fix, in the style of rlmega.config.validate. Dotted paths are imported (dotted_path.resolve), and a model
 judge's folder is looked at (config.json), so a bad judger fails at load, not at the first trajectory.
 Nothing heavy is imported: no Ray, vLLM or transformers.
 """
@@ -14,10 +14,10 @@ import inspect
 import os
 from collections.abc import Sequence
 
+from rlmega.config.dotted_path import RewardResolveError, resolve
 from rlmega.config.finite import finite_number
 from rlmega.config.schema import JUDGER_KINDS, JudgerConfig, RewardConfig
 from rlmega.judgers.verdict import check_template
-from rlmega.rewards.registry import RewardResolveError, resolve
 
 
 def problem(field: str, what: str, fix: str) -> str:
