@@ -10,7 +10,7 @@ from rlmega.config.validate import MAX_ACTORS, problem
 
 def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
     from rlmega.agents.tools import TOOL_NAMES
-    from rlmega.judgers.validate import validate_judgers
+    from rlmega.config.judger_rules import validate_judgers
 
     out = []
     if loop.num_ray_actors < 0:

@@ -118,7 +118,7 @@ def _engine_mode(cfg: RLConfig) -> List[str]:
 
 def _reward(cfg: RLConfig) -> List[str]:
     from rlmega.config.dotted_path import RewardResolveError, resolve
-    from rlmega.judgers.validate import SIGNATURE_FIX, signature_problem
+    from rlmega.config.judger_rules import SIGNATURE_FIX, signature_problem
 
     try:
         fn = resolve(cfg.reward.fn)
