@@ -1,4 +1,4 @@
-"""Checks of an agent loop's judger list, run when the config loads (called from rlmega/agents/validate.py).
+"""Checks of an agent loop's judger list, run when the config loads (called from rlmega/config/task_rules.py).
 
     problems = validate_judgers(cfg.agent_loop.judgers, "agent_loop.judgers", cfg.reward)
     # ["agent_loop.judgers[1].url: kind http needs a url. Fix: ...", ...]

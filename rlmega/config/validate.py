@@ -405,7 +405,7 @@ def validate(cfg: RLConfig) -> None:
                            f"more than {MAX_SAMPLES_PER_STEP} (a step's batch is held in the driver's memory)",
                            "lower trainer.prompts_per_step or rollout.n"))
     out += _produce_problems(cfg)
-    from rlmega.agents.validate import task_problems  # here: rlmega.agents imports this module
+    from rlmega.config.task_rules import task_problems  # here: task_rules imports this module (MAX_ACTORS)
 
     # A number already refused as not finite is not reported again by the agent-side checks.
     out += [p for p in task_problems(cfg) if _field_of(p) not in {_field_of(b) for b in bad_numbers}]
