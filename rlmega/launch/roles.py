@@ -23,8 +23,8 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop
+from rlmega.agents.placement import roles_cpus
 from rlmega.config.placement_rules import placement_plan
-from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
