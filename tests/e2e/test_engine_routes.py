@@ -275,8 +275,8 @@ def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
     """rollout.enforce_eager null: eager on CPU and for a MoE model's route-recording engines, CUDA graphs
     on CUDA otherwise; a value set wins, and false is refused by the preflight where routes are recorded."""
     from rlmega.config.engine_mode import enforce_eager
-    from rlmega.preflight import _engine_mode
     from rlmega.config.schema import RLConfig
+    from rlmega.preflight import _engine_mode
 
     dense = make_tiny_model(tmp_path / "dense", arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1,
                             num_layers=1, seed=0)
