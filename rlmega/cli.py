@@ -24,7 +24,7 @@ def check_config(config: str | Path, overrides=()):
     this machine (preflight), and its prompts tokenized as `rlmega train` does before any worker starts.
     The resolved RLConfig; ConfigError (each problem by field, with its fix) or PromptDataError."""
     from rlmega.config import load_config
-    from rlmega.config.preflight import preflight
+    from rlmega.preflight import preflight
 
     cfg = load_config(config, list(overrides))
     preflight(cfg)

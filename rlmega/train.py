@@ -22,7 +22,6 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
-from rlmega.config.preflight import preflight
 from rlmega.agents.produce import Producer
 from rlmega.agents.tasks import Tasks
 from rlmega.launch import torchrun_group
@@ -30,6 +29,7 @@ from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.rundir.checkpoint_files import CheckpointSpaceError
+from rlmega.preflight import preflight
 from rlmega.profiling import profiled
 from rlmega.rundir.run import (ResumeError, RunDir, changed_settings, critic_checkpoint, refuse_a_held_folder,
                          resume_settings)

@@ -3,11 +3,16 @@ bundles of the run (one group, "agents", beside the trainer's and the engines').
 
 Every agent-loop instance (the driver's, or each of num_ray_actors actors) builds its own judgers, so a
 ray judger with num_actors k under a loop with N actors starts N x k judger actors.
+
+roles_cpus adds them to the trainer's, critic's and engines' CPUs: what the whole run reserves on Ray, asked
+by the launcher (rlmega.launch.roles, sizing an embedded Ray) and by the preflight (rlmega.preflight); here,
+below both, because nothing in it needs Ray.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.schema import JudgerConfig
 
 
@@ -51,3 +56,12 @@ def agent_cpus(task_cfgs, reward_cfg, reward_cpus: float) -> float:
         loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, reward_cfg, reward_cpus))
         total += sum(b["CPU"] for b in loops) + sum(b["CPU"] for inst in judges for b in inst)
     return total
+
+
+def roles_cpus(cfg) -> float:
+    """Ray CPUs the run's roles reserve (trainer ranks, the critic's, engines, agent-loop and judger actors)."""
+    from rlmega.agents.tasks import task_configs
+
+    c = cfg.cluster
+    return ((cfg.parallelism.world_size + critic_ranks(cfg)) * c.actor_cpus_per_rank
+            + cfg.rollout.num_engines * c.engine_cpus + agent_cpus(task_configs(cfg), cfg.reward, c.reward_cpus))

@@ -10,28 +10,14 @@ validation refuses a task whose share rounds to 0 prompts.
 """
 from __future__ import annotations
 
-import math
-
 from rlmega.config.schema import TaskConfig
+from rlmega.config.task_rules import split_by_weight
 from rlmega.data.prompts import PromptData, load_prompt_data
 
 
 def task_configs(cfg) -> list[TaskConfig]:
     """cfg.tasks, or the default task made of the data and agent_loop sections."""
     return list(cfg.tasks) or [TaskConfig(name="default", weight=1.0, data=cfg.data, agent_loop=cfg.agent_loop)]
-
-
-def split_by_weight(total: int, weights: list[float]) -> list[int]:
-    """``total`` items shared by weight, largest remainder first (ties: earlier task).
-
-    split_by_weight(4, [1, 1]) -> [2, 2]; split_by_weight(5, [2, 1]) -> [3, 2]; sums to total."""
-    s = float(sum(weights))
-    exact = [total * w / s for w in weights]
-    counts = [math.floor(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
 
 
 class Tasks:

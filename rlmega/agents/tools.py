@@ -33,15 +33,13 @@ from typing import Callable
 
 from rlmega.agents import python_sandbox
 from rlmega.agents.tool_protocol import ToolCall, to_vocab
+# The tools' names and the bounds of a call's limits are config rules (the config's validation uses the same).
+from rlmega.config.agent_rules import MAX_MEMORY_MB, MAX_TIMEOUT_S, MIN_MEMORY_MB, TOOL_NAMES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MEMORY_MB = 256
-# Bounds on a call's limits: a tool call holds up its trajectory, and an address-space limit near
-# the machine's memory is no limit. The config's validation uses the same bounds (limit_problem).
-MAX_TIMEOUT_S = 600.0
-MIN_MEMORY_MB, MAX_MEMORY_MB = 16, 65536
 
 
 def limit_problem(timeout_s: object, memory_mb: object) -> tuple[str, str] | None:
@@ -331,8 +329,9 @@ class PythonTool(Tool):
 
 # ---------------------------------------------------------------------------- registry
 
+# One tool per name a config may give (TOOL_NAMES, rlmega/config/agent_rules.py; tests/unit/test_tools.py
+# holds the two equal).
 TOOLS: dict[str, Tool] = {tool.name: tool for tool in (Calculator(), PythonTool())}
-TOOL_NAMES: tuple[str, ...] = tuple(TOOLS)
 
 
 def get_tool(name: str) -> Tool:

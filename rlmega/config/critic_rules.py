@@ -1,5 +1,5 @@
 """The critic's rules (algorithm.advantage_estimator=gae), checked the moment a config loads (called by
-rlmega.config.validate) and against this machine (called by rlmega.config.preflight).
+rlmega.config.validate) and against this machine (called by rlmega.preflight).
 
     rules = ranges(cfg)                                   # gae's and the critic section's (field, ok, rule)
     lines = section_problems(cfg) + model_problems(cfg, own_shape, policy_shape)

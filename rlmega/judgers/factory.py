@@ -6,7 +6,7 @@
 An empty list means one judger from the reward section, named "reward": kind ray with
 reward.num_workers actors (kind native when num_workers is 0), reward.fn, reward.kwargs and
 reward.timeout_s. A judger whose fn is "" uses reward.fn. The list is checked first
-(rlmega.judgers.validate), so a bad one raises ConfigError naming every bad field, before any actor or
+(rlmega.config.judger_rules), so a bad one raises ConfigError naming every bad field, before any actor or
 engine starts. Every judger always scores a failure 0 with a flag; reward.on_error="fail" is the
 caller's policy on those flags.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rlmega.config.judger_rules import validate_judgers
 from rlmega.config.schema import JudgerConfig, RewardConfig
 from rlmega.judgers.base import Judger
 from rlmega.judgers.composite import CompositeJudger
-from rlmega.judgers.validate import validate_judgers
 
 
 def default_judgers(reward_cfg: RewardConfig) -> list[JudgerConfig]:

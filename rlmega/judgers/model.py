@@ -28,9 +28,10 @@ import os
 
 import ray
 
+from rlmega.config.judger_rules import check_template
 from rlmega.judgers.base import JudgeError, Judger, JudgeItem, RawVerdict
 from rlmega.judgers.ray_actors import first_line
-from rlmega.judgers.verdict import check_template, parse_verdict
+from rlmega.judgers.verdict import parse_verdict
 
 _MiB = 1 << 20
 DEFAULT_MAX_MODEL_LEN = 512  # RolloutWorker's default
@@ -45,7 +46,7 @@ def engine_settings(c) -> dict:
     silently gets RolloutWorker's defaults (a CPU engine of 512 tokens). device null (a config not
     resolved by load_config, which sets rollout.device): cpu. max_model_len null: the judge model's
     max_position_embeddings, at most 4096 (a longer context needs a KV cache of its size to start)."""
-    from rlmega.judgers.validate import max_positions
+    from rlmega.config.judger_rules import max_positions
 
     device = c.device or "cpu"
     length = c.max_model_len

@@ -22,8 +22,8 @@ import inspect
 import threading
 from typing import Any, Callable
 
+from rlmega.config.dotted_path import resolve
 from rlmega.judgers.base import Judger, JudgeItem, RawVerdict
-from rlmega.rewards.registry import resolve
 
 
 # Parameters a function may name to get more of the item: parameter -> JudgeItem field.

@@ -33,9 +33,9 @@ from typing import Sequence
 import ray
 from ray.exceptions import RayActorError
 
+from rlmega.config.dotted_path import resolve
 from rlmega.judgers.base import JudgeError, Judgement, Judger, JudgeItem, RawVerdict
 from rlmega.judgers.native import NativeJudger
-from rlmega.rewards.registry import resolve
 
 _MiB = 1 << 20
 

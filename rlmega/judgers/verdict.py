@@ -1,6 +1,7 @@
-"""How a judge model's prompt is written and its answer read (rlmega/judgers/model.py uses both).
+"""How a judge model's answer is read (rlmega/judgers/model.py uses it; the rule of its prompt_template,
+check_template, is a config rule: rlmega/config/judger_rules.py).
 
-Kept apart from model.py so config validation can check a template without importing Ray or vLLM.
+Kept apart from model.py so the verdict rule is read (and tested) without importing Ray or vLLM.
 
 Reading the verdict (`parse_verdict`), on the decoded text with leading white space removed:
   1. it starts with a number ("0.8", "1", ".5"): that number is the reward if it lies in [0, 1], else 0;
@@ -26,14 +27,3 @@ def parse_verdict(text: str) -> float:
         return value if 0.0 <= value <= 1.0 else 0.0
     word = _WORD.match(text.lower())
     return 1.0 if word and word.group() in ("yes", "y") else 0.0
-
-
-def check_template(template: str) -> None:
-    """ValueError when `template` names a field other than prompt, response and label, or is malformed."""
-    if not isinstance(template, str):
-        raise ValueError(f"prompt_template {template!r} is not a string")
-    try:
-        template.format(prompt="", response="", label="")
-    except (KeyError, IndexError, ValueError, AttributeError) as e:
-        raise ValueError(f"prompt_template {template!r} does not format with prompt, response and label "
-                         f"({type(e).__name__}: {e})") from None

@@ -20,7 +20,7 @@ import ray
 from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, placement_group_table, remove_placement_group
 
 import rlmega
-from rlmega.launch.placement import PlacementPlan
+from rlmega.config.placement_rules import PlacementPlan
 
 
 class ClusterError(RuntimeError):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import ray
 
 from rlmega.config.engine_mode import enforce_eager, records_routes
+from rlmega.config.placement_rules import Slot
 from rlmega.config.schema import RLConfig
-from rlmega.launch.placement import Slot
 from rlmega.rollout.rollout import GENERATION_GROUP, RolloutWorker
 
 # Generation calls one engine actor runs at once (threads; most wait on the engine): requests in flight

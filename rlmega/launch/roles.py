@@ -7,7 +7,7 @@ workers and the coordinator.
         roles.call_actors("train_step", batch)
         roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
 
-Where each rank and engine runs comes from rlmega.launch.placement (one placement group per node on
+Where each rank and engine runs comes from rlmega.config.placement_rules (one placement group per node on
 GPUs). Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
 placement groups, stops the dashboard and shuts Ray down if this process started it. A dead engine
 or rank surfaces as ``RoleDied`` naming it, within ``call_timeout_s`` at the latest.
@@ -23,7 +23,8 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, Generation
-from rlmega.config.preflight import roles_cpus
+from rlmega.agents.placement import roles_cpus
+from rlmega.config.placement_rules import placement_plan
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
@@ -31,7 +32,6 @@ from rlmega.launch import threads, torchrun_group
 from rlmega.launch.agent_loops import start_agent_loops
 from rlmega.launch.cluster import check_shared_paths, connect, node_names, place_groups
 from rlmega.launch.engines import start_engines
-from rlmega.launch.placement import placement_plan
 from rlmega.launch.phases import ColocatedPhases
 from rlmega.launch.sharded import ShardedCalls
 from rlmega.launch.errors import WorkerFailed, first_failure

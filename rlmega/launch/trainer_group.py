@@ -6,10 +6,10 @@ import dataclasses
 import ray
 
 from rlmega.actor_api import Learner
+from rlmega.config.placement_rules import PlacementPlan
 from rlmega.config.schema import RLConfig
 from rlmega.critic_api import critic_kwargs, critic_learner
 from rlmega.launch import torchrun_group
-from rlmega.launch.placement import PlacementPlan
 from rlmega.launch.worker_group import WorkerGroup
 
 

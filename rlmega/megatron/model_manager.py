@@ -123,7 +123,7 @@ class MegatronModelManager:
         self.use_te = transformer_engine_usable()
         vpp = parallel.virtual_pipeline_model_parallel_size
         self.vpp = vpp if vpp and vpp > 1 else 1
-        self.ep = int(getattr(parallel, "expert_model_parallel_size", 1) or 1)
+        self.ep = parallel.expert_model_parallel_size
         self.shape = ModelShape.from_hf(self.hf_config, parallel.tensor_model_parallel_size)
         check_expert_layout(self.shape, self.ep, parallel.tensor_model_parallel_size,
                             parallel.pipeline_model_parallel_size,

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from rlmega.sync.parity_limits import PARITY_LIMITS, parity_limits  # noqa: F401 (re-exported)
+from rlmega.config.parity_rules import PARITY_LIMITS, parity_limits  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 

@@ -275,8 +275,8 @@ def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
     """rollout.enforce_eager null: eager on CPU and for a MoE model's route-recording engines, CUDA graphs
     on CUDA otherwise; a value set wins, and false is refused by the preflight where routes are recorded."""
     from rlmega.config.engine_mode import enforce_eager
-    from rlmega.config.preflight import _engine_mode
     from rlmega.config.schema import RLConfig
+    from rlmega.preflight import _engine_mode
 
     dense = make_tiny_model(tmp_path / "dense", arch="qwen3", hidden_size=64, num_heads=2, num_kv_heads=1,
                             num_layers=1, seed=0)
@@ -301,9 +301,9 @@ def test_engines_compile_on_cuda_unless_they_record_routes(model_dir, tmp_path):
 def test_start_engines_hands_each_engine_the_resolved_enforce_eager(model_dir, tmp_path, monkeypatch):
     """rollout.enforce_eager acts: start_engines passes its resolution (and record_routes, attention_backend) to
     every engine."""
+    from rlmega.config.placement_rules import Slot
     from rlmega.config.schema import RLConfig
     from rlmega.launch import engines
-    from rlmega.launch.placement import Slot
 
     started = []
 

@@ -19,9 +19,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from rlmega.config.placement_rules import placement_plan
 from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
 from rlmega.launch.cluster import ClusterError, check_shared_paths, place_groups
-from rlmega.launch.placement import placement_plan
 from rlmega.launch.engines import engine_options as _engine_options
 from rlmega.launch.worker_group import WorkerGroup
 from rlmega.tiny_model import make_tiny_model

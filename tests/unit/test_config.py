@@ -414,7 +414,7 @@ def test_phi3_demo_config_passes_every_check_only_with_the_fsdp_learner(tmp_path
     """configs/demo_cpu_phi3.yaml on the tiny Phi3 its header says to make: valid and runnable here (the
     preflight) with actor.backend=fsdp; the Megatron learner refuses the model and the TP/PP-free layout
     is the only one fsdp takes."""
-    from rlmega.config.preflight import preflight
+    from rlmega.preflight import preflight
     from rlmega.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2,

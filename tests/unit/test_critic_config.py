@@ -1,12 +1,12 @@
-"""The critic's config checks as functions (issue 25): what rlmega/config/validate.py and preflight.py add for
+"""The critic's config checks as functions (issue 25): what rlmega/config/validate.py and rlmega/preflight.py add for
 algorithm.advantage_estimator=gae, on configs built in Python. The refusals as a user meets them (both
 `rlmega train` and `check-config`) are rows of tests/unit/test_bad_inputs.py."""
 import json
 
 import pytest
 
+from rlmega.agents.placement import roles_cpus
 from rlmega.config.errors import ConfigError
-from rlmega.config.preflight import roles_cpus
 from rlmega.config.schema import ParallelismConfig, RLConfig
 from rlmega.config.validate import critic_ranks, read_model_shape, validate
 

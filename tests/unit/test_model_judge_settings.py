@@ -7,9 +7,9 @@ import pytest
 
 from rlmega.agents.placement import judger_bundles
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
+from rlmega.config.judger_rules import validate_judgers
 from rlmega.config.schema import JudgerConfig, RewardConfig
 from rlmega.judgers.model import engine_settings
-from rlmega.judgers.validate import validate_judgers
 from rlmega.step import judge_error_counts
 
 

@@ -150,7 +150,7 @@ def test_moe_cpu_config_passes_every_check_and_the_weights_are_checked_per_exper
     """configs/moe_cpu.yaml on the tiny Qwen3-MoE its header says to make: valid and runnable here (the
     preflight reads every expert's safetensors header against config.json); a config.json whose expert
     width or count disagrees with the weights is refused naming the tensors."""
-    from rlmega.config.preflight import preflight
+    from rlmega.preflight import preflight
     from rlmega.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2,

@@ -1,4 +1,4 @@
-"""Placement plans (rlmega.launch.placement) of the shipped GPU configs and of CPU runs, checked rank by rank."""
+"""Placement plans (rlmega.config.placement_rules) of the shipped GPU configs and of CPU runs, checked rank by rank."""
 import json
 from collections import Counter
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from rlmega.config import load_config
+from rlmega.config.placement_rules import PlacementError, placement_plan
 from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
-from rlmega.launch.placement import PlacementError, placement_plan
 from test_gpu_configs import LLAMA3_8B, QWEN2_7B, QWEN3_30B_A3B  # pytest puts tests/unit on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,6 +4,9 @@
 
 The longest importable prefix is the module; the rest is an attribute chain, so a path may also
 name a class attribute ("pkg.mod.Class.method"). Each failure names the path and what went wrong.
+
+It sits in rlmega.config because a config's dotted paths (reward.fn, a judger's fn) are checked when the
+config loads; rlmega.rewards re-exports resolve and RewardResolveError.
 """
 from __future__ import annotations
 

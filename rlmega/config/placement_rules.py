@@ -41,6 +41,9 @@ A critic rank always takes a bundle of its own there (colocated or not), after t
 in the one group, or on node c // N like trainer rank c, with groups added when the trainer's nodes run out.
 
 A STRICT_PACK plan's groups must land on distinct nodes: rlmega.launch.cluster.place_groups asks Ray so.
+
+A rule of config values, so it sits in rlmega.config: validation builds the same plan to refuse a layout
+that does not fit the nodes (rlmega/config/validate.py); nothing here imports Ray.
 """
 from __future__ import annotations
 

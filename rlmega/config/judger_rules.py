@@ -1,12 +1,14 @@
-"""Checks of an agent loop's judger list, run when the config loads (called from rlmega/config/validate.py).
+"""Checks of an agent loop's judger list, run when the config loads (called from rlmega/config/task_rules.py).
 
     problems = validate_judgers(cfg.agent_loop.judgers, "agent_loop.judgers", cfg.reward)
     # ["agent_loop.judgers[1].url: kind http needs a url. Fix: ...", ...]
 
 Each problem names the field (`<prefix>[i].<field>`, or the list itself for whole-list rules) and the
-fix, in the style of rlmega.config.validate. Dotted paths are imported (registry.resolve), and a model
+fix, in the style of rlmega.config.validate. Dotted paths are imported (dotted_path.resolve), and a model
 judge's folder is looked at (config.json), so a bad judger fails at load, not at the first trajectory.
-Nothing heavy is imported: no Ray, vLLM or transformers.
+Nothing heavy is imported: no Ray, vLLM or transformers. They are rules of config values, so they sit in
+rlmega.config (rlmega.judgers reads them: factory.py checks a list before building it, model.py checks a
+judge's template and sizes its engine).
 """
 from __future__ import annotations
 
@@ -14,18 +16,21 @@ import inspect
 import os
 from collections.abc import Sequence
 
+from rlmega.config.dotted_path import RewardResolveError, resolve
+from rlmega.config.errors import problem
 from rlmega.config.finite import finite_number
 from rlmega.config.schema import JUDGER_KINDS, JudgerConfig, RewardConfig
-from rlmega.judgers.verdict import check_template
-from rlmega.rewards.registry import RewardResolveError, resolve
 
 
-def problem(field: str, what: str, fix: str) -> str:
-    # Imported on use: rlmega.config.validate imports this module, and a top-level import back would be
-    # circular (its `problem` is not yet defined while its own imports run).
-    from rlmega.config.validate import problem as config_problem
-
-    return config_problem(field, what, fix)
+def check_template(template: str) -> None:
+    """ValueError when `template` names a field other than prompt, response and label, or is malformed."""
+    if not isinstance(template, str):
+        raise ValueError(f"prompt_template {template!r} is not a string")
+    try:
+        template.format(prompt="", response="", label="")
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        raise ValueError(f"prompt_template {template!r} does not format with prompt, response and label "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def signature_problem(fn, kwargs: dict) -> str | None:
@@ -78,7 +83,8 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
             if why:
                 out.append(problem(f"{f}.fn", why + via, SIGNATURE_FIX))
     if c.kind == "ray":
-        from rlmega.config.validate import MAX_ACTORS  # on use, as `problem` above
+        # On use: rlmega.config.validate reaches this module (through task_rules) while it checks a config.
+        from rlmega.config.validate import MAX_ACTORS
 
         if not (isinstance(c.num_actors, int) and 1 <= c.num_actors <= MAX_ACTORS):
             many = isinstance(c.num_actors, int) and c.num_actors > MAX_ACTORS

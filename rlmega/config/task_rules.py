@@ -1,17 +1,32 @@
 """Load-time checks of the agent side: agent loops (their tools, limits, hosting), their judgers and the
-task mix. Called by rlmega.config.validate; each problem names the field and the fix."""
+task mix. Called by rlmega.config.validate; each problem names the field and the fix. With them the rule
+that shares a step's prompts among the tasks (split_by_weight: rlmega.agents.tasks draws by it, and a task
+whose share rounds to 0 is refused here)."""
 from __future__ import annotations
 
+import math
 import os
 
+from rlmega.config.agent_rules import MAX_MEMORY_MB, MAX_TIMEOUT_S, MIN_MEMORY_MB, TOOL_NAMES
 from rlmega.config.finite import finite_number
+from rlmega.config.judger_rules import validate_judgers
 from rlmega.config.validate import MAX_ACTORS, problem
 
 
-def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
-    from rlmega.agents.tools import TOOL_NAMES
-    from rlmega.judgers.validate import validate_judgers
+def split_by_weight(total: int, weights: list[float]) -> list[int]:
+    """``total`` items shared by weight, largest remainder first (ties: earlier task).
 
+    split_by_weight(4, [1, 1]) -> [2, 2]; split_by_weight(5, [2, 1]) -> [3, 2]; sums to total."""
+    s = float(sum(weights))
+    exact = [total * w / s for w in weights]
+    counts = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
     out = []
     if loop.num_ray_actors < 0:
         out.append(problem(f"{field}.num_ray_actors", f"{loop.num_ray_actors} is negative",
@@ -32,9 +47,8 @@ def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
                                f"({rollout.max_response_tokens}): the engine holds at most that many response tokens",
                                "set it within that range (0 = rollout.max_response_tokens)"))
         # NaN would fail every call, a limit past the bounds limits nothing (10**8 MiB of address space).
-        # The bounds are the tools' own (rlmega.agents.tools), which refuse a call outside them.
-        from rlmega.agents.tools import MAX_MEMORY_MB, MAX_TIMEOUT_S, MIN_MEMORY_MB
-
+        # The bounds are the tools' own (rlmega/config/agent_rules.py; rlmega.agents.tools refuses a call
+        # outside them).
         for name, ok, span in (
                 ("tool_timeout_s", lambda v: 0 < v <= MAX_TIMEOUT_S, f"(0, {MAX_TIMEOUT_S:g}] s"),
                 ("tool_memory_mb", lambda v: MIN_MEMORY_MB <= v <= MAX_MEMORY_MB,
@@ -57,8 +71,6 @@ def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
 
 def task_problems(cfg) -> list[str]:
     """The agent_loop section (default task) or every task of cfg.tasks, and the mix's weights."""
-    from rlmega.agents.tasks import split_by_weight
-
     if not cfg.tasks:
         return agent_loop_problems(cfg.agent_loop, "agent_loop", cfg.rollout, cfg.reward)
     out, names = [], set()

@@ -15,6 +15,9 @@ policy's shape; rlmega/config/critic_rules.py) and the launch (torchrun cannot h
 Nothing heavy is imported (no megatron, no vLLM, no Ray); the reward module is imported, since
 whether it resolves is the question, and with actor.backend=fsdp transformers' auto classes (whether
 it builds the model is the question; vLLM's registry is read as text).
+
+It sits above rlmega.config (which holds the rules it applies) because it inspects what the packages above
+config own: the agent side's actors (rlmega.agents), the reward function, the prompt files, the devices.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import socket
 import tempfile
 from typing import List
 
+from rlmega.agents.placement import roles_cpus
 from rlmega.config import critic_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.engine_mode import records_routes
@@ -35,16 +39,6 @@ from rlmega.config.validate import ConfigError, problem
 from rlmega.data.prompts import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-
-
-def roles_cpus(cfg: RLConfig) -> float:
-    """Ray CPUs the run's roles reserve (trainer ranks, the critic's, engines, agent-loop and judger actors)."""
-    from rlmega.agents.placement import agent_cpus
-    from rlmega.agents.tasks import task_configs
-
-    c = cfg.cluster
-    return ((cfg.parallelism.world_size + critic_ranks(cfg)) * c.actor_cpus_per_rank
-            + cfg.rollout.num_engines * c.engine_cpus + agent_cpus(task_configs(cfg), cfg.reward, c.reward_cpus))
 
 
 def _model(cfg: RLConfig) -> List[str]:
@@ -117,9 +111,8 @@ def _engine_mode(cfg: RLConfig) -> List[str]:
 
 
 def _reward(cfg: RLConfig) -> List[str]:
-    from rlmega.rewards.registry import RewardResolveError, resolve
-
-    from rlmega.judgers.validate import SIGNATURE_FIX, signature_problem
+    from rlmega.config.dotted_path import RewardResolveError, resolve
+    from rlmega.config.judger_rules import SIGNATURE_FIX, signature_problem
 
     try:
         fn = resolve(cfg.reward.fn)
