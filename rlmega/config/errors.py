@@ -1,4 +1,5 @@
-"""The error every load-time check raises, and the one format of its lines (no imports: any check may use it)."""
+"""The error every load-time check raises, the one format of its lines, and the counts every check bounds
+(no imports: any check may use them)."""
 from __future__ import annotations
 
 from typing import List
@@ -15,3 +16,7 @@ class ConfigError(ValueError):
 
 def problem(field: str, what: str, fix: str) -> str:
     return f"{field}: {what}. Fix: {fix}"
+
+
+# Counts past which a run is a typo, not a plan (each engine, actor or sample costs memory and a process).
+MAX_ACTORS = 4096

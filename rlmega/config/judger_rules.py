@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 
 from rlmega.config.dotted_path import RewardResolveError, resolve
-from rlmega.config.errors import problem
+from rlmega.config.errors import MAX_ACTORS, problem
 from rlmega.config.finite import finite_number
 from rlmega.config.schema import JUDGER_KINDS, JudgerConfig, RewardConfig
 
@@ -84,7 +84,6 @@ def _check_one(c: JudgerConfig, f: str, reward_cfg: RewardConfig) -> list[str]:
                 out.append(problem(f"{f}.fn", why + via, SIGNATURE_FIX))
     if c.kind == "ray":
         # On use: rlmega.config.validate reaches this module (through task_rules) while it checks a config.
-        from rlmega.config.validate import MAX_ACTORS
 
         if not (isinstance(c.num_actors, int) and 1 <= c.num_actors <= MAX_ACTORS):
             many = isinstance(c.num_actors, int) and c.num_actors > MAX_ACTORS

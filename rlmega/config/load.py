@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rlmega.config.schema import RLConfig
-from rlmega.config.validate import ConfigError, problem, validate
+from rlmega.config.errors import ConfigError, problem
+from rlmega.config.validate import validate
 
 
 def _field_paths(cls=RLConfig, prefix: str = "") -> List[str]:

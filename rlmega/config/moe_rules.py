@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import List, Tuple
 
-from rlmega.config import hf_support
+import rlmega.config.hf_support as hf_support
 from rlmega.config.errors import ConfigError, problem
 from rlmega.config.schema import RLConfig
 

@@ -10,7 +10,7 @@ import os
 from rlmega.config.agent_rules import MAX_MEMORY_MB, MAX_TIMEOUT_S, MIN_MEMORY_MB, TOOL_NAMES
 from rlmega.config.finite import finite_number
 from rlmega.config.judger_rules import validate_judgers
-from rlmega.config.validate import MAX_ACTORS, problem
+from rlmega.config.errors import MAX_ACTORS, problem
 
 
 def split_by_weight(total: int, weights: list[float]) -> list[int]:

@@ -25,9 +25,10 @@ import os
 import typing
 from typing import List
 
-from rlmega.config import critic_rules, moe_rules
+import rlmega.config.critic_rules as critic_rules
+import rlmega.config.moe_rules as moe_rules
 from rlmega.config.critic_rules import critic_ranks
-from rlmega.config.errors import ConfigError, problem
+from rlmega.config.errors import MAX_ACTORS, ConfigError, problem  # noqa: F401 (re-exported)
 from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, UNIT, ModelShape, Rule, divisors,
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
@@ -101,8 +102,6 @@ _NONE_OR_GE1 = (lambda v: v is None or v >= 1, "null (automatic) or >= 1")
 # Seeds: numpy's np.random.seed takes < 2**32 (model.seed reaches it on every rank), and offsets are
 # added to the seeds (rank, engine, step x 1_000_003, epoch); 2**31 - 1 leaves them room and fits int32.
 SEED_MAX = 2**31 - 1
-# Counts past which a run is a typo, not a plan (each engine, actor or sample costs memory and a process).
-MAX_ACTORS = 4096
 MAX_SAMPLES_PER_STEP = 2**20  # a step's batch (tokens, masks, log-probs) is held in the driver's memory
 MAX_SYNTHETIC = 10**6  # the synthetic problems are made and tokenized in the driver at start-up
 _SEED = (lambda v: 0 <= v <= SEED_MAX, f"in [0, {SEED_MAX}] (2**31 - 1)")
