@@ -81,7 +81,6 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         return data_parallel_rank_and_size()[0]
 
     # ---- passes -------------------------------------------------------------------------------
-
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict] | None:
         if head.kind == "values":
             return policy.forward_values(self.model, mbs)
@@ -116,8 +115,9 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         return [merged[i] for i in range(len(merged))]
 
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
-        # outs is None off the last pipeline stage, and [] on a rank with no micro-batch there
-        sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if outs else None
+        # outs is None off the last pipeline stage (it sends nothing); [] would sum to zeros
+        sums = None if outs is None else \
+            torch.stack([torch.as_tensor(sum(o[k] for o in outs), dtype=torch.float64) for k in keys])
         sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
         return dict(zip(keys, sums.tolist()))
 
