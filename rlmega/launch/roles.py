@@ -57,6 +57,9 @@ class Roles:
         self.started_ray = False
         self.actors: WorkerGroup | None = None
         self.critics: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
+        # calls on a batch: planned once, one share per data-parallel rank (rlmega/launch/sharded.py)
+        self.actor_calls: ShardedCalls | None = None
+        self.critic_calls: ShardedCalls | None = None
         self.engines: list = []
         self.weight_transport = None  # made at the first sync (Roles._transport)
         self.hosts: dict[str, AgentLoopHost] = {}  # task name -> its agent loop (rlmega/agents/)
