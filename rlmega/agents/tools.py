@@ -97,6 +97,9 @@ class Tool(ABC):
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 100
 MAX_INT_BITS = 10_000  # ~3000 digits: below Python's 4300-digit str() limit, and instant to compute
+# Nesting the evaluator accepts. Its own count, not Python's recursion limit: that limit is
+# process-global (any library may raise it), so "too deep" would depend on what ran before.
+MAX_DEPTH = 200
 
 _BINARY: dict[type, Callable[[object, object], object]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -125,16 +128,18 @@ def _power(base: int | float, exponent: int | float) -> int | float:
     return base ** exponent
 
 
-def _arithmetic(node: ast.AST) -> int | float:
-    """The value of an arithmetic-only AST; ToolError for anything else."""
+def _arithmetic(node: ast.AST, depth: int = 0) -> int | float:
+    """The value of an arithmetic-only AST; ToolError for anything else or nesting past MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise ToolError("expression too deep")
     if isinstance(node, ast.Expression):
-        return _arithmetic(node.body)
+        return _arithmetic(node.body, depth + 1)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, not complex
         return _check_size(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_arithmetic(node.operand))
+        return _UNARY[type(node.op)](_arithmetic(node.operand, depth + 1))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        left, right = _arithmetic(node.left, depth + 1), _arithmetic(node.right, depth + 1)
         if isinstance(node.op, ast.Pow):
             return _check_size(_power(left, right))
         return _check_size(_BINARY[type(node.op)](left, right))

@@ -26,3 +26,8 @@ def test_the_graph_sees_a_lazy_import_and_a_circle():
     assert "agents" in ig.graph()["launch"]  # launch/roles.py imports rlmega.agents.hosting
     assert ig.cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert ig.upward({"config": {"launch"}}) == [("config", "launch")]
+    # two circles joined one way, and a 5,000-module ring: found without touching the recursion limit
+    assert ig.cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"d"}, "d": {"c"}}) == [["c", "d"], ["a", "b"]]
+    limit = sys.getrecursionlimit()
+    ring = {f"m{i:05d}": {f"m{(i + 1) % 5000:05d}"} for i in range(5000)}
+    assert [len(c) for c in ig.cycles(ring)] == [5000] and sys.getrecursionlimit() == limit

@@ -1,4 +1,5 @@
 """The tool-call protocol (<tool>name:args</tool>, <result>...</result>) and the calculator and python tools."""
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -123,6 +124,22 @@ def test_calculator_errors(expression, expected):
     started = time.monotonic()
     assert Calculator().run(expression) == expected
     assert time.monotonic() - started < 1.0  # refused, not computed
+
+
+def test_calculator_depth_is_its_own_limit_not_the_interpreters():
+    """A process that raised Python's recursion limit (CI once ran a test that did) still refuses
+    the same nesting: the limit is MAX_DEPTH, counted by the evaluator."""
+    from rlmega.agents.tools import MAX_DEPTH
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        assert calculate("-" * (MAX_DEPTH - 1) + "1") == "-1"
+        with pytest.raises(ToolError, match="expression too deep"):
+            calculate("-" * MAX_DEPTH + "1")
+        with pytest.raises(ToolError, match="expression too deep"):
+            calculate("+".join(["1"] * (MAX_DEPTH + 1)))  # deep through binary operators too (left-nested)
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def test_calculator_tool_error_type():
