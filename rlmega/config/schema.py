@@ -318,6 +318,12 @@ class ActorConfig:
     memory, ~1/3 more compute). fsdp only; megatron runs without recomputation."""
     max_tokens_per_micro_batch: int = 2048
     """Token budget of one packed micro-batch (several sequences share a row, no padding)."""
+    logprob_chunk_tokens: int = 2048
+    """Log-probs and entropy without the whole (tokens x vocabulary) logits: only response positions are
+    scored, this many per output-layer call, and in a train step every chunk but a micro-batch's last is
+    recomputed in the backward (rlmega/algorithms/chunked_logprobs.py). Peak memory grows with this, not
+    with the micro-batch's tokens; at most this many response tokens in a micro-batch cost no recomputation.
+    0: the whole logits at every position (the path before issue 40). Same numbers either way."""
     offload_optimizer: bool = False
     """Keep Adam state in host memory between train steps (frees device memory for rollouts)."""
     offload_reference: bool = True

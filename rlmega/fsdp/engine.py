@@ -34,7 +34,7 @@ from rlmega.distributed import init_distributed
 from rlmega.engine_api import Head, LossFn, TrainEngine
 from rlmega.rundir.checkpoint_files import resolve
 from rlmega.fsdp.checkpoint import read_meta
-from rlmega.fsdp.forward import forward_logits, micro_batch_logprobs
+from rlmega.fsdp.forward import check_chunkable, forward_logits, micro_batch_logprobs
 from rlmega.fsdp.model_manager import FSDPModelManager, local_shard
 from rlmega.fsdp.value_model import value_model
 
@@ -80,6 +80,7 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         super().__init__(model, optimizer, actor, world, rank, lr_decay_steps=lr_decay_steps, hf_config=hf_config)
         self.value_head, self.with_optimizer = value_head, with_optimizer
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
+        self.chunk_tokens = 0 if value_head else actor.logprob_chunk_tokens
         if value_head:
             self.AUTO_CLASS = "AutoModelForTokenClassification"  # what an export is rebuilt with
 
@@ -110,6 +111,8 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
             emb.padding_idx = None
         _no_dropout(self.model)
         self.vocab_size = int(self.model.config.vocab_size)
+        if self.chunk_tokens:
+            check_chunkable(self.model.config)
 
     # ---- data ---------------------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -125,7 +128,8 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         (values,)."""
         if head.kind == "values":
             return (forward_logits(self.model, mb)[:, 0].float(),)  # (T, 1) -> (T,)
-        return micro_batch_logprobs(self.model, mb, head.temperature, head.entropy, head.entropy_grad)
+        return micro_batch_logprobs(self.model, mb, head.temperature, head.entropy, head.entropy_grad,
+                                    chunk=self.chunk_tokens)
 
     @torch.no_grad()
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict]:

@@ -18,7 +18,11 @@ padding to mask).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+from rlmega.algorithms.chunked_logprobs import chunked_logprobs, scored_positions
 
 
 def forward_logits(model, mb: dict) -> torch.Tensor:
@@ -46,13 +50,46 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
 
 
+@contextmanager
+def hidden_out(model):
+    """While open, ``model(...)`` hands back its last hidden states (after the final norm) where its
+    logits would be: the output layer passes its input through (the logits are then computed a chunk at
+    a time, rlmega/algorithms/chunked_logprobs.py). The call still goes through the FSDP root, so the
+    head's weight is gathered as usual and its gradient reduced with the rest."""
+    head = model.get_output_embeddings()
+    head.forward = lambda hidden: hidden
+    try:
+        yield head
+    finally:
+        del head.forward  # back to the class's forward
+
+
+def check_chunkable(config) -> None:
+    """Refuse a model whose logits are not ``lm_head(hidden)``: chunked log-probs would skip the rest."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(f"{type(config).__name__} caps its logits (final_logit_softcapping={cap}) after the output "
+                         "layer, which chunked log-probs do not apply; fix: set actor.logprob_chunk_tokens: 0")
+
+
 def micro_batch_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False,
-                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         entropy_grad: bool = False, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs (T,), entropy (T,) or None) of one packed micro-batch at its ``labels``.
 
     Differentiable in the log-probs when grad is enabled; ``entropy_grad`` False computes the entropy
     without a graph (a metric only: its softmax over the vocabulary is not kept for the backward).
+    ``chunk`` > 0: only the response positions are scored (0 elsewhere), ``chunk`` at a time, without the
+    whole logits (rlmega/algorithms/chunked_logprobs.py); 0: every position, from the whole logits.
     """
+    if chunk > 0:
+        with hidden_out(model) as head:
+            hidden = forward_logits(model, mb)
+        weight = head.weight
+        return chunked_logprobs(
+            hidden, mb["labels"].to(hidden.device), scored_positions(mb["response_positions"], hidden.device), chunk,
+            logits_fn=lambda h: torch.nn.functional.linear(h.to(weight.dtype), weight, head.bias),
+            logprob_fn=lambda z, y: token_logprobs(z, y, temperature),
+            entropy_fn=(lambda z: entropy(z, temperature)) if with_entropy else None, entropy_grad=entropy_grad)
     logits = forward_logits(model, mb)
     lp = token_logprobs(logits, mb["labels"].to(logits.device), temperature)
     ent = None

@@ -50,6 +50,7 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         self.with_optimizer = with_optimizer
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
         self.vocab_size = self.shape.vocab_size
+        self.chunk_tokens = 0 if value_head else actor.logprob_chunk_tokens
 
     # ---- process and model --------------------------------------------------------------------
     @staticmethod
@@ -85,14 +86,15 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         if head.kind == "values":
             return policy.forward_values(self.model, mbs)
         return policy.forward_logprobs(self.model, mbs, self.vocab_size, head.temperature, head.entropy,
-                                       routes=routes)
+                                       routes=routes, chunk_tokens=self.chunk_tokens)
 
     def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict] | None:
         if head.kind == "values":
             return policy.train_values(self.model, mbs, loss_fn)
         return policy.train_micro_batches(self.model, mbs, self.vocab_size, head.temperature, loss_fn,
                                           with_entropy=head.entropy, entropy_grad=head.entropy_grad,
-                                          keep_logprobs=head.keep_logprobs, routes=routes)
+                                          keep_logprobs=head.keep_logprobs, routes=routes,
+                                          chunk_tokens=self.chunk_tokens)
 
     def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
         """The last pipeline stage's outputs (``outs``, None elsewhere), shared with the stage's peers."""

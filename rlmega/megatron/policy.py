@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.model_manager import make_data_iterator_list
+from rlmega.megatron import output_head
 from rlmega.megatron.packed_attention import packed_rows, uses_packed_sdpa
 from rlmega.megatron.routing_replay import RoutePass
 from rlmega.megatron.runtime import for_collective
@@ -34,8 +35,12 @@ from rlmega.megatron.vocab_parallel import entropy, token_logprobs
 LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
-def forward_chunk(model, mb: dict) -> torch.Tensor:
-    """Logits (B*S, V/tp) of one micro-batch's packed rows (B, S), row-major like its per-token fields."""
+def forward_chunk(model, mb: dict, hidden: bool = False) -> torch.Tensor:
+    """Logits (B*S, V/tp) of one micro-batch's packed rows (B, S), row-major like its per-token fields; with
+    ``hidden``, the last hidden states (B*S, H) instead (output_head.py computes the logits in chunks)."""
+    if hidden and _is_last_stage(model):
+        with output_head.hidden_out(model):
+            return forward_chunk(model, mb)
     device = next(model.parameters()).device
     tokens, positions = mb["tokens"].to(device), mb["position_ids"].to(device)
     extra = {}
@@ -82,23 +87,39 @@ def _routed(routes: RoutePass | None, chunk, mb: dict):
     return nullcontext() if routes is None else routes.forward(chunk, mb)
 
 
+def _head(chunk, output: torch.Tensor, mb: dict, vocab_size: int, temperature: float, chunk_tokens: int,
+          with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs (T,), entropy (T,) or None) from the last stage's output: hidden states computed a chunk at a
+    time when ``chunk_tokens`` > 0 (response positions only), else the whole logits."""
+    if chunk_tokens > 0:
+        return output_head.logprobs(chunk, output, mb, vocab_size, temperature, chunk_tokens, with_entropy,
+                                    entropy_grad)
+    lp = token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # no graph when only a metric
+            ent = entropy(output, vocab_size, temperature)
+    return lp, ent
+
+
 @torch.no_grad()
 def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
-                     with_entropy: bool = False, routes: RoutePass | None = None) -> list[dict] | None:
+                     with_entropy: bool = False, routes: RoutePass | None = None,
+                     chunk_tokens: int = 0) -> list[dict] | None:
     """Per micro-batch {"logprobs": (T,), "entropy": (T,)} (on the model's device) on the last stage; None elsewhere.
 
     ``routes``: MoE routing replay / recording of this pass (set per micro-batch and chunk, in the forward step).
+    ``chunk_tokens`` > 0: the response positions only (0 elsewhere), without the whole logits (output_head.py).
     """
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
         with _routed(routes, chunk, mb):
-            logits = forward_chunk(chunk, mb)
+            logits = forward_chunk(chunk, mb, hidden=chunk_tokens > 0)
 
         def collect(output):
-            out = {"logprobs": token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)}
-            if with_entropy:
-                out["entropy"] = entropy(output, vocab_size, temperature)
+            lp, ent = _head(chunk, output, mb, vocab_size, temperature, chunk_tokens, with_entropy, False)
+            out = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
             return output.sum() * 0.0, torch.ones((), dtype=torch.int), out  # on the device: no sync per micro-batch
 
         return logits, collect
@@ -109,28 +130,27 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
 
 def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
                         loss_fn: LossFn, with_entropy: bool, entropy_grad: bool = True,
-                        keep_logprobs: bool = False, routes: RoutePass | None = None) -> list[dict] | None:
+                        keep_logprobs: bool = False, routes: RoutePass | None = None,
+                        chunk_tokens: int = 0) -> list[dict] | None:
     """Forward + backward of all micro-batches (gradients land in Megatron DDP's buffers).
 
     Returns each micro-batch's stats (sums) on the last pipeline stage, None elsewhere.
     ``entropy_grad`` False: the entropy is only a metric, computed without building its graph.
     ``keep_logprobs``: each micro-batch's stats also hold "logprobs" (T,), this forward's
     log-probs, detached (float32), as ``forward_logprobs`` returns them. All on the model's device.
-    ``routes``: as in ``forward_logprobs`` (no router runs again in the backward: no recomputation).
+    ``routes``: as in ``forward_logprobs`` (no router runs again in the backward: no recomputation; the
+    output layer's chunks are recomputed, ``chunk_tokens`` as in ``forward_logprobs``).
     """
 
     def step(data_iterator, chunk):
         mb = next(data_iterator)
         with _routed(routes, chunk, mb):
-            logits = forward_chunk(chunk, mb)
+            logits = forward_chunk(chunk, mb, hidden=chunk_tokens > 0)
 
         def loss(output):
             fields = per_token_on(mb, output.device)
-            lp = token_logprobs(output, fields["labels"], vocab_size, temperature)
-            ent = None
-            if with_entropy:
-                with torch.set_grad_enabled(entropy_grad):  # no graph when it is only a metric
-                    ent = entropy(output, vocab_size, temperature)
+            lp, ent = _head(chunk, output, fields, vocab_size, temperature, chunk_tokens, with_entropy,
+                            entropy_grad)
             numerator, count, stats = loss_fn(fields, lp, ent)
             # Everything stays on the device (the caller sums over micro-batches, then copies once):
             # reading a number here would make the host wait for the device every micro-batch.
