@@ -114,7 +114,8 @@ class TrainEngine(abc.ABC):
     def micro_batches(self, shard: Shard) -> list[dict]:
         """The shard's packed micro-batches (rlmega.data.micro_batches.build_micro_batch; placeholders for
         [] entries), each at least the plan's shape where it has one."""
-        return [build_micro_batch(shard.batch, idx, min_shape=shape)
+        row_multiple = self.layout().row_multiple
+        return [build_micro_batch(shard.batch, idx, row_multiple=row_multiple, min_shape=shape)
                 for idx, shape in zip(shard.micro_batches, shard.shapes)]
 
     # ---- passes -------------------------------------------------------------------------------

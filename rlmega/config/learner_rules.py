@@ -75,6 +75,11 @@ def grid_problems(cfg: RLConfig, sec: str, par: ParallelismConfig) -> List[str]:
                            f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1",
                            f"set {sec}.pipeline_model_parallel_size >= 2, "
                            f"or {sec}.virtual_pipeline_model_parallel_size=null"))
+    if par.sequence_parallel and tp == 1 and cfg.actor.backend == "megatron":  # fsdp: fsdp_layout_problems
+        out.append(problem(f"{sec}.sequence_parallel", "true, but tensor_model_parallel_size=1: sequence parallelism "
+                           "splits a micro-batch's tokens over the TP ranks, and there is one",
+                           f"set {sec}.sequence_parallel=null (on exactly when TP > 1), or "
+                           f"{sec}.tensor_model_parallel_size > 1"))
     if par.world_size % (tp * pp):
         out.append(problem(f"{sec}.world_size",
                            f"world_size={par.world_size} is not a multiple of TP x PP = {tp * pp}",
@@ -120,6 +125,10 @@ def fsdp_layout_problems(sec: str, par: ParallelismConfig) -> List[str]:
         if value != 1:
             out.append(problem(f"{sec}.{name}", f"{value}, but actor.backend=fsdp has no "
                                f"{name.split('_model')[0]} parallelism", f"set {sec}.{name}=1: {fix}"))
+    if par.sequence_parallel:
+        out.append(problem(f"{sec}.sequence_parallel", "true, but actor.backend=fsdp has no tensor parallelism to "
+                           "split sequences over (its long-context split is Ulysses)",
+                           f"set {sec}.sequence_parallel=null: {fix}"))
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1:
         out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "

@@ -120,11 +120,13 @@ def model_problems(cfg: RLConfig, num_experts: int) -> List[str]:
         return out
     if tp > 1:
         # megatron-core 0.16 MoELayer.forward raises ValueError when training at TP > 1 without
-        # sequence_parallel (moe_layer.py); no-grad log-prob forwards would pass, the first train step not.
+        # sequence_parallel (moe_layer.py). With it, each TP rank's routers see its part of the tokens:
+        # routing replay's routes (recorded, replayed, R2/R3) are kept whole per row, not split that way.
         out.append(problem("parallelism.tensor_model_parallel_size",
                            f"{tp}, but model.path={cfg.model.path!r} is a mixture of experts, and MoE layers at "
-                           "TP > 1 need sequence parallelism for training (megatron-core refuses the train step "
-                           "without it), which rlmega does not enable yet",
+                           "TP > 1 train only under sequence parallelism, where each TP rank routes its own part "
+                           "of a row's tokens; rlmega's routing replay and router bookkeeping do not split routes "
+                           "that way yet",
                            "use expert parallelism with TP 1: parallelism.tensor_model_parallel_size=1 and "
                            "parallelism.expert_model_parallel_size > 1 (it must divide num_experts and "
                            "world_size / PP)"))

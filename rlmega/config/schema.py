@@ -25,10 +25,20 @@ class ParallelismConfig:
     default), so world_size must be a multiple of TP x EP x PP and EP must divide num_experts; the
     attention and dense parts keep data parallel size world_size / (TP x PP). 1 = no expert split.
     MoE models train at TP 1 (megatron-core needs sequence parallelism for MoE at TP > 1)."""
+    sequence_parallel: Optional[bool] = None
+    """Megatron sequence parallelism: outside attention and the MLP (norms, residuals, the embedding's
+    output) each TP rank holds 1/TP of a micro-batch's tokens, so activation memory at TP > 1 is divided
+    too (packed rows are padded to a multiple of TP). null: on when tensor_model_parallel_size > 1 (as
+    Megatron's recipes run TP); true needs TP > 1; megatron only. Same numbers as without."""
 
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """sequence_parallel resolved: null means on exactly when TP > 1."""
+        return self.tensor_model_parallel_size > 1 if self.sequence_parallel is None else self.sequence_parallel
 
 
 @dataclass

@@ -40,6 +40,9 @@ class Layout:
     all-gathers; Megatron at expert parallelism > 1: each MoE layer dispatches over the EP group)."""
     equal_shapes: bool = False
     """The k-th micro-batch of every rank has one shape (Megatron's allgather MoE dispatcher)."""
+    row_multiple: int = 1
+    """Each packed row is padded to a multiple of this many tokens (Megatron's sequence parallelism: TP,
+    each TP rank holding an equal part of the row)."""
 
 
 @dataclasses.dataclass
@@ -113,6 +116,7 @@ def plan_step(lengths: list[int], layout: Layout) -> StepPlan:
         plan = [p + [[] for _ in range(count - len(p))] for p in plan]
     shapes: list = [None] * max(len(p) for p in plan)
     if layout.equal_shapes:
-        per_rank = [[micro_batch_shape(lengths, idx) for idx in p] for p in plan]
+        per_rank = [[micro_batch_shape(lengths, idx, layout.row_multiple) for idx in p] for p in plan]
         shapes = [tuple(max(s[j][d] for s in per_rank) for d in (0, 1)) for j in range(len(shapes))]
-    return StepPlan(plan, shapes, padding_efficiency(lengths, plan), placeholder_sample(lengths), len(lengths))
+    return StepPlan(plan, shapes, padding_efficiency(lengths, plan, layout.row_multiple), placeholder_sample(lengths),
+                    len(lengths))

@@ -28,6 +28,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.tensor_parallel import mappings as mcore_mappings
 from megatron.core.tensor_parallel import random as mcore_random
 
@@ -131,6 +132,9 @@ _RANDOM_STUBS = {
 # TorchFunctionMode is switched off while its handler runs, and a backward runs entirely inside the
 # handler's call of ``Tensor.backward``, so these get the mode entered around them again.
 _BACKWARD_COLLECTIVES = ("_gather_along_first_dim", "_reduce_scatter_along_first_dim")
+# The same for a backward that allocates itself: the linear layers' under sequence parallelism (its
+# reduce-scatter's output buffer, ``device=torch.cuda.current_device()``; tensor_parallel/layers.py).
+_BACKWARD_FUNCTIONS = (mcore_layers.LinearWithGradAccumulationAndAsyncCommunication,)
 
 
 def _under_cpu_mode(fn):
@@ -172,9 +176,12 @@ def enable_cpu_execution() -> bool:
         "random": {k: getattr(mcore_random, k) for k in _RANDOM_STUBS},
         "tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
         "mappings": {k: getattr(mcore_mappings, k) for k in _BACKWARD_COLLECTIVES},
+        "backwards": {f: f.__dict__["backward"] for f in _BACKWARD_FUNCTIONS},
     }
     for k in _BACKWARD_COLLECTIVES:
         setattr(mcore_mappings, k, _under_cpu_mode(saved["mappings"][k]))
+    for f, backward in saved["backwards"].items():
+        f.backward = staticmethod(_under_cpu_mode(backward.__func__))
     for k, v in _CUDA_STUBS.items():
         setattr(torch.cuda, k, v)
     for k, v in _RANDOM_STUBS.items():
@@ -201,5 +208,7 @@ def disable_cpu_execution() -> None:
         setattr(mcore_random, k, v)
     for k, v in _state["mappings"].items():
         setattr(mcore_mappings, k, v)
+    for f, backward in _state["backwards"].items():
+        f.backward = backward
     mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _state["tracker"]
     _state = None

@@ -51,6 +51,7 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
         self.vocab_size = self.shape.vocab_size
         self.chunk_tokens = 0 if value_head else actor.logprob_chunk_tokens
+        self.sequence_parallel = self.transformer_config.sequence_parallel
 
     # ---- process and model --------------------------------------------------------------------
     @staticmethod
@@ -76,7 +77,8 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         allgather = not self.use_te and self.transformer_config.moe_token_dispatcher_type == "allgather"
         return Layout(dp_size=data_parallel_rank_and_size()[1], max_tokens=self.max_tokens,
                       multiple_of=self.parallel.pipeline_model_parallel_size if self.vpp > 1 else 1,
-                      equal_counts=ep, equal_shapes=ep and allgather)
+                      equal_counts=ep, equal_shapes=ep and allgather,
+                      row_multiple=self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1)
 
     def dp_rank(self) -> int:
         return data_parallel_rank_and_size()[0]

@@ -29,6 +29,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
@@ -36,6 +37,7 @@ from rlmega.engine_api import StepResult
 from rlmega.megatron import checkpoint, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
+from rlmega.megatron.norms import HeadRMSNorm, TokenRMSNorm
 from rlmega.megatron.packed_attention import PackedSDPAttention
 from rlmega.megatron.value_head import ValueHead
 
@@ -58,6 +60,11 @@ def layer_spec(use_te: bool, shape: ModelShape | None = None):
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=qk_norm)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
                                     normalization="RMSNorm")
+    # torch's RMSNorm marked for sequence parallelism (megatron-core's WrappedTorchNorm refuses it): norms.py
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = TokenRMSNorm
+    if qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = HeadRMSNorm
     # fused SDPA per packed sequence (and RoPE without cats) instead of DotProductAttention's
     # materialised, unfused (B*heads, S, S) scores: rlmega/megatron/packed_attention.py
     spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
@@ -136,7 +143,7 @@ class MegatronModelManager:
             self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
             self.vpp, self.dtype, cpu=not torch.cuda.is_available(), ep=self.ep,
             moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff, routing_replay=routing_replay,
-            grouped_gemm=self.use_te,
+            grouped_gemm=self.use_te, sequence_parallel=parallel.sequence_parallel_on,
         )
         self.model: list = []
         self.optimizer = None
@@ -147,16 +154,22 @@ class MegatronModelManager:
     def model_provider_func(self, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
         """One model chunk; pre_process holds the embedding, post_process the output head (a critic's:
         the value head, seeded as rlmega.config.value_model.fresh_value_head until weights load)."""
+        spec = layer_spec(self.use_te, self.shape)
+        if not self.use_te:  # the block's final norm too (megatron-core picks WrappedTorchNorm for it)
+            spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(self.transformer_config, vp_stage=vp_stage),
+                layer_norm=TokenRMSNorm)
         model = GPTModel(
             config=self.transformer_config,
-            transformer_layer_spec=layer_spec(self.use_te, self.shape),
+            transformer_layer_spec=spec,
             pre_process=pre_process,
             post_process=post_process,
             vp_stage=vp_stage,
             **self.gpt_kwargs,
         )
         if post_process and self.shape.value_head:
-            model.output_layer = ValueHead(self.shape.hidden_size, self.dtype)
+            model.output_layer = ValueHead(self.shape.hidden_size, self.dtype,
+                                           sequence_parallel=self.transformer_config.sequence_parallel)
             with torch.no_grad():
                 model.output_layer.weight.copy_(self.fresh_head())
         return model

@@ -7,12 +7,20 @@ logits would be; ``logprobs`` then calls the same layer on a chunk of scored pos
 (rlmega/algorithms/chunked_logprobs.py). Calling the real layer keeps what it does around the matmul:
 the tensor-parallel all-reduce of the input's gradient, the tied embedding weight on the last stage,
 Megatron DDP's gradient hooks.
+
+Under sequence parallelism the hidden states leave the model split along the sequence (each TP rank
+S/TP tokens). ``full_sequence`` gathers them first (its backward keeps each rank's part of the gradient,
+no sum), and each chunk goes through the layer with its sequence-parallel flag off: its input's
+gradient is then all-reduced over TP, the one sum the vocabulary split needs (the layer itself would
+otherwise all-gather every chunk and reduce-scatter its gradient, with no gather of ours to pair with).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from rlmega.algorithms.chunked_logprobs import chunked_logprobs, scored_positions
 from rlmega.megatron.hf_io import unwrap
@@ -30,6 +38,15 @@ def hidden_out(chunk):
         del layer.forward  # back to ColumnParallelLinear.forward
 
 
+def full_sequence(chunk, hidden: torch.Tensor) -> torch.Tensor:
+    """The last stage's hidden states (B, S, H), whole along the sequence (gathered under sequence parallelism
+    from each TP rank's (B, S/TP, H))."""
+    if not unwrap(chunk).output_layer.sequence_parallel:
+        return hidden
+    return gather_from_sequence_parallel_region(hidden.transpose(0, 1), tensor_parallel_output_grad=False
+                                                ).transpose(0, 1)
+
+
 def logprobs(chunk, hidden: torch.Tensor, mb: dict, vocab_size: int, temperature: float, chunk_tokens: int,
              with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs (T,), entropy (T,) or None) at the micro-batch's response positions (0 elsewhere).
@@ -41,8 +58,12 @@ def logprobs(chunk, hidden: torch.Tensor, mb: dict, vocab_size: int, temperature
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     dtype = (weight if weight is not None else layer.weight).dtype
 
-    def logits_fn(h: torch.Tensor) -> torch.Tensor:  # (C, H) -> (C, V/tp)
-        return layer(h.to(dtype).unsqueeze(1), weight=weight)[0][:, 0]
+    def logits_fn(h: torch.Tensor) -> torch.Tensor:  # (C, H) -> (C, V/tp); also when recomputed in the backward
+        sequence_parallel, layer.sequence_parallel = layer.sequence_parallel, False  # h is whole: see above
+        try:
+            return layer(h.to(dtype).unsqueeze(1), weight=weight)[0][:, 0]
+        finally:
+            layer.sequence_parallel = sequence_parallel
 
     return chunked_logprobs(
         hidden, mb["labels"].to(hidden.device), scored_positions(mb["response_positions"], hidden.device),

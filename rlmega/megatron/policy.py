@@ -38,9 +38,16 @@ LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor,
 def forward_chunk(model, mb: dict, hidden: bool = False) -> torch.Tensor:
     """Logits (B*S, V/tp) of one micro-batch's packed rows (B, S), row-major like its per-token fields; with
     ``hidden``, the last hidden states (B*S, H) instead (output_head.py computes the logits in chunks)."""
-    if hidden and _is_last_stage(model):
-        with output_head.hidden_out(model):
-            return forward_chunk(model, mb)
+    last = _is_last_stage(model)
+    with output_head.hidden_out(model) if hidden and last else nullcontext():
+        out = _run(model, mb)
+    if not last:  # hidden states (S, B, H) (S/TP under sequence parallelism), passed on as they are
+        return out
+    return (output_head.full_sequence(model, out) if hidden else out).flatten(0, 1)
+
+
+def _run(model, mb: dict) -> torch.Tensor:
+    """The chunk's output for the micro-batch: logits (B, S, V/tp) or hidden states, as megatron-core returns."""
     device = next(model.parameters()).device
     tokens, positions = mb["tokens"].to(device), mb["position_ids"].to(device)
     extra = {}
@@ -51,14 +58,12 @@ def forward_chunk(model, mb: dict, hidden: bool = False) -> torch.Tensor:
         extra["padding_mask"] = ~mb["real_tokens"].view(tokens.shape).to(device)
     if uses_packed_sdpa(unwrap(model)):  # local spec: SDPA per sequence (packed_attention.py)
         with packed_rows(model, positions, mb["row_cu"]) as params:
-            logits = model(tokens, positions, None, packed_seq_params=params, **extra)
-    else:  # Transformer Engine: THD packing
-        cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
-        logits = model(tokens, positions, None, packed_seq_params=params, **extra)
-    # not the last pipeline stage: hidden states (S, B, H), passed on as they are
-    return logits.flatten(0, 1) if _is_last_stage(model) else logits
+            return model(tokens, positions, None, packed_seq_params=params, **extra)
+    # Transformer Engine: THD packing
+    cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
+    return model(tokens, positions, None, packed_seq_params=params, **extra)
 
 
 def _is_last_stage(chunk) -> bool:

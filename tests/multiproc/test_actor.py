@@ -28,8 +28,9 @@ def _actor(path, tp=1, pp=1, vpp=None, world=None, max_tokens=40, algorithm=None
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.actor import MegatronActor
 
+    sp = actor_kw.pop("sequence_parallel", None)  # null: on at TP > 1
     actor = MegatronActor(
-        ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world or tp * pp),
+        ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world or tp * pp, sequence_parallel=sp),
         OptimizerConfig(lr=3e-3, clip_grad=1.0), ActorConfig(max_tokens_per_micro_batch=max_tokens, **actor_kw),
         AlgorithmConfig(**{"kl_coef": 0.05, "entropy_coef": 0.01, "kl_estimator": "k3", **(algorithm or {})}),
         temperature=0.8,
@@ -85,7 +86,8 @@ def test_step_zero_ratio_is_one_and_kl_is_zero(reference):
 LAYOUTS = {  # name: (tp, pp, vpp, world, max_tokens, actor options)
     "budget_16": (1, 1, None, 1, 16, {}),
     "offload_optimizer": (1, 1, None, 1, 40, {"offload_optimizer": True, "offload_reference": False}),
-    "tp2_dp2": (2, 1, None, 4, 40, {}),
+    "tp2_dp2": (2, 1, None, 4, 40, {}),  # sequence parallel (on at TP > 1)
+    "tp2_dp2_no_sp": (2, 1, None, 4, 40, {"sequence_parallel": False}),
     "pp2_dp2": (1, 2, None, 4, 40, {}),
     "tp2_pp2": (2, 2, None, 4, 24, {}),
     "pp2_vpp2_dp2": (1, 2, 2, 4, 24, {}),
@@ -98,6 +100,10 @@ def test_train_step_matches_single_process(hf_model, reference, name):
     results = run_on_ranks(_train_body, world, args=(hf_model, tp, pp, vpp, world, budget, kw), timeout_s=300)
     ref_metrics, ref_old = reference
     for rank, (metrics, old) in enumerate(results):
+        worst = max(abs(g[k] - r[k]) / max(abs(r[k]), 1e-6) for g, r in zip(metrics, ref_metrics)
+                    for k in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref"))
+        print(f"{name} rank {rank}: metrics relative {worst:.2e}, old log-probs "
+              f"{max((a - b).abs().max().item() for a, b in zip(old, ref_old)):.2e}")
         _assert_same_run(metrics, ref_metrics, f"{name} rank {rank}")
         assert max((a - b).abs().max().item() for a, b in zip(old, ref_old)) <= 1e-5
 
@@ -106,7 +112,8 @@ def test_train_step_matches_single_process(hf_model, reference, name):
 
 ON_POLICY_CASES = {  # name: (tp, pp, vpp, world, max_tokens, algorithm overrides)
     "budget_16": (1, 1, None, 1, 16, {}),
-    "tp2_dp2": (2, 1, None, 4, 40, {}),
+    "tp2_dp2": (2, 1, None, 4, 40, {}),  # sequence parallel (on at TP > 1)
+    "tp2_dp2_no_sp": (2, 1, None, 4, 40, {"sequence_parallel": False}),
     "tp2_pp2": (2, 2, None, 4, 24, {}),
     "pp2_vpp2_dp2": (1, 2, 2, 4, 24, {}),
     # the entropy only a metric (computed without a graph), rollout correction weighting the loss

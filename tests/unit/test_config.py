@@ -190,6 +190,22 @@ def test_layers_must_divide_pp_times_vpp(tmp_path):
     assert "num_hidden_layers=4" in msg
 
 
+def test_sequence_parallel_needs_tp_and_megatron():
+    """null turns it on exactly at TP > 1; true at TP 1, or on FSDP, is refused naming the field."""
+    from rlmega.config.schema import ParallelismConfig
+    assert ParallelismConfig(tensor_model_parallel_size=2).sequence_parallel_on
+    assert not ParallelismConfig().sequence_parallel_on
+    assert not ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=False).sequence_parallel_on
+    msg = rejects("parallelism.sequence_parallel=true", field="parallelism.sequence_parallel")
+    assert "tensor_model_parallel_size=1" in msg
+    msg = rejects("parallelism.sequence_parallel=true", "actor.backend=fsdp", field="parallelism.sequence_parallel")
+    assert "fsdp" in msg and "Ulysses" in msg
+    rejects("critic.parallelism.sequence_parallel=true", "algorithm.advantage_estimator=gae",
+            field="critic.parallelism.sequence_parallel")
+    load_config(None, ["parallelism.tensor_model_parallel_size=2", "parallelism.world_size=2",
+                       "parallelism.sequence_parallel=false"])
+
+
 def test_vpp_needs_pp():
     rejects("parallelism.virtual_pipeline_model_parallel_size=2",
             field="parallelism.virtual_pipeline_model_parallel_size")
