@@ -118,18 +118,15 @@ def model_problems(cfg: RLConfig, num_experts: int) -> List[str]:
                 out.append(problem(field, f"{value}, {dense}", f"set {field}={off}, or point model.path at a "
                                    "mixture-of-experts model (e.g. Qwen3-MoE)"))
         return out
-    if tp > 1:
+    if tp > 1 and not par.sequence_parallel_on:
         # megatron-core 0.16 MoELayer.forward raises ValueError when training at TP > 1 without
-        # sequence_parallel (moe_layer.py). With it, each TP rank's routers see its part of the tokens:
-        # routing replay's routes (recorded, replayed, R2/R3) are kept whole per row, not split that way.
-        out.append(problem("parallelism.tensor_model_parallel_size",
-                           f"{tp}, but model.path={cfg.model.path!r} is a mixture of experts, and MoE layers at "
-                           "TP > 1 train only under sequence parallelism, where each TP rank routes its own part "
-                           "of a row's tokens; rlmega's routing replay and router bookkeeping do not split routes "
-                           "that way yet",
-                           "use expert parallelism with TP 1: parallelism.tensor_model_parallel_size=1 and "
-                           "parallelism.expert_model_parallel_size > 1 (it must divide num_experts and "
-                           "world_size / PP)"))
+        # sequence_parallel (moe_layer.py); no-grad log-prob forwards would pass, the first train step not.
+        out.append(problem("parallelism.sequence_parallel",
+                           f"false, but model.path={cfg.model.path!r} is a mixture of experts at "
+                           f"tensor_model_parallel_size={tp}: megatron-core trains MoE layers at TP > 1 only "
+                           "under sequence parallelism",
+                           "set parallelism.sequence_parallel=null (on at TP > 1), or "
+                           "parallelism.tensor_model_parallel_size=1"))
     if num_experts % ep:
         dp = max(1, par.world_size // (tp * pp))
         out.append(problem("parallelism.expert_model_parallel_size",

@@ -138,7 +138,7 @@ class MegatronActor(PolicyActor):
     def _train_done(self, routes, batch: RolloutBatch, real_mbs: int) -> dict:
         if routes is None:
             return {}
-        return {**self._route_results(routes, batch), **routing_replay.aux_loss_metrics(routes.routes, real_mbs)}
+        return {**self._route_results(routes, batch), **routing_replay.aux_loss_metrics(routes, real_mbs)}
 
     def _train_metrics(self, metrics: dict, on_policy: bool) -> dict:
         """compute_logprobs' router_mismatch (the old forward's, before this RL step's updates) is what

@@ -56,6 +56,11 @@ def _run(model, mb: dict) -> torch.Tensor:
         # routers' aux / z losses and their token counts (megatron-core: (B, S) bool, True = padding);
         # routing itself, and so every output, is unchanged
         extra["padding_mask"] = ~mb["real_tokens"].view(tokens.shape).to(device)
+        if unwrap(model).config.sequence_parallel and not unwrap(model).pre_process:
+            # megatron-core scatters the mask along the sequence only where the embedding runs (the first
+            # stage); a later stage's layers see this TP rank's part of the sequence (S/TP) and need it cut
+            tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            extra["padding_mask"] = extra["padding_mask"].chunk(tp, dim=1)[rank]
     if uses_packed_sdpa(unwrap(model)):  # local spec: SDPA per sequence (packed_attention.py)
         with packed_rows(model, positions, mb["row_cu"]) as params:
             return model(tokens, positions, None, packed_seq_params=params, **extra)

@@ -29,8 +29,10 @@ model whose config recomputes.
 Token order: the router sees hidden states (S, B, H) flattened, token (s, b) at index s * B + b;
 our micro-batch rows are (B, S), row-major. ``to_router_order`` / ``from_router_order`` convert
 (rlmega.data.micro_batches.pack_routes / unpack_rows go between samples and rows).
-No sequence parallelism is used (the actor's config leaves ``sequence_parallel`` off; refused here
-otherwise), so every tensor-parallel rank's router sees all S * B tokens.
+Under sequence parallelism each tensor-parallel rank's router sees its part of the sequence, (S/TP, B)
+flattened: s-major, so it is the TP rank's contiguous block of the router order. A replayed target is
+cut to that block; what the routers used (and chose live) is gathered back over the TP group before it
+is recorded or counted, so every TP rank holds the whole micro-batch's routes, as without SP.
 """
 from __future__ import annotations
 
@@ -114,8 +116,6 @@ class ModelRoutes:
                 raise ValueError("routing replay with activation recomputation is not supported by the megatron "
                                  "actor (the recomputed forward would route again); "
                                  "set actor.activation_checkpointing=false")
-            if getattr(config, "sequence_parallel", False):
-                raise ValueError("routing replay assumes no sequence parallelism (each router sees all tokens)")
             numbers = moe_layer_numbers(config.num_layers, config.moe_layer_freq)
             found = []
             for module in model.modules():
@@ -134,6 +134,15 @@ class ModelRoutes:
         self.aux_coeff = float(self.configs[0].moe_aux_loss_coeff or 0.0) if chunks else 0.0
         self.z_coeff = float(self.configs[0].moe_z_loss_coeff or 0.0) if chunks else 0.0
         self.num_layers = int(self.configs[0].num_layers) if chunks else 0
+        # sequence parallelism: each TP rank's routers see its block of the router order (module docstring)
+        self.sequence_parallel = bool(chunks and self.configs[0].sequence_parallel)
+        # megatron-core 0.16 (router.apply_z_loss) divides the z-loss coefficient by the TP x CP group's size,
+        # then each TP rank back-propagates its own tokens' z-loss into router weights whose gradients
+        # finalize_model_grads sums over TP (sequence_parallel marks them): the sum is 1/TP of the same
+        # loss at TP 1 (measured: tests/multiproc/test_moe_sequence_parallel.py). The coefficient we hand
+        # it is TP times larger, so actor.moe_z_loss_coeff means the same at every layout. (The
+        # load-balancing loss needs nothing: each rank scales its share by its own token count.)
+        self.z_scale = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
         # The same on every rank (a pipeline stage without MoE layers still takes part in the
         # collectives of RoutePass's results): the model was built with the hooks and has MoE layers.
         self.enabled = bool(chunks and config.moe_enable_routing_replay and self.num_moe_layers)
@@ -160,7 +169,7 @@ class ModelRoutes:
         """
         for config in self.configs:
             config.moe_aux_loss_coeff = self.aux_coeff * factor
-            config.moe_z_loss_coeff = self.z_coeff * factor if self.z_coeff * factor > 0 else None
+            config.moe_z_loss_coeff = self.z_coeff * factor * self.z_scale if self.z_coeff * factor > 0 else None
         try:
             yield
         finally:
@@ -177,6 +186,8 @@ class ModelRoutes:
         states = {}
         for layer, instance in self.by_chunk[chunk_index]:
             target = to_router_order(rows, layer) if (replay and rows is not None) else None
+            if target is not None and self.sequence_parallel:
+                target = target.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
             states[layer] = instance.rlmega_state = _State(target)
         try:
             yield states
@@ -211,6 +222,9 @@ class RoutePass:
         # train passes: the factor on the aux / z-loss coefficients (aux_loss_factor); None = as configured
         self.aux_factor: float | None = None
         self.load = torch.zeros(routes.num_moe_layers, routes.num_experts, dtype=torch.float64)
+        # sequence parallelism: per micro-batch, (each layer's tracked z-loss x this TP rank's valid tokens,
+        # the valid tokens): megatron-core tracks each rank's mean over its own tokens (z_loss_metric_parts)
+        self.z_parts: dict[int, list] = {}
 
     @contextmanager
     def forward(self, chunk, mb: dict):
@@ -219,10 +233,35 @@ class RoutePass:
         factor = 1.0 if self.aux_factor is None else self.aux_factor
         if not bool(mb["real_tokens"].any()):
             factor = 0.0  # a placeholder micro-batch: no router loss (its mean over no token is 0/0)
+        z_before = _tracked("z_loss") if self.routes.sequence_parallel else None
         with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay) as states, \
                 self.routes.loss_coefficients(factor):
             yield
+        if z_before is not None:
+            z_after = _tracked("z_loss")  # (empty until megatron-core first tracks one)
+            if z_after.numel():
+                self._z_part(mb, z_after - z_before if z_before.numel() else z_after)
         self._account(mb, rows, states)
+
+    def _z_part(self, mb: dict, z_means: torch.Tensor) -> None:
+        """Keep this chunk's per-layer z-loss means (over this TP rank's valid tokens of ``mb``) weighted by
+        those tokens, so that ``z_loss_means`` can weigh the TP ranks' means into the micro-batch's."""
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        valid = float(mb["real_tokens"].view(mb["tokens"].shape).chunk(tp, dim=1)[rank].sum())
+        num, _ = self.z_parts.setdefault(self.mb_index[id(mb)], [torch.zeros_like(z_means), valid])
+        num += z_means * valid
+
+    def z_loss_means(self) -> torch.Tensor:
+        """(num_layers,) float64: each layer's z-loss mean over every valid token of each micro-batch, summed
+        over micro-batches, as megatron-core's tracker holds it without sequence parallelism. Collective
+        over the TP group."""
+        order = sorted(self.z_parts)
+        L = self.routes.num_layers
+        parts = torch.stack([torch.cat([self.z_parts[j][0].double().cpu(), torch.tensor([self.z_parts[j][1]],
+                                        dtype=torch.float64)]) for j in order]) if order else \
+            torch.zeros(0, L + 1, dtype=torch.float64)
+        parts = _all_reduce(parts, ps.get_tensor_model_parallel_group())
+        return (parts[:, :L] / parts[:, L:].clamp_min(1.0)).sum(0) if order else torch.zeros(L, dtype=torch.float64)
 
     @torch.no_grad()
     def _account(self, mb: dict, rows: torch.Tensor | None, states: dict) -> None:
@@ -231,8 +270,11 @@ class RoutePass:
         M = self.routes.num_moe_layers
         counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
         for layer, st in states.items():
-            used = from_router_order(st.used, B, S).cpu()  # (B, S, K)
-            live = from_router_order(st.live, B, S).cpu()
+            used_all, live_all = st.used, st.live
+            if self.routes.sequence_parallel:  # each TP rank routed its block: the whole micro-batch's on every rank
+                used_all, live_all = _whole_sequence(used_all), _whole_sequence(live_all)
+            used = from_router_order(used_all, B, S).cpu()  # (B, S, K)
+            live = from_router_order(live_all, B, S).cpu()
             if self.record:
                 j = self.mb_index[id(mb)]
                 if j not in self.recorded:
@@ -260,6 +302,18 @@ class RoutePass:
 
 
 # ---- across ranks ---------------------------------------------------------------------------------
+def _whole_sequence(block: torch.Tensor) -> torch.Tensor:
+    """This TP rank's (S/TP * B, K) block of the router order -> the whole (S * B, K), on every TP rank."""
+    group = ps.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return block
+    local = for_collective(block.contiguous(), group)
+    out = torch.empty((local.shape[0] * size, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(out, local, group=group)
+    return out.to(block.device)
+
+
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return t
@@ -337,7 +391,17 @@ def aux_loss_factor(loss_count: float, router_tokens: float) -> float:
     return (loss_count if loss_count > 0 else 1.0) / router_tokens
 
 
-def aux_loss_metrics(routes: ModelRoutes, num_micro_batches: int) -> dict:
+def _tracked(name: str) -> torch.Tensor:
+    """megatron-core's tracker of router loss ``name``: (num_layers,) float64, summed since the last clear."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if name not in tracker:
+        return torch.zeros(0, dtype=torch.float64)
+    return tracker[name]["values"].detach().double().cpu().clone()
+
+
+def aux_loss_metrics(route_pass: RoutePass, num_micro_batches: int) -> dict:
     """The train step's MoE router losses as Megatron tracks them (moe_utils' save_to_aux_losses_tracker:
     per layer, summed over micro-batches, without their coefficients), averaged over the step's
     micro-batches with real tokens (``num_micro_batches``: over every data-parallel rank) and over MoE
@@ -347,15 +411,24 @@ def aux_loss_metrics(routes: ModelRoutes, num_micro_batches: int) -> dict:
     rank whenever a coefficient is on (names fixed by the config, not by what this rank's tracker
     happened to record: a rank with only placeholder micro-batches records nothing). Clears the tracker.
     """
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
+    routes = route_pass.routes
     names = [n for n, c in (("load_balancing_loss", routes.aux_coeff), ("z_loss", routes.z_coeff)) if c > 0]
     if not names:
         return {}
-    tracker = get_moe_layer_wise_logging_tracker()
     L = routes.num_layers
-    values = torch.stack([tracker[n]["values"][:L].detach().double().cpu() if n in tracker
-                          else torch.zeros(L, dtype=torch.float64) for n in names])
+    rows = []
+    for n in names:
+        tracked = _tracked(n)[:L]
+        value = tracked if tracked.numel() else torch.zeros(L, dtype=torch.float64)
+        if routes.sequence_parallel:  # each TP rank tracked the loss of its own tokens
+            # the load-balancing loss: each rank's share of one loss (its tokens' probabilities against the
+            # micro-batch's expert counts): they add up; the z-loss: a mean per rank, weighed by tokens
+            value = _all_reduce(value, ps.get_tensor_model_parallel_group()) if n == "load_balancing_loss" \
+                else route_pass.z_loss_means()
+        rows.append(value)
+    values = torch.stack(rows)
     values = _all_reduce(values, ps.get_pipeline_model_parallel_group())
     values = _all_reduce(values, ps.get_data_parallel_group())
     clear_aux_losses_tracker()

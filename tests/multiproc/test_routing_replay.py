@@ -147,7 +147,7 @@ def _body(path):
         routes.aux_factor = factor if fix else None
         pol.train_micro_batches(actor.policy.model, mbs, actor.vocab_size, 1.0, loss_fn, with_entropy=True,
                                 entropy_grad=False, routes=routes)
-        metrics = rr.aux_loss_metrics(routes.routes, real)
+        metrics = rr.aux_loss_metrics(routes, real)
         g = torch.cat([r.weight.main_grad.detach().flatten().double().clone() for r in routers])
         for c in actor.policy.model:
             c.zero_grad_buffer()

@@ -56,15 +56,17 @@ def test_world_size_must_be_a_multiple_of_tp_ep_pp():
     rejects("parallelism.expert_model_parallel_size=0", field="parallelism.expert_model_parallel_size")
 
 
-def test_an_moe_model_trains_at_tp_1(tmp_path):
-    """Lead's decision (issue 24): megatron-core's MoE layer refuses to train at TP > 1 without sequence
-    parallelism, which rlmega does not enable: refused at load, EP offered instead."""
+def test_an_moe_model_trains_at_tp_2_only_under_sequence_parallelism(tmp_path):
+    """megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism (issue 24 refused
+    MoE at TP > 1; issue 40 turned SP on at TP > 1 and split routes by sequence): SP off is refused at load."""
     model = write_moe_model(tmp_path)
+    load_config(None, [f"model.path={model}", *MOE, "parallelism.tensor_model_parallel_size=2"])  # SP: null -> on
     msg = rejects(f"model.path={model}", *MOE, "parallelism.tensor_model_parallel_size=2",
-                  field="parallelism.tensor_model_parallel_size")
-    assert "need sequence parallelism for training" in msg and "expert_model_parallel_size > 1" in msg
+                  "parallelism.sequence_parallel=false", field="parallelism.sequence_parallel")
+    assert "only under sequence parallelism" in msg
     dense = write_model(tmp_path, name="dense")
-    load_config(None, [f"model.path={dense}", *MOE, "parallelism.tensor_model_parallel_size=2"])  # dense: fine
+    load_config(None, [f"model.path={dense}", *MOE, "parallelism.tensor_model_parallel_size=2",
+                       "parallelism.sequence_parallel=false"])  # dense: fine
 
 
 def test_the_expert_grid_rule_is_megatron_cores():
