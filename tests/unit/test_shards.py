@@ -61,3 +61,22 @@ def test_sharded_calls_plan_once_and_merge_lists_tuples_and_dicts():
     assert calls.plan(batch) is calls.plan(batch)  # planned once per batch (by its lengths)
     assert all(sum(n) == 6 for n in group.sent)  # each sample travels to one data-parallel rank only
     assert merge(calls.plan(batch), [None, None]) is None
+
+
+def test_a_share_carries_only_its_own_samples_routes():
+    """MoE routing replay R3 at long lengths: a data-parallel rank receives the routes of its own samples
+    (and the placeholder's, where it runs one), not the whole batch's (issue 40, item 5)."""
+    import dataclasses
+
+    batch = random_batch(9, seed=2, response_len=(2, 30))
+    routes = [torch.full((len(t), 3, 2), i, dtype=torch.int16) for i, t in enumerate(batch.tokens)]
+    batch = dataclasses.replace(batch, routed_experts=routes)
+    plan = plan_step(batch.lengths(), Layout(dp_size=4, max_tokens=40, equal_counts=True))
+    whole = sum(r.numel() for r in routes)
+    held = 0
+    for rank in range(4):
+        shard = plan.shard(batch, rank)
+        ids = {int(r[0, 0, 0]) for r in shard.batch.routed_experts}  # each sample's routes carry its index
+        assert set(shard.samples) <= ids and len(ids - set(shard.samples)) <= 1  # + the placeholder's
+        held = max(held, sum(r.numel() for r in shard.batch.routed_experts))
+    assert held < whole / 2
