@@ -23,9 +23,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from rlmega.megatron import output_head
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.model_manager import make_data_iterator_list
-from rlmega.megatron import output_head
 from rlmega.megatron.packed_attention import packed_rows, uses_packed_sdpa
 from rlmega.megatron.routing_replay import RoutePass
 from rlmega.megatron.runtime import for_collective

@@ -223,7 +223,7 @@ class RoutePass:
         self.aux_factor: float | None = None
         self.load = torch.zeros(routes.num_moe_layers, routes.num_experts, dtype=torch.float64)
         # sequence parallelism: per micro-batch, (each layer's tracked z-loss x this TP rank's valid tokens,
-        # the valid tokens): megatron-core tracks each rank's mean over its own tokens (z_loss_metric_parts)
+        # the valid tokens): megatron-core tracks each rank's mean over its own tokens (see z_loss_means)
         self.z_parts: dict[int, list] = {}
 
     @contextmanager

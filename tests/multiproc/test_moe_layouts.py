@@ -3,10 +3,11 @@
 A one-process run (TP1 PP1 EP1) loads a tiny Qwen3-MoE (8 experts, top-2) from its HF folder, saves
 it with Megatron's dist checkpointing, and records loss and grad norm for three optimizer steps on a
 fixed batch. One 4-rank launch then runs, in turn, EP2 (dense DP4, expert DP2), PP2 x EP2, EP4
-(2 experts a rank) and TP2 x EP2 (sequence parallelism on, as at every TP > 1): each loads those weights from the checkpoint (resharded over experts) and must
-reproduce the reference. In the same launch, EP2 saves a full checkpoint (optimizer included) after
-two steps; a fresh manager loads it and its third step must equal the uninterrupted run's exactly;
-and a bad EP layout (EP3 on 4 ranks) is refused by init_megatron naming the field.
+(2 experts a rank) and TP2 x EP2 (sequence parallelism on, as at every TP > 1): each loads those
+weights from the checkpoint (resharded over experts) and must reproduce the reference. In the same
+launch, EP2 saves a full checkpoint (optimizer included) after two steps; a fresh manager loads it and
+its third step must equal the uninterrupted run's exactly; and a bad EP layout (EP3 on 4 ranks) is
+refused by init_megatron naming the field.
 
 The HF round trip at EP layouts and the logits vs transformers are in test_hf_parity.py.
 """

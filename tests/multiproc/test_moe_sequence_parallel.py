@@ -34,11 +34,12 @@ def _batch():
     return dataclasses.replace(batch, routed_experts=routes)
 
 
-def _body(path: str, tp: int, ep: int, world: int):
+def _body(path: str, tp: int, ep: int, world: int, pp: int = 1):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.actor import MegatronActor
 
-    parallel = ParallelismConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, world_size=world)
+    parallel = ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, world_size=world)
     actor = MegatronActor(
         ModelConfig(path=path, seed=3), parallel, OptimizerConfig(lr=1e-2),
         ActorConfig(max_tokens_per_micro_batch=28, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
@@ -60,18 +61,20 @@ def test_moe_at_tp2_sp_ep2_with_r3_equals_one_process(tmp_path):
     path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=64, num_layers=LAYERS, num_heads=2,
                            num_kv_heads=2, num_experts=E, top_k=K, moe_intermediate_size=32, seed=7)
     (ref,) = run_on_ranks(_body, 1, args=(str(path), 1, 1, 1), timeout_s=300)
-    results = run_on_ranks(_body, 4, args=(str(path), 2, 2, 4), timeout_s=420)
-    assert not ref["sp"] and all(r["sp"] for r in results)
-    worst_m = worst_lp = 0.0
-    for rank, got in enumerate(results):
-        for step, (g, r) in enumerate(zip(got["metrics"], ref["metrics"])):
-            for k in KEYS:
-                rel = abs(g[k] - r[k]) / max(abs(r[k]), 1e-6)
-                worst_m = max(worst_m, rel)
-                assert rel <= 2e-6, f"rank {rank} step {step} {k}: {g[k]} vs {r[k]}"
-        worst_lp = max(worst_lp, max(float((a - b).abs().max()) for o, p in zip(got["old"], ref["old"])
-                                     for a, b in zip(o, p)))
-    print(f"TP2+SP x EP2 vs world 1: metrics relative {worst_m:.2e}, old log-probs {worst_lp:.2e}", ref["metrics"])
-    assert worst_lp <= 1e-5  # measured: metrics 1.8e-7 relative, old log-probs 9.5e-7
+    # TP2 x EP2 (DP2), and TP2 x PP2 (the second stage's padding mask is cut to its TP rank's part)
+    for tp, ep, pp in ((2, 2, 1), (2, 1, 2)):
+        results = run_on_ranks(_body, 4, args=(str(path), tp, ep, 4, pp), timeout_s=420)
+        assert not ref["sp"] and all(r["sp"] for r in results)
+        worst_m = worst_lp = 0.0
+        for rank, got in enumerate(results):
+            for step, (g, r) in enumerate(zip(got["metrics"], ref["metrics"])):
+                for k in KEYS:
+                    rel = abs(g[k] - r[k]) / max(abs(r[k]), 1e-6)
+                    worst_m = max(worst_m, rel)
+                    assert rel <= 2e-6, f"TP{tp} EP{ep} PP{pp} rank {rank} step {step} {k}: {g[k]} vs {r[k]}"
+            worst_lp = max(worst_lp, max(float((a - b).abs().max()) for o, p in zip(got["old"], ref["old"])
+                                         for a, b in zip(o, p)))
+        print(f"TP{tp}+SP x EP{ep} x PP{pp} vs world 1: metrics relative {worst_m:.2e}, old log-probs {worst_lp:.2e}")
+        assert worst_lp <= 1e-5  # measured: metrics 1.8e-7 relative, old log-probs 9.5e-7 (TP2 x EP2)
     assert 0 < ref["metrics"][0]["routes_live_fraction"] < 0.5  # R3 replayed, the holes routed live
     assert ref["metrics"][0]["moe_load_balancing_loss"] > 0 and ref["metrics"][0]["moe_z_loss"] > 0
