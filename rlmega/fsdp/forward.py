@@ -34,7 +34,7 @@ def forward_logits(model, mb: dict) -> torch.Tensor:
     device = next(model.parameters()).device
     out = model(input_ids=tokens.to(device), position_ids=mb["position_ids"].to(device),
                 attention_mask=None, use_cache=False)
-    return out.logits[0]
+    return out.logits.squeeze(0)  # not [0]: a select's backward fills a zero copy of the whole logits first
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
