@@ -112,9 +112,8 @@ def model_problems(cfg: RLConfig, own: Optional[ModelShape], policy: Optional[Mo
     out = megatron_model_problems(sec, par, shape)
     if shape.num_experts and par.tensor_model_parallel_size > 1:  # megatron-core: MoE at TP > 1 needs SP
         out.append(problem(f"{sec}.tensor_model_parallel_size", f"{par.tensor_model_parallel_size}, but the critic "
-                           "is a mixture of experts, and megatron-core trains MoE layers at TP > 1 only under "
-                           "sequence parallelism, where rlmega's MoE path (the policy's routing bookkeeping, "
-                           "shared by the critic) does not split routes by sequence yet",
+                           "is a mixture of experts, and an MoE critic at TP > 1 (which megatron-core trains only "
+                           "under sequence parallelism) has not been tested: the policy's is, the critic's not yet",
                            f"set {sec}.tensor_model_parallel_size=1"))
     return out
 

@@ -24,7 +24,7 @@ class ParallelismConfig:
     num_experts / EP of every MoE layer's routed experts. Expert tensor parallel = TP (megatron-core's
     default), so world_size must be a multiple of TP x EP x PP and EP must divide num_experts; the
     attention and dense parts keep data parallel size world_size / (TP x PP). 1 = no expert split.
-    MoE models train at TP 1 (megatron-core needs sequence parallelism for MoE at TP > 1)."""
+    MoE models at TP > 1 train under sequence parallelism only (megatron-core's rule; on by default there)."""
     sequence_parallel: Optional[bool] = None
     """Megatron sequence parallelism: outside attention and the MLP (norms, residuals, the embedding's
     output) each TP rank holds 1/TP of a micro-batch's tokens, so activation memory at TP > 1 is divided
