@@ -113,7 +113,6 @@ def test_train_step_matches_single_process(hf_model, reference, name):
 ON_POLICY_CASES = {  # name: (tp, pp, vpp, world, max_tokens, algorithm overrides)
     "budget_16": (1, 1, None, 1, 16, {}),
     "tp2_dp2": (2, 1, None, 4, 40, {}),  # sequence parallel (on at TP > 1)
-    "tp2_dp2_no_sp": (2, 1, None, 4, 40, {"sequence_parallel": False}),
     "tp2_pp2": (2, 2, None, 4, 24, {}),
     "pp2_vpp2_dp2": (1, 2, 2, 4, 24, {}),
     # the entropy only a metric (computed without a graph), rollout correction weighting the loss

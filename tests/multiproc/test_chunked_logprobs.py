@@ -1,7 +1,8 @@
 """Chunked log-probs (actor.logprob_chunk_tokens, issue 40) give today's numbers on both learners.
 
 Two ranks: Megatron at TP2 (the vocabulary split, 151,936 tokens padded to 152,064, so padding columns
-are masked inside every chunk) and at PP2 (only the last stage has a head), then FSDP2 at DP2. Same
+are masked inside every chunk; with sequence parallelism, as at every TP > 1), then FSDP2 at DP2 (PP, VPP and
+the other layouts run the chunked head, the default, in test_actor.py against one process). Same
 weights, same micro-batches: the whole-logits path (chunk 0) against chunks of 5 scored tokens (many
 chunks, the last one partial, every one but the last recomputed in the backward). Compared: log-probs
 and entropy at every response token, and the gradients of a loss that uses both (entropy
@@ -36,7 +37,6 @@ def _body(path: str) -> dict:
     batch = random_batch(10, vocab=VOCAB, seed=5, prompt_len=(5, 30), response_len=(3, 40))
     out = {}
     for name, cls, parallel in (("megatron", MegatronEngine, ParallelismConfig(2, 1, None, 1)),
-                                ("megatron_pp2", MegatronEngine, ParallelismConfig(1, 2, None, 1)),
                                 ("fsdp", FSDPEngine, ParallelismConfig(1, 1, None, 2))):
         cls.init_process(parallel, seed=1)
         engine = cls(ModelConfig(path=path), parallel, OptimizerConfig(lr=1e-3),

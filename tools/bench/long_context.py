@@ -2,7 +2,7 @@
 
     python tools/bench/long_context.py                  # Megatron, 2k-32k tokens, 151,936 vocabulary (CPU)
     python tools/bench/long_context.py --backend fsdp   # the same on the FSDP learner
-    python tools/bench/long_context.py --smoke          # seconds: 1k tokens, both heads, one timing round (CI)
+    python tools/bench/long_context.py --smoke          # seconds: 512 tokens, both heads, one timing round (CI)
     python tools/bench/long_context.py --json runs/bench/long_context.json
 
 One micro-batch holds one sample: a 64-token prompt and a response filling the rest of the length,
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--speed-chunks", type=int, nargs="+", default=[512],
                     help="chunk sizes timed besides --chunk (smaller: more chunks recomputed)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="1k tokens, both heads, one round: seconds")
+    ap.add_argument("--smoke", action="store_true", help="512 tokens, both heads, one round: seconds")
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(measure(**json.loads(a.child))))
         return {}
     speed_chunks = [0, a.chunk, *a.speed_chunks]
-    if a.smoke:  # one process: both heads' memory at 1k tokens, then one timing round of each
-        a.lengths, a.max_whole_tokens, a.speed_tokens, a.rounds, a.chunk = [1024], 1024, 1024, 1, 256
+    if a.smoke:  # one process: both heads' memory at 512 tokens, then one timing round of each
+        a.lengths, a.max_whole_tokens, a.speed_tokens, a.rounds, a.chunk = [512], 512, 512, 1, 128
         speed_chunks = [0, a.chunk]
     rows, whole, speed = [], {}, None
     for n in sorted(a.lengths):
