@@ -54,7 +54,7 @@ def _body(path: str, tp: int, ep: int, world: int, pp: int = 1):
         metrics.append(actor.train_step(dataclasses.replace(batch, old_logprobs=old)))
         olds.append(old)
     actor.teardown()
-    return {"sp": sp, "metrics": [{k: m.get(k, 0.0) for k in KEYS} for m in metrics], "old": olds}
+    return {"sp": sp, "metrics": [{k: m[k] for k in KEYS} for m in metrics], "old": olds}
 
 
 def test_moe_at_tp2_sp_ep2_with_r3_equals_one_process(tmp_path):
