@@ -124,12 +124,12 @@ class RolloutConfig:
     parity_warn: Optional[float] = None
     """Parity guard: a step whose on-policy ``parity_max`` (max |engine - trainer| log-prob over the
     tokens the current weights sampled) exceeds this logs a warning with the numbers. null: the
-    model.dtype's measured default (rlmega/sync/parity.py PARITY_LIMITS: float32 1e-3). Off with
+    model.dtype's measured default (rlmega/config/parity_rules.py PARITY_LIMITS: float32 1e-3, bfloat16 2.0). Off with
     top_p < 1 or top_k > 0 (the engine's log-probs are then renormalised over the kept tokens)."""
     parity_stop: Optional[float] = None
     """Parity guard: past this the engine samples from other weights than the trainer's (a missed or
     corrupted sync): the run saves a checkpoint and stops with an error naming the numbers. null: the
-    dtype's default (float32 1e-2). Set it very high (e.g. 1e9) to only warn."""
+    dtype's default (float32 1e-2, bfloat16 10.0). Set it very high (e.g. 1e9) to only warn."""
 
 
 # (clip_eps_low, clip_eps_high, loss_agg_mode) each policy loss uses when the user sets none of them.

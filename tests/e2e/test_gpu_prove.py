@@ -36,6 +36,8 @@ def test_the_cpu_smoke_trains_checkpoints_resumes_and_writes_the_summary(tmp_pat
         assert r["refit_gib"] > 0 and 0 < r["refit_s"] <= r["sync_s"], r
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0
     assert "resumed from" in (tmp_path / "work" / "a_resume.log").read_text()
+    for key in (("a", "train"), ("a", "resume")):  # the time from rlmega's last line to its exit is kept
+        assert 0 <= runs[key]["shutdown_s"] < runs[key]["seconds"], runs[key]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(m["run"], m["step"]) for m in lines] == [("a_train", 1), ("a_train", 2), ("a_resume", 3)]
     table = (out / "summary.md").read_text()
@@ -44,7 +46,8 @@ def test_the_cpu_smoke_trains_checkpoints_resumes_and_writes_the_summary(tmp_pat
 
 
 def test_a_run_past_its_budget_is_stopped_with_what_it_started(tmp_path):
-    """SIGTERM at the budget; a run that ignores it is killed GRACE_S later with every process below it."""
+    """SIGTERM at the budget; a run that ignores it is killed GRACE_S later with every process below it, and
+    the time since its done line is kept (a run stuck in its shutdown says so)."""
     script = tmp_path / "stubborn.py"
     pidfile = tmp_path / "child.pid"
     script.write_text(
@@ -53,6 +56,8 @@ def test_a_run_past_its_budget_is_stopped_with_what_it_started(tmp_path):
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
         f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
         "print('started', flush=True)\n"
+        "time.sleep(0.5)\n"
+        f"print({prove.DONE_LINE!r}, flush=True)\n"  # its work done, its exit hangs: 'timed out in shutdown'
         "time.sleep(600)\n")
     old, prove.GRACE_S = prove.GRACE_S, 1.0
     try:
@@ -61,6 +66,7 @@ def test_a_run_past_its_budget_is_stopped_with_what_it_started(tmp_path):
     finally:
         prove.GRACE_S = old
     assert res["timed_out"] and res["rc"] != 0 and time.monotonic() - start < 20
+    assert 1.0 < res["shutdown_s"] < 20, res  # from the done line (~0.5 s in) to the kill (~3 s in)
     child = int(pidfile.read_text())
     for _ in range(50):  # (reaped by init: give it a moment)
         if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:

@@ -51,10 +51,12 @@ def test_guard_has_nothing_to_say_without_fresh_samples():
     assert ParityGuard("float32", None, None)(_metrics(5.0, samples=0)) is None
 
 
-def test_a_lone_limit_acts_where_the_dtype_has_no_default(caplog):
-    """bf16 has no measured default: a stop set alone stops, and the missing warn is said once."""
+def test_bf16_has_measured_defaults_and_a_lone_limit_keeps_the_other_default(caplog):
+    """bf16's limits come from a GPU run (0.057..0.102 a step); a stop set alone keeps the default warn."""
+    assert parity_limits("bfloat16", None, None) == (2.0, 10.0)
+    guard = ParityGuard("bfloat16", None, 0.5)
+    assert not guard.off and guard(_metrics(0.102)) is None  # the largest bf16 step measured passes
     with caplog.at_level(logging.WARNING):
-        guard = ParityGuard("bfloat16", None, 0.5)
-    assert "rollout.parity_warn has no measured default for bfloat16" in caplog.text
-    assert guard(_metrics(0.3)) is None and "rollout.parity_stop=0.5" in guard(_metrics(0.7))
-    assert ParityGuard("bfloat16", None, None).off
+        assert ParityGuard("bfloat16", None, None)(_metrics(3.0)) is None
+    assert "above rollout.parity_warn=2" in caplog.text
+    assert "rollout.parity_stop=0.5" in guard(_metrics(0.7))

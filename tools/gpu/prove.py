@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "gpu_one.yaml"
 GiB = 1 << 30
 GRACE_S = 30.0  # after SIGTERM (rlmega saves a checkpoint and releases its workers) before SIGKILL
+DONE_LINE = "rlmega: done."  # rlmega/train.py's last line: its work is done, what follows is shutdown
 TAIL_LINES = 60
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -217,11 +218,11 @@ def run_command(argv: list[str], log: Path, budget_s: float, env: dict | None = 
         out.flush()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)
-        timed_out = False
+        timed_out, done_at = False, None
         try:
-            proc.wait(timeout=max(budget_s, 1.0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            done_at = _wait_noting_done(proc, log, start, max(budget_s, 1.0))
+        except subprocess.TimeoutExpired as e:
+            timed_out, done_at = True, e.output  # the done line's time, if the run got that far
             tree = descendants(proc.pid)
             _kill([proc.pid], signal.SIGTERM)
             try:
@@ -235,7 +236,38 @@ def run_command(argv: list[str], log: Path, budget_s: float, env: dict | None = 
                 _kill([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
                 proc.wait()
     # whatever the run left behind (a Ray it started, vLLM processes) goes before the next run starts
-    return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "timed_out": timed_out}
+    seconds = round(time.monotonic() - start, 1)
+    # `shutdown_s`: from rlmega's closing line to the process's exit (Ray and the engines going down), so a
+    # run that finished its work but not its exit says so
+    return {"rc": proc.returncode, "seconds": seconds, "timed_out": timed_out,
+            "shutdown_s": None if done_at is None else round(seconds - done_at, 1)}
+
+
+def _wait_noting_done(proc: subprocess.Popen, log: Path, start: float, budget_s: float) -> float | None:
+    """Wait for ``proc`` up to ``budget_s``, noting when its log first shows DONE_LINE (seconds since
+    ``start``). Returns that time (None if never seen); past the budget raises TimeoutExpired carrying it
+    as ``output``."""
+    done_at = None
+    while True:
+        if done_at is None and _says_done(log):
+            done_at = time.monotonic() - start
+        left = budget_s - (time.monotonic() - start)
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, budget_s, output=done_at)
+        try:
+            proc.wait(timeout=min(left, 1.0))
+        except subprocess.TimeoutExpired:
+            continue
+        if done_at is None and _says_done(log):
+            done_at = time.monotonic() - start
+        return done_at
+
+
+def _says_done(log: Path) -> bool:
+    """Whether the log's last 64 KiB hold DONE_LINE (Ray and vLLM log after it: not the last line)."""
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        return DONE_LINE.encode() in f.read()
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -374,6 +406,10 @@ def _fmt(x, nd: int = 2) -> str:
     return str(x)
 
 
+def _shutdown(run: dict) -> str:
+    return "" if run.get("shutdown_s") is None else f" ({run['shutdown_s']:.0f} in shutdown)"
+
+
 def markdown(summary: dict) -> str:
     """The summary as docs/gpu.md's table: one row per run."""
     head = (f"{summary['date']}, {summary['device']}, {summary['mode']}; rlmega {summary['commit']}; "
@@ -404,7 +440,7 @@ def markdown(summary: dict) -> str:
             f"{_fmt(s.get('parity_max'), 3)} / {_fmt(s.get('parity_mean'), 3)} | "
             f"{_fmt(s.get('reward_first'), 3)} -> {_fmt(s.get('reward_last'), 3)} | "
             f"{_fmt(mem.get('trainer'))}, {_fmt(mem.get('engine'))}, {_fmt(mem.get('total'))} | "
-            f"{_fmt(r.get('seconds'), 0)} |")
+            f"{_fmt(r.get('seconds'), 0)}{_shutdown(r)} |")
     nxt = summary.get("next_step")
     foot = (f"Next lease starts at step {nxt} (`--from {nxt}`)." if nxt else "Every step asked for passed.")
     return "\n".join([head, "", *rows, "", foot]) + "\n"
@@ -566,7 +602,8 @@ def main(argv=None) -> int:
                 res = run_command(run.argv, log, max(left, 30.0), env)
             row.update(res, log=str(log), gpu_memory_gib=mem.gib() if mem.available else {})
             wrong = check_run(run) if res["rc"] == 0 else None
-            row["status"] = ("timed out" if res["timed_out"] else f"failed (exit {res['rc']})" if res["rc"]
+            row["status"] = ("timed out in shutdown" if res["timed_out"] and res["shutdown_s"] is not None
+                             else "timed out" if res["timed_out"] else f"failed (exit {res['rc']})" if res["rc"]
                              else f"wrong: {wrong}" if wrong else "ok")
             if run.run_dir is not None:
                 ms = read_metrics(run.run_dir)
