@@ -110,6 +110,10 @@ def model_problems(cfg: RLConfig, own: Optional[ModelShape], policy: Optional[Mo
         return []
     sec, par = "critic.parallelism", par or cfg.parallelism
     out = megatron_model_problems(sec, par, shape)
+    if shape.num_experts and par.context_parallel_size > 1:
+        out.append(problem(f"{sec}.context_parallel_size", f"{par.context_parallel_size}, but the critic's model "
+                           "is a mixture of experts: context parallelism is built and tested for dense models only",
+                           f"set {sec}.context_parallel_size=1"))
     if shape.num_experts and par.tensor_model_parallel_size > 1:  # megatron-core: MoE at TP > 1 needs SP
         out.append(problem(f"{sec}.tensor_model_parallel_size", f"{par.tensor_model_parallel_size}, but the critic "
                            "is a mixture of experts, and an MoE critic at TP > 1 (which megatron-core trains only "

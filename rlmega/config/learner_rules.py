@@ -30,7 +30,7 @@ UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
 PARALLELISM = [
     ("tensor_model_parallel_size", GE1), ("pipeline_model_parallel_size", GE1),
     ("virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
-    ("world_size", GE1), ("expert_model_parallel_size", GE1)]
+    ("world_size", GE1), ("expert_model_parallel_size", GE1), ("context_parallel_size", GE1)]
 OPTIMIZER = [
     # Adam moves each weight by about lr per step: past 1 every update outgrows typical weights.
     ("lr", (lambda v: 0 <= v <= 1, "in [0, 1]")), ("min_lr", GE0), ("weight_decay", GE0),
@@ -80,10 +80,13 @@ def grid_problems(cfg: RLConfig, sec: str, par: ParallelismConfig) -> List[str]:
                            "splits a micro-batch's tokens over the TP ranks, and there is one",
                            f"set {sec}.sequence_parallel=null (on exactly when TP > 1), or "
                            f"{sec}.tensor_model_parallel_size > 1"))
-    if par.world_size % (tp * pp):
+    cp = par.context_parallel_size
+    if par.world_size % (tp * pp * cp):
+        grid = tp * pp * cp
         out.append(problem(f"{sec}.world_size",
-                           f"world_size={par.world_size} is not a multiple of TP x PP = {tp * pp}",
-                           f"set {sec}.world_size to a multiple of {tp * pp} (e.g. {tp * pp}, {2 * tp * pp})"))
+                           f"world_size={par.world_size} is not a multiple of TP x PP"
+                           + (f" x CP = {tp} x {pp} x {cp}" if cp > 1 else f" = {tp * pp}"),
+                           f"set {sec}.world_size to a multiple of {grid} (e.g. {grid}, {2 * grid})"))
     else:
         out += micro_batch_problems(cfg, par.data_parallel_size, pp, vpp, sec)
     return out
@@ -129,6 +132,10 @@ def fsdp_layout_problems(sec: str, par: ParallelismConfig) -> List[str]:
         out.append(problem(f"{sec}.sequence_parallel", "true, but actor.backend=fsdp has no tensor parallelism to "
                            "split sequences over (its long-context split is Ulysses)",
                            f"set {sec}.sequence_parallel=null: {fix}"))
+    if par.context_parallel_size > 1:
+        out.append(problem(f"{sec}.context_parallel_size", f"{par.context_parallel_size}, but actor.backend=fsdp "
+                           "has no context parallelism (its long-context split is Ulysses, not built yet)",
+                           f"set {sec}.context_parallel_size=1, or actor.backend=megatron"))
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1:
         out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "

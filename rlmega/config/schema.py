@@ -18,7 +18,7 @@ class ParallelismConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank for the interleaved schedule; None or 1 = no interleaving."""
     world_size: int = 1
-    """Number of actor/trainer ranks; data parallel size = world_size / (TP x PP)."""
+    """Number of actor/trainer ranks; data parallel size = world_size / (TP x PP x CP)."""
     expert_model_parallel_size: int = 1
     """Megatron expert parallel size (EP), MoE models only: each rank of an EP group holds
     num_experts / EP of every MoE layer's routed experts. Expert tensor parallel = TP (megatron-core's
@@ -30,10 +30,17 @@ class ParallelismConfig:
     output) each TP rank holds 1/TP of a micro-batch's tokens, so activation memory at TP > 1 is divided
     too (packed rows are padded to a multiple of TP). null: on when tensor_model_parallel_size > 1 (as
     Megatron's recipes run TP); true needs TP > 1; megatron only. Same numbers as without."""
+    context_parallel_size: int = 1
+    """Megatron context parallelism (CP): each packed micro-batch's sequences are cut into 2 x CP chunks and
+    CP rank r holds chunks r and 2CP-1-r of each (causal attention's work balanced), attending over K and V
+    gathered from the CP group; data parallel size = world_size / (TP x PP x CP), and
+    actor.max_tokens_per_micro_batch counts tokens per rank (a micro-batch holds up to CP x that).
+    Dense models, megatron only (docs/backends.md#long-context). 1 = no split."""
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                   * self.context_parallel_size)
 
     @property
     def sequence_parallel_on(self) -> bool:

@@ -8,9 +8,10 @@ Layout under a checkpoint root:
 Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it, renames it and
 then updates ``latest`` (fsynced), so a crash at any point leaves a complete checkpoint to load
 (rlmega/rundir/checkpoint_files.py, shared with the FSDP backend).
-Model weights reshard on load (save at TP2, load at PP2); optimizer state and RNG state are
-restored when the layout is the same. RNG state is per rank (Python, NumPy, torch, CUDA,
-Megatron's tracker), stored as one sharded object per (PP, TP, DP) coordinate.
+Model weights reshard on load (save at TP2, load at PP2); optimizer state is restored when PP, TP and EP
+are the same (DP and CP may differ: the distributed optimizer's shards reshard over DP x CP), RNG state
+when the whole layout is. RNG state is per rank (Python, NumPy, torch, CUDA,
+Megatron's tracker), stored as one sharded object per (PP, TP, DP[, CP]) coordinate.
 """
 from __future__ import annotations
 
@@ -36,22 +37,28 @@ from rlmega.megatron.offload import torch_optimizers
 from rlmega.megatron.save_results import use_in_process_queue
 
 
-def _coords() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
-             ps.get_data_parallel_world_size())
-    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-              ps.get_data_parallel_rank())
-    return shape, offset
+def _coords() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of this rank in the (PP, TP, DP[, CP]) grid: one RNG state per rank. CP joins only when
+    > 1, so checkpoints without it keep their 3-d objects."""
+    shape = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size()]
+    offset = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank()]
+    if ps.get_context_parallel_world_size() > 1:
+        shape.append(ps.get_context_parallel_world_size())
+        offset.append(ps.get_context_parallel_rank())
+    return tuple(shape), tuple(offset)
 
 
 def _layout() -> tuple[int, ...]:
-    """(PP, TP, DP, EP): what optimizer and RNG state depend on (MoE experts' optimizer shards follow EP)."""
-    return (*_coords()[0], ps.get_expert_model_parallel_world_size())
+    """(PP, TP, DP, EP, CP): what optimizer and RNG state depend on (MoE experts' optimizer shards follow EP)."""
+    pp, tp, dp = _coords()[0][:3]
+    return pp, tp, dp, ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size()
 
 
 def _saved_layout(meta: dict) -> tuple[int, ...]:
     layout = tuple(meta["layout"])
-    return layout + (1,) * (4 - len(layout))  # checkpoints from before EP: (PP, TP, DP), EP 1
+    return layout + (1,) * (5 - len(layout))  # checkpoints from before EP or CP: EP 1, CP 1
 
 
 def rng_state() -> dict:
@@ -65,7 +72,7 @@ def set_rng_state(state: dict) -> None:
 
 
 # Each rank saves and loads its own optimizer buffers, in parallel, with no gather. This
-# format reshards only across data parallel; we promise optimizer state for the same layout.
+# format reshards across data parallel (and CP: the optimizer shards over DP x CP); PP, TP and EP must match.
 _OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -140,16 +147,20 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
          extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
     """Load a checkpoint (a step dir, or a root whose ``latest`` is used). Returns (step, extra).
 
-    Model weights load into any layout; optimizer, scheduler and RNG only when given and the
-    saved layout equals the current one. ``extra_models`` (name -> chunks) must have been saved.
+    Model weights load into any layout; optimizer and scheduler only when given and the saved PP, TP and EP
+    equal the current ones; RNG when the whole layout does. ``extra_models`` (name -> chunks) must have been saved.
     """
     path = resolve(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     meta = common["meta"]
-    same_layout = _saved_layout(meta) == _layout()
-    if optimizer is not None and not same_layout:
-        raise ValueError(f"checkpoint layout (PP, TP, DP, EP)={_saved_layout(meta)} differs from the current "
-                         f"{_layout()}: load it with model_only=True, or restore the saved layout")
+    saved, now = _saved_layout(meta), _layout()
+    same_layout = saved == now
+    # the distributed optimizer shards its state over DP x CP ranks ("dp_reshardable": it reshards across
+    # them); a TP, PP or EP change would need another format
+    if optimizer is not None and _model_split(saved) != _model_split(now):
+        raise ValueError(f"checkpoint layout (PP, TP, DP, EP, CP)={saved} differs from the current {now} in PP, TP "
+                         "or EP: load it with model_only=True, or restore the saved PP, TP and EP (DP and CP may "
+                         "change)")
     missing = sorted(set(extra_models or {}) - set(meta.get("extra_models", [])))
     if missing:
         raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "
@@ -186,5 +197,11 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
         if scheduler is not None and meta["scheduler"] is not None:
             scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved count
             scheduler.load_state_dict(meta["scheduler"])
-        set_rng_state(loaded["rng"])
+        if same_layout:  # per-rank streams: another layout starts from the seeds (dropout is off in RL)
+            set_rng_state(loaded["rng"])
     return int(meta["step"]), meta["extra"]
+
+
+def _model_split(layout: tuple[int, ...]) -> tuple[int, int, int]:
+    """(PP, TP, EP) of a (PP, TP, DP, EP, CP) layout: what the optimizer's saved shards depend on."""
+    return layout[0], layout[1], layout[3]

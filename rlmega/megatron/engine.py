@@ -24,11 +24,11 @@ from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, Para
 from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
 from rlmega.engine_api import Head, LossFn, TrainEngine
-from rlmega.megatron import checkpoint, policy
+from rlmega.megatron import checkpoint, context_parallel, policy
 from rlmega.megatron.hf_io import iter_hf_tensors
 from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager
-from rlmega.megatron.runtime import (barrier, data_parallel_rank_and_size, init_megatron, teardown_megatron,
-                                    tensor_parallel_rank)
+from rlmega.megatron.runtime import (barrier, context_parallel_rank, data_parallel_rank_and_size, init_megatron,
+                                    replica_rank, teardown_megatron, tensor_parallel_rank)
 
 
 class MegatronEngine(MegatronModelManager, TrainEngine):
@@ -52,13 +52,14 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         self.vocab_size = self.shape.vocab_size
         self.chunk_tokens = 0 if value_head else actor.logprob_chunk_tokens
         self.sequence_parallel = self.transformer_config.sequence_parallel
+        self.cp = parallel.context_parallel_size
 
     # ---- process and model --------------------------------------------------------------------
     @staticmethod
     def init_process(parallel: ParallelismConfig, seed: int) -> None:
         init_megatron(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                       parallel.virtual_pipeline_model_parallel_size, seed=seed,
-                      ep=parallel.expert_model_parallel_size)
+                      ep=parallel.expert_model_parallel_size, cp=parallel.context_parallel_size)
 
     @staticmethod
     def teardown_process() -> None:
@@ -72,13 +73,26 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         """Megatron's interleaved schedule needs a multiple of PP micro-batches per rank. Under expert
         parallelism every MoE layer's token dispatch is a collective over the expert-parallel group (part of
         the data-parallel ranks): each rank runs as many micro-batches (placeholders fill in), and with the
-        allgather dispatcher (CPU, no Transformer Engine) of one shape (it gathers equal blocks)."""
+        allgather dispatcher (CPU, no Transformer Engine) of one shape (it gathers equal blocks). Under
+        context parallelism a micro-batch holds CP x the per-rank token budget, and each rank's share of a
+        row (not the row) is padded to a multiple of TP under sequence parallelism."""
         ep = self.transformer_config.expert_model_parallel_size > 1
         allgather = not self.use_te and self.transformer_config.moe_token_dispatcher_type == "allgather"
-        return Layout(dp_size=data_parallel_rank_and_size()[1], max_tokens=self.max_tokens,
+        return Layout(dp_size=data_parallel_rank_and_size()[1], max_tokens=self.max_tokens * self.cp,
                       multiple_of=self.parallel.pipeline_model_parallel_size if self.vpp > 1 else 1,
                       equal_counts=ep, equal_shapes=ep and allgather,
-                      row_multiple=self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1)
+                      row_multiple=1 if self.cp > 1 else self._sp_multiple)
+
+    @property
+    def _sp_multiple(self) -> int:
+        return self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1
+
+    def micro_batches(self, shard: Shard) -> list[dict]:
+        """TrainEngine's, each cut to this rank's share under context parallelism (context_parallel.py)."""
+        mbs = super().micro_batches(shard)
+        if self.cp == 1:
+            return mbs
+        return [context_parallel.localise(mb, self.cp, context_parallel_rank(), self._sp_multiple) for mb in mbs]
 
     def dp_rank(self) -> int:
         return data_parallel_rank_and_size()[0]
@@ -157,15 +171,15 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
 
     # ---- weights out --------------------------------------------------------------------------
     def weights_out(self, pieces: bool) -> tuple[bool, Iterator]:
-        """In data-parallel replica 0, every TP rank of each pipeline stage sends its own blocks of the HF
+        """In replica 0 (DP x CP rank 0), every TP rank of each pipeline stage sends its own blocks of the HF
         tensors with ``pieces`` (replicated tensors from TP rank 0); without, TP rank 0 sends whole
         tensors, gathered one parameter at a time. The other replicas hold the same weights and skip
         the gathers, except under expert parallelism > 1: an EP group spans DP ranks, so replica 0's
         expert gathers need every rank (with DP > EP the EP groups other than the sender's gather for
         nothing: a known cost, docs/moe.md)."""
-        dp_rank = data_parallel_rank_and_size()[0]
-        sender = dp_rank == 0 and (tensor_parallel_rank() == 0 or pieces)
-        iterate = dp_rank == 0 or self.transformer_config.expert_model_parallel_size > 1
+        replica = replica_rank()  # DP x CP: the CP ranks of replica 0 hold the same weights too
+        sender = replica == 0 and (tensor_parallel_rank() == 0 or pieces)
+        iterate = replica == 0 or self.transformer_config.expert_model_parallel_size > 1
         tensors = iter_hf_tensors(self.model, self.shape, to_first=True, pieces=pieces) if iterate else iter(())
         return sender, tensors
 

@@ -171,7 +171,7 @@ def megatron_config_from_hf(
     hf: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
     params_dtype: torch.dtype = torch.float32, cpu: bool = True, ep: int = 1,
     moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
-    grouped_gemm: bool = False, sequence_parallel: bool = False,
+    grouped_gemm: bool = False, sequence_parallel: bool = False, context_parallel: int = 1,
 ) -> tuple[TransformerConfig, dict]:
     """The one place HF model hyper-parameters become Megatron's. Returns (config, GPTModel kwargs).
 
@@ -180,6 +180,7 @@ def megatron_config_from_hf(
     ``grouped_gemm``: experts as Transformer Engine's grouped GEMM (TE layer spec) instead of SequentialMLP.
     ``sequence_parallel``: megatron-core's (TP > 1; a row's tokens split over the TP ranks outside attention
     and the MLP: the embedding scatters them, the output layer gathers them).
+    ``context_parallel``: parallelism.context_parallel_size (rows split over CP ranks: context_parallel.py).
     """
     shape = ModelShape.from_hf(hf, tp)
     check_expert_layout(shape, ep)
@@ -209,6 +210,7 @@ def megatron_config_from_hf(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel and tp > 1,
+        context_parallel_size=context_parallel,  # rows split by rlmega/megatron/context_parallel.py
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         # The interleaved schedule needs a group size; PP is Megatron's usual choice.

@@ -245,7 +245,7 @@ def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: 
     dist.barrier()
     tensors = gather_hf_tensors(chunks, shape)
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
         save_file(tensors, partial / file, metadata={"format": "pt"})

@@ -144,7 +144,12 @@ class MegatronModelManager:
             self.vpp, self.dtype, cpu=not torch.cuda.is_available(), ep=self.ep,
             moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff, routing_replay=routing_replay,
             grouped_gemm=self.use_te, sequence_parallel=parallel.sequence_parallel_on,
+            context_parallel=parallel.context_parallel_size,
         )
+        if parallel.context_parallel_size > 1 and self.use_te:
+            raise ValueError("parallelism.context_parallel_size > 1 runs with rlmega's attention (the local layer "
+                             "spec, rlmega/megatron/context_parallel.py); with Transformer Engine installed its THD "
+                             "context-parallel path is not wired up yet: set context_parallel_size=1")
         self.model: list = []
         self.optimizer = None
         self.scheduler = None
@@ -304,7 +309,8 @@ class MegatronModelManager:
 
     def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False,
                         extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
-        """Everything (same layout), or with ``model_only`` just the weights (any layout)."""
+        """Everything (at the saved PP, TP and EP; DP and CP may differ), or with ``model_only`` just the
+        weights (any layout)."""
         # Loading the optimizer replaces its param groups' settings (max_lr, min_lr, Adam's betas and
         # eps, ...) with the checkpoint's; the config's win, as for the LR schedule, so they are put
         # back (keys the load adds, such as Adam's step, stay).

@@ -44,10 +44,13 @@ class RowPacking(PackedSeqParams):
     ``segments``: lengths of the causal segments over the rows' tokens, row-major (sum = B * S).
     ``cos`` (S, B, 1, head_dim), ``sin`` (S, B, 1, head_dim / 2): of each token's angles (cos repeated
     for both halves), or None (no RoPE in the model).
+    ``cp``: under context parallelism, this rank's share of the row (rlmega/megatron/context_parallel.py's
+    ``Layout``: S is the local length; its ``attend`` gathers K and V over the CP group).
     """
     segments: list[int] = dataclasses.field(default_factory=list)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    cp: object | None = None  # context_parallel.Layout of a row split over the CP group: it attends
 
 
 def row_segments(row_cu: list[list[int]], rows: int, row_len: int) -> list[int]:
@@ -63,7 +66,7 @@ def row_segments(row_cu: list[list[int]], rows: int, row_len: int) -> list[int]:
 
 
 @contextmanager
-def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]]):
+def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=None):
     """The ``RowPacking`` of one micro-batch for ``chunk``'s forward passes inside this block.
 
     position_ids: (B, S), each token's position in its own sequence (they restart per sequence).
@@ -73,6 +76,7 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]]):
     the float32 angle t*f carries rounding up to ulp(t*f)/2 (1.5e-5 rad at t=500), which cost 1.2e-4 in
     log-probs against vLLM on the demo's trained model with 512-token rows (tools/parity_probe.py).
     Yields None, touching nothing, for a chunk whose attention is not ``PackedSDPAttention`` (TE).
+    ``cp``: the micro-batch's context-parallel Layout (position_ids are then this rank's slots').
     """
     B, S = position_ids.shape
     model = unwrap(chunk)
@@ -94,7 +98,7 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]]):
         dtype = model.config.params_dtype
         cos, sin = torch.cos(angles).repeat(1, 1, 1, 2).to(dtype), torch.sin(angles).to(dtype)
     params = RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S,
-                        segments=row_segments(row_cu, B, S), cos=cos, sin=sin)
+                        segments=[] if cp is not None else row_segments(row_cu, B, S), cos=cos, sin=sin, cp=cp)
     if rope is not None:
         rope.forward = lambda *args, **kwargs: None
     try:
@@ -135,8 +139,7 @@ class PackedSDPAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("PackedSDPAttention: context parallelism needs Transformer Engine's attention")
+        self.context_parallel = config.context_parallel_size > 1  # then only rows split by context_parallel.py
         if config.window_size is not None or config.softmax_type != "vanilla":
             raise ValueError("PackedSDPAttention: sliding windows and softmax offsets are not supported")
         head_dim = config.kv_channels
@@ -153,9 +156,10 @@ class PackedSDPAttention(MegatronModule):
         dropout = self.dropout if self.training else 0.0
         gqa = query.shape[2] != key.shape[2]
         if not isinstance(packed_seq_params, RowPacking):
-            if packed_seq_params is not None:
-                raise ValueError("PackedSDPAttention takes RowPacking or no packing, got qkv_format="
-                                 f"{packed_seq_params.qkv_format!r}")
+            if self.context_parallel or packed_seq_params is not None:
+                raise ValueError("PackedSDPAttention takes RowPacking (under context parallelism: its rows split "
+                                 "by context_parallel.py) or no packing, got "
+                                 f"{getattr(packed_seq_params, 'qkv_format', None)!r}")
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, H, S, D)
             mask = None if attention_mask is None else ~attention_mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
@@ -164,6 +168,11 @@ class PackedSDPAttention(MegatronModule):
         if packed_seq_params.cos is not None:
             query = rotate(query, packed_seq_params.cos, packed_seq_params.sin)
             key = rotate(key, packed_seq_params.cos, packed_seq_params.sin)
+        if packed_seq_params.cp is not None:
+            return packed_seq_params.cp.attend(query, key, value, self.softmax_scale, dropout).reshape(S, B, -1)
+        if self.context_parallel:
+            raise ValueError("PackedSDPAttention under context parallelism takes rows split by "
+                             "rlmega/megatron/context_parallel.py (RowPacking.cp)")
         # rows one after the other: (B*S, H, D); split, not slicing: the backward of a split is one cat
         q, k, v = (t.transpose(0, 1).reshape(B * S, *t.shape[2:]) for t in (query, key, value))
         outs = []

@@ -62,7 +62,7 @@ def _run(model, mb: dict) -> torch.Tensor:
             tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
             extra["padding_mask"] = extra["padding_mask"].chunk(tp, dim=1)[rank]
     if uses_packed_sdpa(unwrap(model)):  # local spec: SDPA per sequence (packed_attention.py)
-        with packed_rows(model, positions, mb["row_cu"]) as params:
+        with packed_rows(model, positions, mb["row_cu"], cp=mb.get("cp")) as params:
             return model(tokens, positions, None, packed_seq_params=params, **extra)
     # Transformer Engine: THD packing
     cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
@@ -87,7 +87,9 @@ def run_schedule(model: list, micro_batches: list[dict], step_fn, forward_only: 
             chunk.zero_grad_buffer()
     return get_forward_backward_func()(
         forward_step_func=step_fn, data_iterator=iters, model=model if vpp > 1 else model[0],
-        num_microbatches=len(micro_batches), seq_length=micro_batches[0]["max_batch_seqlen"],
+        # megatron divides seq_length by CP for the stages' tensor shapes: rows are split over CP already
+        num_microbatches=len(micro_batches),
+        seq_length=micro_batches[0]["max_batch_seqlen"] * ps.get_context_parallel_world_size(),
         micro_batch_size=1, forward_only=forward_only,
     )
 
@@ -100,15 +102,22 @@ def _routed(routes: RoutePass | None, chunk, mb: dict):
 def _head(chunk, output: torch.Tensor, mb: dict, vocab_size: int, temperature: float, chunk_tokens: int,
           with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs (T,), entropy (T,) or None) from the last stage's output: hidden states computed a chunk at a
-    time when ``chunk_tokens`` > 0 (response positions only), else the whole logits."""
+    time when ``chunk_tokens`` > 0 (response positions only), else the whole logits. Under context
+    parallelism the output is this rank's slots'; the results come back whole (context_parallel.py)."""
+    cp = mb.get("cp")
+    fields = mb if cp is None else {k: v.to(output.device) if torch.is_tensor(v) else v
+                                    for k, v in cp.head_fields.items()}
     if chunk_tokens > 0:
-        return output_head.logprobs(chunk, output, mb, vocab_size, temperature, chunk_tokens, with_entropy,
-                                    entropy_grad)
-    lp = token_logprobs(output, mb["labels"].to(output.device), vocab_size, temperature)
-    ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # no graph when only a metric
-            ent = entropy(output, vocab_size, temperature)
+        lp, ent = output_head.logprobs(chunk, output, fields, vocab_size, temperature, chunk_tokens, with_entropy,
+                                       entropy_grad)
+    else:
+        lp = token_logprobs(output, fields["labels"].to(output.device), vocab_size, temperature)
+        ent = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # no graph when only a metric
+                ent = entropy(output, vocab_size, temperature)
+    if cp is not None:
+        lp, ent = cp.to_full(lp), None if ent is None else cp.to_full(ent)
     return lp, ent
 
 
@@ -178,9 +187,11 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
     return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
-def _values(output: torch.Tensor) -> torch.Tensor:
-    """A value head's output (T, 1) -> (T,) float32 (Float16Module hands it back in fp32 already)."""
-    return output[:, 0].float()
+def _values(output: torch.Tensor, mb: dict) -> torch.Tensor:
+    """A value head's output (T, 1) -> (T,) float32 (Float16Module hands it back in fp32 already); whole
+    under context parallelism (context_parallel.py)."""
+    values = output[:, 0].float()
+    return values if mb.get("cp") is None else mb["cp"].to_full(values)
 
 
 @torch.no_grad()
@@ -193,7 +204,7 @@ def forward_values(model: list, micro_batches: list[dict]) -> list[dict] | None:
         output = forward_chunk(chunk, mb)
 
         def collect(out):
-            return out.sum() * 0.0, torch.ones((), dtype=torch.int), {"values": _values(out)}
+            return out.sum() * 0.0, torch.ones((), dtype=torch.int), {"values": _values(out, mb)}
 
         return output, collect
 
@@ -211,7 +222,7 @@ def train_values(model: list, micro_batches: list[dict], loss_fn) -> list[dict] 
 
         def loss(out):
             fields = per_token_on(mb, out.device)
-            numerator, count, stats = loss_fn(fields, _values(out))
+            numerator, count, stats = loss_fn(fields, _values(out, mb))
             stats = {k: torch.as_tensor(v, dtype=torch.float64, device=out.device).detach() for k, v in stats.items()}
             stats["numerator"], stats["count"] = numerator.detach().double(), count.detach().double()
             return numerator, count.detach().round().int(), stats

@@ -40,6 +40,15 @@ def tensor_parallel_rank() -> int:
     return parallel_state.get_tensor_model_parallel_rank()
 
 
+def context_parallel_rank() -> int:
+    return parallel_state.get_context_parallel_rank()
+
+
+def replica_rank() -> int:
+    """This rank's place among the ranks holding the same model shard (DP x CP): 0 sends and writes it."""
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
 def barrier() -> None:
     dist.barrier()
 
@@ -61,8 +70,12 @@ def set_seeds(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1) -> None:
+def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1,
+                  cp: int = 1) -> None:
     """Process group + Megatron model-parallel groups + seeds for this rank.
+
+    ``cp`` is parallelism.context_parallel_size: each micro-batch's row split over CP ranks
+    (rlmega/megatron/context_parallel.py); the data-parallel size is world / (TP x PP x CP).
 
     ``ep`` is parallelism.expert_model_parallel_size (expert tensor parallel = TP, megatron's default):
     the experts of an MoE layer are split over EP ranks taken from the data-parallel ranks."""
@@ -70,10 +83,10 @@ def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 
     moe_without_transformer_engine()  # process-global: MoE routers without Transformer Engine (GPU or CPU)
     init_distributed()
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
+    if world % (tp * pp * cp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by TP x PP = {tp} x {pp}; "
-            "change parallelism.world_size or the TP/PP sizes"
+            f"world size {world} is not divisible by TP x PP x CP = {tp} x {pp} x {cp}; "
+            "change parallelism.world_size or the TP/PP/CP sizes"
         )
     if ep < 1 or world % (tp * ep * pp) != 0:
         raise ValueError(
@@ -85,6 +98,7 @@ def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
     )
     set_seeds(seed)
 

@@ -1,4 +1,5 @@
-"""tools/bench/long_context.py --smoke: both heads' train-pass memory at 512 tokens over a 151,936 vocabulary."""
+"""The long-context benchmarks' smoke modes: tools/bench/long_context.py (both heads' train-pass memory at 512
+tokens over a 151,936 vocabulary) and tools/bench/context_parallel.py (a rank's at CP2)."""
 import json
 import subprocess
 import sys
@@ -23,3 +24,15 @@ def test_smoke_measures_both_heads_and_the_chunked_one_holds_less(tmp_path):
 
 
 VOCAB_BYTES = 151_936 * 4
+
+
+def test_context_parallel_smoke_measures_a_rank_at_cp2(tmp_path):
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench/context_parallel.py"), "--smoke", "--json",
+                           str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    # each rank holds half of the 512-token row, and its pass holds at least one chunk's logits (128 tokens)
+    assert row["tokens"] == 512 and 256 <= row["cp2"]["local_tokens"] <= 264, row
+    assert row["cp2"]["peak_bytes"] > 128 * VOCAB_BYTES, row
+    assert "512 tokens: cp2" in proc.stdout

