@@ -341,6 +341,14 @@ class ActorConfig:
     recomputed in the backward (rlmega/algorithms/chunked_logprobs.py). Peak memory grows with this, not
     with the micro-batch's tokens; at most this many response tokens in a micro-batch cost no recomputation.
     0: the whole logits at every position (the path before issue 40). Same numbers either way."""
+    ulysses_size: int = 1
+    """actor.backend=fsdp: Ulysses sequence parallelism. Groups of this many consecutive ranks share each
+    micro-batch, each rank holding 1/ulysses_size of every packed row (padded to a multiple of it); around
+    attention an all-to-all gives each rank 1/ulysses_size of the heads over the whole row
+    (rlmega/fsdp/ulysses.py). Must divide parallelism.world_size and the model's attention and KV heads; data
+    parallel size = world_size / ulysses_size, and max_tokens_per_micro_batch counts tokens per rank. The
+    critic runs without it. Megatron's long-context splits are parallelism.sequence_parallel and
+    context_parallel_size. 1 = off. Same numbers as without."""
     offload_optimizer: bool = False
     """Keep Adam state in host memory between train steps (frees device memory for rollouts)."""
     offload_reference: bool = True

@@ -139,7 +139,7 @@ _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("cluster.reward_cpus", GT0),
     ("cluster.num_cpus", (lambda v: v is None or 0 < v <= 10**6, "null (all cores) or in (0, 10**6]")),
     ("cluster.gpus_per_node", GE1), ("cluster.cpu_ranks_per_node", GE0),
-    ("actor.max_tokens_per_micro_batch", GE1), ("actor.logprob_chunk_tokens", GE0),
+    ("actor.max_tokens_per_micro_batch", GE1), ("actor.logprob_chunk_tokens", GE0), ("actor.ulysses_size", GE1),
     ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
     ("trainer.total_steps", GE1), ("trainer.prompts_per_step", GE1), ("trainer.global_batch_size", GE1),
     ("trainer.save_every", GE0),
@@ -244,7 +244,15 @@ def _backend_problems(cfg: RLConfig) -> List[str]:
     """What the learner actor.backend names cannot do: FSDP2 shards parameters over the world_size
     data-parallel ranks and has no tensor or pipeline split; the Megatron actor does not recompute
     activations."""
-    out = []
+    out, u = [], cfg.actor.ulysses_size
+    if u > 1 and cfg.actor.backend != "fsdp":
+        out.append(problem("actor.ulysses_size", f"{u}, but actor.backend={cfg.actor.backend}: Ulysses is the fsdp "
+                           "learner's sequence split", "set actor.ulysses_size=1 and use "
+                           "parallelism.sequence_parallel / context_parallel_size, or actor.backend=fsdp"))
+    elif u > 1 and cfg.parallelism.world_size % u:
+        out.append(problem("actor.ulysses_size", f"{u} does not divide parallelism.world_size="
+                           f"{cfg.parallelism.world_size} (groups of ulysses_size ranks share each micro-batch)",
+                           f"use one of {divisors(cfg.parallelism.world_size)}"))
     if cfg.actor.backend == "fsdp":
         out += moe_rules.fsdp_problems(cfg) + fsdp_layout_problems("parallelism", cfg.parallelism)
     elif cfg.actor.activation_checkpointing:
@@ -313,6 +321,13 @@ def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
     """The model's shape against the layout: Megatron's divisibility rules (megatron only) and vLLM's."""
     out = (megatron_model_problems("parallelism", cfg.parallelism, shape)
            + moe_rules.model_problems(cfg, shape.num_experts)) if cfg.actor.backend == "megatron" else []
+    u = cfg.actor.ulysses_size
+    if cfg.actor.backend == "fsdp" and u > 1 and (shape.num_attention_heads % u or shape.num_key_value_heads % u):
+        both = [d for d in divisors(shape.num_attention_heads) if shape.num_key_value_heads % d == 0]
+        out.append(problem("actor.ulysses_size",
+                           f"{u} does not divide model.path={cfg.model.path!r}'s attention heads "
+                           f"({shape.num_attention_heads}) and KV heads ({shape.num_key_value_heads}): each Ulysses "
+                           "rank attends with 1/ulysses_size of each", f"use one of {both}"))
     if shape.num_attention_heads % cfg.rollout.tensor_parallel_size:
         heads = shape.num_attention_heads
         out.append(problem("rollout.tensor_parallel_size",

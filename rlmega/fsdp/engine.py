@@ -34,6 +34,7 @@ from rlmega.distributed import init_distributed
 from rlmega.engine_api import Head, LossFn, TrainEngine
 from rlmega.rundir.checkpoint_files import resolve
 from rlmega.fsdp.checkpoint import read_meta
+from rlmega.fsdp import ulysses
 from rlmega.fsdp.forward import check_chunkable, forward_logits, micro_batch_logprobs
 from rlmega.fsdp.model_manager import FSDPModelManager, local_shard
 from rlmega.fsdp.value_model import value_model
@@ -81,6 +82,16 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         self.value_head, self.with_optimizer = value_head, with_optimizer
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
         self.chunk_tokens = 0 if value_head else actor.logprob_chunk_tokens
+        # Ulysses (rlmega/fsdp/ulysses.py): groups of U consecutive ranks share each micro-batch
+        self.ulysses = 1 if value_head else actor.ulysses_size
+        if world % self.ulysses:
+            raise ValueError(f"actor.ulysses_size={self.ulysses} does not divide the {world} ranks")
+        self.ulysses_group = None
+        if self.ulysses > 1:
+            for start in range(0, world, self.ulysses):  # every rank makes every group, in the same order
+                group = dist.new_group(list(range(start, start + self.ulysses)))
+                if start <= rank < start + self.ulysses:
+                    self.ulysses_group = group
         if value_head:
             self.AUTO_CLASS = "AutoModelForTokenClassification"  # what an export is rebuilt with
 
@@ -113,23 +124,42 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         self.vocab_size = int(self.model.config.vocab_size)
         if self.chunk_tokens:
             check_chunkable(self.model.config)
+        if self.ulysses > 1:
+            config = self.model.config
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            ulysses.check_heads(config.num_attention_heads, kv_heads, self.ulysses)
 
     # ---- data ---------------------------------------------------------------------------------
     def layout(self) -> Layout:
-        """Every rank runs as many micro-batches (each forward all-gathers the parameters)."""
-        return Layout(dp_size=self.world_size, max_tokens=self.max_tokens, equal_counts=True)
+        """Every rank runs as many micro-batches (each forward all-gathers the parameters). Under Ulysses a
+        group of U ranks takes one share, its rows padded to a multiple of U and up to U x the per-rank budget."""
+        return Layout(dp_size=self.world_size // self.ulysses, max_tokens=self.max_tokens * self.ulysses,
+                      equal_counts=True, row_multiple=self.ulysses)
 
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank // self.ulysses
+
+    def micro_batches(self, shard: Shard) -> list[dict]:
+        """TrainEngine's, each cut to this rank's part of its row under Ulysses."""
+        mbs = super().micro_batches(shard)
+        if self.ulysses == 1:
+            return mbs
+        return [ulysses.localise(mb, self.rank % self.ulysses, self.ulysses, self.ulysses_group) for mb in mbs]
 
     # ---- passes -------------------------------------------------------------------------------
     def _outputs(self, mb: dict, head: Head) -> tuple:
         """The Head's per-token outputs of one micro-batch, in its order: (log-probs, entropy or None) or
         (values,)."""
-        if head.kind == "values":
-            return (forward_logits(self.model, mb)[:, 0].float(),)  # (T, 1) -> (T,)
-        return micro_batch_logprobs(self.model, mb, head.temperature, head.entropy, head.entropy_grad,
-                                    chunk=self.chunk_tokens)
+        shard = mb.get("ulysses")
+        if shard is not None:  # this rank's part of the row; the results come back whole (ulysses.py)
+            mb = {**mb, **shard.head_fields}
+        with ulysses.active(shard):
+            if head.kind == "values":
+                out = (forward_logits(self.model, mb)[:, 0].float(),)  # (T, 1) -> (T,)
+            else:
+                out = micro_batch_logprobs(self.model, mb, head.temperature, head.entropy, head.entropy_grad,
+                                           chunk=self.chunk_tokens)
+        return out if shard is None else tuple(None if t is None else shard.to_full(t) for t in out)
 
     @torch.no_grad()
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict]:
@@ -147,7 +177,8 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
             numerator, count, stats = loss_fn(fields, *outputs)
             if not numerator.requires_grad:  # e.g. nothing of the loss depends on the weights: still run
                 numerator = numerator + outputs[0].sum() * 0.0  # the backward, whose reduce-scatter every rank joins
-            numerator.backward()
+            with ulysses.active(mb.get("ulysses")):  # activation checkpointing recomputes attention in here
+                numerator.backward()
             out = {key: torch.as_tensor(v, device=device).double() for key, v in stats.items()}
             out["numerator"], out["count"] = numerator.detach().double(), count.detach().double()
             if head.keep_logprobs:
@@ -170,14 +201,17 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
         sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if outs else \
             torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        if self.rank % self.ulysses:
+            sums = torch.zeros_like(sums)  # a Ulysses group's ranks hold the same sums: its first one counts
         dist.all_reduce(sums)  # on the device: the GPU under nccl, the host under gloo
         return dict(zip(keys, sums.cpu().tolist()))
 
     # ---- optimizer ----------------------------------------------------------------------------
     @torch.no_grad()
     def normalize_grads(self, count: float) -> None:
-        """Sharded gradients *= world_size / count (local shards: no communication)."""
-        scale = self.world_size / max(count, 1.0)
+        """Sharded gradients *= world_size / count (local shards: no communication); / U under Ulysses, whose
+        U ranks of a group each back-propagate the group's whole loss (ulysses.py)."""
+        scale = self.world_size / (max(count, 1.0) * self.ulysses)
         if scale == 1.0:
             return
         for p in self.model.parameters():

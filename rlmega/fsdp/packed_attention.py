@@ -23,6 +23,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rlmega.fsdp import ulysses
+
 NAME = "rlmega_packed_sdpa"
 
 
@@ -48,6 +50,17 @@ def packed_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, 
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{NAME} does not implement attention sinks; use attn_implementation='sdpa'")
     position_ids = kwargs.pop("position_ids", None)
+    shard = ulysses.current()
+    if shard is not None:  # Ulysses: this rank's heads over the whole row, then back (rlmega/fsdp/ulysses.py)
+        query, key, value = (ulysses.seq_to_heads(t, shard) for t in (query, key, value))
+        out = _per_sequence(module, query, key, value, shard.full_position_ids.to(query.device), dropout, scaling,
+                            sliding_window)
+        return ulysses.heads_to_seq(out.transpose(1, 2), shard).transpose(1, 2), None
+    return _per_sequence(module, query, key, value, position_ids, dropout, scaling, sliding_window), None
+
+
+def _per_sequence(module, query, key, value, position_ids, dropout, scaling, sliding_window) -> torch.Tensor:
+    """query (B, H, T, D), key/value (B, H_kv, T, D) -> (B, T, H, D): causal sdpa per sequence of the row."""
     if position_ids is not None and position_ids.shape[0] > 1:  # rows must share one layout (e.g. unpacked)
         if not torch.equal(position_ids, position_ids[:1].expand_as(position_ids)):
             raise ValueError(f"{NAME}: rows of a batch packed differently; pack into one row per micro-batch")
@@ -64,7 +77,7 @@ def packed_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, 
             mask = ((d >= 0) & (d < sliding_window))[None, None]  # (1, 1, t, t), True = attend
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=True)
         outs.append(out)  # (1, t, H, D)
-    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
 AttentionInterface.register(NAME, packed_sdpa_attention_forward)
