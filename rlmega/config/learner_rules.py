@@ -134,8 +134,9 @@ def fsdp_layout_problems(sec: str, par: ParallelismConfig) -> List[str]:
                            f"set {sec}.sequence_parallel=null: {fix}"))
     if par.context_parallel_size > 1:
         out.append(problem(f"{sec}.context_parallel_size", f"{par.context_parallel_size}, but actor.backend=fsdp "
-                           "has no context parallelism (its long-context split is Ulysses, not built yet)",
-                           f"set {sec}.context_parallel_size=1, or actor.backend=megatron"))
+                           "has no context parallelism (its long-context split is Ulysses: actor.ulysses_size)",
+                           f"set {sec}.context_parallel_size=1 (actor.ulysses_size > 1 instead), or "
+                           "actor.backend=megatron"))
     vpp = par.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1:
         out.append(problem(f"{sec}.virtual_pipeline_model_parallel_size", f"{vpp}, but actor.backend=fsdp "
