@@ -90,12 +90,12 @@ def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
 
 def seq_to_heads(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     """(1, H, T/U, D) on each rank -> (1, H/U, T, D): this rank's heads over the whole row."""
-    return _SeqToHeads.apply(x, shard.size, shard.group)
+    return _Exchange.apply(x, shard.size, shard.group, True)
 
 
 def heads_to_seq(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     """(1, H/U, T, D) -> (1, H, T/U, D): the inverse of ``seq_to_heads``."""
-    return _HeadsToSeq.apply(x, shard.size, shard.group)
+    return _Exchange.apply(x, shard.size, shard.group, False)
 
 
 def _a2a(x: torch.Tensor, group) -> torch.Tensor:
@@ -120,26 +120,17 @@ def _heads_to_seq(x: torch.Tensor, size: int, group) -> torch.Tensor:
     return got.reshape(1, size * h, T // size, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls (``to_heads``: sequence split -> head split); its backward is the other."""
+
     @staticmethod
-    def forward(ctx, x, size, group):
-        ctx.size, ctx.group = size, group
-        return _seq_to_heads(x, size, group)
+    def forward(ctx, x, size, group, to_heads):
+        ctx.size, ctx.group, ctx.to_heads = size, group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.size, ctx.group), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, group):
-        ctx.size, ctx.group = size, group
-        return _heads_to_seq(x, size, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.size, ctx.group), None, None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.size, ctx.group), None, None, None
 
 
 class _GatherRow(torch.autograd.Function):

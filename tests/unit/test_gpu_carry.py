@@ -64,4 +64,6 @@ def test_the_printed_calls_fit_the_device_tool():
                                                          ".gpucarry/smoke_kernels.py"], []]
     assert all(len(cmd) <= 2000 for _, cmd, _ in seq)
     assert "install.sh" in seq[1][1] and "prove.py" in seq[1][1] and "--steps a,b,c,e" in seq[1][1]
-    assert "--from NEXT" in seq[2][1] and seq[1][2] == 600
+    assert "--from NEXT" in seq[2][1] and seq[1][2] == 600 and "--from" not in seq[1][1]
+    # the next lease starts where the last one stopped (docs/gpu.md): make_bundle.py --from b
+    assert "--steps a,b,c,e --from b --deadline-s 560" in mb.calls(".gpucarry", 2, "a,b,c,e", "b")[1][1]

@@ -17,13 +17,13 @@ and the ratio to CP1 at the same length: what a rank needs, so what decides whet
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
+from long_context import write_json  # noqa: E402
 
 VOCAB = 151_936
 PROMPT = 64
@@ -91,10 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
             + f", {row[name]['seconds']:.1f} s" for name in a.layouts), flush=True)
     result = {"vocab": VOCAB, "shape": SHAPE, "chunk": a.chunk, "rows": rows}
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(a.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(a.json)
+        write_json(a.json, result)
     return result
 
 

@@ -221,11 +221,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"backend": a.backend, "vocab": VOCAB, "shape": SHAPE, "chunk": a.chunk, "memory": rows,
               "whole_bytes_per_token": per_token, "speed_tokens": a.speed_tokens, "speed": speed}
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(a.json + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(a.json)
+        write_json(a.json, result)
     return result
+
+
+def write_json(path: str, result: dict) -> None:
+    """``result`` as JSON at ``path``, written then renamed (never half-written)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

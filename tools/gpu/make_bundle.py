@@ -644,11 +644,13 @@ GPU_TESTS = (f"set -o pipefail; export {TEST_ENV} && python3 -m pytest tests/gpu
              " 2>&1 | tee $OUT/pytest_gpu.log")
 
 
-def calls(outrel: str, nparts: int, steps: str) -> list[tuple[list[str], str, int]]:
+def calls(outrel: str, nparts: int, steps: str, start: str | None = None) -> list[tuple[list[str], str, int]]:
     """(carry, command, timeout_s) of each device call, in order: every part's call copies its part (the first
     also says what the machine has); the last part's installs everything and starts tools/gpu/prove.py on
-    ``steps`` with a 560 s deadline; one more call goes on from where that one stopped, with what the lease
-    has left (its --from and timeout are filled in then, from summary.json's next_step and `status`)."""
+    ``steps`` (from ``start``: where the last lease stopped, docs/gpu.md) with a 560 s deadline; one more call
+    goes on from where that one stopped, with what the lease has left (its --from and timeout are filled in
+    then, from summary.json's next_step and `status`)."""
+    begin = f" --from {start}" if start else ""
     seq = []
     for k in range(1, nparts):
         copy = f"mkdir -p /tmp/w && cp {outrel}/part{k}/* /tmp/w/ && ls -l /tmp/w"
@@ -656,7 +658,7 @@ def calls(outrel: str, nparts: int, steps: str) -> list[tuple[list[str], str, in
             copy += " && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv && df -h /tmp /dev/shm"
         seq.append(([f"{outrel}/part{k}"], copy, 120))
     install = (f"set -o pipefail; mkdir -p /tmp/w && cp {outrel}/part{nparts}/* /tmp/w/ && bash {outrel}/install.sh"
-               f" && export {PROVE_ENV} && python3 {outrel}/smoke_kernels.py && {PROVE} --steps {steps}"
+               f" && export {PROVE_ENV} && python3 {outrel}/smoke_kernels.py && {PROVE} --steps {steps}{begin}"
                f" --deadline-s 560 2>&1 | tee $OUT/prove.log")
     seq.append(([f"{outrel}/part{nparts}", f"{outrel}/install.sh", f"{outrel}/smoke_kernels.py"], install, 600))
     seq.append(([], f"set -o pipefail; export {PROVE_ENV} && {PROVE} --steps {steps} --from NEXT --deadline-s "
@@ -676,6 +678,8 @@ def main() -> None:
                     "beside the working tree, less 2 MiB)")
     ap.add_argument("--xz-preset", type=int, default=9, help="xz preset (default 9: 64 MiB dictionary)")
     ap.add_argument("--offline", action="store_true", help="do not run pip: use cached wheels only")
+    ap.add_argument("--from", dest="start", default=None,
+                    help="the step the install call's prove.py starts at: where the last lease stopped (docs/gpu.md)")
     args = ap.parse_args()
 
     repo = Path(git(args.repo, "rev-parse", "--show-toplevel").strip()).resolve()
@@ -749,11 +753,12 @@ def main() -> None:
     (out / "smoke_kernels.py").write_text(SMOKE_PY.replace("@@OUTREL@@", outrel))
 
     steps = "a,b,c,d,e" if args.moe else "a,b,c,e"
-    seq = calls(outrel, len(parts), steps)
+    seq = calls(outrel, len(parts), steps, args.start)
     lines = [f"# Device calls for bundle {digest[:16]} ({size / MiB:.1f} MiB in {len(parts)} parts; "
              f"working tree {tree / MiB:.1f} MiB){' with MoE kernels' if args.moe else ''}",
              "# Issue them back to back: /tmp/w lives only while the machine stays warm (~30 s idle).",
-             f"# Call {len(parts)} installs the carry and starts tools/gpu/prove.py (steps {steps}); call "
+             f"# Call {len(parts)} installs the carry and starts tools/gpu/prove.py (steps {steps}"
+             f"{', from ' + args.start if args.start else ''}); call "
              f"{len(parts) + 1} goes on from summary.json's next_step.",
              ""]
     for i, (carry, cmd, timeout) in enumerate(seq, 1):
