@@ -11,12 +11,12 @@ rlmega's own, so a short sequence costs nothing but balance.
     mb = localise(mb, cp, rank, multiple)              # the micro-batch's model inputs, this rank's part
 
 Three things then differ from a run without CP:
-- **Attention** (``Layout.attend``, which packed_attention.PackedSDPAttention calls through its RowPacking):
+- **Attention** (``CPShare.attend``, which packed_attention.PackedSDPAttention calls through its RowPacking):
   K and V are all-gathered over the CP group (the gather's backward reduce-scatters their gradients), put
   back in row order, and each local chunk attends to its segment's keys up to the chunk's end: causal,
   aligned lower-right.
 - **Outputs**: the log-probs (entropy, values) each rank computes at its own positions are all-gathered
-  over CP and put back in row order (``Layout.to_full``), so every CP rank holds the whole micro-batch's
+  over CP and put back in row order (``CPShare.to_full``), so every CP rank holds the whole micro-batch's
   per-token outputs. The loss then runs on the whole micro-batch, as without CP: sequence-level
   aggregation, GSPO and sequence-level rollout correction see whole sequences.
 - **Normalisation**: every CP rank returns the whole numerator and count. Megatron sums the count over
@@ -41,7 +41,7 @@ from rlmega.megatron.packed_attention import row_segments
 
 
 @dataclasses.dataclass
-class Layout:
+class CPShare:
     """One CP rank's share of one packed row of ``full_len`` positions.
 
     ``local_idx`` (S_local,) int64: the row position each local slot holds, -1 on padding slots (the local
@@ -119,7 +119,7 @@ def _pieces(segments: list[int], cp: int, rank: int) -> tuple[list[int], list[tu
     return positions, queries
 
 
-def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1) -> Layout:
+def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1) -> CPShare:
     """The layout of CP rank ``rank`` over one row whose causal segments have lengths ``segments``
     (sequences, then the padding tail: packed_attention.row_segments). ``multiple``: the local row's
     length is a multiple of it (TP under sequence parallelism)."""
@@ -135,13 +135,13 @@ def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1) -> Lay
     if pad:
         queries = queries + [(len(positions), pad, -1, -1)]
     local_idx = torch.tensor(positions + [-1] * pad, dtype=torch.int64)
-    return Layout(local_idx, full_from_gathered, queries, full_len)
+    return CPShare(local_idx, full_from_gathered, queries, full_len)
 
 
 def localise(mb: dict, cp: int, rank: int, multiple: int = 1) -> dict:
     """A packed micro-batch (one row) with its model inputs (``tokens``, ``position_ids``) cut to CP rank
     ``rank``'s share; the per-token fields stay whole (the loss runs on the whole row) and ``mb["cp"]``
-    holds the Layout, with the head's local fields (labels and the scored runs of local slots)."""
+    holds the CPShare, with the head's local fields (labels and the scored runs of local slots)."""
     B, S = mb["tokens"].shape
     if B != 1:
         raise ValueError(f"context parallelism takes one packed row per micro-batch, got {B} rows")

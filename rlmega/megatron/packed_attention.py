@@ -45,12 +45,12 @@ class RowPacking(PackedSeqParams):
     ``cos`` (S, B, 1, head_dim), ``sin`` (S, B, 1, head_dim / 2): of each token's angles (cos repeated
     for both halves), or None (no RoPE in the model).
     ``cp``: under context parallelism, this rank's share of the row (rlmega/megatron/context_parallel.py's
-    ``Layout``: S is the local length; its ``attend`` gathers K and V over the CP group).
+    ``CPShare``: S is the local length; its ``attend`` gathers K and V over the CP group).
     """
     segments: list[int] = dataclasses.field(default_factory=list)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-    cp: object | None = None  # context_parallel.Layout of a row split over the CP group: it attends
+    cp: object | None = None  # context_parallel.CPShare of a row split over the CP group: it attends
 
 
 def row_segments(row_cu: list[list[int]], rows: int, row_len: int) -> list[int]:
@@ -76,7 +76,7 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=N
     the float32 angle t*f carries rounding up to ulp(t*f)/2 (1.5e-5 rad at t=500), which cost 1.2e-4 in
     log-probs against vLLM on the demo's trained model with 512-token rows (tools/parity_probe.py).
     Yields None, touching nothing, for a chunk whose attention is not ``PackedSDPAttention`` (TE).
-    ``cp``: the micro-batch's context-parallel Layout (position_ids are then this rank's slots').
+    ``cp``: the micro-batch's context-parallel CPShare (position_ids are then this rank's slots').
     """
     B, S = position_ids.shape
     model = unwrap(chunk)
