@@ -50,7 +50,7 @@ class MegatronActor(PolicyActor):
         # MoE routing replay (algorithm.routing_replay): none | trainer (R2) | rollout (R3)
         self.routing_replay = self.algo.routing_replay
         self._routes: dict[int, routing_replay.ModelRoutes] = {}  # id(engine) -> its routers
-        self._trainer_routes: dict[int, torch.Tensor] = {}  # R2: sample_id -> (L_i, M, K) of the old forward
+        self._trainer_routes: dict[int, torch.Tensor] = {}  # R2: sample_id -> (L_i, M, K) of the old forward (own share)
         self._route_metrics: dict = {}  # of the last compute_logprobs, reported by the train_steps after it
 
     def setup(self, with_reference: bool = True) -> None:
@@ -94,14 +94,14 @@ class MegatronActor(PolicyActor):
 
     def _route_results(self, routes, batch: RolloutBatch) -> dict:
         """Collectives: the pass's routes (when recorded, into self._trainer_routes) and its metrics."""
-        if routes.record:  # by sample id: a later train step may be planned (and split over DP) otherwise
+        if routes.record:  # by sample id, this rank's share: _train_routing fetches what a train step needs
             ids, lengths = batch.sample_ids.tolist(), batch.lengths()
             recorded = routes.recorded_routes()
             missing = [ids[i] for mb in routes.mbs for i in mb["indices"] if i not in recorded]
             if missing:
                 raise RuntimeError(f"routing replay: no routes were recorded for samples {missing[:5]}")
             shape = (routes.routes.num_moe_layers, routes.routes.topk)
-            self._trainer_routes = routing_replay.gather_routes(
+            self._trainer_routes = routing_replay.merge_stage_routes(
                 {ids[i]: r for i, r in recorded.items()}, {ids[i]: lengths[i] for i in recorded}, shape)
         counts, load = routing_replay.reduce_counts(routes.counts, routes.load)
         return routing_replay.route_metrics(counts, load)
@@ -118,12 +118,15 @@ class MegatronActor(PolicyActor):
         replay = self._replays(batch, "train_step")
         if self.routing_replay == "trainer" and not on_policy:
             # R2: replay what the old-log-prob forward (compute_logprobs) chose for these samples. On
-            # policy, this forward is the old one: its own live routes are the ones to keep.
-            missing = [s for s in batch.sample_ids.tolist() if s not in self._trainer_routes]
+            # policy, this forward is the old one: its own live routes are the ones to keep. The routes
+            # were recorded on the ranks whose log-prob shares held the samples: fetch this share's.
+            ids = batch.sample_ids.tolist()
+            mine = routing_replay.exchange_routes(self._trainer_routes, ids)
+            missing = [s for s in ids if s not in mine]
             if missing:
                 raise ValueError(f"algorithm.routing_replay=trainer: samples {missing[:5]} have no routes from "
                                  "compute_logprobs; call it on this batch before train_step")
-            routed = [self._trainer_routes[s] for s in batch.sample_ids.tolist()]
+            routed = [mine[s] for s in ids]
             batch, replay = dataclasses.replace(batch, routed_experts=routed), True
         return batch, replay
 

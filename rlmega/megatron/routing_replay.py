@@ -208,7 +208,7 @@ class RoutePass:
     ``replay``: micro-batches with mb["routed_experts"] replay them (-1 rows live); otherwise every
     router routes live. Either way, per micro-batch and local MoE layer, it keeps the experts used
     (``record``: as per-sample routes), the counts of COUNT_KEYS and the tokens per expert. Every
-    number is local (this rank's micro-batches and layers); ``gather_routes`` / ``reduce_counts``
+    number is local (this rank's micro-batches and layers); ``merge_stage_routes`` / ``reduce_counts``
     combine ranks.
     """
 
@@ -322,23 +322,40 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return out.to(t.device)
 
 
-def gather_routes(local: dict[int, torch.Tensor], lengths: dict[int, int], shape: tuple[int, int]) -> dict:
-    """Every rank's recorded routes, keyed by sample id -> those of every sample any rank recorded, every
-    layer, on every rank.
+def merge_stage_routes(local: dict[int, torch.Tensor], lengths: dict[int, int], shape: tuple[int, int]) -> dict:
+    """This rank's recorded routes with every pipeline stage's layers: {sample id: (L_i, M, K) int16}.
 
     Pipeline stages hold disjoint layers (-1 elsewhere, and expert ids >= 0): an element-wise max over
-    the pipeline group merges them; tensor-parallel ranks recorded the same routes; data-parallel
-    ranks hold disjoint samples, gathered over Megatron's gloo group.
-    lengths: each sample's token count; shape: (num_moe_layers, topk). Returns {sample id: (L_i, M, K) int16}.
+    the pipeline group merges them; tensor-parallel ranks recorded the same routes. Data-parallel ranks
+    keep their own samples' (``exchange_routes`` moves them to the rank a later step needs them on).
+    lengths: each sample's token count; shape: (num_moe_layers, topk).
     """
     order = sorted(local)
     flat = torch.cat([local[i] for i in order]) if order else torch.zeros(0, *shape, dtype=torch.int16)
     flat = _all_reduce(flat.int(), ps.get_pipeline_model_parallel_group(), dist.ReduceOp.MAX).to(torch.int16)
-    mine = dict(zip(order, flat.split([lengths[i] for i in order])))
+    return dict(zip(order, flat.split([lengths[i] for i in order])))
+
+
+def exchange_routes(held: dict[int, torch.Tensor], needed: list[int]) -> dict[int, torch.Tensor]:
+    """Collective over the data-parallel ranks: {sample id: routes} of this rank's ``needed`` samples, from
+    whichever rank ``held`` them (ids no rank holds are left out).
+
+    R2 records routes on the rank whose share of compute_logprobs held the sample; a train step's
+    mini-batch may be planned onto another rank. Each rank says which ids it needs (small), then every
+    rank in turn scatters to each other rank only what that one needs: no rank ever holds the whole
+    batch's routes (12.9 GB at 512 x 32k tokens, 48 layers top-8: docs/moe.md).
+    """
     group = ps.get_data_parallel_group_gloo()
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, mine, group=group)
-    return {i: t for part in parts for i, t in part.items()}
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    wants = [None] * n
+    dist.all_gather_object(wants, list(needed), group=group)
+    out = {}
+    for src in range(n):
+        pieces = [{i: held[i] for i in wants[d] if i in held} for d in range(n)] if src == me else None
+        got = [None]
+        dist.scatter_object_list(got, pieces, src=dist.get_global_rank(group, src), group=group)
+        out.update(got[0])
+    return out
 
 
 def reduce_counts(counts: torch.Tensor, load: torch.Tensor) -> tuple[dict, torch.Tensor]:

@@ -52,9 +52,16 @@ def _body(path):
     out["rows_per_mb"] = [tuple(mb["tokens"].shape) for mb in mbs]
     out["seqs_per_row"] = max(len(r) for mb in mbs for r in mb["rows"])
 
+    from rlmega.megatron import routing_replay as rr
+
+    def recorded():  # every sample's recorded routes, fetched from the DP rank that holds them (a collective)
+        got = rr.exchange_routes(actor._trainer_routes, batch.sample_ids.tolist())
+        return [got[s] for s in batch.sample_ids.tolist()]
+
     # (a) record (R2's compute_logprobs), then replay the recorded routes (R3)
     lp_rec = actor.compute_logprobs(batch)
-    routes = [actor._trainer_routes[s] for s in batch.sample_ids.tolist()]
+    out["held"] = len(actor._trainer_routes)  # this DP rank's share only, not the batch's
+    routes = recorded()
     out["routes_shape_ok"] = all(tuple(r.shape) == (len(t), LAYERS, K) for r, t in zip(routes, batch.tokens))
     out["recorded_min"] = int(min(int(r.min()) for r in routes))
     # the packed EP2 forward against transformers, one sample at a time (catches tokens dispatched
@@ -80,7 +87,7 @@ def _body(path):
     actor.compute_logprobs(b_other)
     out["mismatch_other_routes"] = actor._route_metrics["router_mismatch"]
     lp_other = actor._logprobs(actor.policy, b_other, False, replay=True, record=True)[0]
-    used = [actor._trainer_routes[s] for s in batch.sample_ids.tolist()]
+    used = recorded()
     out["other_used_equal"] = all(torch.equal(u, o) for u, o in zip(used, other))
     out["other_max_diff"] = float(max((a - b).abs().max() for a, b in zip(lp_rec, lp_other)))
     actor.routing_replay = "rollout"
@@ -98,7 +105,7 @@ def _body(path):
         holes.append(h)
     expected_live = sum(int((h[:, :, 0] < 0).sum()) for h in holes) / sum(h[:, :, 0].numel() for h in holes)
     actor._logprobs(actor.policy, dataclasses.replace(batch, routed_experts=holes), False, replay=True, record=True)
-    used = [actor._trainer_routes[s] for s in batch.sample_ids.tolist()]
+    used = recorded()
     given = torch.cat(holes)
     got = torch.cat(used)
     hole = given[:, :, 0] < 0
@@ -129,7 +136,7 @@ def _body(path):
 
     from rlmega.algorithms import rl_loss as rl
     from rlmega.data.micro_batches import build_micro_batch
-    from rlmega.megatron import policy as pol, routing_replay as rr
+    from rlmega.megatron import policy as pol
     routers = [mod for c in actor.policy.model for mod in c.modules() if isinstance(mod, TopKRouter)]
     flat = dataclasses.replace(batch, advantages=[torch.zeros_like(a) for a in batch.advantages])
 
@@ -177,12 +184,14 @@ def results(tmp_path_factory):
 def test_routing_replay(results):
     r = results[0]
     print(json.dumps(r, indent=1, default=str))
-    same = [k for k in r if k not in ("rows_per_mb", "seqs_per_row", "r2_metrics", "aux")]
+    same = [k for k in r if k not in ("rows_per_mb", "seqs_per_row", "r2_metrics", "aux", "held")]
     for x in results[1:]:  # every rank returns the same results (its own plan aside)
         assert {k: x[k] for k in same} == {k: r[k] for k in same}
     # packing really on: several sequences per row
     assert max(x["seqs_per_row"] for x in results) > 1
     assert r["routes_shape_ok"] and r["recorded_min"] >= 0  # every token got a route
+    # R2 keeps each DP rank's share (PP2 x DP2: each share on its two stages), fetched by train_step
+    assert all(0 < x["held"] < N for x in results) and sum(x["held"] for x in results) == 2 * N
     assert r["hf_max_diff"] < 5e-6  # measured 4.8e-7
     # (a) bit-exact
     assert r["replay_same_max_diff"] == 0.0
