@@ -81,7 +81,11 @@ def _demo(args) -> int:
     run_dir = Path(args.run_dir or _config_value(config, args.overrides, "trainer.run_dir", "runs/demo"))
     model = run_dir / "tiny_model"
     if not (model / "config.json").exists():
-        make_tiny_model(model, **DEMO_MODEL, overwrite=True)
+        # RoPE has no trained positions: the context is only what the config says engines may hold
+        # (configs/long_context_cpu.yaml's 8k-token answers need more than the default 512).
+        longest = sum(int(_config_value(config, args.overrides, f"rollout.max_{k}_tokens", d))
+                      for k, d in (("prompt", 64), ("response", 32)))
+        make_tiny_model(model, **DEMO_MODEL, max_position_embeddings=max(512, longest), overwrite=True)
         print(f"rlmega demo: made tiny model in {model}", flush=True)
     steps = [f"trainer.total_steps={args.steps}"] if args.steps is not None else []
     return train_main([str(config), f"model.path={model}", f"trainer.run_dir={run_dir}", *steps, *args.overrides])

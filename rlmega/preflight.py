@@ -128,7 +128,7 @@ def _data_file(field: str, path: str, prompt_key: str, label_key: str, section: 
         return []
     if not os.path.isfile(path):
         return [problem(field, f"prompt file {path!r} does not exist",
-                        'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task')]
+                        'give an existing JSONL or Parquet file, or "" for data.synthetic_task')]
     suffix = os.path.splitext(path)[1].lower()
     keys = ((f"{section}.prompt_key", prompt_key), (f"{section}.label_key", label_key))
     if suffix in PARQUET_SUFFIXES:

@@ -232,12 +232,15 @@ def check_judgements(groups, on_error: str) -> None:
                                   "and go on")
 
 
-def sft_batch(picked: list, tokenizer, loop_cfgs: dict) -> RolloutBatch:
+def sft_batch(picked: list, tokenizer, loop_cfgs: dict, max_tokens: int = 0) -> RolloutBatch:
     """[(task, Prompt)] with targets in each task's agent-loop format (rlmega/agents/sft.py: the label +
-    EOS, or a calculator call, its masked result and the label): a supervised warm-start batch."""
+    EOS, or a calculator call, its masked result and the label): a supervised warm-start batch.
+    ``max_tokens`` > 0 cuts each target to its first that many tokens (a cut one loses its EOS)."""
     tokens, plens, masks = [], [], []
     for task, p in picked:
         ids, mask = sft_example(list(p.token_ids), p.text, p.label, loop_cfgs[task], tokenizer)
+        if max_tokens:
+            ids, mask = ids[:max_tokens], mask[:max_tokens]
         tokens.append(torch.tensor(list(p.token_ids) + ids, dtype=torch.int64))
         plens.append(len(p.token_ids))
         masks.append(torch.tensor(mask, dtype=torch.float32))

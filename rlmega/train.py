@@ -102,7 +102,7 @@ def _train(cfg: RLConfig, run: RunDir) -> None:
     with Roles(cfg) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
         start, history, produced = resume(roles, run, data, checkpoint)
         if start == 0 and t.warmup_sft_steps:
-            warm_start(roles, data, tokenizer, t.warmup_sft_steps, t.warmup_sft_lr, stop)
+            warm_start(roles, data, tokenizer, t, stop)
             # KL regularises toward the policy RL starts from, not the untuned model.path.
             roles.call_actors("update_ref_policy", 1.0)
         roles.sync_weights(version=start)
@@ -186,17 +186,20 @@ def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | Non
     return step, list(extra["history"]), extra.get("producer")  # checkpoints before async have none
 
 
-def warm_start(roles: Roles, data, tokenizer, steps: int, lr: float | None, stop: StopRequest) -> None:
-    """A short supervised warm start on the prompts' labels (random weights learn nothing by RL).
+def warm_start(roles: Roles, data, tokenizer, t, stop: StopRequest) -> None:
+    """A short supervised warm start on the prompts' labels (random weights learn nothing by RL):
+    ``t.warmup_sft_steps`` steps at ``t.warmup_sft_lr``, targets cut to ``t.warmup_sft_max_tokens``.
 
     A stop request ends it early; the run then stops before RL with no checkpoint (a resume would
     start over, as the warm start belongs to step 0)."""
+    steps = t.warmup_sft_steps
     bar = tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0)
     for i in bar:
         if stop.requested():
             return
         loops = {name: data.config(name).agent_loop for name in data.names}
-        metrics = roles.call_actors("sft_step", sft_batch(data.warmup_prompts(i), tokenizer, loops), lr)
+        batch = sft_batch(data.warmup_prompts(i), tokenizer, loops, t.warmup_sft_max_tokens)
+        metrics = roles.call_actors("sft_step", batch, t.warmup_sft_lr)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 
 

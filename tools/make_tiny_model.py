@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=2, help="qwen3_moe, mixtral: experts per token")
     p.add_argument("--moe-intermediate-size", type=int, default=None,
                    help="qwen3_moe, mixtral: default hidden size // 2")
+    p.add_argument("--max-position-embeddings", type=int, default=512,
+                   help="the context engines may be given (RoPE: no trained positions)")
+    p.add_argument("--rope-theta", type=float, default=10000.0,
+                   help="RoPE base; long contexts want a large one (Qwen2.5: 1e6)")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's own size")
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)

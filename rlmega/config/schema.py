@@ -304,6 +304,11 @@ class TrainerConfig:
     warmup_sft_lr: Optional[float] = None
     """Constant learning rate of the warm start, outside the RL schedule (which it neither uses nor
     advances); null: the warm start takes the first steps of the optimizer's schedule."""
+    warmup_sft_max_tokens: int = 0
+    """Warm-start targets cut to their first this many tokens, with no EOS after a cut one (the model is
+    not taught to stop there); 0: whole. Long answers teach their rule from their start at a fraction of
+    the cost, and RL on whole answers then carries it to the lengths the warm start never saw
+    (configs/long_context_cpu.yaml: 1,024 of 8,192)."""
 
 
 @dataclass
@@ -412,7 +417,7 @@ class CriticConfig:
 @dataclass
 class DataConfig:
     train_path: str = ""
-    """Training prompts, JSONL (one object per line) or Parquet (.parquet); "" = synthetic arithmetic."""
+    """Training prompts, JSONL (one object per line) or Parquet (.parquet); "" = the synthetic task."""
     eval_path: str = ""
     """Evaluation prompts, same format as train_path; "" = none (held-out problems for the synthetic task)."""
     prompt_key: str = "prompt"
@@ -431,10 +436,17 @@ class DataConfig:
     """Draw prompts in a new seeded permutation each epoch; False keeps file order."""
     seed: int = 0
     """Seed of the prompt order (epoch e uses seed + e) and of the synthetic problems."""
+    synthetic_task: Literal["arithmetic", "sequence"] = "arithmetic"
+    """The synthetic task when train_path is "": arithmetic ("12+34=" -> "46", reward
+    rlmega.rewards.arithmetic.score) or sequence ("e:" -> synthetic_length letters from e's successor,
+    each the successor of the one before in the alphabet's order that data.seed shuffles; reward
+    rlmega.rewards.sequence.score; eval: 10 start letters)."""
     synthetic_size: int = 2000
-    """Number of synthetic arithmetic prompts when train_path is ""."""
+    """Number of synthetic prompts when train_path is ""."""
     synthetic_digits: int = 2
-    """Operands of the synthetic problems have 1..synthetic_digits digits."""
+    """Arithmetic: operands of the synthetic problems have 1..synthetic_digits digits."""
+    synthetic_length: int = 1024
+    """Sequence: letters in each answer (the response must hold them: rollout.max_response_tokens >= this)."""
 
 
 JUDGER_KINDS = ("native", "http", "ray", "model")

@@ -26,6 +26,25 @@ def split_by_weight(total: int, weights: list[float]) -> list[int]:
     return counts
 
 
+MAX_SYNTHETIC_CHARACTERS = 2**31  # the sequence task's labels (synthetic_size x synthetic_length) live in the driver
+
+
+def synthetic_problems(data, field: str, rollout) -> list[str]:
+    """The synthetic sequence task of ``data`` (field: "data" or "tasks[i].data") fits the run."""
+    if data.train_path or data.synthetic_task != "sequence":
+        return []
+    out = []
+    if rollout.max_response_tokens < data.synthetic_length:
+        out.append(problem(f"{field}.synthetic_length", f"{data.synthetic_length} letters per answer, but "
+                           f"rollout.max_response_tokens={rollout.max_response_tokens} cuts every response shorter",
+                           f"set rollout.max_response_tokens >= {data.synthetic_length}, or shorten the answers"))
+    if data.synthetic_size * data.synthetic_length > MAX_SYNTHETIC_CHARACTERS:
+        out.append(problem(f"{field}.synthetic_size", f"{data.synthetic_size} answers of {data.synthetic_length} "
+                           f"letters are more than {MAX_SYNTHETIC_CHARACTERS} characters held in the driver",
+                           "lower data.synthetic_size: there are only 26 prompts"))
+    return out
+
+
 def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
     out = []
     if loop.num_ray_actors < 0:
@@ -72,7 +91,8 @@ def agent_loop_problems(loop, field: str, rollout, reward) -> list[str]:
 def task_problems(cfg) -> list[str]:
     """The agent_loop section (default task) or every task of cfg.tasks, and the mix's weights."""
     if not cfg.tasks:
-        return agent_loop_problems(cfg.agent_loop, "agent_loop", cfg.rollout, cfg.reward)
+        return (agent_loop_problems(cfg.agent_loop, "agent_loop", cfg.rollout, cfg.reward)
+                + synthetic_problems(cfg.data, "data", cfg.rollout))
     out, names = [], set()
     for i, t in enumerate(cfg.tasks):
         f = f"tasks[{i}]"
@@ -84,11 +104,12 @@ def task_problems(cfg) -> list[str]:
             out.append(problem(f"{f}.weight", f"{t.weight} is not a finite number >= 0",
                                "give each task a finite weight >= 0"))
         out += agent_loop_problems(t.agent_loop, f"{f}.agent_loop", cfg.rollout, cfg.reward)
+        out += synthetic_problems(t.data, f"{f}.data", cfg.rollout)
         for key in ("train_path", "eval_path"):
             path = getattr(t.data, key)
             if path and not os.path.isfile(path):
                 out.append(problem(f"{f}.data.{key}", f"prompt file {path!r} does not exist",
-                                   'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
+                                   'give an existing JSONL or Parquet file, or "" for data.synthetic_task'))
     weights = [t.weight for t in cfg.tasks]
     if not all(finite_number(w) for w in weights):
         pass  # named above; the shares below divide by their sum

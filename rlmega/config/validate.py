@@ -132,7 +132,7 @@ _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("algorithm.rollout_is_cap", (lambda v: v >= 1, ">= 1 (a cap below 1 would shrink on-policy tokens)")),
     ("algorithm.rollout_is_bounds_low", (lambda v: 0 < v <= 1, "in (0, 1] (ratio 1, no mismatch, must be kept)")),
     ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
-    ("trainer.warmup_sft_steps", GE0),
+    ("trainer.warmup_sft_steps", GE0), ("trainer.warmup_sft_max_tokens", GE0),
     ("trainer.warmup_sft_lr", (lambda v: v is None or 0 < v <= 1, "null or in (0, 1]")),
     ("cluster.actor_cpus_per_rank", GT0), ("cluster.engine_cpus", GT0),
     ("cluster.threads_per_rank", _NONE_OR_GE1), ("cluster.threads_per_engine", _NONE_OR_GE1),
@@ -145,6 +145,7 @@ _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("trainer.save_every", GE0),
     ("trainer.eval_every", GE0), ("trainer.keep_last_checkpoints", GE1),
     ("data.seed", _SEED), ("data.synthetic_size", _upto(MAX_SYNTHETIC)), ("data.synthetic_digits", _upto(18)),
+    ("data.synthetic_length", _upto(10**6)),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
     ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
     ("algorithm.max_sampling_rounds", GE1), ("algorithm.overlong_penalty_factor", GE0),
@@ -346,7 +347,23 @@ def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
                            f"max_prompt_tokens + max_response_tokens = {total} exceeds the model's "
                            f"max_position_embeddings={shape.max_position_embeddings}",
                            "lower rollout.max_prompt_tokens or rollout.max_response_tokens"))
+    if cfg.rollout.device == "cpu":  # vLLM refuses to start a CPU engine whose KV space holds no whole sequence
+        need = total * kv_bytes_per_token(shape, cfg.model.dtype, cfg.rollout.tensor_parallel_size) / 2**30
+        if need > cfg.rollout.kv_cache_space_gb:
+            out.append(problem("rollout.kv_cache_space_gb",
+                               f"{cfg.rollout.kv_cache_space_gb:g} GiB of KV cache cannot hold one sequence of "
+                               f"max_prompt_tokens + max_response_tokens = {total} tokens ({need:.2f} GiB: "
+                               f"{shape.num_hidden_layers} layers x {shape.num_key_value_heads} KV heads x head_dim "
+                               f"{shape.head_dim}, K and V, {cfg.model.dtype})",
+                               f"set rollout.kv_cache_space_gb >= {math.ceil(need * 4) / 4:g} (more lets more "
+                               "sequences run at once), or lower rollout.max_*_tokens"))
     return out
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one token's K and V over every layer, on one engine rank (KV heads split over its TP)."""
+    kv_heads = max(shape.num_key_value_heads // tensor_parallel_size, 1)
+    return 2 * shape.num_hidden_layers * kv_heads * shape.head_dim * (4 if dtype == "float32" else 2)
 
 
 def validate(cfg: RLConfig) -> None:
@@ -406,7 +423,7 @@ def validate(cfg: RLConfig) -> None:
         path = getattr(cfg.data, name)
         if path and not os.path.isfile(path):
             out.append(problem(f"data.{name}", f"prompt file {path!r} does not exist",
-                               'give an existing JSONL or Parquet file, or "" for the synthetic arithmetic task'))
+                               'give an existing JSONL or Parquet file, or "" for data.synthetic_task'))
 
     longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     if cfg.actor.max_tokens_per_micro_batch < longest:

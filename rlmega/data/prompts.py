@@ -1,4 +1,4 @@
-"""Prompt datasets: rows from JSONL/Parquet (or the synthetic arithmetic task), tokenized once,
+"""Prompt datasets: rows from JSONL/Parquet (or a synthetic task), tokenized once,
 drawn in a seeded, resumable order.
 
     rows, skipped = load_rows("train.jsonl", "prompt", "label", on_bad_row="error")
@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from rlmega.data.arithmetic import make_problems
+from rlmega.data.sequences import make_sequence_problems
 
 logger = logging.getLogger(__name__)
 
@@ -368,11 +369,27 @@ def _synthetic_eval_rows(cfg, train_rows: Sequence[Row]) -> List[Row]:
     return held[:SYNTHETIC_EVAL_SIZE]
 
 
+def synthetic_rows(cfg, split: str) -> Tuple[List[Row], str]:
+    """(rows, source name) of cfg.synthetic_task's `split`: cfg.synthetic_size training problems (seed
+    cfg.seed); for eval, SYNTHETIC_EVAL_SIZE held-out arithmetic problems, or the sequence task's eval
+    start letters."""
+    if cfg.synthetic_task == "sequence":
+        evaluating = split == "eval"
+        n = SYNTHETIC_EVAL_SIZE if evaluating else cfg.synthetic_size
+        rows = [{"prompt": p, "label": a}
+                for p, a in make_sequence_problems(n, cfg.synthetic_length, cfg.seed, eval_set=evaluating)]
+        return rows, "synthetic sequences" + (" (eval starts)" if evaluating else "")
+    rows = synthetic_arithmetic_rows(cfg.synthetic_size, cfg.synthetic_digits, cfg.seed)
+    if split == "eval":
+        return _synthetic_eval_rows(cfg, rows), "synthetic arithmetic (held out)"
+    return rows, "synthetic arithmetic"
+
+
 def load_prompt_dataset(cfg, tokenizer, max_prompt_tokens: int, split: str = "train") -> Optional[PromptDataset]:
     """The `split` ("train" or "eval") dataset a DataConfig describes.
 
-    train_path "" gives cfg.synthetic_size synthetic problems (seed cfg.seed) and, for eval,
-    SYNTHETIC_EVAL_SIZE held-out ones; eval is None when only the training prompts come from a file.
+    train_path "" gives cfg.synthetic_task's problems (``synthetic_rows``); eval is None when only the
+    training prompts come from a file.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
@@ -383,10 +400,7 @@ def load_prompt_dataset(cfg, tokenizer, max_prompt_tokens: int, split: str = "tr
     elif cfg.train_path:
         return None
     else:
-        rows = synthetic_arithmetic_rows(cfg.synthetic_size, cfg.synthetic_digits, cfg.seed)
-        source = "synthetic arithmetic"
-        if split == "eval":
-            rows, source = _synthetic_eval_rows(cfg, rows), "synthetic arithmetic (held out)"
+        rows, source = synthetic_rows(cfg, split)
     return PromptDataset(rows, tokenizer, max_prompt_tokens, cfg.apply_chat_template, source=source,
                          strict=cfg.strict)
 

@@ -71,6 +71,20 @@ def test_tool_warm_start_target_masks_the_result_the_model_never_writes():
     assert tok.decode(single) == "46</s>" and smask == [1.0] * 3
 
 
+def test_warm_start_targets_cut_to_max_tokens_lose_their_eos():
+    from rlmega.data.prompts import Prompt
+    from rlmega.step import sft_batch
+
+    tok = make_tokenizer()
+    picked = [("t", Prompt(0, tok.encode("c7:"), "7036925814", "c7:")),
+              ("t", Prompt(1, tok.encode("a1:"), "12", "a1:"))]
+    loops = {"t": AgentLoopConfig()}
+    whole, cut = sft_batch(picked, tok, loops), sft_batch(picked, tok, loops, max_tokens=4)
+    assert [tok.decode(t[3:]) for t in whole.tokens] == ["7036925814</s>", "12</s>"]
+    assert [tok.decode(t[3:]) for t in cut.tokens] == ["7036", "12</s>"]  # a target that fits keeps its EOS
+    assert [m.tolist() for m in cut.response_mask] == [[1.0] * 4, [1.0] * 3]
+
+
 def test_tasks_mix_by_weight_and_resume_their_positions():
     tok = make_tokenizer()
     cfg = RLConfig()

@@ -26,7 +26,7 @@ def test_the_page_shows_each_fields_type_default_and_docstring():
     assert "- **`dtype`** (`Literal['float32', 'bfloat16']`, default `\"float32\"`): Parameter and compute" in text
     n_fields = sum(len(dataclasses.fields(c)) for _, c, _ in docs._sections())
     assert text.count("\n- **`") == n_fields
-    assert docs.field_docs(DataConfig)["synthetic_size"][1].startswith("Number of synthetic arithmetic prompts")
+    assert docs.field_docs(DataConfig)["synthetic_size"][1].startswith("Number of synthetic prompts")
     assert "critic" in docs.field_docs(RLConfig)
 
 

@@ -337,3 +337,16 @@ def test_lossy_and_too_long_prompts_are_named_by_row(tokenizer, tmp_path, caplog
     with pytest.raises(BadRowError, match=r"row 2: prompt with characters the tokenizer cannot represent"):
         PromptDataset(rows, tokenizer, max_prompt_tokens=64, source=path, strict=True)
     assert PromptDataset(rows[:1], tokenizer, 8, strict=True).num_lossy == 0
+
+
+def test_the_synthetic_sequence_task(tokenizer):
+    from rlmega.data.sequences import LETTERS, answer, cycle
+
+    cfg = DataConfig(synthetic_task="sequence", synthetic_size=200, synthetic_length=40, seed=2)
+    train = load_prompt_dataset(cfg, tokenizer, max_prompt_tokens=8)
+    evals = load_prompt_dataset(cfg, tokenizer, max_prompt_tokens=8, split="eval")
+    assert len(train) == 200 and {p.text for p in train} == {f"{c}:" for c in LETTERS}
+    assert len(evals) == 10 == len({p.text for p in evals})
+    for p in list(train)[:20] + list(evals):
+        assert p.label == answer(p.text[0], 40, 2) and len(p.token_ids) == 2
+    assert sorted(cycle(2)) == list(LETTERS) and cycle(2) != cycle(3)

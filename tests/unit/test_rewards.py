@@ -80,3 +80,27 @@ def test_resolve_errors_name_the_path_and_the_failure(pkg):
 def test_resolve_uses_a_custom_field_name():
     with pytest.raises(RewardResolveError, match=r"^judge\.fn='x': "):
         resolve("x", field="judge.fn")
+
+
+@pytest.mark.parametrize("response,expected", [
+    ("abcab", 1.0), ("abcab</s>", 1.0), ("abbca", 0.8), ("abc", 0.6), ("", 0.0), ("bbcab", 0.6),
+    ("abxab", 0.6), ("abcabcabca", 1.0),  # past the label's length nothing counts
+])
+def test_sequence_score(response, expected):
+    from rlmega.rewards.sequence import score as sequence_score
+
+    assert sequence_score(response, "abcab") == pytest.approx(expected)
+
+
+def test_sequence_score_agrees_with_the_synthetic_task_and_refuses_an_empty_label():
+    from rlmega.data.sequences import cycle, make_sequence_problems
+    from rlmega.rewards.sequence import score as sequence_score
+
+    for prompt, answer in make_sequence_problems(20, 300, seed=5):
+        order = cycle(5)
+        assert answer[0] == order[(order.index(prompt[0]) + 1) % 26]
+        assert sequence_score(answer, answer) == 1.0
+        assert sequence_score(answer[:150], answer) == 0.5
+        assert sequence_score(answer[1:], answer) == pytest.approx(298 / 300)  # first letter skipped, last missing
+    with pytest.raises(ValueError, match="label is empty"):
+        sequence_score("ab", "")
