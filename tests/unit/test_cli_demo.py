@@ -15,3 +15,16 @@ def test_demo_passes_overrides_after_its_own(tmp_path, monkeypatch):
     assert argv[0].endswith("configs/demo_cpu.yaml")
     assert argv[1:] == [f"model.path={run_dir / 'tiny_model'}", f"trainer.run_dir={run_dir}", "trainer.total_steps=2",
                         "trainer.warmup_sft_steps=10", "optimizer.lr_warmup_steps=10"]
+
+
+def test_demo_model_holds_the_configs_longest_sequence(tmp_path, monkeypatch):
+    """The demo's model gets the context the config's engines need (RoPE: max_position_embeddings only)."""
+    import rlmega.tiny_model
+
+    made = []
+    monkeypatch.setattr(rlmega.tiny_model, "make_tiny_model", lambda path, **kw: made.append(kw))
+    monkeypatch.setattr(rlmega.train, "main", lambda argv: 0)
+    long = ["rollout.max_prompt_tokens=100", "rollout.max_response_tokens=9000"]
+    for overrides, longest in (([], 512), (long, 9100)):
+        assert cli.main(["demo", "--run-dir", str(tmp_path / str(longest)), *overrides]) == 0
+        assert made[-1]["max_position_embeddings"] == longest and made[-1]["hidden_size"] == 256
