@@ -306,9 +306,8 @@ class TrainerConfig:
     advances); null: the warm start takes the first steps of the optimizer's schedule."""
     warmup_sft_max_tokens: int = 0
     """Warm-start targets cut to their first this many tokens, with no EOS after a cut one (the model is
-    not taught to stop there); 0: whole. Long answers teach their rule from their start at a fraction of
-    the cost, and RL on whole answers then carries it to the lengths the warm start never saw
-    (configs/long_context_cpu.yaml: 1,024 of 8,192)."""
+    not taught to stop there); 0: whole. Long answers whose rule their start already shows teach it at a
+    fraction of the cost (configs/long_context_cpu.yaml: 1,024 of 8,192 letters; RL trains on whole ones)."""
 
 
 @dataclass
