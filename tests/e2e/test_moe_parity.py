@@ -122,8 +122,11 @@ def _probe_class():
             finally:
                 for c in chunks:
                     c.train()
-            return {"logprobs": lp, "routes": [self._trainer_routes[s] for s in batch.sample_ids.tolist()],
-                    "metrics": dict(self._route_metrics)}
+            from rlmega.megatron.routing_replay import exchange_routes
+
+            ids = batch.sample_ids.tolist()  # each DP rank recorded its share's: fetch every sample's
+            routes = exchange_routes(self._trainer_routes, ids)
+            return {"logprobs": lp, "routes": [routes[s] for s in ids], "metrics": dict(self._route_metrics)}
     return MoEProbe
 
 
