@@ -11,7 +11,7 @@ Each returns `field: problem. Fix: ...` lines (rlmega.config.errors.problem). Th
   critic warm-up, which would do nothing.
 - The critic's optimizer and layout (critic.parallelism, else the actor's) obey the actor's rules
   (rlmega/config/learner_rules.py), named critic.*, its layout against its own model (critic.path, else
-  model.path); it runs without expert parallelism, and an MoE critic at TP 1.
+  model.path); an MoE critic runs without expert parallelism, at TP > 1 under sequence parallelism.
 - critic.path (preflight) is a critic's export (XForTokenClassification with a score.weight [1, hidden]) or a
   causal LM of the policy's hidden_size, num_hidden_layers and vocab_size, with safetensors weights.
 - The critic's ranks (critic_ranks) are a worker group of their own: placement, CPUs and memory count them.
@@ -110,15 +110,12 @@ def model_problems(cfg: RLConfig, own: Optional[ModelShape], policy: Optional[Mo
         return []
     sec, par = "critic.parallelism", par or cfg.parallelism
     out = megatron_model_problems(sec, par, shape)
-    if shape.num_experts and par.context_parallel_size > 1:
-        out.append(problem(f"{sec}.context_parallel_size", f"{par.context_parallel_size}, but the critic's model "
-                           "is a mixture of experts: context parallelism is built and tested for dense models only",
-                           f"set {sec}.context_parallel_size=1"))
-    if shape.num_experts and par.tensor_model_parallel_size > 1:  # megatron-core: MoE at TP > 1 needs SP
-        out.append(problem(f"{sec}.tensor_model_parallel_size", f"{par.tensor_model_parallel_size}, but the critic "
-                           "is a mixture of experts, and an MoE critic at TP > 1 (which megatron-core trains only "
-                           "under sequence parallelism) has not been tested: the policy's is, the critic's not yet",
-                           f"set {sec}.tensor_model_parallel_size=1"))
+    if shape.num_experts and par.tensor_model_parallel_size > 1 and not par.sequence_parallel_on:
+        # megatron-core 0.16 MoELayer.forward raises when training at TP > 1 without sequence parallelism
+        out.append(problem(f"{sec}.sequence_parallel", f"false, but the critic's model is a mixture of experts at "
+                           f"tensor_model_parallel_size={par.tensor_model_parallel_size}: megatron-core trains MoE "
+                           "layers at TP > 1 only under sequence parallelism",
+                           f"set {sec}.sequence_parallel=null (on at TP > 1), or {sec}.tensor_model_parallel_size=1"))
     return out
 
 

@@ -118,14 +118,6 @@ def model_problems(cfg: RLConfig, num_experts: int) -> List[str]:
                 out.append(problem(field, f"{value}, {dense}", f"set {field}={off}, or point model.path at a "
                                    "mixture-of-experts model (e.g. Qwen3-MoE)"))
         return out
-    if par.context_parallel_size > 1:
-        # not built: the routers, their losses and routing replay see a row cut over CP ranks (routes, aux-loss
-        # token counts and megatron's CP loss scaling would need their own split and test)
-        out.append(problem("parallelism.context_parallel_size",
-                           f"{par.context_parallel_size}, but model.path={cfg.model.path!r} is a mixture of "
-                           "experts: context parallelism is built and tested for dense models only",
-                           "set parallelism.context_parallel_size=1 (sequence parallelism at TP > 1 and chunked "
-                           "log-probs do hold long MoE traces)"))
     if tp > 1 and not par.sequence_parallel_on:
         # megatron-core 0.16 MoELayer.forward raises ValueError when training at TP > 1 without
         # sequence_parallel (moe_layer.py); no-grad log-prob forwards would pass, the first train step not.

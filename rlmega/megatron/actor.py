@@ -135,7 +135,7 @@ class MegatronActor(PolicyActor):
         if routes is None:
             return None, 0
         routing_replay.clear_aux_losses()
-        routes.aux_factor, real_mbs = self._aux_loss_factor(mbs, loss_fn)
+        routes.aux_factor, real_mbs = self._aux_loss_factor(mbs, loss_fn, engine.cp)
         return routes, real_mbs
 
     def _train_done(self, routes, batch: RolloutBatch, real_mbs: int) -> dict:
@@ -154,7 +154,7 @@ class MegatronActor(PolicyActor):
             metrics.update({k: v for k, v in self._route_metrics.items() if k in ("router_mismatch",)})
         return metrics
 
-    def _aux_loss_factor(self, mbs: list[dict], loss_fn) -> tuple[float, int]:
+    def _aux_loss_factor(self, mbs: list[dict], loss_fn, cp: int) -> tuple[float, int]:
         """Collective over DP: (routing_replay.aux_loss_factor of this step, the step's micro-batches with
         real tokens over every DP rank). The RL loss's global count N is the loss function's own count,
         evaluated on each micro-batch's fields before the forward with the old log-probs standing in for
@@ -170,4 +170,6 @@ class MegatronActor(PolicyActor):
             real += n
             nonempty += float(n > 0)
         count, real, nonempty = policy.sum_over_data_parallel(torch.tensor([count, real, nonempty])).tolist()
-        return routing_replay.aux_loss_factor(count, real), int(nonempty)
+        # under context parallelism every CP rank returns the whole count, and megatron divides the gradients
+        # by the sum over DP x CP: CP x N (context_parallel.py)
+        return routing_replay.aux_loss_factor(count * cp, real), int(nonempty)

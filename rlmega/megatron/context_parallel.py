@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
@@ -119,13 +120,19 @@ def _pieces(segments: list[int], cp: int, rank: int) -> tuple[list[int], list[tu
     return positions, queries
 
 
-def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1) -> CPShare:
+def share_length(segments: list[int], cp: int, multiple: int = 1, at_least: int = 0) -> int:
+    """The local row's length of every CP rank over a row of causal ``segments``: the longest rank's share,
+    at least ``at_least``, rounded up to a multiple of ``multiple`` (TP under sequence parallelism)."""
+    longest = max(at_least, max(len(_pieces(segments, cp, r)[0]) for r in range(cp)))
+    return max(multiple, -(-longest // multiple) * multiple)
+
+
+def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1, at_least: int = 0) -> CPShare:
     """The layout of CP rank ``rank`` over one row whose causal segments have lengths ``segments``
-    (sequences, then the padding tail: packed_attention.row_segments). ``multiple``: the local row's
-    length is a multiple of it (TP under sequence parallelism)."""
+    (sequences, then the padding tail: packed_attention.row_segments). The local row is
+    ``share_length(segments, cp, multiple, at_least)`` long."""
     shares = [_pieces(segments, cp, r) for r in range(cp)]
-    longest = max(len(p) for p, _ in shares)
-    local_len = max(multiple, -(-longest // multiple) * multiple)
+    local_len = share_length(segments, cp, multiple, at_least)
     full_len = sum(segments)
     full_from_gathered = torch.empty(full_len, dtype=torch.int64)
     for r, (positions, _) in enumerate(shares):
@@ -138,14 +145,31 @@ def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1) -> CPS
     return CPShare(local_idx, full_from_gathered, queries, full_len)
 
 
-def localise(mb: dict, cp: int, rank: int, multiple: int = 1) -> dict:
-    """A packed micro-batch (one row) with its model inputs (``tokens``, ``position_ids``) cut to CP rank
-    ``rank``'s share; the per-token fields stay whole (the loss runs on the whole row) and ``mb["cp"]``
-    holds the CPShare, with the head's local fields (labels and the scored runs of local slots)."""
+def mb_segments(mb: dict) -> list[int]:
+    """The causal segments of a packed micro-batch's one row (row_segments)."""
     B, S = mb["tokens"].shape
     if B != 1:
         raise ValueError(f"context parallelism takes one packed row per micro-batch, got {B} rows")
-    layout = cp_layout(row_segments(mb["row_cu"], 1, S), cp, rank, multiple)
+    return row_segments(mb["row_cu"], 1, S)
+
+
+def longest_over_data_parallel(lengths: list[int]) -> list[int]:
+    """Element-wise max of every data-parallel rank's ``lengths`` (as many on each), over the host group."""
+    group = ps.get_data_parallel_group_gloo()
+    if dist.get_world_size(group) == 1:
+        return lengths
+    t = torch.tensor(lengths, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def localise(mb: dict, cp: int, rank: int, multiple: int = 1, at_least: int = 0) -> dict:
+    """A packed micro-batch (one row) with its model inputs (``tokens``, ``position_ids``) cut to CP rank
+    ``rank``'s share (``at_least`` slots: cp_layout); the per-token fields stay whole (the loss runs on the
+    whole row) and ``mb["cp"]`` holds the CPShare, with the head's local fields (labels and the scored runs
+    of local slots)."""
+    S = mb["tokens"].shape[1]
+    layout = cp_layout(mb_segments(mb), cp, rank, multiple, at_least)
     scored = torch.zeros(S, dtype=torch.bool)
     for a, b in mb["response_positions"]:
         scored[a:b] = True

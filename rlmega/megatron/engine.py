@@ -88,11 +88,18 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         return self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1
 
     def micro_batches(self, shard: Shard) -> list[dict]:
-        """TrainEngine's, each cut to this rank's share under context parallelism (context_parallel.py)."""
+        """TrainEngine's, each cut to this rank's share under context parallelism (context_parallel.py).
+        With equal shapes (layout) the k-th share is as long on every DP rank: the allgather dispatcher's
+        expert-parallel group may span DP ranks, whose rows split into shares of different lengths."""
         mbs = super().micro_batches(shard)
         if self.cp == 1:
             return mbs
-        return [context_parallel.localise(mb, self.cp, context_parallel_rank(), self._sp_multiple) for mb in mbs]
+        multiple = self._sp_multiple
+        lengths = [context_parallel.share_length(context_parallel.mb_segments(mb), self.cp, multiple) for mb in mbs]
+        if self.layout().equal_shapes:
+            lengths = context_parallel.longest_over_data_parallel(lengths)
+        return [context_parallel.localise(mb, self.cp, context_parallel_rank(), multiple, n)
+                for mb, n in zip(mbs, lengths)]
 
     def dp_rank(self) -> int:
         return data_parallel_rank_and_size()[0]

@@ -55,7 +55,8 @@ def _run(model, mb: dict) -> torch.Tensor:
         # MoE: padding (row tails, rows and micro-batches added to even out shapes) stays out of the
         # routers' aux / z losses and their token counts (megatron-core: (B, S) bool, True = padding);
         # routing itself, and so every output, is unchanged
-        extra["padding_mask"] = ~mb["real_tokens"].view(tokens.shape).to(device)
+        real = mb["real_tokens"] if mb.get("cp") is None else mb["cp"].take(mb["real_tokens"], False)  # CP: local slots
+        extra["padding_mask"] = ~real.view(tokens.shape).to(device)
         if unwrap(model).config.sequence_parallel and not unwrap(model).pre_process:
             # megatron-core scatters the mask along the sequence only where the embedding runs (the first
             # stage); a later stage's layers see this TP rank's part of the sequence (S/TP) and need it cut

@@ -136,13 +136,19 @@ class ModelRoutes:
         self.num_layers = int(self.configs[0].num_layers) if chunks else 0
         # sequence parallelism: each TP rank's routers see its block of the router order (module docstring)
         self.sequence_parallel = bool(chunks and self.configs[0].sequence_parallel)
+        # context parallelism: each CP rank's routers see its share of the row (context_parallel.py)
+        self.cp = ps.get_context_parallel_world_size() if chunks else 1
+        # either way each rank of the TP x CP group routes part of a micro-batch's tokens
+        self.split = self.sequence_parallel or self.cp > 1
         # megatron-core 0.16 (router.apply_z_loss) divides the z-loss coefficient by the TP x CP group's size,
-        # then each TP rank back-propagates its own tokens' z-loss into router weights whose gradients
-        # finalize_model_grads sums over TP (sequence_parallel marks them): the sum is 1/TP of the same
-        # loss at TP 1 (measured: tests/multiproc/test_moe_sequence_parallel.py). The coefficient we hand
-        # it is TP times larger, so actor.moe_z_loss_coeff means the same at every layout. (The
-        # load-balancing loss needs nothing: each rank scales its share by its own token count.)
-        self.z_scale = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        # then each rank back-propagates its own tokens' z-loss into router weights whose gradients
+        # finalize_model_grads sums over TP (sequence_parallel marks them) and CP (with DP): the sum is
+        # 1 / (TP x CP) of the same loss at world 1 (measured: tests/multiproc/test_moe_sequence_parallel.py,
+        # test_context_parallel.py's MoE case). The coefficient we hand it is TP x CP times larger, so
+        # actor.moe_z_loss_coeff means the same at every layout. (The load-balancing loss needs nothing:
+        # each rank scales its share by its own token count.)
+        tp = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        self.z_scale = tp * self.cp
         # The same on every rank (a pipeline stage without MoE layers still takes part in the
         # collectives of RoutePass's results): the model was built with the hooks and has MoE layers.
         self.enabled = bool(chunks and config.moe_enable_routing_replay and self.num_moe_layers)
@@ -178,12 +184,16 @@ class ModelRoutes:
                 config.moe_z_loss_coeff = self.z_coeff if self.z_coeff > 0 else None
 
     @contextmanager
-    def micro_batch(self, chunk_index: int, rows: torch.Tensor | None, replay: bool):
+    def micro_batch(self, chunk_index: int, rows: torch.Tensor | None, replay: bool, cp=None):
         """One forward of chunk ``chunk_index``; yields {layer: _State}, filled in by the forward.
 
-        rows: (B, S, M, K) routes of the micro-batch or None; ``replay`` False only records.
+        rows: (B, S, M, K) routes of the micro-batch or None; ``replay`` False only records. ``cp``: the
+        micro-batch's context_parallel.CPShare under context parallelism (rows are then cut to its slots;
+        its padding slots route live).
         """
         states = {}
+        if rows is not None and replay and cp is not None:
+            rows = cp.take(rows[0], -1)[None]  # (1, S_local, M, K)
         for layer, instance in self.by_chunk[chunk_index]:
             target = to_router_order(rows, layer) if (replay and rows is not None) else None
             if target is not None and self.sequence_parallel:
@@ -233,8 +243,8 @@ class RoutePass:
         factor = 1.0 if self.aux_factor is None else self.aux_factor
         if not bool(mb["real_tokens"].any()):
             factor = 0.0  # a placeholder micro-batch: no router loss (its mean over no token is 0/0)
-        z_before = _tracked("z_loss") if self.routes.sequence_parallel else None
-        with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay) as states, \
+        z_before = _tracked("z_loss") if self.routes.split else None
+        with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay, mb.get("cp")) as states, \
                 self.routes.loss_coefficients(factor):
             yield
         if z_before is not None:
@@ -244,28 +254,33 @@ class RoutePass:
         self._account(mb, rows, states)
 
     def _z_part(self, mb: dict, z_means: torch.Tensor) -> None:
-        """Keep this chunk's per-layer z-loss means (over this TP rank's valid tokens of ``mb``) weighted by
-        those tokens, so that ``z_loss_means`` can weigh the TP ranks' means into the micro-batch's."""
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        valid = float(mb["real_tokens"].view(mb["tokens"].shape).chunk(tp, dim=1)[rank].sum())
+        """Keep this chunk's per-layer z-loss means (over this rank's valid tokens of ``mb``: its CP share's
+        TP block) weighted by those tokens, so that ``z_loss_means`` can weigh the TP x CP ranks' means
+        into the micro-batch's."""
+        real = mb["real_tokens"] if mb.get("cp") is None else mb["cp"].take(mb["real_tokens"], False)
+        real = real.view(mb["tokens"].shape)
+        if self.routes.sequence_parallel:
+            real = real.chunk(ps.get_tensor_model_parallel_world_size(), dim=1)[ps.get_tensor_model_parallel_rank()]
+        valid = float(real.sum())
         num, _ = self.z_parts.setdefault(self.mb_index[id(mb)], [torch.zeros_like(z_means), valid])
         num += z_means * valid
 
     def z_loss_means(self) -> torch.Tensor:
         """(num_layers,) float64: each layer's z-loss mean over every valid token of each micro-batch, summed
-        over micro-batches, as megatron-core's tracker holds it without sequence parallelism. Collective
-        over the TP group."""
+        over micro-batches, as megatron-core's tracker holds it at world 1. Collective over the TP x CP
+        group."""
         order = sorted(self.z_parts)
         L = self.routes.num_layers
         parts = torch.stack([torch.cat([self.z_parts[j][0].double().cpu(), torch.tensor([self.z_parts[j][1]],
                                         dtype=torch.float64)]) for j in order]) if order else \
             torch.zeros(0, L + 1, dtype=torch.float64)
-        parts = _all_reduce(parts, ps.get_tensor_model_parallel_group())
+        parts = _all_reduce(parts, ps.get_tensor_and_context_parallel_group())
         return (parts[:, :L] / parts[:, L:].clamp_min(1.0)).sum(0) if order else torch.zeros(L, dtype=torch.float64)
 
     @torch.no_grad()
     def _account(self, mb: dict, rows: torch.Tensor | None, states: dict) -> None:
-        B, S = mb["tokens"].shape
+        cp = mb.get("cp")
+        B, S = mb["tokens"].shape if cp is None else (1, cp.full_len)
         real, gen = mb["real_tokens"].view(B, S), mb["generated"].view(B, S)
         M = self.routes.num_moe_layers
         counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
@@ -273,6 +288,8 @@ class RoutePass:
             used_all, live_all = st.used, st.live
             if self.routes.sequence_parallel:  # each TP rank routed its block: the whole micro-batch's on every rank
                 used_all, live_all = _whole_sequence(used_all), _whole_sequence(live_all)
+            if cp is not None:  # each CP rank routed its share of the row: the whole row on every rank
+                used_all, live_all = _whole_row(used_all, cp), _whole_row(live_all, cp)
             used = from_router_order(used_all, B, S).cpu()  # (B, S, K)
             live = from_router_order(live_all, B, S).cpu()
             if self.record:
@@ -312,6 +329,17 @@ def _whole_sequence(block: torch.Tensor) -> torch.Tensor:
     out = torch.empty((local.shape[0] * size, *local.shape[1:]), dtype=local.dtype, device=local.device)
     dist.all_gather_into_tensor(out, local, group=group)
     return out.to(block.device)
+
+
+def _whole_row(local: torch.Tensor, cp) -> torch.Tensor:
+    """This CP rank's (S_local, K) routes of its share ``cp`` (a context_parallel.CPShare) -> the whole
+    row's (S, K) in row order, on every CP rank."""
+    group = ps.get_context_parallel_group()
+    block = for_collective(local.contiguous(), group)
+    out = torch.empty((block.shape[0] * dist.get_world_size(group), *block.shape[1:]), dtype=block.dtype,
+                      device=block.device)
+    dist.all_gather_into_tensor(out, block, group=group)
+    return out[cp.full_from_gathered.to(out.device)].to(local.device)
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -439,10 +467,10 @@ def aux_loss_metrics(route_pass: RoutePass, num_micro_batches: int) -> dict:
     for n in names:
         tracked = _tracked(n)[:L]
         value = tracked if tracked.numel() else torch.zeros(L, dtype=torch.float64)
-        if routes.sequence_parallel:  # each TP rank tracked the loss of its own tokens
+        if routes.split:  # each TP x CP rank tracked the loss of its own tokens
             # the load-balancing loss: each rank's share of one loss (its tokens' probabilities against the
             # micro-batch's expert counts): they add up; the z-loss: a mean per rank, weighed by tokens
-            value = _all_reduce(value, ps.get_tensor_model_parallel_group()) if n == "load_balancing_loss" \
+            value = _all_reduce(value, ps.get_tensor_and_context_parallel_group()) if n == "load_balancing_loss" \
                 else route_pass.z_loss_means()
         rows.append(value)
     values = torch.stack(rows)

@@ -56,8 +56,10 @@ def env(tmp_path_factory):
     (d / "config_missing.yaml").write_text("trainer:\n  total_steps: ???\n")
     (d / "config_tasks_map.yaml").write_text("tasks: {a: 1}\n")
     phi3 = make_tiny_model(d / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
+    moe = make_tiny_model(d / "moe", arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                          num_experts=4, top_k=2, moe_intermediate_size=32)  # a good MoE, weights and all
     return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral), "phi3": str(phi3),
-            **_broken_models(d, model, cfg)}
+            "moe": str(moe), **_broken_models(d, model, cfg)}
 
 
 def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
@@ -333,8 +335,6 @@ CASES = [
      "parallelism.world_size: world_size=4 is not a multiple of TP x PP x CP = 2 x 2 x 2"),
     ("fsdp with CP 2", [*DP4, "actor.backend=fsdp", "parallelism.context_parallel_size=2"], None,
      "parallelism.context_parallel_size: 2, but actor.backend=fsdp has no context parallelism"),
-    ("MoE with CP 2", [*DP4, "model.path={moe6}", "parallelism.context_parallel_size=2"], None,
-     "parallelism.context_parallel_size: 2, but model.path="),
     ("Ulysses on megatron", ["actor.ulysses_size=2"], None, "actor.ulysses_size: 2, but actor.backend=megatron"),
     ("Ulysses 0", [*FSDP, "actor.ulysses_size=0"], None, "actor.ulysses_size: 0 must be >= 1"),
     ("Ulysses not dividing the world", [*FSDP, "actor.ulysses_size=3"], None,
@@ -397,12 +397,10 @@ CASES = [
      "critic.parallelism.expert_model_parallel_size: 2, but an MoE critic runs without expert parallelism"),
     ("critic inherits the actor's EP", [GAE, "model.path={moe6}", *DP4, "parallelism.expert_model_parallel_size=2"],
      None, "critic.parallelism: null, so the critic takes the actor's parallelism with expert_model_parallel_size=2"),
-    ("MoE critic at TP 2", [GAE, "model.path={moe6}", *DP4, "critic.parallelism.tensor_model_parallel_size=2",
-                            "critic.parallelism.world_size=2"], None,
-     "critic.parallelism.tensor_model_parallel_size: 2, but the critic is a mixture of experts"),
-    ("MoE critic at CP 2", [GAE, "model.path={moe6}", *DP4, "critic.parallelism.context_parallel_size=2",
-                            "critic.parallelism.world_size=2"], None,
-     "critic.parallelism.context_parallel_size: 2, but the critic's model is a mixture of experts"),
+    ("MoE critic at TP 2 without SP", [GAE, "model.path={moe6}", *DP4,
+                                       "critic.parallelism.tensor_model_parallel_size=2",
+                                       "critic.parallelism.world_size=2", "critic.parallelism.sequence_parallel=false"],
+     None, "critic.parallelism.sequence_parallel: false, but the critic's model is a mixture of experts"),
     ("fsdp critic with TP 2", [GAE, *FSDP, "critic.parallelism.tensor_model_parallel_size=2",
                                "critic.parallelism.world_size=2"], None,
      "critic.parallelism.tensor_model_parallel_size: 2, but actor.backend=fsdp has no tensor parallelism"),
@@ -474,7 +472,10 @@ def test_the_table_is_big_enough():
      "critic.warmup_steps=3", "critic.max_tokens_per_micro_batch=96", "algorithm.lam_critic=1.0",
      "algorithm.lam_actor_alpha=0.05", "algorithm.gamma=0.99", "algorithm.lam=0.95"],
     [*FSDP, "critic.path={critic_export}", "critic.parallelism.world_size=2", "cluster.num_cpus=4.25"],
-], ids=["n=1", "n=4", "critic export, own layout", "fsdp"])
+    # an MoE policy at CP2 x EP2 (DP2), its MoE critic at TP2 under SP x CP2
+    ["model.path={moe}", *DP4, "parallelism.context_parallel_size=2", "parallelism.expert_model_parallel_size=2",
+     "critic.parallelism={{tensor_model_parallel_size: 2, context_parallel_size: 2, world_size: 4}}"],
+], ids=["n=1", "n=4", "critic export, own layout", "fsdp", "moe at cp2"])
 def test_a_good_gae_config_passes_check_config_and_train(env, monkeypatch, capsys, tmp_path, overrides):
     """algorithm.advantage_estimator=gae with any rollout.n, a critic export and a layout of its own: the critic
     refusals above do not catch good input (check-config exits 0, train reaches the workers)."""
