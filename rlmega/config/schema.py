@@ -35,7 +35,8 @@ class ParallelismConfig:
     CP rank r holds chunks r and 2CP-1-r of each (causal attention's work balanced), attending over K and V
     gathered from the CP group; data parallel size = world_size / (TP x PP x CP), and
     actor.max_tokens_per_micro_batch counts tokens per rank (a micro-batch holds up to CP x that).
-    Dense models, megatron only (docs/backends.md#long-context). 1 = no split."""
+    Dense and MoE models (each CP rank's routers route its share), megatron only
+    (docs/backends.md#long-context). 1 = no split."""
 
     @property
     def data_parallel_size(self) -> int:

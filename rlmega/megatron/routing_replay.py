@@ -33,6 +33,9 @@ Under sequence parallelism each tensor-parallel rank's router sees its part of t
 flattened: s-major, so it is the TP rank's contiguous block of the router order. A replayed target is
 cut to that block; what the routers used (and chose live) is gathered back over the TP group before it
 is recorded or counted, so every TP rank holds the whole micro-batch's routes, as without SP.
+Under context parallelism each CP rank's routers see its share of the row (context_parallel.py): a
+replayed target is cut to that share first (then to the TP block), and what the routers used is
+gathered back over CP into row order, so every rank records and counts whole rows.
 """
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def _body(path):
                    for mb in mbs]
         routes = actor._route_pass(actor.policy, mbs, replay=False, record=False)
         rr.clear_aux_losses()
-        factor, real = actor._aux_loss_factor(mbs, loss_fn)
+        factor, real = actor._aux_loss_factor(mbs, loss_fn, actor.policy.cp)
         routes.aux_factor = factor if fix else None
         pol.train_micro_batches(actor.policy.model, mbs, actor.vocab_size, 1.0, loss_fn, with_entropy=True,
                                 entropy_grad=False, routes=routes)

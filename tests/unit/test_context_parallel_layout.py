@@ -6,13 +6,16 @@ import torch
 from rlmega.megatron.context_parallel import cp_layout, localise
 
 
-@pytest.mark.parametrize("segments, cp, multiple", [([17, 3, 40, 6], 2, 1), ([17, 3, 40, 6], 4, 2),
-                                                    ([1, 2, 9], 2, 1), ([64], 3, 4)])
-def test_every_position_is_held_once_and_goes_back_in_row_order(segments, cp, multiple):
-    layouts = [cp_layout(segments, cp, r, multiple) for r in range(cp)]
+@pytest.mark.parametrize("segments, cp, multiple, at_least", [
+    ([17, 3, 40, 6], 2, 1, 0), ([17, 3, 40, 6], 4, 2, 0), ([1, 2, 9], 2, 1, 0), ([64], 3, 4, 0),
+    ([17, 3, 40, 6], 2, 2, 41),  # as long as another DP rank's share (an expert group across DP ranks): 42 slots
+])
+def test_every_position_is_held_once_and_goes_back_in_row_order(segments, cp, multiple, at_least):
+    layouts = [cp_layout(segments, cp, r, multiple, at_least) for r in range(cp)]
     full = sum(segments)
     local = layouts[0].local_len
     assert all(lay.local_len == local and local % multiple == 0 for lay in layouts)
+    assert local == (42 if at_least else local) and local >= -(-full // cp)
     held = torch.cat([lay.local_idx[lay.local_idx >= 0] for lay in layouts])
     assert sorted(held.tolist()) == list(range(full))  # each row position on exactly one rank
     # the all-gather of every rank's slots, indexed by full_from_gathered, is the row again
