@@ -26,6 +26,7 @@ CORE = [
     "uvicorn",
     "httpx",  # HTTP judgers (rlmega/judgers/http.py)
     "math-verify==0.9.0",  # the math answer verifier (rlmega/rewards/math.py)
+    "peft==0.21.2",  # LoRA adapters (rlmega/lora.py)
 ]
 
 EXTRAS = {

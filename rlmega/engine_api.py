@@ -209,6 +209,11 @@ class TrainEngine(abc.ABC):
     def barrier(self) -> None:
         """Every trainer rank of this engine's world."""
 
+    def adapters_disabled(self):
+        """Context: inside, the model computes its base, LoRA adapters off (the reference policy of a LoRA
+        run, actor.lora). Engines that build no adapters refuse it."""
+        raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters to disable")
+
     @abc.abstractmethod
     def param_pairs(self, other: "TrainEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(this engine's, ``other``'s) local parameter tensors, pairwise: the same parameters of two

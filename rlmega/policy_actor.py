@@ -60,6 +60,7 @@ class PolicyActor(Actor):
         self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
         self.policy: TrainEngine | None = None
         self.reference: TrainEngine | None = None
+        self.base_reference = False  # LoRA: the reference is the policy with its adapters off (setup)
         # False once the reference may differ from model.path (a copy after the warm start, a
         # Polyak update, a reference restored from a checkpoint): from then on checkpoints carry it.
         self.reference_moved = False
@@ -69,7 +70,9 @@ class PolicyActor(Actor):
     def setup(self, with_reference: bool = True) -> None:
         self.engine_class.init_process(self.parallel, self.model_cfg.seed)
         self.policy = self._engine(with_optimizer=True)
-        if with_reference:
+        # LoRA (actor.lora): the reference is the policy with its adapters disabled, no second model
+        self.base_reference = with_reference and self.cfg.lora.rank > 0
+        if with_reference and not self.base_reference:
             self.reference = self._engine(with_optimizer=False)
             if not self.model_cfg.path:  # built from scratch: the reference starts as the policy
                 self.update_ref_policy(1.0)
@@ -125,9 +128,12 @@ class PolicyActor(Actor):
         return (lp, ent) if with_entropy else lp
 
     def compute_ref_logprobs(self, batch: RolloutBatch | Shard) -> list[torch.Tensor]:
+        replay, _ = self._forward_routing(_batch_of(batch), "compute_ref_logprobs")
+        if self.base_reference:
+            with self.policy.adapters_disabled():
+                return self._logprobs(self.policy, batch, with_entropy=False, replay=replay)[0]
         if self.reference is None:
             raise RuntimeError("this actor was set up without a reference policy")
-        replay, _ = self._forward_routing(_batch_of(batch), "compute_ref_logprobs")
         with self._reference_onloaded():
             return self._logprobs(self.reference, batch, with_entropy=False, replay=replay)[0]
 

@@ -29,7 +29,7 @@ import tempfile
 from typing import List
 
 from rlmega.agents.placement import roles_cpus
-from rlmega.config import critic_rules
+from rlmega.config import critic_rules, lora_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.engine_mode import records_routes
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
@@ -71,6 +71,8 @@ def _model(cfg: RLConfig) -> List[str]:
     if hf is not None:
         out += [problem("model.path", why, "save the tokenizer with save_pretrained into the model folder")
                 for why in tokenizer_problems(path, hf)]
+    if hf is not None and not reason:
+        out += lora_rules.module_problems(cfg, hf)
     return out
 
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rlmega"
 LAYERS = [
     ["bound_store", "distributed", "offload", "profiling", "tiny_model"],   # process-level helpers
     ["config", "algorithms", "data", "rundir"],          # schema and rules; pure math; batches; run folders
-    ["engine_api", "actor_api", "critic_api", "sync", "rewards"],   # the learner's contract, weights out, rewards
+    ["engine_api", "actor_api", "critic_api", "sync", "rewards", "lora"],  # learner contract, weights, adapters
     ["policy_actor", "value_critic", "megatron", "fsdp"],           # the learners
     ["rollout", "judgers", "dashboard"],                            # the engine side, judging, the web page
     ["agents"],                                                     # trajectories, production

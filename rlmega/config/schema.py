@@ -138,6 +138,10 @@ class RolloutConfig:
     """Parity guard: past this the engine samples from other weights than the trainer's (a missed or
     corrupted sync): the run saves a checkpoint and stops with an error naming the numbers. null: the
     dtype's default (float32 1e-2, bfloat16 10.0). Set it very high (e.g. 1e9) to only warn."""
+    lora_merge: bool = False
+    """With actor.lora: true merges the adapters into the weights on the trainer and syncs the whole model
+    (an engine that cannot serve LoRA). false (serving the adapters unmerged, a sync of megabytes) is not
+    built yet and is refused with actor.lora on; without actor.lora this does nothing and must stay false."""
 
 
 # (clip_eps_low, clip_eps_high, loss_agg_mode) each policy loss uses when the user sets none of them.
@@ -330,6 +334,25 @@ class LoggingConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA adapters on the policy (docs/lora.md): each target linear layer W becomes W + (alpha / rank) B A,
+    A (rank x in) initialised at random (seeded by model.seed), B (out x rank) at zero, so training starts
+    from the base model exactly. The base weights are frozen (no gradient, no optimizer state) and the
+    reference policy is the policy with its adapter disabled (no second model is built). 0 = off
+    (full-parameter training). actor.backend=fsdp (peft); megatron is refused (not built yet)."""
+    alpha: float = 16.0
+    """The adapters' scale numerator: the update is (alpha / rank) B A. > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. Only 0 is accepted: a log-prob must be a function of the weights (the
+    PPO ratio's old and new forwards, and parity with the engine), as the learners run with dropout off."""
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"])
+    """Linear layers that get adapters, by their Hugging Face module name (the last part: q_proj matches every
+    layer's self_attn.q_proj). Each must name a linear layer of model.path's model (checked at load)."""
+
+
+@dataclass
 class ActorConfig:
     backend: Literal["megatron", "fsdp"] = "megatron"
     """The learner: megatron (megatron-core: tensor, pipeline and data parallelism over the Llama/Qwen2
@@ -380,6 +403,8 @@ class ActorConfig:
     all layers' router outputs into one loss (~topk when balanced) times that coefficient. 0 = off.
     Finite, >= 0. Metric: moe_load_balancing_loss (aux_l without the coefficient, mean over the step's
     micro-batches with real tokens and over MoE layers)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters on a frozen base instead of every weight (rank 0 = off)."""
     moe_z_loss_coeff: float = 0.0
     """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff:
     the mean over real tokens of logsumexp(router logits)^2, which keeps them small), per MoE layer and

@@ -15,7 +15,7 @@ grid (rlmega/config/moe_rules.py).
 
 The critic (algorithm.advantage_estimator=gae): its sections obey the actor's rules, named critic.*
 (rlmega/config/learner_rules.py, the checks of a parallelism or optimizer section wherever it sits),
-and its own (rlmega/config/critic_rules.py).
+and its own (rlmega/config/critic_rules.py). LoRA: rlmega/config/lora_rules.py.
 """
 import dataclasses
 import functools
@@ -26,6 +26,7 @@ import typing
 from typing import List
 
 import rlmega.config.critic_rules as critic_rules
+import rlmega.config.lora_rules as lora_rules
 import rlmega.config.moe_rules as moe_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.errors import MAX_ACTORS, ConfigError, problem  # noqa: F401 (re-exported)
@@ -376,7 +377,7 @@ def validate(cfg: RLConfig) -> None:
     out = _choice_problems(cfg)
     bad_numbers = _number_problems(cfg)
     bad_ranges = list(bad_numbers)
-    for field, ok, rule in _RANGES + critic_rules.ranges(cfg):
+    for field, ok, rule in _RANGES + critic_rules.ranges(cfg) + lora_rules.RANGES:
         value = _get(cfg, field)
         if field not in {_field_of(p) for p in bad_numbers} and not ok(value):
             bad_ranges.append(problem(field, f"{value!r} must be {rule}", f"set {field} to a value {rule}"))
@@ -446,6 +447,7 @@ def validate(cfg: RLConfig) -> None:
         out += _layout_problems(cfg)
         out += _placement_problems(cfg)
         out += critic_rules.section_problems(cfg)
+        out += lora_rules.problems(cfg)
     shapes = {}  # the models': the policy's, and the critic's own (critic.path's, where it has a config.json)
     for field, path in (("model.path", cfg.model.path), ("critic.path", critic_rules.shape_path(cfg))):
         if path:

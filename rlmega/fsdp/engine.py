@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from rlmega import lora
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
@@ -249,6 +250,11 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def adapters_disabled(self):
+        if not self.lora_rank:
+            return super().adapters_disabled()
+        return lora.adapters_disabled(self.model)
 
     def param_pairs(self, other: "FSDPEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
         mine, theirs = list(self.model.named_parameters()), list(other.model.named_parameters())

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlmega import offload
+from rlmega import lora, offload
 from rlmega.algorithms.lr_schedule import LRSchedule
 from rlmega.rundir.checkpoint_files import finish_export
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
@@ -87,6 +87,7 @@ class FSDPModelManager:
         self.grad_scaler = None
         self.offloaded: dict = {}
         self.last_step_taken = False  # whether the latest optimizer_step updated the weights
+        self.lora_rank = actor.lora.rank  # > 0: LoRA adapters on a frozen base (rlmega/lora.py)
 
     # ---- building ---------------------------------------------------------------------------
     def model_provider_func(self) -> torch.nn.Module:
@@ -117,6 +118,8 @@ class FSDPModelManager:
             # layer's __call__, so FSDP2's hooks on that layer gather its weights for the recompute;
             # parameter names stay HF's (a checkpoint_wrapper would add a prefix).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora_rank:  # peft's LoRA layers in place, everything else frozen (rlmega/lora.py)
+            model = lora.add_adapters(model, self.actor_cfg.lora, self.model_cfg.seed)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = None
         if self.model_cfg.dtype == "bfloat16":
@@ -243,9 +246,15 @@ class FSDPModelManager:
 
     @torch.no_grad()
     def iter_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full float tensor on this rank's device) per parameter, in named_parameters order
-        (a tied head is skipped, as HF stores the embedding once). Collective: every rank iterates it
-        to the end and gets every tensor; only one parameter's full tensor is gathered at a time."""
+        """(HF name, full tensor) of the plain model, LoRA adapters merged into their layers (rlmega/lora.py)."""
+        named = self.iter_model_tensors()
+        return lora.merged_weights(named, self.actor_cfg.lora.alpha / self.lora_rank) if self.lora_rank else named
+
+    @torch.no_grad()
+    def iter_model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full float tensor on this rank's device) per parameter, in named_parameters order (a tied
+        head is skipped, as HF stores the embedding once); HF names, peft's under LoRA. Collective: every rank
+        iterates it to the end and gets every tensor; only one parameter's full tensor is gathered at a time."""
         for name, p in self.model.named_parameters():
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
@@ -318,8 +327,10 @@ class FSDPModelManager:
 
     def export_hf(self, out_dir: str | Path, overwrite: bool = False) -> Path:
         """Write the model as a plain HF folder (model.safetensors, config.json, tokenizer and generation
-        files of model.path) that AutoModelForCausalLM.from_pretrained loads. Collective; rank 0
-        writes into ``out_dir.partial`` and renames it into place."""
+        files of model.path) that AutoModelForCausalLM.from_pretrained loads; under LoRA a PEFT adapter folder
+        (adapter_config.json naming model.path, adapter_model.safetensors, the tokenizer) that
+        peft.PeftModel.from_pretrained loads onto model.path, with the merged model as a plain HF folder in
+        ``merged/``. Collective; rank 0 writes into ``out_dir.partial`` and renames it into place."""
         out_dir = Path(out_dir)
         if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # every rank sees it: no hang
             raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
@@ -327,7 +338,16 @@ class FSDPModelManager:
         if self.rank == 0:
             partial = out_dir.with_name(out_dir.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(partial, safe_serialization=True)
+            if self.lora_rank:
+                # a PEFT adapter folder (peft loads it onto model.path), and the merged model in merged/
+                cfg = self.actor_cfg.lora
+                lora.write_adapter(str(partial), cfg, dict(lora.adapter_weights(full.items())), self.model_cfg.path)
+                full = dict(lora.merged_weights(full.items(), cfg.alpha / cfg.rank))
+                merged = partial / "merged.partial"
+                _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(merged, safe_serialization=True)
+                finish_export(merged, partial / "merged", Path(self.model_cfg.path))
+            else:
+                _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(partial, safe_serialization=True)
             finish_export(partial, out_dir, Path(self.model_cfg.path) if self.model_cfg.path else None)
         dist.barrier()
         return out_dir

@@ -44,6 +44,8 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         routers get megatron's RouterReplay hook: it routes live unless a pass replays, and it is what
         measures router_mismatch (rlmega/megatron/routing_replay.py)."""
         actor = actor or ActorConfig()
+        if actor.lora.rank:  # refused at load (config/lora_rules.py); here for callers that skip validate
+            raise ValueError("actor.lora on actor.backend=megatron is not built yet: use actor.backend=fsdp")
         super().__init__(model, parallel, optimizer, lr_decay_steps=lr_decay_steps, hf_config=hf_config,
                          moe_aux_loss_coeff=actor.moe_aux_loss_coeff, moe_z_loss_coeff=actor.moe_z_loss_coeff,
                          routing_replay=not value_head, value_head=value_head)

@@ -126,6 +126,7 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
 
 GAE = "algorithm.advantage_estimator=gae"
 FSDP = ["actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]
+LORA = ["actor.lora.rank=8", "rollout.lora_merge=true"]
 DP4 = ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1"]  # world 4 = DP 4
 
 # (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
@@ -337,6 +338,21 @@ CASES = [
      "parallelism.context_parallel_size: 2, but actor.backend=fsdp has no context parallelism"),
     ("Ulysses on megatron", ["actor.ulysses_size=2"], None, "actor.ulysses_size: 2, but actor.backend=megatron"),
     ("Ulysses 0", [*FSDP, "actor.ulysses_size=0"], None, "actor.ulysses_size: 0 must be >= 1"),
+    # --- issue 41: LoRA ---
+    ("LoRA rank -1", [*FSDP, "actor.lora.rank=-1"], None, "actor.lora.rank: -1 must be >= 0"),
+    ("LoRA alpha 0", [*FSDP, *LORA, "actor.lora.alpha=0"], None, "actor.lora.alpha: 0.0 must be > 0"),
+    ("LoRA dropout", [*FSDP, *LORA, "actor.lora.dropout=0.1"], None, "actor.lora.dropout: 0.1 must be 0"),
+    ("LoRA no targets", [*FSDP, *LORA, "actor.lora.target_modules=[]"], None,
+     "actor.lora.target_modules: [] must be a non-empty list"),
+    ("LoRA on megatron", LORA, None, "actor.lora.rank: 8, but actor.backend=megatron"),
+    ("LoRA unmerged", [*FSDP, "actor.lora.rank=8"], None, "rollout.lora_merge: false, but serving the adapters"),
+    ("LoRA merge without LoRA", ["rollout.lora_merge=true"], None, "rollout.lora_merge: true, but actor.lora.rank=0"),
+    ("LoRA with a moving reference", [*FSDP, *LORA, "actor.ref_update_rate=0.1"], None,
+     "actor.ref_update_rate: 0.1, but with actor.lora the reference policy is the base model"),
+    ("LoRA warm start with KL", [*FSDP, *LORA, "trainer.warmup_sft_steps=2", "algorithm.kl_coef=0.1"], None,
+     "trainer.warmup_sft_steps: 2 warm-start steps with a KL term"),
+    ("LoRA target the model lacks", [*FSDP, *LORA, "actor.lora.target_modules=[q_proj,nope_proj]"], None,
+     "actor.lora.target_modules: ['nope_proj'] name no linear layer of model.path's Qwen2ForCausalLM"),
     ("Ulysses not dividing the world", [*FSDP, "actor.ulysses_size=3"], None,
      "actor.ulysses_size: 3 does not divide parallelism.world_size=4"),
     ("Ulysses not dividing the heads", [*FSDP, "actor.ulysses_size=4"], None,
@@ -498,6 +514,13 @@ def test_critic_settings_are_not_refused_without_gae(env, monkeypatch, tmp_path)
                         "trainer.resume=none", f"critic.path={env['d']}/nope",
                         "critic.parallelism.tensor_model_parallel_size=3", "critic.cliprange_value=0",
                         "algorithm.lam=0.9", "algorithm.lam_critic=1.0"])
+
+
+def test_a_good_lora_config_passes_the_same_checks(env, monkeypatch, tmp_path):
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}", *FSDP, *LORA,
+                        "actor.lora.target_modules=[q_proj,v_proj,down_proj]", "trainer.resume=none"])
 
 
 def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):

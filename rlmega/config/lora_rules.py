@@ -1,0 +1,84 @@
+"""LoRA's rules (actor.lora, rollout.lora_merge), checked the moment a config loads (called by
+rlmega.config.validate) and against the model's folder (called by rlmega.preflight).
+
+    rules = RANGES                                        # (field, ok, rule) of the lora section
+    lines = problems(cfg)                                 # against the rest of the config
+    lines = module_problems(cfg, hf)                      # preflight: target_modules against the model
+
+- rank >= 0 (0 = off), alpha > 0, dropout 0 (a log-prob must be a function of the weights), a non-empty
+  target_modules list.
+- With rank > 0: actor.backend=fsdp (the Megatron learner's LoRA is not built yet); the reference is the base
+  model (the policy with its adapters off), so a Polyak-moved reference (actor.ref_update_rate > 0) and a
+  KL anchored to a warm-started policy (trainer.warmup_sft_steps > 0 with a KL term) cannot be had; the
+  adapters reach the engines merged (rollout.lora_merge=true; serving them unmerged is not built yet).
+- rollout.lora_merge=true without adapters would do nothing: refused.
+- Each target module names a linear layer of model.path's model (read on the meta device: no weights).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from rlmega.config.errors import problem
+from rlmega.config.learner_rules import GE0, GT0, Rule
+from rlmega.config.schema import RLConfig
+
+RANGES: List[Rule] = [
+    ("actor.lora.rank", *GE0), ("actor.lora.alpha", *GT0),
+    ("actor.lora.dropout", lambda v: v == 0, "0: the learners run with dropout off, so that a log-prob is a function "
+     "of the weights (the PPO ratio's two forwards, parity with the engine)"),
+    ("actor.lora.target_modules", lambda v: len(v) > 0 and all(isinstance(m, str) and m for m in v),
+     "a non-empty list of module names, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"),
+]
+
+
+def problems(cfg: RLConfig) -> List[str]:
+    """actor.lora and rollout.lora_merge against the rest of the config (assumes RANGES hold)."""
+    lora, out = cfg.actor.lora, []
+    if lora.rank == 0:
+        if cfg.rollout.lora_merge:
+            out.append(problem("rollout.lora_merge", "true, but actor.lora.rank=0: there are no adapters to merge",
+                               "set rollout.lora_merge=false, or actor.lora.rank > 0"))
+        return out
+    if cfg.actor.backend != "fsdp":
+        out.append(problem("actor.lora.rank", f"{lora.rank}, but actor.backend={cfg.actor.backend}: LoRA is built "
+                           "for the fsdp learner (peft) only; the Megatron learner's is not built yet",
+                           "set actor.backend=fsdp, or actor.lora.rank=0"))
+    if cfg.actor.ref_update_rate > 0:
+        out.append(problem("actor.ref_update_rate", f"{cfg.actor.ref_update_rate}, but with actor.lora the reference "
+                           "policy is the base model (the policy with its adapters off): it cannot move",
+                           "set actor.ref_update_rate=0, or actor.lora.rank=0"))
+    kl = cfg.algorithm.kl_coef > 0
+    if cfg.trainer.warmup_sft_steps > 0 and kl:
+        out.append(problem("trainer.warmup_sft_steps", f"{cfg.trainer.warmup_sft_steps} warm-start steps with a KL "
+                           f"term (algorithm.kl_coef={cfg.algorithm.kl_coef}), but with actor.lora the reference "
+                           "is the base model, not the warm-started policy the KL would anchor to without LoRA",
+                           "set algorithm.kl_coef=0, or trainer.warmup_sft_steps=0, or actor.lora.rank=0"))
+    if not cfg.rollout.lora_merge:
+        out.append(problem("rollout.lora_merge", "false, but serving the adapters to vLLM unmerged is not built yet",
+                           "set rollout.lora_merge=true (the trainer merges the adapters and syncs the whole "
+                           "model)"))
+    return out
+
+
+def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
+    """Preflight, actor.lora on: each of target_modules names a linear layer of model.path's model (its
+    config.json ``hf``, built on the meta device)."""
+    if cfg.actor.lora.rank == 0 or cfg.actor.backend != "fsdp":
+        return []
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # the architecture's own checks (preflight._model) say why
+        return []
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and name})
+    missing = [m for m in cfg.actor.lora.target_modules if m not in linear]
+    if not missing:
+        return []
+    return [problem("actor.lora.target_modules", f"{missing} name no linear layer of model.path's "
+                    f"{type(model).__name__} (its linear layers: {linear})",
+                    "list module names from those, e.g. the attention and MLP projections")]

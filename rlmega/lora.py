@@ -1,0 +1,136 @@
+"""LoRA adapters on the policy (``actor.lora``): peft's layers in a Hugging Face model, and the tensors that leave it.
+
+peft (the field's library) puts the adapters into the model in place (``inject_adapter_in_model``): the model
+keeps its class and its HF names, and each target ``nn.Linear`` becomes a LoRA layer holding ``base_layer``
+(the frozen W) and ``lora_A.default`` / ``lora_B.default``, so parameter names read
+
+    model.layers.0.self_attn.q_proj.base_layer.weight       W (out, in), frozen
+    model.layers.0.self_attn.q_proj.lora_A.default.weight   A (rank, in)
+    model.layers.0.self_attn.q_proj.lora_B.default.weight   B (out, rank)
+
+and the layer computes x W^T + scale (x A^T) B^T, scale = alpha / rank. Every other parameter is frozen too.
+
+What leaves the learner (each a stream of (name, tensor) in the model's named_parameters order):
+- ``merged_weights``: HF names, W + scale B A for adapted layers: a full weight sync, an export as a plain model;
+- ``adapter_weights``: PEFT's saved names (``base_model.model.<module>.lora_A.weight``), the adapters only:
+  ``adapter_model.safetensors`` of a folder ``peft.PeftModel.from_pretrained`` loads (``write_adapter``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterable, Iterator
+
+import torch
+
+from rlmega.config.schema import LoraConfig
+
+ADAPTER = "default"  # peft's name of the one adapter
+PEFT_PREFIX = "base_model.model."  # PeftModel's path to the HF model, in saved adapter names
+
+
+def peft_config(cfg: LoraConfig):
+    """peft's LoraConfig of ``actor.lora``."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                          target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def add_adapters(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
+    """``model`` with adapters in its target layers (A from a generator seeded by ``seed``, so every rank
+    builds the same; B zero), every other parameter frozen. The caller's RNG stream is left where it was."""
+    from peft import inject_adapter_in_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _layers(model: torch.nn.Module) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return bool(_layers(model))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """Inside, the model computes its base (the reference policy): every LoRA layer returns base_layer(x)."""
+    layers = _layers(model)
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+def hf_name(name: str) -> str:
+    """A model parameter's name as the plain model has it (``.base_layer`` dropped)."""
+    return name.replace(".base_layer.", ".")
+
+
+def adapter_name(name: str) -> str:
+    """An adapter parameter's name in a PEFT adapter file (``base_model.model.`` in front, the adapter's
+    name dropped)."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def merged_weights(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, full tensor) in named_parameters order -> (HF name, tensor) of the plain model: an adapted
+    layer's W comes out as W + scale B A (computed in float32, in W's dtype), once its B has passed; A and B
+    themselves do not come out. Holds at most one layer's W and A at a time."""
+    pending: dict[str, dict] = {}
+    for name, t in named:
+        if name.endswith(".base_layer.weight"):
+            pending[name[:-len(".base_layer.weight")]] = {"W": t}
+        elif ".lora_A." in name:
+            pending[name.split(".lora_A.")[0]]["A"] = t
+        elif ".lora_B." in name:
+            module = name.split(".lora_B.")[0]
+            held = pending.pop(module)
+            w = held["W"]
+            yield module + ".weight", (w.float() + scale * (t.float() @ held["A"].float())).to(w.dtype)
+        else:
+            yield hf_name(name), t
+    if pending:
+        raise RuntimeError(f"LoRA layers without their adapters in the weight stream: {sorted(pending)[:3]}")
+
+
+def adapter_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, tensor) -> (PEFT name, tensor) of the adapters only."""
+    for name, t in named:
+        if is_adapter(name):
+            yield adapter_name(name), t
+
+
+def write_adapter(out_dir: str, cfg: LoraConfig, tensors: dict[str, torch.Tensor], base_model: str = "") -> None:
+    """A PEFT adapter folder: adapter_config.json (peft's own, ``base_model_name_or_path`` = ``base_model``)
+    and adapter_model.safetensors (``tensors``: PEFT names). The caller writes into a partial folder and
+    renames it into place."""
+    from safetensors.torch import save_file
+
+    config = peft_config(cfg)
+    config.base_model_name_or_path = base_model or None
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+              os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def read_adapter_config(folder: str) -> dict:
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        return json.load(f)
