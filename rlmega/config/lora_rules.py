@@ -4,6 +4,7 @@ rlmega.config.validate) and against the model's folder (called by rlmega.preflig
     rules = RANGES                                        # (field, ok, rule) of the lora section
     lines = problems(cfg)                                 # against the rest of the config
     lines = module_problems(cfg, hf)                      # preflight: target_modules against the model
+    lines = resume_problems(cfg, step_folder)             # trainer.resume's checkpoint against actor.lora
 
 - rank >= 0 (0 = off), alpha > 0, dropout 0 (a log-prob must be a function of the weights), a non-empty
   target_modules list.
@@ -13,6 +14,8 @@ rlmega.config.validate) and against the model's folder (called by rlmega.preflig
   adapters reach the engines merged (rollout.lora_merge=true; serving them unmerged is not built yet).
 - rollout.lora_merge=true without adapters would do nothing: refused.
 - Each target module names a linear layer of model.path's model (read on the meta device: no weights).
+- A checkpoint to resume from holds the same adapters, or none (a full-parameter checkpoint becomes a LoRA
+  run's base, rlmega/fsdp/checkpoint.py); a LoRA checkpoint does not resume a full-parameter run.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import List
 
 from rlmega.config.errors import problem
 from rlmega.config.learner_rules import GE0, GT0, Rule
-from rlmega.config.schema import RLConfig
+from rlmega.config.schema import LoraConfig, RLConfig
 
 RANGES: List[Rule] = [
     ("actor.lora.rank", *GE0), ("actor.lora.alpha", *GT0),
@@ -82,3 +85,33 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
     return [problem("actor.lora.target_modules", f"{missing} name no linear layer of model.path's "
                     f"{type(model).__name__} (its linear layers: {linear})",
                     "list module names from those, e.g. the attention and MLP projections")]
+
+
+def resume_problems(cfg: RLConfig, step_folder) -> List[str]:
+    """trainer.resume's checkpoint (a complete step folder) against actor.lora: fsdp/checkpoint.py's rule."""
+    if cfg.actor.backend != "fsdp":
+        return []
+    from rlmega.rundir.checkpoint_scan import read_common
+
+    saved = read_common(step_folder).get("meta", {}).get("lora")
+    why = checkpoint_mismatch(saved, checkpoint_record(cfg.actor.lora), step_folder)
+    return [problem("trainer.resume", why.split(" Fix: ")[0], why.split(" Fix: ")[1])] if why else []
+
+
+def checkpoint_record(cfg: LoraConfig) -> dict | None:
+    """What a checkpoint records of the adapters (rlmega/fsdp/checkpoint.py's meta["lora"]), None without."""
+    return {"rank": cfg.rank, "alpha": float(cfg.alpha), "target_modules": sorted(cfg.target_modules)} \
+        if cfg.rank else None
+
+
+def checkpoint_mismatch(saved: dict | None, mine: dict | None, path) -> str | None:
+    """Why a model with adapters ``mine`` cannot load checkpoint ``path`` of adapters ``saved`` (None: it can;
+    a full-parameter checkpoint loads into a LoRA model's base)."""
+    if saved is None or saved == mine:
+        return None
+    if mine is None:
+        return (f"checkpoint {path} holds a LoRA run's adapters (actor.lora {saved}), but this run trains every "
+                "weight (actor.lora.rank=0). Fix: resume it with the same actor.lora, or start a new run from its "
+                "exported hf_final/merged")
+    return (f"checkpoint {path} holds adapters {saved}, this run's are {mine}: their shapes differ. Fix: resume "
+            "it with the saved actor.lora settings")

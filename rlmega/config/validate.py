@@ -415,11 +415,13 @@ def validate(cfg: RLConfig) -> None:
         out.append(problem("trainer.run_dir", "is empty", "set trainer.run_dir to a folder, e.g. runs/my_run"))
     if tr.resume not in ("none", "auto"):
         try:
-            find_checkpoint(tr.resume)
+            found = find_checkpoint(tr.resume)
         except FileNotFoundError as e:
             out.append(problem("trainer.resume", f"{tr.resume!r} is not a checkpoint to resume from: {e}",
                                '"none", "auto" (this run_dir\'s latest), or a checkpoints/step_N folder or '
                                "checkpoints folder of a run"))
+        else:
+            out += lora_rules.resume_problems(cfg, found)
     for name in ("train_path", "eval_path"):
         path = getattr(cfg.data, name)
         if path and not os.path.isfile(path):

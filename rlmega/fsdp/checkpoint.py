@@ -6,8 +6,13 @@
 In the DCP files: "model" (this model's sharded state dict, HF names), "optimizer" (AdamW state and
 param groups by parameter name), each extra model by its name, and "rng_rank{R}" per rank (Python,
 NumPy, torch CPU and CUDA generators). common.pt holds {"meta": {"backend": "fsdp", "step",
-"scheduler", "extra", "world_size", "extra_models"}}: what the driver reads without loading tensors
+"scheduler", "extra", "world_size", "extra_models", "lora"}}: what the driver reads without loading tensors
 (rlmega/rundir/run.py reads meta.extra, rlmega/rundir/checkpoint_scan.py judges completeness by "backend").
+
+LoRA (rlmega/lora.py): meta["lora"] is the adapters' (rank, alpha, target_modules), None for a full-parameter
+model. A LoRA model loads a LoRA checkpoint of the same adapters, or a full-parameter one: its weights become
+the frozen base and the adapters start at zero (the model computes what was saved), with fresh Adam state
+for them (``load``). A full-parameter model refuses a LoRA checkpoint.
 
 DCP reshards on load, so model and optimizer state load at any world size; the RNG state only at
 the saved one (another world size has other ranks: each keeps its own seeded generators).
@@ -24,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
+from rlmega.config.lora_rules import checkpoint_mismatch
 from rlmega.rundir.checkpoint_files import resolve, rng_state, saving, set_rng_state, start_save
 
 BACKEND = "fsdp"  # common.pt's meta["backend"]; rlmega/rundir/checkpoint_scan.py tells the two formats apart by it
@@ -51,11 +57,12 @@ def _state(model, optimizer, extra_models: dict | None) -> dict:
 
 
 def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, extra: dict | None = None,
-         extra_models: dict | None = None) -> Path:
+         extra_models: dict | None = None, lora: dict | None = None) -> Path:
     """Save everything for ``step`` under ``root``; returns the step folder. Collective.
 
     ``extra``: plain values stored once (rank 0's); ``extra_models``: other FSDP2 models saved
-    alongside by name (the reference policy as {"reference": ref_model}).
+    alongside by name (the reference policy as {"reference": ref_model}). ``lora``: the model's adapters
+    (rank, alpha, target_modules), None without.
     """
     root = Path(root)
     final, partial = start_save(root, step)
@@ -65,7 +72,8 @@ def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, ext
     state[f"rng_rank{rank}"] = pickle.dumps(rng_state())
     common = {"meta": {"backend": BACKEND, "step": step, "scheduler": scheduler.state_dict() if scheduler else None,
                        "extra": extra or {}, "world_size": dist.get_world_size(),
-                       "has_optimizer_state": optimizer is not None, "extra_models": sorted(extra_models or {})}}
+                       "has_optimizer_state": optimizer is not None, "extra_models": sorted(extra_models or {}),
+                       "lora": lora}}
     with saving(root, partial, final):
         dcp.save(state, checkpoint_id=str(partial))  # collective: a failure on any rank raises on every rank
         failure = None
@@ -98,14 +106,22 @@ def read_meta(path: str | Path) -> dict:
 
 
 def load(path: str | Path, model, optimizer=None, scheduler=None,
-         extra_models: dict | None = None) -> tuple[int, dict]:
+         extra_models: dict | None = None, lora: dict | None = None) -> tuple[int, dict]:
     """Load a checkpoint (a step folder, or a root whose ``latest`` is used). Returns (step, extra).
 
     Model (and optimizer, when given) at any world size; the RNG state when the world size is the
-    saved one; the scheduler's step count when given. ``extra_models`` must have been saved.
+    saved one; the scheduler's step count when given. ``extra_models`` must have been saved. ``lora``: the
+    model's adapters (as ``save`` takes them): a full-parameter checkpoint loads into the base (module
+    docstring).
     """
     path = resolve(path)
     meta = read_meta(path)
+    saved = meta.get("lora")
+    why = checkpoint_mismatch(saved, lora, path)
+    if why:
+        raise ValueError(why)
+    if lora is not None and saved is None:
+        return _load_into_base(path, meta, model, scheduler, extra_models)
     missing = sorted(set(extra_models or {}) - set(meta["extra_models"]))
     if missing:
         raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "
@@ -129,6 +145,25 @@ def load(path: str | Path, model, optimizer=None, scheduler=None,
             scheduler.load_state_dict(meta["scheduler"])
         if same_world:
             set_rng_state(pickle.loads(state[rng_key]))
+    return int(meta["step"]), meta["extra"]
+
+
+def _load_into_base(path: Path, meta: dict, model, scheduler, extra_models: dict | None) -> tuple[int, dict]:
+    """A full-parameter checkpoint into a LoRA model: its policy's weights (HF names) into the frozen base
+    layers; adapters, Adam state and RNG stay as built (B = 0: the model computes the saved policy), the
+    schedule's step count is restored. A saved reference is not loaded: a LoRA run's reference is its base."""
+    from rlmega import lora
+
+    if extra_models:
+        raise ValueError(f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
+                         "the reference is that base")
+    live = get_model_state_dict(model)
+    state = {"model": {lora.hf_name(k): v for k, v in live.items() if not lora.is_adapter(k)}}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, {**{k: v for k, v in live.items() if lora.is_adapter(k)},
+                                 **{k: state["model"][lora.hf_name(k)] for k in live if not lora.is_adapter(k)}})
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"]), meta["extra"]
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from rlmega import lora, offload
 from rlmega.algorithms.lr_schedule import LRSchedule
 from rlmega.rundir.checkpoint_files import finish_export
+from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
 from rlmega.engine_api import StepResult
 from rlmega.fsdp import checkpoint, packed_attention
@@ -307,7 +308,7 @@ class FSDPModelManager:
         """Sharded DCP checkpoint of model, optimizer, schedule and RNG (fsdp/checkpoint.py). Collective.
         ``extra_models``: name -> FSDPModelManager or FSDP2 model saved alongside (the reference)."""
         return checkpoint.save(save_path, step, self.model, self.optimizer, self.lr_scheduler, extra,
-                               _models(extra_models))
+                               _models(extra_models), lora=checkpoint_record(self.actor_cfg.lora))
 
     def load_checkpoint(self, load_path: str | Path, model_only: bool = False,
                         extra_models: dict | None = None) -> tuple[int, dict]:
@@ -318,7 +319,7 @@ class FSDPModelManager:
         opt = None if model_only else self.optimizer
         settings = [] if opt is None else [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         step, extra = checkpoint.load(load_path, self.model, opt, None if model_only else self.lr_scheduler,
-                                      _models(extra_models))
+                                      _models(extra_models), lora=checkpoint_record(self.actor_cfg.lora))
         for group, mine in zip(opt.param_groups if opt is not None else [], settings):
             group.update(mine)
         if opt is not None:

@@ -9,7 +9,9 @@ q/k/v/o and the MLP projections, on one rank and on two (DP2). Checked:
 - DP2 equals one process;
 - the weight stream a sync sends (adapters merged, HF names) equals the exported merged model, and peft
   loads the exported adapter folder onto model.path and gives the trainer's log-probs;
-- a checkpoint after step 2, loaded by a fresh actor, gives the uninterrupted run's step 3 exactly.
+- a checkpoint after step 2, loaded by a fresh actor, gives the uninterrupted run's step 3 exactly;
+- a full-parameter run's checkpoint resumes into a LoRA run (its weights the base, the adapters at zero: the
+  same log-probs), and a LoRA checkpoint into a full-parameter run is refused, naming actor.lora.
 """
 import dataclasses
 
@@ -23,14 +25,14 @@ N, RANK, ALPHA = 8, 4, 8.0
 KEYS = ("loss", "grad_norm", "pg_loss", "kl_ref")
 
 
-def _actor(path: str, world: int):
+def _actor(path: str, world: int, rank: int = RANK):
     from rlmega.config.schema import (ActorConfig, AlgorithmConfig, LoraConfig, ModelConfig, OptimizerConfig,
                                       ParallelismConfig)
     from rlmega.fsdp.actor import FSDPActor
 
     actor = FSDPActor(ModelConfig(path=path), ParallelismConfig(1, 1, None, world), OptimizerConfig(lr=1e-2),
                       ActorConfig(backend="fsdp", max_tokens_per_micro_batch=256,
-                                  lora=LoraConfig(rank=RANK, alpha=ALPHA)),
+                                  lora=LoraConfig(rank=rank, alpha=ALPHA)),
                       AlgorithmConfig(kl_coef=0.05, entropy_coef=0.0, kl_estimator="k3"))
     actor.setup()
     return actor
@@ -72,6 +74,28 @@ def _resume_body(path: str, out: str):
     return m3
 
 
+def _full_to_lora_body(path: str, out: str):
+    """A full-parameter step, its checkpoint into a LoRA actor; a LoRA checkpoint into a full actor."""
+    batch = random_batch(N, seed=1)
+    full = _actor(path, 1, rank=0)
+    _step(full, batch)
+    full.save_checkpoint(f"{out}/full", step=1)
+    want = full.compute_logprobs(batch)
+    try:
+        full.load_checkpoint(f"{out}/ckpt")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    full.teardown()
+    actor = _actor(path, 1)
+    assert actor.load_checkpoint(f"{out}/full")[0] == 1
+    got, ref = actor.compute_logprobs(batch), actor.compute_ref_logprobs(batch)
+    _step(actor, batch)
+    after = actor.compute_logprobs(batch)
+    actor.teardown()
+    return {"want": want, "got": got, "ref": ref, "after": after, "refused": refused}
+
+
 def _max(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
@@ -86,6 +110,7 @@ def test_lora_fsdp_trains_adapters_only_against_the_base_and_exports_for_peft(tm
     one = run_on_ranks(_body, 1, args=(path, 1, out), timeout_s=300)[0]
     two = run_on_ranks(_body, 2, args=(path, 2, None), timeout_s=300)[0]
     resumed = run_on_ranks(_resume_body, 1, args=(path, out), timeout_s=300)[0]
+    switched = run_on_ranks(_full_to_lora_body, 1, args=(path, out), timeout_s=300)[0]
 
     # B = 0: the policy starts as the base; the reference is the base at every step
     assert _max(one["lp0"], one["ref0"]) == 0.0
@@ -105,6 +130,10 @@ def test_lora_fsdp_trains_adapters_only_against_the_base_and_exports_for_peft(tm
     assert rel <= 1e-5 and _max(two["lp3"], one["lp3"]) <= 1e-5
     # the resumed step 3 is the uninterrupted one
     assert resumed == one["metrics"][2], (resumed, one["metrics"][2])
+    # a full-parameter checkpoint into LoRA: the saved policy, as the base and the reference; then it trains
+    assert _max(switched["got"], switched["want"]) == 0.0 and _max(switched["ref"], switched["want"]) == 0.0
+    assert _max(switched["after"], switched["want"]) > 1e-3
+    assert "holds a LoRA run's adapters" in switched["refused"] and "actor.lora" in switched["refused"]
     # the sync's stream (adapters merged, HF names) is the exported merged model
     merged = load_file(f"{out}/hf/merged/model.safetensors")
     assert set(one["merged"]) >= set(merged) and all(torch.equal(one["merged"][k], merged[k]) for k in merged)
