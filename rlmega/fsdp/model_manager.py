@@ -342,7 +342,8 @@ class FSDPModelManager:
             if self.lora_rank:
                 # a PEFT adapter folder (peft loads it onto model.path), and the merged model in merged/
                 cfg = self.actor_cfg.lora
-                lora.write_adapter(str(partial), cfg, dict(lora.adapter_weights(full.items())), self.model_cfg.path)
+                lora.write_adapter(str(partial), cfg, dict(lora.adapter_weights(full.items())),
+                                   str(Path(self.model_cfg.path).resolve()))
                 full = dict(lora.merged_weights(full.items(), cfg.alpha / cfg.rank))
                 merged = partial / "merged.partial"
                 _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(merged, safe_serialization=True)
