@@ -194,13 +194,20 @@ class Actor(abc.ABC):
 
     # ---- weights out ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
+    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20,
+                              weights: str = "merged") -> dict:
         """Stream the policy's full weights, HF names and layouts, to the engines through
         ``transport`` (rlmega.sync.transports): size-bounded buckets, each gathered only when it is
         sent, so no rank holds the whole model; one sender calls ``transport.send(bucket, version)``
         per bucket then ``transport.flush()``; every rank meets at a closing barrier, so every bucket
         is loaded when any rank returns. Returns what this rank did: "gathered", "bytes", "tensors",
-        "buckets", "names_and_shapes" [(name, shape)], "seconds"."""
+        "buckets", "names_and_shapes" [(name, shape)], "seconds". ``weights``: with LoRA adapters
+        (actor.lora), "merged" into the weights or the "base" alone (``adapter_for_rollout`` sends them)."""
+
+    @abc.abstractmethod
+    def adapter_for_rollout(self) -> dict | None:
+        """With LoRA adapters: a PEFT adapter folder's files ({file name: bytes}) on one rank (None on the
+        others), for engines that serve the adapters unmerged. Collective."""
 
     @abc.abstractmethod
     def save_checkpoint(self, root, step: int, extra: dict | None = None):

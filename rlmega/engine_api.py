@@ -200,14 +200,20 @@ class TrainEngine(abc.ABC):
 
     # ---- weights out --------------------------------------------------------------------------
     @abc.abstractmethod
-    def weights_out(self, pieces: bool) -> tuple[bool, Iterator]:
+    def weights_out(self, pieces: bool, weights: str = "merged") -> tuple[bool, Iterator]:
         """(this rank sends, its (HF name, tensor or Piece) in the model's order) for a weight sync. Every
         rank iterates its iterator to the end (it may hold collectives); with ``pieces`` a TP-split tensor
-        may come as each TP rank's block (rlmega/sync/pieces.py) instead of gathered whole."""
+        may come as each TP rank's block (rlmega/sync/pieces.py) instead of gathered whole. ``weights``: a
+        model with LoRA adapters sends them merged into its weights ("merged") or its base alone ("base")."""
 
     @abc.abstractmethod
     def barrier(self) -> None:
         """Every trainer rank of this engine's world."""
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters by PEFT's saved names, whole, on every rank. Collective. Engines that build no
+        adapters refuse it."""
+        raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters")
 
     def adapters_disabled(self):
         """Context: inside, the model computes its base, LoRA adapters off (the reference policy of a LoRA

@@ -11,9 +11,12 @@ keeps its class and its HF names, and each target ``nn.Linear`` becomes a LoRA l
 and the layer computes x W^T + scale (x A^T) B^T, scale = alpha / rank. Every other parameter is frozen too.
 
 What leaves the learner (each a stream of (name, tensor) in the model's named_parameters order):
-- ``merged_weights``: HF names, W + scale B A for adapted layers: a full weight sync, an export as a plain model;
+- ``merged_weights``: HF names, W + scale B A for adapted layers: a full weight sync (rollout.lora_merge), an
+  export as a plain model;
+- ``base_weights``: HF names, the base alone: the weights of an engine that serves the adapters unmerged;
 - ``adapter_weights``: PEFT's saved names (``base_model.model.<module>.lora_A.weight``), the adapters only:
-  ``adapter_model.safetensors`` of a folder ``peft.PeftModel.from_pretrained`` loads (``write_adapter``).
+  ``adapter_model.safetensors`` of a folder ``peft.PeftModel.from_pretrained`` (and vLLM) loads
+  (``write_adapter``, ``adapter_files``).
 """
 from __future__ import annotations
 
@@ -110,6 +113,14 @@ def merged_weights(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> I
         raise RuntimeError(f"LoRA layers without their adapters in the weight stream: {sorted(pending)[:3]}")
 
 
+def base_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, tensor) -> (HF name, tensor) of the base model alone: W of adapted layers, A and B left out
+    (what an engine that serves the adapters unmerged holds as its weights)."""
+    for name, t in named:
+        if not is_adapter(name):
+            yield hf_name(name), t
+
+
 def adapter_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(model name, tensor) -> (PEFT name, tensor) of the adapters only."""
     for name, t in named:
@@ -129,6 +140,17 @@ def write_adapter(out_dir: str, cfg: LoraConfig, tensors: dict[str, torch.Tensor
     config.save_pretrained(out_dir)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
               os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def adapter_files(cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """The files of a PEFT adapter folder as bytes ({file name: bytes}: adapter_config.json,
+    adapter_model.safetensors), for an engine that writes them into a folder of its own (vLLM loads adapters
+    from folders)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        write_adapter(d, cfg, tensors)
+        return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))}
 
 
 def read_adapter_config(folder: str) -> dict:

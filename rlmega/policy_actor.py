@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rlmega import lora
 from rlmega.actor_api import Actor
 from rlmega.algorithms import polyak, rl_loss
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
@@ -248,7 +249,8 @@ class PolicyActor(Actor):
                 self.reference.offload("params")
 
     # ---- weights out, checkpoints, export -----------------------------------------------------
-    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20) -> dict:
+    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20,
+                              weights: str = "merged") -> dict:
         """Stream the policy's weights, in HF names and layout, to the rollout engines: the engine says
         which ranks send and what (``weights_out``: on Megatron each TP rank's own blocks as pieces, or
         whole tensors gathered to TP rank 0 for a transport that cannot take pieces, ``takes_pieces``
@@ -256,13 +258,20 @@ class PolicyActor(Actor):
         buckets them through ``transport``. Every rank meets at the closing barrier, so every bucket is
         loaded when any rank returns. Returns what this rank did: ``gathered`` tensors, and sent
         bytes, tensors (a piece counts as one), buckets, the (name, shape) list (a piece: its HF tensor's
-        whole shape) and seconds."""
+        whole shape) and seconds. ``weights``: with LoRA adapters, "merged" into the weights, or "base" alone
+        (for engines that serve the adapters unmerged: ``adapter_for_rollout``)."""
         start = time.perf_counter()
-        sender, tensors = self.policy.weights_out(pieces=getattr(transport, "takes_pieces", False))
+        sender, tensors = self.policy.weights_out(pieces=getattr(transport, "takes_pieces", False), weights=weights)
         sent = stream_weights(tensors, transport, version, bucket_bytes, sender)
         self.policy.barrier()  # every stage's buckets are loaded when any rank returns
         sent["seconds"] = time.perf_counter() - start
         return sent
+
+    def adapter_for_rollout(self) -> dict | None:
+        """The policy's LoRA adapters as a PEFT adapter folder's files ({name: bytes}) on trainer rank 0, None
+        on the others, for engines that serve them unmerged (RolloutWorker.load_adapter). Collective."""
+        tensors = self.policy.adapter_tensors()
+        return lora.adapter_files(self.cfg.lora, tensors) if torch.distributed.get_rank() == 0 else None
 
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
         """Policy, optimizer, schedule, RNG and ``extra``; plus the reference once it has moved away

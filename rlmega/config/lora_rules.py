@@ -10,8 +10,9 @@ rlmega.config.validate) and against the model's folder (called by rlmega.preflig
   target_modules list.
 - With rank > 0: actor.backend=fsdp (the Megatron learner's LoRA is not built yet); the reference is the base
   model (the policy with its adapters off), so a Polyak-moved reference (actor.ref_update_rate > 0) and a
-  KL anchored to a warm-started policy (trainer.warmup_sft_steps > 0 with a KL term) cannot be had; the
-  adapters reach the engines merged (rollout.lora_merge=true; serving them unmerged is not built yet).
+  KL anchored to a warm-started policy (trainer.warmup_sft_steps > 0 with a KL term) cannot be had.
+- Served unmerged (rollout.lora_merge false, the default): vLLM serves ranks up to 512, and the model's vLLM
+  class must take adapters (preflight; else rollout.lora_merge=true merges them on the trainer).
 - rollout.lora_merge=true without adapters would do nothing: refused.
 - Each target module names a linear layer of model.path's model (read on the meta device: no weights).
 - A checkpoint to resume from holds the same adapters, or none (a full-parameter checkpoint becomes a LoRA
@@ -24,6 +25,10 @@ from typing import List
 from rlmega.config.errors import problem
 from rlmega.config.learner_rules import GE0, GT0, Rule
 from rlmega.config.schema import LoraConfig, RLConfig
+
+# vllm 0.32's LoRAConfig.max_lora_rank choices (vllm/config/lora.py MaxLoRARanks; tests/unit/test_lora.py holds
+# it to the installed vllm): an engine serves an adapter in the smallest slot that holds its rank
+LORA_SLOT_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 RANGES: List[Rule] = [
     ("actor.lora.rank", *GE0), ("actor.lora.alpha", *GT0),
@@ -56,18 +61,20 @@ def problems(cfg: RLConfig) -> List[str]:
                            f"term (algorithm.kl_coef={cfg.algorithm.kl_coef}), but with actor.lora the reference "
                            "is the base model, not the warm-started policy the KL would anchor to without LoRA",
                            "set algorithm.kl_coef=0, or trainer.warmup_sft_steps=0, or actor.lora.rank=0"))
-    if not cfg.rollout.lora_merge:
-        out.append(problem("rollout.lora_merge", "false, but serving the adapters to vLLM unmerged is not built yet",
-                           "set rollout.lora_merge=true (the trainer merges the adapters and syncs the whole "
-                           "model)"))
+    slot = LORA_SLOT_RANKS[-1]
+    if not cfg.rollout.lora_merge and lora.rank > slot:
+        out.append(problem("actor.lora.rank", f"{lora.rank}, but vLLM serves adapters up to rank {slot}",
+                           f"set actor.lora.rank <= {slot}, or rollout.lora_merge=true (the trainer merges the "
+                           "adapters into the weights it syncs)"))
     return out
 
 
 def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
     """Preflight, actor.lora on: each of target_modules names a linear layer of model.path's model (its
-    config.json ``hf``, built on the meta device)."""
+    config.json ``hf``, built on the meta device); served unmerged, vLLM's class of it takes adapters."""
     if cfg.actor.lora.rank == 0 or cfg.actor.backend != "fsdp":
         return []
+    out = [] if cfg.rollout.lora_merge else _engine_problems(hf)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -81,10 +88,28 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
                      if isinstance(m, torch.nn.Linear) and name})
     missing = [m for m in cfg.actor.lora.target_modules if m not in linear]
     if not missing:
-        return []
-    return [problem("actor.lora.target_modules", f"{missing} name no linear layer of model.path's "
+        return out
+    return out + [problem("actor.lora.target_modules", f"{missing} name no linear layer of model.path's "
                     f"{type(model).__name__} (its linear layers: {linear})",
                     "list module names from those, e.g. the attention and MLP projections")]
+
+
+def _engine_problems(hf: dict) -> List[str]:
+    """The rollout engine's model class takes LoRA adapters (vLLM's SupportsLoRA; imports vLLM: seconds)."""
+    from rlmega.config.hf_support import causal_lm_class
+
+    name = causal_lm_class(hf)
+    try:
+        from vllm.model_executor.models.interfaces import supports_lora
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError:  # no vLLM here: nothing to ask (preflight names a missing engine elsewhere)
+        return []
+    cls = ModelRegistry._try_load_model_cls(name) if name else None
+    if cls is None or supports_lora(cls):  # an unknown class is preflight's vllm_reason
+        return []
+    return [problem("rollout.lora_merge", f"false, but vLLM's {name} (the rollout engine's model) cannot serve "
+                    "LoRA adapters", "set rollout.lora_merge=true: the trainer merges the adapters into the "
+                    "weights it syncs")]
 
 
 def resume_problems(cfg: RLConfig, step_folder) -> List[str]:

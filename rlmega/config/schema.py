@@ -139,9 +139,10 @@ class RolloutConfig:
     corrupted sync): the run saves a checkpoint and stops with an error naming the numbers. null: the
     dtype's default (float32 1e-2, bfloat16 10.0). Set it very high (e.g. 1e9) to only warn."""
     lora_merge: bool = False
-    """With actor.lora: true merges the adapters into the weights on the trainer and syncs the whole model
-    (an engine that cannot serve LoRA). false (serving the adapters unmerged, a sync of megabytes) is not
-    built yet and is refused with actor.lora on; without actor.lora this does nothing and must stay false."""
+    """With actor.lora: false (the default) serves the adapters unmerged, each weight sync sending the
+    adapters alone (megabytes) after one sync of the base when the run starts (docs/lora.md); true merges
+    them into the weights on the trainer and syncs the whole model, for an engine that cannot serve LoRA.
+    Without actor.lora it would do nothing: true is refused."""
 
 
 # (clip_eps_low, clip_eps_high, loss_agg_mode) each policy loss uses when the user sets none of them.

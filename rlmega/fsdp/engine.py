@@ -243,10 +243,10 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         return set(read_meta(resolve(root))["extra_models"])
 
     # ---- weights out --------------------------------------------------------------------------
-    def weights_out(self, pieces: bool) -> tuple[bool, Iterator]:
+    def weights_out(self, pieces: bool, weights: str = "merged") -> tuple[bool, Iterator]:
         """Every rank takes part in each parameter's all-gather (one at a time: only the bucket being
         filled is held in full); rank 0 sends."""
-        return self.rank == 0, self.iter_full_tensors()
+        return self.rank == 0, self.iter_full_tensors(weights)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -246,18 +246,33 @@ class FSDPModelManager:
             full_state_dict=full_state_dict, cpu_offload=cpu_offload))
 
     @torch.no_grad()
-    def iter_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of the plain model, LoRA adapters merged into their layers (rlmega/lora.py)."""
-        named = self.iter_model_tensors()
-        return lora.merged_weights(named, self.actor_cfg.lora.alpha / self.lora_rank) if self.lora_rank else named
+    def iter_full_tensors(self, weights: str = "merged") -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the plain model: under LoRA (rlmega/lora.py) with the adapters merged into
+        their layers (``weights`` "merged"), or the base alone ("base")."""
+        if weights not in ("merged", "base"):
+            raise ValueError(f"weights={weights!r}: choose 'merged' or 'base'")
+        if not self.lora_rank:
+            return self.iter_model_tensors()
+        if weights == "base":
+            return lora.base_weights(self.iter_model_tensors(adapters=False))
+        return lora.merged_weights(self.iter_model_tensors(), self.actor_cfg.lora.alpha / self.lora_rank)
 
     @torch.no_grad()
-    def iter_model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters, full, by PEFT's saved names, on every rank (on the host). Collective."""
+        if not self.lora_rank:
+            raise NotImplementedError("this model has no LoRA adapters (actor.lora.rank=0)")
+        return {k: v.cpu() for k, v in lora.adapter_weights(self.iter_model_tensors(base=False))}
+
+    @torch.no_grad()
+    def iter_model_tensors(self, base: bool = True, adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full float tensor on this rank's device) per parameter, in named_parameters order (a tied
-        head is skipped, as HF stores the embedding once); HF names, peft's under LoRA. Collective: every rank
-        iterates it to the end and gets every tensor; only one parameter's full tensor is gathered at a time."""
+        head is skipped, as HF stores the embedding once); HF names, peft's under LoRA (``base`` / ``adapters``
+        False: without those). Collective: every rank iterates it to the end and gets every tensor; only one
+        parameter's full tensor is gathered at a time."""
         for name, p in self.model.named_parameters():
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            if (adapters if lora.is_adapter(name) else base):
+                yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
     # ---- offload (each kind separately; storages freed and refilled, rlmega/offload.py) ------
     def _offload(self, kind: str, tensors: list[torch.Tensor]) -> None:

@@ -40,7 +40,8 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
             record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
-            attention_backend=r.attention_backend))
+            attention_backend=r.attention_backend,
+            lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0))  # served unmerged: load_adapter
     return engines
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -62,6 +63,11 @@ class Roles:
         self.critic_calls: ShardedCalls | None = None
         self.engines: list = []
         self.weight_transport = None  # made at the first sync (Roles._transport)
+        # LoRA served unmerged (actor.lora, rollout.lora_merge false): syncs send the adapter alone, after one
+        # sync of the trainer's base (a run resumed from a full-parameter checkpoint trains on other weights
+        # than the engines' model.path)
+        self.lora_unmerged = cfg.actor.lora.rank > 0 and not cfg.rollout.lora_merge
+        self._base_sent = False
         self.hosts: dict[str, AgentLoopHost] = {}  # task name -> its agent loop (rlmega/agents/)
         self.background: BackgroundLoop | None = None
         self.manager: ActorManager | None = None
@@ -293,18 +299,42 @@ class Roles:
         return self.weight_transport
 
     def _send_weights(self, version: int, bucket_bytes: int) -> dict:
+        if self.lora_unmerged and self._base_sent:
+            return self._send_adapter(version)
         try:
-            sent = self.actors.call("sync_model_to_rollout", self._transport(), version, bucket_bytes)
+            sent = self.actors.call("sync_model_to_rollout", self._transport(), version, bucket_bytes,
+                                    "base" if self.lora_unmerged else "merged")
         except WorkerGroupError as e:
             dead = self._dead_engines()
             if dead:  # the ranks failed because an engine they were sending to is gone
                 names = ", ".join(f"rollout engine {i}" for i in dead)
                 raise RoleDied(f"{names} died during the weight sync", names) from e
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
+        out = {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
+        if self.lora_unmerged:
+            self._base_sent = True
+            adapter = self._send_adapter(version)
+            out = {"bytes": out["bytes"] + adapter["bytes"], "seconds": out["seconds"] + adapter["seconds"]}
+        self._check_versions(version)
+        return out
+
+    def _send_adapter(self, version: int) -> dict:
+        """The policy's LoRA adapter to every engine (RolloutWorker.load_adapter): a few megabytes, through
+        Ray's object store once."""
+        start = time.perf_counter()
+        try:
+            files = next(f for f in self.actors.call("adapter_for_rollout") if f is not None)
+        except WorkerGroupError as e:
+            raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
+        ref = ray.put(files)
+        self._get([e.load_adapter.remote(ref, version) for e in self.engines], "rollout engine")
+        self._check_versions(version)
+        return {"bytes": sum(len(b) for b in files.values()), "seconds": time.perf_counter() - start}
+
+    def _check_versions(self, version: int) -> None:
         versions = self._get([e.weight_version.remote() for e in self.engines], "rollout engine")
         if versions != [version] * len(self.engines):
             raise RuntimeError(f"engines hold weight versions {versions}, expected {version}")
-        return {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
 
     # ---- colocated phases (GPU: engines and trainer take turns on the same devices) ---------
     def train_phase(self) -> None:

@@ -179,7 +179,7 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         return set(checkpoint.saved_models(checkpoint.latest(root) or root))
 
     # ---- weights out --------------------------------------------------------------------------
-    def weights_out(self, pieces: bool) -> tuple[bool, Iterator]:
+    def weights_out(self, pieces: bool, weights: str = "merged") -> tuple[bool, Iterator]:
         """In replica 0 (DP x CP rank 0), every TP rank of each pipeline stage sends its own blocks of the HF
         tensors with ``pieces`` (replicated tensors from TP rank 0); without, TP rank 0 sends whole
         tensors, gathered one parameter at a time. The other replicas hold the same weights and skip

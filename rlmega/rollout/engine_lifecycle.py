@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from rlmega.config.lora_rules import LORA_SLOT_RANKS
 from rlmega.rollout.vllm_extension import EXTENSION
 
 _GiB = 1 << 30
@@ -17,8 +18,9 @@ _GiB = 1 << 30
 def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int, seed: int,
                 kv_cache_space_gb: float, gpu_memory_utilization: float, tensor_parallel_size: int,
                 enforce_eager: bool, enable_prefix_caching: bool, profile_dir: str | None,
-                attention_backend: str | None):
-    """vLLM's ``AsyncEngineArgs`` for a RolloutWorker (and the environment vLLM reads at import and start)."""
+                attention_backend: str | None, lora_rank: int = 0):
+    """vLLM's ``AsyncEngineArgs`` for a RolloutWorker (and the environment vLLM reads at import and start).
+    ``lora_rank`` > 0: the engine serves one LoRA adapter of up to that rank (RolloutWorker.load_adapter)."""
     # vLLM reads these when it is imported and when the engine starts, so set them first.
     # AsyncLLM always runs its engine core in a child process. On CPU, "0" keeps the model in that
     # process too (the uniproc executor, as vLLM does on GPUs at TP 1); with "1" vLLM's CPU platform
@@ -39,6 +41,11 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
     else:
         engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
 
+    if lora_rank:
+        # one adapter (the policy's, replaced in place by each sync), in a slot of vLLM's smallest allowed
+        # max_lora_rank that holds it; a second CPU slot so that loading the next never evicts it
+        engine_kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=1,
+                             max_cpu_loras=2)
     if attention_backend:  # vLLM's attention kernels by name (e.g. TRITON_ATTN); None: vLLM's choice
         engine_kwargs["attention_backend"] = attention_backend
     if profile_dir:  # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)
@@ -66,6 +73,14 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
         hf_overrides=architecture_overrides(model_path),  # config.json with only model_type
         **engine_kwargs,
     )
+
+
+def lora_slot_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of ``rank``."""
+    for r in LORA_SLOT_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"actor.lora.rank={rank}: vLLM serves adapters up to rank {LORA_SLOT_RANKS[-1]}")
 
 
 async def start_engine(args, tensor_parallel_size: int):

@@ -91,7 +91,7 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
                 final = None
                 try:
                     async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids),
-                                                           part_params, req.engine_id):
+                                                           part_params, req.engine_id, lora_request=self._lora):
                         final = out  # FINAL_ONLY: the one output, when the part has ended
                 finally:
                     if routes is not None:  # taken even from a failed part: the engine frees them

@@ -8,6 +8,7 @@ fresh process each: vLLM keeps process-wide state).
     sample = worker.generate_one([1, 5, 7], max_tokens=64, seed=3, request_id="a")  # from any thread
     worker.abort("a")                       # from another thread: "a" returns what it has, "abort"
     worker.update_weights(actor.export_hf_weights(), version=step)   # loaded when it returns
+    worker.load_adapter(actor.adapter_for_rollout(), version=step)    # LoRA served unmerged (lora_rank > 0)
     worker.begin_weights(version=step, sender=key, nbytes_hint=0)  # a sync's start (its reload opens)
     worker.receive_weights(bucket, version=step, sender=key)   # a sync's buckets (transports), then
     worker.finish_weights(version=step, sender=key)            # one reload in the engine for them all
@@ -51,7 +52,7 @@ from rlmega.sync.pieces import Piece
 from rlmega.rollout.engine_errors import engine_died
 from rlmega.rollout.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
 from rlmega.rollout.engine_routes import EngineRoutes, start_recording
-from rlmega.rollout import generation
+from rlmega.rollout import generation, lora_serving
 from rlmega.rollout.generation import Sample
 from rlmega.rollout.weight_stream import WeightStream
 
@@ -70,7 +71,8 @@ class RolloutWorker:
                  max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
-                 num_threads: int | None = None, record_routes: bool = False, attention_backend: str | None = None):
+                 num_threads: int | None = None, record_routes: bool = False, attention_backend: str | None = None,
+                 lora_rank: int = 0):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         if record_routes and not enforce_eager:
@@ -91,11 +93,14 @@ class RolloutWorker:
         self._gate.set()
         self._running, self._busy_since, self._busy_closed = 0, 0.0, 0.0
         self._ids = itertools.count()
+        # LoRA served unmerged (lora_rank > 0): the adapter every request generates with, once one is loaded
+        self.lora_rank, self._lora = lora_rank, None
+        self._lora_dir: str | None = None
         args = engine_args(self.model_path, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
                            kv_cache_space_gb=kv_cache_space_gb, gpu_memory_utilization=gpu_memory_utilization,
                            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                            enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
-                           attention_backend=attention_backend)
+                           attention_backend=attention_backend, lora_rank=lora_rank)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True)
         self._thread.start()
@@ -270,6 +275,23 @@ class RolloutWorker:
         Returns the slots the model workers retired in that sync (rlmega/sync/shm_slots.py)."""
         return self._weights.finish(version, sender)
 
+    def load_adapter(self, files: dict[str, bytes], version: int) -> None:
+        """Serve a new version of the policy's LoRA adapter (a PEFT adapter folder's files, e.g.
+        PolicyActor.adapter_for_rollout's) and set ``version``; loaded when it returns, and every engine request
+        sent after it generates with it (rlmega/rollout/lora_serving.py). Needs ``lora_rank`` > 0."""
+        if not self.lora_rank:
+            raise RuntimeError("load_adapter: this engine was started without LoRA (lora_rank=0)")
+        self._weights.check_ready()
+        request, folder = lora_serving.load(self, files, version)
+        self._run(self._engine.reset_prefix_cache())  # cached KV of the old adapter is not this one's
+
+        def swap():  # on the loop, where requests read them: new requests carry this version from here on
+            self._lora, self._version = request, version
+
+        self._on_loop(swap)
+        lora_serving.remove_folder(self._lora_dir)  # a request sent before the swap named it; its id is loaded
+        self._lora_dir = folder
+
     def join_weight_group(self, name: str, host: str, port: int, rank: int, world: int, backend: str,
                           timeout_s: float) -> None:
         """Join a sender's weight group (CollectiveTransport, rlmega/sync/collective.py); returns once
@@ -351,6 +373,7 @@ class RolloutWorker:
                 logger.warning("vLLM engine shutdown raised %r", exc)
         if getattr(self, "_weights", None) is not None:
             self._weights.close()  # the shared-memory slots the engine read the weights from
+        lora_serving.remove_folder(getattr(self, "_lora_dir", None))
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=30)

@@ -54,3 +54,15 @@ def test_resume_takes_the_same_adapters_or_a_full_checkpoint_and_refuses_lora_in
     cfg.actor.lora = LoraConfig()  # a full-parameter run
     (line,) = resume_problems(cfg, _ckpt(tmp_path / "lora", record))
     assert "holds a LoRA run's adapters" in line and "Fix: resume it with the same actor.lora" in line
+
+
+def test_the_slot_ranks_are_the_installed_vllms():
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from rlmega.config.lora_rules import LORA_SLOT_RANKS
+    from rlmega.rollout.engine_lifecycle import lora_slot_rank
+
+    assert LORA_SLOT_RANKS == typing.get_args(MaxLoRARanks)
+    assert [lora_slot_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
