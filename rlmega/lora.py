@@ -21,8 +21,8 @@ What leaves the learner (each a stream of (name, tensor) in the model's named_pa
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -62,10 +62,6 @@ def _layers(model: torch.nn.Module) -> list:
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
-
-
-def has_adapters(model: torch.nn.Module) -> bool:
-    return bool(_layers(model))
 
 
 @contextlib.contextmanager
@@ -150,9 +146,4 @@ def adapter_files(cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[str
 
     with tempfile.TemporaryDirectory() as d:
         write_adapter(d, cfg, tensors)
-        return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))}
-
-
-def read_adapter_config(folder: str) -> dict:
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        return json.load(f)
+        return {name: Path(d, name).read_bytes() for name in sorted(os.listdir(d))}

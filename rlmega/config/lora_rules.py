@@ -83,7 +83,7 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # the architecture's own checks (preflight._model) say why
-        return []
+        return out
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and name})
     missing = [m for m in cfg.actor.lora.target_modules if m not in linear]

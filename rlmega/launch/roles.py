@@ -311,12 +311,12 @@ class Roles:
                 raise RoleDied(f"{names} died during the weight sync", names) from e
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
         out = {"bytes": sum(s["bytes"] for s in sent), "seconds": max(s["seconds"] for s in sent)}
-        if self.lora_unmerged:
-            self._base_sent = True
-            adapter = self._send_adapter(version)
-            out = {"bytes": out["bytes"] + adapter["bytes"], "seconds": out["seconds"] + adapter["seconds"]}
-        self._check_versions(version)
-        return out
+        if not self.lora_unmerged:
+            self._check_versions(version)
+            return out
+        self._base_sent = True  # the base in, now the adapters on it
+        adapter = self._send_adapter(version)
+        return {"bytes": out["bytes"] + adapter["bytes"], "seconds": out["seconds"] + adapter["seconds"]}
 
     def _send_adapter(self, version: int) -> dict:
         """The policy's LoRA adapter to every engine (RolloutWorker.load_adapter): a few megabytes, through
