@@ -147,9 +147,9 @@ class ModelRoutes:
         # then each rank back-propagates its own tokens' z-loss into router weights whose gradients
         # finalize_model_grads sums over TP (sequence_parallel marks them) and CP (with DP): the sum is
         # 1 / (TP x CP) of the same loss at world 1 (measured: tests/multiproc/test_moe_sequence_parallel.py,
-        # test_context_parallel.py's MoE case). The coefficient we hand it is TP x CP times larger, so
-        # actor.moe_z_loss_coeff means the same at every layout. (The load-balancing loss needs nothing:
-        # each rank scales its share by its own token count.)
+        # at TP2+SP and at CP2). The coefficient we hand it is TP x CP times larger, so actor.moe_z_loss_coeff
+        # means the same at every layout. (The load-balancing loss needs nothing here: each rank scales its
+        # share by its own token count. Both take CP's loss count, CP x N, in actor._aux_loss_factor.)
         tp = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
         self.z_scale = tp * self.cp
         # The same on every rank (a pipeline stage without MoE layers still takes part in the
