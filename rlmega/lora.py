@@ -141,9 +141,13 @@ def write_adapter(out_dir: str, cfg: LoraConfig, tensors: dict[str, torch.Tensor
 def adapter_files(cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
     """The files of a PEFT adapter folder as bytes ({file name: bytes}: adapter_config.json,
     adapter_model.safetensors), for an engine that writes them into a folder of its own (vLLM loads adapters
-    from folders)."""
+    from folders). The tensors are serialised in memory (no file round trip: a sync's cost)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as d:
-        write_adapter(d, cfg, tensors)
-        return {name: Path(d, name).read_bytes() for name in sorted(os.listdir(d))}
+    from safetensors.torch import save
+
+    with tempfile.TemporaryDirectory() as d:  # peft writes its own config (a few hundred bytes)
+        peft_config(cfg).save_pretrained(d)
+        config = Path(d, "adapter_config.json").read_bytes()
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": "pt"})
+    return {"adapter_config.json": config, "adapter_model.safetensors": data}

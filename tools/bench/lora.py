@@ -16,7 +16,9 @@ Sync (per round, the three sides interleaved; the best of ``--repeats`` rounds a
     full_s    ``sync_model_to_rollout`` of every weight (weights="base": the model's HF tensors, what a
               full-parameter step syncs), in-process (DirectTransport: the engine's one reload, no Ray);
     merged_s  the same with the adapters merged into the weights (``rollout.lora_merge: true``);
-    lora_s    ``adapter_for_rollout`` + ``RolloutWorker.load_adapter``: what a LoRA step syncs, served unmerged.
+    lora_s    ``adapter_for_rollout`` (pack_s: gather the adapters, serialise them as a PEFT folder's files) +
+              ``RolloutWorker.load_adapter`` (load_s: the files to /dev/shm, vLLM's add_lora, the prefix cache
+              reset): what a LoRA step syncs, served unmerged.
     ratio     lora_s / full_s. Target <= 0.1 at rank 16 (issue 41), PASS/MISS.
 TP2 x PP2 (the issue's second layout) is the Megatron learner's, whose LoRA is not built yet.
 """
@@ -135,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
                 t0 = time.perf_counter()
                 if side == "lora":
                     files = actor.adapter_for_rollout()
+                    row["lora_pack_s"] = time.perf_counter() - t0
                     worker.load_adapter(files, version)
+                    row["lora_load_s"] = time.perf_counter() - t0 - row["lora_pack_s"]
                     row["lora_bytes"] = sum(len(b) for b in files.values())
                 else:
                     weights = "base" if side == "full" else "merged"
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row[f"{side}_s"] = time.perf_counter() - t0
             rounds.append(row)
         timed = rounds[1:] or rounds
-        best = {k: min(row[k] for row in timed) for k in ("full_s", "merged_s", "lora_s")}
+        best = {k: min(row[k] for row in timed) for k in ("full_s", "merged_s", "lora_s", "lora_pack_s", "lora_load_s")}
         results["sync"] = {**best, "bytes": {k: rounds[0][f"{k}_bytes"] for k in ("full", "merged", "lora")},
                            "rounds": rounds, "ratio": best["lora_s"] / best["full_s"]}
     finally:
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     s = results["sync"]
     verdict = "PASS" if s["ratio"] <= TARGET else "MISS"
     print(f"sync: full {s['full_s']:.3f} s ({s['bytes']['full'] / 1e6:.1f} MB), merged {s['merged_s']:.3f} s, "
-          f"LoRA {s['lora_s']:.4f} s ({s['bytes']['lora'] / 1e6:.2f} MB): LoRA/full {s['ratio']:.4f} "
+          f"LoRA {s['lora_s']:.4f} s ({s['bytes']['lora'] / 1e6:.2f} MB; pack {s['lora_pack_s']:.4f} s, engine load "
+          f"{s['lora_load_s']:.4f} s): LoRA/full {s['ratio']:.4f} "
           f"(target <= {TARGET}: {verdict})")
     results["verdict"], results["seconds"] = verdict, time.perf_counter() - t_start
     print(f"done in {results['seconds']:.0f} s")
