@@ -84,9 +84,16 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # the architecture's own checks (preflight._model) say why
         return out
+    head = model.get_output_embeddings()
+    head_name = next((n for n, m in model.named_modules() if m is head), "").rsplit(".", 1)[-1]
+    if head_name and head_name in cfg.actor.lora.target_modules:
+        # the chunked log-probs compute logits from the head's weight (its base alone under LoRA), and vLLM
+        # does not take adapters on it: refused rather than a head adapter the numbers would skip
+        out.append(problem("actor.lora.target_modules", f"{head_name!r} is the model's output layer: LoRA adapts "
+                           "the decoder's linear layers only", f"leave {head_name} out of actor.lora.target_modules"))
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and name})
-    missing = [m for m in cfg.actor.lora.target_modules if m not in linear]
+                     if isinstance(m, torch.nn.Linear) and name and m is not head})
+    missing = [m for m in cfg.actor.lora.target_modules if m not in linear and m != head_name]
     if not missing:
         return out
     return out + [problem("actor.lora.target_modules", f"{missing} name no linear layer of model.path's "

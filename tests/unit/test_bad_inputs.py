@@ -352,6 +352,8 @@ CASES = [
      "actor.ref_update_rate: 0.1, but with actor.lora the reference policy is the base model"),
     ("LoRA warm start with KL", [*FSDP, *LORA, "trainer.warmup_sft_steps=2", "algorithm.kl_coef=0.1"], None,
      "trainer.warmup_sft_steps: 2 warm-start steps with a KL term"),
+    ("LoRA on the output layer", [*FSDP, *LORA, "actor.lora.target_modules=[q_proj,lm_head]"], None,
+     "actor.lora.target_modules: 'lm_head' is the model's output layer"),
     ("LoRA target the model lacks", [*FSDP, *LORA, "actor.lora.target_modules=[q_proj,nope_proj]"], None,
      "actor.lora.target_modules: ['nope_proj'] name no linear layer of model.path's Qwen2ForCausalLM"),
     ("Ulysses not dividing the world", [*FSDP, "actor.ulysses_size=3"], None,
