@@ -21,7 +21,9 @@ What leaves the learner (each a stream of (name, tensor) in the model's named_pa
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -42,16 +44,30 @@ def peft_config(cfg: LoraConfig):
 
 
 def add_adapters(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
-    """``model`` with adapters in its target layers (A from a generator seeded by ``seed``, so every rank
-    builds the same; B zero), every other parameter frozen. The caller's RNG stream is left where it was."""
+    """``model`` with adapters in its target layers (A = ``initial_a``, so every rank builds the same; B zero),
+    every other parameter frozen. The caller's RNG stream is left where it was."""
     from peft import inject_adapter_in_model
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
         model = inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
+    with torch.no_grad():  # the init both learners share (initial_a), not peft's draw from the global stream
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                p.copy_(initial_a(seed, name.split(".lora_A.")[0], cfg.rank, p.shape[1]))
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return model
+
+
+def initial_a(seed: int, module: str, rank: int, in_features: int) -> torch.Tensor:
+    """A of the adapter on HF module ``module`` (e.g. ``model.layers.0.self_attn.q_proj``) before training:
+    (rank, in_features) float32, uniform in +-1/sqrt(in_features) (peft's kaiming_uniform(a=sqrt(5)) bound),
+    drawn from a generator seeded by ``seed`` and the module's name. A function of the name alone, so that
+    the FSDP learner (peft's layers) and the Megatron learner (fused, TP-split layers,
+    rlmega/megatron/lora_adapters.py) start from the same adapters whatever order or rank builds them."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(module.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.rand(rank, in_features, generator=g, dtype=torch.float64).mul_(2 * bound).sub_(bound).float()
 
 
 def is_adapter(name: str) -> bool:

@@ -8,15 +8,16 @@ rlmega.config.validate) and against the model's folder (called by rlmega.preflig
 
 - rank >= 0 (0 = off), alpha > 0, dropout 0 (a log-prob must be a function of the weights), a non-empty
   target_modules list.
-- With rank > 0: actor.backend=fsdp (the Megatron learner's LoRA is not built yet); the reference is the base
-  model (the policy with its adapters off), so a Polyak-moved reference (actor.ref_update_rate > 0) and a
-  KL anchored to a warm-started policy (trainer.warmup_sft_steps > 0 with a KL term) cannot be had.
+- With rank > 0 on actor.backend=megatron: target_modules among MEGATRON_TARGETS (the attention's only for an
+  MoE model: expert LoRA is not built, preflight). On both learners the reference is the base model (the
+  policy with its adapters off), so a Polyak-moved reference (actor.ref_update_rate > 0) and a KL anchored to
+  a warm-started policy (trainer.warmup_sft_steps > 0 with a KL term) cannot be had.
 - Served unmerged (rollout.lora_merge false, the default): vLLM serves ranks up to 512, and the model's vLLM
   class must take adapters (preflight; else rollout.lora_merge=true merges them on the trainer).
 - rollout.lora_merge=true without adapters would do nothing: refused.
 - Each target module names a linear layer of model.path's model (read on the meta device: no weights).
 - A checkpoint to resume from holds the same adapters, or none (a full-parameter checkpoint becomes a LoRA
-  run's base, rlmega/fsdp/checkpoint.py); a LoRA checkpoint does not resume a full-parameter run.
+  run's base: both learners' checkpoint.py); a LoRA checkpoint does not resume a full-parameter run.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ from rlmega.config.schema import LoraConfig, RLConfig
 # vllm 0.32's LoRAConfig.max_lora_rank choices (vllm/config/lora.py MaxLoRARanks; tests/unit/test_lora.py holds
 # it to the installed vllm): an engine serves an adapter in the smallest slot that holds its rank
 LORA_SLOT_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# What the Megatron learner adapts (rlmega/megatron/lora_adapters.py's SITES: megatron-core's fused linear_qkv,
+# linear_proj, linear_fc1, linear_fc2 split into their HF modules); of an MoE model, the attention's only
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+MEGATRON_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
 RANGES: List[Rule] = [
     ("actor.lora.rank", *GE0), ("actor.lora.alpha", *GT0),
@@ -47,10 +53,12 @@ def problems(cfg: RLConfig) -> List[str]:
             out.append(problem("rollout.lora_merge", "true, but actor.lora.rank=0: there are no adapters to merge",
                                "set rollout.lora_merge=false, or actor.lora.rank > 0"))
         return out
-    if cfg.actor.backend != "fsdp":
-        out.append(problem("actor.lora.rank", f"{lora.rank}, but actor.backend={cfg.actor.backend}: LoRA is built "
-                           "for the fsdp learner (peft) only; the Megatron learner's is not built yet",
-                           "set actor.backend=fsdp, or actor.lora.rank=0"))
+    if cfg.actor.backend == "megatron":
+        other = [m for m in lora.target_modules if m not in MEGATRON_TARGETS]
+        if other:
+            out.append(problem("actor.lora.target_modules", f"{other}: the Megatron learner adapts the attention and "
+                               f"MLP projections by their HF names {list(MEGATRON_TARGETS)}",
+                               "list modules from those, or use actor.backend=fsdp (peft's LoRA on any linear layer)"))
     if cfg.actor.ref_update_rate > 0:
         out.append(problem("actor.ref_update_rate", f"{cfg.actor.ref_update_rate}, but with actor.lora the reference "
                            "policy is the base model (the policy with its adapters off): it cannot move",
@@ -72,9 +80,18 @@ def problems(cfg: RLConfig) -> List[str]:
 def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
     """Preflight, actor.lora on: each of target_modules names a linear layer of model.path's model (its
     config.json ``hf``, built on the meta device); served unmerged, vLLM's class of it takes adapters."""
-    if cfg.actor.lora.rank == 0 or cfg.actor.backend != "fsdp":
+    if cfg.actor.lora.rank == 0:
         return []
     out = [] if cfg.rollout.lora_merge else _engine_problems(hf)
+    if cfg.actor.backend == "megatron":  # its targets are checked against MEGATRON_TARGETS (problems)
+        from rlmega.config.hf_support import num_experts
+
+        mlp = [m for m in cfg.actor.lora.target_modules if m in MLP_TARGETS]
+        if mlp and num_experts(hf):
+            out.append(problem("actor.lora.target_modules", f"{mlp}, but model.path's model is a mixture of experts: "
+                               "the Megatron learner's LoRA on MoE experts is not built",
+                               f"adapt the attention only ({', '.join(ATTENTION_TARGETS)})"))
+        return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -120,9 +137,8 @@ def _engine_problems(hf: dict) -> List[str]:
 
 
 def resume_problems(cfg: RLConfig, step_folder) -> List[str]:
-    """trainer.resume's checkpoint (a complete step folder) against actor.lora: fsdp/checkpoint.py's rule."""
-    if cfg.actor.backend != "fsdp":
-        return []
+    """trainer.resume's checkpoint (a complete step folder) against actor.lora: the learners' checkpoint rule
+    (fsdp/checkpoint.py, megatron/checkpoint.py)."""
     from rlmega.rundir.checkpoint_scan import read_common
 
     saved = read_common(step_folder).get("meta", {}).get("lora")
@@ -131,7 +147,7 @@ def resume_problems(cfg: RLConfig, step_folder) -> List[str]:
 
 
 def checkpoint_record(cfg: LoraConfig) -> dict | None:
-    """What a checkpoint records of the adapters (rlmega/fsdp/checkpoint.py's meta["lora"]), None without."""
+    """What a checkpoint records of the adapters (both learners' checkpoint meta["lora"]), None without."""
     return {"rank": cfg.rank, "alpha": float(cfg.alpha), "target_modules": sorted(cfg.target_modules)} \
         if cfg.rank else None
 

@@ -31,6 +31,7 @@ from rlmega.rundir.checkpoint_files import (  # noqa: F401
     CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, saving,
     start_save, step_dir, undo_failed_save,
 )
+from rlmega.config.lora_rules import checkpoint_mismatch
 from rlmega.rundir import checkpoint_files as files
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
@@ -81,8 +82,11 @@ def _has_state(optimizer) -> bool:
     return any(len(o.state) for o in torch_optimizers(optimizer))
 
 
-def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None) -> dict:
+def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None, base_only: bool = False) -> dict:
+    """``base_only``: the model's tensors without its LoRA adapters (a full-parameter checkpoint's)."""
     sd = {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
+    if base_only:
+        sd = {k: {n: t for n, t in v.items() if "_lora." not in n} for k, v in sd.items()}  # lora_adapters.SUFFIX
     for name, chunks in (extra_models or {}).items():
         # Sharded keys are global names in the checkpoint: a prefix keeps a second copy of the
         # same architecture (the reference policy) apart from the policy's tensors.
@@ -96,11 +100,12 @@ def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None)
 
 
 def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None,
-         extra_models: dict[str, list] | None = None) -> Path:
+         extra_models: dict[str, list] | None = None, lora: dict | None = None) -> Path:
     """Save everything for ``step`` under ``root`` (collective: every rank calls it).
 
     ``extra_models``: other models of the same layout saved alongside, by name (e.g. the
-    reference policy as {"reference": chunks}); ``load`` restores those it is given.
+    reference policy as {"reference": chunks}); ``load`` restores those it is given. ``lora``: the model's
+    LoRA adapters (config/lora_rules.checkpoint_record), None without.
     """
     root = Path(root)
     final, partial = start_save(root, step)
@@ -109,7 +114,7 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd,
                   "scheduler": scheduler.state_dict() if scheduler else None,
                   "extra": extra or {}, "layout": _layout(),
-                  "extra_models": sorted(extra_models or {})}
+                  "extra_models": sorted(extra_models or {}), "lora": lora}
     use_in_process_queue()  # else Megatron's writer starts a Manager process that outlives a kill -9
     with saving(root, partial, final):
         dist_checkpointing.save(sd, str(partial))  # collective: a failure on any rank raises on every rank
@@ -144,15 +149,22 @@ def saved_models(path: str | Path) -> list[str]:
 
 
 def load(path: str | Path, model: list, optimizer=None, scheduler=None,
-         extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
+         extra_models: dict[str, list] | None = None, lora: dict | None = None) -> tuple[int, dict]:
     """Load a checkpoint (a step dir, or a root whose ``latest`` is used). Returns (step, extra).
 
     Model weights load into any layout; optimizer and scheduler only when given and the saved PP, TP and EP
     equal the current ones; RNG when the whole layout does. ``extra_models`` (name -> chunks) must have been saved.
+    ``lora``: the model's adapters (as ``save`` takes them): the checkpoint's must be the same, or none (a
+    full-parameter checkpoint loads into the base, ``_load_into_base``).
     """
     path = resolve(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     meta = common["meta"]
+    why = checkpoint_mismatch(meta.get("lora"), lora, path)
+    if why:
+        raise ValueError(why)
+    if lora is not None and meta.get("lora") is None:
+        return _load_into_base(path, meta, model, scheduler, extra_models)
     saved, now = _saved_layout(meta), _layout()
     same_layout = saved == now
     # the distributed optimizer shards its state over DP x CP ranks ("dp_reshardable": it reshards across
@@ -199,6 +211,25 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
             scheduler.load_state_dict(meta["scheduler"])
         if same_layout:  # per-rank streams: another layout starts from the seeds (dropout is off in RL)
             set_rng_state(loaded["rng"])
+    return int(meta["step"]), meta["extra"]
+
+
+def _load_into_base(path: Path, meta: dict, model: list, scheduler, extra_models: dict | None) -> tuple[int, dict]:
+    """A full-parameter checkpoint into a LoRA model (any layout): its policy's weights into the frozen base;
+    adapters, Adam state and RNG stay as built (B = 0: the model computes the saved policy), the schedule's
+    step count is restored. A saved reference is not loaded: a LoRA run's reference is its base."""
+    if extra_models:
+        raise ValueError(f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
+                         "the reference is that base")
+    loaded = dist_checkpointing.load(_sharded(model, None, with_rng=False, base_only=True), str(path))
+    for i, chunk in enumerate(model):
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        left = [k for k in missing if "_lora." not in k] + list(unexpected)
+        if left:
+            raise RuntimeError(f"checkpoint {path} into a LoRA model's base: tensors not matched: {left[:4]}")
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved count
+        scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"]), meta["extra"]
 
 

@@ -24,7 +24,7 @@ from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, Para
 from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
 from rlmega.engine_api import Head, LossFn, TrainEngine
-from rlmega.megatron import checkpoint, context_parallel, policy
+from rlmega.megatron import checkpoint, context_parallel, lora_adapters, policy
 from rlmega.megatron.hf_io import iter_hf_tensors
 from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager
 from rlmega.megatron.runtime import (barrier, context_parallel_rank, data_parallel_rank_and_size, init_megatron,
@@ -44,11 +44,10 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         routers get megatron's RouterReplay hook: it routes live unless a pass replays, and it is what
         measures router_mismatch (rlmega/megatron/routing_replay.py)."""
         actor = actor or ActorConfig()
-        if actor.lora.rank:  # refused at load (config/lora_rules.py); here for callers that skip validate
-            raise ValueError("actor.lora on actor.backend=megatron is not built yet: use actor.backend=fsdp")
         super().__init__(model, parallel, optimizer, lr_decay_steps=lr_decay_steps, hf_config=hf_config,
                          moe_aux_loss_coeff=actor.moe_aux_loss_coeff, moe_z_loss_coeff=actor.moe_z_loss_coeff,
-                         routing_replay=not value_head, value_head=value_head)
+                         routing_replay=not value_head, value_head=value_head,
+                         lora=None if value_head else actor.lora)
         self.with_optimizer = with_optimizer
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
         self.vocab_size = self.shape.vocab_size
@@ -189,8 +188,20 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         replica = replica_rank()  # DP x CP: the CP ranks of replica 0 hold the same weights too
         sender = replica == 0 and (tensor_parallel_rank() == 0 or pieces)
         iterate = replica == 0 or self.transformer_config.expert_model_parallel_size > 1
-        tensors = iter_hf_tensors(self.model, self.shape, to_first=True, pieces=pieces) if iterate else iter(())
+        merge = self.adapters if weights == "merged" else None  # "base": the frozen weights as they are
+        tensors = iter_hf_tensors(self.model, self.shape, to_first=True, pieces=pieces, merge=merge) \
+            if iterate else iter(())
         return sender, tensors
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        if not self.adapters:
+            return super().adapter_tensors()
+        return lora_adapters.adapter_tensors(self.adapters)
+
+    def adapters_disabled(self):
+        if not self.adapters:
+            return super().adapters_disabled()
+        return lora_adapters.disabled(self.adapters)
 
     def barrier(self) -> None:
         barrier()

@@ -51,10 +51,13 @@ def local_experts_offset(chunk: torch.nn.Module) -> int:
 
 def global_named_parameters(chunk: torch.nn.Module):
     """(global Megatron name, param) for one chunk: local layer indices become model-wide ones, and
-    local expert indices (MoE) model-wide expert indices."""
+    local expert indices (MoE) model-wide expert indices. LoRA adapters (lora_adapters.py) are not HF
+    weights of the model and are left out."""
     model = unwrap(chunk)
     offset = local_experts_offset(chunk)
     for name, param in model.named_parameters():
+        if "_lora." in name:  # lora_adapters.SUFFIX (not imported: that module imports this one)
+            continue
         m = _LOCAL_LAYER.match(name)
         if m:
             layer = model.decoder.layers[int(m.group(1))].layer_number - 1  # layer_number is 1-based
@@ -132,8 +135,8 @@ def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None =
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False,
-                    pieces: bool = False) -> Iterator[tuple[str, torch.Tensor | Piece]]:
+def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False, pieces: bool = False,
+                    merge: dict | None = None) -> Iterator[tuple[str, torch.Tensor | Piece]]:
     """HF-named full tensors of this rank's pipeline stage, one Megatron parameter at a time.
 
     Collective over the stage's TP group (and, for MoE, its expert-TP and expert-parallel groups):
@@ -150,6 +153,9 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False,
     ``pieces`` (with ``to_first``): no gather of dense TP-split parameters: every rank of the group
     yields its own block of each HF tensor (``hf_pieces``: rlmega/sync/pieces.py), which the receiver
     places; replicated ones come whole from the first rank. Experts under EP > 1 as above.
+
+    ``merge``: LoRA ({id(weight): its adapters}, lora_adapters.add_adapters): those weights come out with their
+    adapters merged (W + scale B A), each rank merging its own block before any gather.
     """
     tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
@@ -163,17 +169,18 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False,
             dense = expert is None or ps.get_expert_model_parallel_world_size() == 1
             mine = not to_first or size == 1 or dist.get_rank(group=group) == 0
             split = getattr(param, "tensor_model_parallel", False) and size > 1
+            data = merge[id(param)].merged_weight(param.data) if merge and id(param) in merge else param.data
             if split and to_first and pieces and dense:
-                yield from hf_pieces(name, param.data, shape, dist.get_rank(group=group), size).items()
+                yield from hf_pieces(name, data, shape, dist.get_rank(group=group), size).items()
                 continue
             if split:
                 if to_first and dense:
-                    shards = _gather_to_first(param.data.contiguous(), group, size, mine)
+                    shards = _gather_to_first(data.contiguous(), group, size, mine)
                 else:
                     shards = [torch.empty_like(param) for _ in range(size)]
-                    dist.all_gather(shards, param.data.contiguous(), group=group)
+                    dist.all_gather(shards, data.contiguous(), group=group)
             else:
-                shards = [param.data]
+                shards = [data]
             if dense:
                 if mine:
                     for hf_name, value in from_megatron_shards(name, shards, shape).items():
@@ -223,15 +230,16 @@ def _cat_shards(name: str, shards: list[torch.Tensor], shape: ModelShape) -> tor
     return hf[names[0]].contiguous()
 
 
-def gather_hf_tensors(chunks: list, shape: ModelShape) -> dict[str, torch.Tensor]:
+def gather_hf_tensors(chunks: list, shape: ModelShape, merge: dict | None = None) -> dict[str, torch.Tensor]:
     """All of this stage's HF tensors at once, on the CPU (for export)."""
-    return {k: v.cpu() for k, v in iter_hf_tensors(chunks, shape)}
+    return {k: v.cpu() for k, v in iter_hf_tensors(chunks, shape, merge=merge)}
 
 
 def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: bool = False,
-              hf_config: dict | None = None) -> Path:
+              hf_config: dict | None = None, merge: dict | None = None) -> Path:
     """Write the model as an HF folder (safetensors + config + tokenizer of ``source``). Collective.
-    ``hf_config``: the config.json to write (default ``source``'s), e.g. a critic's."""
+    ``hf_config``: the config.json to write (default ``source``'s), e.g. a critic's; ``merge``: LoRA adapters
+    to merge into the weights (``iter_hf_tensors``)."""
     out_dir, source = Path(out_dir), Path(source)
     hf_config = dict(hf_config) if hf_config is not None else read_hf_config(source)
     shape = ModelShape.from_hf(hf_config, ps.get_tensor_model_parallel_world_size())
@@ -243,7 +251,7 @@ def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: 
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    tensors = gather_hf_tensors(chunks, shape)
+    tensors = gather_hf_tensors(chunks, shape, merge)
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"

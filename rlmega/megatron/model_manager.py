@@ -14,6 +14,7 @@ VPP), each wrapped in Megatron DDP once the optimizer is set up. Names follow RL
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -31,15 +32,18 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega import lora as lora_files
+from rlmega.config.lora_rules import checkpoint_record
+from rlmega.config.schema import LoraConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
 from rlmega.engine_api import StepResult
-from rlmega.megatron import checkpoint, offload
+from rlmega.megatron import checkpoint, lora_adapters, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
 from rlmega.megatron.norms import HeadRMSNorm, TokenRMSNorm
 from rlmega.megatron.packed_attention import PackedSDPAttention
 from rlmega.megatron.value_head import ValueHead
+from rlmega.rundir.checkpoint_files import finish_export
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -109,7 +113,7 @@ class MegatronModelManager:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
                  lr_decay_steps: int = 1000, hf_config: dict | None = None,
                  moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
-                 value_head: bool = False):
+                 value_head: bool = False, lora: LoraConfig | None = None):
         """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch).
 
         ``value_head``: a critic (rlmega/megatron/critic.py): the output layer is hidden -> 1 (ValueHead,
@@ -120,7 +124,10 @@ class MegatronModelManager:
         ``init_megatron(ep=...)``); ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` (actor section) and
         ``routing_replay`` (megatron's ``moe_enable_routing_replay``: a RouterReplay hook on every router;
         MegatronActor always asks for it, its hook routes live unless told otherwise, routing_replay.py)
-        go to the TransformerConfig. All are ignored for dense models (EP > 1 is refused)."""
+        go to the TransformerConfig. All are ignored for dense models (EP > 1 is refused).
+
+        ``lora`` (actor.lora, rank > 0): LoRA adapters on a frozen base (lora_adapters.py), added once the
+        weights are in; ``self.adapters`` maps each adapted weight to its adapters ({} without)."""
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
         self.lr_decay_steps = lr_decay_steps
         self.hf_config = hf_config if hf_config is not None else read_hf_config(model.path)
@@ -150,6 +157,8 @@ class MegatronModelManager:
             raise ValueError("parallelism.context_parallel_size > 1 runs with rlmega's attention (the local layer "
                              "spec, rlmega/megatron/context_parallel.py); with Transformer Engine installed its THD "
                              "context-parallel path is not wired up yet: set context_parallel_size=1")
+        self.lora = lora if lora is not None and lora.rank else None
+        self.adapters: dict = {}
         self.model: list = []
         self.optimizer = None
         self.scheduler = None
@@ -208,6 +217,9 @@ class MegatronModelManager:
         if load_weights and self.model_cfg.path:
             fresh = {VALUE_HEAD: self.fresh_head()} if self.shape.value_head else None
             load_hf_weights(chunks, self.model_cfg.path, shape=self.shape, missing=fresh)
+        if self.lora:  # before DDP: its buffers and the optimizer take the adapters alone
+            self.adapters = lora_adapters.add_adapters(chunks, self.lora, self.shape, self.model_cfg.seed,
+                                                       sequence_parallel=self.transformer_config.sequence_parallel)
         if not with_optimizer:
             self.model = chunks
             return
@@ -305,7 +317,8 @@ class MegatronModelManager:
     # ---- checkpoints and export -------------------------------------------------------------
     def save_checkpoint(self, ckpt_dir: str | Path, step: int, extra: dict | None = None,
                         extra_models: dict[str, list] | None = None) -> Path:
-        return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra, extra_models)
+        return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra, extra_models,
+                               lora=checkpoint_record(self.lora) if self.lora else None)
 
     def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False,
                         extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
@@ -317,7 +330,8 @@ class MegatronModelManager:
         settings = [] if model_only or self.optimizer is None else [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         step, extra = checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
-                                      None if model_only else self.scheduler, extra_models)
+                                      None if model_only else self.scheduler, extra_models,
+                                      lora=checkpoint_record(self.lora) if self.lora else None)
         for group, mine in zip(self.optimizer.param_groups if settings else [], settings):
             group.update(mine)
         if model_only and self.optimizer is not None:
@@ -325,8 +339,27 @@ class MegatronModelManager:
         return step, extra
 
     def export_hf(self, out_dir: str | Path, overwrite: bool = False) -> Path:
-        return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite,
-                         hf_config=self.hf_config if self.shape.value_head else None)
+        """An HF folder of the model; under LoRA a PEFT adapter folder (adapter_config.json naming model.path,
+        adapter_model.safetensors, the tokenizer) that peft.PeftModel.from_pretrained loads onto model.path,
+        with the merged model as a plain HF folder in ``merged/``. Collective."""
+        if not self.lora:
+            return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite,
+                             hf_config=self.hf_config if self.shape.value_head else None)
+        out_dir, source = Path(out_dir), Path(self.model_cfg.path)
+        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # every rank sees it: no hang
+            raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
+        partial = out_dir.with_name(out_dir.name + ".partial")
+        tensors = lora_adapters.adapter_tensors(self.adapters)
+        first = torch.distributed.get_rank() == 0
+        if first:
+            shutil.rmtree(partial, ignore_errors=True)
+            lora_files.write_adapter(str(partial), self.lora, tensors, str(source.resolve()))
+        torch.distributed.barrier()
+        export_hf(self.model, partial / "merged", source=source, merge=self.adapters)
+        if first:
+            finish_export(partial, out_dir, source)
+        torch.distributed.barrier()
+        return out_dir
 
     def make_data_iterator_list(self, data_iterator: Iterable, padding: bool = False, vpp_size: int | None = None):
         """``make_data_iterator_list`` for this manager's chunks (``vpp_size`` None: the model's own)."""

@@ -344,7 +344,11 @@ CASES = [
     ("LoRA dropout", [*FSDP, *LORA, "actor.lora.dropout=0.1"], None, "actor.lora.dropout: 0.1 must be 0"),
     ("LoRA no targets", [*FSDP, *LORA, "actor.lora.target_modules=[]"], None,
      "actor.lora.target_modules: [] must be a non-empty list"),
-    ("LoRA on megatron", LORA, None, "actor.lora.rank: 8, but actor.backend=megatron"),
+    ("LoRA on megatron, a target it lacks", [*LORA, "actor.lora.target_modules=[q_proj,c_attn]"], None,
+     "actor.lora.target_modules: ['c_attn']: the Megatron learner adapts the attention and MLP projections"),
+    ("LoRA on MoE experts, megatron", [*LORA, "model.path={moe}", "parallelism.pipeline_model_parallel_size=1"], None,
+     "actor.lora.target_modules: ['gate_proj', 'up_proj', 'down_proj'], but model.path's model is a mixture of "
+     "experts"),
     ("LoRA past vLLM's ranks", [*FSDP, "actor.lora.rank=1024"], None,
      "actor.lora.rank: 1024, but vLLM serves adapters up to rank 512"),
     ("LoRA merge without LoRA", ["rollout.lora_merge=true"], None, "rollout.lora_merge: true, but actor.lora.rank=0"),
@@ -519,10 +523,11 @@ def test_critic_settings_are_not_refused_without_gae(env, monkeypatch, tmp_path)
                         "algorithm.lam=0.9", "algorithm.lam_critic=1.0"])
 
 
-def test_a_good_lora_config_passes_the_same_checks(env, monkeypatch, tmp_path):
+@pytest.mark.parametrize("backend", [FSDP, []], ids=["fsdp", "megatron"])
+def test_a_good_lora_config_passes_the_same_checks(env, monkeypatch, tmp_path, backend):
     monkeypatch.setattr(train_mod, "Roles", _tripwire)
     with pytest.raises(WorkersWouldStart):
-        train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}", *FSDP, *LORA,
+        train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}", *backend, *LORA,
                         "actor.lora.target_modules=[q_proj,v_proj,down_proj]", "trainer.resume=none"])
 
 
