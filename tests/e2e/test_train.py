@@ -369,3 +369,24 @@ def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path
     assert "step 3: the engine's log-probs" in out.stderr and "rollout.parity_stop=0.01" in out.stderr, \
         out.stderr[-3000:]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_lora_at_tp2_pp2_served_unmerged_trains_at_parity(model, tmp_path):
+    """LoRA on the Megatron learner (issue 41) as a user runs it: TP2 x PP2, rank-8 adapters on every projection,
+    the engine serving them unmerged. The first sync sends the base, every one after the adapters alone; each
+    step's batch is sampled with the adapters the step before trained, so the engine's log-probs equal the
+    trainer's at the float32 floor after real updates (9.5e-7 measured at each step); the reference is the base
+    (KL 0 before the first update); hf_final is a PEFT adapter folder and the merged model."""
+    run = tmp_path / "lora"
+    _run(_cmd(model, run, 3, "actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0",
+              "trainer.warmup_sft_steps=0", "optimizer.lr=1e-2", "trainer.save_every=0", "trainer.resume=none"))
+    got = _metrics(run)
+    print("megatron lora:", [{k: m[k] for k in ("logprob_diff_max", "kl_ref", "sync_bytes", "loss")} for m in got])
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for m in got:
+        assert m["logprob_diff_max"] <= 5e-6 and m["parity_samples"] > 0, m
+    # each step's sync: the adapters alone, 532,551 bytes (the base went before step 1; a full sync is > 4 MB)
+    assert all(0 < m["sync_bytes"] < 1e6 for m in got) and len({m["sync_bytes"] for m in got}) == 1
+    assert got[0]["kl_ref"] == 0.0 < got[2]["kl_ref"]
+    final = run / "hf_final"
+    assert (final / "adapter_config.json").exists() and (final / "merged" / "config.json").exists()
