@@ -210,6 +210,12 @@ class Actor(abc.ABC):
         others), for engines that serve the adapters unmerged. Collective."""
 
     @abc.abstractmethod
+    def put_adapter_for_rollout(self) -> dict | None:
+        """``adapter_for_rollout``'s files put into Ray's object store by that rank: {"ref": ObjectRef, "bytes":
+        their size} there, None on the others. The engines read them from the store, not through the driver.
+        Collective."""
+
+    @abc.abstractmethod
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
         """Policy, optimizer, LR schedule, every rank's RNG and ``extra`` (rank 0's plain values) under
         root/step_N, written to step_N.partial then renamed, and root/latest pointing at it; plus the

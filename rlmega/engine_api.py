@@ -211,7 +211,8 @@ class TrainEngine(abc.ABC):
         """Every trainer rank of this engine's world."""
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapters by PEFT's saved names, whole, on every rank. Collective. Engines that build no
+        """The LoRA adapters by PEFT's saved names, whole, on every rank, on the host; they may be views of the
+        live parameters (copy them to keep them past the next update). Collective. Engines that build no
         adapters refuse it."""
         raise NotImplementedError(f"{type(self).__name__} has no LoRA adapters")
 

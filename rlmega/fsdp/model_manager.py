@@ -259,11 +259,11 @@ class FSDPModelManager:
 
     @torch.no_grad()
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapters, full, by PEFT's saved names, on every rank (on the host), copies: at one rank a
-        full tensor may be the live parameter, which the next step changes. Collective."""
+        """The LoRA adapters, full, by PEFT's saved names, on every rank (on the host). At world 1 they are the
+        live parameters (engine_api: valid until the next update). Collective."""
         if not self.lora_rank:
             raise NotImplementedError("this model has no LoRA adapters (actor.lora.rank=0)")
-        return {k: v.detach().cpu().clone() for k, v in lora.adapter_weights(self.iter_model_tensors(base=False))}
+        return {k: v.detach().cpu() for k, v in lora.adapter_weights(self.iter_model_tensors(base=False))}
 
     @torch.no_grad()
     def iter_model_tensors(self, base: bool = True, adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -319,17 +319,16 @@ class Roles:
         return {"bytes": out["bytes"] + adapter["bytes"], "seconds": out["seconds"] + adapter["seconds"]}
 
     def _send_adapter(self, version: int) -> dict:
-        """The policy's LoRA adapter to every engine (RolloutWorker.load_adapter): a few megabytes, through
-        Ray's object store once."""
+        """The policy's LoRA adapter to every engine (RolloutWorker.load_adapter): a few megabytes, put into
+        Ray's object store once by trainer rank 0, read from there by each engine (not through the driver)."""
         start = time.perf_counter()
         try:
-            files = next(f for f in self.actors.call("adapter_for_rollout") if f is not None)
+            put = next(f for f in self.actors.call("put_adapter_for_rollout") if f is not None)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
-        ref = ray.put(files)
-        self._get([e.load_adapter.remote(ref, version) for e in self.engines], "rollout engine")
+        self._get([e.load_adapter.remote(put["ref"], version) for e in self.engines], "rollout engine")
         self._check_versions(version)
-        return {"bytes": sum(len(b) for b in files.values()), "seconds": time.perf_counter() - start}
+        return {"bytes": put["bytes"], "seconds": time.perf_counter() - start}
 
     def _check_versions(self, version: int) -> None:
         versions = self._get([e.weight_version.remote() for e in self.engines], "rollout engine")

@@ -1,6 +1,6 @@
 """tools/bench/lora.py --smoke: LoRA's weight sync and trainer memory against full-parameter training run end
-to end (the FSDP learner and a real vLLM engine serving the adapters) in seconds, so the benchmark cannot rot,
-and its JSON holds the numbers issue 41 asks for."""
+to end (the FSDP learner and a real vLLM engine serving the adapters; the Megatron learner on Ray at TP1 with an
+engine actor) in seconds, so the benchmark cannot rot, and its JSON holds the numbers issue 41 asks for."""
 import json
 import subprocess
 import sys
@@ -24,3 +24,7 @@ def test_lora_bench_smoke_reports_sync_ratio_and_memory(tmp_path):
     assert full["grads"] == full["params"] and full["adam"] == 2 * full["params"]  # float32, every weight
     assert 0 < lora["grads"] < full["grads"] / 10 and lora["adam"] == 2 * lora["grads"]  # the adapters alone
     assert lora["params"] == full["params"] + lora["grads"]  # the base and the adapters
+    m, = r["megatron"]  # the Megatron learner's row (TP1 in the smoke run; TP2 x PP2 by default)
+    assert m["layout"] == "TP1xPP1" and m["bytes"]["full"] > 10 * m["bytes"]["lora"] > 0
+    assert m["bytes"]["lora"] == s["bytes"]["lora"]  # the same adapters' files as the FSDP learner's
+    assert abs(m["ratio"] - m["lora_s"] / m["full_s"]) < 1e-12 and m["verdict"] in ("PASS", "MISS")

