@@ -279,8 +279,8 @@ class PolicyActor(Actor):
             return None
         import ray  # (trainer ranks run on Ray, or torchrun ranks attached to the run's Ray)
 
-        # measured (tools/bench/lora.py, Megatron TP2 x PP2, rank 16, 10.4 MB): returning the files to the
-        # driver, which put them again, took ~0.04 s of a 0.12 s LoRA sync
+        # one copy into the store, read by every engine; returned to the driver instead, the files were copied
+        # out of the store there and put back (the same seconds in tools/bench/lora.py at 10 MB, more memory)
         return {"ref": ray.put(files), "bytes": sum(len(b) for b in files.values())}
 
     def save_checkpoint(self, root, step: int, extra: dict | None = None):

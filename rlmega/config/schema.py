@@ -338,10 +338,11 @@ class LoggingConfig:
 class LoraConfig:
     rank: int = 0
     """LoRA adapters on the policy (docs/lora.md): each target linear layer W becomes W + (alpha / rank) B A,
-    A (rank x in) initialised at random (seeded by model.seed), B (out x rank) at zero, so training starts
-    from the base model exactly. The base weights are frozen (no gradient, no optimizer state) and the
-    reference policy is the policy with its adapter disabled (no second model is built). 0 = off
-    (full-parameter training). actor.backend=fsdp (peft); megatron is refused (not built yet)."""
+    A (rank x in) initialised at random (seeded by model.seed and the module's name: both learners, every layout
+    start alike), B (out x rank) at zero, so training starts from the base model exactly. The base weights are
+    frozen (no gradient, no optimizer state) and the reference policy is the policy with its adapter disabled
+    (no second model is built). 0 = off (full-parameter training). Both learners: fsdp (peft) and megatron
+    (TP-aware adapters around megatron-core's parallel linears; of an MoE model the attention only)."""
     alpha: float = 16.0
     """The adapters' scale numerator: the update is (alpha / rank) B A. > 0."""
     dropout: float = 0.0
@@ -350,7 +351,8 @@ class LoraConfig:
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"])
     """Linear layers that get adapters, by their Hugging Face module name (the last part: q_proj matches every
-    layer's self_attn.q_proj). Each must name a linear layer of model.path's model (checked at load)."""
+    layer's self_attn.q_proj). Each must name a linear layer of model.path's model (checked at load); on the
+    megatron learner one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
 
 
 @dataclass
