@@ -71,8 +71,8 @@ def _demo(args) -> int:
     from rlmega.tiny_model import make_tiny_model
     from rlmega.train import main as train_main
 
-    config = (Path(args.config) if args.config
-              else Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml")
+    demo_config = Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+    config = Path(args.config) if args.config else demo_config
     if not config.is_file():
         print(f"rlmega demo: {config} not found; the demo needs a source checkout. Fix: pip install -e . "
               "from the repository, or run rlmega train CONFIG with a config of your own", file=sys.stderr)
@@ -87,6 +87,19 @@ def _demo(args) -> int:
                       for k, d in (("prompt", 64), ("response", 32)))
         make_tiny_model(model, **DEMO_MODEL, max_position_embeddings=max(512, longest), overwrite=True)
         print(f"rlmega demo: made tiny model in {model}", flush=True)
+    if int(_config_value(config, args.overrides, "actor.lora.rank", 0)) and \
+            not int(_config_value(config, args.overrides, "trainer.warmup_sft_steps", 0)):
+        # LoRA adapts a trained model, and the demo's is random (its frozen embeddings and head included): the
+        # demo's own full-parameter warm start (configs/demo_cpu.yaml, no RL steps) first, exported once into
+        # RUN_DIR/warm_start/hf_final, is the LoRA run's base (and its reference: the KL anchors there)
+        warm = run_dir / "warm_start"
+        if not (warm / "hf_final" / "config.json").exists():
+            print(f"rlmega demo: LoRA needs a trained base: the demo's warm start first, into {warm}", flush=True)
+            rc = train_main([str(demo_config), f"model.path={model}", f"trainer.run_dir={warm}",
+                             "trainer.total_steps=0", "trainer.resume=none"])
+            if rc:
+                return rc
+        model = warm / "hf_final"
     steps = [f"trainer.total_steps={args.steps}"] if args.steps is not None else []
     return train_main([str(config), f"model.path={model}", f"trainer.run_dir={run_dir}", *steps, *args.overrides])
 

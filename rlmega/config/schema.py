@@ -282,7 +282,8 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 2
-    """RL steps to run (one step = generate, score, train, sync weights)."""
+    """RL steps to run (one step = generate, score, train, sync weights). 0 with trainer.warmup_sft_steps > 0: the
+    warm start alone, its policy exported to RUN_DIR/hf_final (a base to start runs from, e.g. LoRA's)."""
     prompts_per_step: int = 2
     """Prompts drawn per RL step; each yields rollout.n samples."""
     global_batch_size: int = 8

@@ -142,7 +142,7 @@ _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("cluster.gpus_per_node", GE1), ("cluster.cpu_ranks_per_node", GE0),
     ("actor.max_tokens_per_micro_batch", GE1), ("actor.logprob_chunk_tokens", GE0), ("actor.ulysses_size", GE1),
     ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
-    ("trainer.total_steps", GE1), ("trainer.prompts_per_step", GE1), ("trainer.global_batch_size", GE1),
+    ("trainer.total_steps", GE0), ("trainer.prompts_per_step", GE1), ("trainer.global_batch_size", GE1),
     ("trainer.save_every", GE0),
     ("trainer.eval_every", GE0), ("trainer.keep_last_checkpoints", GE1),
     ("data.seed", _SEED), ("data.synthetic_size", _upto(MAX_SYNTHETIC)), ("data.synthetic_digits", _upto(18)),
@@ -407,6 +407,10 @@ def validate(cfg: RLConfig) -> None:
     if not all(cfg.reward.fn.split(".")) or "." not in cfg.reward.fn:
         out.append(problem("reward.fn", f"{cfg.reward.fn!r} is not a dotted path",
                            "write it as package.module.function, e.g. rlmega.rewards.arithmetic.score"))
+    if tr.total_steps == 0 and tr.warmup_sft_steps == 0:
+        out.append(problem("trainer.total_steps", "0 and no warm start (trainer.warmup_sft_steps=0): nothing to train",
+                           "set trainer.total_steps >= 1, or trainer.warmup_sft_steps > 0 for a warm start alone "
+                           "(exported to RUN_DIR/hf_final)"))
     outside = [n for n in cfg.logging.profile_steps if not 1 <= n <= tr.total_steps]
     if outside:
         out.append(problem("logging.profile_steps", f"{outside} outside the run's steps 1..{tr.total_steps}",

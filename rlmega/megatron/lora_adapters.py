@@ -180,11 +180,12 @@ class SiteAdapters(torch.nn.Module):
 
 
 def _hook(adapters: SiteAdapters):
-    def add_delta(module, args, output):
+    """The linear's forward hook: its (output, bias) with the adapters' delta added to the output."""
+    def add_delta(module, args, kwargs, output):
         if not adapters.enabled:
             return output
         out, bias = output
-        return out + adapters.delta(args[0]), bias
+        return out + adapters.delta(args[0] if args else kwargs["input_"]), bias
     return add_delta
 
 
@@ -219,7 +220,7 @@ def add_adapters(chunks: list, cfg: LoraConfig, shape: ModelShape, seed: int,
                 adapters = SiteAdapters(site, present, shape, cfg, layer.layer_number - 1, seed,
                                         linear.weight.dtype, sequence_parallel).to(linear.weight.device)
                 block.add_module(site.linear + SUFFIX, adapters)
-                linear.register_forward_hook(_hook(adapters))
+                linear.register_forward_hook(_hook(adapters), with_kwargs=True)
                 found[id(linear.weight)] = adapters
     return found
 

@@ -132,7 +132,8 @@ DP4 = ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_p
 # (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
 CASES = [
     ("unknown key", ["trainer.total_stepz=7"], None, "trainer.total_stepz: unknown key"),
-    ("zero steps", ["trainer.total_steps=0"], None, "trainer.total_steps:"),
+    ("zero steps, no warm start", ["trainer.total_steps=0", "trainer.warmup_sft_steps=0"], None,
+     "trainer.total_steps: 0 and no warm start"),
     ("profile step past the end", ["logging.profile_steps=[2,9]"], None,
      "logging.profile_steps: [9] outside the run's steps 1..4"),
     ("grpo needs n >= 2", ["rollout.n=1"], None, "rollout.n:"),
