@@ -212,8 +212,8 @@ class Actor(abc.ABC):
     @abc.abstractmethod
     def put_adapter_for_rollout(self) -> dict | None:
         """``adapter_for_rollout``'s files put into Ray's object store by that rank: {"ref": ObjectRef, "bytes":
-        their size} there, None on the others. The engines read them from the store, not through the driver.
-        Collective."""
+        their size, "seconds": this call's time} there, None on the others. The engines read them from the
+        store, not through the driver. Collective."""
 
     @abc.abstractmethod
     def save_checkpoint(self, root, step: int, extra: dict | None = None):

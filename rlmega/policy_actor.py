@@ -274,6 +274,7 @@ class PolicyActor(Actor):
         return lora.adapter_files(self.cfg.lora, tensors) if torch.distributed.get_rank() == 0 else None
 
     def put_adapter_for_rollout(self) -> dict | None:
+        start = time.perf_counter()
         files = self.adapter_for_rollout()
         if files is None:
             return None
@@ -281,7 +282,8 @@ class PolicyActor(Actor):
 
         # one copy into the store, read by every engine; returned to the driver instead, the files were copied
         # out of the store there and put back (the same seconds in tools/bench/lora.py at 10 MB, more memory)
-        return {"ref": ray.put(files), "bytes": sum(len(b) for b in files.values())}
+        ref = ray.put(files)
+        return {"ref": ref, "bytes": sum(len(b) for b in files.values()), "seconds": time.perf_counter() - start}
 
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
         """Policy, optimizer, schedule, RNG and ``extra``; plus the reference once it has moved away

@@ -144,9 +144,10 @@ def test_lora_megatron_equals_fsdp_at_every_layout_and_exports_for_peft(tmp_path
     print(f"Megatron TP1 vs FSDP: metrics {_rel(one, fsdp):.2e}, log-probs {_max(one['lp3'], fsdp['lp3']):.2e}, "
           f"adapters after 2 steps {_tensors(one['a2'], fsdp['a2']):.2e}")
     assert _rel(one, fsdp) <= 1e-5 and _max(one["lp3"], fsdp["lp3"]) <= 1e-5  # 1.6e-6, 1.7e-6 measured
-    # 3.5e-5 against FSDP, 5.1e-5 at most against TP1 (TP2+SP x PP2 x VPP2), on entries Adam moved by ~1.5e-2 in two steps (lr 1e-2): its
-    # normalised update m / sqrt(v) amplifies the float32 gradient differences of entries whose two gradients
-    # nearly cancel. The limit is 1% of one step; a wrong gradient moves an entry by a whole step
+    # 3.5e-5 against FSDP, 5.1e-5 at most against TP1 (TP2+SP x PP2 x VPP2), on entries Adam moved by ~1.5e-2
+    # in two steps (lr 1e-2): its normalised update m / sqrt(v) amplifies the float32 gradient differences of
+    # entries whose two gradients nearly cancel. The limit is 1% of one step; a wrong gradient moves an entry by
+    # a whole step
     ADAM = 1e-4
     assert _tensors(one["a2"], fsdp["a2"]) <= ADAM
     for name, run in runs.items():
