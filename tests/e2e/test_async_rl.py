@@ -130,13 +130,18 @@ def test_resume_with_a_smaller_max_staleness_generates_stale_groups_again(moe_mo
 def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_path):
     """The fast schedule with in_flight=abort: no warm start, so the random model writes all 96 tokens
     and generation outlasts a train step; the sync after it preempts the requests of the next batch,
-    which resume on the new weights (their tokens keep the version each was sampled with)."""
+    which resume on the new weights (their tokens keep the version each was sampled with). The policy
+    trains LoRA adapters (issue 41) served unmerged, so each sync after the first is a new adapter loaded
+    between the preempted requests' halves (the full-parameter sync is the same driver path, its engine
+    side tests/e2e/test_rollout_worker.py's; LoRA's engine side tests/e2e/test_lora_serving.py's)."""
     run = tmp_path / "fast"
     _run(_cmd(model, run, 4, "produce.strategy=async", "produce.max_staleness=1", "produce.in_flight=abort",
               "trainer.warmup_sft_steps=0", "rollout.max_response_tokens=96", "trainer.prompts_per_step=8",
-              "trainer.global_batch_size=32", "algorithm.rollout_correction=tis", "trainer.save_every=0"))
+              "trainer.global_batch_size=32", "algorithm.rollout_correction=tis", "trainer.save_every=0",
+              "actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0"))
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(0 < m["sync_bytes"] < 1e6 for m in metrics)  # the adapters alone
     assert all(m["staleness_max"] <= 1 for m in metrics), [m["staleness_max"] for m in metrics]
     assert sum(m["preempted_requests"] for m in metrics) > 0
     assert sum(m["partial_rollouts"] for m in metrics) > 0  # trajectories whose tokens span two versions
