@@ -24,3 +24,11 @@ def train_step_on_fixed_rewards(group, batch: RolloutBatch) -> dict:
     train = dataclasses.replace(batch, old_logprobs=old, rewards=rewards,
                                 advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)])
     return group.call("train_step", train)[0]
+
+
+def step_with_reference(actor, batch: RolloutBatch, keys: tuple[str, ...]) -> tuple[dict, list]:
+    """One RL step of an actor in this process (old and reference log-probs, then train_step on ``batch``'s own
+    advantages): ({key: metric} for ``keys``, the reference log-probs)."""
+    old, ref = actor.compute_logprobs(batch), actor.compute_ref_logprobs(batch)
+    m = actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref))
+    return {k: m[k] for k in keys}, ref

@@ -13,12 +13,11 @@ q/k/v/o and the MLP projections, on one rank and on two (DP2). Checked:
 - a full-parameter run's checkpoint resumes into a LoRA run (its weights the base, the adapters at zero: the
   same log-probs), and a LoRA checkpoint into a full-parameter run is refused, naming actor.lora.
 """
-import dataclasses
-
 import torch
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
+from rlmega.testing.rl_step import step_with_reference
 from rlmega.tiny_model import make_tiny_model
 
 N, RANK, ALPHA = 8, 4, 8.0
@@ -39,9 +38,7 @@ def _actor(path: str, world: int, rank: int = RANK):
 
 
 def _step(actor, batch):
-    old, ref = actor.compute_logprobs(batch), actor.compute_ref_logprobs(batch)
-    m = actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref))
-    return {k: m[k] for k in KEYS}, ref
+    return step_with_reference(actor, batch, KEYS)
 
 
 def _body(path: str, world: int, out: str | None):

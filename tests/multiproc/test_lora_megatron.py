@@ -13,12 +13,11 @@ Megatron at TP1, TP2 x PP2, TP2 with sequence parallelism x PP2 x VPP2, and CP2 
 - a checkpoint after step 2, loaded by a fresh actor, gives the uninterrupted run's step 3 exactly; a
   full-parameter checkpoint resumes into LoRA (its weights the base, bit for bit).
 """
-import dataclasses
-
 import torch
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
+from rlmega.testing.rl_step import step_with_reference
 from rlmega.tiny_model import make_tiny_model
 
 N, RANK, ALPHA = 8, 4, 8.0
@@ -52,9 +51,7 @@ def _actor(path: str, layout: tuple, lora_rank: int = RANK):
 
 
 def _step(actor, batch):
-    old, ref = actor.compute_logprobs(batch), actor.compute_ref_logprobs(batch)
-    m = actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref))
-    return {k: m[k] for k in KEYS}, ref
+    return step_with_reference(actor, batch, KEYS)
 
 
 def _body(path: str, layout: tuple, out: str | None):
