@@ -1,10 +1,10 @@
 """LoRA adapters on the Megatron learner (actor.lora): TP-aware adapters around megatron-core's
 ColumnParallelLinear / RowParallelLinear, one set per HF target module.
 
-    adapters = add_adapters(chunks, cfg.actor.lora, shape, seed)   # after the HF weights load, before DDP
-    with disabled(adapters): ...                                    # the base model (the reference)
-    full = adapter_tensors(adapters)                                # {PEFT name: whole tensor}, collective
-    merged = merged_weight(adapters[id(param)], param.data)        # W + scale B A, this rank's block
+    adapters = add_adapters(chunks, lora_cfg, shape, seed, sequence_parallel=sp)  # HF weights in, before DDP
+    with disabled(adapters): ...                            # the base model (the reference)
+    full = adapter_tensors(adapters)                        # {PEFT name: whole tensor}, collective
+    merged = adapters[id(param)].merged_weight(param.data)  # W + scale B A, this rank's block
 
 Megatron fuses HF modules: ``linear_qkv`` holds q_proj, k_proj, v_proj (per KV group [q_g; k_g; v_g]) and
 ``linear_fc1`` holds [gate_proj; up_proj] (rlmega/megatron/hf_weights.py). The adapters are kept per HF module
