@@ -38,7 +38,8 @@ def critic_kwargs(cfg) -> dict:
     the loss aggregation of the policy loss)."""
     c = cfg.critic
     algorithm = dataclasses.replace(cfg.algorithm).resolve_defaults()
-    return dict(model=ModelConfig(path=c.path or cfg.model.path, dtype=c.dtype or cfg.model.dtype, seed=cfg.model.seed),
+    return dict(model=ModelConfig(path=c.path or cfg.model.path, dtype=c.dtype or cfg.model.dtype, seed=cfg.model.seed,
+                                   allow_untested_family=cfg.model.allow_untested_family),
                 parallel=c.parallelism or cfg.parallelism, optimizer=c.optimizer, critic=c,
                 max_tokens_per_micro_batch=c.max_tokens_per_micro_batch or cfg.actor.max_tokens_per_micro_batch,
                 loss_agg_mode=algorithm.loss_agg_mode)

@@ -32,6 +32,7 @@ from rlmega.agents.placement import roles_cpus
 from rlmega.config import critic_rules, lora_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.engine_mode import records_routes
+from rlmega.config.families import fsdp_reason
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
 from rlmega.config.model_files import tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
@@ -92,9 +93,17 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
                        "use a model folder whose config.json names a transformers causal LM (model_type and "
                        "architectures), e.g. one written by save_pretrained")
     why = vllm_reason(hf)
-    return why and problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
-                           "use an architecture vLLM serves (vLLM's supported-models list), e.g. Llama, Qwen2, "
-                           "Phi3, Gemma")
+    if why:
+        return problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",
+                       "use an architecture vLLM serves (vLLM's supported-models list), e.g. Llama, Qwen2, "
+                       "Phi3, Gemma")
+    refused = fsdp_reason(hf, cfg.model.dtype, cfg.rollout.device, cfg.actor.ulysses_size,
+                          cfg.model.allow_untested_family)
+    if refused:
+        field, what, fix = refused
+        return problem(field, f"{what} (model.path={path!r}, actor.backend=fsdp; docs/backends.md's family table)",
+                       fix)
+    return None
 
 
 def _engine_mode(cfg: RLConfig) -> List[str]:

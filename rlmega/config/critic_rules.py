@@ -24,6 +24,7 @@ import os
 from typing import List, Optional
 
 from rlmega.config.errors import problem
+from rlmega.config.families import fsdp_reason
 from rlmega.config.hf_support import transformers_reason, unsupported_reason
 from rlmega.config.learner_rules import (GE0, OPTIMIZER, PARALLELISM, ModelShape, Rule, fsdp_layout_problems,
                                          grid_problems, in_section, megatron_model_problems)
@@ -151,6 +152,11 @@ def folder_problems(cfg: RLConfig) -> List[str]:
     if why:
         return [problem("critic.path", f"{path!r}: {why}", fix)]
     out = _token_classification("critic.path", path, cfg, hf) if cfg.actor.backend == "fsdp" else []
+    refused = fsdp_reason(causal, cfg.model.dtype, "cuda", cfg.actor.ulysses_size,  # "cuda": no engine serves it
+                          cfg.model.allow_untested_family) if cfg.actor.backend == "fsdp" and not out else None
+    if refused:
+        return [problem("critic.path" if refused[0] == "model.path" else refused[0], f"{refused[1]} (critic.path="
+                        f"{path!r})", refused[2])]
     return out + _shape_problems(cfg, path, hf) + _weight_problems(path, hf, value)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM")
+from rlmega.config.families import megatron_architectures
+
+SUPPORTED_ARCHITECTURES = megatron_architectures()  # the family table's (rlmega/config/families.py)
 # A config.json written without `architectures` (some conversion scripts, hand-made configs) still
 # names its family in `model_type`; transformers' AutoModelForCausalLM maps it the same way.
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

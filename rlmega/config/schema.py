@@ -57,6 +57,10 @@ class ModelConfig:
     """Parameter and compute dtype of actor and rollout."""
     seed: int = 1234
     """Seed for model initialisation and Megatron's dropout/tensor-parallel RNG."""
+    allow_untested_family: bool = False
+    """actor.backend=fsdp: train a model family outside rlmega's tested table (rlmega/config/families.py;
+    refused at load otherwise). The worker first checks that a packed row gives each sequence's logits alone,
+    and refuses the model, naming its architecture, when it does not."""
 
 
 @dataclass

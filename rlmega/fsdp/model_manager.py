@@ -31,10 +31,11 @@ from torch.distributed.tensor import DTensor
 from rlmega import lora, offload
 from rlmega.algorithms.lr_schedule import LRSchedule
 from rlmega.rundir.checkpoint_files import finish_export
+from rlmega.config.families import family
 from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
 from rlmega.engine_api import StepResult
-from rlmega.fsdp import checkpoint, packed_attention
+from rlmega.fsdp import checkpoint, family_check, packed_attention, recurrent_layers
 
 
 
@@ -107,8 +108,11 @@ class FSDPModelManager:
             config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
             with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left where it was
                 torch.manual_seed(self.model_cfg.seed)
-                return AutoModelForCausalLM.from_config(config, **kw)
-        return AutoModelForCausalLM.from_pretrained(self.model_cfg.path, local_files_only=True, **kw)
+                model = AutoModelForCausalLM.from_config(config, **kw)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_cfg.path, local_files_only=True, **kw)
+        recurrent_layers.restart_at_sequences(model)  # linear-attention state restarts per packed sequence
+        return model
 
     def setup_model_and_optimizer(self, with_optimizer: bool = True) -> None:
         """Model (sharded), and with ``with_optimizer`` the AdamW, LR schedule and grad scaler."""
@@ -135,6 +139,13 @@ class FSDPModelManager:
             if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
                 raise RuntimeError("tied embeddings came apart in fully_shard")
         self.model = model
+        self.family_check_error = None  # measured by the packing check a family outside the table must pass
+        if self.model_cfg.allow_untested_family and family({"model_type": model.config.model_type}) is None:
+            err = self.family_check_error = family_check.check_packing(
+                model, model.config.get_text_config().vocab_size, self.model_cfg.dtype)
+            if self.rank == 0:
+                print(f"[rlmega] {type(model).__name__} is not in rlmega's tested families (model.allow_untested_family"
+                      f"=true): its packed row gives each sequence's logits alone within {err:.2g}", flush=True)
         if not with_optimizer:
             return
         model.train()
@@ -247,15 +258,29 @@ class FSDPModelManager:
 
     @torch.no_grad()
     def iter_full_tensors(self, weights: str = "merged") -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of the plain model: under LoRA (rlmega/lora.py) with the adapters merged into
-        their layers (``weights`` "merged"), or the base alone ("base")."""
+        """(HF checkpoint name, full tensor) of the plain model: under LoRA (rlmega/lora.py) with the adapters
+        merged into their layers (``weights`` "merged"), or the base alone ("base")."""
         if weights not in ("merged", "base"):
             raise ValueError(f"weights={weights!r}: choose 'merged' or 'base'")
         if not self.lora_rank:
-            return self.iter_model_tensors()
+            return self._checkpoint_layout(self.iter_model_tensors())
         if weights == "base":
-            return lora.base_weights(self.iter_model_tensors(adapters=False))
-        return lora.merged_weights(self.iter_model_tensors(), self.actor_cfg.lora.alpha / self.lora_rank)
+            return self._checkpoint_layout(lora.base_weights(self.iter_model_tensors(adapters=False)))
+        return self._checkpoint_layout(lora.merged_weights(self.iter_model_tensors(),
+                                                           self.actor_cfg.lora.alpha / self.lora_rank))
+
+    def _checkpoint_layout(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors as the model's checkpoint stores them, which is what vLLM loads. transformers 5 converts
+        some families' weights when it loads them (Mixtral's experts as one fused tensor under ``mlp.experts``,
+        DeepSeek-V3's and Qwen3-Next's likewise) and converts them back when it saves; the in-memory names are
+        not the checkpoint's (vLLM refuses Mixtral's: "no module or parameter named 'layers.0.mlp'"). Each
+        parameter goes through transformers' own reverse conversion alone: measured exact, name and value,
+        against the saved safetensors for every family of rlmega/config/families.py (tests/unit/test_families.py)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        for name, tensor in tensors:
+            yield from revert_weight_conversion(model, {name: tensor}).items()
 
     @torch.no_grad()
     def adapter_tensors(self) -> dict[str, torch.Tensor]:

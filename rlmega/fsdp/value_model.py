@@ -17,7 +17,7 @@ import torch
 
 from rlmega.config.schema import ModelConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, is_value_model, value_model_config
-from rlmega.fsdp import packed_attention
+from rlmega.fsdp import packed_attention, recurrent_layers
 
 
 def value_model(model_cfg: ModelConfig, hf_config: dict | None) -> torch.nn.Module:
@@ -43,7 +43,9 @@ def value_model(model_cfg: ModelConfig, hf_config: dict | None) -> torch.nn.Modu
         if missing:  # transformers would have left them at random init without a word beyond a warning
             raise RuntimeError(f"{model_cfg.path}: the value model's {sorted(missing)} are not in its checkpoint")
         if is_value_model(source):
+            recurrent_layers.restart_at_sequences(model)
             return model  # a critic's export: its own head
+    recurrent_layers.restart_at_sequences(model)  # linear-attention state restarts per packed sequence
     hidden = config.get_text_config().hidden_size
     with torch.no_grad():  # not transformers' init: the seeded draw both backends share
         model.score.weight.copy_(fresh_value_head(hidden, head_std(source), model_cfg.seed))

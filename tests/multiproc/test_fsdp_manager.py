@@ -25,14 +25,15 @@ def models(tmp_path_factory):
 
 
 def _manager(path: str, dtype: str = "float32", ac: bool = False, with_optimizer: bool = True,
-             hf_config: dict | None = None, seed: int = 1234, **optim):
+             hf_config: dict | None = None, seed: int = 1234, allow_untested_family: bool = False, **optim):
     import torch.distributed as dist
 
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
     from rlmega.fsdp.model_manager import FSDPModelManager
 
     optim = {"lr": 1e-2, "weight_decay": 0.01, "clip_grad": 1.0, **optim}
-    mm = FSDPModelManager(ModelConfig(path=path, dtype=dtype, seed=seed), OptimizerConfig(**optim),
+    mm = FSDPModelManager(ModelConfig(path=path, dtype=dtype, seed=seed, allow_untested_family=allow_untested_family),
+                          OptimizerConfig(**optim),
                           ActorConfig(activation_checkpointing=ac), dist.get_world_size(), dist.get_rank(),
                           lr_decay_steps=20, hf_config=hf_config)
     mm.setup_model_and_optimizer(with_optimizer=with_optimizer)
@@ -247,6 +248,13 @@ def _world1_body(tied: str, out: str) -> dict:
                for seed in (1, 1, 2))
     res["from_config"] = (_max_diff(a, b) == 0.0 and _max_diff(a, c) > 0.01 and torch.equal(draw, torch.get_rng_state())
                           and _max_diff(a, mm.get_model_state_dict()) > 0.01)
+    # model.allow_untested_family: a family outside rlmega's table (Granite) is checked for packing invariance
+    from transformers import GraniteConfig
+
+    granite = GraniteConfig(vocab_size=59, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1).to_dict()
+    res["family_check"] = (_manager("", hf_config=granite, with_optimizer=False, allow_untested_family=True)
+                           .family_check_error, mm.family_check_error)
     res["loaded"] = (step, extra)
     res["reshard_diff"] = _max_diff(torch.load(out / "saved_w2.pt"), _full_states(fresh))
     return res
@@ -286,3 +294,6 @@ def test_fsdp_manager_on_two_ranks_and_resharded_on_one(models):
     assert w1["weight_decay"] == 0.05  # the resumed run's config, not the checkpoint's 0.01
     assert w1["loaded"] == (7, {"history": [1, 2]}) and w1["from_config"]
     assert w1["reshard_diff"] == 0.0  # DCP moves bytes: the world-2 save loads bit-exact at world 1
+    checked, table_family = w1["family_check"]
+    # measured 7.5e-8 (unsharded, the same model)
+    assert table_family is None and checked is not None and checked < 1e-5, w1["family_check"]

