@@ -32,7 +32,7 @@ from rlmega.agents.placement import roles_cpus
 from rlmega.config import critic_rules, lora_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.engine_mode import records_routes
-from rlmega.config.families import fsdp_reason
+from rlmega.config.families import engine_reason, fsdp_reason
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
 from rlmega.config.model_files import tokenizer_problems, weight_problems
 from rlmega.config.schema import RLConfig
@@ -84,9 +84,12 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     path = cfg.model.path
     if cfg.actor.backend == "megatron":
         why = unsupported_reason(hf)
-        return why and problem("model.path", f"{path!r}: {why}",
-                               "use a model of an architecture listed there, or convert yours, "
-                               "or set actor.backend=fsdp (FSDP2 trains any causal LM transformers builds)")
+        if why:
+            return problem("model.path", f"{path!r}: {why}", "use a model of an architecture listed there, or "
+                           "convert yours, or set actor.backend=fsdp (FSDP2 trains the families of docs/backends.md)")
+        refused = engine_reason(hf, cfg.model.dtype, cfg.rollout.device)
+        return refused and problem(refused[0], f"{refused[1]} (model.path={path!r}; docs/backends.md's family "
+                                   "table)", refused[2])
     why = transformers_reason(path, hf)
     if why:
         return problem("model.path", f"{path!r} (actor.backend=fsdp): {why}",

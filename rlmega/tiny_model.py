@@ -201,6 +201,7 @@ def make_tiny_model(
     norm_topk_prob: bool = True,
     seed: int = 0,
     overwrite: bool = False,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Write a tokenizer and random float32 weights for `arch` to `out_dir`; return its path.
 
@@ -210,7 +211,7 @@ def make_tiny_model(
     and GPT-OSS's routers always renormalise, and their intermediate_size is ignored). The same seed gives
     byte-identical weights; the caller's RNG state is left untouched. The folder appears whole or not
     at all: it is written to a temporary sibling and renamed into place. An existing `out_dir` is an
-    error unless `overwrite`.
+    error unless `overwrite`. ``config_overrides``: config fields set last (a family's variant).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch={arch!r} is not supported; choose one of {sorted(ARCHITECTURES)}")
@@ -236,13 +237,13 @@ def make_tiny_model(
 
     tokenizer = make_tokenizer(vocab_size)
     config_cls, model_cls = ARCHITECTURES[arch]
-    moe.setdefault("num_key_value_heads", num_kv_heads)
-    config = config_cls(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,  # explicit: vLLM and Megatron read it, not all derive it
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
@@ -251,8 +252,9 @@ def make_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",
-        **moe,
     )
+    # the family's own fields, then a variant's (e.g. DeepSeek-V3 with q_lora_rank=None)
+    config = config_cls(**{**fields, **moe, **(config_overrides or {})})
     # fork_rng restores the caller's CPU RNG state on exit, so seeding here has no side effects.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

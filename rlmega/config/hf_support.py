@@ -20,20 +20,23 @@ SUPPORTED_ARCHITECTURES = megatron_architectures()  # the family table's (rlmega
 # A config.json written without `architectures` (some conversion scripts, hand-made configs) still
 # names its family in `model_type`; transformers' AutoModelForCausalLM maps it the same way.
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                            "deepseek_v3": "DeepseekV3ForCausalLM"}
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # multi-latent attention (megatron-core's MLA)
 # The per-family part of the MoE weight names (the Megatron mapping, rlmega.megatron.hf_weights, and the
 # preflight's safetensors check both read it): architecture -> (the HF block holding the router
 # `<block>.gate` and the experts `<block>.experts.E.<name>.weight`, the expert names in (gate, up, down) order).
 MOE_HF_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "DeepseekV3ForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
 # config.json keys of the routed-expert count, first set wins: Qwen's published Qwen2/3-MoE configs say
 # `num_experts`; transformers 5's save_pretrained writes `num_local_experts` for them (as Mixtral's does).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # the last: DeepSeek-V3's
 
 
 def expert_count_key(hf: dict) -> str | None:
@@ -91,8 +94,55 @@ def unsupported_reason(hf: dict) -> str | None:
         reason = _mixtral_reason(hf)
         if reason:
             return reason
+    if arch in MLA_ARCHITECTURES:
+        reason = _deepseek_reason(hf)
+        if reason:
+            return reason
     if arch in MOE_ARCHITECTURES:
         return _moe_reason(hf, arch)
+    return None
+
+
+def _deepseek_reason(hf: dict) -> str | None:
+    """DeepSeek-V3's shape as megatron-core 0.16.1 computes it exactly (docs/deepseek_v3_megatron.md, measured
+    against transformers): each refusal is a setting where megatron-core would give other numbers with no error."""
+    arch = "DeepseekV3ForCausalLM"
+    if hf.get("quantization_config"):
+        return (f"{arch} with quantization_config={str(hf['quantization_config'])[:80]}: rlmega's Megatron mapping "
+                "loads bfloat16 or float32 weights (DeepSeek-V3's and Kimi-K2's published FP8 ones: convert them "
+                "to bfloat16 first)")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        return (f"{arch} with scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r}: rlmega's "
+                "Megatron mapping takes DeepSeek-V3's sigmoid router with its correction bias (sigmoid, noaux_tc)")
+    if not hf.get("norm_topk_prob", True):
+        return (f"{arch} with norm_topk_prob=false: megatron-core's sigmoid router always renormalises the top-k "
+                "weights (router probabilities 2.2 off, measured): use actor.backend=fsdp")
+    groups, topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    topk = int(hf.get("num_experts_per_tok") or 0)
+    if groups > 1 and topk != 2 * topk_group:
+        return (f"{arch} with num_experts_per_tok={topk}, topk_group={topk_group}: megatron-core scores a group by "
+                f"the sum of its top num_experts_per_tok // topk_group = {topk // topk_group} experts, transformers "
+                "by its top 2 (30-52% of tokens routed elsewhere, measured); they agree when num_experts_per_tok = 2 x "
+                "topk_group (DeepSeek-V3's 8 and 4): use actor.backend=fsdp")
+    if float(hf.get("rms_norm_eps", 1e-6)) != 1e-6:
+        return (f"{arch} with rms_norm_eps={hf['rms_norm_eps']}: transformers' latent q/kv norms use 1e-6 whatever "
+                "rms_norm_eps says, megatron-core one eps for every norm")
+    if hf.get("rope_interleave", True) is False:
+        return f"{arch} with rope_interleave=false is not mapped yet (its rope rows need a permutation)"
+    if hf.get("attention_bias"):
+        return f"{arch} with attention_bias=true is not supported"
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ("default", "yarn"):
+        return f"{arch} with rope_type={kind!r}: rlmega's MLA mapping takes default or yarn RoPE"
+    if kind == "yarn":
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if "attention_factor" in params or not ((mscale and all_dim) or (not all_dim and (mscale or 1) == 1)):
+            return (f"{arch} with yarn mscale={mscale}, mscale_all_dim={all_dim}"
+                    f"{', attention_factor' if 'attention_factor' in params else ''}: megatron-core's yarn scales "
+                    "cos/sin as transformers does only with both mscales set (DeepSeek-V3's 1 and 1), or neither")
+        if params.get("truncate") is False:
+            return f"{arch} with yarn truncate=false cannot be expressed through megatron-core's MLA"
     return None
 
 
@@ -117,7 +167,7 @@ def _moe_reason(hf: dict, arch: str) -> str | None:
         return f"{arch} config.json has no `num_experts` (or `num_local_experts`) >= 1"
     if int(hf.get("num_experts_per_tok", 0)) < 1:
         return f"{arch} config.json has no `num_experts_per_tok` >= 1"
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "DeepseekV3ForCausalLM"):  # DeepSeek: dense first_k_dense_replace layers
         return None
     if int(hf.get("decoder_sparse_step", 1)) != 1:
         return (f"decoder_sparse_step={hf['decoder_sparse_step']}: rlmega's Qwen3-MoE mapping needs every layer "

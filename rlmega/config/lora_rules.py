@@ -84,8 +84,12 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
         return []
     out = [] if cfg.rollout.lora_merge else _engine_problems(hf)
     if cfg.actor.backend == "megatron":  # its targets are checked against MEGATRON_TARGETS (problems)
-        from rlmega.config.hf_support import num_experts
+        from rlmega.config.hf_support import MLA_ARCHITECTURES, architecture, num_experts
 
+        if architecture(hf) in MLA_ARCHITECTURES:  # its attention has no q/k/v/o projections to adapt
+            return out + [problem("actor.lora.rank", f"{cfg.actor.lora.rank}, but model.path's model has multi-latent "
+                                  "attention (DeepSeek-V3): the Megatron learner's LoRA on it is not built",
+                                  "set actor.lora.rank=0, or actor.backend=fsdp (peft adapts any linear there)")]
         mlp = [m for m in cfg.actor.lora.target_modules if m in MLP_TARGETS]
         if mlp and num_experts(hf):
             out.append(problem("actor.lora.target_modules", f"{mlp}, but model.path's model is a mixture of experts: "

@@ -89,6 +89,45 @@ def _sparse_layers(hf: dict) -> set:
     return {i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
 
 
+def _deepseek_layer_shapes(hf: dict, i: int) -> Dict[str, List[int]]:
+    """DeepSeek-V3's tensors of decoder layer ``i`` (multi-latent attention; the first first_k_dense_replace layers
+    a dense MLP, the others the router with its correction bias, the routed and the shared experts)."""
+    h, heads, p = hf["hidden_size"], hf["num_attention_heads"], f"model.layers.{i}."
+    nope, rope, v, kv, q = (hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], hf["kv_lora_rank"],
+                            hf.get("q_lora_rank"))
+    out = {p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+           p + "self_attn.kv_a_proj_with_mqa.weight": [kv + rope, h], p + "self_attn.kv_a_layernorm.weight": [kv],
+           p + "self_attn.kv_b_proj.weight": [heads * (nope + v), kv], p + "self_attn.o_proj.weight": [h, heads * v]}
+    if q:
+        out.update({p + "self_attn.q_a_proj.weight": [q, h], p + "self_attn.q_a_layernorm.weight": [q],
+                    p + "self_attn.q_b_proj.weight": [heads * (nope + rope), q]})
+    else:
+        out[p + "self_attn.q_proj.weight"] = [heads * (nope + rope), h]
+    if i < int(hf.get("first_k_dense_replace") or 0):
+        inter = hf["intermediate_size"]
+        return {**out, p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+                p + "mlp.down_proj.weight": [h, inter]}
+    experts, inter = num_experts(hf), hf["moe_intermediate_size"]
+    shared = inter * int(hf.get("n_shared_experts") or 0)
+    out.update({p + "mlp.gate.weight": [experts, h], p + "mlp.gate.e_score_correction_bias": [experts]})
+    for e in range(experts):
+        q_ = f"{p}mlp.experts.{e}."
+        out.update({q_ + "gate_proj.weight": [inter, h], q_ + "up_proj.weight": [inter, h],
+                    q_ + "down_proj.weight": [h, inter]})
+    if shared:
+        out.update({p + "mlp.shared_experts.gate_proj.weight": [shared, h],
+                    p + "mlp.shared_experts.up_proj.weight": [shared, h],
+                    p + "mlp.shared_experts.down_proj.weight": [h, shared]})
+    return out
+
+
+def mtp_prefixes(hf: dict) -> Tuple[str, ...]:
+    """Name prefixes of DeepSeek-V3's multi-token-prediction layers (``num_nextn_predict_layers`` of them, after
+    the decoder layers): checkpoints carry them; transformers and rlmega's learners do not build them."""
+    n = int(hf.get("num_nextn_predict_layers") or 0) if architecture(hf) == "DeepseekV3ForCausalLM" else 0
+    return tuple(f"model.layers.{hf['num_hidden_layers'] + j}." for j in range(n))
+
+
 def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]]]:
     """(required, optional) HF tensor names -> shapes that config.json ``hf`` implies for a Llama, Qwen2,
     Qwen3, Qwen3-MoE or Mixtral model; optional: lm_head.weight of a tied model (some checkpoints store
@@ -112,6 +151,9 @@ def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]
     block, (gate, up, down) = MOE_HF_NAMES.get(arch, MOE_HF_NAMES["Qwen3MoeForCausalLM"])  # read iff experts
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if arch == "DeepseekV3ForCausalLM":
+            req.update(_deepseek_layer_shapes(hf, i))
+            continue
         req.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
                     p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
                     p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd]})
@@ -155,7 +197,7 @@ def weight_problems(path: str, hf: dict) -> List[str]:
     if arch is None or "intermediate_size" not in hf or "vocab_size" not in hf:
         return []  # refused (or described) elsewhere; nothing to compare against
     req, opt = expected_shapes(hf)
-    names = {k for k in found if not k.endswith(IGNORED_SUFFIXES)}
+    names = {k for k in found if not k.endswith(IGNORED_SUFFIXES) and not k.startswith(mtp_prefixes(hf) or "\0")}
     out = []
     missing = [k for k in req if k not in names]
     extra = sorted(names - set(req) - set(opt))

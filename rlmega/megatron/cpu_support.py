@@ -160,6 +160,19 @@ def moe_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
+def mla_without_transformer_engine() -> None:
+    """Process-global, idempotent, never undone (runtime.init_megatron, every rank): without Transformer Engine,
+    megatron-core 0.16's ``extensions/transformer_engine.py`` still imports (TE stands in as a MagicMock), so
+    ``multi_latent_attention`` imports a mock ``TELinear`` with its ``HAVE_TE`` True, and MLA's
+    ``isinstance(self.linear_proj, TELinear)`` raises TypeError in every MLA layer's constructor. Setting the
+    module's flag to what is true (TE absent) takes the branch it was written for; nothing where TE imports."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_ext.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+
+
 def cpu_execution_enabled() -> bool:
     return _state is not None
 

@@ -28,7 +28,8 @@ import torch
 
 from megatron.core.transformer import TransformerConfig
 
-from rlmega.config.hf_support import MOE_ARCHITECTURES, architecture, num_experts, unsupported_reason
+from rlmega.config.hf_support import (MLA_ARCHITECTURES, MOE_ARCHITECTURES, architecture, num_experts,
+                                      unsupported_reason)
 from rlmega.config.value_model import causal_lm_config, is_value_model
 
 VOCAB_PAD_MULTIPLE = 128
@@ -78,6 +79,21 @@ class ModelShape:
     moe_ffn_hidden_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = False
     value_head: bool = False  # a critic: the output layer is hidden -> 1 (HF score.weight), never tied
+    # DeepSeek-V3 (multi-latent attention, docs/deepseek_v3_megatron.md): q/k heads of qk_nope + qk_rope, v heads of
+    # v_head; the latent q (q_lora) and kv (kv_lora) widths; a sigmoid router with a correction bias picking the
+    # top group_topk of groups; shared experts of shared_ffn; the first first_dense layers a dense MLP
+    mla: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    router: str = "softmax"
+    groups: int = 1
+    group_topk: int = 1
+    topk_scale: float = 1.0
+    shared_ffn: int = 0
+    first_dense: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -94,13 +110,14 @@ class ModelShape:
             raise UnsupportedModelError(reason)
         arch = architecture(hf)  # also a config.json with only model_type (llama, qwen2)
         heads = hf["num_attention_heads"]
+        mla = cls._mla_fields(hf) if arch in MLA_ARCHITECTURES else {}
         return cls(
             architecture=arch,
             num_layers=hf["num_hidden_layers"],
             hidden_size=hf["hidden_size"],
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            num_kv_heads=mla.pop("num_kv_heads", hf.get("num_key_value_heads") or heads),
+            head_dim=mla.pop("head_dim", hf.get("head_dim") or hf["hidden_size"] // heads),
             ffn_hidden_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             padded_vocab_size=padded_vocab_size(hf["vocab_size"], tp),
@@ -108,7 +125,19 @@ class ModelShape:
             qkv_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             **(cls._moe_fields(hf) if arch in MOE_ARCHITECTURES else {}),
+            **mla,
         )
+
+    @staticmethod
+    def _mla_fields(hf: dict) -> dict:
+        nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+        return dict(mla=True, q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=int(hf["kv_lora_rank"]),
+                    qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(hf["v_head_dim"]),
+                    head_dim=nope + rope, num_kv_heads=int(hf["num_attention_heads"]), router="sigmoid",
+                    groups=int(hf.get("n_group") or 1), group_topk=int(hf.get("topk_group") or 1),
+                    topk_scale=float(hf.get("routed_scaling_factor") or 1.0),
+                    shared_ffn=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts") or 0),
+                    first_dense=int(hf.get("first_k_dense_replace") or 0))
 
     @staticmethod
     def _moe_fields(hf: dict) -> dict:
@@ -141,15 +170,31 @@ def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_
     """TransformerConfig's MoE fields for ``shape`` (empty for a dense model)."""
     if not shape.is_moe:
         return {}
-    return dict(
+    sigmoid = {}
+    if shape.router == "sigmoid":  # DeepSeek-V3's router, as transformers computes it (docs/deepseek_v3_megatron.md)
+        sigmoid = dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,  # e_score_correction_bias: picks the experts, weighs nothing
+            # 0: the loaded bias stays as the checkpoint has it (transformers never updates it); megatron-core's
+            # default 1e-3 would move it at every step (aux-loss-free balancing) with no word
+            moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=shape.groups if shape.groups > 1 else None,
+            moe_router_group_topk=shape.group_topk if shape.groups > 1 else None,
+            moe_router_topk_scaling_factor=shape.topk_scale,
+            moe_router_dtype="fp32",  # transformers' router linear and sigmoid run in float32
+            moe_shared_expert_intermediate_size=shape.shared_ffn or None,
+            moe_shared_expert_overlap=False,
+            moe_layer_freq=[0] * shape.first_dense + [1] * (shape.num_layers - shape.first_dense),
+        )
+    return sigmoid | dict(
         num_moe_experts=shape.num_experts,
         moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
         moe_router_topk=shape.moe_topk,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not shape.norm_topk_prob,  # see the module docstring
+        moe_router_score_function=sigmoid.get("moe_router_score_function", "softmax"),
+        moe_router_pre_softmax=not shape.norm_topk_prob,  # see the module docstring (softmax routers only)
         # The router's linear in the params' dtype, as HF's and vLLM's gate computes it (megatron's
         # softmax over the logits is fp32 either way).
-        moe_router_dtype=None,
+        moe_router_dtype=sigmoid.get("moe_router_dtype"),
         # aux loss 0: no load-balancing term at all (Megatron's default type would still build one).
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=float(aux_loss_coeff),
@@ -165,6 +210,34 @@ def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_
         expert_model_parallel_size=ep,
         moe_permute_fusion=False,
     )
+
+
+def mla_config_kwargs(shape: ModelShape, theta: float, scaling: dict | None, tp: int, context_parallel: int,
+                      sequence_parallel: bool) -> dict:
+    """MLATransformerConfig's fields for DeepSeek-V3 (docs/deepseek_v3_megatron.md, each measured against
+    transformers). megatron's ``qk_head_dim`` is the no-RoPE part; ``rotary_interleaved`` stays False for HF's
+    ``rope_interleave: true`` (MLA's RoPE de-interleaves first, which is HF's interleaved rotation); the config's
+    ``qk_layernorm`` is True for MLA: it keeps the latent q/kv norms (False makes them identities with no error)."""
+    if context_parallel > 1:
+        raise UnsupportedModelError("parallelism.context_parallel_size > 1 with multi-latent attention (DeepSeek-V3) "
+                                    "is not built: set it to 1")
+    if tp > 1 and not sequence_parallel:
+        # megatron-core sums the q latent norm's gradient over TP by its name, right only when each TP rank saw
+        # its share of the tokens (sequence parallelism); without it every rank's gradient is the whole one
+        raise UnsupportedModelError("multi-latent attention at TP > 1 needs parallelism.sequence_parallel=true")
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "yarn":
+        rope = dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
+                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                    beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
+                    mscale=float(scaling.get("mscale") or 1.0),
+                    mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
+    else:  # the softmax scale reads mscale(rotary_scaling_factor, mscale_all_dim)^2 even for plain RoPE: make it 1
+        rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return dict(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank or None,  # None: a plain q_proj
+                kv_lora_rank=shape.kv_lora_rank,
+                qk_head_dim=shape.qk_nope_head_dim, qk_pos_emb_head_dim=shape.qk_rope_head_dim,
+                v_head_dim=shape.v_head_dim, rotary_base=theta, rotary_interleaved=False, **rope)
 
 
 def megatron_config_from_hf(
@@ -186,13 +259,19 @@ def megatron_config_from_hf(
     check_expert_layout(shape, ep)
     theta, scaling = _rope(hf)
     rope_scaling_factor = None
-    if scaling:
+    if scaling and not shape.mla:  # MLA: its own RoPE (mla_config_kwargs)
         kind = scaling.get("rope_type") or scaling.get("type")
         if kind != "llama3":
             raise UnsupportedModelError(f"rope_scaling type {kind!r}: only 'llama3' (or none) is supported")
         rope_scaling_factor = float(scaling["factor"])
     vpp = vpp if vpp and vpp > 1 else None
-    config = TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if shape.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class, mla = MLATransformerConfig, mla_config_kwargs(shape, theta, scaling, tp, context_parallel,
+                                                                    sequence_parallel)
+    config = config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -205,7 +284,7 @@ def megatron_config_from_hf(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
+        qk_layernorm=shape.qk_norm or shape.mla,  # Qwen3's q/k norms; MLA's latent q/kv norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -230,11 +309,12 @@ def megatron_config_from_hf(
         calculate_per_token_loss=True,
         **(_NO_FUSIONS if cpu else {}),
         **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu, grouped_gemm),
+        **mla,
     )
     gpt_kwargs = dict(
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        position_embedding_type="rope",
+        position_embedding_type="none" if shape.mla else "rope",  # MLA rotates inside its attention
         rotary_base=int(theta) if float(theta).is_integer() else theta,
         rope_scaling=rope_scaling_factor is not None,
         rope_scaling_factor=rope_scaling_factor or 8.0,

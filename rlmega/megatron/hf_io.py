@@ -50,12 +50,14 @@ def local_experts_offset(chunk: torch.nn.Module) -> int:
 
 
 def global_named_parameters(chunk: torch.nn.Module):
-    """(global Megatron name, param) for one chunk: local layer indices become model-wide ones, and
-    local expert indices (MoE) model-wide expert indices. LoRA adapters (lora_adapters.py) are not HF
-    weights of the model and are left out."""
+    """(global Megatron name, param) for one chunk, and the HF state that is a buffer in megatron (the router's
+    expert bias): local layer indices become model-wide ones, and local expert indices (MoE) model-wide expert
+    indices. LoRA adapters (lora_adapters.py) are not HF weights of the model and are left out."""
     model = unwrap(chunk)
     offset = local_experts_offset(chunk)
-    for name, param in model.named_parameters():
+    # the router's expert bias (DeepSeek-V3's e_score_correction_bias) is state, not a parameter: a buffer
+    bias = [(n, b) for n, b in model.named_buffers() if n.endswith("mlp.router.expert_bias")]
+    for name, param in [*model.named_parameters(), *bias]:
         if "_lora." in name:  # lora_adapters.SUFFIX (not imported: that module imports this one)
             continue
         m = _LOCAL_LAYER.match(name)
@@ -123,7 +125,9 @@ def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None =
 
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
-            tp_rank, tp = _tp_rank_and_size(name)
+            # a parameter megatron keeps whole on every TP rank is read whole, whatever its layout kind (MLA's
+            # latent down-projections: split over TP on the local spec, replicated on Transformer Engine's)
+            tp_rank, tp = _tp_rank_and_size(name) if getattr(param, "tensor_model_parallel", False) else (0, 1)
             value = to_megatron_shard(name, get, shape, tp_rank, tp)
             if value.shape != param.shape:
                 _, hf_names = rule(name, shape)
@@ -266,6 +270,8 @@ def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: 
             json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         dtype = next(iter(tensors.values())).dtype
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
+        if hf_config.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layers: not built, not written
+            hf_config["num_nextn_predict_layers"] = 0
         (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
         finish_export(partial, out_dir, source)
     dist.barrier()

@@ -52,7 +52,23 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "mlp.router.weight": ("replicated", ("<block>.gate.weight",)),  # <block>: MOE_HF_NAMES
+    # DeepSeek-V3 (docs/deepseek_v3_megatron.md): multi-latent attention's projections, each split along its
+    # output rows on the local spec (the latent down-projections' outputs all-gathered again by MLA); the
+    # router's correction bias (megatron's expert_bias, a buffer); the shared experts
+    "self_attention.linear_q_proj.weight": ("rows", ("self_attn.q_proj.weight",)),  # q_lora_rank null
+    "self_attention.linear_q_down_proj.weight": ("rows", ("self_attn.q_a_proj.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("rows", ("self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": ("rows", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("rows", ("self_attn.kv_b_proj.weight",)),
+    "self_attention.kv_layernorm.weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
+    "mlp.router.expert_bias": ("replicated", ("<block>.gate.e_score_correction_bias",)),
+    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ("mlp.shared_experts.gate_proj.weight",
+                                                          "mlp.shared_experts.up_proj.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("split_dim1", ("mlp.shared_experts.down_proj.weight",)),
 }
+_MLA_ONLY = ("self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
+             "self_attention.linear_kv_down_proj.", "self_attention.linear_kv_up_proj.",
+             "self_attention.kv_layernorm.", "mlp.shared_experts.", "mlp.router.expert_bias")
 # fc1 / fc2 -> (kind, indices into the (gate, up, down) names)
 _EXPERT_RULES = {"fc1": ("gate_up", (0, 1)), "fc2": ("split_dim1", (2,))}
 
@@ -100,12 +116,18 @@ def rule(mcore_name: str, shape: ModelShape) -> tuple[str, list[str]]:
         if suffix not in _LAYER_RULES:
             raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
         kind, hf_suffixes = _LAYER_RULES[suffix]
-        if suffix.endswith("_layernorm.weight") and suffix.startswith("self_attention.") and not shape.qk_norm:
+        if suffix.startswith(_MLA_ONLY) and not shape.mla:
+            raise KeyError(f"{mcore_name!r}: {shape.architecture} has no multi-latent attention or shared experts")
+        if suffix.endswith("_layernorm.weight") and suffix.startswith("self_attention.") and not (
+                shape.qk_norm or shape.mla):
             raise KeyError(f"{mcore_name!r}: {shape.architecture} has no q/k norms")
-        if suffix == "mlp.router.weight":
+        if suffix == "self_attention.q_layernorm.weight" and shape.mla:  # MLA's latent q norm, not a head norm
+            return kind, [f"model.layers.{layer}.self_attn.q_a_layernorm.weight"]
+        if suffix in ("mlp.router.weight", "mlp.router.expert_bias"):
             if not shape.is_moe:
                 raise KeyError(f"{mcore_name!r}: {shape.architecture} has no router (a dense model)")
-            return kind, [f"model.layers.{layer}.{MOE_HF_NAMES[shape.architecture][0]}.gate.weight"]
+            leaf = "weight" if suffix.endswith("weight") else "e_score_correction_bias"
+            return kind, [f"model.layers.{layer}.{MOE_HF_NAMES[shape.architecture][0]}.gate.{leaf}"]
         if kind == "qkv" and suffix.endswith("bias") and not shape.qkv_bias:
             raise KeyError(f"{mcore_name!r}: {shape.architecture} has no QKV bias")
         return kind, [f"model.layers.{layer}.{s}" for s in hf_suffixes]
@@ -160,6 +182,8 @@ def hf_pieces(mcore_name: str, shard: torch.Tensor, shape: ModelShape, tp_rank: 
     if kind == "split_dim1":
         cols = shard.shape[1]
         return {names[0]: Piece(shard.contiguous(), (shard.shape[0], cols * tp_size), 1, tp_rank * cols, tp_size)}
+    if kind == "rows":
+        return {names[0]: rows(shard, shard.shape[0] * tp_size)}
     if kind == "qkv":
         rest = shard.shape[1:]
         q, k, v = (t.reshape(-1, *rest) for t in _qkv_views(shard, shape))  # (copies: strided rows)
@@ -185,6 +209,8 @@ def to_megatron_shard(mcore_name: str, get_hf: Callable[[str], torch.Tensor], sh
         return hf[0]
     if kind == "split_dim1":
         return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if kind == "rows":
+        return hf[0].chunk(tp_size, dim=0)[tp_rank]
     if kind == "qkv":
         return _fuse_qkv(*hf, shape).chunk(tp_size, dim=0)[tp_rank]
     if kind == "gate_up":
@@ -214,6 +240,8 @@ def from_megatron_shards(mcore_name: str, shards: list[torch.Tensor], shape: Mod
         return {names[0]: shards[0]}
     if kind == "split_dim1":
         return {names[0]: _cat(shards, dim=1)}
+    if kind == "rows":
+        return {names[0]: _cat(shards, dim=0)}
     if kind == "qkv":
         if len(shards) == 1:
             return dict(zip(names, _split_qkv(shards[0], shape)))

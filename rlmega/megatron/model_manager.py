@@ -37,7 +37,7 @@ from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import LoraConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
 from rlmega.engine_api import StepResult
-from rlmega.megatron import checkpoint, lora_adapters, offload
+from rlmega.megatron import checkpoint, lora_adapters, mla, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
 from rlmega.megatron.norms import HeadRMSNorm, TokenRMSNorm
@@ -139,6 +139,11 @@ class MegatronModelManager:
         self.vpp = vpp if vpp and vpp > 1 else 1
         self.ep = parallel.expert_model_parallel_size
         self.shape = ModelShape.from_hf(self.hf_config, parallel.tensor_model_parallel_size)
+        mtp = int(self.hf_config.get("num_nextn_predict_layers") or 0) if self.shape.mla else 0
+        if mtp and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(f"[rlmega] {self.shape.architecture}: the checkpoint's {mtp} multi-token-prediction layer(s) "
+                  f"(model.layers.{self.shape.num_layers}.*) are dropped, as transformers drops them: RL trains "
+                  "the next-token model, and the export says num_nextn_predict_layers: 0", flush=True)
         check_expert_layout(self.shape, self.ep, parallel.tensor_model_parallel_size,
                             parallel.pipeline_model_parallel_size,
                             torch.distributed.get_world_size() if torch.distributed.is_initialized() else None)
@@ -168,8 +173,14 @@ class MegatronModelManager:
     def model_provider_func(self, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
         """One model chunk; pre_process holds the embedding, post_process the output head (a critic's:
         the value head, seeded as rlmega.config.value_model.fresh_value_head until weights load)."""
-        spec = layer_spec(self.use_te, self.shape)
-        if not self.use_te:  # the block's final norm too (megatron-core picks WrappedTorchNorm for it)
+        if self.shape.mla:  # DeepSeek-V3: per-layer specs (dense first layers), multi-latent attention: mla.py
+            if self.use_te:
+                raise ValueError("DeepSeek-V3 (multi-latent attention) on Transformer Engine's layer spec is not built "
+                                 "yet: rlmega builds it on the local spec (docs/deepseek_v3_megatron.md)")
+            spec = mla.decoder_block_spec(self.transformer_config, vp_stage)
+        else:
+            spec = layer_spec(self.use_te, self.shape)
+        if not self.use_te and not self.shape.mla:  # the block's final norm too (megatron-core: WrappedTorchNorm)
             spec = TransformerBlockSubmodules(
                 layer_specs=[spec] * get_num_layers_to_build(self.transformer_config, vp_stage=vp_stage),
                 layer_norm=TokenRMSNorm)
@@ -181,6 +192,8 @@ class MegatronModelManager:
             vp_stage=vp_stage,
             **self.gpt_kwargs,
         )
+        if self.shape.mla:
+            mla.fixed_expert_bias(model)
         if post_process and self.shape.value_head:
             model.output_layer = ValueHead(self.shape.hidden_size, self.dtype,
                                            sequence_parallel=self.transformer_config.sequence_parallel)

@@ -83,6 +83,11 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=N
     if not uses_packed_sdpa(model):
         yield None
         return
+    mla_ropes = _mla_rotary_embeddings(model)
+    if mla_ropes:  # multi-latent attention rotates inside its layers: give them each token's own angles
+        with _per_token_mla_rope(mla_ropes, position_ids):
+            yield RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=row_segments(row_cu, B, S))
+        return
     rope = getattr(model, "rotary_pos_emb", None)
     cos = sin = None
     if rope is not None:
@@ -105,6 +110,31 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=N
         yield params
     finally:
         if rope is not None:
+            del rope.forward
+
+
+def _mla_rotary_embeddings(model) -> list:
+    """The rotary embedding module of every multi-latent attention layer of the chunk (DeepSeek-V3's)."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return [m.rotary_pos_emb for m in model.modules() if isinstance(m, MultiLatentAttention)]
+
+
+@contextmanager
+def _per_token_mla_rope(ropes: list, position_ids: torch.Tensor):
+    """While open, each MLA layer's rotary embedding returns the angles of each token at its position in its own
+    sequence, (S, B, 1, dim) (with yarn's mscale, as its own forward returns it), instead of those of row
+    offsets 0..S-1: the same rows of its own table, so a sequence packed anywhere in a row rotates as alone."""
+    table = ropes[0].get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim), or (that, mscale) for yarn
+    emb, mscale = table if isinstance(table, tuple) else (table, None)
+    per_token = emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, dim)
+    out = per_token if mscale is None else (per_token, mscale)
+    for rope in ropes:
+        rope.forward = lambda *args, **kwargs: out
+    try:
+        yield
+    finally:
+        for rope in ropes:
             del rope.forward
 
 
@@ -137,7 +167,10 @@ class PackedSDPAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        # k_channels / v_channels: multi-latent attention's q/k and v head sizes (rlmega/megatron/mla.py); the
+        # attention reads them from the tensors, and MLA passes its softmax_scale
         super().__init__(config=config)
         self.context_parallel = config.context_parallel_size > 1  # then only rows split by context_parallel.py
         if config.window_size is not None or config.softmax_type != "vanilla":

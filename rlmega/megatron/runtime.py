@@ -3,8 +3,9 @@
 Each trainer rank calls ``init_megatron(tp, pp, vpp, seed)`` once, after its launcher (torchrun,
 a Ray actor, ``rlmega.testing.multiproc``) has set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` (and ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` on GPUs). Without a GPU it uses gloo and
-switches on the CPU layer (``cpu_support``; both, and the MoE-without-Transformer-Engine shim
-``cpu_support.moe_without_transformer_engine``, patch megatron-core for the whole process); with GPUs
+switches on the CPU layer (``cpu_support``; both, and the MoE- and MLA-without-Transformer-Engine shims
+``cpu_support.moe_without_transformer_engine`` / ``mla_without_transformer_engine``, patch megatron-core for the
+whole process); with GPUs
 it uses NCCL and binds the rank to the GPU ``device_ordinal`` picks (torchrun: all of the node's GPUs
 visible; Ray: one GPU per actor).
 ``teardown_megatron()`` undoes it, so one process can set up several layouts in a row.
@@ -21,7 +22,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from rlmega.distributed import collective_device, init_distributed
-from rlmega.megatron.cpu_support import enable_cpu_execution, moe_without_transformer_engine
+from rlmega.megatron.cpu_support import (enable_cpu_execution, mla_without_transformer_engine,
+                                         moe_without_transformer_engine)
 
 
 def device() -> torch.device:
@@ -81,6 +83,7 @@ def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 
     the experts of an MoE layer are split over EP ranks taken from the data-parallel ranks."""
     enable_cpu_execution()  # no-op with a GPU
     moe_without_transformer_engine()  # process-global: MoE routers without Transformer Engine (GPU or CPU)
+    mla_without_transformer_engine()  # process-global: multi-latent attention without Transformer Engine
     init_distributed()
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:

