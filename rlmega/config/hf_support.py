@@ -124,9 +124,6 @@ def _deepseek_reason(hf: dict) -> str | None:
                 f"the sum of its top num_experts_per_tok // topk_group = {topk // topk_group} experts, transformers "
                 "by its top 2 (30-52% of tokens routed elsewhere, measured); they agree when num_experts_per_tok = 2 x "
                 "topk_group (DeepSeek-V3's 8 and 4): use actor.backend=fsdp")
-    if float(hf.get("rms_norm_eps", 1e-6)) != 1e-6:
-        return (f"{arch} with rms_norm_eps={hf['rms_norm_eps']}: transformers' latent q/kv norms use 1e-6 whatever "
-                "rms_norm_eps says, megatron-core one eps for every norm")
     if hf.get("rope_interleave", True) is False:
         return f"{arch} with rope_interleave=false is not mapped yet (its rope rows need a permutation)"
     if hf.get("attention_bias"):

@@ -35,6 +35,15 @@ from rlmega.megatron.norms import TokenRMSNorm
 from rlmega.megatron.packed_attention import PackedSDPAttention, RowPacking
 
 
+class LatentRMSNorm(TokenRMSNorm):
+    """The latent q/kv norms with DeepSeek's own eps, 1e-6, whatever ``rms_norm_eps`` says: transformers' and
+    DeepSeek's modeling code build them with their RMSNorm's default (megatron-core would pass the config's eps,
+    1e-5 for Moonlight's config)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, eps=1e-6)
+
+
 class RowPackedMLASelfAttention(MLASelfAttention):
     """MLASelfAttention whose q/k/v projections see rlmega's packed rows as plain sbhd rows (no packing: they are
     per token), and whose core attention gets the ``RowPacking`` (causal per packed sequence)."""
@@ -59,7 +68,7 @@ def decoder_block_spec(config, vp_stage: int | None = None):
         attention.module = RowPackedMLASelfAttention
         attention.submodules.core_attention = PackedSDPAttention
         attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ReplicatedLinear
-        attention.submodules.q_layernorm = attention.submodules.kv_layernorm = TokenRMSNorm
+        attention.submodules.q_layernorm = attention.submodules.kv_layernorm = LatentRMSNorm
     block.layer_norm = TokenRMSNorm
     return block
 

@@ -31,9 +31,10 @@ MODELS = {
     "mixtral": dict(arch="mixtral", vocab_size=None, num_experts=4, top_k=2),
     # multi-latent attention, sigmoid router with its correction bias over 2 groups, a shared expert, layer 0 dense
     "deepseek_v3": dict(arch="deepseek_v3", vocab_size=None, num_experts=8, top_k=2),
-    # without the q latent (a plain q_proj: Moonlight's, DeepSeek-V2-Lite's), yarn RoPE as DeepSeek-V3's config has it
+    # without the q latent (a plain q_proj) and rms_norm_eps 1e-5, as Moonlight's (transformers' latent kv norm keeps
+    # 1e-6); yarn RoPE as DeepSeek-V3's config has it
     "deepseek_v3_q_proj_yarn": dict(arch="deepseek_v3", vocab_size=None, num_experts=4, top_k=2, config_overrides=dict(
-        q_lora_rank=None, max_position_embeddings=2048, rope_parameters=dict(
+        q_lora_rank=None, rms_norm_eps=1e-5, max_position_embeddings=2048, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
 }
