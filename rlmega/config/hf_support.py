@@ -119,6 +119,8 @@ def _deepseek_reason(hf: dict) -> str | None:
                 "weights (router probabilities 2.2 off, measured): use actor.backend=fsdp")
     groups, topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
     topk = int(hf.get("num_experts_per_tok") or 0)
+    if topk == 1:  # megatron-core normalises the top-k only for k > 1; transformers' weight is then 1 x scale
+        return f"{arch} with num_experts_per_tok=1: megatron-core's sigmoid router weighs it otherwise (unnormalised)"
     if groups > 1 and topk != 2 * topk_group:
         return (f"{arch} with num_experts_per_tok={topk}, topk_group={topk_group}: megatron-core scores a group by "
                 f"the sum of its top num_experts_per_tok // topk_group = {topk // topk_group} experts, transformers "

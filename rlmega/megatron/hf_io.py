@@ -125,8 +125,8 @@ def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None =
 
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
-            # a parameter megatron keeps whole on every TP rank is read whole, whatever its layout kind (MLA's
-            # latent down-projections: split over TP on the local spec, replicated on Transformer Engine's)
+            # a parameter megatron keeps whole on every TP rank is read whole, whatever its layout kind (MLA's latent
+            # down-projections: replicated, rlmega/megatron/mla.py; megatron-core's local spec would split them)
             tp_rank, tp = _tp_rank_and_size(name) if getattr(param, "tensor_model_parallel", False) else (0, 1)
             value = to_megatron_shard(name, get, shape, tp_rank, tp)
             if value.shape != param.shape:

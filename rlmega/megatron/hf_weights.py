@@ -52,9 +52,10 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "mlp.router.weight": ("replicated", ("<block>.gate.weight",)),  # <block>: MOE_HF_NAMES
-    # DeepSeek-V3 (docs/deepseek_v3_megatron.md): multi-latent attention's projections, each split along its
-    # output rows on the local spec (the latent down-projections' outputs all-gathered again by MLA); the
-    # router's correction bias (megatron's expert_bias, a buffer); the shared experts
+    # DeepSeek-V3 (docs/deepseek_v3_megatron.md): multi-latent attention's projections, the up-projections split
+    # along their output rows (whole heads per TP rank), the latent down-projections whole on every rank
+    # (rlmega/megatron/mla.py; hf_io reads a parameter that is not TP-split whole); the router's correction
+    # bias (megatron's expert_bias, a buffer); the shared experts
     "self_attention.linear_q_proj.weight": ("rows", ("self_attn.q_proj.weight",)),  # q_lora_rank null
     "self_attention.linear_q_down_proj.weight": ("rows", ("self_attn.q_a_proj.weight",)),
     "self_attention.linear_q_up_proj.weight": ("rows", ("self_attn.q_b_proj.weight",)),
