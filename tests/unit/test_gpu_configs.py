@@ -163,26 +163,11 @@ def test_qwen3_30b_a3b_passes_rlmega_check_config(tmp_path, capsys):
     a safetensors file with the real model's 18,867 tensor headers (names and shapes of every expert; the
     data a sparse hole: 61 GB long, a few MB on disk, as only headers and the file size are read) and the tiny
     models' tokenizer. cluster.address is set: the GPUs are the cluster's, not this machine's."""
-    import struct
-
     from rlmega.cli import main as cli_main
-    from rlmega.config.model_files import expected_shapes
-    from rlmega.tiny_model import make_tokenizer
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    required, _ = expected_shapes(QWEN3_30B_A3B)
-    header, end = {}, 0
-    for name, shape in required.items():
-        size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)  # bf16
-        header[name], end = {"dtype": "BF16", "shape": shape, "data_offsets": [end, end + size]}, end + size
-    raw = json.dumps(header).encode()
-    weights = tmp_path / "model.safetensors"
-    with open(weights, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + end)
-    assert len(required) == 18867 and round(end / 1e9, 1) == 61.1  # 30.5B bf16 parameters
-    assert weights.stat().st_blocks * 512 < 64 << 20  # sparse: the filesystem holds the headers only
-    make_tokenizer().save_pretrained(tmp_path)
+    header, end = _headers_only(tmp_path, QWEN3_30B_A3B)
+    assert len(header) == 18867 and round(end / 1e9, 1) == 61.1  # 30.5B bf16 parameters
+    assert (tmp_path / "model.safetensors").stat().st_blocks * 512 < 64 << 20  # sparse: the headers only on disk
     argv = ["check-config", str(ROOT / "configs/qwen3_30b_a3b_ep8pp2_2nodes.yaml"), f"model.path={tmp_path}",
             "data.train_path=''", "data.eval_path=''", f"trainer.run_dir={tmp_path / 'run'}", "cluster.address=auto"]
     rc = cli_main(argv)
@@ -191,10 +176,7 @@ def test_qwen3_30b_a3b_passes_rlmega_check_config(tmp_path, capsys):
     assert "expert_model_parallel_size: 8" in out and "routing_replay: rollout" in out
     # the same folder with one expert's weights missing from the file: refused, naming the tensor
     del header["model.layers.47.mlp.experts.127.down_proj.weight"]
-    raw = json.dumps(header).encode()
-    with open(weights, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + end)
+    _write_headers(tmp_path / "model.safetensors", header, end)
     assert cli_main(argv) == 2
     assert "lack 1 tensor(s) a Qwen3MoeForCausalLM with this config.json has: " \
            "model.layers.47.mlp.experts.127.down_proj.weight" in capsys.readouterr().err
