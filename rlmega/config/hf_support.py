@@ -15,13 +15,14 @@ import json
 import os
 
 from rlmega.config.families import megatron_architectures
+from rlmega.config.gemma3_layout import gemma3_reason
 
 SUPPORTED_ARCHITECTURES = megatron_architectures()  # the family table's (rlmega/config/families.py)
 # A config.json written without `architectures` (some conversion scripts, hand-made configs) still
 # names its family in `model_type`; transformers' AutoModelForCausalLM maps it the same way.
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                            "deepseek_v3": "DeepseekV3ForCausalLM"}
+                            "deepseek_v3": "DeepseekV3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # multi-latent attention (megatron-core's MLA)
 # The per-family part of the MoE weight names (the Megatron mapping, rlmega.megatron.hf_weights, and the
@@ -82,6 +83,8 @@ def unsupported_reason(hf: dict) -> str | None:
         return (f"unsupported architecture {archs or hf.get('model_type')!r}: rlmega's Megatron mapping converts "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (or a config.json without `architectures` whose "
                 f"model_type is {' or '.join(MODEL_TYPE_ARCHITECTURES)})")
+    if arch == "Gemma3ForCausalLM":  # its tanh-GELU MLP, windows, post-norms: rlmega/config/gemma3_layout.py
+        return gemma3_reason(hf)
     if hf.get("hidden_act", "silu") != "silu":
         return f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported"
     if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):

@@ -30,6 +30,8 @@ from megatron.core.transformer import TransformerConfig
 
 from rlmega.config.hf_support import (MLA_ARCHITECTURES, MOE_ARCHITECTURES, architecture, num_experts,
                                       unsupported_reason)
+from rlmega.config.gemma3_layout import ARCH as GEMMA3
+from rlmega.config.gemma3_layout import gemma3_layout
 from rlmega.config.value_model import causal_lm_config, is_value_model
 
 VOCAB_PAD_MULTIPLE = 128
@@ -94,6 +96,9 @@ class ModelShape:
     topk_scale: float = 1.0
     shared_ffn: int = 0
     first_dense: int = 0
+    # Gemma 3 (rlmega/megatron/gemma3.py): norms after attention and MLP (HF post_attention_layernorm is then not the
+    # pre-MLP norm: pre_feedforward_layernorm is), norms centred on 0, the embedding scale, sliding-window layers
+    gemma3: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -123,7 +128,8 @@ class ModelShape:
             padded_vocab_size=padded_vocab_size(hf["vocab_size"], tp),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GEMMA3),
+            gemma3=arch == GEMMA3,
             **(cls._moe_fields(hf) if arch in MOE_ARCHITECTURES else {}),
             **mla,
         )
@@ -240,6 +246,26 @@ def mla_config_kwargs(shape: ModelShape, theta: float, scaling: dict | None, tp:
                 v_head_dim=shape.v_head_dim, rotary_base=theta, rotary_interleaved=False, **rope)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh`` (Gemma 3's MLP; module level: megatron-core's config is pickled)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def gemma3_config_kwargs(hf: dict, context_parallel: int) -> dict:
+    """TransformerConfig's fields for Gemma 3 (rlmega/megatron/gemma3.py builds the rest; the tanh-GELU MLP is
+    ``gelu_tanh``): norms centred on 0, the softmax scale, and megatron-core's sliding window, (window - 1, 0) on
+    the layers that slide."""
+    layout = gemma3_layout(hf)
+    windows = {}
+    if any(layout.sliding):
+        if context_parallel > 1:
+            raise UnsupportedModelError("parallelism.context_parallel_size > 1 with sliding-window layers (Gemma 3) is "
+                                        "not built: set it to 1")
+        windows = dict(window_size=(layout.window - 1, 0), window_attn_skip_freq=[int(s) for s in layout.sliding])
+    return dict(layernorm_zero_centered_gamma=True,
+                softmax_scale=layout.query_pre_attn_scalar ** -0.5, **windows)
+
+
 def megatron_config_from_hf(
     hf: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
     params_dtype: torch.dtype = torch.float32, cpu: bool = True, ep: int = 1,
@@ -258,6 +284,8 @@ def megatron_config_from_hf(
     shape = ModelShape.from_hf(hf, tp)
     check_expert_layout(shape, ep)
     theta, scaling = _rope(hf)
+    if shape.gemma3:  # RoPE per layer kind, the global layers' scaling set by gemma3.finish_model
+        theta, scaling = gemma3_layout(hf).global_theta, None
     rope_scaling_factor = None
     if scaling and not shape.mla:  # MLA: its own RoPE (mla_config_kwargs)
         kind = scaling.get("rope_type") or scaling.get("type")
@@ -281,7 +309,7 @@ def megatron_config_from_hf(
         normalization="RMSNorm",
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
+        activation_func=gelu_tanh if shape.gemma3 else torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm or shape.mla,  # Qwen3's q/k norms; MLA's latent q/kv norms
@@ -310,6 +338,7 @@ def megatron_config_from_hf(
         **(_NO_FUSIONS if cpu else {}),
         **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu, grouped_gemm),
         **mla,
+        **(gemma3_config_kwargs(hf, context_parallel) if shape.gemma3 else {}),
     )
     gpt_kwargs = dict(
         vocab_size=shape.padded_vocab_size,

@@ -1,4 +1,5 @@
-"""Weight names and layouts between Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral and Megatron GPT, per tensor.
+"""Weight names and layouts between Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral/DeepSeek-V3/Gemma 3 and Megatron
+GPT, per tensor.
 
 Pure functions on tensors, no process groups: the callers (``hf_io``) decide which tensors a rank
 reads or gathers. Megatron names here are *global*: ``decoder.layers.{L}`` uses the model-wide
@@ -67,6 +68,13 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
                                                           "mlp.shared_experts.up_proj.weight")),
     "mlp.shared_experts.linear_fc2.weight": ("split_dim1", ("mlp.shared_experts.down_proj.weight",)),
 }
+# Gemma 3 (rlmega/megatron/gemma3.py): the norms after attention and after the MLP live in those sublayers; its HF
+# post_attention_layernorm is the former, and its pre-MLP norm is pre_feedforward_layernorm
+_GEMMA3_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pre_mlp_layernorm.weight": ("replicated", ("pre_feedforward_layernorm.weight",)),
+    "self_attention.post_attention_norm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.post_mlp_norm.weight": ("replicated", ("post_feedforward_layernorm.weight",)),
+}
 _MLA_ONLY = ("self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.",
              "self_attention.linear_kv_down_proj.", "self_attention.linear_kv_up_proj.",
              "self_attention.kv_layernorm.", "mlp.shared_experts.", "mlp.router.expert_bias")
@@ -114,6 +122,9 @@ def rule(mcore_name: str, shape: ModelShape) -> tuple[str, list[str]]:
             block, projections = MOE_HF_NAMES[shape.architecture]
             kind, which = _EXPERT_RULES[fc]
             return kind, [f"model.layers.{layer}.{block}.experts.{expert}.{projections[i]}.weight" for i in which]
+        if shape.gemma3 and suffix in _GEMMA3_RULES:
+            kind, hf_suffixes = _GEMMA3_RULES[suffix]
+            return kind, [f"model.layers.{layer}.{s}" for s in hf_suffixes]
         if suffix not in _LAYER_RULES:
             raise KeyError(f"no HF mapping for Megatron parameter {mcore_name!r}")
         kind, hf_suffixes = _LAYER_RULES[suffix]

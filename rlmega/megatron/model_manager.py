@@ -33,14 +33,15 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from rlmega import lora as lora_files
+from rlmega.config.gemma3_layout import gemma3_layout
 from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import LoraConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
 from rlmega.engine_api import StepResult
-from rlmega.megatron import checkpoint, lora_adapters, mla, offload
+from rlmega.megatron import checkpoint, gemma3, lora_adapters, mla, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap
-from rlmega.megatron.norms import HeadRMSNorm, TokenRMSNorm
+from rlmega.megatron.norms import HeadRMSNorm, TokenRMSNorm, ZeroCenteredTokenRMSNorm
 from rlmega.megatron.packed_attention import PackedSDPAttention
 from rlmega.megatron.value_head import ValueHead
 from rlmega.rundir.checkpoint_files import finish_export
@@ -178,12 +179,17 @@ class MegatronModelManager:
                 raise ValueError("DeepSeek-V3 (multi-latent attention) on Transformer Engine's layer spec is not built "
                                  "yet: rlmega builds it on the local spec (docs/deepseek_v3_megatron.md)")
             spec = mla.decoder_block_spec(self.transformer_config, vp_stage)
+        elif self.shape.gemma3:  # post-norms, norms centred on 0, windows: gemma3.py
+            if self.use_te:
+                raise ValueError("Gemma 3 on Transformer Engine's layer spec is not built yet: rlmega builds it on "
+                                 "the local spec (rlmega/megatron/gemma3.py)")
+            spec = gemma3.layer_spec()
         else:
             spec = layer_spec(self.use_te, self.shape)
         if not self.use_te and not self.shape.mla:  # the block's final norm too (megatron-core: WrappedTorchNorm)
             spec = TransformerBlockSubmodules(
                 layer_specs=[spec] * get_num_layers_to_build(self.transformer_config, vp_stage=vp_stage),
-                layer_norm=TokenRMSNorm)
+                layer_norm=ZeroCenteredTokenRMSNorm if self.shape.gemma3 else TokenRMSNorm)
         model = GPTModel(
             config=self.transformer_config,
             transformer_layer_spec=spec,
@@ -194,6 +200,10 @@ class MegatronModelManager:
         )
         if self.shape.mla:
             mla.fixed_expert_bias(model)
+        if self.shape.gemma3:
+            layout = gemma3_layout(self.hf_config)
+            gemma3.finish_model(model, layout.embedding_scale, layout.sliding_theta if any(layout.sliding) else None,
+                                layout.global_linear_factor)
         if post_process and self.shape.value_head:
             model.output_layer = ValueHead(self.shape.hidden_size, self.dtype,
                                            sequence_parallel=self.transformer_config.sequence_parallel)

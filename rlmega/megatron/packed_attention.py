@@ -32,8 +32,10 @@ import torch.nn.functional as F
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from rlmega.megatron.hf_io import unwrap
+from rlmega.algorithms.sliding_window import windowed_causal_attention
 
 
 @dataclasses.dataclass
@@ -46,10 +48,14 @@ class RowPacking(PackedSeqParams):
     for both halves), or None (no RoPE in the model).
     ``cp``: under context parallelism, this rank's share of the row (rlmega/megatron/context_parallel.py's
     ``CPShare``: S is the local length; its ``attend`` gathers K and V over the CP group).
+    ``window_cos`` / ``window_sin``: the angles of the sliding-window layers where they rotate with a base of
+    their own (Gemma 3's ``rope_local_base_freq``: the model chunk's ``rlmega_window_rope``), else None.
     """
     segments: list[int] = dataclasses.field(default_factory=list)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    window_cos: torch.Tensor | None = None
+    window_sin: torch.Tensor | None = None
     cp: object | None = None  # context_parallel.CPShare of a row split over the CP group: it attends
 
 
@@ -89,21 +95,14 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=N
             yield RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=row_segments(row_cu, B, S))
         return
     rope = getattr(model, "rotary_pos_emb", None)
-    cos = sin = None
-    if rope is not None:
-        # Megatron's own angles (its inverse frequencies, scaling and interleaving), indexed by position
-        table = rope.get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim): [freqs, freqs] (not interleaved)
-        if model.config.rotary_interleaved or table.shape[-1] != model.config.kv_channels:
-            raise ValueError("packed_rows: RoPE over whole heads, halves rotated (HF Llama/Qwen) only; got "
-                             f"interleaved={model.config.rotary_interleaved}, rotary dim {table.shape[-1]} of "
-                             f"head dim {model.config.kv_channels}")
-        half = table[..., : table.shape[-1] // 2].to(position_ids.device)
-        angles = half[position_ids.t()].squeeze(3)  # (S, B, 1, dim / 2)
-        # in float32, then in the activations' dtype, as Megatron's rotation casts them
-        dtype = model.config.params_dtype
-        cos, sin = torch.cos(angles).repeat(1, 1, 1, 2).to(dtype), torch.sin(angles).to(dtype)
+    cos, sin = _angles(rope, position_ids, model.config) if rope is not None else (None, None)
+    window_rope = getattr(model, "rlmega_window_rope", None)  # Gemma 3's sliding layers: a base of their own
+    window_cos = window_sin = None
+    if window_rope is not None:
+        window_cos, window_sin = _angles(window_rope, position_ids, model.config)
     params = RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S,
-                        segments=[] if cp is not None else row_segments(row_cu, B, S), cos=cos, sin=sin, cp=cp)
+                        segments=[] if cp is not None else row_segments(row_cu, B, S), cos=cos, sin=sin, cp=cp,
+                        window_cos=window_cos, window_sin=window_sin)
     if rope is not None:
         rope.forward = lambda *args, **kwargs: None
     try:
@@ -111,6 +110,21 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=N
     finally:
         if rope is not None:
             del rope.forward
+
+
+def _angles(rope, position_ids: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos (S, B, 1, dim), sin (S, B, 1, dim / 2) of each token's position (``position_ids`` (B, S)) under megatron's
+    rotary embedding ``rope``: its own angles (inverse frequencies, scaling), computed in float32, then cast to the
+    activations' dtype, as Megatron's rotation casts them."""
+    table = rope.get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim): [freqs, freqs] (not interleaved)
+    if config.rotary_interleaved or table.shape[-1] != config.kv_channels:
+        raise ValueError("packed_rows: RoPE over whole heads, halves rotated (HF Llama/Qwen) only; got "
+                         f"interleaved={config.rotary_interleaved}, rotary dim {table.shape[-1]} of "
+                         f"head dim {config.kv_channels}")
+    half = table[..., : table.shape[-1] // 2].to(position_ids.device)
+    angles = half[position_ids.t()].squeeze(3)  # (S, B, 1, dim / 2)
+    dtype = config.params_dtype
+    return torch.cos(angles).repeat(1, 1, 1, 2).to(dtype), torch.sin(angles).to(dtype)
 
 
 def _mla_rotary_embeddings(model) -> list:
@@ -173,8 +187,18 @@ class PackedSDPAttention(MegatronModule):
         # attention reads them from the tensors, and MLA passes its softmax_scale
         super().__init__(config=config)
         self.context_parallel = config.context_parallel_size > 1  # then only rows split by context_parallel.py
-        if config.window_size is not None or config.softmax_type != "vanilla":
-            raise ValueError("PackedSDPAttention: sliding windows and softmax offsets are not supported")
+        if config.softmax_type != "vanilla":
+            raise ValueError("PackedSDPAttention: softmax offsets (attention sinks) are not supported")
+        # megatron-core's sliding window for this layer (layer_number: 1-based, model-wide), (left, 0): a query sees
+        # itself and the ``left`` keys before it, so transformers' / vLLM's sliding_window is left + 1
+        self.window = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            if right != 0 or left < 0:
+                raise ValueError(f"PackedSDPAttention: window_size={config.window_size}: causal windows (left, 0) only")
+            if self.context_parallel:
+                raise ValueError("PackedSDPAttention: sliding windows under context parallelism are not built")
+            self.window = left + 1
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         # apply_query_key_layer_scaling: Megatron divides the scale by the layer number and multiplies
@@ -193,14 +217,18 @@ class PackedSDPAttention(MegatronModule):
                 raise ValueError("PackedSDPAttention takes RowPacking (under context parallelism: its rows split "
                                  "by context_parallel.py) or no packing, got "
                                  f"{getattr(packed_seq_params, 'qkv_format', None)!r}")
+            if self.window is not None:  # its window and its own RoPE come with packed_rows only
+                raise ValueError("PackedSDPAttention: a sliding-window layer runs under packed_attention.packed_rows")
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, H, S, D)
             mask = None if attention_mask is None else ~attention_mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                  is_causal=mask is None, scale=self.softmax_scale, enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (S, B, H*D)
-        if packed_seq_params.cos is not None:
-            query = rotate(query, packed_seq_params.cos, packed_seq_params.sin)
-            key = rotate(key, packed_seq_params.cos, packed_seq_params.sin)
+        cos, sin = packed_seq_params.cos, packed_seq_params.sin
+        if self.window is not None and packed_seq_params.window_cos is not None:
+            cos, sin = packed_seq_params.window_cos, packed_seq_params.window_sin
+        if cos is not None:
+            query, key = rotate(query, cos, sin), rotate(key, cos, sin)
         if packed_seq_params.cp is not None:
             return packed_seq_params.cp.attend(query, key, value, self.softmax_scale, dropout).reshape(S, B, -1)
         if self.context_parallel:
@@ -210,9 +238,12 @@ class PackedSDPAttention(MegatronModule):
         q, k, v = (t.transpose(0, 1).reshape(B * S, *t.shape[2:]) for t in (query, key, value))
         outs = []
         for qs, ks, vs in zip(*(t.split(packed_seq_params.segments) for t in (q, k, v))):
-            o = F.scaled_dot_product_attention(  # (1, H, len, D)
-                qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                dropout_p=dropout, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+            qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))  # (1, H, len, D)
+            if self.window is not None:
+                o = windowed_causal_attention(qs, ks, vs, self.window, self.softmax_scale, dropout, gqa)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True,
+                                                   scale=self.softmax_scale, enable_gqa=gqa)
             outs.append(o[0].transpose(0, 1))  # (len, H, D)
         out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (B*S, H, D)
         return out.reshape(B, S, -1).transpose(0, 1).contiguous()  # (S, B, H*D)

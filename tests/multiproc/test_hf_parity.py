@@ -9,7 +9,9 @@ back to HF folders. The MoE model also runs with expert parallelism: EP2 and TP2
 second Qwen3-MoE without norm_topk_prob checks the other router mapping (moe_router_pre_softmax=True).
 Mixtral checks the per-family HF names (block_sparse_moe.experts.E.w1/w3/w2, block_sparse_moe.gate). DeepSeek-V3
 (docs/deepseek_v3_megatron.md) adds multi-latent attention, the sigmoid router's correction bias (a buffer in
-megatron), shared experts and a dense first layer: its round trip carries all of them bit for bit.
+megatron), shared experts and a dense first layer: its round trip carries all of them bit for bit. Gemma 3
+(rlmega/megatron/gemma3.py) adds sliding-window layers with a RoPE base of their own, post-norms, norms centred on 0
+and the embedding scale.
 """
 from pathlib import Path
 
@@ -37,6 +39,11 @@ MODELS = {
         q_lora_rank=None, rms_norm_eps=1e-5, max_position_embeddings=2048, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    # sliding (window 8 < the 12 tokens) and global layers, each with its own RoPE (the global one linearly scaled,
+    # as Gemma 3 4B+), post-norms, norms centred on 0, the embedding scale, tied (as Gemma 3 ships)
+    "gemma3_tied": dict(arch="gemma3", vocab_size=None, tie_word_embeddings=True, config_overrides=dict(
+        rope_parameters=dict(full_attention=dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=1e4)))),
 }
 MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk", "mixtral", "deepseek_v3", "deepseek_v3_q_proj_yarn")
 # (tp, pp, vpp, ep); EP layouts load the MoE models only.

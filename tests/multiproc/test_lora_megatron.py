@@ -13,6 +13,7 @@ Megatron at TP1, TP2 x PP2, TP2 with sequence parallelism x PP2 x VPP2, and CP2 
 - a checkpoint after step 2, loaded by a fresh actor, gives the uninterrupted run's step 3 exactly; a
   full-parameter checkpoint resumes into LoRA (its weights the base, bit for bit).
 """
+import pytest
 import torch
 
 from rlmega.testing.batches import random_batch
@@ -184,14 +185,25 @@ def test_lora_megatron_equals_fsdp_at_every_layout_and_exports_for_peft(tmp_path
     assert _max(switched["got"], switched["want"]) <= 1e-6 and _max(switched["ref"], switched["got"]) == 0.0
 
 
-def test_lora_megatron_with_tied_embeddings_equals_fsdp(tmp_path):
+# (arch, Megatron layout, log-probs limit): Gemma 3's post-norms and norms centred on 0 at TP2+SP measured 2.7e-6
+# relative on the metrics, 8.6e-6 on log-probs, 6.4e-5 on the adapters after 2 steps
+TIED = {"llama": ("llama", ("megatron", 2, 2, None, True, 4), 1e-5),
+        "gemma3": ("gemma3", ("megatron", 2, 1, None, True, 2), 5e-5)}
+
+
+@pytest.mark.parametrize("name", list(TIED))
+def test_lora_megatron_with_tied_embeddings_equals_fsdp(tmp_path, name):
     """A tied embedding and head (frozen, split over PP stages: megatron's embedding-group reduction skips it)
     at TP2+SP x PP2 equals FSDP. Measured: 2.1e-6 relative on the metrics, 4.8e-7 on log-probs, 7.2e-6 on the
-    adapters after 2 steps."""
-    path = str(make_tiny_model(tmp_path / "m", hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=4, seed=1,
-                               tie_word_embeddings=True))
+    adapters after 2 steps. Gemma 3 (rlmega/megatron/gemma3.py: its adapted linears inside the post-norm
+    sublayers) at TP2+SP likewise."""
+    arch, layout, lp_limit = TIED[name]
+    path = str(make_tiny_model(tmp_path / "m", arch=arch, hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=4,
+                               seed=1, tie_word_embeddings=True))
     fsdp = run_on_ranks(_body, 1, args=(path, ("fsdp", 1), None), timeout_s=300)[0]
-    run = run_on_ranks(_body, 4, args=(path, ("megatron", 2, 2, None, True, 4), None), timeout_s=400)[0]
+    run = run_on_ranks(_body, layout[-1], args=(path, layout, None), timeout_s=400)[0]
+    print(f"{name}: metrics {_rel(run, fsdp):.2e}, log-probs {_max(run['lp3'], fsdp['lp3']):.2e}, adapters "
+          f"{_tensors(run['a2'], fsdp['a2']):.2e}")
     assert _max(run["lp3"], run["lp0"]) > 0.1  # the adapters learned
-    assert _rel(run, fsdp) <= 1e-5 and _max(run["lp3"], fsdp["lp3"]) <= 1e-5
+    assert _rel(run, fsdp) <= 1e-5 and _max(run["lp3"], fsdp["lp3"]) <= lp_limit
     assert _tensors(run["a2"], fsdp["a2"]) <= 1e-4  # ADAM's limit above

@@ -1,8 +1,13 @@
-"""DeepSeek-V3 on the Megatron learner (multi-latent attention, the sigmoid router with its correction bias over
-2 groups, a shared expert, a dense first layer): packed RL log-probs equal transformers', and RL steps at
-TP2+SP x EP2 and TP2 x PP2, routes replayed (R3), equal one process; the trained TP2+SP x EP2 model's checkpoint
-loads at TP1 with its log-probs. Logits and the bit-exact HF round trip at
-every layout are tests/multiproc/test_hf_parity.py's.
+"""The families megatron-core needed help with, on the Megatron learner: packed RL log-probs equal transformers' on
+each sample alone, RL steps at other layouts equal one process, and a checkpoint saved at a layout loads at TP1 with
+its log-probs. Logits and the bit-exact HF round trip at every layout are tests/multiproc/test_hf_parity.py's.
+
+DeepSeek-V3 (multi-latent attention, the sigmoid router with its correction bias over 2 groups, a shared expert, a
+dense first layer): TP2+SP x EP2 and TP2 x PP2, routes replayed (R3); the TP2+SP x EP2 checkpoint.
+Gemma 3 (sliding-window layers with their own RoPE base, post-norms, norms centred on 0, the embedding scale, tied;
+rlmega/megatron/gemma3.py): responses longer than the window of 8, packed several to a row; TP2+SP (the post-norms'
+gradients summed over TP: under SP each rank normalises its share of the tokens) and PP2 x VPP2; the TP2+SP
+checkpoint.
 
 What the layouts prove beyond the forward: the gradients of what every TP rank shares. With the local spec's
 column-parallel latent down-projections the rope part of the kv latent missed the other TP ranks' heads in its
@@ -34,30 +39,39 @@ def _batch():
     return dataclasses.replace(batch, routed_experts=routes)
 
 
-def _actor(path: str, tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1):
+def _gemma3_batch():
+    return random_batch(N, seed=4, prompt_len=(3, 9), response_len=(13, 20), vocab=59)
+
+
+def _actor(path: str, tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1, vpp: int | None = None,
+           replay: bool = True):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.actor import MegatronActor
 
     parallel = ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, world_size=world)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 world_size=world)
     actor = MegatronActor(
         ModelConfig(path=path, seed=3), parallel, OptimizerConfig(lr=1e-2),
-        ActorConfig(max_tokens_per_micro_batch=56), AlgorithmConfig(kl_coef=0.0, entropy_coef=0.01,
-                                                                     routing_replay="rollout"), temperature=1.0)
+        ActorConfig(max_tokens_per_micro_batch=56),
+        AlgorithmConfig(kl_coef=0.0, entropy_coef=0.01, routing_replay="rollout" if replay else "none"),
+        temperature=1.0)
     actor.setup()
     return actor
 
 
-def _body(path: str, tp: int, ep: int, world: int, pp: int = 1, ckpt: str | None = None):
+def _body(path: str, tp: int, ep: int, world: int, pp: int = 1, ckpt: str | None = None, vpp: int | None = None,
+          family: str = "deepseek_v3"):
     """STEPS RL steps; with ``ckpt``, the trained model saved there and its log-probs after the steps."""
-    actor = _actor(path, tp, ep, world, pp)
-    batch = _batch()
+    dense = family == "gemma3"
+    actor = _actor(path, tp, ep, world, pp, vpp, replay=not dense)
+    batch = _gemma3_batch() if dense else _batch()
     metrics, olds = [], []
     for _ in range(STEPS):
         old = actor.compute_logprobs(batch)
         metrics.append(actor.train_step(dataclasses.replace(batch, old_logprobs=old)))
         olds.append(old)
-    out = {"metrics": [{k: m[k] for k in KEYS} for m in metrics], "old": olds}
+    out = {"metrics": [{k: m[k] for k in KEYS if k in m} for m in metrics], "old": olds}
     if ckpt:
         actor.save_checkpoint(ckpt, step=STEPS)
         out["after"] = actor.compute_logprobs(batch)
@@ -65,11 +79,11 @@ def _body(path: str, tp: int, ep: int, world: int, pp: int = 1, ckpt: str | None
     return out
 
 
-def _load_body(path: str, ckpt: str):
+def _load_body(path: str, ckpt: str, family: str = "deepseek_v3"):
     """World 1: the model of a checkpoint saved at another layout (resharded: model_only), its log-probs."""
-    actor = _actor(path)
+    actor = _actor(path, replay=family != "gemma3")
     actor.load_checkpoint(ckpt, model_only=True)
-    out = actor.compute_logprobs(_batch())
+    out = actor.compute_logprobs(_gemma3_batch() if family == "gemma3" else _batch())
     actor.teardown()
     return out
 
@@ -112,3 +126,45 @@ def test_deepseek_v3_rl_on_megatron_matches_transformers_and_one_process(tmp_pat
             gap = max(float((a - b).abs().max()) for a, b in zip(results[0]["after"], loaded))
             print(f"checkpoint of TP2+SP x EP2 loaded at TP1: log-probs {gap:.2e}")
             assert gap <= 1e-5  # measured 4.8e-7 (resharded: float32 sums in another order)
+
+
+def test_gemma3_rl_on_megatron_matches_transformers_and_one_process(tmp_path):
+    path = make_tiny_model(tmp_path / "gemma3", arch="gemma3", hidden_size=64, num_layers=4, num_heads=2,
+                           tie_word_embeddings=True, seed=7, config_overrides=dict(rope_parameters=dict(
+                               full_attention=dict(rope_type="default", rope_theta=1e6),
+                               sliding_attention=dict(rope_type="default", rope_theta=1e4))))
+    ref = run_on_ranks(_body, 1, args=(str(path), 1, 1, 1, 1, None, None, "gemma3"), timeout_s=300)[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    batch = _gemma3_batch()
+    worst = 0.0
+    with torch.no_grad():
+        for i, toks in enumerate(batch.tokens):
+            p = int(batch.prompt_lens[i])
+            want = torch.log_softmax(hf(toks[None]).logits[0], -1)[p - 1:-1].gather(-1, toks[p:, None])[:, 0]
+            worst = max(worst, (want - ref["old"][0][i]).abs().max().item())
+    print(f"gemma3 packed log-probs vs transformers: {worst:.2e}")
+    assert worst <= 5e-6, worst  # measured 4.8e-7
+    ckpt = str(tmp_path / "ckpt")
+    for tp, pp, vpp in ((2, 1, None), (1, 2, 2)):
+        results = run_on_ranks(_body, 2, args=(str(path), tp, 1, 2, pp, ckpt if tp > 1 else None, vpp, "gemma3"),
+                               timeout_s=420)
+        worst_m = worst_lp = 0.0
+        for rank, got in enumerate(results):
+            for step, (g, r) in enumerate(zip(got["metrics"], ref["metrics"])):
+                for k in r:
+                    rel = abs(g[k] - r[k]) / max(abs(r[k]), 1e-6)
+                    worst_m = max(worst_m, rel)
+                    # measured: the first step's grad norm 2.2e-7 (TP2+SP), 7.5e-8 (PP2 x VPP2); 1.9e-6 at the second
+                    assert rel <= 1e-5, (tp, pp, vpp, rank, step, k, g[k], r[k])
+            worst_lp = max(worst_lp, max(float((a - b).abs().max()) for o, p in zip(got["old"], ref["old"])
+                                         for a, b in zip(o, p)))
+        print(f"gemma3 TP{tp}{'+SP' if tp > 1 else ''} x PP{pp} x VPP{vpp} vs world 1: metrics relative "
+              f"{worst_m:.2e}, old log-probs {worst_lp:.2e}")
+        # measured 4.8e-7 before any update; 1.05e-5 (TP2+SP), 4.8e-7 (PP2 x VPP2) after one at lr 1e-2 (Adam moves
+        # weights whose float32 gradients differ in their last bits by up to lr)
+        assert worst_lp <= 5e-5
+        if tp > 1:
+            loaded = run_on_ranks(_load_body, 1, args=(str(path), ckpt, "gemma3"), timeout_s=300)[0]
+            gap = max(float((a - b).abs().max()) for a, b in zip(results[0]["after"], loaded))
+            print(f"gemma3 checkpoint of TP2+SP loaded at TP1: log-probs {gap:.2e}")
+            assert gap <= 1e-5  # measured 4.8e-7
