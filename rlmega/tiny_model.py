@@ -110,8 +110,10 @@ def _family_kwargs(arch: str, hidden_size: int, num_layers: int, num_heads: int,
     if arch in SLIDING_ARCHS:  # every other layer slides over 8 tokens (shorter than the tests' sequences)
         kw = dict(sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                                  for i in range(num_layers)])
-        if arch == "gemma3":
-            kw.update(query_pre_attn_scalar=head_dim)
+        if arch == "gemma3":  # its two RoPE bases: 1M on the global layers, 10k on the sliding ones
+            kw.update(query_pre_attn_scalar=head_dim, rope_parameters=dict(
+                full_attention=dict(rope_type="default", rope_theta=1e6),
+                sliding_attention=dict(rope_type="default", rope_theta=1e4)))
         if arch == "gpt_oss":
             kw.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
         return kw

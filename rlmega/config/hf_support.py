@@ -1,9 +1,9 @@
 """Which Hugging Face models each learner (actor.backend) trains, decided from the model folder alone.
 
-megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama, Qwen2, Qwen3, Qwen3-MoE and
-Mixtral shapes our HF <-> Megatron mapping converts. Shared by the config preflight (before any worker starts),
-``rlmega.megatron.hf_config`` (which builds the Megatron model) and the rollout engine (which tells vLLM
-the architecture), so all three refuse, or accept, the same models with the same words.
+megatron: ``unsupported_reason`` (config.json alone, no imports): the Llama, Qwen2, Qwen3, Qwen3-MoE,
+Mixtral, DeepSeek-V3 and Gemma 3 shapes our HF <-> Megatron mapping converts. Shared by the config preflight
+(before any worker starts), ``rlmega.megatron.hf_config`` (which builds the Megatron model) and the rollout engine
+(which tells vLLM the architecture), so all three refuse, or accept, the same models with the same words.
 
 fsdp: ``transformers_reason`` (AutoModelForCausalLM has a class for the model_type and AutoConfig reads
 config.json) and ``vllm_reason`` (vLLM's model registry names the class; read without importing vLLM):

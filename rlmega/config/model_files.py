@@ -130,10 +130,10 @@ def mtp_prefixes(hf: dict) -> Tuple[str, ...]:
 
 def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]]]:
     """(required, optional) HF tensor names -> shapes that config.json ``hf`` implies for a Llama, Qwen2,
-    Qwen3, Qwen3-MoE or Mixtral model; optional: lm_head.weight of a tied model (some checkpoints store
-    the copy). Qwen3-MoE on disk: per-expert mlp.experts.E.{gate,up,down}_proj (moe_intermediate_size) and
-    the router mlp.gate [num_experts, hidden]; Mixtral: block_sparse_moe.experts.E.{w1,w3,w2}
-    (intermediate_size: every layer is MoE) and block_sparse_moe.gate."""
+    Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 or Gemma 3 model; optional: lm_head.weight of a tied model (some
+    checkpoints store the copy). Qwen3-MoE on disk: per-expert mlp.experts.E.{gate,up,down}_proj
+    (moe_intermediate_size) and the router mlp.gate [num_experts, hidden]; Mixtral:
+    block_sparse_moe.experts.E.{w1,w3,w2} (intermediate_size: every layer is MoE) and block_sparse_moe.gate."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv, hd = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or h // heads
     vocab, inter = hf["vocab_size"], hf["intermediate_size"]
@@ -166,8 +166,10 @@ def expected_shapes(hf: dict) -> Tuple[Dict[str, List[int]], Dict[str, List[int]
         else:
             req.update({p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
                         p + "mlp.down_proj.weight": [h, inter]})
-        if qwen3:
+        if qwen3 or arch == "Gemma3ForCausalLM":
             req.update({p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd]})
+        if arch == "Gemma3ForCausalLM":  # norms before and after the MLP (post_attention_layernorm: after attention)
+            req.update({p + "pre_feedforward_layernorm.weight": [h], p + "post_feedforward_layernorm.weight": [h]})
         if bias:
             req.update({p + "self_attn.q_proj.bias": [heads * hd], p + "self_attn.k_proj.bias": [kv * hd],
                         p + "self_attn.v_proj.bias": [kv * hd]})

@@ -6,9 +6,9 @@
 Supported: Llama (LlamaForCausalLM), Qwen2 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen3-MoE
 (Qwen3MoeForCausalLM) and Mixtral (MixtralForCausalLM), also named only by model_type: GQA, RoPE theta
 and Llama-3 RoPE scaling, RMSNorm eps, SwiGLU, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm (Megatron
-``qk_layernorm``), tied or untied
-embeddings; Qwen3-MoE's and Mixtral's routed experts (top-k softmax router, ``norm_topk_prob``, no shared
-experts).
+``qk_layernorm``), tied or untied embeddings; Qwen3-MoE's and Mixtral's routed experts (top-k softmax router,
+``norm_topk_prob``, no shared experts); DeepSeek-V3 (``mla_config_kwargs``, docs/deepseek_v3_megatron.md) and
+Gemma 3 (``gemma3_config_kwargs``, docs/gemma3_megatron.md).
 
 Router equivalence (checked numerically by tests/multiproc/test_hf_parity.py): HF Qwen3-MoE takes
 softmax over all experts, then top-k, then (norm_topk_prob) renormalises the k weights. That equals

@@ -135,3 +135,33 @@ def test_what_the_table_lets_through():
                                 allow_untested=True) is None
     assert families.fsdp_reason({"model_type": "qwen3_next"}, "float32", "cuda") is None  # vLLM on GPUs: any dtype
     assert families.fsdp_reason({"model_type": "gemma3_text"}, "float32", "cpu") is None
+
+
+def test_gemma3_on_megatron_reads_both_config_forms_and_refuses_what_it_would_compute_otherwise(tiny):
+    """rlmega/config/gemma3_layout.py: transformers 5's config.json and Google's transformers-4 form give one layout;
+    the preflight's safetensors check expects exactly the tiny model's tensors; each setting the Megatron mapping
+    does not compute is refused, naming it."""
+    from rlmega.config.gemma3_layout import gemma3_layout
+    from rlmega.config.hf_support import unsupported_reason
+    from rlmega.config.model_files import expected_shapes
+
+    path = tiny["gemma3"]
+    hf = __import__("json").loads((Path(path) / "config.json").read_text())
+    assert unsupported_reason(hf) is None
+    layout = gemma3_layout(hf)
+    assert layout.sliding == (True, False, True, False) and layout.window == 8
+    assert (layout.global_theta, layout.sliding_theta, layout.global_linear_factor) == (1e6, 1e4, None)
+    v4 = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters")}
+    v4.update(sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None)
+    assert gemma3_layout(v4) == layout and unsupported_reason(v4) is None
+    scaled = dict(v4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert gemma3_layout(scaled).global_linear_factor == 8.0
+    required, optional = expected_shapes(hf)
+    on_disk = {k: list(v.shape) for k, v in load_file(Path(path) / "model.safetensors").items()}
+    assert set(required) <= set(on_disk) <= set(required) | set(optional)
+    assert all(on_disk[k] == want for k, want in {**required, **optional}.items() if k in on_disk)
+    for change, words in [({"final_logit_softcapping": 30.0}, "soft-capping"), ({"attn_logit_softcapping": 50.0},
+                          "soft-capping"), ({"use_bidirectional_attention": True}, "bidirectional"),
+                          ({"hidden_activation": "gelu"}, "gelu_pytorch_tanh"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE types")]:
+        assert words in unsupported_reason(dict(v4, **change)), change
