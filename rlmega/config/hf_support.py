@@ -25,6 +25,7 @@ MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausa
                             "deepseek_v3": "DeepseekV3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # multi-latent attention (megatron-core's MLA)
+EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # a sigmoid router with e_score_correction_bias
 # The per-family part of the MoE weight names (the Megatron mapping, rlmega.megatron.hf_weights, and the
 # preflight's safetensors check both read it): architecture -> (the HF block holding the router
 # `<block>.gate` and the experts `<block>.experts.E.<name>.weight`, the expert names in (gate, up, down) order).

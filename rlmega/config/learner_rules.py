@@ -53,6 +53,7 @@ class ModelShape:
     max_position_embeddings: Optional[int]
     num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
     moe_topk: int = 0  # experts each token is routed to (num_experts_per_tok); 0 = dense
+    expert_bias: bool = False  # a router with a correction bias (DeepSeek-V3's e_score_correction_bias)
 
 
 def divisors(n: int) -> List[int]:

@@ -95,14 +95,14 @@ def fsdp_problems(cfg: RLConfig) -> List[str]:
     if cfg.algorithm.routing_replay != "none":
         out.append(problem("algorithm.routing_replay", f"{cfg.algorithm.routing_replay}, but {FSDP_MOE}: there is "
                            "no routing replay", fix.format("algorithm.routing_replay=none")))
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
         v = getattr(a, name)
         if isinstance(v, (int, float)) and v > 0:
             out.append(problem(f"actor.{name}", f"{v}, but {FSDP_MOE}", fix.format(f"actor.{name}=0")))
     return out
 
 
-def model_problems(cfg: RLConfig, num_experts: int) -> List[str]:
+def model_problems(cfg: RLConfig, num_experts: int, expert_bias: bool = False) -> List[str]:
     """MoE settings against the model (megatron; ``num_experts`` 0 = dense): a dense model has nothing to
     split, replay or balance; an MoE model trains at TP 1 and its experts split evenly over EP ranks."""
     par, a, alg, out = cfg.parallelism, cfg.actor, cfg.algorithm, []
@@ -113,11 +113,18 @@ def model_problems(cfg: RLConfig, num_experts: int) -> List[str]:
                 ("parallelism.expert_model_parallel_size", ep, 1, ep != 1),
                 ("algorithm.routing_replay", alg.routing_replay, "none", alg.routing_replay != "none"),
                 ("actor.moe_aux_loss_coeff", a.moe_aux_loss_coeff, 0, a.moe_aux_loss_coeff > 0),
-                ("actor.moe_z_loss_coeff", a.moe_z_loss_coeff, 0, a.moe_z_loss_coeff > 0)):
+                ("actor.moe_z_loss_coeff", a.moe_z_loss_coeff, 0, a.moe_z_loss_coeff > 0),
+                ("actor.moe_router_bias_update_rate", a.moe_router_bias_update_rate, 0,
+                 a.moe_router_bias_update_rate > 0)):
             if is_set:
                 out.append(problem(field, f"{value}, {dense}", f"set {field}={off}, or point model.path at a "
                                    "mixture-of-experts model (e.g. Qwen3-MoE)"))
         return out
+    if a.moe_router_bias_update_rate > 0 and not expert_bias:
+        out.append(problem("actor.moe_router_bias_update_rate", f"{a.moe_router_bias_update_rate}, but "
+                           f"model.path={cfg.model.path!r}'s router has no correction bias to move "
+                           "(e_score_correction_bias: DeepSeek-V3's family)",
+                           "set actor.moe_router_bias_update_rate=0, or balance with actor.moe_aux_loss_coeff"))
     if tp > 1 and not par.sequence_parallel_on:
         # megatron-core 0.16 MoELayer.forward raises ValueError when training at TP > 1 without
         # sequence_parallel (moe_layer.py); no-grad log-prob forwards would pass, the first train step not.

@@ -417,6 +417,15 @@ class ActorConfig:
     """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff:
     the mean over real tokens of logsumexp(router logits)^2, which keeps them small), per MoE layer and
     normalised like moe_aux_loss_coeff; 0 = off. Finite, >= 0. Metric: moe_z_loss (without the coefficient)."""
+    moe_router_bias_update_rate: float = 0.0
+    """DeepSeek-V3-family models (a sigmoid router with `e_score_correction_bias`), actor.backend=megatron:
+    aux-loss-free load balancing (megatron-core's moe_router_bias_update_rate). After each optimizer step, every
+    router's correction bias moves by this rate towards balance: + rate for an expert that got fewer than the mean
+    of the step's tokens, - rate for one that got more (counted over the real tokens of all TP x CP x DP ranks, the
+    routes the step used: replayed ones under routing replay). The bias picks experts and weighs nothing. The moved
+    bias is synced to the engines, checkpointed and exported with the weights. 0 = kept as loaded (transformers and
+    vLLM never move it). DeepSeek-V3 pre-training used 1e-3. Finite, >= 0. Metric: moe_expert_bias_abs_change
+    (the step's mean |change| over routers and experts)."""
 
 
 @dataclass

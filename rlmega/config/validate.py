@@ -30,6 +30,7 @@ import rlmega.config.lora_rules as lora_rules
 import rlmega.config.moe_rules as moe_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.errors import MAX_ACTORS, ConfigError, problem  # noqa: F401 (re-exported)
+from rlmega.config.hf_support import EXPERT_BIAS_ARCHITECTURES, architecture
 from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, UNIT, ModelShape, Rule, divisors,
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
@@ -92,6 +93,7 @@ def _read_model_shape(path: str) -> ModelShape:
             hf.get("max_position_embeddings")) else None,
         num_experts=num_experts,
         moe_topk=moe_topk,
+        expert_bias=bool(num_experts) and architecture(hf) in EXPERT_BIAS_ARCHITECTURES,
     )
 
 
@@ -117,6 +119,7 @@ def _upto(hi, lo: int = 1):
 _ACTOR: List[Rule] = in_section("parallelism", PARALLELISM) + in_section("optimizer", OPTIMIZER)
 _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("model.seed", _SEED), ("actor.moe_aux_loss_coeff", GE0), ("actor.moe_z_loss_coeff", GE0),
+    ("actor.moe_router_bias_update_rate", GE0),
     ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", GE1),
     ("rollout.n", _upto(MAX_ACTORS)),
     ("rollout.temperature", GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
@@ -321,8 +324,10 @@ def _cuda_ipc_problems(cfg: RLConfig) -> List[str]:
 
 def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
     """The model's shape against the layout: Megatron's divisibility rules (megatron only) and vLLM's."""
-    out = (megatron_model_problems("parallelism", cfg.parallelism, shape)
-           + moe_rules.model_problems(cfg, shape.num_experts)) if cfg.actor.backend == "megatron" else []
+    out = []
+    if cfg.actor.backend == "megatron":
+        out = (megatron_model_problems("parallelism", cfg.parallelism, shape)
+               + moe_rules.model_problems(cfg, shape.num_experts, shape.expert_bias))
     u = cfg.actor.ulysses_size
     if cfg.actor.backend == "fsdp" and u > 1 and (shape.num_attention_heads % u or shape.num_key_value_heads % u):
         both = [d for d in divisors(shape.num_attention_heads) if shape.num_key_value_heads % d == 0]

@@ -136,12 +136,21 @@ class MegatronActor(PolicyActor):
             return None, 0
         routing_replay.clear_aux_losses()
         routes.aux_factor, real_mbs = self._aux_loss_factor(mbs, loss_fn, engine.cp)
+        self._bias_before = [b.clone() for b in _expert_biases(engine)] if self.cfg.moe_router_bias_update_rate else []
         return routes, real_mbs
 
     def _train_done(self, routes, batch: RolloutBatch, real_mbs: int) -> dict:
         if routes is None:
             return {}
-        return {**self._route_results(routes, batch), **routing_replay.aux_loss_metrics(routes, real_mbs)}
+        out = {**self._route_results(routes, batch), **routing_replay.aux_loss_metrics(routes, real_mbs)}
+        if self.cfg.moe_router_bias_update_rate:  # moved by megatron-core's finalize_model_grads
+            # collective over every rank (a pipeline stage may hold no router; TP copies weigh alike)
+            total = torch.zeros(2, dtype=torch.float64)
+            for a, b in zip(self._bias_before, _expert_biases(self.policy)):
+                total += torch.tensor([float((b - a).abs().sum()), b.numel()], dtype=torch.float64)
+            torch.distributed.all_reduce(total)
+            out["moe_expert_bias_abs_change"] = float(total[0] / total[1]) if total[1] else 0.0
+        return out
 
     def _train_metrics(self, metrics: dict, on_policy: bool) -> dict:
         """compute_logprobs' router_mismatch (the old forward's, before this RL step's updates) is what
@@ -173,3 +182,8 @@ class MegatronActor(PolicyActor):
         # under context parallelism every CP rank returns the whole count, and megatron divides the gradients
         # by the sum over DP x CP: CP x N (context_parallel.py)
         return routing_replay.aux_loss_factor(count * cp, real), int(nonempty)
+
+
+def _expert_biases(engine: MegatronEngine) -> list[torch.Tensor]:
+    """This rank's routers' expert bias buffers (DeepSeek-V3's e_score_correction_bias), in module order."""
+    return [b for chunk in engine.unwrapped() for n, b in chunk.named_buffers() if n.endswith("mlp.router.expert_bias")]

@@ -46,6 +46,7 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         actor = actor or ActorConfig()
         super().__init__(model, parallel, optimizer, lr_decay_steps=lr_decay_steps, hf_config=hf_config,
                          moe_aux_loss_coeff=actor.moe_aux_loss_coeff, moe_z_loss_coeff=actor.moe_z_loss_coeff,
+                         moe_router_bias_update_rate=0.0 if value_head else actor.moe_router_bias_update_rate,
                          routing_replay=not value_head, value_head=value_head,
                          lora=None if value_head else actor.lora)
         self.with_optimizer = with_optimizer
@@ -207,8 +208,14 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         barrier()
 
     def param_pairs(self, other: "MegatronEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        mine = [(n, p) for chunk in self.unwrapped() for n, p in chunk.named_parameters()]
-        theirs = [(n, p) for chunk in other.unwrapped() for n, p in chunk.named_parameters()]
+        """The parameters, and the routers' expert bias: a buffer the policy moves under
+        actor.moe_router_bias_update_rate, so the reference's Polyak update must follow it too."""
+        def state(engine):
+            return [(n, p) for chunk in engine.unwrapped() for n, p in
+                    [*chunk.named_parameters(), *((n, b) for n, b in chunk.named_buffers()
+                                                  if n.endswith("mlp.router.expert_bias"))]]
+
+        mine, theirs = state(self), state(other)
         if [n for n, _ in mine] != [n for n, _ in theirs]:
             raise RuntimeError("reference and policy parameters differ: they must be built from one config")
         return [(a, b) for (_, a), (_, b) in zip(mine, theirs)]

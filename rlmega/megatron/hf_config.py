@@ -172,8 +172,10 @@ def check_expert_layout(shape: ModelShape, ep: int, tp: int = 1, pp: int = 1, wo
 
 
 def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_coeff: float,
-                      routing_replay: bool, cpu: bool = True, grouped_gemm: bool = False) -> dict:
-    """TransformerConfig's MoE fields for ``shape`` (empty for a dense model)."""
+                      routing_replay: bool, cpu: bool = True, grouped_gemm: bool = False,
+                      bias_update_rate: float = 0.0) -> dict:
+    """TransformerConfig's MoE fields for ``shape`` (empty for a dense model). ``bias_update_rate``:
+    actor.moe_router_bias_update_rate (a sigmoid router's correction bias; refused for others by the config)."""
     if not shape.is_moe:
         return {}
     sigmoid = {}
@@ -181,9 +183,9 @@ def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_
         sigmoid = dict(
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,  # e_score_correction_bias: picks the experts, weighs nothing
-            # 0: the loaded bias stays as the checkpoint has it (transformers never updates it); megatron-core's
-            # default 1e-3 would move it at every step (aux-loss-free balancing) with no word
-            moe_router_bias_update_rate=0.0,
+            # actor.moe_router_bias_update_rate, default 0: the loaded bias stays as the checkpoint has it
+            # (transformers never updates it); megatron-core's default 1e-3 would move it at every step with no word
+            moe_router_bias_update_rate=float(bias_update_rate),
             moe_router_num_groups=shape.groups if shape.groups > 1 else None,
             moe_router_group_topk=shape.group_topk if shape.groups > 1 else None,
             moe_router_topk_scaling_factor=shape.topk_scale,
@@ -271,6 +273,7 @@ def megatron_config_from_hf(
     params_dtype: torch.dtype = torch.float32, cpu: bool = True, ep: int = 1,
     moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
     grouped_gemm: bool = False, sequence_parallel: bool = False, context_parallel: int = 1,
+    moe_router_bias_update_rate: float = 0.0,
 ) -> tuple[TransformerConfig, dict]:
     """The one place HF model hyper-parameters become Megatron's. Returns (config, GPTModel kwargs).
 
@@ -336,7 +339,8 @@ def megatron_config_from_hf(
         # and data-parallel ranks, so RL loss aggregation is over the whole batch.
         calculate_per_token_loss=True,
         **(_NO_FUSIONS if cpu else {}),
-        **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu, grouped_gemm),
+        **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu, grouped_gemm,
+                            moe_router_bias_update_rate),
         **mla,
         **(gemma3_config_kwargs(hf, context_parallel) if shape.gemma3 else {}),
     )

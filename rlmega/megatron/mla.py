@@ -20,13 +20,16 @@ megatron-core 0.16.1 builds MLA (``MLASelfAttention``) from the local spec only 
 - the first ``first_k_dense_replace`` layers are dense (``moe_layer_freq``), the others MoE with shared experts;
 - its TELinear check needs ``cpu_support.mla_without_transformer_engine`` (process start, runtime.init_megatron).
 
-And the router's correction bias (``fixed_expert_bias``): rlmega keeps it as the checkpoint has it
-(``moe_router_bias_update_rate`` 0, hf_config), but megatron-core 0.16.1 still counts each expert's tokens for
-the update it will not make, and that count breaks on the padding mask rlmega gives its routers
-(``routing_map & ~padding_mask``: (tokens, experts) against (tokens,)), so the count is switched off.
+And the router's correction bias (``count_expert_tokens``): kept as the checkpoint has it by default
+(``actor.moe_router_bias_update_rate`` 0, hf_config), or moved after each optimizer step by megatron-core's
+aux-loss-free update (finalize_model_grads) from each expert's count of the step's tokens. megatron-core 0.16.1
+counts them as ``routing_map & ~padding_mask``, (tokens, experts) against the (tokens,) padding mask rlmega gives
+its routers: a shape error, or with as many tokens as experts a wrong count with no error. rlmega counts with the
+mask on the token axis, and not at all when the bias stays.
 """
 from __future__ import annotations
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -73,16 +76,30 @@ def decoder_block_spec(config, vp_stage: int | None = None):
     return block
 
 
-def fixed_expert_bias(model) -> int:
-    """Switch off the token counting of every router whose expert bias never updates (update rate 0): it only
-    feeds that update, and megatron-core 0.16.1's masks it with a padding mask of the wrong shape. Returns how many
-    routers."""
+def count_expert_tokens(model) -> int:
+    """Every router with an expert bias counts each expert's real tokens of a training forward (what megatron-core's
+    bias update reads) with the padding mask on the token axis, or, when the bias never moves (update rate 0), not at
+    all. Returns how many routers."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     n = 0
     for module in model.modules():
-        if isinstance(module, TopKRouter) and module.enable_expert_bias and \
-                not module.config.moe_router_bias_update_rate:
-            module._apply_expert_bias = lambda routing_map, padding_mask=None: None
+        if isinstance(module, TopKRouter) and module.enable_expert_bias:
+            module._apply_expert_bias = (_count_tokens(module) if module.config.moe_router_bias_update_rate
+                                         else lambda routing_map, padding_mask=None: None)
             n += 1
     return n
+
+
+def _count_tokens(router):
+    def count(routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        """routing_map (tokens, experts) bool; padding_mask (tokens,) bool, True = padding. As megatron-core:
+        training forwards only (not log-prob passes), recomputation aside."""
+        if not torch.is_grad_enabled():
+            return
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            router.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    return count

@@ -114,7 +114,7 @@ class MegatronModelManager:
     def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
                  lr_decay_steps: int = 1000, hf_config: dict | None = None,
                  moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
-                 value_head: bool = False, lora: LoraConfig | None = None):
+                 value_head: bool = False, lora: LoraConfig | None = None, moe_router_bias_update_rate: float = 0.0):
         """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch).
 
         ``value_head``: a critic (rlmega/megatron/critic.py): the output layer is hidden -> 1 (ValueHead,
@@ -122,7 +122,8 @@ class MegatronModelManager:
         with a fresh head (rlmega.config.value_model), and an export writes the critic's config.
 
         MoE models: expert parallelism comes from ``parallel.expert_model_parallel_size`` (must match
-        ``init_megatron(ep=...)``); ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` (actor section) and
+        ``init_megatron(ep=...)``); ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` / ``moe_router_bias_update_rate``
+        (actor section) and
         ``routing_replay`` (megatron's ``moe_enable_routing_replay``: a RouterReplay hook on every router;
         MegatronActor always asks for it, its hook routes live unless told otherwise, routing_replay.py)
         go to the TransformerConfig. All are ignored for dense models (EP > 1 is refused).
@@ -156,6 +157,7 @@ class MegatronModelManager:
             self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
             self.vpp, self.dtype, cpu=not torch.cuda.is_available(), ep=self.ep,
             moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff, routing_replay=routing_replay,
+            moe_router_bias_update_rate=moe_router_bias_update_rate,
             grouped_gemm=self.use_te, sequence_parallel=parallel.sequence_parallel_on,
             context_parallel=parallel.context_parallel_size,
         )
@@ -199,7 +201,7 @@ class MegatronModelManager:
             **self.gpt_kwargs,
         )
         if self.shape.mla:
-            mla.fixed_expert_bias(model)
+            mla.count_expert_tokens(model)
         if self.shape.gemma3:
             layout = gemma3_layout(self.hf_config)
             gemma3.finish_model(model, layout.embedding_scale, layout.sliding_theta if any(layout.sliding) else None,

@@ -28,15 +28,21 @@ E, K, LAYERS, N, STEPS = 8, 2, 2, 8, 2
 KEYS = ("loss", "grad_norm", "pg_loss", "entropy", "routes_live_fraction")
 
 
-def _batch():
+def _batch(live: bool = True):
     batch = random_batch(N, seed=4, prompt_len=(3, 9), response_len=(13, 20))
     g = torch.Generator().manual_seed(9)
     routes = []
     for tokens in batch.tokens:  # the MoE layer (layer 1) only: the dense first layer records no route
         r = torch.stack([torch.randperm(E, generator=g)[:K][None] for _ in range(len(tokens))]).to(torch.int16)
-        r[::5] = -1  # no route: routed live
+        if live:
+            r[::5] = -1  # no route: routed live
         routes.append(r)
     return dataclasses.replace(batch, routed_experts=routes)
+
+
+def _all_live(batch):
+    """``batch`` with no route to replay: every token routed live (by the router's own scores and bias)."""
+    return dataclasses.replace(batch, routed_experts=[torch.full_like(r, -1) for r in batch.routed_experts])
 
 
 def _gemma3_batch():
@@ -44,7 +50,7 @@ def _gemma3_batch():
 
 
 def _actor(path: str, tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1, vpp: int | None = None,
-           replay: bool = True, backend: str = "megatron"):
+           replay: bool = True, backend: str = "megatron", bias_rate: float = 0.0):
     from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.megatron.actor import MegatronActor
@@ -54,7 +60,7 @@ def _actor(path: str, tp: int = 1, ep: int = 1, world: int = 1, pp: int = 1, vpp
                                  world_size=world)
     actor = (MegatronActor if backend == "megatron" else FSDPActor)(
         ModelConfig(path=path, seed=3), parallel, OptimizerConfig(lr=1e-2),
-        ActorConfig(backend=backend, max_tokens_per_micro_batch=56),
+        ActorConfig(backend=backend, max_tokens_per_micro_batch=56, moe_router_bias_update_rate=bias_rate),
         AlgorithmConfig(kl_coef=0.0, entropy_coef=0.01, routing_replay="rollout" if replay else "none"),
         temperature=1.0)
     actor.setup()
@@ -80,11 +86,13 @@ def _body(path: str, tp: int, ep: int, world: int, pp: int = 1, ckpt: str | None
     return out
 
 
-def _load_body(path: str, ckpt: str, family: str = "deepseek_v3"):
-    """World 1: the model of a checkpoint saved at another layout (resharded: model_only), its log-probs."""
+def _load_body(path: str, ckpt: str, family: str = "deepseek_v3", live: bool = False):
+    """World 1: the model of a checkpoint saved at another layout (resharded: model_only), its log-probs (``live``:
+    every token routed by the loaded router, its bias included)."""
     actor = _actor(path, replay=family != "gemma3")
     actor.load_checkpoint(ckpt, model_only=True)
-    out = actor.compute_logprobs(_gemma3_batch() if family == "gemma3" else _batch())
+    batch = _gemma3_batch() if family == "gemma3" else _batch()
+    out = actor.compute_logprobs(_all_live(batch) if live else batch)
     actor.teardown()
     return out
 
@@ -173,3 +181,51 @@ def test_gemma3_rl_on_megatron_matches_transformers_and_one_process(tmp_path):
             gap = max(float((a - b).abs().max()) for a, b in zip(results[0]["after"], loaded))
             print(f"gemma3 checkpoint of TP2+SP loaded at TP1: log-probs {gap:.2e}")
             assert gap <= 1e-5  # measured 4.8e-7
+
+
+RATE = 1e-3
+
+
+def _bias_body(path: str, tp: int, ep: int, world: int, ckpt: str | None = None):
+    """Aux-loss-free balancing: two RL steps, every route replayed (R3); the MoE layer's expert bias before and after
+    each, the steps' metric, and the log-probs of a fresh live-routed forward (the bias picks live routes)."""
+    from rlmega.megatron.actor import _expert_biases
+
+    actor = _actor(path, tp, ep, world, bias_rate=RATE)
+    batch = _batch(live=False)
+    biases, changes = [_expert_biases(actor.policy)[0].clone()], []
+    for _ in range(2):
+        old = actor.compute_logprobs(batch)
+        changes.append(actor.train_step(dataclasses.replace(batch, old_logprobs=old))["moe_expert_bias_abs_change"])
+        biases.append(_expert_biases(actor.policy)[0].clone())
+    if ckpt:
+        actor.save_checkpoint(ckpt, step=2)
+    live = actor.compute_logprobs(_all_live(batch))
+    actor.teardown()
+    return {"biases": biases, "changes": changes, "live": live}
+
+
+def test_deepseek_v3_aux_loss_free_bias_update_matches_the_routes_at_every_layout(tmp_path):
+    """actor.moe_router_bias_update_rate: after each optimizer step every expert's correction bias moves by + rate
+    if the step routed it fewer tokens than the mean, - rate if more (counted from the replayed routes themselves,
+    over every token the forward saw), the same at TP2+SP x EP2 (counts summed over TP x DP) as in one process; a
+    checkpoint carries the moved bias (a live-routed forward after loading it at TP1 gives the same log-probs)."""
+    path = make_tiny_model(tmp_path / "dsv3", arch="deepseek_v3", hidden_size=64, num_layers=LAYERS, num_heads=2,
+                           num_experts=E, top_k=K, moe_intermediate_size=32, seed=7)
+    one = run_on_ranks(_bias_body, 1, args=(str(path), 1, 1, 1), timeout_s=300)[0]
+    counts = torch.bincount(torch.cat([r.reshape(-1).long() for r in _batch(live=False).routed_experts]),
+                            minlength=E).double()
+    want = RATE * torch.sign(counts.mean() - counts)
+    for step in range(2):
+        moved = (one["biases"][step + 1] - one["biases"][step]).double()
+        print(f"step {step}: bias moved {moved.tolist()}, expected from the routes {want.tolist()}")
+        assert torch.allclose(moved, want, atol=1e-7), (moved, want)  # float32 bias + 1e-3: <= 6e-8 rounding
+        assert abs(one["changes"][step] - want.abs().mean().item()) <= 1e-7
+    ckpt = str(tmp_path / "ckpt")
+    four = run_on_ranks(_bias_body, 4, args=(str(path), 2, 2, 4, ckpt), timeout_s=420)
+    for rank, got in enumerate(four):
+        assert all(torch.equal(a, b) for a, b in zip(got["biases"], one["biases"])), rank
+    loaded = run_on_ranks(_load_body, 1, args=(str(path), ckpt, "deepseek_v3", True), timeout_s=300)[0]
+    gap = max(float((a - b).abs().max()) for a, b in zip(four[0]["live"], loaded))
+    print(f"live-routed log-probs after loading the TP2+SP x EP2 checkpoint at TP1: {gap:.2e}")
+    assert gap <= 1e-5
