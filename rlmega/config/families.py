@@ -73,7 +73,8 @@ FAMILIES: tuple[Family, ...] = (
                    "other experts than the trainer's: refused until vLLM reloads them"),
     Family("DeepseekV3ForCausalLM", "deepseek_v3", _BOTH,
            "multi-latent attention (q/k heads of qk_nope + qk_rope, v heads of v_head_dim; with or without the q "
-           "latent; default or yarn RoPE), sigmoid router with `e_score_correction_bias` (kept as loaded) and "
+           "latent; default or yarn RoPE), sigmoid router with `e_score_correction_bias` (kept as loaded; on Megatron "
+           "moved by `actor.moe_router_bias_update_rate`) and "
            "group-limited top-k, shared experts, dense first layers, MTP layers dropped. Megatron: TP (with SP), PP, "
            "VPP, EP, routing replay; settings megatron-core computes otherwise are refused at load "
            "(docs/deepseek_v3_megatron.md); no LoRA, no CP",
