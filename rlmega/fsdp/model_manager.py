@@ -293,12 +293,19 @@ class FSDPModelManager:
     @torch.no_grad()
     def iter_model_tensors(self, base: bool = True, adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full float tensor on this rank's device) per parameter, in named_parameters order (a tied
-        head is skipped, as HF stores the embedding once); HF names, peft's under LoRA (``base`` / ``adapters``
-        False: without those). Collective: every rank iterates it to the end and gets every tensor; only one
-        parameter's full tensor is gathered at a time."""
+        head is skipped, as HF stores the embedding once), then the persistent buffers (``base``): checkpoint state
+        that is not trained, DeepSeek-V3's router bias ``e_score_correction_bias``, which vLLM loads together with
+        its router's weight (a sync without it waited for it, refused). HF names, peft's under LoRA (``base`` /
+        ``adapters`` False: without those). Collective: every rank iterates it to the end and gets every tensor;
+        only one parameter's full tensor is gathered at a time."""
         for name, p in self.model.named_parameters():
             if (adapters if lora.is_adapter(name) else base):
                 yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        if base:
+            for prefix, module in self.model.named_modules():
+                for name, b in module._buffers.items():
+                    if b is not None and name not in module._non_persistent_buffers_set:
+                        yield f"{prefix}.{name}" if prefix else name, b.detach()
 
     # ---- offload (each kind separately; storages freed and refilled, rlmega/offload.py) ------
     def _offload(self, kind: str, tensors: list[torch.Tensor]) -> None:

