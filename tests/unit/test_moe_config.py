@@ -171,3 +171,4 @@ def test_moe_cpu_config_passes_every_check_and_the_weights_are_checked_per_exper
         (model / "config.json").write_text(json.dumps({**hf, **change}))
         with pytest.raises(ConfigError, match=r"model.path: .*" + re.escape(says)):
             preflight(load_config(moe, base))
+
