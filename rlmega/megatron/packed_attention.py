@@ -18,8 +18,12 @@ attention applies none of its own.
     with packed_rows(model_chunk, position_ids, row_cu) as params:      # position_ids (B, S)
         logits = model_chunk(tokens, position_ids, None, packed_seq_params=params)
 
+A layer megatron-core's ``window_size`` / ``window_attn_skip_freq`` make a sliding-window one (Gemma 3's) attends
+within the window per sequence (rlmega/algorithms/sliding_window.py), rotated by the chunk's window RoPE where it
+has one (``RowPacking.window_cos``).
+
 Called without ``packed_rows`` (no ``RowPacking``), the module is plain causal SDPA (or SDPA under the
-given boolean mask, True = may not attend) and Megatron applies RoPE as usual.
+given boolean mask, True = may not attend) and Megatron applies RoPE as usual; a sliding-window layer refuses.
 """
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from rlmega.megatron.hf_io import unwrap
 from rlmega.algorithms.sliding_window import windowed_causal_attention
+from rlmega.megatron.hf_io import unwrap
 
 
 @dataclasses.dataclass
