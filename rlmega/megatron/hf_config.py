@@ -28,10 +28,10 @@ import torch
 
 from megatron.core.transformer import TransformerConfig
 
-from rlmega.config.hf_support import (MLA_ARCHITECTURES, MOE_ARCHITECTURES, architecture, num_experts,
-                                      unsupported_reason)
 from rlmega.config.gemma3_layout import ARCH as GEMMA3
 from rlmega.config.gemma3_layout import gemma3_layout
+from rlmega.config.hf_support import (MLA_ARCHITECTURES, MOE_ARCHITECTURES, architecture, num_experts,
+                                      unsupported_reason)
 from rlmega.config.value_model import causal_lm_config, is_value_model
 
 VOCAB_PAD_MULTIPLE = 128
