@@ -84,7 +84,7 @@ FAMILIES: tuple[Family, ...] = (
                            "qk_rope_head_dim = 576) computes at bfloat16 precision: in float32 its log-probs are up to "
                            "2.5e-2 from the trainer's; in bfloat16 7.6e-3 before any update and <= 0.23 after 3 RL "
                            "steps, but a 40-step warm start of a tiny DeepSeek-V3 (hidden 256, 8 experts in 2 groups) "
-                           "ended 5.4 off with 31% of the routes differing, on either learner's sync (not understood "
+                           "ended 5.4 off with 31% of the routes differing on the Megatron learner (not understood "
                            "yet)"),
     Family("Qwen3NextForCausalLM", "qwen3_next", _FSDP,
            "gated delta-net linear-attention layers (run one packed sequence at a time, so their recurrent "
