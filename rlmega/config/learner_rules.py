@@ -54,6 +54,7 @@ class ModelShape:
     num_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
     moe_topk: int = 0  # experts each token is routed to (num_experts_per_tok); 0 = dense
     expert_bias: bool = False  # a router with a correction bias (DeepSeek-V3's e_score_correction_bias)
+    mla_width: int = 0  # multi-latent attention's cached width per token (kv_lora_rank + qk_rope_head_dim); 0 = none
 
 
 def divisors(n: int) -> List[int]:

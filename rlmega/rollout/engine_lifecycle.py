@@ -5,6 +5,7 @@ Processes, CPU threads, whole prefills and the log-probs mode are explained in d
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import torch
@@ -38,6 +39,7 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * _GiB)
         engine_kwargs.update(whole_prefills(max_model_len))
+        engine_kwargs.update(cpu_rope_fix(model_path))
     else:
         engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
 
@@ -73,6 +75,30 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
         hf_overrides=architecture_overrides(model_path),  # config.json with only model_type
         **engine_kwargs,
     )
+
+
+def cpu_rope_fix(model_path: str) -> dict:
+    """Engine arguments that keep vllm-cpu's rotary kernel away from multi-latent attention (CPU only).
+
+    Why: vLLM's MLA models (DeepSeek-V2/V3, Kimi-K2: vllm/model_executor/layers/mla.py) rotate
+    ``q[..., qk_nope_head_dim:]``, a view whose heads lie ``qk_head_dim`` apart, and ``k_pe``, a view into
+    the latent projection's rows. The CUDA kernel takes such strides; vLLM 0.32's CPU one
+    (``RotaryEmbedding.forward_cpu`` -> ``ops.rotary_embedding``) reads and writes them as if each head's
+    rotary part were contiguous: wrong q/k rotations, and writes into the latent part of the rows (measured on
+    a (5, 4, 96)-strided q: 7.7 off; tests/unit/test_cpu_rope_fix.py keeps measuring it). At random
+    weights attention is near uniform and that hid it (2.5e-2 off transformers); after a 40-step warm
+    start of a tiny DeepSeek-V3 the engine was 5.0 off. With vLLM's own ``forward_native`` rotation
+    (the custom op switched off by name, for this engine only) the same model is 6.7e-6 off
+    transformers in float32. Other families pass whole heads and keep the kernel.
+    """
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        hf = json.load(f)
+    if not isinstance(hf, dict) or not hf.get("kv_lora_rank"):  # multi-latent attention only
+        return {}
+    return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 
 def lora_slot_rank(rank: int) -> int:

