@@ -138,9 +138,23 @@ def finish_export(partial: Path, out_dir: Path, source: Path | None) -> None:
     for name in TOKENIZER_FILES if source else ():
         if (source / name).exists():
             shutil.copy2(source / name, partial / name)
+    _readable_as_created(partial)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     partial.rename(out_dir)
+
+
+def _readable_as_created(folder: Path) -> None:
+    """Give every file under ``folder`` the permissions a plain ``open(..., "w")`` there gets (0o666 less the
+    umask). Why: safetensors' ``save_file`` writes 0o600 whatever the umask (measured, safetensors 0.8), so an
+    export was unreadable to the other accounts and containers that serve it, unlike the config beside it."""
+    probe = folder / ".rlmega_mode_probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def _replaced(final: Path) -> Path:

@@ -132,3 +132,6 @@ def test_logits_match_transformers_and_export_is_bit_identical(models, layout, t
         for key, value in original.items():
             assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), f"{layout} {name}: {key}"
         AutoModelForCausalLM.from_pretrained(tmp_path / name)  # and transformers loads it
+        (tmp_path / "probe").touch()  # every exported file readable as a plain file made here (safetensors: 0o600)
+        modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / name).iterdir()}
+        assert set(modes.values()) == {oct((tmp_path / "probe").stat().st_mode & 0o777)}, modes
