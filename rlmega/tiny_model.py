@@ -266,11 +266,23 @@ def make_tiny_model(
                 if name.endswith("e_score_correction_bias"):
                     t.copy_(torch.randn(t.shape) * 0.1)
 
+    return write_model_folder(out_dir, [model, tokenizer], overwrite=True)
+
+
+def write_model_folder(out_dir: str | os.PathLike, parts: list, overwrite: bool = False) -> Path:
+    """``part.save_pretrained`` of each part (model, tokenizer, processor) into `out_dir`, whole or not at all.
+
+    Written to a temporary sibling and renamed into place; an existing non-empty `out_dir` is an error
+    unless `overwrite`. Files are 0o644 (a model folder is for sharing)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        for part in parts:
+            kw = {"safe_serialization": True} if isinstance(part, torch.nn.Module) else {}
+            part.save_pretrained(tmp, **kw)
         # mkdtemp (and the safetensors writer) make files private; a model folder is for sharing.
         tmp.chmod(0o755)
         for f in tmp.iterdir():

@@ -2,12 +2,15 @@
 
 Usage:
     python tools/make_tiny_model.py OUT_DIR [--arch qwen2|qwen3|qwen3_moe|mixtral|llama|phi3
-                                                  |gemma3|olmo3|gpt_oss|deepseek_v3|qwen3_next] [--hidden-size 128]
+                                                  |gemma3|olmo3|gpt_oss|deepseek_v3|qwen3_next
+                                                  |idefics3|qwen2_vl] [--hidden-size 128]
         [--num-layers 4] [--num-heads 2] [--num-kv-heads 1] [--intermediate-size N]
         [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (the mixture-of-experts archs)
         [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite | --if-missing]
 
-Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains.
+Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains, and
+rlmega/tiny_vlm.py for the vision-language archs (idefics3, qwen2_vl: only --hidden-size, --num-layers,
+--num-heads and --seed apply; a processor is saved with them).
 """
 import argparse
 import math
@@ -18,12 +21,13 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from rlmega.tiny_model import ARCHITECTURES, make_tiny_model
+from rlmega.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES))
+    p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES) + list(VLM_ARCHITECTURES))
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-heads", type=int, default=2)
@@ -53,7 +57,11 @@ def main(argv=None) -> None:
         print(f"{args['out_dir']}: a model is there already; kept (--if-missing)")
         return
     try:
-        path = make_tiny_model(args.pop("out_dir"), **args)
+        if args["arch"] in VLM_ARCHITECTURES:
+            path = make_tiny_vlm(args["out_dir"], **{k: args[k] for k in (
+                "arch", "hidden_size", "num_layers", "num_heads", "seed", "overwrite")})
+        else:
+            path = make_tiny_model(args.pop("out_dir"), **args)
     except (ValueError, FileExistsError) as e:
         p.error(str(e).replace("overwrite=True", "--overwrite"))
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from rlmega.algorithms.chunked_logprobs import chunked_logprobs, scored_positions
+from rlmega.fsdp.vision_inputs import MROPE_TYPES, row_vision_kwargs
 
 
 def forward_logits(model, mb: dict) -> torch.Tensor:
@@ -32,9 +33,18 @@ def forward_logits(model, mb: dict) -> torch.Tensor:
         raise ValueError(f"FSDP micro-batches are one packed row (build_micro_batch(...)); "
                          f"got {tokens.shape[0]} rows")
     device = next(model.parameters()).device
-    out = model(input_ids=tokens.to(device), position_ids=mb["position_ids"].to(device),
-                attention_mask=None, use_cache=False)
+    # a VLM's images (mb["vision"]: each sequence's processor outputs, None for text) and mRoPE positions
+    kwargs = row_vision_kwargs(model.config, tokens, mb["position_ids"], mb.get("vision") or [], _rope_index(model))
+    out = model(input_ids=tokens.to(device), attention_mask=None, use_cache=False,
+                **{k: v.to(device) for k, v in kwargs.items()})
     return out.logits.squeeze(0)  # not [0]: a select's backward fills a zero copy of the whole logits first
+
+
+def _rope_index(model):
+    """The mRoPE model's get_rope_index (Qwen2-VL: on its inner model, under any wrapper), else None."""
+    if getattr(model.config, "model_type", None) not in MROPE_TYPES:
+        return None
+    return next(m.get_rope_index for m in model.modules() if hasattr(m, "get_rope_index"))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -35,7 +35,7 @@ from rlmega.config.families import family
 from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
 from rlmega.engine_api import StepResult
-from rlmega.fsdp import checkpoint, family_check, packed_attention, recurrent_layers
+from rlmega.fsdp import checkpoint, family_check, packed_attention, recurrent_layers, vision_inputs
 
 
 
@@ -100,17 +100,22 @@ class FSDPModelManager:
         nothing across, on CPU and GPU alike; transformers' own sdpa path would build a block mask
         over the whole row and compute all of its T^2 scores (43% of a CPU train step).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        kw = {"dtype": torch.float32, "attn_implementation": packed_attention.NAME}
         if self.hf_config is not None:
             cfg = dict(self.hf_config)
             config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        else:
+            config = AutoConfig.from_pretrained(self.model_cfg.path, local_files_only=True)
+        # a VLM: AutoModelForImageTextToText, packed attention in its language model only
+        auto_cls, kw = vision_inputs.load_kwargs(config, packed_attention.NAME)
+        kw["dtype"] = torch.float32
+        if self.hf_config is not None:
             with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left where it was
                 torch.manual_seed(self.model_cfg.seed)
-                model = AutoModelForCausalLM.from_config(config, **kw)
+                model = auto_cls.from_config(config, **kw)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.model_cfg.path, local_files_only=True, **kw)
+            model = auto_cls.from_pretrained(self.model_cfg.path, local_files_only=True, **kw)
         recurrent_layers.restart_at_sequences(model)  # linear-attention state restarts per packed sequence
         return model
 

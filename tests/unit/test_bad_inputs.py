@@ -13,6 +13,7 @@ import pytest
 
 import rlmega.train as train_mod
 from rlmega.tiny_model import make_tiny_model
+from rlmega.tiny_vlm import make_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -72,7 +73,7 @@ def env(tmp_path_factory):
         return str(out)
 
     return {"d": d, "model": str(model), "no_weights": str(no_weights), "mixtral": str(mixtral), "phi3": str(phi3),
-            "moe": str(moe), "dsv3": str(dsv3),
+            "moe": str(moe), "dsv3": str(dsv3), "vlm": str(make_tiny_vlm(d / "vlm", arch="idefics3")),
             "dsv3_groups": dsv3_variant("dsv3_groups", n_group=4, topk_group=2),
             "dsv3_no_norm": dsv3_variant("dsv3_no_norm", norm_topk_prob=False),
             "dsv3_fp8": dsv3_variant("dsv3_fp8", quantization_config={"quant_method": "fp8"}),
@@ -350,6 +351,12 @@ CASES = [
      "loads bfloat16 or float32 weights"),
     ("megatron, LoRA on DeepSeek-V3", ["model.path={dsv3}", "rollout.device=cuda", *LORA], None,
      "actor.lora.rank: 8, but model.path's model has multi-latent attention"),
+    # --- issue 43: vision-language models ---
+    ("megatron, a vision-language model", ["model.path={vlm}", "parallelism.tensor_model_parallel_size=1",
+                                           "parallelism.pipeline_model_parallel_size=1"], None,
+     "is a vision-language model (idefics3); the Megatron learner trains text-only"),
+    ("fsdp, a vision-language model (until images run end to end)", [*FSDP, "model.path={vlm}"], None,
+     "is a vision-language model (idefics3): image prompts do not run end to end yet"),
     # --- issue 42: the FSDP learner's family table (rlmega/config/families.py) ---
     ("fsdp, a family outside the table", [*FSDP, "model.path={granite}"], None,
      "model.path: 'GraniteForCausalLM' is not a family rlmega has tested on the FSDP learner"),

@@ -1,0 +1,113 @@
+"""Images in a packed row: the vision keyword arguments of one forward of a vision-language model.
+
+A packed row holds several samples (rlmega/data/micro_batches.py); some carry images. Each sample's
+processor outputs (``pixel_values`` and the family's image layout) are kept per sample, so packing can
+put them together in the row's sample order: transformers' VLM classes scatter image features into
+the image-token positions of the row in order, so sample k's images must come after sample k-1's.
+
+Per family:
+- Idefics3 / SmolVLM: ``pixel_values`` (1, images, 3, H, W) and ``pixel_attention_mask`` (1, images, H, W),
+  joined along the image axis (tiles of other sizes padded, their mask False where padded).
+- Qwen2-VL / Qwen2.5-VL: ``pixel_values`` (patches, C * T * P * P) and ``image_grid_thw`` (images, 3),
+  joined along the first axis; and 3-D rotary positions (mRoPE), computed per sequence: transformers' own
+  ``get_rope_index`` on each sample's tokens, so every sequence's positions start at 0 as they do
+  unpacked and in vLLM. The row goes in as ``position_ids`` (4, 1, T): row 0 the text positions (they
+  also mark the sequences for the attention: rlmega/fsdp/packed_attention.py), rows 1-3 (t, h, w).
+  Text-only rows of a Qwen2-VL model get the same four rows (all text positions), or the attention
+  would see one sequence.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from rlmega.fsdp.packed_attention import sequence_bounds
+
+IDEFICS3_TYPES = ("idefics3", "smolvlm")
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VLM_TYPES = IDEFICS3_TYPES + MROPE_TYPES
+
+# rope_index(input_ids (1, t), mm_token_type_ids (1, t), image_grid_thw (n, 3)) -> (positions (3, 1, t), deltas)
+RopeIndex = Callable[..., tuple]
+
+
+def is_vlm(config) -> bool:
+    """A model config with a vision tower (a composite config with ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_supported(config) -> None:
+    """Refuse a VLM family whose image inputs this module cannot pack, naming the supported ones."""
+    if is_vlm(config) and config.model_type not in VLM_TYPES:
+        raise ValueError(f"model.path is a {config.model_type} vision-language model; the FSDP learner packs images "
+                         f"for {', '.join(VLM_TYPES)} only. Fix: use one of those families, or a text-only model")
+
+
+def _cat_padded_tiles(values: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Idefics3 tiles (1, n_i, 3, H_i, W_i) and masks (1, n_i, H_i, W_i) -> one (1, sum n, 3, H, W) and mask."""
+    H = max(v.shape[-2] for v in values)
+    W = max(v.shape[-1] for v in values)
+    pv = torch.cat([torch.nn.functional.pad(v, (0, W - v.shape[-1], 0, H - v.shape[-2])) for v in values], dim=1)
+    pm = torch.cat([torch.nn.functional.pad(m, (0, W - m.shape[-1], 0, H - m.shape[-2])) for m in masks], dim=1)
+    return pv, pm
+
+
+def mrope_position_ids(tokens: torch.Tensor, position_ids: torch.Tensor, per_seq: Sequence[dict | None],
+                       image_token_id: int, rope_index: RopeIndex) -> torch.Tensor:
+    """(4, 1, T) position ids of a packed row for an mRoPE model.
+
+    tokens, position_ids (1, T): the packed row (positions restart at 0 per sequence); per_seq: each
+    sequence's vision inputs (None: text only), in row order; rope_index: the model's get_rope_index."""
+    text = position_ids.reshape(1, -1)
+    out = text.expand(3, -1).clone()  # text tokens: the same position on all three axes
+    bounds = sequence_bounds(text)
+    if len(bounds) < len(per_seq):
+        raise ValueError(f"{len(per_seq)} samples' vision inputs for a row of {len(bounds)} sequences")
+    for (s, e), vision in zip(bounds, per_seq):
+        if vision is None:
+            continue
+        ids = tokens.reshape(1, -1)[:, s:e]
+        mm = (ids == image_token_id).to(torch.int32)
+        pos, _ = rope_index(ids, mm_token_type_ids=mm, image_grid_thw=vision["image_grid_thw"])
+        out[:, s:e] = pos[:, 0].to(out.dtype)
+    return torch.cat([text, out], dim=0)[:, None, :]
+
+
+def row_vision_kwargs(config, tokens: torch.Tensor, position_ids: torch.Tensor, per_seq: Sequence[dict | None],
+                      rope_index: RopeIndex | None = None) -> dict:
+    """Keyword arguments for ``model(input_ids=tokens, **kwargs)`` over one packed row of a VLM, including
+    ``position_ids`` (the row's (1, T), or mRoPE's (4, 1, T)). per_seq: each sequence's processor outputs
+    without the tokens (None for a text-only sample), in the row's order. A text-only model: positions only."""
+    if not is_vlm(config):
+        return {"position_ids": position_ids}
+    check_supported(config)
+    have = [v for v in per_seq if v is not None]
+    kwargs: dict = {"position_ids": position_ids}
+    if config.model_type in MROPE_TYPES:
+        if rope_index is None:
+            raise ValueError("an mRoPE model's packed row needs its get_rope_index (rope_index=)")
+        kwargs["position_ids"] = mrope_position_ids(tokens, position_ids, per_seq, config.image_token_id, rope_index)
+        if have:
+            kwargs["pixel_values"] = torch.cat([v["pixel_values"] for v in have], dim=0)
+            kwargs["image_grid_thw"] = torch.cat([v["image_grid_thw"] for v in have], dim=0)
+    elif have:
+        kwargs["pixel_values"], kwargs["pixel_attention_mask"] = _cat_padded_tiles(
+            [v["pixel_values"] for v in have], [v["pixel_attention_mask"] for v in have])
+    return kwargs
+
+
+def load_kwargs(config, attention: str) -> tuple[type, dict]:
+    """(transformers auto class, from_pretrained keyword arguments) of a model config whose language model's
+    attention is ``attention`` (rlmega/fsdp/packed_attention.py's name for packed rows).
+
+    A VLM is built by AutoModelForImageTextToText, its language model with ``attention`` and its vision tower
+    with sdpa: a vision tower attends over all patches of an image at once, which per-sequence causal
+    attention would get wrong."""
+    import transformers
+
+    if not is_vlm(config):
+        return transformers.AutoModelForCausalLM, {"attn_implementation": attention}
+    check_supported(config)
+    per_part = {"": attention, "text_config": attention, "vision_config": "sdpa"}
+    return transformers.AutoModelForImageTextToText, {"attn_implementation": per_part}
