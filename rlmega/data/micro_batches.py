@@ -23,6 +23,8 @@ Per-token fields are flat over the rows, row-major: position t of row r is index
     mb["rows"], mb["row_cu"]  the sample indices of each row and their offsets in it (len + 1 each)
     mb["real_tokens"]     (B*S,) bool, False on padding;  mb["generated"] (B*S,) bool, the response tokens
     mb["routed_experts"]  (B, S, M, K) int16 when the batch has routes (-1 on padding and where the batch has -1)
+    mb["vision"]          when the batch has images: each sequence's processor outputs (or None), in row order;
+    mb["prompt_ends"]     then also where each sequence's prompt ends in the row (its first response position)
 """
 from __future__ import annotations
 
@@ -96,6 +98,10 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], row_multiple: int
     }
     if batch.routed_experts is not None:
         mb["routed_experts"] = pack_routes(batch.routed_experts, rows, row_cu, B, S)
+    if batch.vision is not None:  # each sequence's images, in row order (rlmega/fsdp/vision_inputs.py)
+        mb["vision"] = [batch.vision[i] for i in order]
+        # where each sequence's prompt ends in the row: image placeholders after it are sampled text
+        mb["prompt_ends"] = [s + int(batch.prompt_lens[i]) for i, s in zip(order, row_cu[0][:-1])]
     mb["cu_seqlens"], mb["max_seqlen"] = packed[0]["cu_seqlens"], packed[0]["max_seqlen"]
     return mb
 

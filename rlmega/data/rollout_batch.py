@@ -2,8 +2,9 @@
 
 N samples, each one prompt followed by one sampled response. Per-token fields are ragged
 lists (one tensor per sample) over the *response* tokens only, so a field never needs a
-padding convention; packing for the model is ``rlmega.data.packing``'s job. The one exception is
-``routed_experts`` (MoE routing replay), one row per token of prompt + response.
+padding convention; packing for the model is ``rlmega.data.packing``'s job. The exceptions:
+``routed_experts`` (MoE routing replay), one row per token of prompt + response, and ``vision`` (a
+vision-language model's images), each sample's processor outputs.
 
     batch = RolloutBatch(tokens=[...], prompt_lens=..., response_mask=[...],
                          group_ids=..., sample_ids=...)
@@ -29,8 +30,10 @@ RESPONSE_FIELDS = ("response_mask", "rollout_logprobs", "advantages", "old_logpr
 SAMPLE_FIELDS = ("prompt_lens", "rewards", "group_ids", "sample_ids")
 # Per-sample tensors of shape (L_i, num_moe_layers, topk) int16, one row per token of prompt + response.
 TOKEN_FIELDS = ("routed_experts",)
+# Per-sample {name: tensor} or None: a vision-language model's processor outputs of the sample's prompt.
+VISION_FIELDS = ("vision",)
 OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs", "returns",
-                   "old_values", "routed_experts")
+                   "old_values", "routed_experts", "vision")
 _INT_FIELDS = ("tokens", "prompt_lens", "group_ids", "sample_ids")
 _FORMAT = "rlmega.RolloutBatch"
 _VERSION = 1
@@ -70,10 +73,14 @@ class RolloutBatch:
     -1 rows where no route was recorded (the last sampled token, which the engine never processes;
     tool-output tokens): the trainer routes those with its live router. num_moe_layers and topk are
     the same for every sample."""
+    vision: list[dict | None] | None = None
+    """Per sample, a vision-language model's processor outputs for its prompt's images without the token ids
+    ({"pixel_values": ..., "image_grid_thw" | "pixel_attention_mask": ...}: rlmega/fsdp/vision_inputs.py),
+    or None for a sample without images. Samples of one prompt may share the same tensors."""
 
     def __post_init__(self):
         # Tuples are accepted at construction; lists are what every method returns.
-        for name in ("tokens",) + RESPONSE_FIELDS + TOKEN_FIELDS:
+        for name in ("tokens",) + RESPONSE_FIELDS + TOKEN_FIELDS + VISION_FIELDS:
             value = getattr(self, name)
             if isinstance(value, tuple):
                 setattr(self, name, list(value))
@@ -153,6 +160,18 @@ class RolloutBatch:
             if not bool(((m == 0) | (m == 1)).all()):
                 raise ValueError(f"response_mask[{i}] must hold only 0.0 and 1.0")
         self._validate_routes(n)
+        self._validate_vision(n)
+
+    def _validate_vision(self, n: int) -> None:
+        if self.vision is None:
+            return
+        if not isinstance(self.vision, list) or len(self.vision) != n:
+            raise ValueError(f"vision must be a list of {n} dicts or None (one per sample), "
+                             f"got {_describe(self.vision)}")
+        for i, v in enumerate(self.vision):
+            if v is not None and not (isinstance(v, dict) and v and all(
+                    isinstance(k, str) and "/" not in k and isinstance(t, torch.Tensor) for k, t in v.items())):
+                raise ValueError(f"vision[{i}] must be None or a non-empty {{name: tensor}} dict, got {_describe(v)}")
 
     def _validate_routes(self, n: int) -> None:
         routes = self.routed_experts
@@ -194,7 +213,7 @@ class RolloutBatch:
         for name in SAMPLE_FIELDS:
             value = getattr(self, name)
             fields[name] = None if value is None else value[index]
-        for name in RESPONSE_FIELDS + TOKEN_FIELDS:
+        for name in RESPONSE_FIELDS + TOKEN_FIELDS + VISION_FIELDS:
             value = getattr(self, name)
             fields[name] = None if value is None else [value[i] for i in idx]
         return RolloutBatch(**fields)
@@ -217,7 +236,7 @@ class RolloutBatch:
         if not batches:
             raise ValueError("concat: need at least one batch")
         fields = {"tokens": [t for b in batches for t in b.tokens]}
-        for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS:
+        for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS + VISION_FIELDS:
             present = [getattr(b, name) is not None for b in batches]
             if not all(present):
                 if any(present):
@@ -236,7 +255,7 @@ class RolloutBatch:
         lengths = torch.tensor(self.lengths(), dtype=torch.int64)
         tensors = {"lengths": lengths, "tokens": _flat(self.tokens, torch.int64)}
         present = []
-        for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS:
+        for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS + VISION_FIELDS:
             value = getattr(self, name)
             if value is None:
                 continue
@@ -246,6 +265,10 @@ class RolloutBatch:
             elif name in TOKEN_FIELDS:
                 # (sum L_i, M, K); an empty batch loses (M, K), which nothing can then need.
                 tensors[name] = torch.cat(value).contiguous() if value else torch.zeros(0, 0, 0, dtype=torch.int16)
+            elif name in VISION_FIELDS:  # sample i's tensors as "vision/i/name"; a sample without any: None
+                # clone: samples of one prompt share tensors, which safetensors refuses to save twice
+                tensors.update({f"{name}/{i}/{k}": t.contiguous().clone() for i, v in enumerate(value) if v
+                                for k, t in v.items()})
             else:
                 tensors[name] = _flat(value, torch.float32)
         header = {"format": _FORMAT, "version": str(_VERSION), "fields": json.dumps(present)}
@@ -276,11 +299,18 @@ class RolloutBatch:
         response_lens = [length - p for length, p in zip(lengths, prompt_lens.tolist())]
         fields = {"tokens": list(torch.split(tensors["tokens"], lengths))}
         for name in json.loads(header["fields"]):
-            value = tensors[name]
+            value = tensors.get(name)  # a vision field is stored as one tensor per sample and name
             if name in SAMPLE_FIELDS:
                 fields[name] = value
             elif name in TOKEN_FIELDS:
                 fields[name] = list(torch.split(value, lengths))
+            elif name in VISION_FIELDS:
+                per: list[dict | None] = [None] * len(lengths)
+                for key, t in tensors.items():
+                    if key.startswith(f"{name}/"):
+                        _, i, k = key.split("/", 2)
+                        per[int(i)] = {**(per[int(i)] or {}), k: t}
+                fields[name] = per
             else:
                 fields[name] = list(torch.split(value, response_lens))
         return cls(**fields)

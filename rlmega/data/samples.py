@@ -10,8 +10,12 @@ from rlmega.data.rollout_batch import RolloutBatch
 
 
 def batch_from_samples(samples: Sequence, rewards: Sequence[float] | None = None,
-                       group_offset: int = 0, sample_offset: int = 0) -> RolloutBatch:
+                       group_offset: int = 0, sample_offset: int = 0,
+                       prompt_vision: Sequence[dict | None] | None = None) -> RolloutBatch:
     """Samples with prompt_index, prompt_ids, response_ids, logprobs (RolloutWorker.generate).
+
+    ``prompt_vision``: a vision-language model's processor outputs of each prompt (by prompt_index; None for a
+    prompt without images), which the batch's ``vision`` gives each sample of that prompt.
 
     Samples of one prompt share a group id (prompt_index + group_offset). A sample with an empty
     response is dropped: it has no token to score. Samples with ``routed_experts`` (a RolloutWorker
@@ -31,6 +35,7 @@ def batch_from_samples(samples: Sequence, rewards: Sequence[float] | None = None
         sample_ids=torch.arange(sample_offset, sample_offset + len(kept), dtype=torch.int64),
         routed_experts=routes_of([getattr(s, "routed_experts", None) for s in kept],
                                  [len(s.prompt_ids) + len(s.response_ids) for s in kept]),
+        vision=None if prompt_vision is None else [prompt_vision[s.prompt_index] for s in kept],
     )
 
 

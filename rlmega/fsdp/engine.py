@@ -122,11 +122,11 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         if getattr(emb, "padding_idx", None) is not None:
             emb.padding_idx = None
         _no_dropout(self.model)
-        self.vocab_size = int(self.model.config.vocab_size)
+        config = self.model.config.get_text_config()  # a VLM's language model (the config itself for an LM)
+        self.vocab_size = int(config.vocab_size)
         if self.chunk_tokens:
-            check_chunkable(self.model.config)
+            check_chunkable(config)
         if self.ulysses > 1:
-            config = self.model.config
             kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             ulysses.check_heads(config.num_attention_heads, kv_heads, self.ulysses)
 

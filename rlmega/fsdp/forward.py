@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from rlmega.algorithms.chunked_logprobs import chunked_logprobs, scored_positions
-from rlmega.fsdp.vision_inputs import MROPE_TYPES, row_vision_kwargs
+from rlmega.fsdp.vision_inputs import MROPE_TYPES, row_vision_kwargs, sampled_placeholders_as_text
 
 
 def forward_logits(model, mb: dict) -> torch.Tensor:
@@ -34,9 +34,11 @@ def forward_logits(model, mb: dict) -> torch.Tensor:
                          f"got {tokens.shape[0]} rows")
     device = next(model.parameters()).device
     # a VLM's images (mb["vision"]: each sequence's processor outputs, None for text) and mRoPE positions
-    kwargs = row_vision_kwargs(model.config, tokens, mb["position_ids"], mb.get("vision") or [], _rope_index(model))
-    out = model(input_ids=tokens.to(device), attention_mask=None, use_cache=False,
-                **{k: v.to(device) for k, v in kwargs.items()})
+    kwargs = row_vision_kwargs(model.config, tokens, mb["position_ids"], mb.get("vision") or [], _rope_index(model),
+                               mb.get("prompt_ends"))
+    kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    with sampled_placeholders_as_text(model, tokens.to(device), kwargs["input_ids"]):
+        out = model(attention_mask=None, use_cache=False, **kwargs)
     return out.logits.squeeze(0)  # not [0]: a select's backward fills a zero copy of the whole logits first
 
 

@@ -15,9 +15,17 @@ Per family:
   also mark the sequences for the attention: rlmega/fsdp/packed_attention.py), rows 1-3 (t, h, w).
   Text-only rows of a Qwen2-VL model get the same four rows (all text positions), or the attention
   would see one sequence.
+
+Image placeholders the policy *sampled* (a response may hold the image token: it is in the vocabulary) are
+text: vLLM puts image features only where the prompt's placeholders are, and embeds a sampled one as a token.
+transformers' VLM classes would take every image token of the row for an image position (and fail, or take
+features from the next sample). So a row's sampled placeholders go into the model as another id (pad), and
+``sampled_placeholders_as_text`` makes the embedding layer embed the row's true ids: those tokens keep their
+own embedding, and only the prompts' placeholders receive image features. mRoPE counts only the prompt's.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
@@ -53,12 +61,33 @@ def _cat_padded_tiles(values: list[torch.Tensor], masks: list[torch.Tensor]) -> 
     return pv, pm
 
 
+def placeholder_ids(config) -> list[int]:
+    """The token ids a VLM fills with image (or video) features."""
+    return [i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+            if i is not None]
+
+
+def sampled_placeholders(tokens: torch.Tensor, position_ids: torch.Tensor, config,
+                         prompt_ends: Sequence[int] | None) -> torch.Tensor:
+    """(T,) bool: the row's image placeholders that lie after their sequence's prompt (sampled, so text).
+
+    tokens, position_ids (1, T): the packed row; prompt_ends: each sequence's first response position in the
+    row, in row order (None: every token is prompt)."""
+    row = tokens.reshape(-1)
+    in_response = torch.zeros_like(row, dtype=torch.bool)
+    for (_, end), prompt_end in zip(sequence_bounds(position_ids), prompt_ends or []):
+        in_response[prompt_end:end] = True
+    return in_response & torch.isin(row, torch.tensor(placeholder_ids(config), device=row.device))
+
+
 def mrope_position_ids(tokens: torch.Tensor, position_ids: torch.Tensor, per_seq: Sequence[dict | None],
-                       image_token_id: int, rope_index: RopeIndex) -> torch.Tensor:
+                       image_token_id: int, rope_index: RopeIndex,
+                       text_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(4, 1, T) position ids of a packed row for an mRoPE model.
 
     tokens, position_ids (1, T): the packed row (positions restart at 0 per sequence); per_seq: each
-    sequence's vision inputs (None: text only), in row order; rope_index: the model's get_rope_index."""
+    sequence's vision inputs (None: text only), in row order; rope_index: the model's get_rope_index;
+    text_mask (T,) bool: placeholders to count as text (sampled ones, ``sampled_placeholders``)."""
     text = position_ids.reshape(1, -1)
     out = text.expand(3, -1).clone()  # text tokens: the same position on all three axes
     bounds = sequence_bounds(text)
@@ -69,25 +98,32 @@ def mrope_position_ids(tokens: torch.Tensor, position_ids: torch.Tensor, per_seq
             continue
         ids = tokens.reshape(1, -1)[:, s:e]
         mm = (ids == image_token_id).to(torch.int32)
+        if text_mask is not None:
+            mm[0, text_mask[s:e]] = 0
         pos, _ = rope_index(ids, mm_token_type_ids=mm, image_grid_thw=vision["image_grid_thw"])
         out[:, s:e] = pos[:, 0].to(out.dtype)
     return torch.cat([text, out], dim=0)[:, None, :]
 
 
 def row_vision_kwargs(config, tokens: torch.Tensor, position_ids: torch.Tensor, per_seq: Sequence[dict | None],
-                      rope_index: RopeIndex | None = None) -> dict:
-    """Keyword arguments for ``model(input_ids=tokens, **kwargs)`` over one packed row of a VLM, including
-    ``position_ids`` (the row's (1, T), or mRoPE's (4, 1, T)). per_seq: each sequence's processor outputs
-    without the tokens (None for a text-only sample), in the row's order. A text-only model: positions only."""
+                      rope_index: RopeIndex | None = None, prompt_ends: Sequence[int] | None = None) -> dict:
+    """Keyword arguments for ``model(**kwargs)`` over one packed row: ``input_ids`` and ``position_ids`` (the
+    row's (1, T), or mRoPE's (4, 1, T)), and a VLM's images. per_seq: each sequence's processor outputs without
+    the tokens (None for a text-only sample), in the row's order; prompt_ends: where each sequence's prompt ends
+    (sampled image placeholders after it are text: ``input_ids`` then holds pad there, and the caller embeds
+    ``tokens`` with ``sampled_placeholders_as_text``). A text-only model: the tokens and positions as given."""
     if not is_vlm(config):
-        return {"position_ids": position_ids}
+        return {"input_ids": tokens, "position_ids": position_ids}
     check_supported(config)
     have = [v for v in per_seq if v is not None]
-    kwargs: dict = {"position_ids": position_ids}
+    as_text = sampled_placeholders(tokens, position_ids, config, prompt_ends)
+    pad = getattr(config.get_text_config(), "pad_token_id", None) or 0
+    kwargs: dict = {"input_ids": tokens.masked_fill(as_text.reshape(tokens.shape), pad), "position_ids": position_ids}
     if config.model_type in MROPE_TYPES:
         if rope_index is None:
             raise ValueError("an mRoPE model's packed row needs its get_rope_index (rope_index=)")
-        kwargs["position_ids"] = mrope_position_ids(tokens, position_ids, per_seq, config.image_token_id, rope_index)
+        kwargs["position_ids"] = mrope_position_ids(tokens, position_ids, per_seq, config.image_token_id, rope_index,
+                                                    as_text)
         if have:
             kwargs["pixel_values"] = torch.cat([v["pixel_values"] for v in have], dim=0)
             kwargs["image_grid_thw"] = torch.cat([v["image_grid_thw"] for v in have], dim=0)
@@ -95,6 +131,30 @@ def row_vision_kwargs(config, tokens: torch.Tensor, position_ids: torch.Tensor, 
         kwargs["pixel_values"], kwargs["pixel_attention_mask"] = _cat_padded_tiles(
             [v["pixel_values"] for v in have], [v["pixel_attention_mask"] for v in have])
     return kwargs
+
+
+@contextmanager
+def sampled_placeholders_as_text(model, tokens: torch.Tensor, input_ids: torch.Tensor):
+    """While open, the model's input embedding embeds ``tokens`` (the row's true ids) whatever ids it is given
+    (``input_ids``: the same, sampled placeholders swapped for pad so that the VLM puts no image there). The
+    override is the layer's own ``forward`` on this instance (as forward.hidden_out), so FSDP's hooks around
+    the layer still gather its weight. Nothing changes when no placeholder was sampled."""
+    if torch.equal(tokens, input_ids):
+        yield
+        return
+    emb = model.get_input_embeddings()
+    own = type(emb).forward
+
+    def forward(ids, *args, **kwargs):
+        if ids.shape != tokens.shape:
+            raise ValueError(f"embedding of ids {tuple(ids.shape)} while the row is {tuple(tokens.shape)}")
+        return own(emb, tokens.to(ids.device), *args, **kwargs)
+
+    emb.forward = forward
+    try:
+        yield
+    finally:
+        del emb.forward
 
 
 def load_kwargs(config, attention: str) -> tuple[type, dict]:

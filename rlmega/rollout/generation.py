@@ -64,9 +64,14 @@ class _Request:
         self.done = asyncio.Event()     # returned to its caller
 
 
-async def generate_request(self, prompt_ids: list[int], params, request_id: str, prompt_index: int) -> Sample:
+async def generate_request(self, prompt_ids: list[int], params, request_id: str, prompt_index: int,
+                           images: list[bytes] | None = None) -> Sample:
+    """``images``: a vision-language prompt's images (encoded files); ``prompt_ids`` then hold one placeholder per
+    image, and the Sample's ``prompt_ids`` are the engine's expanded ones (what the trainer scores)."""
     from vllm.inputs import TokensPrompt
 
+    mm = {"multi_modal_data": {"image": decode_images(images)}} if images else {}
+    scored_prompt = None if images else prompt_ids  # the expanded prompt, from the engine's first part
     req = _Request()
     self._live.setdefault(request_id, []).append(req)
     ids, logprobs, versions, cuts = [], [], [], []  # cuts: len(ids) at each cut
@@ -90,13 +95,17 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
             try:
                 final = None
                 try:
-                    async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids),
+                    async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids, **mm),
                                                            part_params, req.engine_id, lora_request=self._lora):
                         final = out  # FINAL_ONLY: the one output, when the part has ended
+                    if scored_prompt is None and final is not None:  # the images' tokens, expanded by the engine
+                        scored_prompt = list(final.prompt_token_ids)[:len(final.prompt_token_ids) - len(ids)]
                 finally:
                     if routes is not None:  # taken even from a failed part: the engine frees them
                         # positions it surely computed: its last input token and each sampled token but the last
-                        p0, n = len(prompt_ids) + len(ids), 0 if final is None else len(final.outputs[0].token_ids)
+                        # (the engine's prompt: an image prompt's placeholders expanded)
+                        p0 = len(prompt_ids) + len(ids) if final is None else len(final.prompt_token_ids)
+                        n = 0 if final is None else len(final.outputs[0].token_ids)
                         routes = await self._routes.take(self._engine, req.engine_id, routes,
                                                          must_have=range(p0 - 1, p0 + n - 1) if n else range(0))
                 c = final.outputs[0]
@@ -133,12 +142,29 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
         if not live:
             del self._live[request_id]
         req.done.set()
+    if scored_prompt is None:  # no part ran (aborted at the gate): nothing was expanded, nothing to score
+        scored_prompt = prompt_ids
     return Sample(
-        prompt_index=prompt_index, prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
+        prompt_index=prompt_index, prompt_ids=scored_prompt, response_ids=ids, logprobs=logprobs,
         finish_reason=reason, weight_version=self._version if first_version is None else first_version,
         token_versions=versions, resumes=resumes,
-        routed_experts=None if routes is None else fit_rows(routes, len(prompt_ids) + len(ids)),
+        routed_experts=None if routes is None else fit_rows(routes, len(scored_prompt) + len(ids)),
     )
+
+
+def decode_images(images: list[bytes]) -> list:
+    """Encoded image files -> PIL images, as vLLM's multi-modal requests take them (the processor converts
+    them to RGB itself)."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    for data in images:
+        img = Image.open(io.BytesIO(data))
+        img.load()  # read now, not lazily inside the engine's processor
+        out.append(img)
+    return out
 
 
 async def wait_for_gate(self, req: _Request) -> bool:

@@ -72,7 +72,7 @@ class RolloutWorker:
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
                  num_threads: int | None = None, record_routes: bool = False, attention_backend: str | None = None,
-                 lora_rank: int = 0):
+                 lora_rank: int = 0, images_per_prompt: int = 0):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         if record_routes and not enforce_eager:
@@ -100,7 +100,8 @@ class RolloutWorker:
                            kv_cache_space_gb=kv_cache_space_gb, gpu_memory_utilization=gpu_memory_utilization,
                            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                            enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
-                           attention_backend=attention_backend, lora_rank=lora_rank)
+                           attention_backend=attention_backend, lora_rank=lora_rank,
+                           images_per_prompt=images_per_prompt)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True)
         self._thread.start()
@@ -148,11 +149,14 @@ class RolloutWorker:
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_tokens: int = 32, stop_token_ids: list[int] | None = None,
-                 seed: int | None = None, ignore_eos: bool = False) -> list[Sample]:
+                 seed: int | None = None, ignore_eos: bool = False,
+                 images: list[list[bytes] | None] | None = None) -> list[Sample]:
         """Sample ``n`` responses per prompt (token ids in, token ids out), prompt-major order.
 
         ``seed`` makes the call reproducible: prompt i sample j uses seed + i * n + j, so no two
         samples share a random stream (and each gets the stream ``LLM.generate(n=n)`` gave it).
+        ``images``: per prompt, its images (encoded files) for a vision-language model, or None; such a prompt's
+        ids hold one image placeholder per image, which the engine expands (``generation.generate_request``).
         """
         self._weights.check_ready()
         generation.warn_truncation(top_p, top_k)
@@ -164,7 +168,7 @@ class RolloutWorker:
                     self, list(p), generation.sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids,
                                                               None, None if seed is None else seed + i * n + j,
                                                               ignore_eos),
-                    f"{base}-{i}-{j}", prompt_index=i)
+                    f"{base}-{i}-{j}", prompt_index=i, images=images[i] if images else None)
                 for i, p in enumerate(prompts) for j in range(n)])
 
         return self._run(all_samples())
@@ -172,7 +176,7 @@ class RolloutWorker:
     def generate_one(self, prompt_ids: list[int], *, temperature: float = 1.0, top_p: float = 1.0,
                      top_k: int = -1, max_tokens: int = 32, stop_token_ids: list[int] | None = None,
                      stop: list[str] | None = None, seed: int | None = None, ignore_eos: bool = False,
-                     request_id: str | None = None) -> Sample:
+                     request_id: str | None = None, images: list[bytes] | None = None) -> Sample:
         """One response to one prompt; blocks this thread only (call it from many threads at once).
 
         ``stop``: stop strings; the response ends with the tokens that complete one (included), and
@@ -185,7 +189,7 @@ class RolloutWorker:
         params = generation.sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed,
                                             ignore_eos)
         return self._run(generation.generate_request(self, list(prompt_ids), params,
-                                                    request_id or f"one{next(self._ids)}", 0))
+                                                    request_id or f"one{next(self._ids)}", 0, images=images))
 
     def abort(self, request_id: str) -> bool:
         """End a request in flight: its ``generate_one`` returns the tokens so far, ``"abort"``.

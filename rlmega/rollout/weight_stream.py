@@ -145,6 +145,10 @@ class WeightStream:
                 self.pieces.drop_older(version)  # (late blocks of a failed sync's version: they never complete)
                 self.reloads += 1
                 self.worker._run(self.worker._engine.reset_prefix_cache())
+                if self.worker._engine.model_config.is_multimodal_model:
+                    # image embeddings the vision tower computed with the old weights (and the reload leaves the
+                    # runner's encoder cache out of step with the scheduler's: "Encoder cache miss")
+                    self.worker._run(self.worker._engine.reset_encoder_cache())
                 self.worker._version = version
             except BaseException as e:
                 sync.error = e

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from rlmega.data.rollout_batch import OPTIONAL_FIELDS, RESPONSE_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS, RolloutBatch
+from rlmega.data.rollout_batch import (OPTIONAL_FIELDS, RESPONSE_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS,
+                                      VISION_FIELDS, RolloutBatch)
 
 PROMPT_LENS = [3, 2, 4, 1, 2]
 RESPONSE_LENS = [2, 5, 0, 3, 1]
@@ -34,6 +35,11 @@ def make_batch(full: bool = True, seed: int = 0) -> RolloutBatch:
                                        torch.full((1, 2, 2), -1)]).to(torch.int16)
                             for p, r in zip(PROMPT_LENS, RESPONSE_LENS)],
         )
+        # a VLM's images: samples of one prompt share their processor outputs; sample 2 has no image
+        shared = {"pixel_values": torch.randn(8, 12, generator=g), "image_grid_thw": torch.tensor([[1, 2, 4]])}
+        own = [{"pixel_values": torch.randn(1, k, 3, 4, 4, generator=g),
+                "pixel_attention_mask": torch.ones(1, k, 4, 4, dtype=torch.bool)} for k in (1, 2)]
+        fields["vision"] = [shared, shared, None, *own]
     return RolloutBatch(**fields)
 
 
@@ -41,10 +47,16 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch):
     assert len(a) == len(b)
     for x, y in zip(a.tokens, b.tokens):
         assert torch.equal(x, y)
-    for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS:
+    for name in SAMPLE_FIELDS + RESPONSE_FIELDS + TOKEN_FIELDS + VISION_FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is None:
+            continue
+        if name in VISION_FIELDS:
+            assert [None if u is None else sorted(u) for u in x] == [None if v is None else sorted(v) for v in y]
+            for u, v in zip(x, y):
+                for k in u or {}:
+                    assert u[k].dtype == v[k].dtype and torch.equal(u[k], v[k]), (name, k)
             continue
         if name in SAMPLE_FIELDS:
             assert x.dtype == y.dtype and torch.equal(x, y), name
@@ -176,6 +188,8 @@ def _replace_item(name, i, value):
          r"routed_experts\[3\] has \(num_moe_layers, topk\) = \(3, 2\)"),
         (_replace_item("routed_experts", 0, torch.full((5, 2, 2), -2, dtype=torch.int16)),
          r"routed_experts\[0\] holds -2"),
+        (_with(vision=[None] * 4), "vision must be a list of 5 dicts or None"),
+        (_replace_item("vision", 3, {"pixel_values": [1.0]}), r"vision\[3\] must be None or a non-empty"),
     ],
 )
 def test_validate_names_field_and_index(fields, message):

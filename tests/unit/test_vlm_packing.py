@@ -84,7 +84,7 @@ def test_packed_image_samples_match_unpacked_transformers(tmp_path, arch):
     kwargs = row_vision_kwargs(config, row["tokens"], row["position_ids"], [v for _, v in samples],
                                rope_index=getattr(packed_model.model, "get_rope_index", None))
     with torch.no_grad():
-        logits = packed_model(input_ids=row["tokens"], attention_mask=None, use_cache=False, **kwargs).logits[0]
+        logits = packed_model(attention_mask=None, use_cache=False, **kwargs).logits[0]
     packed_lp = torch.log_softmax(logits.float(), -1)
     cu = row["cu_seqlens"].tolist()
     worst = 0.0
