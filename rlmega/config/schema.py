@@ -385,6 +385,12 @@ class ActorConfig:
     parallel size = world_size / ulysses_size, and max_tokens_per_micro_batch counts tokens per rank. The
     critic runs without it. Megatron's long-context splits are parallelism.sequence_parallel and
     context_parallel_size. 1 = off. Same numbers as without."""
+    freeze_vision_tower: bool = True
+    """A vision-language model (actor.backend=fsdp): keep its vision tower as model.path has it, out of the
+    optimizer and out of every weight sync to the engines (which load it from model.path); the connector and
+    language model train. Idefics3/SmolVLM's ``vision_model``, Qwen2-VL's ``visual`` (its merger included, as
+    verl freezes it). False: the whole model trains, and each sync sends the tower too. No effect on a
+    text-only model."""
     offload_optimizer: bool = False
     """Keep Adam state in host memory between train steps (frees device memory for rollouts)."""
     offload_reference: bool = True

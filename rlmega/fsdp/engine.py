@@ -245,8 +245,8 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
     # ---- weights out --------------------------------------------------------------------------
     def weights_out(self, pieces: bool, weights: str = "merged") -> tuple[bool, Iterator]:
         """Every rank takes part in each parameter's all-gather (one at a time: only the bucket being
-        filled is held in full); rank 0 sends."""
-        return self.rank == 0, self.iter_full_tensors(weights)
+        filled is held in full); rank 0 sends. A frozen vision tower stays out (the engines hold model.path's)."""
+        return self.rank == 0, self.iter_full_tensors(weights, skip=self.frozen_tower)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -90,6 +90,7 @@ class FSDPModelManager:
         self.offloaded: dict = {}
         self.last_step_taken = False  # whether the latest optimizer_step updated the weights
         self.lora_rank = actor.lora.rank  # > 0: LoRA adapters on a frozen base (rlmega/lora.py)
+        self.frozen_tower: set[str] = set()  # a VLM's frozen vision tower's parameter names (setup_model_and_optimizer)
 
     # ---- building ---------------------------------------------------------------------------
     def model_provider_func(self) -> torch.nn.Module:
@@ -128,6 +129,11 @@ class FSDPModelManager:
             # layer's __call__, so FSDP2's hooks on that layer gather its weights for the recompute;
             # parameter names stay HF's (a checkpoint_wrapper would add a prefix).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # A VLM's vision tower, frozen by default: out of the optimizer (requires_grad) and out of the syncs
+        self.frozen_tower = vision_inputs.vision_tower_names(model) if self.actor_cfg.freeze_vision_tower else set()
+        for name, p in model.named_parameters():
+            if name in self.frozen_tower:
+                p.requires_grad_(False)
         if self.lora_rank:  # peft's LoRA layers in place, everything else frozen (rlmega/lora.py)
             model = lora.add_adapters(model, self.actor_cfg.lora, self.model_cfg.seed)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -262,13 +268,15 @@ class FSDPModelManager:
             full_state_dict=full_state_dict, cpu_offload=cpu_offload))
 
     @torch.no_grad()
-    def iter_full_tensors(self, weights: str = "merged") -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_tensors(self, weights: str = "merged",
+                          skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF checkpoint name, full tensor) of the plain model: under LoRA (rlmega/lora.py) with the adapters
-        merged into their layers (``weights`` "merged"), or the base alone ("base")."""
+        merged into their layers (``weights`` "merged"), or the base alone ("base"). ``skip``: parameter names
+        (named_parameters') left out; each still takes part in its all-gather on every rank."""
         if weights not in ("merged", "base"):
             raise ValueError(f"weights={weights!r}: choose 'merged' or 'base'")
         if not self.lora_rank:
-            return self._checkpoint_layout(self.iter_model_tensors())
+            return self._checkpoint_layout((n, t) for n, t in self.iter_model_tensors() if n not in skip)
         if weights == "base":
             return self._checkpoint_layout(lora.base_weights(self.iter_model_tensors(adapters=False)))
         return self._checkpoint_layout(lora.merged_weights(self.iter_model_tensors(),

@@ -45,6 +45,20 @@ def is_vlm(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+# The vision tower's module (an attribute of the VLM's inner model) per family: what freeze_vision_tower freezes.
+VISION_TOWERS = {"idefics3": "vision_model", "smolvlm": "vision_model", "qwen2_vl": "visual", "qwen2_5_vl": "visual"}
+
+
+def vision_tower_names(model) -> set[str]:
+    """The parameter names (model.named_parameters()) of a VLM's vision tower; empty for a text-only model."""
+    if not is_vlm(model.config):
+        return set()
+    check_supported(model.config)
+    tower = getattr(model.model, VISION_TOWERS[model.config.model_type])
+    mine = {id(p) for p in tower.parameters()}
+    return {n for n, p in model.named_parameters() if id(p) in mine}
+
+
 def check_supported(config) -> None:
     """Refuse a VLM family whose image inputs this module cannot pack, naming the supported ones."""
     if is_vlm(config) and config.model_type not in VLM_TYPES:
