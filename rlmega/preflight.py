@@ -82,16 +82,8 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
     converts the architectures rlmega/config/hf_support.py maps; fsdp takes any causal LM that transformers
     builds and vLLM's registry names. The problem line, or None."""
     path = cfg.model.path
-    if hf.get("vision_config") is not None:  # a vision-language model (rlmega/fsdp/vision_inputs.py)
-        kind = f"{path!r} is a vision-language model ({hf.get('model_type')})"
-        if cfg.actor.backend == "megatron":
-            return problem("actor.backend", f"megatron: {kind}; the Megatron learner trains text-only models",
-                           "set actor.backend=fsdp (the FSDP learner builds transformers' VLM classes)")
-        # The FSDP learner packs image samples (tests/unit/test_vlm_packing.py); the prompt rows with images,
-        # the engine's image requests and the vision tower's sync are not built yet: refused until they are.
-        return problem("model.path", f"{kind}: image prompts do not run end to end yet (the FSDP learner's packed "
-                       "forward takes images; the data loader, engine requests and weight sync do not)",
-                       "use a text-only model for now")
+    if hf.get("vision_config") is not None:  # a vision-language model (docs/vision_language.md)
+        return _vlm_reason(cfg, hf)
     if cfg.actor.backend == "megatron":
         why = unsupported_reason(hf)
         if why:
@@ -117,6 +109,43 @@ def _architecture_reason(cfg: RLConfig, hf: dict) -> str | None:
         return problem(field, f"{what} (model.path={path!r}, actor.backend=fsdp; docs/backends.md's family table)",
                        fix)
     return None
+
+
+def _vlm_reason(cfg: RLConfig, hf: dict) -> str | None:
+    """What of a vision-language model.path the settings cannot run (rlmega/fsdp/vision_inputs.py), or None."""
+    from rlmega.fsdp.vision_inputs import MROPE_TYPES, VLM_TYPES
+
+    kind, path = hf.get("model_type"), cfg.model.path
+    what = f"{path!r} is a vision-language model ({kind})"
+    if cfg.actor.backend == "megatron":
+        return problem("actor.backend", f"megatron: {what}; the Megatron learner trains text-only models",
+                       "set actor.backend=fsdp (the FSDP learner builds transformers' VLM classes)")
+    if kind not in VLM_TYPES:
+        return problem("model.path", f"{what}; the FSDP learner packs the images of {', '.join(VLM_TYPES)} only",
+                       "use one of those families")
+    if kind in MROPE_TYPES and cfg.rollout.device == "cpu" and not _torchvision_works():
+        return problem("rollout.device", f"cpu: vLLM's {kind} needs torchvision, which does not load here (no CPU "
+                       "build of it matches this torch: ../shared/CPU.md)", "set rollout.device=cuda, or serve an "
+                       "Idefics3/SmolVLM model on the CPU")
+    # not built yet for images (each would need the images in its own path)
+    if cfg.actor.lora.rank:
+        return problem("actor.lora.rank", f"{cfg.actor.lora.rank}: LoRA is not built for images; {what}",
+                       "set actor.lora.rank=0")
+    if cfg.actor.ulysses_size > 1:
+        return problem("actor.ulysses_size", f"{cfg.actor.ulysses_size}: Ulysses sequence parallelism is not built "
+                       f"for images; {what}", "set actor.ulysses_size=1")
+    if cfg.algorithm.advantage_estimator == "gae":
+        return problem("algorithm.advantage_estimator", f"gae: the critic is not built for images; {what}",
+                       "use a critic-free estimator (grpo, grpo_no_std, rloo, reinforce_plus_plus)")
+    return None
+
+
+def _torchvision_works() -> bool:
+    try:
+        import torchvision  # noqa: F401
+        return True
+    except Exception:  # missing, or a CUDA build beside a CPU torch ("operator torchvision::nms does not exist")
+        return False
 
 
 def _engine_mode(cfg: RLConfig) -> List[str]:

@@ -24,6 +24,7 @@ from rlmega.agents.sft import sft_example
 from rlmega.agents.tasks import task_configs
 from rlmega.agents.trajectory import batch_from_groups, kept_trajectories, staleness
 from rlmega.algorithms import dapo
+from rlmega.data.images import processor_vision
 from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.judgers.base import RewardError
@@ -232,11 +233,13 @@ def check_judgements(groups, on_error: str) -> None:
                                   "and go on")
 
 
-def sft_batch(picked: list, tokenizer, loop_cfgs: dict, max_tokens: int = 0) -> RolloutBatch:
+def sft_batch(picked: list, tokenizer, loop_cfgs: dict, max_tokens: int = 0, processor=None) -> RolloutBatch:
     """[(task, Prompt)] with targets in each task's agent-loop format (rlmega/agents/sft.py: the label +
     EOS, or a calculator call, its masked result and the label): a supervised warm-start batch.
-    ``max_tokens`` > 0 cuts each target to its first that many tokens (a cut one loses its EOS)."""
+    ``max_tokens`` > 0 cuts each target to its first that many tokens (a cut one loses its EOS). Image prompts
+    get their image tensors from ``processor`` (a vision-language model's)."""
     tokens, plens, masks = [], [], []
+    vision = [processor_vision(processor, p.text, p.images)[0] if p.images else None for _, p in picked]
     for task, p in picked:
         ids, mask = sft_example(list(p.token_ids), p.text, p.label, loop_cfgs[task], tokenizer)
         if max_tokens:
@@ -246,4 +249,5 @@ def sft_batch(picked: list, tokenizer, loop_cfgs: dict, max_tokens: int = 0) -> 
         masks.append(torch.tensor(mask, dtype=torch.float32))
     n = len(picked)
     return RolloutBatch(tokens=tokens, prompt_lens=torch.tensor(plens), response_mask=masks,
-                        group_ids=torch.arange(n), sample_ids=torch.arange(n))
+                        group_ids=torch.arange(n), sample_ids=torch.arange(n),
+                        vision=vision if any(v is not None for v in vision) else None)

@@ -198,7 +198,7 @@ def warm_start(roles: Roles, data, tokenizer, t, stop: StopRequest) -> None:
         if stop.requested():
             return
         loops = {name: data.config(name).agent_loop for name in data.names}
-        batch = sft_batch(data.warmup_prompts(i), tokenizer, loops, t.warmup_sft_max_tokens)
+        batch = sft_batch(data.warmup_prompts(i), tokenizer, loops, t.warmup_sft_max_tokens, data.processor)
         metrics = roles.call_actors("sft_step", batch, t.warmup_sft_lr)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
 

@@ -37,12 +37,14 @@ def build_loop(spec: LoopSpec, engines: list) -> AgentLoop:
     """The agent loop of ``spec`` in this process, its judgers built (and their actors started) here."""
     from transformers import AutoTokenizer
 
+    from rlmega.data.images import load_processor
     from rlmega.judgers.factory import build_judger
 
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     judger = build_judger(spec.agent_loop.judgers, spec.reward, bundles=spec.judger_bundles)
     router = EngineRouter(engines, spec.agent_loop.max_generation_retries)
-    return make_agent_loop(spec.task, spec.agent_loop, router, judger, tokenizer, spec.sampling, spec.n)
+    return make_agent_loop(spec.task, spec.agent_loop, router, judger, tokenizer, spec.sampling, spec.n,
+                           load_processor(spec.model_path))
 
 
 class AgentLoopActor:

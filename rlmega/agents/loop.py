@@ -25,6 +25,7 @@ from rlmega.agents.router import EngineRouter, GenerationFailed
 from rlmega.agents.tool_protocol import CALL_CLOSE, RESULT_CLOSE, format_result, parse_call
 from rlmega.agents.tools import run_call
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
+from rlmega.data.images import processor_vision
 from rlmega.judgers.base import JudgeItem
 
 TURN_SEED_STRIDE = 7_919_993  # far from the per-sample seed steps, so turns of nearby samples never share a seed
@@ -43,18 +44,32 @@ class GroupRequest:
     """Trajectories in the group; None: the loop's default (rollout.n)."""
     sampling: dict | None = None
     """Overrides of the loop's sampling (evaluation: temperature 0, n 1)."""
+    images: tuple = ()
+    """A vision-language prompt's images (encoded files); ``prompt_ids`` then hold one placeholder per image."""
+    scored_ids: list[int] | None = None
+    """With images: the prompt as the processor expands it (what the trainer scores, and what the engine's
+    expansion must equal)."""
 
 
 class AgentLoop:
     """Base: runs ``_trajectory`` n times concurrently, judges each, and groups them."""
 
-    def __init__(self, task: str, cfg, router: EngineRouter, judger, tokenizer, sampling: dict, n: int):
+    def __init__(self, task: str, cfg, router: EngineRouter, judger, tokenizer, sampling: dict, n: int,
+                 processor=None):
         self.task, self.cfg, self.router, self.judger, self.tokenizer = task, cfg, router, judger, tokenizer
         self.sampling, self.n = dict(sampling), n
+        self.processor = processor  # a vision-language model's (rlmega.data.images.load_processor), else None
 
     async def run_group(self, req: GroupRequest) -> TrajectoryGroup:
         group = TrajectoryGroup(task=self.task, prompt_index=req.prompt_index, label=req.label)
+        if req.images:  # the prompt's image tensors, once for its n trajectories (they share them)
+            group.vision, expanded = processor_vision(self.processor, req.prompt_text, req.images)
+            if expanded != req.scored_ids:
+                raise ValueError(f"prompt {req.prompt_index}: the processor expands its images otherwise now than "
+                                 "when the data was loaded")
         sampling = {**self.sampling, **(req.sampling or {})}
+        if req.images:
+            sampling["images"] = list(req.images)
         n = req.n or self.n
         trajs = await asyncio.gather(*[self._trajectory(req, sampling, None if req.seed is None else req.seed + j)
                                        for j in range(n)], return_exceptions=True)  # let every try finish
@@ -85,7 +100,7 @@ class AgentLoop:
 class SingleTurnAgentLoop(AgentLoop):
     async def _trajectory(self, req, sampling, seed):
         s = await self.router.generate(req.prompt_ids, {**sampling, "seed": seed})
-        t = Trajectory(prompt_ids=list(req.prompt_ids), finish_reason=s.finish_reason, num_turns=1)
+        t = Trajectory(prompt_ids=scored_prompt(req, s), finish_reason=s.finish_reason, num_turns=1)
         t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
         t.response_text = self._decode(t.response_ids)
         return t
@@ -95,7 +110,7 @@ class ToolAgentLoop(AgentLoop):
     async def _trajectory(self, req, sampling, seed):
         cfg = self.cfg
         budget = cfg.max_total_tokens or sampling["max_tokens"]
-        t = Trajectory(prompt_ids=list(req.prompt_ids))
+        t = Trajectory(prompt_ids=list(req.scored_ids or req.prompt_ids))  # (checked against the engine's below)
         context = list(req.prompt_ids)
         for turn in range(cfg.max_turns):
             left = budget - len(t.response_ids)
@@ -105,6 +120,8 @@ class ToolAgentLoop(AgentLoop):
             turn_seed = None if seed is None else (seed + turn * TURN_SEED_STRIDE) % 2**31
             s = await self.router.generate(context, {**sampling, "max_tokens": left, "seed": turn_seed,
                                                      "stop": [CALL_CLOSE]})
+            if turn == 0:
+                scored_prompt(req, s)
             t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
             context += s.response_ids
             t.num_turns += 1
@@ -137,8 +154,22 @@ class ToolAgentLoop(AgentLoop):
         return await asyncio.to_thread(run_call, call, self.cfg.tools, self.cfg.tool_timeout_s, self.cfg.tool_memory_mb)
 
 
+def scored_prompt(req: GroupRequest, s) -> list[int]:
+    """The prompt the trainer scores: the request's ids, or an image prompt's as the engine expanded them, which
+    must be the processor's expansion (the trainer's image features go to the processor's placeholders)."""
+    if not req.images:
+        return list(req.prompt_ids)
+    if list(s.prompt_ids) != list(req.scored_ids):
+        raise ValueError(f"prompt {req.prompt_index}: the engine expanded its {len(req.images)} image(s) into "
+                         f"{len(s.prompt_ids)} prompt tokens, the model's processor into {len(req.scored_ids)}: the "
+                         "engine and the processor disagree on the image tokens (check the processor files in "
+                         "model.path)")
+    return list(s.prompt_ids)
+
+
 LOOPS = {"single_turn": SingleTurnAgentLoop, "tool": ToolAgentLoop}
 
 
-def make_agent_loop(task: str, cfg, router, judger, tokenizer, sampling: dict, n: int) -> AgentLoop:
-    return LOOPS[cfg.kind](task, cfg, router, judger, tokenizer, sampling, n)
+def make_agent_loop(task: str, cfg, router, judger, tokenizer, sampling: dict, n: int,
+                    processor=None) -> AgentLoop:
+    return LOOPS[cfg.kind](task, cfg, router, judger, tokenizer, sampling, n, processor)

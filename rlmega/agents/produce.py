@@ -60,9 +60,10 @@ def group_requests(picked: list, n: int, base_seed: int | None, sampling: dict |
                    offset: int = 0) -> list:
     """[(task, GroupRequest)] for prompts [(task, Prompt)]; request i has group id offset + i and samples
     with seeds base_seed + (offset + i) * n + j."""
-    return [(task, GroupRequest(prompt_index=offset + i, prompt_ids=list(p.token_ids), label=p.label,
+    return [(task, GroupRequest(prompt_index=offset + i, prompt_ids=p.request_ids(), label=p.label,
                                 prompt_text=p.text, n=n, sampling=sampling,
-                                seed=None if base_seed is None else base_seed + (offset + i) * n))
+                                seed=None if base_seed is None else base_seed + (offset + i) * n,
+                                images=tuple(p.images), scored_ids=list(p.token_ids) if p.images else None))
             for i, (task, p) in enumerate(picked)]
 
 

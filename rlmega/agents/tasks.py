@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from rlmega.config.schema import TaskConfig
 from rlmega.config.task_rules import split_by_weight
+from rlmega.data.images import load_processor
 from rlmega.data.prompts import PromptData, load_prompt_data
 
 
@@ -24,8 +25,11 @@ class Tasks:
     def __init__(self, cfg, tokenizer):
         self.configs = task_configs(cfg)
         self.counts = split_by_weight(cfg.trainer.prompts_per_step, [t.weight for t in self.configs])
+        # a vision-language model's processor: image prompts' tokens, and the images' pixels for the trainer
+        self.processor = load_processor(cfg.model.path)
         self.data: dict[str, PromptData] = {
-            t.name: load_prompt_data(t.data, tokenizer, cfg.rollout.max_prompt_tokens, k)
+            t.name: load_prompt_data(t.data, tokenizer, cfg.rollout.max_prompt_tokens, k, self.processor,
+                                     cfg.rollout.max_images_per_prompt)
             for t, k in zip(self.configs, self.counts)}
 
     @property

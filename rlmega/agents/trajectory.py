@@ -99,6 +99,8 @@ class TrajectoryGroup:
     trajectories: list[Trajectory] = dataclasses.field(default_factory=list)
     error: str | None = None
     """Set when a generation failed after its retries: the group is dropped, never trained on."""
+    vision: dict | None = None
+    """A vision-language prompt's image tensors (the processor's), shared by the group's trajectories."""
 
 
 def staleness(t: Trajectory, step: int) -> int:
@@ -128,5 +130,6 @@ def batch_from_groups(groups: Sequence[TrajectoryGroup]) -> RolloutBatch:
         rewards=torch.tensor([t.reward for _, t in kept], dtype=torch.float32),
         group_ids=torch.tensor([g.prompt_index for g, _ in kept], dtype=torch.int64),
         sample_ids=torch.arange(len(kept), dtype=torch.int64),
+        vision=[g.vision for g, _ in kept] if any(g.vision is not None for g, _ in kept) else None,
     )
 

@@ -104,7 +104,11 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k sampling; -1 disables."""
     max_prompt_tokens: int = 64
-    """Prompts longer than this are rejected by the dataset."""
+    """Prompts longer than this are rejected by the dataset (an image prompt counts its image tokens)."""
+    max_images_per_prompt: int = 1
+    """A vision-language model: the most images one prompt may hold (vLLM's limit_mm_per_prompt, which also
+    sizes the encoder cache the engine profiles at start); a prompt row with more is refused at load, naming
+    its row. No effect on a text-only model."""
     max_response_tokens: int = 32
     """Maximum generated tokens per sample."""
     kv_cache_space_gb: float = 1.0
@@ -475,7 +479,11 @@ class DataConfig:
     apply_chat_template: bool = False
     """Render string prompts as one user message with the chat template (message lists always use it)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A malformed row stops loading with its file and row number ("error"), or is counted and skipped."""
+    """A malformed row stops loading with its file and row number ("error"), or is counted and skipped.
+    An image part that cannot be read (missing file, corrupt, over data.max_image_pixels) makes a bad row."""
+    max_image_pixels: int = 16777216
+    """Images of prompt rows (content parts {"type": "image", "image": PATH_OR_URL_OR_BASE64}; Parquet: bytes)
+    over this many pixels (width x height) are bad rows; checked before they are decoded. 4096 x 4096."""
     strict: bool = False
     """A prompt longer than rollout.max_prompt_tokens, or with characters the tokenizer cannot
     represent, stops loading with its file and row; false: it is dropped (too long) or kept without
@@ -484,11 +492,13 @@ class DataConfig:
     """Draw prompts in a new seeded permutation each epoch; False keeps file order."""
     seed: int = 0
     """Seed of the prompt order (epoch e uses seed + e) and of the synthetic problems."""
-    synthetic_task: Literal["arithmetic", "sequence"] = "arithmetic"
+    synthetic_task: Literal["arithmetic", "sequence", "shapes"] = "arithmetic"
     """The synthetic task when train_path is "": arithmetic ("12+34=" -> "46", reward
-    rlmega.rewards.arithmetic.score) or sequence ("e:" -> synthetic_length letters from e's successor,
+    rlmega.rewards.arithmetic.score), sequence ("e:" -> synthetic_length letters from e's successor,
     each the successor of the one before in the alphabet's order that data.seed shuffles; reward
-    rlmega.rewards.sequence.score; eval: 10 start letters)."""
+    rlmega.rewards.sequence.score; eval: 10 start letters) or shapes (a vision-language model: an image of 1-4
+    coloured shapes drawn on the spot and "how many shapes?" -> "3", reward rlmega.rewards.arithmetic.score;
+    rlmega/data/shapes.py)."""
     synthetic_size: int = 2000
     """Number of synthetic prompts when train_path is ""."""
     synthetic_digits: int = 2

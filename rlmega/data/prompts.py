@@ -9,7 +9,9 @@ drawn in a seeded, resumable order.
 or, from a DataConfig, `load_prompt_data(cfg.data, tokenizer, max_prompt_tokens, prompts_per_step)`.
 
 A row is `{"prompt": str | [{"role", "content"}, ...], "label": ...}` after loading, whatever the
-file's column names were. The sampler's state (epoch, position) goes into checkpoints, so a resumed
+file's column names were; a message's content may be a list of text and image parts
+(rlmega/data/images.py), whose images are read and checked at load and kept as `row["images"]`.
+The sampler's state (epoch, position) goes into checkpoints, so a resumed
 run draws exactly the prompts an uninterrupted one would have.
 """
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from rlmega.data.arithmetic import make_problems
+from rlmega.data.images import processor_vision, split_images
 from rlmega.data.sequences import make_sequence_problems
+from rlmega.data.shapes import shape_rows
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ MAX_SKIP_REASONS = 5  # reasons kept in Skipped; the count covers all of them
 # Roles chat templates know; anything else is most likely a typo ("usr") that a template would drop
 # or render as plain text.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # data.max_image_pixels' default
 
 
 @dataclass
@@ -55,8 +60,10 @@ class BadRowError(ValueError):
     """A malformed row; the message names the file, the 1-based row, the problem and the fix."""
 
 
-def _check_row(obj: Any, prompt_key: str, label_key: str) -> Tuple[Optional[Row], str]:
-    """(row, "") for a good row, (None, "problem. Fix: ...") for a bad one."""
+def _check_row(obj: Any, prompt_key: str, label_key: str, base_dir: str = ".",
+               max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Tuple[Optional[Row], str]:
+    """(row, "") for a good row, (None, "problem. Fix: ...") for a bad one. Image parts are read (paths relative
+    to ``base_dir``) and checked here."""
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}. Fix: write one object per line"
     keys = sorted(map(str, obj))
@@ -73,14 +80,21 @@ def _check_row(obj: Any, prompt_key: str, label_key: str) -> Tuple[Optional[Row]
         if not prompt:
             return None, f"prompt {prompt_key!r} is an empty message list. Fix: give at least one message"
         for i, m in enumerate(prompt):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list, tuple))):
                 return None, (f"message {i} of prompt {prompt_key!r} is {_short(m)}, not a "
-                              '{"role": str, "content": str} object. '
+                              '{"role": str, "content": str | [parts]} object. '
                               'Fix: write chat prompts as [{"role": "user", "content": "..."}, ...]')
             if m["role"] not in CHAT_ROLES:
                 return None, (f"message {i} of prompt {prompt_key!r} has role {m['role']!r}. "
                               f"Fix: use one of {', '.join(CHAT_ROLES)}")
-        prompt = [dict(m) for m in prompt]
+        try:
+            prompt, images = split_images([dict(m) for m in prompt], base_dir, max_image_pixels)
+        except ValueError as e:  # BadImage included: the image's file, URL or problem, and the fix
+            return None, f"prompt {prompt_key!r}, {e}"
+        if not images:  # text parts only: plain strings, which every chat template takes
+            prompt = [{**m, "content": m["content"] if isinstance(m["content"], str)
+                       else "".join(p["text"] for p in m["content"])} for m in prompt]
     else:
         return None, (f"prompt {prompt_key!r} has type {type(prompt).__name__}; expected a string or a list of "
                       '{"role", "content"} messages. Fix: convert the prompt column, or point data.prompt_key '
@@ -90,7 +104,10 @@ def _check_row(obj: Any, prompt_key: str, label_key: str) -> Tuple[Optional[Row]
                       f"Fix: add {label_key!r} to the row, or set data.label_key to the label column")
     if obj[label_key] is None:
         return None, f"label {label_key!r} is null. Fix: give the row a label, or remove it"
-    return {"prompt": prompt, "label": obj[label_key]}, ""
+    row = {"prompt": prompt, "label": obj[label_key]}
+    if isinstance(prompt, list) and images:
+        row["images"] = images
+    return row, ""
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -148,7 +165,7 @@ def _parquet_objects(path: str, prompt_key: str, label_key: str) -> Iterator[Tup
 
 
 def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label",
-              on_bad_row: str = "error") -> Tuple[List[Row], Skipped]:
+              on_bad_row: str = "error", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Tuple[List[Row], Skipped]:
     """Read prompt rows from a JSONL or Parquet (.parquet) file.
 
     Returns (rows, skipped): rows as {"prompt": str | messages, "label": value}, in file order.
@@ -176,7 +193,8 @@ def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label",
     for where, obj, problem in objects:
         row = None
         if not problem:
-            row, problem = _check_row(obj, prompt_key, label_key)
+            row, problem = _check_row(obj, prompt_key, label_key, os.path.dirname(os.path.abspath(path)),
+                                      max_image_pixels)
         if row is not None:
             row["where"] = f"{path}, {where}"  # for problems found later (tokenization, length)
             rows.append(row)
@@ -208,6 +226,15 @@ class Prompt:
     """The row's label, passed to the reward function."""
     text: str
     """The prompt text the token ids encode (the rendered chat for message prompts)."""
+    images: Tuple[bytes, ...] = ()
+    """A vision-language prompt's images (encoded files), in the order of their placeholders."""
+    engine_ids: Optional[List[int]] = None
+    """With images: the ids the engine is given, one image placeholder per image, which it expands into
+    ``token_ids`` (the processor's expansion, what the trainer scores). None: ``token_ids``."""
+
+    def request_ids(self) -> List[int]:
+        """What an engine request carries (``engine_ids`` for an image prompt)."""
+        return list(self.engine_ids if self.engine_ids is not None else self.token_ids)
 
 
 class PromptDataset:
@@ -220,9 +247,11 @@ class PromptDataset:
     """
 
     def __init__(self, rows: Sequence[Row], tokenizer, max_prompt_tokens: int, apply_chat_template: bool = False,
-                 source: str = "prompt rows", strict: bool = False):
+                 source: str = "prompt rows", strict: bool = False, processor=None, max_images: int = 0):
         """``strict``: a prompt that is too long, or loses characters the tokenizer cannot represent,
-        is an error naming its row; otherwise it is counted and warned about (with the first rows)."""
+        is an error naming its row; otherwise it is counted and warned about (with the first rows).
+        ``processor``: a vision-language model's (AutoProcessor), which rows with images need; ``max_images``:
+        the most images a prompt may have (rollout.max_images_per_prompt), more is an error naming the row."""
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} must be >= 1")
         self.max_prompt_tokens = max_prompt_tokens
@@ -232,12 +261,19 @@ class PromptDataset:
         self.num_lossy = 0  # prompts whose characters did not all survive tokenization (kept)
         too_long, lossy, lengths = [], [], []
         for index, row in enumerate(rows):
-            text, ids = self._tokenize(tokenizer, row["prompt"], apply_chat_template)
             where = row.get("where", f"{source}, row {index + 1}")
+            images = tuple(row.get("images") or ())
+            engine_ids = None
+            if images:
+                _check_images(where, len(images), processor, max_images)
+                text, engine_ids, ids = _tokenize_with_images(processor, row["prompt"], images)
+            else:
+                text, ids = self._tokenize(tokenizer, row["prompt"], apply_chat_template)
             lengths.append(len(ids))
             if 0 < len(ids) <= max_prompt_tokens:
-                self._prompts.append(Prompt(index=index, token_ids=ids, label=row["label"], text=text))
-                if _lost_characters(tokenizer, text, ids):
+                self._prompts.append(Prompt(index=index, token_ids=ids, label=row["label"], text=text, images=images,
+                                            engine_ids=engine_ids))
+                if _lost_characters(tokenizer, text, engine_ids or ids):
                     lossy.append(where)
             else:
                 self.num_filtered += 1
@@ -286,6 +322,24 @@ class PromptDataset:
 
     def __iter__(self) -> Iterator[Prompt]:
         return iter(self._prompts)
+
+
+def _check_images(where: str, count: int, processor, max_images: int) -> None:
+    if processor is None:
+        raise BadRowError(f"{where}: the prompt has {count} image(s), but model.path is a text-only model (no image "
+                          "processor). Fix: use a vision-language model.path, or drop the image parts")
+    if count > max_images:
+        raise BadRowError(f"{where}: the prompt has {count} images, over rollout.max_images_per_prompt="
+                          f"{max_images} (the engines' limit_mm_per_prompt). Fix: raise "
+                          f"rollout.max_images_per_prompt to {count}, or give the prompt fewer images")
+
+
+def _tokenize_with_images(processor, messages: Messages, images: Tuple[bytes, ...]) -> Tuple[str, List[int], List[int]]:
+    """(rendered chat, ids with one placeholder per image for the engine, the processor's expanded ids)."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    engine_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    _, ids = processor_vision(processor, text, images)
+    return text, [int(t) for t in engine_ids], ids
 
 
 def _lost_characters(tokenizer, text: str, ids: List[int]) -> bool:
@@ -371,8 +425,12 @@ def _synthetic_eval_rows(cfg, train_rows: Sequence[Row]) -> List[Row]:
 
 def synthetic_rows(cfg, split: str) -> Tuple[List[Row], str]:
     """(rows, source name) of cfg.synthetic_task's `split`: cfg.synthetic_size training problems (seed
-    cfg.seed); for eval, SYNTHETIC_EVAL_SIZE held-out arithmetic problems, or the sequence task's eval
-    start letters."""
+    cfg.seed); for eval, SYNTHETIC_EVAL_SIZE held-out arithmetic problems, the sequence task's eval
+    start letters, or SYNTHETIC_EVAL_SIZE shape-counting images of another seed."""
+    if cfg.synthetic_task == "shapes":
+        evaluating = split == "eval"
+        rows = shape_rows(SYNTHETIC_EVAL_SIZE if evaluating else cfg.synthetic_size, cfg.seed, eval_set=evaluating)
+        return rows, "synthetic shapes" + (" (held out)" if evaluating else "")
     if cfg.synthetic_task == "sequence":
         evaluating = split == "eval"
         n = SYNTHETIC_EVAL_SIZE if evaluating else cfg.synthetic_size
@@ -385,24 +443,25 @@ def synthetic_rows(cfg, split: str) -> Tuple[List[Row], str]:
     return rows, "synthetic arithmetic"
 
 
-def load_prompt_dataset(cfg, tokenizer, max_prompt_tokens: int, split: str = "train") -> Optional[PromptDataset]:
+def load_prompt_dataset(cfg, tokenizer, max_prompt_tokens: int, split: str = "train", processor=None,
+                        max_images: int = 0) -> Optional[PromptDataset]:
     """The `split` ("train" or "eval") dataset a DataConfig describes.
 
     train_path "" gives cfg.synthetic_task's problems (``synthetic_rows``); eval is None when only the
-    training prompts come from a file.
+    training prompts come from a file. ``processor``, ``max_images``: PromptDataset's (image prompts).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
     path = cfg.train_path if split == "train" else cfg.eval_path
     if path:
-        rows, _ = load_rows(path, cfg.prompt_key, cfg.label_key, cfg.on_bad_row)
+        rows, _ = load_rows(path, cfg.prompt_key, cfg.label_key, cfg.on_bad_row, cfg.max_image_pixels)
         source = path
     elif cfg.train_path:
         return None
     else:
         rows, source = synthetic_rows(cfg, split)
     return PromptDataset(rows, tokenizer, max_prompt_tokens, cfg.apply_chat_template, source=source,
-                         strict=cfg.strict)
+                         strict=cfg.strict, processor=processor, max_images=max_images)
 
 
 class PromptData:
@@ -438,8 +497,10 @@ class PromptData:
         self.sampler.load_state_dict(state["sampler"])
 
 
-def load_prompt_data(cfg, tokenizer, max_prompt_tokens: int, prompts_per_step: int) -> PromptData:
-    """PromptData for a DataConfig: its train and eval datasets and a sampler seeded by cfg.seed."""
-    return PromptData(load_prompt_dataset(cfg, tokenizer, max_prompt_tokens, "train"),
-                      load_prompt_dataset(cfg, tokenizer, max_prompt_tokens, "eval"),
+def load_prompt_data(cfg, tokenizer, max_prompt_tokens: int, prompts_per_step: int, processor=None,
+                     max_images: int = 0) -> PromptData:
+    """PromptData for a DataConfig: its train and eval datasets and a sampler seeded by cfg.seed (``processor``,
+    ``max_images``: image prompts, PromptDataset)."""
+    return PromptData(load_prompt_dataset(cfg, tokenizer, max_prompt_tokens, "train", processor, max_images),
+                      load_prompt_dataset(cfg, tokenizer, max_prompt_tokens, "eval", processor, max_images),
                       prompts_per_step, shuffle=cfg.shuffle, seed=cfg.seed)

@@ -397,6 +397,8 @@ class FSDPModelManager:
         if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # every rank sees it: no hang
             raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
         full = self.get_model_state_dict(cpu_offload=True, full_state_dict=True)
+        # a VLM is rebuilt by its own auto class (rlmega/fsdp/vision_inputs.py)
+        auto_class = vision_inputs.VLM_AUTO_CLASS if vision_inputs.is_vlm(self.model.config) else self.AUTO_CLASS
         if self.rank == 0:
             partial = out_dir.with_name(out_dir.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
@@ -407,10 +409,10 @@ class FSDPModelManager:
                                    str(Path(self.model_cfg.path).resolve()))
                 full = dict(lora.merged_weights(full.items(), cfg.alpha / cfg.rank))
                 merged = partial / "merged.partial"
-                _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(merged, safe_serialization=True)
+                _cpu_copy(self.model.config, full, auto_class).save_pretrained(merged, safe_serialization=True)
                 finish_export(merged, partial / "merged", Path(self.model_cfg.path))
             else:
-                _cpu_copy(self.model.config, full, self.AUTO_CLASS).save_pretrained(partial, safe_serialization=True)
+                _cpu_copy(self.model.config, full, auto_class).save_pretrained(partial, safe_serialization=True)
             finish_export(partial, out_dir, Path(self.model_cfg.path) if self.model_cfg.path else None)
         dist.barrier()
         return out_dir

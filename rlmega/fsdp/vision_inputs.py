@@ -35,6 +35,7 @@ from rlmega.fsdp.packed_attention import sequence_bounds
 IDEFICS3_TYPES = ("idefics3", "smolvlm")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")
 VLM_TYPES = IDEFICS3_TYPES + MROPE_TYPES
+VLM_AUTO_CLASS = "AutoModelForImageTextToText"  # the transformers auto class that builds every VLM_TYPES model
 
 # rope_index(input_ids (1, t), mm_token_type_ids (1, t), image_grid_thw (n, 3)) -> (positions (3, 1, t), deltas)
 RopeIndex = Callable[..., tuple]
@@ -184,4 +185,4 @@ def load_kwargs(config, attention: str) -> tuple[type, dict]:
         return transformers.AutoModelForCausalLM, {"attn_implementation": attention}
     check_supported(config)
     per_part = {"": attention, "text_config": attention, "vision_config": "sdpa"}
-    return transformers.AutoModelForImageTextToText, {"attn_implementation": per_part}
+    return getattr(transformers, VLM_AUTO_CLASS), {"attn_implementation": per_part}

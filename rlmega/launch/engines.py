@@ -9,6 +9,7 @@ import ray
 from rlmega.config.engine_mode import enforce_eager, records_routes
 from rlmega.config.placement_rules import Slot
 from rlmega.config.schema import RLConfig
+from rlmega.data.images import is_vlm_folder
 from rlmega.rollout.rollout import GENERATION_GROUP, RolloutWorker
 
 # Generation calls one engine actor runs at once (threads; most wait on the engine): requests in flight
@@ -41,7 +42,8 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
             record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
             attention_backend=r.attention_backend,
-            lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0))  # served unmerged: load_adapter
+            lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0,  # served unmerged: load_adapter
+            images_per_prompt=r.max_images_per_prompt if is_vlm_folder(cfg.model.path) else 0))
     return engines
 
 

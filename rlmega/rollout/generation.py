@@ -19,6 +19,7 @@ import warnings
 
 import numpy as np
 
+from rlmega.data.images import decode_images
 from rlmega.rollout.engine_routes import fit_rows
 
 
@@ -151,20 +152,6 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
         routed_experts=None if routes is None else fit_rows(routes, len(scored_prompt) + len(ids)),
     )
 
-
-def decode_images(images: list[bytes]) -> list:
-    """Encoded image files -> PIL images, as vLLM's multi-modal requests take them (the processor converts
-    them to RGB itself)."""
-    import io
-
-    from PIL import Image
-
-    out = []
-    for data in images:
-        img = Image.open(io.BytesIO(data))
-        img.load()  # read now, not lazily inside the engine's processor
-        out.append(img)
-    return out
 
 
 async def wait_for_gate(self, req: _Request) -> bool:

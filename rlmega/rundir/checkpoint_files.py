@@ -129,7 +129,9 @@ def set_rng_state(state: dict) -> None:
 
 # Copied from the model's folder into an HF export (the weights and config.json are written fresh).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
+                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json",
+                   # a vision-language model's processor (image processor settings, the processor's own)
+                   "processor_config.json", "preprocessor_config.json", "chat_template.json")
 
 
 def finish_export(partial: Path, out_dir: Path, source: Path | None) -> None:

@@ -34,7 +34,7 @@ def _prompts(path: str):
     """[(engine ids, images, expanded ids, vision inputs)] for four prompts (one without an image)."""
     from transformers import AutoProcessor
 
-    from rlmega.rollout.generation import decode_images
+    from rlmega.data.images import decode_images
 
     proc = AutoProcessor.from_pretrained(path)
     specs = [([((112, 112), (255, 0, 0))], "what colour is it?"),

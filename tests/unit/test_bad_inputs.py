@@ -48,6 +48,7 @@ def env(tmp_path_factory):
         "fake.parquet": "this is not parquet\n",
         "a_file": "x",
         "too_long.jsonl": json.dumps({"prompt": "1+2=" * 40, "label": "3"}) + "\n",
+        **_image_rows(d),
     }
     for name, text in files.items():
         (d / name).write_text(text)
@@ -78,6 +79,27 @@ def env(tmp_path_factory):
             "dsv3_no_norm": dsv3_variant("dsv3_no_norm", norm_topk_prob=False),
             "dsv3_fp8": dsv3_variant("dsv3_fp8", quantization_config={"quant_method": "fp8"}),
             **_broken_models(d, model, cfg)}
+
+
+def _image_rows(d: Path) -> dict:
+    """Prompt files whose rows hold images (issue 43): good ones, and each way an image can be bad."""
+    from rlmega.data.shapes import draw
+
+    import numpy as np
+
+    (d / "shape.png").write_bytes(draw(np.random.default_rng(0), 2))
+    (d / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    from PIL import Image
+
+    Image.new("RGB", (300, 200)).save(d / "big.png")
+
+    def row(*images):
+        parts = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": "how many shapes?"}]
+        return json.dumps({"prompt": [{"role": "user", "content": parts}], "label": "2"}) + "\n"
+
+    return {"images_good.jsonl": row("shape.png") * 4, "images_two.jsonl": row("shape.png", "shape.png"),
+            "images_missing_row2.jsonl": row("shape.png") + row("nope.png"),
+            "images_corrupt.jsonl": row("corrupt.png"), "images_big.jsonl": row("big.png")}
 
 
 def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
@@ -355,8 +377,20 @@ CASES = [
     ("megatron, a vision-language model", ["model.path={vlm}", "parallelism.tensor_model_parallel_size=1",
                                            "parallelism.pipeline_model_parallel_size=1"], None,
      "is a vision-language model (idefics3); the Megatron learner trains text-only"),
-    ("fsdp, a vision-language model (until images run end to end)", [*FSDP, "model.path={vlm}"], None,
-     "is a vision-language model (idefics3): image prompts do not run end to end yet"),
+    ("fsdp, LoRA on a vision-language model", [*FSDP, "model.path={vlm}", *LORA], None,
+     "actor.lora.rank: 8: LoRA is not built for images; '"),
+    ("image rows for a text-only model", ["data.train_path={d}/images_good.jsonl"], None,
+     "images_good.jsonl, row 1: the prompt has 1 image(s), but model.path is a text-only model"),
+    ("more images than rollout.max_images_per_prompt", [*FSDP, "model.path={vlm}",
+                                                         "data.train_path={d}/images_two.jsonl"], None,
+     "images_two.jsonl, row 1: the prompt has 2 images, over rollout.max_images_per_prompt=1"),
+    ("an image file missing", [*FSDP, "model.path={vlm}", "data.train_path={d}/images_missing_row2.jsonl"], None,
+     "images_missing_row2.jsonl, row 2: prompt 'prompt', message 0, part 0: image file"),
+    ("a corrupt image", [*FSDP, "model.path={vlm}", "data.train_path={d}/images_corrupt.jsonl"], None,
+     "images_corrupt.jsonl, row 1: prompt 'prompt', message 0, part 0: image is not readable"),
+    ("an image over data.max_image_pixels", [*FSDP, "model.path={vlm}", "data.train_path={d}/images_big.jsonl",
+                                             "data.max_image_pixels=50000"], None,
+     "image of 300x200 = 60000 pixels is over data.max_image_pixels=50000"),
     # --- issue 42: the FSDP learner's family table (rlmega/config/families.py) ---
     ("fsdp, a family outside the table", [*FSDP, "model.path={granite}"], None,
      "model.path: 'GraniteForCausalLM' is not a family rlmega has tested on the FSDP learner"),
@@ -591,6 +625,13 @@ def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
     with pytest.raises(WorkersWouldStart):
         train_mod.main([TINY, f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}",
                         f"data.train_path={env['d']}/good.jsonl", "trainer.resume=none"])
+
+
+def test_a_good_vlm_config_with_image_rows_passes_the_same_checks(env, monkeypatch, tmp_path):
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main([TINY, *FSDP, f"model.path={env['vlm']}", f"trainer.run_dir={tmp_path / 'run'}",
+                        f"data.train_path={env['d']}/images_good.jsonl", "trainer.resume=none"])
 
 
 @pytest.mark.parametrize("level", ["WARNING", "DEBUG"])
