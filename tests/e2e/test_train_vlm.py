@@ -1,0 +1,92 @@
+"""`rlmega train configs/vlm_cpu.yaml` end to end on a tiny Idefics3 (issue 43), as a user runs it, shortened:
+shape-counting images drawn on the spot, a warm start, 4 RL steps with the asynchronous producer's deterministic
+schedule (its buffer of image batches is in the checkpoints), checkpoints every 2 steps.
+
+- ``straight``: 4 uninterrupted steps, the reference;
+- ``killed``: the same run killed with SIGKILL once its step-2 checkpoint exists, then resumed to step 4: its
+  steps 3-4 equal the reference's exactly;
+- the HF export (hf_final) loads in transformers with its processor and holds exactly the trainer's weights.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# pytest puts tests/e2e on sys.path; the helpers are test_train's
+from test_train import ROOT, _metrics, _run, _same_numbers
+
+from rlmega.tiny_vlm import make_tiny_vlm
+
+ASYNC = ("produce.strategy=async", "produce.max_staleness=1", "produce.deterministic=true",
+         "algorithm.rollout_correction=tis")
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return str(make_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny_vlm", arch="idefics3", seed=0))
+
+
+def _cmd(model, run, steps, *extra, schedule=ASYNC):
+    return [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/vlm_cpu.yaml"), f"model.path={model}",
+            f"trainer.run_dir={run}", f"trainer.total_steps={steps}", "trainer.save_every=2",
+            "trainer.warmup_sft_steps=8", "optimizer.lr_warmup_steps=8", "trainer.eval_every=0",
+            "trainer.prompts_per_step=4", "rollout.n=4", "trainer.global_batch_size=16", "data.synthetic_size=64",
+            *schedule, *extra]
+
+
+@pytest.fixture(scope="module")
+def straight(vlm, tmp_path_factory):
+    run = tmp_path_factory.mktemp("vlm_straight")
+    _run(_cmd(vlm, run, 4))
+    return run
+
+
+def test_kill_9_and_resume_equals_the_uninterrupted_run(vlm, straight, tmp_path):
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(vlm, run, 4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    deadline = time.monotonic() + 400
+    try:
+        while not (run / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 2"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    _run(_cmd(vlm, run, 4, "--resume"))
+    got, want = _metrics(run), _metrics(straight)
+    assert [m["step"] for m in want] == [1, 2, 3, 4]
+    assert sum(m["grad_norm"] > 0 for m in want) >= 2, want  # real updates (a step whose groups all drew equal
+    # rewards has none)
+    assert want[0]["logprob_diff_max"] <= 5e-6 and want[0]["parity_samples"] > 0, want[0]
+    for g, w in zip(got[2:], want[2:]):
+        assert _same_numbers(g, w) == {}, (g["step"], _same_numbers(g, w))
+
+
+def test_the_export_loads_in_transformers_and_holds_the_trainers_weights(straight):
+    """hf_final loads with AutoModelForImageTextToText and its processor, and holds exactly the weights of the
+    trainer's step-4 checkpoint (whose forward is transformers' own: tests/unit/test_vlm_packing.py)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rlmega.data.images import processor_vision
+    from rlmega.data.shapes import shape_rows
+
+    export = straight / "hf_final"
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+    proc = AutoProcessor.from_pretrained(export)
+    row = shape_rows(1, seed=5)[0]
+    text = proc.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    vision, ids = processor_vision(proc, text, row["images"])
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([ids]), **vision).logits).all()
+    exported = load_file(export / "model.safetensors")
+    saved = {k: torch.empty_like(v) for k, v in exported.items()}
+    dcp.load({"model": saved}, checkpoint_id=str(straight / "checkpoints" / "step_00000004"))
+    assert sorted(saved) == sorted(exported) and all(torch.equal(saved[k], exported[k]) for k in saved)
