@@ -496,8 +496,8 @@ class DataConfig:
     """The synthetic task when train_path is "": arithmetic ("12+34=" -> "46", reward
     rlmega.rewards.arithmetic.score), sequence ("e:" -> synthetic_length letters from e's successor,
     each the successor of the one before in the alphabet's order that data.seed shuffles; reward
-    rlmega.rewards.sequence.score; eval: 10 start letters) or shapes (a vision-language model: an image of 1-4
-    coloured shapes drawn on the spot and "how many shapes?" -> "3", reward rlmega.rewards.arithmetic.score;
+    rlmega.rewards.sequence.score; eval: 10 start letters) or shapes (a vision-language model: an image of 1-3
+    shapes of one colour drawn on the spot and "colour? r g b y p" -> "b", reward rlmega.rewards.shapes.score;
     rlmega/data/shapes.py)."""
     synthetic_size: int = 2000
     """Number of synthetic prompts when train_path is ""."""

@@ -426,7 +426,7 @@ def _synthetic_eval_rows(cfg, train_rows: Sequence[Row]) -> List[Row]:
 def synthetic_rows(cfg, split: str) -> Tuple[List[Row], str]:
     """(rows, source name) of cfg.synthetic_task's `split`: cfg.synthetic_size training problems (seed
     cfg.seed); for eval, SYNTHETIC_EVAL_SIZE held-out arithmetic problems, the sequence task's eval
-    start letters, or SYNTHETIC_EVAL_SIZE shape-counting images of another seed."""
+    start letters, or SYNTHETIC_EVAL_SIZE coloured-shape images of another seed."""
     if cfg.synthetic_task == "shapes":
         evaluating = split == "eval"
         rows = shape_rows(SYNTHETIC_EVAL_SIZE if evaluating else cfg.synthetic_size, cfg.seed, eval_set=evaluating)

@@ -1,5 +1,5 @@
 """`rlmega train configs/vlm_cpu.yaml` end to end on a tiny Idefics3 (issue 43), as a user runs it, shortened:
-shape-counting images drawn on the spot, a warm start, 4 RL steps with the asynchronous producer's deterministic
+images of coloured shapes drawn on the spot, a warm start, 4 RL steps with the asynchronous producer's deterministic
 schedule (its buffer of image batches is in the checkpoints), checkpoints every 2 steps.
 
 - ``straight``: 4 uninterrupted steps, the reference;

@@ -87,14 +87,14 @@ def _image_rows(d: Path) -> dict:
 
     import numpy as np
 
-    (d / "shape.png").write_bytes(draw(np.random.default_rng(0), 2))
+    (d / "shape.png").write_bytes(draw(np.random.default_rng(0), 2, (30, 60, 220)))
     (d / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
     from PIL import Image
 
     Image.new("RGB", (300, 200)).save(d / "big.png")
 
     def row(*images):
-        parts = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": "how many shapes?"}]
+        parts = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": "what colour?"}]
         return json.dumps({"prompt": [{"role": "user", "content": parts}], "label": "2"}) + "\n"
 
     return {"images_good.jsonl": row("shape.png") * 4, "images_two.jsonl": row("shape.png", "shape.png"),

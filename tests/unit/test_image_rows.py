@@ -11,18 +11,18 @@ import pytest
 
 from rlmega.data.images import BadImage, split_images
 from rlmega.data.prompts import BadRowError, PromptDataset, load_rows
-from rlmega.data.shapes import MAX_SHAPES, draw, shape_rows
+from rlmega.data.shapes import COLOURS, draw, shape_rows
 
 
 @pytest.fixture(scope="module")
 def png():
-    return draw(np.random.default_rng(0), 2)
+    return draw(np.random.default_rng(0), 2, COLOURS["blue"])
 
 
 def _message(*sources, kind="image"):
     parts = [{"type": kind, kind: s} if kind == "image" else {"type": "image_url", "image_url": {"url": s}}
              for s in sources]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": "how many shapes?"}]}]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "what colour?"}]}]
 
 
 def test_every_source_form_gives_the_same_bytes(tmp_path, png):
@@ -33,7 +33,7 @@ def test_every_source_form_gives_the_same_bytes(tmp_path, png):
                      _message(png), _message({"bytes": png, "path": None}), _message(uri, kind="image_url")):
         out, images = split_images(messages, str(tmp_path), max_pixels=10**6)
         assert images == [png]
-        assert out[0]["content"] == [{"type": "image"}, {"type": "text", "text": "how many shapes?"}]
+        assert out[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what colour?"}]
 
 
 @pytest.mark.parametrize("source, message", [
@@ -100,8 +100,15 @@ def test_the_processor_expands_what_the_engine_gets_one_placeholder_of(tmp_path)
         PromptDataset(rows, proc.tokenizer, max_prompt_tokens=64, processor=proc, max_images=0)
 
 
+def test_the_colour_reward_wants_the_word():
+    from rlmega.rewards.shapes import score
+
+    responses = ("blue", "blue</s>", "blue.", "bluey", "blu", " blue", "")
+    assert [score(r, "blue") for r in responses] == [1, 1, 1, 0, 0, 0, 0]
+
+
 def test_shape_problems_are_reproducible_and_the_eval_set_differs():
     a, b, ev = shape_rows(20, seed=3), shape_rows(20, seed=3), shape_rows(20, seed=3, eval_set=True)
     assert [r["images"] for r in a] == [r["images"] for r in b]
-    assert {r["label"] for r in a} <= {str(k) for k in range(1, MAX_SHAPES + 1)}
+    assert {r["label"] for r in a} <= {name[0] for name in COLOURS}
     assert [r["images"] for r in a] != [r["images"] for r in ev]
