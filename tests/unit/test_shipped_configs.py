@@ -17,6 +17,7 @@ import yaml
 from rlmega import cli, train
 from rlmega.config import ConfigError
 from rlmega.tiny_model import make_tiny_model
+from rlmega.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -85,7 +86,12 @@ def models(tmp_path_factory):
 
     def get(key, **shape):
         if key not in made:
-            made[key] = make_tiny_model(tmp_path_factory.mktemp("model") / "m", **shape)
+            out = tmp_path_factory.mktemp("model") / "m"
+            if shape.get("arch") in VLM_ARCHITECTURES:  # what tools/make_tiny_model.py passes on to make_tiny_vlm
+                made[key] = make_tiny_vlm(out, **{k: shape[k] for k in ("arch", "hidden_size", "num_layers",
+                                                                        "num_heads", "seed")})
+            else:
+                made[key] = make_tiny_model(out, **shape)
         return made[key]
     return get
 
