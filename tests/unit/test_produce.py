@@ -1,7 +1,6 @@
 """The producer's pure parts: DAPO's overlong penalty and uniform groups (by hand), per-token weight
 versions and staleness, the batch's checkpoint form, refill seeds, and the overlong shaping of a batch."""
 import io
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from rlmega.agents.produce import drop_groups, group_requests, sample_seed, stal
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup, batch_from_groups, staleness
 from rlmega.algorithms import dapo
 from rlmega.config.schema import RLConfig
+from rlmega.data.prompts import Prompt
 from rlmega.step import shape_overlong
 
 
@@ -94,7 +94,7 @@ def test_queues_count_groups():
 
 
 def test_refill_rounds_continue_the_group_seeds():
-    p = SimpleNamespace(token_ids=[1, 2], label="3", text="1+2=")
+    p = Prompt(index=0, token_ids=[1, 2], label="3", text="1+2=")
     base = sample_seed(10, 2)
     assert base == 10 + 2 * 1_000_003
     first = group_requests([("a", p), ("a", p)], n=4, base_seed=base)
