@@ -72,7 +72,7 @@ def _check_row(obj: Any, prompt_key: str, label_key: str, base_dir: str = ".",
                       f"Fix: add {prompt_key!r} to the row, or set data.prompt_key to the prompt column")
     if obj[prompt_key] is None:
         return None, f"prompt {prompt_key!r} is null. Fix: give the row a prompt, or remove it"
-    prompt = obj[prompt_key]
+    prompt, images = obj[prompt_key], []
     if isinstance(prompt, str):
         if not prompt.strip():
             return None, f"prompt {prompt_key!r} is empty. Fix: give a non-empty prompt or remove the row"
@@ -105,7 +105,7 @@ def _check_row(obj: Any, prompt_key: str, label_key: str, base_dir: str = ".",
     if obj[label_key] is None:
         return None, f"label {label_key!r} is null. Fix: give the row a label, or remove it"
     row = {"prompt": prompt, "label": obj[label_key]}
-    if isinstance(prompt, list) and images:
+    if images:
         row["images"] = images
     return row, ""
 

@@ -5,4 +5,5 @@ their state-dict helpers, as rlmega/megatron/ is the only one importing megatron
     runtime.py        init_distributed(): the process group from torchrun's environment
     model_manager.py  FSDPModelManager: model, optimizer, LR schedule, offload, export (RLinf's names)
     checkpoint.py     sharded DCP checkpoints in the shared step_N / latest layout
+    vision_inputs.py  a vision-language model's images and mRoPE positions in a packed row
 """
