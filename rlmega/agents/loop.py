@@ -87,8 +87,9 @@ class AgentLoop:
 
     def _item(self, req: GroupRequest, t: Trajectory) -> JudgeItem:
         return JudgeItem(prompt_text=req.prompt_text, response_text=t.response_text, label=req.label,
-                         prompt_ids=list(req.prompt_ids), response_ids=list(t.response_ids),
-                         metadata={"task": self.task, "finish_reason": t.finish_reason, **t.metadata})
+                         prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
+                         metadata={"task": self.task, "finish_reason": t.finish_reason, **t.metadata},
+                         images=req.images)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

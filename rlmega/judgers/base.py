@@ -39,6 +39,9 @@ class JudgeItem:
     response_ids: list[int] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     """Anything else the agent loop knows (task name, finish reason, turns); passed to HTTP judgers."""
+    images: tuple = ()
+    """A vision-language prompt's images (encoded files), by reference: the loop's own objects (native judgers
+    that name an ``images`` parameter get them; not sent to HTTP judgers)."""
 
 
 @dataclass

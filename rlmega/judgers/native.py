@@ -4,9 +4,11 @@
 
 The function is `fn(response_text, label, **kwargs)` returning a number, or a dict of named scores
 that holds "reward" (rlmega/judgers/base.py names them). It is resolved when the judger is built, so a
-bad dotted path fails then, not at the first trajectory. A function that names a parameter `prompt`
-or `metadata` also gets the item's prompt text or metadata there (a tool loop's whole transcript is
-metadata["transcript"]); opt-in by name, so plain reward functions (reward.fn) stay two-argument.
+bad dotted path fails then, not at the first trajectory. A function that names a parameter `prompt`,
+`metadata` or `images` also gets the item's prompt text, metadata (a tool loop's whole transcript is
+metadata["transcript"]) or its prompt's images (a vision-language prompt's encoded image files, the objects the
+loop holds: rlmega/data/images.py decode_images opens them); opt-in by name, so plain reward functions
+(reward.fn) stay two-argument.
 
 An `async def` function is awaited on the caller's event loop (it must not block it). A plain function
 runs in a thread of its own, so a slow or hung one never stalls the loop. Why not `asyncio.to_thread`:
@@ -27,7 +29,7 @@ from rlmega.judgers.base import Judger, JudgeItem, RawVerdict
 
 
 # Parameters a function may name to get more of the item: parameter -> JudgeItem field.
-ITEM_PARAMETERS = {"prompt": "prompt_text", "metadata": "metadata"}
+ITEM_PARAMETERS = {"prompt": "prompt_text", "metadata": "metadata", "images": "images"}
 
 
 def _parameters(fn: Callable) -> set[str]:

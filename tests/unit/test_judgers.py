@@ -164,7 +164,7 @@ def test_native_bad_results_and_a_timeout_error_raised_by_the_function():
     assert run(NativeJudger("n", nan).judge(item("1"))).error == "judger 'n' (native): ValueError: the result is nan"
 
 
-def test_native_functions_that_ask_for_the_prompt_or_metadata_get_them():
+def test_native_functions_that_ask_for_the_prompt_metadata_or_images_get_them():
     # A tool loop judges the answer after the last tool result; the transcript rides in metadata.
     j = NativeJudger("tools", "rlmega.rewards.format.tool_format", kwargs={"tools": ["calculator"]})
     good = item("42", metadata={"transcript": "<tool>calculator:40+2</tool><result>42</result>42"})
@@ -177,6 +177,12 @@ def test_native_functions_that_ask_for_the_prompt_or_metadata_get_them():
 
     assert run(NativeJudger("s", sees).judge(item("x", metadata={"turns": 2}))).reward == 1.0
     assert NativeJudger("a", "rlmega.rewards.arithmetic.score").wants == set()  # **kwargs does not opt in
+
+    def looks(response, label, images):  # a vision-language prompt's images, the very objects the item holds
+        return float(len(images) == 2 and images[0] is png)
+
+    png = b"\x89PNG..."
+    assert run(NativeJudger("i", looks).judge(JudgeItem("q=", "x", images=(png, b"2")))).reward == 1.0
 
 
 def test_native_bad_path_fails_at_construction():
