@@ -34,7 +34,9 @@ def _cmd(model, run, steps, *extra, schedule=ASYNC):
             f"trainer.run_dir={run}", f"trainer.total_steps={steps}", "trainer.save_every=2",
             "trainer.warmup_sft_steps=8", "optimizer.lr_warmup_steps=8", "trainer.eval_every=0",
             "trainer.prompts_per_step=4", "rollout.n=4", "trainer.global_batch_size=16", "data.synthetic_size=64",
-            *schedule, *extra]
+            # a reward with spread in every group (a barely warm-started model gets the colour wrong everywhere):
+            # every step updates the weights, so the resume has moved weights and Adam state to restore
+            "reward.fn=rlmega.testing.rewards.digit_fraction", *schedule, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +62,7 @@ def test_kill_9_and_resume_equals_the_uninterrupted_run(vlm, straight, tmp_path)
     _run(_cmd(vlm, run, 4, "--resume"))
     got, want = _metrics(run), _metrics(straight)
     assert [m["step"] for m in want] == [1, 2, 3, 4]
-    assert sum(m["grad_norm"] > 0 for m in want) >= 2, want  # real updates (a step whose groups all drew equal
-    # rewards has none)
+    assert all(m["grad_norm"] > 0 for m in want), want  # real updates at every step
     assert want[0]["logprob_diff_max"] <= 5e-6 and want[0]["parity_samples"] > 0, want[0]
     for g, w in zip(got[2:], want[2:]):
         assert _same_numbers(g, w) == {}, (g["step"], _same_numbers(g, w))
