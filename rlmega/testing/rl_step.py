@@ -16,6 +16,16 @@ from rlmega.algorithms import advantages
 from rlmega.data.rollout_batch import RolloutBatch
 
 
+class OneRank:
+    """One in-process actor as a one-rank WorkerGroup (``group.call(name, ...)`` -> [its result])."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def call(self, name, *args, **kwargs):
+        return [getattr(self.actor, name)(*args, **kwargs)]
+
+
 def train_step_on_fixed_rewards(group, batch: RolloutBatch) -> dict:
     """compute_logprobs then train_step on ``batch`` (every rank); returns rank 0's metrics."""
     rewards = torch.tensor([float(sum(s.tolist()) % 2) for s in batch.tokens])

@@ -49,15 +49,8 @@ def _child(root: str) -> dict:
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.sync.parity import logprob_diff
     from rlmega.sync.transports import DirectTransport
-    from rlmega.testing.rl_step import train_step_on_fixed_rewards
+    from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
     from rlmega.tiny_model import make_tiny_model
-
-    class _Local:  # one in-process actor as a one-rank WorkerGroup
-        def __init__(self, actor):
-            self.actor = actor
-
-        def call(self, name, *args, **kwargs):
-            return [getattr(self.actor, name)(*args, **kwargs)]
 
     actors = {}
     for arch, dtype in {**FAMILIES, **REFUSED}.items():  # every trainer before vLLM loads (module docstring)
@@ -99,7 +92,7 @@ def _child(root: str) -> dict:
                     row = {"max": diff["max"], "mean": diff["mean"]}
                     if step < steps:
                         if arch in FAMILIES:
-                            metrics = train_step_on_fixed_rewards(_Local(actor), batch)
+                            metrics = train_step_on_fixed_rewards(OneRank(actor), batch)
                             row["grad_norm"] = metrics["grad_norm"]
                         version += 1
                         row["bytes"] = actor.sync_model_to_rollout(DirectTransport([engine]), version=version)["bytes"]

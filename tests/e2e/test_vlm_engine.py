@@ -63,15 +63,8 @@ def _child(root: str) -> dict:
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.sync.parity import logprob_diff
     from rlmega.sync.transports import DirectTransport
-    from rlmega.testing.rl_step import train_step_on_fixed_rewards
+    from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
     from rlmega.tiny_vlm import make_tiny_vlm
-
-    class _Local:  # one in-process actor as a one-rank WorkerGroup
-        def __init__(self, actor):
-            self.actor = actor
-
-        def call(self, name, *args, **kwargs):
-            return [getattr(self.actor, name)(*args, **kwargs)]
 
     path = str(make_tiny_vlm(f"{root}/idefics3", arch="idefics3", seed=0))
 
@@ -109,7 +102,7 @@ def _child(root: str) -> dict:
                 diff = logprob_diff(batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask)
                 row = {"max": diff["max"], "mean": diff["mean"]}
                 if step < STEPS:
-                    row["grad_norm"] = train_step_on_fixed_rewards(_Local(actor), batch)["grad_norm"]
+                    row["grad_norm"] = train_step_on_fixed_rewards(OneRank(actor), batch)["grad_norm"]
                     version += 1
                     row["bytes"] = actor.sync_model_to_rollout(DirectTransport([engine]), version=version)["bytes"]
                 rows.append(row)

@@ -54,16 +54,6 @@ def _free() -> float:
     return torch.cuda.mem_get_info()[0] / GiB
 
 
-class _Local:
-    """One in-process actor as a one-rank WorkerGroup (``call`` returns [result])."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def call(self, name, *args, **kwargs):
-        return [getattr(self.actor, name)(*args, **kwargs)]
-
-
 class _IpcDirect:
     """``CudaIpcTransport``'s sending side with ``DirectTransport``'s calls: the GPU machine has no Ray.
     Each bucket goes as CUDA IPC records of the trainer's tensors (``ipc_bucket``); the RolloutWorker
@@ -97,7 +87,7 @@ def _cycle_body(model_dir: str) -> dict:
     from rlmega.megatron.actor import MegatronActor
     from rlmega.sync.parity import logprob_diff
     from rlmega.sync.transports import DirectTransport
-    from rlmega.testing.rl_step import train_step_on_fixed_rewards
+    from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
     from rlmega.rollout.rollout import RolloutWorker
 
     out: dict = {"free_at_start_gib": _free()}
@@ -133,7 +123,7 @@ def _cycle_body(model_dir: str) -> dict:
                                                                 offload_while_generating=True),
                           AlgorithmConfig(kl_coef=0.0))
     actor.setup(with_reference=False)
-    group = _Local(actor)
+    group = OneRank(actor)
     torch.cuda.reset_peak_memory_stats()
     steps, diffs = [], []
     for step in range(STEPS):
