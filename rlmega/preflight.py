@@ -30,6 +30,7 @@ from typing import List
 
 from rlmega.agents.placement import roles_cpus
 from rlmega.config import critic_rules, lora_rules
+from rlmega.config.agent_rules import IMAGE_TOOLS, task_loops
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.engine_mode import records_routes
 from rlmega.config.families import engine_reason, fsdp_reason
@@ -74,6 +75,10 @@ def _model(cfg: RLConfig) -> List[str]:
                 for why in tokenizer_problems(path, hf)]
     if hf is not None and not reason:
         out += lora_rules.module_problems(cfg, hf)
+    if hf is not None and hf.get("vision_config") is None:
+        out += [problem(f"{field}.tools", f"{sorted(set(loop.tools) & set(IMAGE_TOOLS))} answer with images; "
+                        f"model.path {path!r} is a text-only model", "use a vision-language model, or drop the tool")
+                for field, loop in task_loops(cfg) if loop.kind == "tool" and set(loop.tools) & set(IMAGE_TOOLS)]
     return out
 
 

@@ -14,16 +14,21 @@ turn stops at "</tool>" (or EOS / max tokens); a complete ``<tool>name:args</too
 re-tokenized. It ends when a turn makes no call (reason: the turn's finish reason), after max_turns
 turns still calling ("max_turns"), or at max_total_tokens response tokens ("max_tokens"). Judgers see
 the text after the last tool result (the answer); the whole transcript is in metadata["transcript"].
+A tool that answers with an image (zoom, for a vision-language model) adds an image observation: the
+engine's next turn gets the image too, and the trajectory its own vision inputs
+(rlmega/agents/image_observations.py).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from typing import Any
 
+from rlmega.agents.image_observations import Observations
 from rlmega.agents.router import EngineRouter, GenerationFailed
 from rlmega.agents.tool_protocol import CALL_CLOSE, RESULT_CLOSE, format_result, parse_call
-from rlmega.agents.tools import run_call
+from rlmega.agents.tools import ImageResult, run_call
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
 from rlmega.data.images import processor_vision
 from rlmega.judgers.base import JudgeItem
@@ -113,6 +118,7 @@ class ToolAgentLoop(AgentLoop):
         budget = cfg.max_total_tokens or sampling["max_tokens"]
         t = Trajectory(prompt_ids=list(req.scored_ids or req.prompt_ids))  # (checked against the engine's below)
         context = list(req.prompt_ids)
+        images, observed, spans = list(req.images), [], []  # the engine's images; image observations, their spans
         for turn in range(cfg.max_turns):
             left = budget - len(t.response_ids)
             if left <= 0:
@@ -120,9 +126,12 @@ class ToolAgentLoop(AgentLoop):
                 break
             turn_seed = None if seed is None else (seed + turn * TURN_SEED_STRIDE) % 2**31
             s = await self.router.generate(context, {**sampling, "max_tokens": left, "seed": turn_seed,
-                                                     "stop": [CALL_CLOSE]})
+                                                     "stop": [CALL_CLOSE], **({"images": images} if images else {})})
             if turn == 0:
                 scored_prompt(req, s)
+            elif images and list(s.prompt_ids) != t.prompt_ids + t.response_ids:
+                raise ValueError(f"prompt {req.prompt_index}, turn {turn}: the engine expanded the images of the "
+                                 "context otherwise than the trajectory holds them (check the processor files)")
             t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
             context += s.response_ids
             t.num_turns += 1
@@ -132,10 +141,22 @@ class ToolAgentLoop(AgentLoop):
                 t.finish_reason = "max_tokens" if s.finish_reason == "length" and left < sampling["max_tokens"] \
                     else s.finish_reason
                 break
-            output = await self._run_tool(call)
+            output = await self._run_tool(call, req.images)
             t.tool_calls += 1
+            if isinstance(output, ImageResult):
+                engine_ids, ids, (a, b) = self.observations.tokens(output.png)
+                if len(t.response_ids) + len(ids) <= budget:  # an image is never cut: it fits or is refused
+                    spans.append((len(t.response_ids) + a, len(t.response_ids) + b))
+                    observed.append(output.png)
+                    images.append(output.png)
+                    t.append(ids, None, -1, model=False)
+                    context += engine_ids
+                    continue
+                output = "error: no room left for the image"
             t.tool_errors += output.startswith("error")
-            ids = self.tokenizer.encode(format_result(output), add_special_tokens=False)  # tokenized once
+            # tokenized once; tool output is text, never a special token (an image placeholder, an end of turn)
+            ids = self.tokenizer(format_result(output), add_special_tokens=False,
+                                 split_special_tokens=True)["input_ids"]
             if len(t.response_ids) + len(ids) > budget:  # the result does not fit: keep what does, stop
                 ids = ids[: budget - len(t.response_ids)]
                 t.append(ids, None, -1, model=False)
@@ -145,14 +166,24 @@ class ToolAgentLoop(AgentLoop):
             context += ids
         else:
             t.finish_reason = "max_turns"
+        if observed:  # the trainer's images: the prompt's, then the observations' (spans say where they sit)
+            t.vision = self.observations.trajectory_vision(
+                req.prompt_text, req.images, observed, spans,
+                scored=t.prompt_ids + [i for a, b in spans for i in t.response_ids[a:b]])
         transcript = self._decode(t.response_ids)
-        t.metadata = {"transcript": transcript, "tool_calls": t.tool_calls}
+        t.metadata = {"transcript": transcript, "tool_calls": t.tool_calls,
+                      **({"image_observations": len(observed)} if observed else {})}
         t.response_text = transcript.rsplit(RESULT_CLOSE, 1)[-1]  # the answer after the last tool result
         return t
 
-    async def _run_tool(self, call) -> str:
+    @functools.cached_property
+    def observations(self) -> Observations:
+        return Observations(self.processor)
+
+    async def _run_tool(self, call, images=()):
         # Tools block (the Python evaluator waits on its process): off the event loop.
-        return await asyncio.to_thread(run_call, call, self.cfg.tools, self.cfg.tool_timeout_s, self.cfg.tool_memory_mb)
+        return await asyncio.to_thread(run_call, call, self.cfg.tools, self.cfg.tool_timeout_s,
+                                       self.cfg.tool_memory_mb, images)
 
 
 def scored_prompt(req: GroupRequest, s) -> list[int]:

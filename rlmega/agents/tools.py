@@ -1,4 +1,4 @@
-"""The tools a multi-turn agent loop may call, by name: `calculator` and `python`.
+"""The tools a multi-turn agent loop may call, by name: `calculator`, `python` and `zoom` (an image answer).
 
     from rlmega.agents.tools import get_tool, run_call
     get_tool("calculator").run("12*(3+4)")                # "84"
@@ -9,12 +9,14 @@ A tool's `run` never raises for what the model wrote: whatever goes wrong become
 "error: ..." in lower-case text, because the model is the one who has to read it (and the tiny
 test model's tokenizer drops upper case and most punctuation; see tool_protocol.VOCAB_CHARACTERS).
 Limits out of range (NaN, inf, absurd sizes) are the caller's bug and raise ValueError. The
+zoom tool (a vision-language model's) answers with an ImageResult, a box of the prompt's image enlarged. The
 python tool's output is bounded (python_sandbox.MAX_OUTPUT_CHARS, MAX_CHILD_BYTES read); the
 loop's format_result cuts every output further and escapes the protocol's markers in it.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import logging
 import math
 import operator
@@ -27,11 +29,11 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Callable
 
-from rlmega.agents import python_sandbox
+from rlmega.agents import python_sandbox, zoom
 from rlmega.agents.tool_protocol import ToolCall, to_vocab
 # The tools' names and the bounds of a call's limits are config rules (the config's validation uses the same).
 from rlmega.config.agent_rules import MAX_MEMORY_MB, MAX_TIMEOUT_S, MIN_MEMORY_MB, TOOL_NAMES
@@ -70,17 +72,30 @@ def error_text(message: str) -> str:
     return "error: " + to_vocab(message)
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageResult:
+    """A tool's answer that is an image (PNG bytes): the loop shows it to the model as an image observation
+    between <result> and </result> (rlmega/agents/loop.py)."""
+
+    png: bytes
+
+
 class Tool(ABC):
     """A named tool. Subclasses implement `evaluate`, which may raise; `run` never does."""
 
     name: str = ""
     description: str = ""  # one line for a system prompt, in the tiny vocabulary
+    sees_images = False
+    """True: `evaluate` also gets the prompt's images (encoded files) and may answer with an ImageResult."""
 
-    def run(self, args: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB) -> str:
+    def run(self, args: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB,
+            images: Sequence[bytes] = ()) -> str | ImageResult:
         """The tool's answer to `args`: a result, or "error: ..." text; never an exception for
         anything in `args`. Limits out of range (NaN, inf, 10**8 MiB) are the caller's bug: ValueError."""
         check_limits(timeout_s, memory_mb)
         try:
+            if self.sees_images:
+                return self.evaluate(args, timeout_s, memory_mb, images)
             return self.evaluate(args, timeout_s, memory_mb)
         except ToolError as e:
             return error_text(str(e))
@@ -336,7 +351,29 @@ class PythonTool(Tool):
 
 # One tool per name a config may give (TOOL_NAMES, rlmega/config/agent_rules.py; tests/unit/test_tools.py
 # holds the two equal).
-TOOLS: dict[str, Tool] = {tool.name: tool for tool in (Calculator(), PythonTool())}
+# ---------------------------------------------------------------------------- zoom
+
+class ZoomTool(Tool):
+    """A box of the prompt's image, cut out and enlarged (rlmega/agents/zoom.py): an image observation, for a
+    vision-language model ("thinking with images"). In-process: PIL on an image that passed the load checks."""
+
+    name = "zoom"
+    description = "zoom: look closer at a box of the image, in percent, e.g. <tool>zoom:25 25 75 75</tool>"
+    sees_images = True
+
+    def evaluate(self, args: str, timeout_s: float, memory_mb: int, images: Sequence[bytes] = ()) -> ImageResult:
+        try:
+            box = zoom.parse_box(args)
+        except ValueError as e:
+            raise ToolError(str(e)) from None
+        if not images:
+            raise ToolError("this prompt has no image")
+        if box.image >= len(images):
+            raise ToolError(f"this prompt has {len(images)} image(s)")
+        return ImageResult(zoom.zoom(images[box.image], box))
+
+
+TOOLS: dict[str, Tool] = {tool.name: tool for tool in (Calculator(), PythonTool(), ZoomTool())}
 
 
 def get_tool(name: str) -> Tool:
@@ -348,7 +385,7 @@ def get_tool(name: str) -> Tool:
 
 
 def run_call(call: ToolCall, allowed: Iterable[str] = TOOL_NAMES, timeout_s: float = DEFAULT_TIMEOUT_S,
-             memory_mb: int = DEFAULT_MEMORY_MB) -> str:
+             memory_mb: int = DEFAULT_MEMORY_MB, images: Sequence[bytes] = ()) -> str | ImageResult:
     """The answer to one parsed call (to wrap with format_result): the tool's output, or the
     error a malformed call or a tool outside `allowed` earns. Raises only ValueError, for limits
     out of range (check_limits), before looking at the call."""
@@ -358,4 +395,4 @@ def run_call(call: ToolCall, allowed: Iterable[str] = TOOL_NAMES, timeout_s: flo
     allowed = [name for name in allowed if name in TOOLS]
     if call.name not in allowed:
         return error_text(f"unknown tool {call.name}; tools: {', '.join(allowed)}")
-    return TOOLS[call.name].run(call.args, timeout_s, memory_mb)
+    return TOOLS[call.name].run(call.args, timeout_s, memory_mb, images)

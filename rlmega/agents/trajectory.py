@@ -53,6 +53,9 @@ class Trajectory:
     routes (rlmega.rollout.rollout.Sample.routed_experts); -1 rows for tool-output tokens (routed by
     the trainer) and where the engine recorded none (the last token). None when not recorded. A tensor,
     so that a checkpoint of the async buffer (plain data + tensors) keeps it."""
+    vision: dict | None = None
+    """A trajectory with image observations: its own image inputs (the prompt's images, then the observations';
+    rlmega/agents/image_observations.py). None: the group's."""
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, versions: Sequence[int] | int,
                model: bool, routes: np.ndarray | None = None) -> None:
@@ -120,6 +123,7 @@ def batch_from_groups(groups: Sequence[TrajectoryGroup]) -> RolloutBatch:
     """The trainer's batch from the groups that succeeded; a trajectory without response tokens is
     dropped (nothing to score). Group ids are the prompts' indices in the step."""
     kept = kept_trajectories(groups)
+    vision = [g.vision if t.vision is None else t.vision for g, t in kept]  # a trajectory's own: image observations
     return RolloutBatch(
         routed_experts=routes_of([t.routed_experts for _, t in kept],
                                  [len(t.prompt_ids) + len(t.response_ids) for _, t in kept]),
@@ -130,6 +134,6 @@ def batch_from_groups(groups: Sequence[TrajectoryGroup]) -> RolloutBatch:
         rewards=torch.tensor([t.reward for _, t in kept], dtype=torch.float32),
         group_ids=torch.tensor([g.prompt_index for g, _ in kept], dtype=torch.int64),
         sample_ids=torch.arange(len(kept), dtype=torch.int64),
-        vision=[g.vision for g, _ in kept] if any(g.vision is not None for g, _ in kept) else None,
+        vision=vision if any(v is not None for v in vision) else None,
     )
 

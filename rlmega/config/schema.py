@@ -564,7 +564,8 @@ class AgentLoopConfig:
     """single_turn: one generation per trajectory; tool: a multi-turn loop that runs tool calls
     (<tool>name:args</tool>) and appends their results (<result>...</result>, masked out of the loss)."""
     tools: List[str] = field(default_factory=lambda: ["calculator"])
-    """tool: the tools the model may call, by name (rlmega.agents.tools.TOOLS)."""
+    """tool: the tools the model may call, by name (rlmega.agents.tools.TOOLS): calculator, python, and zoom (a box
+    of the prompt's image, enlarged: an image observation; vision-language models only)."""
     max_turns: int = 4
     """tool: model turns per trajectory; a trajectory still calling tools then ends with reason max_turns."""
     max_total_tokens: int = 0

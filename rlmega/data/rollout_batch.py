@@ -32,6 +32,9 @@ SAMPLE_FIELDS = ("prompt_lens", "rewards", "group_ids", "sample_ids")
 TOKEN_FIELDS = ("routed_experts",)
 # Per-sample {name: tensor} or None: a vision-language model's processor outputs of the sample's prompt.
 VISION_FIELDS = ("vision",)
+# A vision dict's key for a sample's image observations (a tool's image answers in the response,
+# rlmega/agents/image_observations.py): (k, 2) int64 [start, end) offsets from the response's first token.
+OBSERVATION_SPANS = "observation_spans"
 OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs", "returns",
                    "old_values", "routed_experts", "vision")
 _INT_FIELDS = ("tokens", "prompt_lens", "group_ids", "sample_ids")

@@ -22,6 +22,8 @@ transformers' VLM classes would take every image token of the row for an image p
 features from the next sample). So a row's sampled placeholders go into the model as another id (pad), and
 ``sampled_placeholders_as_text`` makes the embedding layer embed the row's true ids: those tokens keep their
 own embedding, and only the prompts' placeholders receive image features. mRoPE counts only the prompt's.
+An image a tool answered with (an image observation, rlmega/agents/image_observations.py) lies in the response
+too: a sequence's ``observation_spans`` name those placeholders, which receive features like the prompt's.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from rlmega.data.rollout_batch import OBSERVATION_SPANS
 from rlmega.fsdp.packed_attention import sequence_bounds
 
 IDEFICS3_TYPES = ("idefics3", "smolvlm")
@@ -83,15 +86,19 @@ def placeholder_ids(config) -> list[int]:
 
 
 def sampled_placeholders(tokens: torch.Tensor, position_ids: torch.Tensor, config,
-                         prompt_ends: Sequence[int] | None) -> torch.Tensor:
-    """(T,) bool: the row's image placeholders that lie after their sequence's prompt (sampled, so text).
+                         prompt_ends: Sequence[int] | None, per_seq: Sequence[dict | None] = ()) -> torch.Tensor:
+    """(T,) bool: the row's image placeholders that lie after their sequence's prompt (sampled, so text), but
+    for those of an image observation a tool put in the response (each sequence's ``observation_spans``).
 
     tokens, position_ids (1, T): the packed row; prompt_ends: each sequence's first response position in the
-    row, in row order (None: every token is prompt)."""
+    row, in row order (None: every token is prompt); per_seq: each sequence's vision inputs, in row order."""
     row = tokens.reshape(-1)
     in_response = torch.zeros_like(row, dtype=torch.bool)
-    for (_, end), prompt_end in zip(sequence_bounds(position_ids), prompt_ends or []):
+    for k, ((_, end), prompt_end) in enumerate(zip(sequence_bounds(position_ids), prompt_ends or [])):
         in_response[prompt_end:end] = True
+        vision = per_seq[k] if k < len(per_seq) else None
+        for a, b in (vision or {}).get(OBSERVATION_SPANS, torch.zeros(0, 2, dtype=torch.int64)).tolist():
+            in_response[prompt_end + a:prompt_end + b] = False  # an image observation: its features go there
     return in_response & torch.isin(row, torch.tensor(placeholder_ids(config), device=row.device))
 
 
@@ -131,7 +138,7 @@ def row_vision_kwargs(config, tokens: torch.Tensor, position_ids: torch.Tensor, 
         return {"input_ids": tokens, "position_ids": position_ids}
     check_supported(config)
     have = [v for v in per_seq if v is not None]
-    as_text = sampled_placeholders(tokens, position_ids, config, prompt_ends)
+    as_text = sampled_placeholders(tokens, position_ids, config, prompt_ends, per_seq)
     pad = getattr(config.get_text_config(), "pad_token_id", None) or 0
     kwargs: dict = {"input_ids": tokens.masked_fill(as_text.reshape(tokens.shape), pad), "position_ids": position_ids}
     if config.model_type in MROPE_TYPES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ray
 
+from rlmega.config.agent_rules import observed_images, task_loops
 from rlmega.config.engine_mode import enforce_eager, records_routes
 from rlmega.config.placement_rules import Slot
 from rlmega.config.schema import RLConfig
@@ -43,8 +44,14 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
             attention_backend=r.attention_backend,
             lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0,  # served unmerged: load_adapter
-            images_per_prompt=r.max_images_per_prompt if is_vlm_folder(cfg.model.path) else 0))
+            images_per_prompt=images_per_request(cfg) if is_vlm_folder(cfg.model.path) else 0))
     return engines
+
+
+def images_per_request(cfg: RLConfig) -> int:
+    """vLLM's limit_mm_per_prompt: a prompt's images (rollout.max_images_per_prompt) and the most image
+    observations a tool loop adds to one request (agent_rules.observed_images)."""
+    return cfg.rollout.max_images_per_prompt + max(observed_images(loop) for _, loop in task_loops(cfg))
 
 
 def engine_options(pg, slot: Slot) -> dict:

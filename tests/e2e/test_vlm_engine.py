@@ -7,10 +7,17 @@ token ids with one ``<image>`` placeholder per image plus the images, expands th
 samples; the trainer (FSDPActor, world 1) scores each sample's expanded prompt + response with the processor's
 pixel values, packed several samples a row (rlmega/fsdp/vision_inputs.py), takes a real RL step, and syncs
 its weights into the engine; three times. The engine's expansion must equal the processor's.
+
+Then, on the same engine and learner: a multi-turn tool loop whose zoom tool answers with an image (image
+observations: the model is rlmega.testing.zoom_vlm, taught to call zoom), scored by the trainer and trained
+on; and an image request cut by an in-flight weight sync and resumed on the new weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+
+import pytest
 
 from rlmega.testing import multiproc
 
@@ -64,12 +71,14 @@ def _child(root: str) -> dict:
     from rlmega.sync.parity import logprob_diff
     from rlmega.sync.transports import DirectTransport
     from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
+    from rlmega.testing.zoom_vlm import make_zoom_vlm
     from rlmega.tiny_vlm import make_tiny_vlm
 
     path = str(make_tiny_vlm(f"{root}/idefics3", arch="idefics3", seed=0))
+    zoom_path = str(make_zoom_vlm(f"{root}/zoom", seed=0))  # the same model taught to call the zoom tool
 
-    def learner(freeze: bool):
-        actor = FSDPActor(ModelConfig(path=path, dtype="float32"), ParallelismConfig(1, 1, None, 1),
+    def learner(freeze: bool, model: str = path):
+        actor = FSDPActor(ModelConfig(path=model, dtype="float32"), ParallelismConfig(1, 1, None, 1),
                           OptimizerConfig(lr=1e-2), ActorConfig(backend="fsdp", max_tokens_per_micro_batch=256,
                                                                 freeze_vision_tower=freeze),
                           AlgorithmConfig(kl_coef=0.0))
@@ -83,10 +92,11 @@ def _child(root: str) -> dict:
 
     prompts = _prompts(path)
     actors = {"frozen_tower": learner(True), "whole_model": learner(False)}  # before vLLM loads
+    zoom = learner(False, zoom_path)
     from rlmega.rollout.rollout import RolloutWorker
 
     engine = RolloutWorker(path, dtype="float32", max_model_len=256, seed=0, kv_cache_space_gb=0.25,
-                           images_per_prompt=2)
+                           images_per_prompt=3)  # the zoom loop's: the prompt's image and two observations
     out, version, expanded_ok = {}, 0, True
     try:
         for name, actor in actors.items():
@@ -107,14 +117,99 @@ def _child(root: str) -> dict:
                     row["bytes"] = actor.sync_model_to_rollout(DirectTransport([engine]), version=version)["bytes"]
                 rows.append(row)
             out[name] = {"rows": rows, "tower_moved": float((tower(actor) - before).abs().max())}
+        version += 1  # the engine takes the zoom model's weights (the same architecture and processor)
+        zoom.sync_model_to_rollout(DirectTransport([engine]), version=version)
+        out["zoom"] = _zoom_loop_and_cut(zoom_path, zoom, engine, version)
     finally:
         engine.shutdown()
     return {**out, "expanded_ok": expanded_ok}
 
 
-def test_image_prompts_engine_and_trainer_agree_after_real_updates(tmp_path):
+def _zoom_loop_and_cut(path: str, actor, engine, version: int) -> dict:
+    """The tool loop with the zoom tool (image observations) on the engine at ``version``: the trainer's
+    log-probs of its trajectories, with the observations' images and with another image in their place; a
+    train step on them; then an image request cut by the sync of that step and resumed."""
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from rlmega.agents.hosting import LoopSpec, build_loop
+    from rlmega.agents.loop import GroupRequest
+    from rlmega.agents.trajectory import batch_from_groups
+    from rlmega.config.schema import AgentLoopConfig, JudgerConfig, RewardConfig
+    from rlmega.data.images import load_processor, processor_vision
+    from rlmega.data.samples import batch_from_samples
+    from rlmega.data.shapes import shape_rows
+    from rlmega.sync.parity import logprob_diff
+    from rlmega.sync.transports import DirectTransport
+    from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
+
+    proc = load_processor(path)
+    reqs, visions = [], []
+    for i, row in enumerate(shape_rows(4, seed=7)):
+        text = proc.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        vision, scored = processor_vision(proc, text, row["images"])
+        visions.append(vision)
+        reqs.append(GroupRequest(prompt_index=i, prompt_ids=proc.tokenizer(text, add_special_tokens=False)["input_ids"],
+                                 label=row["label"], seed=100 + 2 * i, prompt_text=text, images=tuple(row["images"]),
+                                 scored_ids=scored, n=2))
+    loop_cfg = AgentLoopConfig(kind="tool", tools=["zoom"], max_turns=3, judgers=[
+        JudgerConfig(name="correct", kind="native", fn="rlmega.rewards.shapes.score")])
+    loop = build_loop(LoopSpec(task="zoom", agent_loop=loop_cfg, reward=RewardConfig(num_workers=0), model_path=path,
+                               sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=100), n=2), [engine])
+
+    async def groups():
+        return await asyncio.gather(*[loop.run_group(r) for r in reqs])
+
+    try:
+        batch = batch_from_groups(asyncio.run(groups()))
+    finally:
+        loop.judger.close()
+    trajs = batch.vision  # every prompt has an image
+    out = {"observations": [int(v["observation_spans"].shape[0]) if "observation_spans" in v else 0 for v in trajs],
+           "masked_images": sum(int(((t[int(p):] == proc.image_token_id) & (m == 0)).sum())  # placeholders a tool put
+                                for t, m, p in zip(batch.tokens, batch.response_mask, batch.prompt_lens))}
+    out["diff"] = logprob_diff(batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask)["max"]
+    # another image where each observation's is (the prompt's own, not zoomed): the trainer must see the difference
+    swapped = [dict(v, pixel_values=v["pixel_values"][:, :1].expand_as(v["pixel_values"]).clone()) for v in trajs]
+    wrong = actor.compute_logprobs(dataclasses.replace(batch, vision=swapped))
+    out["diff_other_image"] = logprob_diff(batch.rollout_logprobs, wrong, batch.response_mask)["max"]
+
+    # an image request cut by the sync of a train step on those trajectories, resumed on the new weights
+    ask = dict(images=list(reqs[0].images), seed=5, max_tokens=150, ignore_eos=True)
+    start = time.monotonic()
+    ref = engine.generate_one(reqs[0].prompt_ids, **ask)  # the same request uncut, on the old weights
+    took = time.monotonic() - start
+    with ThreadPoolExecutor(1) as pool:
+        cut = pool.submit(engine.generate_one, reqs[0].prompt_ids, **ask)
+        time.sleep(took / 2)  # about half its tokens out (a fixed wait cut some runs before the first token)
+        out["cut_count"] = engine.pause_generation(abort_in_flight=True)
+        out["grad_norm"] = train_step_on_fixed_rewards(OneRank(actor), batch)["grad_norm"]
+        version += 1
+        actor.sync_model_to_rollout(DirectTransport([engine]), version=version)
+        engine.resume_generation()
+        s = cut.result(timeout=120)
+    k = s.token_versions.count(version - 1)
+    out.update(resumes=s.resumes, versions=sorted(set(s.token_versions)), before=k, after=len(s.response_ids) - k,
+               same_first_tokens=s.response_ids[:k] == ref.response_ids[:k],
+               engine_before=max(abs(a - b) for a, b in zip(s.logprobs[:k], ref.logprobs[:k])))
+    one = batch_from_samples([s], prompt_vision=[visions[0]])
+    trainer = actor.compute_logprobs(one)[0]
+    engine_lp = torch.tensor(s.logprobs)
+    out["trainer_after"] = float((trainer[k:] - engine_lp[k:]).abs().max())
+    out["trainer_before"] = float((trainer[:k] - engine_lp[:k]).abs().max())  # old weights' tokens: they moved
+    return out
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return run_on_ranks(_child, 1, (str(tmp_path_factory.mktemp("vlm")),), timeout_s=600)[0]
+
+
+def test_image_prompts_engine_and_trainer_agree_after_real_updates(out):
     """actor.freeze_vision_tower true (the default: the tower neither trains nor travels) and false (it does)."""
-    out = run_on_ranks(_child, 1, (str(tmp_path),), timeout_s=600)[0]
     assert out["expanded_ok"], "the engine expanded the image placeholders otherwise than the processor"
     for name in ("frozen_tower", "whole_model"):
         rows = out[name]["rows"]
@@ -128,3 +223,18 @@ def test_image_prompts_engine_and_trainer_agree_after_real_updates(tmp_path):
     assert out["frozen_tower"]["tower_moved"] == 0.0 and out["whole_model"]["tower_moved"] > 1e-3
     # the frozen tower stays out of every sync
     assert out["frozen_tower"]["rows"][0]["bytes"] < out["whole_model"]["rows"][0]["bytes"]
+
+
+def test_image_observations_and_a_cut_image_request_agree_with_the_trainer(out):
+    """A tool loop whose zoom tool answers with images: the trainer feeds each observation's image where the
+    trajectory holds it (another image there: far off), trains on it; an image request cut by that step's sync
+    resumes with its images on the new weights."""
+    z = out["zoom"]
+    print("ZOOM", {k: (f"{v:.2g}" if isinstance(v, float) else v) for k, v in z.items()})
+    assert sum(z["observations"]) >= 4 and z["masked_images"] > 0, z  # the model calls zoom; its images are masked
+    assert z["diff"] < 1e-5, z  # measured: (see the note)
+    assert z["diff_other_image"] > 1e-2, z
+    assert z["grad_norm"] > 1e-3
+    assert z["cut_count"] == 1 and z["resumes"] >= 1 and z["before"] > 0 and z["after"] > 0, z
+    assert z["same_first_tokens"] and z["engine_before"] < 1e-5, z
+    assert z["trainer_after"] < 1e-5 < z["trainer_before"], z

@@ -379,6 +379,8 @@ CASES = [
      "is a vision-language model (idefics3); the Megatron learner trains text-only"),
     ("fsdp, LoRA on a vision-language model", [*FSDP, "model.path={vlm}", *LORA], None,
      "actor.lora.rank: 8: LoRA is not built for images; '"),
+    ("the zoom tool for a text-only model", ["agent_loop.kind=tool", "agent_loop.tools=[zoom]"], None,
+     "agent_loop.tools: ['zoom'] answer with images; model.path"),
     ("image rows for a text-only model", ["data.train_path={d}/images_good.jsonl"], None,
      "images_good.jsonl, row 1: the prompt has 1 image(s), but model.path is a text-only model"),
     ("more images than rollout.max_images_per_prompt", [*FSDP, "model.path={vlm}",

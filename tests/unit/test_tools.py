@@ -232,9 +232,9 @@ def test_sandbox_check_and_render_in_process():
 # ---------------------------------------------------------------------------- registry and run_call
 
 def test_registry():
-    assert TOOL_NAMES == ("calculator", "python") and set(TOOLS) == set(TOOL_NAMES)
+    assert TOOL_NAMES == ("calculator", "python", "zoom") and set(TOOLS) == set(TOOL_NAMES)
     assert isinstance(get_tool("calculator"), Calculator) and isinstance(get_tool("python"), PythonTool)
-    with pytest.raises(KeyError, match="known tools: calculator, python"):
+    with pytest.raises(KeyError, match="known tools: calculator, python, zoom"):
         get_tool("search")
     for tool in TOOLS.values():
         assert isinstance(tool, Tool) and set(tool.description) <= VOCAB_CHARACTERS
@@ -255,7 +255,8 @@ def test_run_call():
     assert run_call(parse_call("<tool>calculator:6*7</tool>")) == "42"
     assert run_call(parse_call("<tool>python:6*7</tool>"), allowed=["python"]) == "42"
     assert run_call(parse_call("<tool>6*7</tool>")) == "error: malformed tool call"
-    assert run_call(parse_call("<tool>search:x</tool>")) == "error: unknown tool search; tools: calculator, python"
+    assert run_call(parse_call("<tool>search:x</tool>")) == (
+        "error: unknown tool search; tools: calculator, python, zoom")
     assert run_call(parse_call("<tool>python:1</tool>"), allowed=["calculator", "nope"]) == (
         "error: unknown tool python; tools: calculator")
 
@@ -287,3 +288,54 @@ def test_outputs_encode_losslessly_with_the_tiny_tokenizer():
 
 def calculate_or_error(expression: str) -> str:
     return get_tool("calculator").run(expression)
+
+
+def _png(size, colour=(200, 0, 0)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", size, (255, 255, 255))
+    img.paste(colour, (0, 0, size[0] // 2, size[1] // 2))  # the top-left quarter coloured
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_zoom_answers_with_the_box_enlarged():
+    import io
+
+    from PIL import Image
+
+    from rlmega.agents.tools import ImageResult
+
+    images = [_png((80, 40)), _png((30, 60), colour=(0, 0, 200))]
+    out = run_call(parse_call("<tool>zoom:0 0 50 50</tool>"), images=images)
+    assert isinstance(out, ImageResult)
+    img = Image.open(io.BytesIO(out.png))
+    assert img.size == (80, 40)  # the 40x20 quarter, doubled: never past the image's own size
+    assert img.getpixel((40, 20)) == (200, 0, 0)  # all of it the coloured quarter
+    second = Image.open(io.BytesIO(run_call(parse_call("<tool>zoom:2, 0 0 100 50</tool>"), images=images).png))
+    assert second.size == (30, 30) and second.getpixel((5, 5)) == (0, 0, 200)  # image 2, its top half
+    thin = Image.open(io.BytesIO(run_call(parse_call("<tool>zoom:99 0 100 1</tool>"), images=images).png))
+    assert thin.size == (40, 40)  # a box under one pixel wide is one pixel, enlarged until a side meets the image's
+
+
+@pytest.mark.parametrize("args, error", [
+    ("25 25 75", "give left top right bottom as whole percents"),
+    ("25 25 75 75 1 2", "give left top right bottom as whole percents"),
+    ("-1 0 50 50", "give left top right bottom as whole percents"),
+    ("1.5 0 50 50", "give left top right bottom as whole percents"),
+    ("50 0 25 50", "need 0 <= left < right <= 100"),
+    ("0 0 50 500", "need 0 <= left < right <= 100"),
+    ("0 0 0 0 0", "images are numbered from 1"),
+    ("3 0 0 50 50", "this prompt has 2 image(s)"),
+    ("1" * 70, "box too long"),
+])
+def test_zoom_refuses_what_the_model_wrote_wrong(args, error):
+    out = run_call(parse_call(f"<tool>zoom:{args}</tool>"), images=[_png((8, 8)), _png((8, 8))])
+    assert out.startswith("error: ") and error in out, out
+
+
+def test_zoom_without_an_image():
+    assert run_call(parse_call("<tool>zoom:0 0 50 50</tool>")) == "error: this prompt has no image"
