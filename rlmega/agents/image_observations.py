@@ -60,6 +60,13 @@ class Observations:
         self.close = tok(RESULT_CLOSE, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         self.engine_placeholder = tok(self.placeholder, add_special_tokens=False)["input_ids"]
 
+    def follows_a_sampled_placeholder(self, response_ids: Sequence[int], response_mask: Sequence[float]) -> bool:
+        """Whether the model sampled an image placeholder token earlier in the response: vLLM expands a request's
+        first N placeholders for its N images, so an image after such a token would have its features put in the
+        sampled token's place (the loop answers with an error instead)."""
+        ids = set(self.engine_placeholder) & set(self.processor.tokenizer.all_special_ids)
+        return any(i in ids and m > 0 for i, m in zip(response_ids, response_mask))
+
     def tokens(self, png: bytes) -> tuple[list[int], list[int], tuple[int, int]]:
         """(the engine's ids, the trainer's ids, the image's expansion's [start, end) in the trainer's ids) of
         ``<result>IMAGE</result>``."""

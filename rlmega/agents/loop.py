@@ -143,6 +143,9 @@ class ToolAgentLoop(AgentLoop):
                 break
             output = await self._run_tool(call, req.images)
             t.tool_calls += 1
+            if isinstance(output, ImageResult) and self.observations.follows_a_sampled_placeholder(
+                    t.response_ids, t.response_mask):
+                output = "error: no image after an image token the model wrote"
             if isinstance(output, ImageResult):
                 engine_ids, ids, (a, b) = self.observations.tokens(output.png)
                 if len(t.response_ids) + len(ids) <= budget:  # an image is never cut: it fits or is refused

@@ -55,6 +55,12 @@ def test_the_engine_gets_one_placeholder_and_the_trainer_the_expansion(idefics3)
         obs.trajectory_vision(prompt, [prompt_png], [seen], [(0, 1)], scored=prompt_ids)
 
 
+def test_no_image_after_a_placeholder_the_model_sampled(idefics3):
+    obs, image = Observations(idefics3), idefics3.tokenizer.convert_tokens_to_ids("<image>")
+    assert not obs.follows_a_sampled_placeholder([1, 2, image, 3], [1.0, 1.0, 0.0, 1.0])  # a tool put it there
+    assert obs.follows_a_sampled_placeholder([1, 2, image, 3], [1.0, 1.0, 1.0, 1.0])
+
+
 def test_a_text_only_model_has_no_image_observations():
     with pytest.raises(ValueError, match="an image observation needs a vision-language model"):
         Observations(None)
