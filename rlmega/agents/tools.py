@@ -387,8 +387,9 @@ def get_tool(name: str) -> Tool:
 def run_call(call: ToolCall, allowed: Iterable[str] = TOOL_NAMES, timeout_s: float = DEFAULT_TIMEOUT_S,
              memory_mb: int = DEFAULT_MEMORY_MB, images: Sequence[bytes] = ()) -> str | ImageResult:
     """The answer to one parsed call (to wrap with format_result): the tool's output, or the
-    error a malformed call or a tool outside `allowed` earns. Raises only ValueError, for limits
-    out of range (check_limits), before looking at the call."""
+    error a malformed call or a tool outside `allowed` earns; an image tool's may be an ImageResult
+    (`images`: the prompt's, encoded files). Raises only ValueError, for limits out of range
+    (check_limits), before looking at the call."""
     check_limits(timeout_s, memory_mb)
     if call.malformed:
         return "error: malformed tool call"
