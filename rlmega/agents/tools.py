@@ -349,8 +349,6 @@ class PythonTool(Tool):
 
 # ---------------------------------------------------------------------------- registry
 
-# One tool per name a config may give (TOOL_NAMES, rlmega/config/agent_rules.py; tests/unit/test_tools.py
-# holds the two equal).
 # ---------------------------------------------------------------------------- zoom
 
 class ZoomTool(Tool):
@@ -373,6 +371,8 @@ class ZoomTool(Tool):
         return ImageResult(zoom.zoom(images[box.image], box))
 
 
+# One tool per name a config may give (TOOL_NAMES, rlmega/config/agent_rules.py; tests/unit/test_tools.py
+# holds the two equal).
 TOOLS: dict[str, Tool] = {tool.name: tool for tool in (Calculator(), PythonTool(), ZoomTool())}
 
 
