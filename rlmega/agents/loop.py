@@ -30,6 +30,7 @@ from rlmega.agents.router import EngineRouter, GenerationFailed
 from rlmega.agents.tool_protocol import CALL_CLOSE, RESULT_CLOSE, format_result, parse_call
 from rlmega.agents.tools import ImageResult, run_call
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup
+from rlmega.config.agent_rules import IMAGE_TOOLS
 from rlmega.data.images import processor_vision
 from rlmega.judgers.base import JudgeItem
 
@@ -113,6 +114,11 @@ class SingleTurnAgentLoop(AgentLoop):
 
 
 class ToolAgentLoop(AgentLoop):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if set(self.cfg.tools) & set(IMAGE_TOOLS):  # a template whose image placeholder cannot be read fails here,
+            self.observations  # noqa: B018 -- when the loop is built, not at the first image answer mid-run
+
     async def _trajectory(self, req, sampling, seed):
         cfg = self.cfg
         budget = cfg.max_total_tokens or sampling["max_tokens"]

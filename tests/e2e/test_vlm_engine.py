@@ -233,9 +233,10 @@ def test_image_observations_and_a_cut_image_request_agree_with_the_trainer(out):
     print("ZOOM", {k: (f"{v:.2g}" if isinstance(v, float) else v) for k, v in z.items()})
     # measured: 6 of 8 trajectories got a zoomed image back (96 masked image tokens)
     assert sum(z["observations"]) >= 4 and z["masked_images"] > 0, z
-    assert z["diff"] < 1e-5, z  # measured 2.9e-6 (this model's floor on plain image prompts: 1.3-1.5e-6)
+    assert z["diff"] < 1e-5, z  # measured 2.9e-6 (this model's floor on plain image prompts: 1.3-2.0e-6)
     assert z["diff_other_image"] > 1e-2, z  # measured 0.19
     assert z["grad_norm"] > 1e-3
     assert z["cut_count"] == 1 and z["resumes"] >= 1 and z["before"] > 0 and z["after"] > 0, z
     assert z["same_first_tokens"] and z["engine_before"] < 1e-5, z
-    assert z["trainer_after"] < 1e-5 < z["trainer_before"], z  # measured 1.3-1.5e-6; 11-12 (the old weights' part)
+    # measured 1.3-2.0e-6 over four runs; 11-12 on the part the old weights sampled
+    assert z["trainer_after"] < 1e-5 < z["trainer_before"], z
