@@ -131,7 +131,7 @@ def _plot(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The `rlmega` command's parser (`rlmega train`'s own arguments: rlmega.train.parser)."""
+    """The `rlmega` command's parser (`rlmega train`'s own arguments: rlmega.train_args.parser)."""
     p = argparse.ArgumentParser(prog="rlmega", description="RL for LLMs on Megatron-core, vLLM and Ray")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check-config", help="validate a config and print it resolved")
@@ -164,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
+        from rlmega.train_args import parser as train_parser
+
+        train_parser().parse_args(argv[1:])  # --help and usage errors answer here, before the heavy imports
         from rlmega.train import main as train_main
 
         return train_main(argv[1:])

@@ -57,6 +57,7 @@ class ActorManager:
         self._totals = {"prefill": 0, "decode": 0}
         self._timings: dict[str, dict[str, Any]] = {}
         self._kv_concurrency: dict[int, float] = {}
+        self._startup: list[dict] = []  # the run's start-up phases (rlmega/rundir/startup.py)
         self._metrics_history: list[dict[str, float]] = []
         self._progress: list[tuple[float, int]] = []  # (time, step): first and latest report
         self._total_steps: int | None = None
@@ -159,6 +160,11 @@ class ActorManager:
     def set_kv_cache_max_concurrency(self, engine_id: int, value: float) -> None:
         with self._lock:
             self._kv_concurrency[int(engine_id)] = float(value)
+
+    def set_startup(self, phases: list[dict]) -> None:
+        """The start-up so far: StartupClock's phases ({"phase", "start_s", "end_s", "seconds"})."""
+        with self._lock:
+            self._startup = [dict(p) for p in phases]
 
     def report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Append to the run's history; reports for the same step (in pieces) merge into one row."""
@@ -265,6 +271,7 @@ class ActorManager:
                                "history": [list(h) for h in q["history"]]}
                            for n, q in self._queues.items()},
                 "kv_cache_max_concurrency": {str(e): v for e, v in sorted(self._kv_concurrency.items())},
+                "startup": [dict(p) for p in self._startup],
                 "latest_metrics": dict(self._metrics_history[-1]) if self._metrics_history else {},
                 "metrics_history": [dict(r) for r in self._metrics_history],
                 "progress": self._progress_locked(),

@@ -13,7 +13,6 @@ processes: rank 0 runs this driver loop, the others serve its calls (launch/torc
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import sys
@@ -35,7 +34,9 @@ from rlmega.rundir.run import (ResumeError, RunDir, changed_settings, critic_che
                          resume_settings)
 from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.sync.parity import ParityError, ParityGuard
+from rlmega.rundir.startup import StartupClock
 from rlmega.rundir.stopping import StopRequest
+from rlmega.train_args import parser
 from rlmega.judgers.base import RewardError
 
 log = logging.getLogger("rlmega")
@@ -52,14 +53,16 @@ class InputError(RuntimeError):
     """A problem with what the user gave (data rows, files) found after the config checks."""
 
 
-def train(cfg: RLConfig) -> RunDir:
+def train(cfg: RLConfig, clock: StartupClock | None = None) -> RunDir:
+    """The run of ``cfg``; ``clock``: its start-up phases so far (default: from this process's start)."""
     t = cfg.trainer
+    clock = clock or StartupClock()
     if t.resume == "none":
         refuse_a_held_folder(t.run_dir)  # before RunDir repairs metrics or opens writers there
     run = RunDir(t.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                  config=dataclasses.asdict(cfg))
     try:
-        _train(cfg, run)
+        _train(cfg, run, clock)
     finally:  # the TensorBoard / wandb writers flush and close on errors and interrupts too
         run.close()
         draw_curves(run)  # at the end, on a stop, and after a failure that left steps behind
@@ -80,7 +83,7 @@ def draw_curves(run: RunDir) -> None:
                     run.path, type(e).__name__, e, run.path)
 
 
-def _train(cfg: RLConfig, run: RunDir) -> None:
+def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
     t = cfg.trainer
     checkpoint = run.checkpoint_to_resume(t.resume)  # checked complete here, before any worker loads it
     if checkpoint and cfg.algorithm.advantage_estimator == "gae" and not critic_checkpoint(checkpoint).is_dir():
@@ -98,18 +101,25 @@ def _train(cfg: RLConfig, run: RunDir) -> None:
         data = Tasks(cfg, tokenizer)  # every task's prompts (cfg.tasks, or data + agent_loop)
     except (ValueError, OSError) as e:  # a bad row, an unreadable file: the user's input, named by file and row
         raise InputError(f"prompt data: {e}") from e
+    clock.done("tokenizer and prompts")
     stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
-    with Roles(cfg) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
+    with Roles(cfg, clock=clock) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
         start, history, produced = resume(roles, run, data, checkpoint)
+        if checkpoint:
+            clock.done("checkpoint load")
         if start == 0 and t.warmup_sft_steps:
             warm_start(roles, data, tokenizer, t, stop)
             # KL regularises toward the policy RL starts from, not the untuned model.path.
             roles.call_actors("update_ref_policy", 1.0)
+            clock.done("warm start")
         roles.sync_weights(version=start)
+        clock.done("first weight sync")
         if start == 0 and t.eval_every and data.eval_prompts():  # the baseline the run is judged against
             history.append({"step": 0, **evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens)})
             run.log(history[-1])
+            clock.done("baseline eval")
             print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
+        clock.write(run.path)  # RUN_DIR/setup.json
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
         # sync, or async: it generates while we train
@@ -225,17 +235,11 @@ def main(argv=None) -> int:
             torchrun_group.release_ranks()
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlmega train", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="YAML config (see configs/)")
-    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=10")
-    p.add_argument("--resume", action="store_true", help="same as trainer.resume=auto")
-    return p
-
-
 def _main(argv=None) -> int:
+    clock = StartupClock()  # t = 0: this process's start
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    clock.done("imports")
     try:
         cfg = load_config(args.config, [*args.overrides, *(["trainer.resume=auto"] if args.resume else [])])
         logging.getLogger("rlmega").setLevel(cfg.logging.level)  # every rlmega.* logger of the driver
@@ -243,8 +247,9 @@ def _main(argv=None) -> int:
     except ConfigError as e:
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_INPUT
+    clock.done("config checks")
     try:
-        run = train(cfg)
+        run = train(cfg, clock)
     except (RewardError, ParityError) as e:  # reward.on_error=fail and a judger failed; the parity guard
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_RUNTIME

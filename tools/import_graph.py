@@ -27,7 +27,7 @@ LAYERS = [
     ["rollout", "judgers", "dashboard"],                            # the engine side, judging, the web page
     ["agents"],                                                     # trajectories, production
     ["coordinator", "launch", "plots"],                             # the run's roles on Ray / torchrun
-    ["step", "preflight", "train", "cli", "__main__"],              # the driver and the commands
+    ["step", "preflight", "train", "train_args", "cli", "__main__"],  # the driver and the commands
     ["testing", "lm_demo"],                                         # tests' helpers, the Megatron LM demo
 ]
 # Upward arrows kept on purpose, each with why (docs/architecture.md repeats them).

@@ -87,6 +87,8 @@ PAGE_HTML = r"""<!doctype html>
     <div id="chart-busy"></div>
   </section>
   <section><h2>KV-cache max concurrency</h2><div id="kv"></div></section>
+  <section><h2>Start-up</h2><div class="sub">seconds since the command started; phases that ran at once
+    overlap</div><div id="startup"></div></section>
   <section><h2>Latest metrics <span id="metrics-step"></span></h2><div id="metrics"></div></section>
   <div class="charts">
     <section><h2>reward_mean</h2><div id="chart-reward_mean"></div></section>
@@ -275,6 +277,8 @@ function render(s) {
     const box = document.createElement("div"); box.append(title, chart); return box;
   }));
   kvTable($("kv"), Object.entries(s.kv_cache_max_concurrency), "kv-engine-", ["engine", "max concurrency"]);
+  kvTable($("startup"), (s.startup || []).map((p) => [p.phase, p.seconds, `${fmt(p.start_s)} -> ${fmt(p.end_s)} s`]),
+          "startup-", ["phase", "seconds", "from -> to"]);
   set("metrics-step", s.latest_metrics.step === undefined ? "" : `(step ${s.latest_metrics.step})`);
   kvTable($("metrics"), Object.entries(s.latest_metrics).filter(([k]) => k !== "step"), "metric-",
           ["metric", "value"]);

@@ -54,3 +54,34 @@ def first_failure(refs: list, names: list[str], timeout: float | None) -> list:
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
             raise describe(e, names[index[ready[0]]]) from e
     return ray.get(refs)
+
+
+def meet(groups: dict[str, tuple[list, list[str]]], timeout: float | None, done=None) -> dict[str, list]:
+    """Wait for workers that start at once: ``groups`` {phase: (refs, names[i] for refs[i])}; returns
+    {phase: its results}. ``done(phase)`` is called as each phase's last ref is ready. The first ref to fail,
+    in any group, raises WorkerFailed naming its worker, while the others are still at work: an engine
+    that dies while the trainer loads is reported then, not after. GetTimeoutError when nothing is ready
+    in time."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    owner = {ref: (phase, names[i]) for phase, (refs, names) in groups.items() for i, ref in enumerate(refs)}
+    left = {phase: len(refs) for phase, (refs, _) in groups.items()}
+    for phase in [p for p, n in left.items() if n == 0]:
+        if done is not None:
+            done(phase)
+    pending = list(owner)
+    while pending:
+        wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError("timed out")
+        phase, name = owner[ready[0]]
+        try:
+            ray.get(ready[0])
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise describe(e, name) from e
+        left[phase] -= 1
+        if left[phase] == 0 and done is not None:
+            done(phase)
+    return {phase: ray.get(refs) for phase, (refs, _) in groups.items()}

@@ -35,12 +35,13 @@ from rlmega.launch.cluster import check_shared_paths, connect, node_names, place
 from rlmega.launch.engines import start_engines
 from rlmega.launch.phases import ColocatedPhases
 from rlmega.launch.sharded import ShardedCalls
-from rlmega.launch.errors import WorkerFailed, first_failure
+from rlmega.launch.errors import WorkerFailed, first_failure, meet
 from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.collective import CollectiveTransport
 from rlmega.sync.transports import CudaIpcTransport, RayTransport
 from rlmega.coordinator import ActorManager
+from rlmega.rundir.startup import StartupClock
 
 log = logging.getLogger("rlmega")
 
@@ -50,11 +51,14 @@ class RoleDied(WorkerFailed):
 
 
 class Roles:
-    def __init__(self, cfg: RLConfig, call_timeout_s: float = 1800.0, pg_timeout_s: float = 120.0):
+    def __init__(self, cfg: RLConfig, call_timeout_s: float = 1800.0, pg_timeout_s: float = 120.0,
+                 clock: StartupClock | None = None):
+        """``clock``: where the start-up's phases go (rlmega/rundir/startup.py; default: kept, not printed)."""
         # Workers resolve a relative model.path from their own cwd: on another node that is not the driver's.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, path=os.path.abspath(cfg.model.path) if cfg.model.path else ""))
         self.cfg, self.call_timeout_s, self.pg_timeout_s = cfg, call_timeout_s, pg_timeout_s
+        self.clock = clock or StartupClock(echo=False)
         self.started_ray = False
         self.actors: WorkerGroup | None = None
         self.critics: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
@@ -92,8 +96,9 @@ class Roles:
         self.close()
 
     def _start(self) -> None:
-        c, p, r = self.cfg.cluster, self.cfg.parallelism, self.cfg.rollout
+        c, p, r, clock = self.cfg.cluster, self.cfg.parallelism, self.cfg.rollout, self.clock
         self.started_ray = connect(c, roles_cpus(self.cfg))
+        clock.done("Ray")
         # Under torchrun the trainer ranks are its processes, not Ray actors: Ray places the engines
         # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).
         on_torchrun = torchrun_group.rank() is not None
@@ -112,26 +117,49 @@ class Roles:
                                                     self.keep_engines_awake)
         self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
                                     port=self.cfg.logging.dashboard_port)
+        clock.listeners.append(self.manager.set_startup)
+        clock.done("placement")
+        # Engines, trainer ranks and critic start at once, each in its own processes, and meet here before
+        # the first weight sync: the engines load vLLM and the model while the ranks build theirs.
+        began = clock.now()
+        self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
+        meeting = {"engines": ([e.kv_cache_max_concurrency.remote() for e in self.engines],
+                               [f"rollout engine {i}" for i in range(len(self.engines))])}
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
         offload = self.cfg.actor.offload_while_generating
         self.swaps = (c.colocate and r.device == "cuda") if offload is None else offload
+        with_reference = self.cfg.algorithm.kl_coef > 0
         self.actors = start_trainer(self.cfg, plan, self.pgs, rank_threads, self.swaps, on_torchrun,
-                                    self.optimizer_steps_per_rl_step(), self.call_timeout_s)
+                                    self.optimizer_steps_per_rl_step(), self.call_timeout_s, wait=False)
         log.info("placement: trainer ranks on nodes %s; rollout engines on nodes %s",
                  _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
                  _by_node(node_names(engine_nodes)))
-        self.actors.call("setup", with_reference=self.cfg.algorithm.kl_coef > 0)
-        self.actor_calls = ShardedCalls(self.actors, self.actors.call("data_layout"))
+        trainer = "trainer (policy" + (" + reference)" if with_reference else ")")
+        if on_torchrun:  # torchrun's ranks answer one blocking call at a time; the engines load meanwhile
+            self.actors.call("setup", with_reference=with_reference)
+            clock.done(trainer, began)
+        else:  # a rank runs its calls in the order they were made: setup once the build is done
+            names = self.actors.names()
+            meeting[trainer] = (self.actors.starting + self.actors.submit("setup", with_reference=with_reference),
+                                names + names)
         if self.has_critic:
             offload = self.cfg.critic.offload_while_generating
             self.critic_swaps = (c.colocate and r.device == "cuda") if offload is None else offload
             self.critics = start_critic(self.cfg, plan, self.pgs, rank_threads, self.critic_swaps,
-                                        self.optimizer_steps_per_rl_step(), self.call_timeout_s)
-            self.critics.call("setup")
+                                        self.optimizer_steps_per_rl_step(), self.call_timeout_s, wait=False)
+            names = self.critics.names()
+            meeting["critic"] = (self.critics.starting + self.critics.submit("setup"), names + names)
+        try:
+            met = meet(meeting, self.call_timeout_s, done=lambda phase: clock.done(phase, began))
+        except WorkerFailed as e:
+            raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise RoleDied(f"the trainer ranks and engines did not all start within {self.call_timeout_s:.0f}s",
+                           "start-up") from e
+        self.actor_calls = ShardedCalls(self.actors, self.actors.call("data_layout"))
+        if self.has_critic:
             self.critic_calls = ShardedCalls(self.critics, self.critics.call("data_layout"))
-        self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
-        concurrency = self._get([e.kv_cache_max_concurrency.remote() for e in self.engines], "rollout engine")
-        for i, value in enumerate(concurrency):
+        for i, value in enumerate(met["engines"]):
             self.manager.set_kv_cache_max_concurrency(i, value)
         # What the models compute with, as vLLM's processes report it (threads per model worker)
         log.info("engine model threads: %s", self._get([e.engine_threads.remote() for e in self.engines],

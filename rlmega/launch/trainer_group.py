@@ -14,12 +14,13 @@ from rlmega.launch.worker_group import WorkerGroup
 
 
 def start_trainer(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, swaps: bool, on_torchrun: bool,
-                  optimizer_steps_per_rl_step: int, timeout_s: float):
+                  optimizer_steps_per_rl_step: int, timeout_s: float, wait: bool = True):
     """A WorkerGroup (one Ray actor per rank, in ``plan``'s slots) or, when this process is torchrun's
     rank 0, a TorchrunGroup over torchrun's processes; each rank builds the Actor of actor.backend.
 
     ``swaps``: the ranks release their device memory while the engines generate
-    (actor.offload_while_generating, resolved); ``threads``: each rank's intra-op threads.
+    (actor.offload_while_generating, resolved); ``threads``: each rank's intra-op threads. ``wait``
+    False: a WorkerGroup returns while its ranks still build (WorkerGroup.starting); torchrun's always waits.
     """
     p = cfg.parallelism
     kwargs = dict(
@@ -33,11 +34,12 @@ def start_trainer(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, s
                                             ray_address=ray.get_runtime_context().gcs_address)
     return WorkerGroup(learner, p.world_size, kwargs=kwargs, num_cpus=cfg.cluster.actor_cpus_per_rank,
                        num_gpus=plan.ranks[0].gpus,
-                       placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks], timeout_s=timeout_s)
+                       placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks], timeout_s=timeout_s,
+                       wait=wait)
 
 
 def start_critic(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, swaps: bool,
-                 optimizer_steps_per_rl_step: int, timeout_s: float):
+                 optimizer_steps_per_rl_step: int, timeout_s: float, wait: bool = True):
     """The critic's ranks (algorithm.advantage_estimator=gae): a WorkerGroup in ``plan.critics``' slots,
     each building the Critic of actor.backend (rlmega.critic_api). ``swaps``: they release their device
     memory while the engines generate (critic.offload_while_generating, resolved). The critic takes as
@@ -48,4 +50,4 @@ def start_critic(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, sw
     return WorkerGroup(critic_learner(cfg.actor.backend), len(plan.critics), kwargs=kwargs,
                        num_cpus=cfg.cluster.actor_cpus_per_rank, num_gpus=plan.critics[0].gpus,
                        placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.critics], timeout_s=timeout_s,
-                       name="critic")
+                       name="critic", wait=wait)

@@ -58,8 +58,10 @@ class _RankHost:
 class WorkerGroup:
     def __init__(self, cls, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
                  num_cpus: float = 1.0, num_gpus: float = 0.0, env: dict[str, str] | None = None,
-                 placement_group=None, timeout_s: float = 1800.0, name: str = "trainer"):
-        """``name``: what errors call the ranks ("trainer rank 3", "critic rank 0")."""
+                 placement_group=None, timeout_s: float = 1800.0, name: str = "trainer", wait: bool = True):
+        """``name``: what errors call the ranks ("trainer rank 3", "critic rank 0"). ``wait``: return once
+        every rank built its worker object; False: as soon as that is under way (``starting`` holds the
+        refs to wait on; calls made meanwhile run after it, in the order they were made)."""
         self.world_size, self.timeout_s, self.name = world_size, timeout_s, name
         # One intra-op thread per rank unless told otherwise: ranks share the node's cores.
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -87,14 +89,20 @@ class WorkerGroup:
             master = ("127.0.0.1", master[1])
         local = [sum(1 for n in nodes[:r] if n == nodes[r]) for r in range(world_size)]
         per_node = [nodes.count(nodes[r]) for r in range(world_size)]
-        self._get([h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})
-                   for r, h in enumerate(self.hosts)])
+        self.starting = [h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})
+                         for r, h in enumerate(self.hosts)]
+        if wait:
+            self._get(self.starting)
+
+    def names(self) -> list[str]:
+        """What errors call each rank, in rank order."""
+        return [f"{self.name} rank {r}" for r in range(self.world_size)]
 
     def _get(self, refs: list) -> list:
         """All results, but fail as soon as ANY rank fails: its peers may be blocked in a
         collective waiting for it, and would only give up at the process-group timeout."""
         try:
-            return first_failure(refs, [f"{self.name} rank {r}" for r in range(len(refs))], self.timeout_s)
+            return first_failure(refs, self.names()[:len(refs)], self.timeout_s)
         except WorkerFailed as e:
             raise WorkerGroupError(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
@@ -103,8 +111,12 @@ class WorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank with the same arguments (put in the object store once)."""
+        return self._get(self.submit(method, *args, **kwargs))
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """``call`` started now: one ref per rank, in rank order, to wait on later."""
         args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
-        return self._get([h.call.remote(method, *args, **kwargs) for h in self.hosts])
+        return [h.call.remote(method, *args, **kwargs) for h in self.hosts]
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         """``call`` on every rank, but only rank 0's result comes back; the others answer None once

@@ -71,6 +71,8 @@ def test_page_renders_reported_numbers_and_charts(tmp_path, clock):
             manager.report_progress(step, 20)
         manager.register_queue("rollouts", lambda: 12)
         manager.set_kv_cache_max_concurrency(0, 137.5)
+        manager.set_startup([{"phase": "Ray", "start_s": 3.0, "end_s": 5.5, "seconds": 2.5},
+                             {"phase": "engines", "start_s": 6.0, "end_s": 12.25, "seconds": 6.25}])
         url = f"http://127.0.0.1:{manager.get_dashboard_port()}/"
 
         dom = _chromium(tmp_path, "--dump-dom", url)
@@ -79,6 +81,7 @@ def test_page_renders_reported_numbers_and_charts(tmp_path, clock):
                     "total-tokens": "20000", "step": "5", "total-steps": "20", "eta": "2m 30s",
                     "s-per-step": "10", "training-step-last": "6", "batch-generation-mean": "4",
                     "training-step-count": "5", "queue-rollouts": "12", "kv-engine-0": "137.5",
+                    "startup-Ray": "2.5", "startup-engines": "6.25",
                     "metric-reward_mean": "0.625", "metric-kl_ref": "0.01", "should-stop": "false",
                     "run-state": "running"}
         assert {k: _text(dom, k) for k in expected} == expected

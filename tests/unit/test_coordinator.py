@@ -114,6 +114,7 @@ def test_metrics_history_kv_progress_and_eta(clock):
     m.report_metrics(2, {"reward_mean": 0.3})
     m.set_kv_cache_max_concurrency(0, 137.5)
     m.set_kv_cache_max_concurrency(1, 12)
+    m.set_startup([{"phase": "Ray", "start_s": 3.0, "end_s": 5.5, "seconds": 2.5}])
     m.report_progress(1, 11)
     clock.t += 30
     m.report_progress(4, 11)  # 3 steps in 30 s -> 10 s/step, 7 steps left
@@ -122,6 +123,7 @@ def test_metrics_history_kv_progress_and_eta(clock):
                                     {"step": 2, "reward_mean": 0.3}]
     assert s["latest_metrics"] == {"step": 2, "reward_mean": 0.3}
     assert s["kv_cache_max_concurrency"] == {"0": 137.5, "1": 12.0}
+    assert s["startup"] == [{"phase": "Ray", "start_s": 3.0, "end_s": 5.5, "seconds": 2.5}]
     assert s["progress"] == {"step": 4, "total_steps": 11, "s_per_step": 10.0, "eta_s": 70.0}
     assert s["uptime_s"] == 30.0 and s["should_stop"] is False
     json.dumps(s, allow_nan=False)  # NaN became None: the status is strict JSON
