@@ -102,6 +102,13 @@ class RolloutWorker:
                            enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
                            attention_backend=attention_backend, lora_rank=lora_rank,
                            images_per_prompt=images_per_prompt)
+        # vLLM's engine modules are imported here, in this thread, before the loop thread starts: it then only
+        # looks them up. Two threads importing vLLM's packages at once (the loop in start_engine, this one in
+        # _result) were the one difference in the start-ups that failed on an installed module
+        # ("No module named vllm.logprobs", twice in ~30 runs, issue 57).
+        import vllm.v1.engine.async_llm  # noqa: F401
+        import vllm.v1.engine.exceptions  # noqa: F401
+
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True)
         self._thread.start()

@@ -43,6 +43,12 @@ def test_the_cpu_smoke_trains_checkpoints_resumes_and_writes_the_summary(tmp_pat
     table = (out / "summary.md").read_text()
     assert "| a | train | 0 | 1-2 |" in table and "| d | train | checked |" in table
     assert summary["next_step"] is None and "Every step asked for passed" in table
+    for key in (("a", "train"), ("a", "resume")):  # each start's own setup.json: the resume's is its own
+        st = runs[key]["startup"]
+        assert 0 < st["engines"] < st["ready_s"] < runs[key]["seconds"], st
+        assert f"- a/{key[1]}: ready for the first step at {st['ready_s']:.1f} s, engine start" in table
+    assert "checkpoint load" in runs["a", "resume"]["startup"]
+    assert "checkpoint load" not in runs["a", "train"]["startup"]
 
 
 def test_a_run_past_its_budget_is_stopped_with_what_it_started(tmp_path):

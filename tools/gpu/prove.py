@@ -388,6 +388,17 @@ def summarise_train(metrics: list[dict], gpus: int) -> dict:
     return out
 
 
+def read_startup(run_dir: Path) -> dict:
+    """The start-up of the run's latest start (RUN_DIR/setup.json, rlmega/rundir/startup.py): {"ready_s",
+    phase: seconds}. A step's train run starts its engine cold (an empty vLLM cache, rollout.cache_dir), its
+    resume warm (the same cache): their "engines" are the cold and warm engine start."""
+    try:
+        setup = json.loads((run_dir / "setup.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {"ready_s": setup.get("ready_s"), **{p["phase"]: p["seconds"] for p in setup.get("phases", [])}}
+
+
 def summarise_mfu(path: Path) -> dict:
     try:
         r = json.loads(path.read_text())
@@ -441,6 +452,13 @@ def markdown(summary: dict) -> str:
             f"{_fmt(s.get('reward_first'), 3)} -> {_fmt(s.get('reward_last'), 3)} | "
             f"{_fmt(mem.get('trainer'))}, {_fmt(mem.get('engine'))}, {_fmt(mem.get('total'))} | "
             f"{_fmt(r.get('seconds'), 0)}{_shutdown(r)} |")
+    starts = [f"- {r['step']}/{r['run']}: ready for the first step at {_fmt(r['startup'].get('ready_s'), 1)} s, "
+              f"engine start {_fmt(r['startup'].get('engines'), 1)} s, trainer "
+              f"{_fmt(next((v for k, v in r['startup'].items() if k.startswith('trainer')), None), 1)} s"
+              for r in summary["runs"] if r.get("startup")]
+    if starts:  # the train run's engine starts cold, the resume's with the cache it left
+        rows += ["", "Start-up (RUN_DIR/setup.json; a resume's engine starts with the cache its train run left):",
+                 *starts]
     nxt = summary.get("next_step")
     foot = (f"Next lease starts at step {nxt} (`--from {nxt}`)." if nxt else "Every step asked for passed.")
     return "\n".join([head, "", *rows, "", foot]) + "\n"
@@ -613,6 +631,7 @@ def main(argv=None) -> int:
                     ms = [m for m in ms if m["step"] > (done[-1] if done else 0)]
                 row["result"] = summarise_train(ms, gpus=0 if args.cpu else 1)
                 metrics_out += [{"run": f"{key}_{run.name}", **m} for m in ms]
+                row["startup"] = read_startup(run.run_dir)  # this start's: a resume rewrites setup.json
             if run.json_out is not None and run.json_out.is_file():
                 row["mfu"] = summarise_mfu(run.json_out)
             if row["status"] != "ok":
