@@ -131,6 +131,12 @@ class RolloutConfig:
     (rlmega/sync/cuda_ipc.py; 0.20 s for 0.92 GiB on an H200, outside Ray). A handle opens only on a GPU
     the engine sees, so it needs rollout.device=cuda, cluster.colocate=true, one engine of
     tensor_parallel_size 1 and a trainer at pipeline size 1 (its sender, rank 0, shares the engine's GPU)."""
+    cache_dir: Optional[str] = None
+    """Where the engines keep what outlives a run (vLLM's VLLM_CACHE_ROOT): torch.compile's artifacts of a
+    compiled engine (enforce_eager false) and, on CUDA, what CUDA-graph capture reuses, so that a second
+    start and a --resume skip compilation. null: vLLM's own default, which already persists across runs
+    ($VLLM_CACHE_ROOT if set, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm). Set it to a folder every node
+    sees to share one cache across a cluster. An eager engine (the default on CPU) compiles nothing."""
     attention_backend: Optional[str] = None
     """vLLM's attention kernels by name (its ``attention_backend`` engine argument, e.g. TRITON_ATTN or
     FLASH_ATTN); null: vLLM's own choice. Set it where vLLM's default kernels are missing (a vLLM

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import ray
 
 from rlmega.config.agent_rules import observed_images, task_loops
@@ -35,6 +37,8 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
     """One RolloutWorker actor per engine slot (``threads[i]``: engine i's intra-op threads), started
     with the model at model.path; returns their handles (they load the model in the background)."""
     r, Engine, engines = cfg.rollout, engine_actor_class(), []
+    # resolved here: an engine on another node has another working directory
+    cache_dir = os.path.abspath(os.path.expanduser(r.cache_dir)) if r.cache_dir else None
     for i, slot in enumerate(slots):
         engines.append(Engine.options(**engine_options(pgs[slot.group], slot)).remote(
             cfg.model.path, device=r.device, dtype=cfg.model.dtype,
@@ -42,7 +46,7 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
             record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
-            attention_backend=r.attention_backend,
+            attention_backend=r.attention_backend, cache_dir=cache_dir,
             lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0,  # served unmerged: load_adapter
             images_per_prompt=images_per_request(cfg) if is_vlm_folder(cfg.model.path) else 0))
     return engines

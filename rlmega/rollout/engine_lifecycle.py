@@ -19,11 +19,13 @@ _GiB = 1 << 30
 def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int, seed: int,
                 kv_cache_space_gb: float, gpu_memory_utilization: float, tensor_parallel_size: int,
                 enforce_eager: bool, enable_prefix_caching: bool, profile_dir: str | None,
-                attention_backend: str | None, lora_rank: int = 0, images_per_prompt: int = 0):
+                attention_backend: str | None, lora_rank: int = 0, images_per_prompt: int = 0,
+                cache_dir: str | None = None):
     """vLLM's ``AsyncEngineArgs`` for a RolloutWorker (and the environment vLLM reads at import and start).
     ``lora_rank`` > 0: the engine serves one LoRA adapter of up to that rank (RolloutWorker.load_adapter).
     ``images_per_prompt`` > 0: a vision-language model takes up to that many images a request (vLLM's
-    ``limit_mm_per_prompt``: it also sizes the encoder cache it profiles at start)."""
+    ``limit_mm_per_prompt``: it also sizes the encoder cache it profiles at start). ``cache_dir``: vLLM's
+    VLLM_CACHE_ROOT (rollout.cache_dir; None: vLLM's default)."""
     # vLLM reads these when it is imported and when the engine starts, so set them first.
     # AsyncLLM always runs its engine core in a child process. On CPU, "0" keeps the model in that
     # process too (the uniproc executor, as vLLM does on GPUs at TP 1); with "1" vLLM's CPU platform
@@ -31,6 +33,8 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
     # this worker turns off (docs/rollout_engine.md: CPU threads). Measured here: that process costs
     # ~6 s of CPU at every engine start (it imports torch and vLLM again) and 2 s more at shutdown.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if device == "cpu" else "1"
+    if cache_dir:  # read by vLLM when it compiles, in this process and the engine core it spawns
+        os.environ["VLLM_CACHE_ROOT"] = cache_dir
     engine_kwargs: dict = {}
     if device == "cpu":
         # The env var holds whole GiB only (int() in vllm/envs.py and platforms/cpu.py) and wins
