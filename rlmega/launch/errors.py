@@ -39,21 +39,7 @@ def first_failure(refs: list, names: list[str], timeout: float | None) -> list:
     Waits for any ref at a time, so a worker that failed is reported at once even while its peers
     are blocked (e.g. in a collective waiting for it). GetTimeoutError when nothing is ready in time.
     """
-    import time
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    index = {ref: i for i, ref in enumerate(refs)}
-    pending = list(refs)
-    while pending:
-        left = None if deadline is None else max(deadline - time.monotonic(), 0)
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            raise ray.exceptions.GetTimeoutError("timed out")
-        try:
-            ray.get(ready[0])
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            raise describe(e, names[index[ready[0]]]) from e
-    return ray.get(refs)
+    return meet({"": (refs, names)}, timeout)[""]
 
 
 def meet(groups: dict[str, tuple[list, list[str]]], timeout: float | None, done=None) -> dict[str, list]:
