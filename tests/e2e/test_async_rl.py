@@ -8,28 +8,16 @@ kill -9 resume run a tiny Qwen3-MoE instead, on 2 ranks with expert parallelism 
 replay (R3): the engine's routes ride in the async buffer, through its checkpoint, into the trainer's
 forwards, and a resumed run is exact only if they all survive (a dense kill -9 resume is in test_train.py).
 """
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT, checkpointed, kill_9, read_metrics, run_ok
 
 from rlmega.tiny_model import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 # compared between runs that must agree exactly (times and throughputs differ run to run)
 SAME = ("loss", "reward_mean", "reward_std", "grad_norm", "response_length", "entropy", "staleness_mean",
         "staleness_max", "groups_trained", "logprob_diff_max", "router_mismatch", "routes_live_fraction")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=256, num_heads=4,
-                               num_kv_heads=2, num_layers=4, seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +36,6 @@ def _cmd(model, run_dir, steps, *extra):
             "reward.fn=rlmega.testing.rewards.digit_fraction", "trainer.resume=auto", *extra]
 
 
-def _run(cmd, timeout=600):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
 DETERMINISTIC_K2 = ("produce.strategy=async", "produce.max_staleness=2", "produce.deterministic=true",
                     "algorithm.rollout_correction=tis")
 # the tiny Qwen3-MoE with R3 at EP2: each of the 2 ranks holds 4 of every layer's 8 experts
@@ -69,12 +46,12 @@ MOE_R3_EP2 = ("algorithm.routing_replay=rollout", "parallelism.expert_model_para
 @pytest.fixture(scope="module")
 def deterministic_k2(moe_model, tmp_path_factory):
     run = tmp_path_factory.mktemp("det_k2")
-    _run(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2))
+    run_ok(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2))
     return run
 
 
 def test_deterministic_schedule_gives_batch_b_the_weights_of_step_b_minus_k(deterministic_k2):
-    metrics = _metrics(deterministic_k2)
+    metrics = read_metrics(deterministic_k2)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     for m in metrics:
         b = m["step"] - 1  # the batch step b trains on was generated with weights max(0, b - 2)
@@ -95,20 +72,11 @@ def test_kill_9_and_resume_of_an_async_run_matches_the_uninterrupted_one(moe_mod
     engine's routes of every token) and the producer's position; resumed from it, the later steps must
     come out exactly as uninterrupted (R3 replays the buffered routes: lost ones would be routed live)."""
     run = tmp_path / "resumed"
-    proc = subprocess.Popen(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, start_new_session=True)
-    deadline = time.monotonic() + 500
-    try:  # kill -9 at the first checkpoint (buffered steps take a fraction of a second: it may be step 4's)
-        while not (run / "checkpoints" / "latest").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before a checkpoint"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    # kill -9 at the first checkpoint (buffered steps take a fraction of a second: it may be step 4's)
+    kill_9(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2), checkpointed(run), poll_s=0.05)
     assert (run / "checkpoints" / "latest").read_text().strip() in ("step_00000002", "step_00000004")
-    _run(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2))
-    got, want = _metrics(run), _metrics(deterministic_k2)
+    run_ok(_cmd(moe_model, run, 6, *DETERMINISTIC_K2, *MOE_R3_EP2))
+    got, want = read_metrics(run), read_metrics(deterministic_k2)
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
     for g, w in zip(got, want):
         for key in SAME:
@@ -119,15 +87,15 @@ def test_resume_with_a_smaller_max_staleness_generates_stale_groups_again(moe_mo
     # the step-4 checkpoint buffers batches 4 and 5, made with weights 2 and 3: each is 2 versions old
     # when trained (steps 5 and 6), over k=1, so both are generated again with the trainer's weights
     run = tmp_path / "k1"
-    _run(_cmd(moe_model, run, 6, "produce.strategy=async", "produce.max_staleness=1", "produce.on_stale=requeue",
+    run_ok(_cmd(moe_model, run, 6, "produce.strategy=async", "produce.max_staleness=1", "produce.on_stale=requeue",
               *MOE_R3_EP2, f"trainer.resume={deterministic_k2 / 'checkpoints' / 'step_00000004'}"))
-    metrics = _metrics(run)
+    metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     for m in metrics[4:]:
         assert m["stale_requeued"] == 4 and m["staleness_max"] == 0 and m["groups_trained"] == 4, m
 
 
-def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_path):
+def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(tiny_model, tmp_path):
     """The fast schedule with in_flight=abort: no warm start, so the random model writes all 96 tokens
     and generation outlasts a train step; the sync after it preempts the requests of the next batch,
     which resume on the new weights (their tokens keep the version each was sampled with). The policy
@@ -135,11 +103,11 @@ def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_pa
     between the preempted requests' halves (the full-parameter sync is the same driver path, its engine
     side tests/e2e/test_rollout_worker.py's; LoRA's engine side tests/e2e/test_lora_serving.py's)."""
     run = tmp_path / "fast"
-    _run(_cmd(model, run, 4, "produce.strategy=async", "produce.max_staleness=1", "produce.in_flight=abort",
+    run_ok(_cmd(tiny_model, run, 4, "produce.strategy=async", "produce.max_staleness=1", "produce.in_flight=abort",
               "trainer.warmup_sft_steps=0", "rollout.max_response_tokens=96", "trainer.prompts_per_step=8",
               "trainer.global_batch_size=32", "algorithm.rollout_correction=tis", "trainer.save_every=0",
               "actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0"))
-    metrics = _metrics(run)
+    metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(0 < m["sync_bytes"] < 1e6 for m in metrics)  # the adapters alone
     assert all(m["staleness_max"] <= 1 for m in metrics), [m["staleness_max"] for m in metrics]
@@ -151,13 +119,13 @@ def test_fast_async_with_partial_rollouts_keeps_staleness_within_k(model, tmp_pa
     assert any(m["engine_busy_fraction"] > 0 for m in metrics), [m["engine_busy_fraction"] for m in metrics]
 
 
-def test_dynamic_sampling_refills_the_batch(model, tmp_path):
+def test_dynamic_sampling_refills_the_batch(tiny_model, tmp_path):
     # digit_fraction_or_one gives every response to a label ending in 0-4 1.0: those groups are uniform
     run = tmp_path / "dapo"
-    _run(_cmd(model, run, 2, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=6",
+    run_ok(_cmd(tiny_model, run, 2, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=6",
               "reward.fn=rlmega.testing.rewards.digit_fraction_or_one", "trainer.save_every=0",
               "algorithm.overlong=mask"))
-    for m in _metrics(run):
+    for m in read_metrics(run):
         assert m["groups_filtered"] > 0 and m["sampling_rounds"] >= 2, m
         assert m["groups_trained"] == 4 and m["groups_short"] == 0, m  # refilled to prompts_per_step
         assert m["prompts_drawn"] == 4 * m["sampling_rounds"]

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 RLMEGA = shutil.which("rlmega", path=str(Path(sys.executable).parent)) or "rlmega"
 
 
@@ -16,11 +16,8 @@ def _run(*args, timeout=300):
     return subprocess.run([RLMEGA, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_check_config_prints_the_resolved_config(tmp_path):
-    from rlmega.tiny_model import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
-    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}", "trainer.total_steps=7",
+def test_check_config_prints_the_resolved_config(tiny_model, tmp_path):
+    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={tiny_model}", "trainer.total_steps=7",
                f"trainer.run_dir={tmp_path / 'run'}")
     assert out.returncode == 0, out.stderr
     assert re.search(r"total_steps: 7\b", out.stdout)
@@ -36,13 +33,10 @@ def test_check_config_rejects_a_bad_field_with_exit_2():
 
 
 @pytest.mark.timeout(400)
-def test_lm_demo_trains_megatron_tp2_pp2(tmp_path):
+def test_lm_demo_trains_megatron_tp2_pp2(tiny_model):
     """The plain language-model run (torchrun, 4 ranks): Megatron's whole training stack learns."""
-    from rlmega.tiny_model import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "rlmega.lm_demo", "--model", str(model), "--steps", "8"]
+           "-m", "rlmega.lm_demo", "--model", tiny_model, "--steps", "8"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from conftest import ROOT
 from ray.cluster_utils import Cluster
 
 from rlmega.config.placement_rules import placement_plan
@@ -24,9 +25,7 @@ from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
 from rlmega.launch.cluster import ClusterError, check_shared_paths, place_groups
 from rlmega.launch.engines import engine_options as _engine_options
 from rlmega.launch.worker_group import WorkerGroup
-from rlmega.tiny_model import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -176,13 +175,12 @@ def test_a_node_that_does_not_see_the_run_dir_is_named(cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_tiny_run_trains_across_nodes(cluster, tmp_path):
+def test_the_tiny_run_trains_across_nodes(cluster, tiny_model, tmp_path):
     """With rollout.weight_transport=collective: the weights of the trainer ranks on the engine's node
     and on the other node reach it by gloo broadcast (rlmega/sync/collective.py), and the engine then
     samples from the trainer's weights (the step's parity)."""
-    model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=0)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
+    cmd = [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={tiny_model}",
            f"trainer.run_dir={run}", "trainer.total_steps=2", "trainer.save_every=0", "trainer.warmup_sft_steps=2",
            "rollout.max_response_tokens=8", "data.synthetic_size=100", "logging.tensorboard=false",
            f"cluster.address={cluster.address}", "cluster.cpu_ranks_per_node=2", "rollout.weight_transport=collective"]

@@ -21,10 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, tagged_processes
 
-from rlmega.tiny_model import make_tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "tools" / "slurm" / "rlmega.sbatch"
 TAG = f"slurm-{os.getpid()}"  # in the environment of every process a job starts (sbatch --export=ALL)
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
@@ -185,15 +183,9 @@ def slurm():
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for pid in _tagged_processes():  # whatever a failed job left: never into the next test
+        for pid in tagged_processes(TAG):  # whatever a failed job left: never into the next test
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=256, num_heads=4,
-                               num_kv_heads=2, num_layers=4, seed=0))
 
 
 def _job_env(slurm: Slurm) -> dict:
@@ -212,27 +204,16 @@ def _train_args(model, run_dir, steps) -> list[str]:
             "reward.fn=rlmega.testing.rewards.digit_fraction"]
 
 
-def _tagged_processes() -> set[int]:
-    found = set()
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"RLMEGA_TEST_TAG={TAG}".encode() in (proc / "environ").read_bytes():
-                found.add(int(proc.name))
-        except OSError:  # gone, or not ours to read
-            pass
-    return found
-
-
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")
-def cancelled(slurm, model, tmp_path_factory):
+def cancelled(slurm, tiny_model, tmp_path_factory):
     """A job cancelled with a plain `scancel` once its first checkpoint is written."""
     run = tmp_path_factory.mktemp("slurm_run")
-    job = slurm.sbatch(*_train_args(model, run, 3), job_env=_job_env(slurm))
+    job = slurm.sbatch(*_train_args(tiny_model, run, 3), job_env=_job_env(slurm))
     deadline = time.monotonic() + 400
     while not (run / "checkpoints" / "latest").exists():
         state = slurm.job(job)["JobState"]
@@ -251,7 +232,7 @@ def test_scancel_leaves_no_process_and_a_resumable_checkpoint(slurm, cancelled):
     run, job, info, took = cancelled
     out = slurm.output(job)
     assert info["JobState"] == "CANCELLED", (info, out[-3000:])
-    leaked = _tagged_processes()
+    leaked = tagged_processes(TAG)
     assert not leaked, f"left behind: {[Path(f'/proc/{p}/cmdline').read_bytes()[:100] for p in leaked]}"
     latest = find_checkpoint(run / "checkpoints")  # a complete checkpoint, the newest one
     assert latest is not None and 1 <= int(latest.name.split("_")[1]) <= max(_steps(run)), out[-3000:]
@@ -259,10 +240,10 @@ def test_scancel_leaves_no_process_and_a_resumable_checkpoint(slurm, cancelled):
     print(f"\nscancel: job gone {took:.1f}s later, {trainer}; {latest.name} of steps {_steps(run)} kept")
 
 
-def test_the_resubmitted_job_resumes_and_finishes(slurm, model, cancelled):
+def test_the_resubmitted_job_resumes_and_finishes(slurm, tiny_model, cancelled):
     run, _, _, _ = cancelled
     before = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    job = slurm.sbatch(*_train_args(model, run, 3), "--resume", job_env=_job_env(slurm))
+    job = slurm.sbatch(*_train_args(tiny_model, run, 3), "--resume", job_env=_job_env(slurm))
     info = slurm.wait_gone(job, timeout=400)
     out = slurm.output(job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, out[-4000:])
@@ -271,11 +252,11 @@ def test_the_resubmitted_job_resumes_and_finishes(slurm, model, cancelled):
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert (run / "hf_final" / "config.json").exists()
     assert "rlmega.sbatch: Ray stopped on 1 node(s); exit 0" in out
-    assert not _tagged_processes()
+    assert not tagged_processes(TAG)
 
 
-def test_a_bad_config_fails_the_job_with_exit_2_before_ray_starts(slurm, model, tmp_path):
-    job = slurm.sbatch(*_train_args(model, tmp_path / "bad", 3), "parallelism.tensor_model_parallel_size=3",
+def test_a_bad_config_fails_the_job_with_exit_2_before_ray_starts(slurm, tiny_model, tmp_path):
+    job = slurm.sbatch(*_train_args(tiny_model, tmp_path / "bad", 3), "parallelism.tensor_model_parallel_size=3",
                        job_env=_job_env(slurm))
     info = slurm.wait_gone(job, timeout=120)
     out = slurm.output(job)

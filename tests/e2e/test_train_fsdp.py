@@ -15,16 +15,12 @@ asynchronous producer's deterministic schedule. Three launches (plus one resume)
 import json
 import os
 import re
-import signal
-import subprocess
-import time
 import urllib.request
 
 import pytest
-
-# pytest puts tests/e2e on sys.path; the tiny model fixture and the helpers are test_train's
-from test_train import (ROOT, TORCHRUN, _cmd, _cmdline, _kill, _left_behind, _metrics, _run, _same_numbers,
-                        model)  # noqa: F401
+from conftest import TORCHRUN, checkpointed, kill_9, read_metrics, reap, run_ok, same_numbers
+# pytest puts tests/e2e on sys.path; the command is test_train's
+from test_train import _cmd
 
 FSDP = ("actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1",
         "parallelism.pipeline_model_parallel_size=1")
@@ -39,47 +35,40 @@ def _fsdp_cmd(model, run, steps, *extra, world_size=2):
 
 
 @pytest.fixture(scope="module")
-def straight(model, tmp_path_factory):
+def straight(tiny_model, tmp_path_factory):
     run = tmp_path_factory.mktemp("fsdp_torchrun")
-    _run([*TORCHRUN, "2", "-m", "rlmega.train", *_fsdp_cmd(model, run, 4)[3:]])
+    run_ok([*TORCHRUN, "2", "-m", "rlmega.train", *_fsdp_cmd(tiny_model, run, 4)[3:]])
     return run
 
 
 @pytest.fixture(scope="module")
-def killed(model, tmp_path_factory):
+def killed(tiny_model, tmp_path_factory):
     """The Ray-hosted run killed with SIGKILL after its step-2 checkpoint, then resumed to step 4.
     Returns (run dir, dashboard status seen while it ran, processes left 30 s after the kill)."""
     run = tmp_path_factory.mktemp("fsdp_killed")
     tag = f"fsdp-killed-{os.getpid()}"
     log = run.parent / f"{run.name}.stdout"
+    status = None
+
+    def ask_the_dashboard():
+        nonlocal status
+        url = re.search(r"dashboard (http://\S+/)", log.read_text())
+        if status is None and url and (run / "metrics.jsonl").exists():  # the dashboard of a live run
+            with urllib.request.urlopen(url.group(1) + "api/status", timeout=10) as r:
+                status = json.loads(r.read())
+
     with open(log, "w") as out:
-        proc = subprocess.Popen(_fsdp_cmd(model, run, 4, "logging.profile_steps=[2]"), cwd=ROOT, stdout=out,
-                                stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONWARNINGS": "ignore", "RLMEGA_TEST_TAG": tag})
-        deadline, status = time.monotonic() + 500, None
-        try:
-            while not (run / "checkpoints" / "latest").exists():
-                assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 2"
-                url = re.search(r"dashboard (http://\S+/)", log.read_text())
-                if status is None and url and (run / "metrics.jsonl").exists():  # the dashboard of a live run
-                    with urllib.request.urlopen(url.group(1) + "api/status", timeout=10) as r:
-                        status = json.loads(r.read())
-                time.sleep(0.05)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    leaked = _left_behind(tag, within_s=30.0)
-    names = [_cmdline(p) for p in leaked]
-    for p in leaked:  # a failing run still cleans up after itself
-        _kill(p)
+        kill_9(_fsdp_cmd(tiny_model, run, 4, "logging.profile_steps=[2]"), checkpointed(run), tag=tag, stdout=out,
+               poll_s=0.05, while_waiting=ask_the_dashboard)
+    names = reap(tag, within_s=30.0)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    _run(_fsdp_cmd(model, run, 4, "--resume"))
+    run_ok(_fsdp_cmd(tiny_model, run, 4, "--resume"))
     return run, status, names
 
 
 def test_ray_actors_and_a_profiled_step_give_exactly_torchruns_numbers(straight, killed):
     run, _, _ = killed
-    mine, ref = _metrics(run), _metrics(straight)
+    mine, ref = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in ref] == [1, 2, 3, 4]
     for m in ref:  # batch b sampled with the weights of step b - 1, which FSDP synced to the engine
         assert m["staleness_max"] == m["staleness_mean"] == min(m["step"] - 1, 1), m
@@ -89,16 +78,16 @@ def test_ray_actors_and_a_profiled_step_give_exactly_torchruns_numbers(straight,
     assert ref[1]["logprob_diff_max"] > 1e-4  # a version behind: the trainer's weights did move
     assert ref[0]["kl_ref"] == 0.0 and all(m["kl_ref"] > 0 for m in ref[1:])  # Polyak reference moves
     for a, b in zip(mine[:2], ref[:2]):  # before the kill: Ray actors, step 2 traced
-        assert _same_numbers(a, b) == {}, (a["step"], _same_numbers(a, b))
+        assert same_numbers(a, b) == {}, (a["step"], same_numbers(a, b))
 
 
 def test_kill_9_and_resume_equals_the_uninterrupted_run(straight, killed):
     run, _, leaked = killed
     assert not leaked, f"processes of the killed run left behind: {leaked}"
-    got, want = _metrics(run), _metrics(straight)
+    got, want = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for g, w in zip(got[2:], want[2:]):
-        assert _same_numbers(g, w) == {}, (g["step"], _same_numbers(g, w))
+        assert same_numbers(g, w) == {}, (g["step"], same_numbers(g, w))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (run / "hf_final" / "config.json").exists()
 
@@ -113,11 +102,11 @@ def test_profile_steps_write_a_trace_per_rank_and_the_dashboard_answers(killed):
     assert status["progress"]["total_steps"] == 4 and status["progress"]["step"] >= 1, status["progress"]
 
 
-def test_resume_at_world_size_1_continues_with_the_same_loss(model, straight, tmp_path):
+def test_resume_at_world_size_1_continues_with_the_same_loss(tiny_model, straight, tmp_path):
     # trainer.resume=PATH at world 1: DCP reshards the 2-rank checkpoint (policy, Adam, reference, buffer)
     run = tmp_path / "world1"
-    _run(_fsdp_cmd(model, run, 4, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}", world_size=1))
-    got, want = _metrics(run), _metrics(straight)
+    run_ok(_fsdp_cmd(tiny_model, run, 4, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}", world_size=1))
+    got, want = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     # step 3's batch (sampled with step 1's weights) comes from the checkpoint's buffer, step 4's is sampled
     # with the checkpoint's weights (step 2's): both runs train on the same tokens (same rewards)
@@ -138,7 +127,7 @@ LORA = ("actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0", "
         "optimizer.lr=1e-2", "parallelism.world_size=2")
 
 
-def test_a_full_parameter_run_resumes_into_lora_served_unmerged_at_parity(model, tmp_path):
+def test_a_full_parameter_run_resumes_into_lora_served_unmerged_at_parity(tiny_model, tmp_path):
     """2 full-parameter steps on 2 FSDP ranks, then --resume with actor.lora, the engine serving the adapters
     unmerged (rollout.lora_merge false). The checkpoint's policy becomes the base (the adapters at zero),
     which the first sync sends the engine in place of model.path's weights; every sync after sends the
@@ -147,9 +136,9 @@ def test_a_full_parameter_run_resumes_into_lora_served_unmerged_at_parity(model,
     base they would be ~0.2 nats of KL apart), and the KL to the new base (adapters off) starts at 0."""
     run = tmp_path / "full_then_lora"
     full = ("actor.ref_update_rate=0", "trainer.warmup_sft_steps=0", "optimizer.lr=1e-2", "parallelism.world_size=2")
-    _run(_cmd(model, run, 2, *FSDP, *full))
-    _run(_cmd(model, run, 4, *FSDP, *LORA, "--resume"))
-    got = _metrics(run)
+    run_ok(_cmd(tiny_model, run, 2, *FSDP, *full))
+    run_ok(_cmd(tiny_model, run, 4, *FSDP, *LORA, "--resume"))
+    got = read_metrics(run)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     print("full then lora:", [{k: m[k] for k in ("logprob_diff_max", "kl_ref", "sync_bytes")} for m in got])
     # the model (9,575,424 bytes), then the adapters alone (532,551)

@@ -10,29 +10,16 @@ logged and the warm-up step leaves the policy alone, the run's checkpoints carry
 driver after step 3 and --resume gives exactly the uninterrupted run's numbers (policy adapters, their Adam
 state and critic), and the final critic is an HF folder transformers loads as a token classifier.
 """
-import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, env, kill_9, read_metrics, run_ok, steps_logged, with_fault
 
-from rlmega.tiny_model import make_tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
 CRITIC_KEYS = ("critic/vf_loss", "critic/value_mean", "critic/vf_clipfrac", "critic/explained_variance",
                "critic/grad_norm", "advantage_mean", "return_mean", "critic/values_before")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=256, num_heads=4,
-                               num_kv_heads=2, num_layers=4, seed=0))
 
 
 def _cmd(model, run_dir, *extra):
@@ -50,26 +37,15 @@ def _cmd(model, run_dir, *extra):
             "reward.fn=rlmega.testing.rewards.digit_fraction", *extra]
 
 
-def _run(cmd, timeout=600):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def straight(model, tmp_path_factory):
+def straight(tiny_model, tmp_path_factory):
     run = tmp_path_factory.mktemp("ppo_straight")
-    _run(_cmd(model, run))
+    run_ok(_cmd(tiny_model, run))
     return run
 
 
 def test_ppo_logs_the_critic_and_its_warm_up_leaves_the_policy_alone(straight):
-    rows = _metrics(straight)
+    rows = read_metrics(straight)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
     for m in rows:
         assert all(math.isfinite(m[k]) for k in CRITIC_KEYS if k != "critic/explained_variance"), m
@@ -86,23 +62,14 @@ def test_ppo_logs_the_critic_and_its_warm_up_leaves_the_policy_alone(straight):
     assert critic.score.weight.shape == (1, 256)
 
 
-def test_kill_9_and_resume_of_a_ppo_run_matches_the_uninterrupted_run(model, straight, tmp_path):
+def test_kill_9_and_resume_of_a_ppo_run_matches_the_uninterrupted_run(tiny_model, straight, tmp_path):
     run = tmp_path / "resumed"
-    cmd = _cmd(model, run)
-    cmd[1:3] = ["-m", "rlmega.testing.faults", "hang-after", "3"]  # the driver stops right after step 3
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, start_new_session=True)
-    deadline = time.monotonic() + 500
-    try:  # kill -9 once step 3 is logged: the step-2 checkpoint (policy and critic) exists, step 3 is past it
-        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 3"
-            time.sleep(0.5)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    # kill -9 once step 3 is logged: the step-2 checkpoint (policy and critic) exists, step 3 is past it
+    # (hang-after 3: the driver stops right after step 3)
+    kill_9(with_fault(_cmd(tiny_model, run), "hang-after", 3), steps_logged(run, 3))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    _run(_cmd(model, run, "--resume"))
-    got, want = _metrics(run), _metrics(straight)
+    run_ok(_cmd(tiny_model, run, "--resume"))
+    got, want = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for g, w in zip(got[2:], want[2:]):
         for key in ("loss", "reward_mean", "grad_norm", "kl_ref", *CRITIC_KEYS):
@@ -110,13 +77,13 @@ def test_kill_9_and_resume_of_a_ppo_run_matches_the_uninterrupted_run(model, str
                 f"step {g['step']} {key}: resumed {g[key]} vs straight {w[key]}"
 
 
-def test_resuming_a_checkpoint_without_a_critic_is_refused_before_any_worker_starts(model, straight, tmp_path):
+def test_resuming_a_checkpoint_without_a_critic_is_refused_before_any_worker_starts(tiny_model, straight, tmp_path):
     import shutil
 
     lone = tmp_path / "other" / "checkpoints" / "step_00000002"  # the policy's checkpoint, its critic left behind
     shutil.copytree(straight / "checkpoints" / "step_00000002", lone)
-    out = subprocess.run(_cmd(model, tmp_path / "new", f"trainer.resume={lone}"), capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out = subprocess.run(_cmd(tiny_model, tmp_path / "new", f"trainer.resume={lone}"), capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env())
     assert out.returncode == 2, out.stderr[-3000:]
     assert "has no critic checkpoint" in out.stderr and "critic/step_00000002 is missing" in out.stderr
     assert "placement" not in out.stderr  # refused before Ray placed any worker

@@ -7,16 +7,10 @@ schedule (its buffer of image batches is in the checkpoints), checkpoints every 
   steps 3-4 equal the reference's exactly;
 - the HF export (hf_final) loads in transformers with its processor and holds exactly the trainer's weights.
 """
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
-
-# pytest puts tests/e2e on sys.path; the helpers are test_train's
-from test_train import ROOT, _metrics, _run, _same_numbers
+from conftest import ROOT, checkpointed, kill_9, read_metrics, run_ok, same_numbers
 
 from rlmega.tiny_vlm import make_tiny_vlm
 
@@ -42,30 +36,21 @@ def _cmd(model, run, steps, *extra, schedule=ASYNC):
 @pytest.fixture(scope="module")
 def straight(vlm, tmp_path_factory):
     run = tmp_path_factory.mktemp("vlm_straight")
-    _run(_cmd(vlm, run, 4))
+    run_ok(_cmd(vlm, run, 4))
     return run
 
 
 def test_kill_9_and_resume_equals_the_uninterrupted_run(vlm, straight, tmp_path):
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(vlm, run, 4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    deadline = time.monotonic() + 400
-    try:
-        while not (run / "checkpoints" / "latest").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 2"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_9(_cmd(vlm, run, 4), checkpointed(run), timeout=400, poll_s=0.05)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    _run(_cmd(vlm, run, 4, "--resume"))
-    got, want = _metrics(run), _metrics(straight)
+    run_ok(_cmd(vlm, run, 4, "--resume"))
+    got, want = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in want] == [1, 2, 3, 4]
     assert all(m["grad_norm"] > 0 for m in want), want  # real updates at every step
     assert want[0]["logprob_diff_max"] <= 5e-6 and want[0]["parity_samples"] > 0, want[0]
     for g, w in zip(got[2:], want[2:]):
-        assert _same_numbers(g, w) == {}, (g["step"], _same_numbers(g, w))
+        assert same_numbers(g, w) == {}, (g["step"], same_numbers(g, w))
 
 
 def test_the_export_loads_in_transformers_and_holds_the_trainers_weights(straight):
