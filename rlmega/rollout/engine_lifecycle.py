@@ -122,6 +122,9 @@ async def start_engine(args, tensor_parallel_size: int):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     config = args.create_engine_config()
+    if config.device_config.device_type == "cpu" and tensor_parallel_size == 1:
+        with forked_engine_core():
+            return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
     if tensor_parallel_size > 1 and config.parallel_config.distributed_executor_backend == "ray":
         # vLLM chose its Ray executor because this actor runs in a placement group, but the engine
         # core that starts that executor is a child process, not a Ray worker, and cannot see the
@@ -131,6 +134,41 @@ async def start_engine(args, tensor_parallel_size: int):
 
         config.parallel_config.placement_group = get_current_placement_group()
     return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
+
+
+@contextlib.contextmanager
+def forked_engine_core():
+    """vLLM's engine core forked from this process, not spawned (CPU engines at TP 1; on the calling thread).
+
+    Why: AsyncLLM always runs its engine core in a child process, and vLLM starts it with ``spawn`` on CPU
+    (platforms/cpu.py sets it for its CPU executor's workers) and in any Ray actor
+    (utils/system_utils._maybe_force_spawn). A spawned core imports torch and vLLM again: measured here,
+    ~8 s of a 14 s engine start on an idle 2-core machine, more under load, once per engine start of every
+    run and test. Forked, the core starts with what this process already imported.
+    Why it is safe here: the core does not use what spawn protects. At TP 1 on CPU it runs the model in its
+    own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uniproc executor): no Ray, no CUDA, no worker processes
+    of its own, no OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND=nobind, engine_threads). A forked child
+    keeps only the thread that forked (this one) and exits with os._exit, so Ray's threads and exit hooks
+    stay the parent's. Its intra-op thread count is this thread's torch setting at the fork (a spawned core
+    read OMP_NUM_THREADS at import instead), so it is set from OMP_NUM_THREADS for the fork and put back,
+    as vLLM does for its own forked cores (v1/engine/utils._configure_uniproc_startup_threads).
+    TP > 1 engines (Ray executor in the core) and CUDA (no fork after CUDA init) keep vLLM's spawn.
+    tests/e2e/test_rollout_worker.py counts failures over repeated starts in a Ray actor.
+    """
+    import multiprocessing
+
+    import vllm.v1.engine.utils as engine_utils
+
+    saved_context, saved_threads = engine_utils.get_mp_context, torch.get_num_threads()
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = saved_context
+        torch.set_num_threads(saved_threads)
 
 
 async def shutdown_engine(engine) -> None:

@@ -45,11 +45,13 @@ def _engine_body(model_dir: str) -> dict:
     tm = out["timing"]
     w = RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB)
     tm["import_and_engine_start"] = time.perf_counter() - t0
+    out["engine_threads"] = w.engine_threads()
     out["vocab_size"] = w.vocab_size
 
     # 1. generate: shapes, finish reasons, stop tokens, seeds (the first call also warms up).
     t = time.perf_counter()
     out["plain"] = _as_dicts(w.generate(PROMPTS, n=4, max_tokens=12, seed=1))
+    tm["1_first_generate"] = time.perf_counter() - t
     out["stopped"] = _as_dicts(w.generate(PROMPTS, n=4, max_tokens=12, stop_token_ids=STOP_IDS, seed=2))
     out["seed_a"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
     out["seed_b"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
@@ -214,9 +216,10 @@ def _engine_body(model_dir: str) -> dict:
     # 5. shutdown frees the process for another engine (fractional KV size on purpose).
     t = time.perf_counter()
     w.shutdown()
-    w2 = RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB / 2)
+    w2 = RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB / 2, num_threads=1)
     out["second_engine"] = {"concurrency": w2.kv_cache_max_concurrency(),
-                            "samples": _as_dicts(w2.generate(PROMPTS[:1], max_tokens=4))}
+                            "samples": _as_dicts(w2.generate(PROMPTS[:1], max_tokens=4)),
+                            "engine_threads": w2.engine_threads(), "caller_threads": torch.get_num_threads()}
     w2.shutdown()
     tm["5_shutdown_and_restart"] = time.perf_counter() - t
     tm["child_total"] = time.perf_counter() - t0
@@ -507,6 +510,9 @@ def test_concurrency_sleep_and_restart(run):
     second = run["second_engine"]
     assert second["concurrency"] == pytest.approx(run["concurrency"] / 2)
     assert len(second["samples"]) == 1 and second["samples"][0]["response_ids"]
+    # the engine core is forked on CPU (engine_lifecycle.forked_engine_core): it computes with the threads asked
+    # for (None: the process's, 2 here), and the caller's own setting is put back after the fork
+    assert run["engine_threads"] == [2] and second["engine_threads"] == [1] and second["caller_threads"] == 2
 
 
 OLD = json.loads((Path(__file__).parent / "data" / "llm_generate_before_asyncllm.json").read_text())

@@ -4,7 +4,7 @@ prints and records its phases (rlmega/rundir/startup.py).
 Starting things at once must not turn a failure into a hang or a leak: a worker killed while the other role
 is still starting (the kernel's OOM killer does this) is reported by name within seconds, and every process
 of the run goes. The bench's smoke (tools/bench/startup.py --smoke) is the check that phases are printed and
-recorded in RUN_DIR/setup.json.
+recorded in RUN_DIR/setup.json, and that its engine-start count runs.
 """
 import json
 import os
@@ -44,6 +44,9 @@ def test_startup_bench_smoke_prints_and_records_every_phase(tmp_path):
     assert run["setup"]["ready_s"] == rows["first weight sync"]["end_s"] <= run["first_step_s"] <= run["run_s"]
     assert r["floor_s"] > 0 and "floor (import torch, vllm, megatron.core, ray)" in proc.stdout
     assert "world1 phases (median s, from -> to): imports" in proc.stdout
+    starts = r["engine_starts"]  # one engine in a fresh Ray actor, as rlmega train starts it
+    assert starts["starts"] == 1 and starts["failures"] == [] and len(starts["seconds"]) == 1, starts
+    assert "engine starts in fresh Ray actors: 1, failed 0" in proc.stdout
 
 
 @pytest.mark.parametrize("victim, other_phase, named", [

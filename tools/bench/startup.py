@@ -2,7 +2,8 @@
 
     python tools/bench/startup.py                      # 4 cases x 2 rounds, this checkout vs --base: ~15 min
     python tools/bench/startup.py --cases world1 --rounds 3 --json runs/bench/startup.json
-    python tools/bench/startup.py --smoke              # world 1, one step, this checkout only: ~30 s; CI runs it
+    python tools/bench/startup.py --smoke              # world 1, one step, one engine start, this checkout only
+    python tools/bench/startup.py --cases '' --engine-starts 50   # 50 engine starts, failures counted: ~11 min
 
 Each case is configs/tiny_cpu.yaml on the demo's tiny Qwen2 (made once here), 4 GRPO steps, no warm start and
 no baseline eval, so that nothing but start-up comes before step 1:
@@ -18,6 +19,10 @@ rlmega/rundir/startup.py). The other side is ``--base`` (default: 8231bfb, the c
 work), checked out once into a git worktree under runs/bench/ and run from there with the same Python; each
 round runs every case on both sides, alternating which goes first. Also printed: the floor, one
 ``python -c 'import torch, vllm, megatron.core, ray'`` per round on the same machine.
+
+``--engine-starts N``: N engines started one after another, each in a fresh Ray actor made as `rlmega train`
+makes them (rlmega/launch/engines.py), each asked for one generation and shut down: the failures are counted
+and named, not raised, so that a rare start-up failure shows as a rate.
 """
 from __future__ import annotations
 
@@ -96,6 +101,36 @@ def run_once(code: Path, model: Path, run_dir: Path, case: str, steps: int, pyth
             "setup": json.loads(setup.read_text()) if setup.is_file() else None}
 
 
+def engine_starts(model: Path, n: int, timeout: float) -> dict:
+    """``n`` engine starts in fresh Ray actors (this checkout): seconds of each start + generate + shutdown,
+    and each failure's index and error."""
+    import ray
+
+    from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        Engine, seconds, failures = engine_actor_class(), [], []
+        for i in range(n):
+            t0 = time.perf_counter()
+            actor = Engine.options(max_concurrency=ENGINE_CONTROL_CONCURRENCY, num_cpus=1).remote(
+                str(model), device="cpu", dtype="float32", max_model_len=96, seed=i, kv_cache_space_gb=0.25)
+            try:
+                samples = ray.get(actor.generate.remote([[1, 5, 7, 9]], n=2, max_tokens=8, seed=1), timeout=timeout)
+                if len(samples) != 2 or not all(s.response_ids for s in samples):
+                    raise RuntimeError(f"generate gave {samples!r}")
+                ray.get(actor.shutdown.remote(), timeout=timeout)
+                seconds.append(time.perf_counter() - t0)
+            except Exception as exc:  # counted, not raised: the rate is the result
+                failures.append({"start": i, "error": repr(exc)[-2000:]})
+            finally:
+                ray.kill(actor)
+            print(f"engine start {i}: {time.perf_counter() - t0:.1f} s, {len(failures)} failed so far", flush=True)
+    finally:
+        ray.shutdown()
+    return {"starts": n, "failures": failures, "seconds": seconds, "median_s": median(seconds)}
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -118,7 +153,13 @@ def report(res: dict) -> None:
         if phases:
             print(f"{case} phases (median s, from -> to): " + ", ".join(
                 f"{p} {v['seconds']:.1f} ({v['start_s']:.1f} -> {v['end_s']:.1f})" for p, v in phases.items()))
-    if res["base"]:
+    starts = res.get("engine_starts")
+    if starts:
+        print(f"engine starts in fresh Ray actors: {starts['starts']}, failed {len(starts['failures'])}; "
+              f"start + generate + shutdown median {starts['median_s'] or 0:.1f} s")
+        for f in starts["failures"]:
+            print(f"  start {f['start']} failed: {f['error'][-500:]}")
+    if res["base"] and res["cases"]:
         ratios = [c["run_ratio"] for c in res["cases"].values()]
         print(f"whole-run ratio base / new: {', '.join(f'{r:.2f}' for r in ratios)} "
               f"(target >= {RUN_RATIO_TARGET}: {'PASS' if min(ratios) >= RUN_RATIO_TARGET else 'MISS'})")
@@ -141,13 +182,14 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="GRPO steps per run")
     p.add_argument("--base", default=BASE, help="the commit to compare with; '' for this checkout only")
-    p.add_argument("--smoke", action="store_true", help="world1, one round, one step, no base")
+    p.add_argument("--engine-starts", type=int, default=0, help="engine starts in fresh Ray actors, failures counted")
+    p.add_argument("--smoke", action="store_true", help="world1, one round, one step, no base, one engine start")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.smoke:
-        args.cases, args.rounds, args.steps, args.base = "world1", 1, 1, ""
-    cases = args.cases.split(",")
+        args.cases, args.rounds, args.steps, args.base, args.engine_starts = "world1", 1, 1, "", 1
+    cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         p.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
@@ -156,7 +198,7 @@ def main(argv=None) -> dict:
     from rlmega.tiny_model import make_tiny_model
 
     python = sys.executable
-    sides = {"new": ROOT, **({"base": base_checkout(args.base)} if args.base else {})}
+    sides = {"new": ROOT, **({"base": base_checkout(args.base)} if args.base and cases else {})}
     runs: dict = {c: {s: [] for s in sides} for c in cases}
     floors = []
     with tempfile.TemporaryDirectory(prefix="rlmega-startup-") as tmp:
@@ -172,7 +214,9 @@ def main(argv=None) -> dict:
                     runs[case][side].append(r)
                     print(f"round {rnd} {case} {side}: first step {r['first_step_s']:.1f} s, run {r['run_s']:.1f} s",
                           flush=True)
-    res = {"base": args.base, "steps": args.steps, "floors": floors, "floor_s": median(floors), "cases": {}}
+        starts = engine_starts(work / "model", args.engine_starts, args.timeout) if args.engine_starts else None
+    res = {"base": args.base, "steps": args.steps, "floors": floors, "floor_s": median(floors), "cases": {},
+           "engine_starts": starts}
     for case in cases:
         c = {s: summarize(runs[case][s]) for s in sides}
         if "base" in sides:
