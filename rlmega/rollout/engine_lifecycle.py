@@ -123,6 +123,7 @@ async def start_engine(args, tensor_parallel_size: int):
 
     config = args.create_engine_config()
     if config.device_config.device_type == "cpu" and tensor_parallel_size == 1:
+        eager_token_ranks()  # inherited by the forked core
         with forked_engine_core():
             return AsyncLLM.from_vllm_config(config, disable_log_stats=True)
     if tensor_parallel_size > 1 and config.parallel_config.distributed_executor_backend == "ray":
@@ -169,6 +170,23 @@ def forked_engine_core():
     finally:
         engine_utils.get_mp_context = saved_context
         torch.set_num_threads(saved_threads)
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row, how many of ``x`` are >= ``values``: (B, V), (B, 1) -> (B,). vLLM's token rank (1 = the top)."""
+    return (x >= values).sum(-1)
+
+
+def eager_token_ranks() -> None:
+    """vLLM's sampler counts each token's rank with ``batched_count_greater_than``, a ``torch.compile``-d
+    function (vllm/v1/sample/ops/logprobs.py; compiled so that CUDA does not hold a (B, V) copy), even in an
+    eager engine. On CPU its first call compiles it with inductor inside the first generation: 1.9 s of every
+    engine's first step here (py-spy, tiny model; gen0 2.4-4.6 s, gen1 0.05 s). On CPU the (B, V) comparison is
+    cheap (a 256 x 152k batch: 39 MB of bools), so the sampler gets the same formula eager (count_at_least;
+    tests/unit/test_engine_args.py checks it against vLLM's). Set in this process before the core is forked."""
+    import vllm.v1.sample.sampler as sampler
+
+    sampler.batched_count_greater_than = count_at_least
 
 
 async def shutdown_engine(engine) -> None:
