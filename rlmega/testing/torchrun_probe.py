@@ -29,6 +29,13 @@ class Probe:
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
 
+    def importable(self, module: str) -> bool:
+        try:
+            __import__(module)
+            return True
+        except ImportError:
+            return False
+
     def fail(self, rank: int) -> None:
         if self.rank == rank:
             raise ValueError(f"rank {rank} fails on purpose")

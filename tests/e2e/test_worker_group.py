@@ -1,6 +1,8 @@
 """WorkerGroup (launch/worker_group.py) on a real local Ray: ``call`` returns every rank's answer in rank
 order; ``call_rank0`` runs on every rank but brings back rank 0's answer only, and still names a rank
 that raises."""
+import importlib.util
+
 import pytest
 import ray
 
@@ -27,11 +29,15 @@ def test_call_rank0_runs_everywhere_and_returns_rank_0s_answer(local_ray):
         group.shutdown()
 
 
-def test_ranks_on_one_node_meet_on_loopback(local_ray):
+def test_ranks_on_one_node_meet_on_loopback_and_keep_wandb_out(local_ray):
     # rank 0's store listens on MASTER_ADDR only (tests/multiproc/test_store_binding.py): here, loopback
     group = WorkerGroup(Probe, 2, args=("w",), num_cpus=0.1)
     try:
         assert group.call("env", "MASTER_ADDR") == ["127.0.0.1", "127.0.0.1"]
+        # installed here (the dev extra), yet a rank cannot import it, so megatron-core does not (0.8 s a rank:
+        # launch/rank_imports.py)
+        assert importlib.util.find_spec("wandb") is not None
+        assert group.call("importable", "wandb") == [False, False]
     finally:
         group.shutdown()
 
