@@ -14,8 +14,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlmega.launch.process_start import exit_without_collecting
-
 
 class PromptDataError(ValueError):
     """A prompt file's rows cannot be read or tokenized (what `rlmega train` reports as "prompt data: ...")."""
@@ -164,7 +162,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    exit_without_collecting()  # the process's shutdown skips gc (rlmega/launch/process_start.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
         from rlmega.train_args import parser as train_parser

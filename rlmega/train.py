@@ -26,7 +26,6 @@ from rlmega.agents.tasks import Tasks
 from rlmega.launch import torchrun_group
 from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
-from rlmega.launch.process_start import exit_without_collecting
 from rlmega.launch.roles import Roles
 from rlmega.rundir.checkpoint_files import CheckpointSpaceError
 from rlmega.preflight import preflight
@@ -226,7 +225,6 @@ def report(manager, metrics: dict, total_steps: int) -> None:
 
 
 def main(argv=None) -> int:
-    exit_without_collecting()  # the process's shutdown skips gc (rlmega/launch/process_start.py)
     rank = torchrun_group.rank()  # None unless torchrun started this process
     if rank:  # ranks 1..: serve rank 0, the driver (launch/torchrun_group.py)
         return torchrun_group.serve()

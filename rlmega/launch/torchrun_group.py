@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from rlmega.bound_store import BOUND_ENV
-from rlmega.launch.process_start import keep_out_unused
+from rlmega.launch.rank_imports import keep_out_unused
 from rlmega.launch.worker_group import WorkerGroupError, first_rank_of
 
 log = logging.getLogger("rlmega")
@@ -127,7 +127,7 @@ class _Host:
 
 def serve(poll_s: float = 0.02) -> int:
     """Ranks 1..: run rank 0's commands until it says exit; return the exit code it sends."""
-    keep_out_unused()  # before any command builds a worker (launch/process_start.py)
+    keep_out_unused()  # before any command builds a worker (launch/rank_imports.py)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     me, store, host = rank(), _store(), _Host()

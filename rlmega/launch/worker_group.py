@@ -19,7 +19,7 @@ from typing import Any, Callable
 import ray
 
 from rlmega.launch.errors import WorkerFailed, first_failure
-from rlmega.launch.process_start import keep_out_unused
+from rlmega.launch.rank_imports import keep_out_unused
 
 
 class WorkerGroupError(WorkerFailed):
@@ -30,7 +30,7 @@ class _RankHost:
     """Hosts one worker object inside a Ray actor."""
 
     def __init__(self, rank: int, world_size: int, env: dict[str, str]):
-        keep_out_unused()  # this actor's process starts here (launch/process_start.py)
+        keep_out_unused()  # this actor's process starts here (launch/rank_imports.py)
         self.rank, self.world_size = rank, world_size
         os.environ.update(env)
         self.worker = None

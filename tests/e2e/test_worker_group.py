@@ -35,7 +35,7 @@ def test_ranks_on_one_node_meet_on_loopback_and_keep_wandb_out(local_ray):
     try:
         assert group.call("env", "MASTER_ADDR") == ["127.0.0.1", "127.0.0.1"]
         # installed here (the dev extra), yet a rank cannot import it, so megatron-core does not (0.8 s a rank:
-        # launch/process_start.py)
+        # launch/rank_imports.py)
         assert importlib.util.find_spec("wandb") is not None
         assert group.call("importable", "wandb") == [False, False]
     finally:

@@ -54,24 +54,3 @@ def test_a_lora_demo_trains_on_the_demos_warm_start(tmp_path, monkeypatch):
     assert f"trainer.run_dir={run_dir / 'warm_start'}" in warm and f"model.path={run_dir / 'tiny_model'}" in warm
     assert lora[0] == "configs/lora_cpu.yaml" and lora == again
     assert lora[1:3] == [f"model.path={run_dir / 'warm_start' / 'hf_final'}", f"trainer.run_dir={run_dir}"]
-
-
-def test_a_command_leaves_without_the_interpreters_last_collections():
-    """rlmega.launch.process_start.exit_without_collecting, which `rlmega ...` (cli.main) and `python -m rlmega.train`
-    call first thing: at the interpreter's shutdown every object is frozen (an atexit handler registered before it
-    runs after it and sees the freeze), so shutdown's collections skip them (1.2 s of every run's exit before)."""
-    import subprocess
-    import sys
-
-    probe = ("import atexit, gc\n"
-             "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, flush=True))\n"
-             "from rlmega.cli import main\n"
-             "try:\n"
-             "    CALL\n"
-             "except SystemExit:\n"
-             "    pass\n")
-    for call, frozen in (("main(['plot', '--help'])", True), ("pass", False)):  # the latter: not called, not frozen
-        out = subprocess.run([sys.executable, "-c", probe.replace("CALL", call)], capture_output=True, text=True,
-                             timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert f"frozen at exit: {frozen}" in out.stdout, (call, out.stdout)
