@@ -121,6 +121,21 @@ def tagged_processes(tag: str) -> set[int]:
     return found
 
 
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def named_processes(tag: str, name: str) -> list[int]:
+    """The run's processes whose command line holds ``name`` (a Ray actor's title, ``ray::RolloutWorker``), less
+    their own children: a CPU engine's forked core keeps its actor's title (vLLM's setproctitle does not take in a
+    forked Ray worker), and killing the core instead of the actor is another failure than the one asked for."""
+    found = {p for p in tagged_processes(tag) if name.encode() in cmdline(p)}
+    return sorted(p for p in found if parent(p) not in found)
+
+
 def left_behind(tag: str, within_s: float = 5.0) -> set[int]:
     """The run's processes still there ``within_s`` after its driver exited (empty: all gone).
 

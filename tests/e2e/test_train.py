@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (ROOT, TORCHRUN, env, kill_9, left_behind, read_metrics, reap, run_ok, same_numbers,
-                      steps_logged, tagged_processes, with_fault)
+from conftest import (ROOT, TORCHRUN, env, kill_9, left_behind, named_processes, read_metrics, reap, run_ok,
+                      same_numbers, steps_logged, tagged_processes, with_fault)
 
 FIELDS = {"step", "reward_mean", "reward_std", "response_length", "loss", "pg_clipfrac", "ppo_kl", "kl_ref",
           "entropy", "grad_norm", "lr", "time_generate", "time_logprob", "time_train", "time_sync",
@@ -232,9 +232,9 @@ def test_a_killed_worker_is_a_clear_error_naming_it_not_a_hang(model, tmp_path, 
     while not (run / "checkpoints" / "latest").exists():  # step 2's checkpoint is written after its metrics
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint after step 2"
         time.sleep(0.2)
-    victims = [p for p in tagged_processes(tag) if process.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
+    victims = named_processes(tag, process)  # the actor, not an engine's forked core (conftest.named_processes)
     assert victims, f"no {process} process found"
-    os.kill(int(victims[-1]), signal.SIGKILL)
+    os.kill(victims[-1], signal.SIGKILL)
     killed_at = time.monotonic()
     try:
         _, err = proc.communicate(timeout=60)
