@@ -46,5 +46,5 @@ setup(
     packages=find_packages(include=["rlmega", "rlmega.*"]),
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["rlmega=rlmega.cli:main"]},
+    entry_points={"console_scripts": ["rlmega=rlmega.cli:entry"]},
 )

@@ -131,7 +131,7 @@ def _plot(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The `rlmega` command's parser (`rlmega train`'s own arguments: rlmega.train_args.parser)."""
+    """The `rlmega` command's parser (`rlmega train`'s own arguments: rlmega.train_args.parse)."""
     p = argparse.ArgumentParser(prog="rlmega", description="RL for LLMs on Megatron-core, vLLM and Ray")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check-config", help="validate a config and print it resolved")
@@ -161,12 +161,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry() -> None:
+    """The ``rlmega`` console script: :func:`main`, then leave without the interpreter's teardown
+    (rlmega/launch/process_exit.py)."""
+    from rlmega.launch.process_exit import leave
+
+    leave(main())
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
-        from rlmega.train_args import parser as train_parser
+        from rlmega.train_args import parse as parse_train_args
 
-        train_parser().parse_args(argv[1:])  # --help and usage errors answer here, before the heavy imports
+        parse_train_args(argv[1:])  # --help and usage errors answer here, before the heavy imports
         from rlmega.train import main as train_main
 
         return train_main(argv[1:])
@@ -175,4 +183,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

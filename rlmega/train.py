@@ -36,7 +36,7 @@ from rlmega.step import evaluate, rl_step, sft_batch
 from rlmega.sync.parity import ParityError, ParityGuard
 from rlmega.rundir.startup import StartupClock
 from rlmega.rundir.stopping import StopRequest
-from rlmega.train_args import parser
+from rlmega.train_args import parse
 from rlmega.judgers.base import RewardError
 
 log = logging.getLogger("rlmega")
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     clock = StartupClock()  # t = 0: this process's start
-    args = parser().parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     clock.done("imports")
     try:
@@ -274,4 +274,6 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlmega.launch.process_exit import leave
+
+    leave(main())

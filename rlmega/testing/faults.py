@@ -77,4 +77,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main(sys.argv[1:]))
+    from rlmega.launch.process_exit import leave
+
+    leave(main(sys.argv[1:]))

@@ -54,3 +54,16 @@ def test_a_lora_demo_trains_on_the_demos_warm_start(tmp_path, monkeypatch):
     assert f"trainer.run_dir={run_dir / 'warm_start'}" in warm and f"model.path={run_dir / 'tiny_model'}" in warm
     assert lora[0] == "configs/lora_cpu.yaml" and lora == again
     assert lora[1:3] == [f"model.path={run_dir / 'warm_start' / 'hf_final'}", f"trainer.run_dir={run_dir}"]
+
+
+def test_train_takes_resume_anywhere_among_the_overrides():
+    """`rlmega train my.yaml --resume trainer.total_steps=6` (issue 56): plain parse_args called the override
+    after the option "unrecognized arguments"."""
+    from rlmega.train_args import parse
+
+    for argv in (["my.yaml", "--resume", "trainer.total_steps=6", "a.b=1"],
+                 ["my.yaml", "trainer.total_steps=6", "--resume", "a.b=1"],
+                 ["--resume", "my.yaml", "trainer.total_steps=6", "a.b=1"]):
+        args = parse(argv)
+        assert (args.config, args.overrides, args.resume) == ("my.yaml", ["trainer.total_steps=6", "a.b=1"], True)
+    assert parse(["my.yaml", "x=1"]).resume is False
