@@ -1,11 +1,11 @@
 """How an rlmega command leaves its process: everything Python's own exit does that a user can see, then
 ``os._exit``, without the interpreter's teardown.
 
-Why: after "done", a world-1 ``rlmega train`` spent 1.2-1.3 s tearing down the interpreter (the last
-garbage collections over torch, vLLM, Megatron and Ray's modules; 2 interleaved pairs, 2026-12-04), time
-the user waits for nothing. ``gc.freeze`` at exit cut the collections but made triton's nanobind bindings
-print their "leaked instances" report (~100 lines) into every run's stderr: that report comes from the
-teardown this skips.
+Why: after "done", a world-1 ``rlmega train`` spent 1.5-1.6 s tearing down the interpreter (the last
+garbage collections over torch, vLLM, Megatron and Ray's modules), time the user waits for nothing; without
+it, 0.06-0.09 s (2 interleaved pairs, 2026-12-04). ``gc.freeze`` at exit cut the collections but made
+triton's nanobind bindings print their "leaked instances" report (~100 lines) into every run's stderr: that
+report comes from the teardown this skips.
 
 What still runs, in Python's own order: non-daemon threads are joined (``threading._shutdown``, which the
 interpreter calls first), then every ``atexit`` handler (ray.shutdown, logging's flush, multiprocessing's
