@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmega import cli, train
+from rlmega import cli, train, train_args
 from rlmega.config import ConfigError
 from rlmega.tiny_model import make_tiny_model
 from rlmega.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
@@ -39,7 +39,7 @@ def _parse(name: str, argv: list):
     config when the command would not even start."""
     try:
         if argv[:2] == ["rlmega", "train"]:
-            return "train", train.parser().parse_args(argv[2:])
+            return "train", train_args.parse(argv[2:])
         if argv[:1] == ["rlmega"]:
             return argv[1], cli.parser().parse_args(argv[1:])
         if argv[:1] == ["python"] and len(argv) > 1 and argv[1].startswith("tools/"):
