@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -19,11 +20,12 @@ class PromptDataError(ValueError):
     """A prompt file's rows cannot be read or tokenized (what `rlmega train` reports as "prompt data: ...")."""
 
 
-def check_config(config: str | Path, overrides=()):
+def check_config(config: str | Path, overrides=(), with_tasks: bool = False):
     """What `rlmega check-config` checks, in this process: the config against the schema and itself, against
-    this machine (preflight), and its prompts tokenized as `rlmega train` does before any worker starts.
-    The resolved RLConfig; ConfigError (each problem by field, with its fix) or PromptDataError."""
-    from rlmega.config import load_config
+    this machine (preflight), its prompts tokenized as `rlmega train` does before any worker starts, and each
+    reward function called once on a task's first row (rlmega/judgers/first_row.py). The resolved RLConfig
+    (and its Tasks, ``with_tasks``); ConfigError (each problem by field, with its fix) or PromptDataError."""
+    from rlmega.config import ConfigError, load_config
     from rlmega.preflight import preflight
 
     cfg = load_config(config, list(overrides))
@@ -33,21 +35,50 @@ def check_config(config: str | Path, overrides=()):
 
         from rlmega.agents.tasks import Tasks
 
-        Tasks(cfg, AutoTokenizer.from_pretrained(cfg.model.path))
+        tasks = Tasks(cfg, AutoTokenizer.from_pretrained(cfg.model.path))
     except (ValueError, OSError) as e:
         raise PromptDataError(f"prompt data: {e}") from e
-    return cfg
+    from rlmega.judgers.first_row import first_row_problems
+
+    problems = first_row_problems(cfg, tasks)
+    if problems:
+        raise ConfigError(problems)
+    return (cfg, tasks) if with_tasks else cfg
+
+
+def summary(cfg, tasks) -> str:
+    """check-config's last line: the model (family, parameters from its safetensors headers), the layout, the
+    prompts kept and dropped."""
+    import json
+    import struct
+
+    model = Path(cfg.model.path)
+    hf = json.loads((model / "config.json").read_text())
+    params = 0
+    for f in sorted(model.glob("*.safetensors")):  # the header alone (u64 length, then JSON): nothing mapped
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        params += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M" if params else "?"
+    p = cfg.parallelism
+    layout = (f"megatron TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size}"
+              if cfg.actor.backend == "megatron" else cfg.actor.backend) + f", world {p.world_size}"
+    kept = sum(len(d.train) for d in tasks.data.values())
+    dropped = sum(d.train.num_filtered for d in tasks.data.values())
+    return (f"rlmega check-config: OK. {hf.get('model_type', '?')}, {size} parameters; {layout}; {kept} prompts "
+            f"kept, {dropped} dropped (longer than rollout.max_prompt_tokens)")
 
 
 def _check_config(args) -> int:
     from rlmega.config import ConfigError, dump_config
 
     try:
-        cfg = check_config(args.config, args.overrides)
+        cfg, tasks = check_config(args.config, args.overrides, with_tasks=True)
     except (ConfigError, PromptDataError) as e:  # exit code 2, as `rlmega train` gives for its input
         print(f"rlmega: {e}", file=sys.stderr)
         return 2
     print(dump_config(cfg), end="")
+    print(summary(cfg, tasks))
     return 0
 
 
@@ -152,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stop", help="ask a running `rlmega train` to checkpoint and stop after its current step")
     st.add_argument("run_dir", help="the run's trainer.run_dir")
     st.set_defaults(fn=_stop)
-    pl = sub.add_parser("plot", help="draw reward, held-out accuracy, KL, response length and step time of one "
+    pl = sub.add_parser("plot", help="draw reward, held-out greedy reward, KL, response length and step time of one "
                         "run or several (overlaid, e.g. sync vs async) into a PNG")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="trainer.run_dir of each run (its metrics.jsonl)")
     pl.add_argument("--out", default="", help="the PNG to write; default RUN_DIR/curves.png for one run, "

@@ -5,7 +5,8 @@
     from rlmega.plots import plot_runs
     titles = plot_runs(["runs/sync", "runs/async"], "curves.png")   # the panels drawn, in order
 
-Panels, over RL steps: the sampled reward's mean, held-out accuracy (only when some run evaluated),
+Panels, over RL steps: the sampled reward's mean, the held-out greedy reward (eval_accuracy: the mean reward of
+one temperature-0 answer per eval prompt, an accuracy under a 0/1 reward; only when some run evaluated),
 KL to the reference, response length, and step time by phase (the ``time_*`` keys of rlmega/step.py;
 ``time_step`` is the whole step, drawn dashed: with produce.strategy=async generation overlaps
 training, so the phases are lines, never a stack that would add to more than the step). Several runs
@@ -97,8 +98,11 @@ def panel_titles(runs: Sequence[List[dict]]) -> list[str]:
     """The panels plot_runs draws for these runs' metrics, in order."""
     titles = ["reward (mean)"]
     if _has(runs, "eval_accuracy"):
-        titles.append("held-out accuracy")
-    titles += ["KL to reference", "response length (tokens)", "step time by phase (s)"]
+        titles.append("held-out greedy reward")
+    # no KL term (algorithm.kl_coef=0): kl_ref is 0 throughout, and a flat line would read as a measured 0
+    if any(y != 0 for rows in runs for y in _series(rows, "kl_ref")[1]):
+        titles.append("KL to reference")
+    titles += ["response length (tokens)", "step time by phase (s)"]
     return titles
 
 
@@ -120,7 +124,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, cols, squeeze=False).ravel()
     colours = [f"C{i % 10}" for i in range(len(runs))]
-    keys = {"reward (mean)": "reward_mean", "held-out accuracy": "eval_accuracy", "KL to reference": "kl_ref",
+    keys = {"reward (mean)": "reward_mean", "held-out greedy reward": "eval_accuracy", "KL to reference": "kl_ref",
             "response length (tokens)": "response_length"}
     phases = _phases(runs)
     styles = ["-", ":", "-.", (0, (1, 3)), (0, (3, 1, 1, 1)), (0, (3, 5, 1, 5))]  # "--" is the whole step
@@ -143,7 +147,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
                         color="black" if len(runs) == 1 else colour, label="whole step" if len(runs) == 1 else None)
                 continue
             xs, ys = _series(rows, keys[title])
-            if title == "held-out accuracy":  # a few points (every trainer.eval_every steps): mark each
+            if title == "held-out greedy reward":  # a few points (every trainer.eval_every steps): mark each
                 ax.plot(xs, ys, marker="o", color=colour, label=label)
                 ax.set_ylim(-0.02, 1.02)
             elif title == "reward (mean)" and len(ys) > 2 * SMOOTH_WINDOW:

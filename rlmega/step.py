@@ -222,15 +222,21 @@ def judge_error_counts(groups) -> dict:
 
 
 def check_judgements(groups, on_error: str) -> None:
-    """reward.on_error=fail: a trajectory a judger failed on ends the run, naming it."""
-    if on_error != "fail":
-        return
-    for g in groups:
-        for x in g.trajectories:
+    """reward.on_error=fail: a trajectory a judger failed on ends the run, naming it. Either way, a batch whose
+    every trajectory's judging failed ends it: scored 0 throughout, it would train on nothing but zeros."""
+    judged = [(g, x) for g in groups if g.error is None for x in g.trajectories]
+    if on_error == "fail":
+        for g, x in judged:
             if x.judge_error is not None:
                 raise RewardError(f"task {g.task!r}, prompt {g.prompt_index} (label {g.label!r}): {x.judge_error}. "
                                   "Fix: correct the judger, or set reward.on_error=zero to score such items 0 "
                                   "and go on")
+    if judged and all(x.judge_error is not None for _, x in judged):
+        g, x = judged[0]
+        raise RewardError(f"the reward failed on every one of the batch's {len(judged)} trajectories, so the step "
+                          f"would train on zeros; the first, task {g.task!r}, prompt {g.prompt_index} (label "
+                          f"{g.label!r}): {x.judge_error}. Fix: correct the reward function (`rlmega check-config` "
+                          "calls it on a row of the data before any worker starts)")
 
 
 def sft_batch(picked: list, tokenizer, loop_cfgs: dict, max_tokens: int = 0, processor=None) -> RolloutBatch:

@@ -18,6 +18,7 @@ import logging
 import sys
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
@@ -118,7 +119,8 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
             history.append({"step": 0, **evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens)})
             run.log(history[-1])
             clock.done("baseline eval")
-            print(f"rlmega: eval accuracy before RL: {history[-1]['eval_accuracy']:.3f}", flush=True)
+            print(f"rlmega: held-out greedy reward before RL (eval_accuracy): {history[-1]['eval_accuracy']:.3f}",
+                  flush=True)
         clock.write(run.path)  # RUN_DIR/setup.json
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
@@ -249,7 +251,8 @@ def _main(argv=None) -> int:
         return EXIT_INPUT
     clock.done("config checks")
     try:
-        run = train(cfg, clock)
+        with logging_redirect_tqdm():  # the log's lines print above the progress bar, not into its line
+            run = train(cfg, clock)
     except (RewardError, ParityError) as e:  # reward.on_error=fail and a judger failed; the parity guard
         print(f"rlmega: {e}", file=sys.stderr)
         return EXIT_RUNTIME

@@ -55,6 +55,8 @@ class GroupRequest:
     scored_ids: list[int] | None = None
     """With images: the prompt as the processor expands it (what the trainer scores, and what the engine's
     expansion must equal)."""
+    columns: dict = dataclasses.field(default_factory=dict)
+    """The prompt row's other columns, for the judgers."""
 
 
 class AgentLoop:
@@ -93,12 +95,20 @@ class AgentLoop:
 
     def _item(self, req: GroupRequest, t: Trajectory) -> JudgeItem:
         return JudgeItem(prompt_text=req.prompt_text, response_text=t.response_text, label=req.label,
+                         response_raw=t.response_raw, columns=req.columns,
                          prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
                          metadata={"task": self.task, "finish_reason": t.finish_reason, **t.metadata},
                          images=req.images)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _without_special_tokens(self, text: str) -> str:
+        """``text`` less the tokenizer's special tokens' strings ("</s>", "<|im_end|>"): what a decode with
+        skip_special_tokens=True gives, for text cut from a decoded transcript."""
+        for special in sorted(self.tokenizer.all_special_tokens, key=len, reverse=True):
+            text = text.replace(special, "")
+        return text
 
     async def _trajectory(self, req: GroupRequest, sampling: dict, seed: int | None) -> Trajectory:
         raise NotImplementedError
@@ -109,7 +119,9 @@ class SingleTurnAgentLoop(AgentLoop):
         s = await self.router.generate(req.prompt_ids, {**sampling, "seed": seed})
         t = Trajectory(prompt_ids=scored_prompt(req, s), finish_reason=s.finish_reason, num_turns=1)
         t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
-        t.response_text = self._decode(t.response_ids)
+        # what TRL and verl score: the completion decoded without special tokens; the raw text beside it
+        t.response_raw = self._decode(t.response_ids)
+        t.response_text = self.tokenizer.decode(t.response_ids, skip_special_tokens=True)
         return t
 
 
@@ -182,7 +194,8 @@ class ToolAgentLoop(AgentLoop):
         transcript = self._decode(t.response_ids)
         t.metadata = {"transcript": transcript, "tool_calls": t.tool_calls,
                       **({"image_observations": len(observed)} if observed else {})}
-        t.response_text = transcript.rsplit(RESULT_CLOSE, 1)[-1]  # the answer after the last tool result
+        t.response_raw = transcript.rsplit(RESULT_CLOSE, 1)[-1]  # the answer after the last tool result
+        t.response_text = self._without_special_tokens(t.response_raw)
         return t
 
     @functools.cached_property

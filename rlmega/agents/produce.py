@@ -63,7 +63,8 @@ def group_requests(picked: list, n: int, base_seed: int | None, sampling: dict |
     return [(task, GroupRequest(prompt_index=offset + i, prompt_ids=p.request_ids(), label=p.label,
                                 prompt_text=p.text, n=n, sampling=sampling,
                                 seed=None if base_seed is None else base_seed + (offset + i) * n,
-                                images=tuple(p.images), scored_ids=list(p.token_ids) if p.images else None))
+                                images=tuple(p.images), scored_ids=list(p.token_ids) if p.images else None,
+                                columns=dict(p.columns)))
             for i, (task, p) in enumerate(picked)]
 
 

@@ -43,7 +43,10 @@ class Trajectory:
     tool_errors: int = 0
     response_text: str = ""
     """What the judgers score: the whole response (single turn) or the final answer after the last tool
-    result (tool loop; the full transcript is in metadata["transcript"])."""
+    result (tool loop; the full transcript is in metadata["transcript"]), without special tokens."""
+    response_raw: str = ""
+    """``response_text`` as decoded with its special tokens ("46</s>"): a reward that names a
+    ``response_raw`` parameter gets it (rlmega.rewards.format.ends_with_eos)."""
     metadata: dict = dataclasses.field(default_factory=dict)
     scores: dict = dataclasses.field(default_factory=dict)
     reward: float = 0.0

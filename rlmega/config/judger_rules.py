@@ -33,6 +33,13 @@ def check_template(template: str) -> None:
                          f"({type(e).__name__}: {e})") from None
 
 
+# What a reward function may name beyond (response_text, label, **kwargs) to get more of the item, opt-in by
+# name (rlmega/judgers/native.py passes them): the prompt's text, the loop's metadata, the prompt's images,
+# the response with its special tokens, the token ids, the row's other columns (a dict; each column also
+# comes by its own name to a function that names it).
+ITEM_PARAMETERS = ("prompt", "metadata", "images", "response_raw", "response_ids", "prompt_ids", "columns")
+
+
 def signature_problem(fn, kwargs: dict) -> str | None:
     """Why ``fn`` cannot be called as a reward function ``fn(response_text, label, **kwargs)`` (the
     contract of rlmega/judgers/native.py), or None. A callable with no inspectable signature (most C
@@ -45,7 +52,11 @@ def signature_problem(fn, kwargs: dict) -> str | None:
     except (TypeError, ValueError):
         return f"{getattr(fn, '__qualname__', fn)!r} has no inspectable signature (a builtin?)"
     try:
-        sig.bind("response", "label", **kwargs)
+        # past the first two, a parameter may be an item field or a column of the rows (checked when called:
+        # check-config calls the function on a row, rlmega/judgers/first_row.py)
+        later = [p.name for p in list(sig.parameters.values())[2:]
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
+        sig.bind("response", "label", **kwargs, **{p: None for p in later if p not in kwargs})
     except TypeError as e:
         shown = f" with keyword arguments {sorted(kwargs)}" if kwargs else ""
         return f"{getattr(fn, '__qualname__', fn)}{sig} cannot be called as fn(response_text, label){shown}: {e}"

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rlmega.config.schema import RLConfig
+from rlmega.config.dotted_path import absolute
 from rlmega.config.errors import ConfigError, problem
 from rlmega.config.validate import validate
 
@@ -218,9 +219,12 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
         raise _as_config_error(e, "the merged config") from None
     # null = the policy loss's default (rollout_correction: tis when async); dumped and printed resolved
     cfg.algorithm.resolve_defaults(async_production=cfg.produce.strategy == "async")
+    # a reward in a file of one's own: its path from here, as Ray's workers (elsewhere) must open it
+    cfg.reward.fn = absolute(cfg.reward.fn)
     for task in cfg.tasks or [cfg]:  # a model judge's engine runs where the rollout engines do, unless set
         for judger in task.agent_loop.judgers:
             judger.device = judger.device or cfg.rollout.device
+            judger.fn = absolute(judger.fn)
     validate(cfg)
     return cfg
 

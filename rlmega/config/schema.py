@@ -280,7 +280,9 @@ class AlgorithmConfig:
 @dataclass
 class RewardConfig:
     fn: str = "rlmega.rewards.arithmetic.score"
-    """Dotted path `package.module.function` of the reward function."""
+    """The reward function fn(response_text, label, **kwargs) -> float: a dotted path
+    `package.module.function` of an installed module, or `path/to/file.py:function` for a file of one's own
+    (relative to the directory rlmega runs in; made absolute when the config loads). docs/your_own.md."""
     num_workers: int = 1
     """Ray actors of the default judger (an agent loop without judgers): reward.fn in each, items to the least
     loaded; 0 runs it in the agent loop's process (a native judger). At most 4096."""
@@ -527,8 +529,9 @@ class JudgerConfig:
     in num_actors Ray actors behind a least-loaded router; http: POST to url; model: a judge model served by
     its own vLLM engine."""
     fn: str = ""
-    """native / ray: dotted path of fn(response_text, label, **kwargs) -> float, or a dict of named scores
-    holding "reward" (see rlmega/judgers/). "" with kind native or ray: reward.fn."""
+    """native / ray: fn(response_text, label, **kwargs) -> float, or a dict of named scores holding "reward"
+    (see rlmega/judgers/), as a dotted path or path/to/file.py:function (as reward.fn). "" with kind native or
+    ray: reward.fn."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for fn (native, ray) or fields added to the JSON body (http)."""
     weight: float = 1.0
@@ -536,7 +539,7 @@ class JudgerConfig:
     timeout_s: float = 60.0
     """Seconds one trajectory's judging may take; past it the score is 0 with an error flag."""
     url: str = ""
-    """http: the endpoint; the body is {"response", "label", "prompt", "metadata", **kwargs}, the answer
+    """http: the endpoint; the body is {"response", "label", "prompt", "metadata", "columns", **kwargs}, the answer
     a JSON object with "reward" (and any other named scores)."""
     num_actors: int = 1
     """ray: actors serving this judger (requests go to the least loaded)."""

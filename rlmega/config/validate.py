@@ -35,6 +35,7 @@ from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, 
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
 from rlmega.rundir.run import find_checkpoint
+from rlmega.config.dotted_path import SHAPE_FIX, shape_problem
 from rlmega.config.parity_rules import parity_limits
 
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() in
@@ -424,9 +425,8 @@ def validate(cfg: RLConfig) -> None:
                            "(E_pi[grad log pi] = 0), so the KL penalty would regularise nothing",
                            "use algorithm.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (gradient of "
                            "KL(ref||pi)), or keep k1 with algorithm.kl_in_reward=true"))
-    if not all(cfg.reward.fn.split(".")) or "." not in cfg.reward.fn:
-        out.append(problem("reward.fn", f"{cfg.reward.fn!r} is not a dotted path",
-                           "write it as package.module.function, e.g. rlmega.rewards.arithmetic.score"))
+    if shape_problem(cfg.reward.fn):
+        out.append(problem("reward.fn", f"{cfg.reward.fn!r} {shape_problem(cfg.reward.fn)}", SHAPE_FIX))
     if tr.total_steps == 0 and tr.warmup_sft_steps == 0:
         out.append(problem("trainer.total_steps", "0 and no warm start (trainer.warmup_sft_steps=0): nothing to train",
                            "set trainer.total_steps >= 1, or trainer.warmup_sft_steps > 0 for a warm start alone "

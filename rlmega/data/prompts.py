@@ -107,6 +107,9 @@ def _check_row(obj: Any, prompt_key: str, label_key: str, base_dir: str = ".",
     row = {"prompt": prompt, "label": obj[label_key]}
     if images:
         row["images"] = images
+    columns = {str(k): v for k, v in obj.items() if k not in (prompt_key, label_key)}
+    if columns:  # the row's other columns: a reward function gets them by name (rlmega/judgers/native.py)
+        row["columns"] = columns
     return row, ""
 
 
@@ -158,7 +161,7 @@ def _parquet_objects(path: str, prompt_key: str, label_key: str) -> Iterator[Tup
             raise BadRowError(f"{path}: no {what} column {key!r} (columns: {columns}). "
                               f"Fix: set data.{what}_key to one of the columns")
     row = 0
-    for batch in pf.iter_batches(columns=[prompt_key] if prompt_key == label_key else [prompt_key, label_key]):
+    for batch in pf.iter_batches():  # every column: the others go to the reward function by name
         for obj in batch.to_pylist():
             row += 1
             yield f"row {row}", obj, ""
@@ -231,6 +234,8 @@ class Prompt:
     engine_ids: Optional[List[int]] = None
     """With images: the ids the engine is given, one image placeholder per image, which it expands into
     ``token_ids`` (the processor's expansion, what the trainer scores). None: ``token_ids``."""
+    columns: Dict[str, Any] = field(default_factory=dict)
+    """The row's other columns (not the prompt's nor the label's), for the reward function."""
 
     def request_ids(self) -> List[int]:
         """What an engine request carries (``engine_ids`` for an image prompt)."""
@@ -272,7 +277,7 @@ class PromptDataset:
             lengths.append(len(ids))
             if 0 < len(ids) <= max_prompt_tokens:
                 self._prompts.append(Prompt(index=index, token_ids=ids, label=row["label"], text=text, images=images,
-                                            engine_ids=engine_ids))
+                                            engine_ids=engine_ids, columns=row.get("columns") or {}))
                 if _lost_characters(tokenizer, text, engine_ids or ids):
                     lossy.append(where)
             else:

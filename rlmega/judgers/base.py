@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -32,13 +34,18 @@ class JudgeItem:
 
     prompt_text: str
     response_text: str
-    """The generated text after the prompt (tool results included for multi-turn loops)."""
+    """The generated text after the prompt, without special tokens (a tool loop's: its answer after the
+    last tool result; the whole transcript is metadata["transcript"])."""
     label: Any = None
     """The dataset row's label (e.g. the reference answer)."""
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     """Anything else the agent loop knows (task name, finish reason, turns); passed to HTTP judgers."""
+    response_raw: str = ""
+    """``response_text`` with its special tokens, as the tokenizer decodes them ("46</s>")."""
+    columns: dict = field(default_factory=dict)
+    """The prompt row's other columns (not its prompt's nor its label's), by name."""
     images: tuple = ()
     """A vision-language prompt's images (encoded files), by reference: the loop's own objects (native judgers
     that name an ``images`` parameter get them; not sent to HTTP judgers)."""
@@ -105,6 +112,18 @@ def to_judgement(name: str, value: RawVerdict) -> Judgement:
     return Judgement(scores={name: reward}, reward=reward)
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def raised_at(e: BaseException) -> str:
+    """" (raised at FILE:LINE)": the innermost frame of ``e``'s traceback, the line of the user's reward that
+    raised; "" when that frame is the judgers' own code (their messages say what is wrong) or unknown."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or os.path.dirname(os.path.abspath(frames[-1].filename)) == _HERE:
+        return ""
+    return f" (raised at {frames[-1].filename}:{frames[-1].lineno})"
+
+
 def failed(name: str, error: str) -> Judgement:
     """The verdict of an item whose judging failed: reward 0 under the judger's name, flagged."""
     return Judgement(scores={name: 0.0}, reward=0.0, error=error)
@@ -152,8 +171,8 @@ class Judger:
             return failed(self.name, self._error(f"{type(cause).__name__}: {cause}"))
         except JudgeError as e:
             return failed(self.name, self._error(str(e)))
-        except Exception as e:  # user code: keep its type and message for the error flag
-            return failed(self.name, self._error(f"{type(e).__name__}: {e}"))
+        except Exception as e:  # user code: keep its type, message and where it raised for the error flag
+            return failed(self.name, self._error(f"{type(e).__name__}: {e}{raised_at(e)}"))
 
     async def _own_timeouts_apart(self, item: JudgeItem) -> RawVerdict:
         # A TimeoutError the judged function raises itself must not read as the deadline passing (timing

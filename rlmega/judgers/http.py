@@ -41,7 +41,7 @@ class HttpJudger(Judger):
 
     async def _judge(self, item: JudgeItem) -> RawVerdict:
         body = {"response": item.response_text, "label": item.label, "prompt": item.prompt_text,
-                "metadata": item.metadata, **self.kwargs}
+                "metadata": item.metadata, "columns": item.columns, **self.kwargs}
         answer = await self._client_for_this_loop().post(self.url, json=body)
         if not answer.is_success:
             raise JudgeError(f"HTTP {answer.status_code} from {self.url}: {answer.text[:200]!r}")

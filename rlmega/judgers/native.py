@@ -3,12 +3,15 @@
     judger = NativeJudger("math", "rlmega.rewards.math.score", kwargs={}, timeout_s=10)
 
 The function is `fn(response_text, label, **kwargs)` returning a number, or a dict of named scores
-that holds "reward" (rlmega/judgers/base.py names them). It is resolved when the judger is built, so a
-bad dotted path fails then, not at the first trajectory. A function that names a parameter `prompt`,
-`metadata` or `images` also gets the item's prompt text, metadata (a tool loop's whole transcript is
-metadata["transcript"]) or its prompt's images (a vision-language prompt's encoded image files, the objects the
-loop holds: rlmega/data/images.py decode_images opens them); opt-in by name, so plain reward functions
-(reward.fn) stay two-argument.
+that holds "reward" (rlmega/judgers/base.py names them); response_text is decoded without special tokens.
+It is resolved when the judger is built, so a bad dotted path fails then, not at the first trajectory. A
+function that names a parameter `prompt`, `metadata`, `images`, `response_raw`, `response_ids` or
+`prompt_ids` also gets the item's prompt text, metadata (a tool loop's whole transcript is
+metadata["transcript"]), its prompt's images (a vision-language prompt's encoded image files, the objects the
+loop holds: rlmega/data/images.py decode_images opens them), the response with its special tokens, the token
+ids, or the row's other columns as a dict (`columns`); a parameter named for one of the row's columns gets
+that column ("difficulty" for a row {"prompt", "label", "difficulty"}). All opt-in by name, so plain reward
+functions (reward.fn) stay two-argument, and a column never lands in a ``**kwargs`` uninvited.
 
 An `async def` function is awaited on the caller's event loop (it must not block it). A plain function
 runs in a thread of its own, so a slow or hung one never stalls the loop. Why not `asyncio.to_thread`:
@@ -25,18 +28,21 @@ import threading
 from typing import Any, Callable
 
 from rlmega.config.dotted_path import resolve
+from rlmega.config.judger_rules import ITEM_PARAMETERS
 from rlmega.judgers.base import Judger, JudgeItem, RawVerdict
 
 
-# Parameters a function may name to get more of the item: parameter -> JudgeItem field.
-ITEM_PARAMETERS = {"prompt": "prompt_text", "metadata": "metadata", "images": "images"}
+# Parameters a function may name to get more of the item (rlmega/config/judger_rules.py): -> JudgeItem field.
+ITEM_FIELDS = {p: "prompt_text" if p == "prompt" else p for p in ITEM_PARAMETERS}
 
 
-def _parameters(fn: Callable) -> set[str]:
+def _parameters(fn: Callable) -> list[str]:
+    """``fn``'s parameter names in order, ``*args``/``**kwargs`` left out."""
     try:
-        return set(inspect.signature(fn).parameters)
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # some builtins have no signature
-        return set()
+        return []
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def run_in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict, thread_name: str = "judger"
@@ -79,12 +85,17 @@ class NativeJudger(Judger):
         self.fn = resolve(fn, field=f"judger {name!r} fn") if isinstance(fn, str) else fn
         self.kwargs = dict(kwargs or {})
         self.is_async = inspect.iscoroutinefunction(self.fn)
-        self.wants = {p for p in ITEM_PARAMETERS if p in _parameters(self.fn) and p not in self.kwargs}
+        params = _parameters(self.fn)
+        self.wants = {p for p in ITEM_FIELDS if p in params and p not in self.kwargs}
+        # a column comes by its name to a parameter of that name that nothing else fills: not the first two
+        # (the response and the label, whatever the function calls them), an item field, or a kwargs key
+        self.column_names = set(params[2:]) - set(ITEM_FIELDS) - set(self.kwargs)
 
     async def _judge(self, item: JudgeItem) -> RawVerdict:
         kwargs = self.kwargs
-        if self.wants:
-            kwargs = {**kwargs, **{p: getattr(item, ITEM_PARAMETERS[p]) for p in self.wants}}
+        columns = {k: v for k, v in item.columns.items() if k in self.column_names}
+        if self.wants or columns:
+            kwargs = {**kwargs, **columns, **{p: getattr(item, ITEM_FIELDS[p]) for p in self.wants}}
         if self.is_async:
             return await self.fn(item.response_text, item.label, **kwargs)
         value = await run_in_daemon_thread(self.fn, (item.response_text, item.label), kwargs,

@@ -1,8 +1,10 @@
-"""Reward functions, addressed from configs by dotted path (`reward.fn: rlmega.rewards.arithmetic.score`).
+"""Reward functions, addressed from configs by dotted path (`reward.fn: rlmega.rewards.arithmetic.score`) or by
+file (`reward.fn: path/to/file.py:function`).
 
 A reward function is `fn(response_text: str, label, **kwargs) -> float` (or a dict of named scores
-holding "reward", for judgers): the generated text after the prompt, the dataset row's label, and
-`reward.kwargs` (or a judger's kwargs). `resolve(path)` imports one.
+holding "reward", for judgers): the generated text after the prompt decoded without special tokens, the
+dataset row's label, and `reward.kwargs` (or a judger's kwargs); more of the item by name (the prompt, the
+raw text, the row's other columns: rlmega/judgers/native.py, docs/your_own.md). `resolve(path)` imports one.
 
 Built in (BUILT_IN, by dotted path; each module is imported only when named):
   rlmega.rewards.arithmetic.score   the synthetic addition task's exact-answer check

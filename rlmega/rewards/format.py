@@ -40,10 +40,13 @@ def boxed(response_text: str, label=None, **kwargs) -> float:
     return 1.0 if len(found) == 1 and found[0] is not None and found[0].strip() else 0.0
 
 
-def ends_with_eos(response_text: str, label=None, eos: str = "</s>", **kwargs) -> float:
+def ends_with_eos(response_text: str, label=None, eos: str = "</s>", response_raw: str | None = None,
+                  **kwargs) -> float:
     """1.0 when the response (trailing white space ignored) ends with `eos`, the end-of-sequence token's
-    text as the response was decoded (keep special tokens when decoding for this one)."""
-    return 1.0 if response_text.rstrip().endswith(eos) else 0.0
+    text: read from ``response_raw``, the response with its special tokens (a judger passes it to a function
+    that names it; response_text has none), or from response_text when called without it."""
+    text = response_text if response_raw is None else response_raw
+    return 1.0 if text.rstrip().endswith(eos) else 0.0
 
 
 def tool_calls(text: str) -> list[str] | None:

@@ -1,9 +1,16 @@
 """Reward functions for tests: deterministic and never constant on random models."""
+import inspect
 
 
 def digit_fraction(response_text: str, label: str, **kwargs) -> float:
     """Fraction of the response's characters that are digits (an arithmetic answer is all digits)."""
     return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
+
+
+def digit_fraction_raw(response_text: str, label: str, response_raw: str, **kwargs) -> float:
+    """digit_fraction of the response with its special tokens ("46</s>": 0.33), what response_text held before
+    issue 56 (tests/e2e/test_train.py's golden file was recorded with it)."""
+    return digit_fraction(response_raw, label)
 
 
 def flaky(response_text: str, label: str, **kwargs) -> float:
@@ -17,6 +24,14 @@ def flaky(response_text: str, label: str, **kwargs) -> float:
     if label == "text":
         return "not a number"
     return 1.0
+
+
+def _raising_line(fn, text: str) -> str:
+    lines, first = inspect.getsourcelines(fn)
+    return f"{inspect.getsourcefile(fn)}:{first + next(i for i, line in enumerate(lines) if text in line)}"
+
+
+FLAKY_RAISES_AT = _raising_line(flaky, "raise ZeroDivisionError")  # what a judger's error names (issue 56)
 
 
 def faulty_arithmetic(response_text: str, label: str, hang_s: float = 30.0, **kwargs) -> float:

@@ -82,6 +82,11 @@ def test_the_single_turn_loop_samples_what_the_batched_generate_samples(model, e
     batched = ray.get(engine.generate.remote([r.prompt_ids for r in requests], n=4, seed=500, max_tokens=48))
     assert [t.response_ids for g in groups for t in g.trajectories] == [s.response_ids for s in batched]
     assert [t.logprobs for g in groups for t in g.trajectories] == [s.logprobs for s in batched]
+    # what the judgers score: the completion without special tokens (as TRL and verl pass it), the raw beside it
+    trajectories = [t for g in groups for t in g.trajectories]
+    for t in trajectories:
+        assert t.response_raw == tok.decode(t.response_ids, skip_special_tokens=False)
+        assert t.response_text == tok.decode(t.response_ids, skip_special_tokens=True)
 
 
 def test_in_process_one_actor_and_three_actors_give_the_same_judged_trajectories(model, engine, tok):
@@ -113,6 +118,9 @@ def test_tool_results_are_masked_out_and_are_the_tools_real_output(model, engine
                 expected = format_result(run_call(call, ["calculator"]))
                 assert tok.decode(span) == expected[: len(tok.decode(span))]  # cut only at max tokens
                 calls += 1
+            # the answer after the last tool result, judged without special tokens
+            assert t.response_raw == tok.decode(t.response_ids).rsplit(RESULT_CLOSE, 1)[-1]
+            assert t.response_text == t.response_raw.replace(tok.eos_token, "") and tok.eos_token not in t.response_text
             assert all(v == -1 for v, m in zip(t.versions, t.response_mask) if not m)
             assert t.logprobs == [x if m else 0.0 for x, m in zip(t.logprobs, t.response_mask)]
     assert calls >= 8  # the tool model calls the tool in most trajectories (measured: 15 of 16)

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+
 import ray
 import uvicorn
 from fastapi import FastAPI
@@ -23,8 +24,10 @@ from rlmega.config.schema import JudgerConfig, RewardConfig
 from rlmega.judgers import JudgeItem, build_judger
 from rlmega.judgers.http import HttpJudger
 from rlmega.judgers.native import NativeJudger
+from rlmega.testing.rewards import FLAKY_RAISES_AT
 from rlmega.judgers.ray_actors import RayJudger
 from rlmega.judgers.verdict import parse_verdict
+
 
 MATH_ITEMS = [("The answer is $\\boxed{\\frac{1}{2}}$", "0.5"), ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),
               ("\\boxed{3}", "4"), ("so x = 3", "3"), ("no idea", "8"), ("\\boxed{1}", "")]  # last: bad label
@@ -70,7 +73,8 @@ def test_ray_judger_hung_function_times_out_in_the_actor(local_ray):
         out = asyncio.run(judger.judge_many([item("x", lab) for lab in ("ok", "hang", "raise", "ok")]))
         assert [j.reward for j in out] == [1.0, 0.0, 0.0, 1.0]
         assert out[1].error == "judger 'flaky' (ray actor 0): no result within timeout_s=0.5s"
-        assert out[2].error == "judger 'flaky' (ray actor 0): ZeroDivisionError: label says raise"
+        assert out[2].error == \
+            f"judger 'flaky' (ray actor 0): ZeroDivisionError: label says raise (raised at {FLAKY_RAISES_AT})"
     finally:
         judger.close()
 

@@ -140,9 +140,10 @@ def lora_faulty(model, tmp_path_factory):
     on every projection, served unmerged; and a reward function that raises on some responses and hangs on
     others for HANG_S (1 s timeout)."""
     run = tmp_path_factory.mktemp("lora_faulty")
-    run_ok(_cmd(model, run, 3, "reward.fn=rlmega.testing.rewards.faulty_arithmetic", "reward.timeout_s=1",
+    out = run_ok(_cmd(model, run, 3, "reward.fn=rlmega.testing.rewards.faulty_arithmetic", "reward.timeout_s=1",
                 f"reward.kwargs.hang_s={HANG_S}", "trainer.save_every=0", "trainer.warmup_sft_steps=0",
                 "actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0", "optimizer.lr=1e-2"))
+    (run / "driver.log").write_text(out.stderr)
     return run
 
 
@@ -156,6 +157,12 @@ def test_a_faulty_reward_function_scores_zero_and_the_run_goes_on(lora_faulty):
     assert all(m["reward_errors"] > 0 for m in metrics), [m["reward_errors"] for m in metrics]
     # a hung call is abandoned at its timeout: a step that waited for one would take HANG_S or more
     assert all(m["time_step"] < HANG_S for m in metrics), [m["time_step"] for m in metrics]
+    # Issue 56: each step's warning prints above the progress bar, not into its line (tqdm redraws the bar
+    # with \r: a warning written past it would share its segment)
+    segments = re.split(r"[\r\n]", (lora_faulty / "driver.log").read_text())
+    warnings = [s for s in segments if "a judger failed on" in s]
+    assert len(warnings) >= 3 and all(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ WARNING step \d", s) for s in warnings), \
+        warnings
 
 
 # For runs whose checks are about stopping and failing, not about the numbers: the 8 supervised
@@ -258,14 +265,15 @@ def test_single_turn_agent_loop_trains_exactly_as_the_batched_rollout_did(model,
     inside the loop), and the single-turn default must change no number. The golden file holds the
     metrics of this very command at commit 76095c7, before the change (batched LLM.generate + reward
     workers); every field the samples decide must come out identical, the trainer's float32 results within
-    the rounding another CPU's kernels give (times excepted)."""
+    the rounding another CPU's kernels give (times excepted). Its reward reads the response with its special
+    tokens (response_raw), what response_text held then (it has none since issue 56)."""
     run = tmp_path / "run"
     run_ok([sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}",
           f"trainer.run_dir={run}", "trainer.total_steps=3", "trainer.save_every=0", "trainer.warmup_sft_steps=8",
           "optimizer.lr=1e-3", "algorithm.kl_coef=0.01", "trainer.global_batch_size=16",
-          "rollout.max_response_tokens=8", "data.synthetic_size=500", "reward.fn=rlmega.testing.rewards.digit_fraction",
-          "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
-          "parallelism.world_size=1", "trainer.resume=none"])
+          "rollout.max_response_tokens=8", "data.synthetic_size=500",
+          "reward.fn=rlmega.testing.rewards.digit_fraction_raw", "parallelism.tensor_model_parallel_size=1",
+          "parallelism.pipeline_model_parallel_size=1", "parallelism.world_size=1", "trainer.resume=none"])
     golden = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
     got = read_metrics(run)
     assert len(got) == len(golden)

@@ -125,6 +125,22 @@ def test_on_error_fail_ends_the_run_naming_task_prompt_label_and_fix():
     assert "reward.on_error=zero" in msg
 
 
+def test_a_batch_whose_every_reward_failed_ends_the_run_whatever_on_error_says():
+    """Issue 56: a reward that raised on every trajectory trained on zeros, then printed "done" and exited 0."""
+    from rlmega.judgers.base import RewardError
+    from rlmega.step import check_judgements
+
+    error = "judger 'reward' (native): KeyError: 'answer' (raised at /home/me/my_reward.py:7)"
+    dropped = TrajectoryGroup("calc", 0, "1", [], error="the engine failed")  # no trajectory: not judged
+    all_bad = [dropped, *[TrajectoryGroup("calc", i, "46", [_traj([5], [], 0.0, error=error)] * 2) for i in (1, 2)]]
+    for on_error in ("zero", "fail"):
+        with pytest.raises(RewardError, match="KeyError: 'answer' \\(raised at /home/me/my_reward.py:7\\)"):
+            check_judgements(all_bad, on_error)
+    with pytest.raises(RewardError, match="the reward failed on every one of the batch's 4 trajectories"):
+        check_judgements(all_bad, "zero")
+    check_judgements(all_bad + [TrajectoryGroup("calc", 3, "46", [_traj([5], [], 1.0)])], "zero")  # one scored
+
+
 def test_the_engine_class_has_no_coroutine_methods_so_ray_hosts_it_as_a_threaded_actor():
     """Ray makes a class with any ``async def`` method an asyncio actor, whose sync methods run one at a
     time: concurrent generate_one requests were then served serially (25.3 s instead of 1.5 s for 64)."""

@@ -202,7 +202,8 @@ def test_cpu_image_builds_and_runs_the_demo(tmp_path):
         print("docker test timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
 
     demo = tmp_path / "demo"
-    assert "rlmega demo: made tiny model" in run.stdout and "eval accuracy before RL" in run.stdout, run.stdout[-2000:]
+    assert "rlmega demo: made tiny model" in run.stdout and "held-out greedy reward before RL" in run.stdout, \
+        run.stdout[-2000:]
     rows = [json.loads(line) for line in (demo / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2], rows
     assert "eval_accuracy" in rows[0] and all("reward_mean" in r for r in rows[1:])

@@ -9,14 +9,17 @@ import time
 
 import pytest
 
+
 from rlmega.config.schema import JudgerConfig, RewardConfig
 from rlmega.config.validate import ConfigError
 from rlmega.judgers import CompositeJudger, Judgement, Judger, JudgeItem, build_judger, validate_judgers
 from rlmega.judgers.native import NativeJudger
+from rlmega.testing.rewards import FLAKY_RAISES_AT
 from rlmega.judgers.verdict import parse_verdict
 from rlmega.rewards import BUILT_IN, resolve
 from rlmega.rewards import format as fmt
 from rlmega.rewards.math import score as math_score
+
 
 
 def item(response: str, label="46", **kw) -> JudgeItem:
@@ -120,7 +123,7 @@ def test_native_raising_and_hanging_judgers_score_0_with_a_flag_and_do_not_stop_
     assert took < 2.0, took  # the hung call is abandoned at timeout_s, not waited for
     assert [o.reward for o in out] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
     assert [o.error is None for o in out] == [True, False, False, True, False, True]
-    assert out[1].error == "judger 'flaky' (native): ZeroDivisionError: label says raise"
+    assert out[1].error == f"judger 'flaky' (native): ZeroDivisionError: label says raise (raised at {FLAKY_RAISES_AT})"
     assert out[2].error == "judger 'flaky' (native): no result within timeout_s=0.3s"
     assert "TypeError" in out[4].error and "'not a number'" in out[4].error
     assert out[2].scores == {"flaky": 0.0}
@@ -217,7 +220,8 @@ def test_composite_weights_scores_and_error_counts():
     assert j.reward == pytest.approx((2.0 * 0.5 + 1.0 * 0.0 + 0.5 * 0.9 + 0.5 * 0.0) / 4.0)
     assert j.scores == {"digits": 0.5, "len": 0.0, "len/length": 4.0, "const": 0.9, "const/digits": 7.0,
                         "broken": 0.0}  # "const"'s own "digits" never clashes with the judger "digits"
-    assert j.error == "judger 'broken' (fixed): RuntimeError: down"
+    raised_at = f"{__file__}:{Fixed._judge.__code__.co_firstlineno + 2}"  # its `raise self.value`: user code
+    assert j.error == f"judger 'broken' (fixed): RuntimeError: down (raised at {raised_at})"
     run(judge.judge_many([item("1", label="1"), item("2", label="2")]))
     assert judge.error_counts(reset=True) == {"digits": 0, "len": 0, "const": 0, "broken": 3}
     assert judge.error_counts() == {"digits": 0, "len": 0, "const": 0, "broken": 0}

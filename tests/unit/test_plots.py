@@ -9,7 +9,7 @@ from rlmega.cli import main as cli_main
 from rlmega.plots import CURVES, MetricsError, panel_titles, plot_run, plot_runs, read_metrics
 from rlmega.rundir.run import RunDir
 
-ALL_PANELS = ["reward (mean)", "held-out accuracy", "KL to reference", "response length (tokens)",
+ALL_PANELS = ["reward (mean)", "held-out greedy reward", "KL to reference", "response length (tokens)",
               "step time by phase (s)"]
 
 
@@ -51,9 +51,20 @@ def test_one_run_draws_every_panel_into_a_valid_png(tmp_path):
     assert not list(run.glob(".*tmp"))  # the temporary name was renamed, not left behind
 
 
+def test_a_run_without_a_kl_term_draws_no_kl_panel(tmp_path):
+    """algorithm.kl_coef=0 logs kl_ref 0 every step: a flat line would read as a measured 0 (issue 56)."""
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    for s in range(1, 5):
+        run.log(_step(s, 0.1, kl_ref=0.0))
+    run.close()
+    assert plot_run(tmp_path / "run").exists()
+    assert panel_titles([read_metrics(tmp_path / "run")]) == [t for t in ALL_PANELS if t not in
+                                                              ("held-out greedy reward", "KL to reference")]
+
+
 def test_the_plot_reads_the_metrics_file_anew(tmp_path):
     run = _write_run(tmp_path / "run")  # no evaluation: no accuracy panel
-    assert plot_runs([run], run / CURVES) == [t for t in ALL_PANELS if t != "held-out accuracy"]
+    assert plot_runs([run], run / CURVES) == [t for t in ALL_PANELS if t != "held-out greedy reward"]
     first = (run / CURVES).read_bytes()
     with open(run / "metrics.jsonl", "a") as f:  # the run goes on and evaluates: the file, not a copy, is drawn
         for s in range(13, 25):
@@ -78,7 +89,7 @@ def test_rlmega_plot_overlays_two_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli_main(["plot", str(a), str(b)]) == 0
     _png_size(tmp_path / CURVES)  # several runs: ./curves.png
-    assert "held-out accuracy" in capsys.readouterr().out  # one run evaluated: the panel is there
+    assert "held-out greedy reward" in capsys.readouterr().out  # one run evaluated: the panel is there
     assert cli_main(["plot", str(a), str(b), "--out", str(tmp_path / "cmp" / "sync_vs_async.png")]) == 0
     _png_size(tmp_path / "cmp" / "sync_vs_async.png")
     assert cli_main(["plot", str(b)]) == 0  # one run: into its folder

@@ -55,7 +55,7 @@ def test_jsonl_rows_in_file_order_blank_lines_ignored(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3", "extra": 1}, "",
                                               "   ", {"prompt": CHAT, "label": 3}])
     rows, skipped = load_rows(path, "prompt", "label", "error")
-    assert rows == [{"prompt": "1+2=", "label": "3", "where": f"{path}, row 1"},
+    assert rows == [{"prompt": "1+2=", "label": "3", "columns": {"extra": 1}, "where": f"{path}, row 1"},
                     {"prompt": CHAT, "label": 3, "where": f"{path}, row 2 (line 4)"}]  # where: for later messages
     assert skipped.count == 0 and skipped.reasons == []
 
@@ -70,7 +70,9 @@ def test_parquet_strings_and_messages(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", [{"q": "1+2=", "a": "3", "other": 0.5},
                                                   {"q": "4+4=", "a": "8", "other": 1.5}])
     rows, skipped = load_rows(path, "q", "a")
-    assert _plain(rows) == [{"prompt": "1+2=", "label": "3"}, {"prompt": "4+4=", "label": "8"}]
+    # every column is read: the other ones go to the reward function by name (issue 56)
+    assert _plain(rows) == [{"prompt": "1+2=", "label": "3", "columns": {"other": 0.5}},
+                            {"prompt": "4+4=", "label": "8", "columns": {"other": 1.5}}]
     assert rows[1]["where"] == f"{path}, row 2" and skipped.count == 0
     chat = write_parquet(tmp_path / "chat.parquet", [{"prompt": CHAT, "label": "3"}])
     assert _plain(load_rows(chat)[0]) == [{"prompt": CHAT, "label": "3"}]  # list<struct> -> list of dicts
