@@ -99,14 +99,13 @@ def _file_module(path: str, fail: Callable[[str, str], RewardResolveError]):
     return module
 
 
-def _not_found_fix(module: str) -> str:
+def _not_found_fix(module: str, attr: str = "function") -> str:
     """The fix for a dotted path whose module does not import: a file of one's own is the common case."""
     here = os.path.join(os.getcwd(), *module.split(".")) + ".py"
-    attr = "function"
     if os.path.isfile(here):
         return (f"{here} is a file, not an installed module: name it as a file, "
                 f"{os.path.relpath(here)}:{attr} (path/to/file.py:function)")
-    return (f"for a file of your own, write path/to/file.py:{attr}; for a package, check the spelling, and that it "
+    return ("for a file of your own, write path/to/file.py:function; for a package, check the spelling, and that it "
             "is installed in this environment")
 
 
@@ -142,7 +141,8 @@ def resolve(dotted_path: str, field: str = "reward.fn") -> Callable:
                        f"fix the error in {name}") from e
     if module is None:
         name = ".".join(parts[:-1])
-        raise fail(f"module {name!r} not found ({first_missing})", _not_found_fix(name)) from first_missing
+        raise fail(f"module {name!r} not found ({first_missing})", _not_found_fix(name, parts[-1])
+                   ) from first_missing
     return _attribute_chain(module, obj, parts[i:], module.__name__, first_missing, fail)
 
 

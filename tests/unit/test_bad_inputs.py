@@ -726,16 +726,16 @@ def test_a_good_moe_config_passes_the_same_checks(tmp_path, monkeypatch):
                         f"trainer.run_dir={tmp_path / 'run'}", "trainer.resume=none"])
 
 
-def test_more_ranks_and_engines_than_cores_start_with_a_warning(env, monkeypatch, caplog, tmp_path):
+def test_more_than_two_trainer_ranks_a_core_start_with_a_warning(env, monkeypatch, caplog, tmp_path):
     """Issue 56: world 8 on 2 cores started without a word (it runs, at a crawl)."""
     from rlmega.config import load_config
     from rlmega.preflight import preflight
 
     argv = [f"model.path={env['model']}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.resume=none"]
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    preflight(load_config(TINY, argv))  # 4 ranks + 1 engine on 8 cores: nothing to say
-    assert "more processes than cores" not in caplog.text
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    preflight(load_config(TINY, argv))  # 4 ranks on 2 cores: the demo's layout here, by design
+    assert "ranks a core" not in caplog.text
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
     preflight(load_config(TINY, argv))
-    assert ("4 trainer ranks, 1 engines with 1 GiB of KV cache each and 1 agent/judger actors on this 2-core "
-            "machine: more processes than cores") in caplog.text, caplog.text
+    assert ("4 trainer ranks, 1 engines with 1 GiB of KV cache each and 1 agent/judger actors on this 1-core "
+            "machine: more than two trainer ranks a core") in caplog.text, caplog.text

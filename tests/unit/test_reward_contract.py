@@ -76,7 +76,7 @@ def test_a_dotted_path_that_is_a_file_here_says_to_name_the_file(tmp_path, monke
         resolve("my_reward.exact")
     assert "module 'my_reward' not found" in e.value.what
     assert e.value.fix == f"{tmp_path}/my_reward.py is a file, not an installed module: name it as a file, " \
-                          "my_reward.py:function (path/to/file.py:function)"
+                          "my_reward.py:exact (path/to/file.py:function)"
     os.remove(tmp_path / "my_reward.py")
     with pytest.raises(RewardResolveError) as e:
         resolve("my_reward.exact")
