@@ -7,7 +7,8 @@
 
 Panels, over RL steps: the sampled reward's mean, the held-out greedy reward (eval_accuracy: the mean reward of
 one temperature-0 answer per eval prompt, an accuracy under a 0/1 reward; only when some run evaluated),
-KL to the reference, response length, and step time by phase (the ``time_*`` keys of rlmega/step.py;
+KL to the reference, response length, step time by phase, and the supervised warm start's loss a step (from
+RUN_DIR/warm_start.jsonl; only when some run warm-started) (the ``time_*`` keys of rlmega/step.py;
 ``time_step`` is the whole step, drawn dashed: with produce.strategy=async generation overlaps
 training, so the phases are lines, never a stack that would add to more than the step). Several runs
 share each panel, one colour per run, named by the folder as given.
@@ -23,11 +24,14 @@ import os
 from pathlib import Path
 from typing import Iterable, List, Sequence
 
+from rlmega.rundir.run import WARM_START
+
 CURVES = "curves.png"
 METRICS = "metrics.jsonl"
 # The phases of a step, in the order they happen; any other time_* key is drawn after them.
 PHASE_ORDER = ("wait", "generate", "logprob", "train", "sync")
 SMOOTH_WINDOW = 5  # steps in the reward's running mean: one sampled batch's mean is noisy
+WARM_TITLE = "warm-start loss"
 
 
 class MetricsError(ValueError):
@@ -63,6 +67,20 @@ def read_metrics(run_dir: str | Path) -> List[dict]:
     return rows
 
 
+def read_warm_start(run_dir: str | Path) -> List[float]:
+    """The supervised warm start's loss a step (RUN_DIR/warm_start.jsonl, rlmega.rundir.run); [] without one."""
+    path = Path(run_dir) / WARM_START
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line)["loss"])
+        except (ValueError, KeyError, TypeError):  # a damaged line: the curve without it
+            continue
+    return [float("nan") if r is None else float(r) for r in rows]
+
+
 def _series(rows: Iterable[dict], key: str) -> tuple[list, list]:
     """(steps, values) of ``key`` where it is a finite number (null is how NaN was logged)."""
     xs, ys = [], []
@@ -94,8 +112,8 @@ def _has(runs: Sequence[List[dict]], key: str) -> bool:
     return any(_series(rows, key)[0] for rows in runs)
 
 
-def panel_titles(runs: Sequence[List[dict]]) -> list[str]:
-    """The panels plot_runs draws for these runs' metrics, in order."""
+def panel_titles(runs: Sequence[List[dict]], warm: Sequence[List[float]] = ()) -> list[str]:
+    """The panels plot_runs draws for these runs' metrics (and warm-start losses), in order."""
     titles = ["reward (mean)"]
     if _has(runs, "eval_accuracy"):
         titles.append("held-out greedy reward")
@@ -103,6 +121,8 @@ def panel_titles(runs: Sequence[List[dict]]) -> list[str]:
     if any(y != 0 for rows in runs for y in _series(rows, "kl_ref")[1]):
         titles.append("KL to reference")
     titles += ["response length (tokens)", "step time by phase (s)"]
+    if any(warm):
+        titles.append(WARM_TITLE)
     return titles
 
 
@@ -118,7 +138,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
 
     names = [str(d) for d in run_dirs]
     runs = [read_metrics(d) for d in run_dirs]
-    titles = panel_titles(runs)
+    warm = [read_warm_start(d) for d in run_dirs]
+    titles = panel_titles(runs, warm)
     cols = 3 if len(titles) > 4 else 2
     fig = Figure(figsize=(5 * cols, 3.6 * 2), layout="constrained")
     FigureCanvasAgg(fig)
@@ -130,10 +151,13 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
     styles = ["-", ":", "-.", (0, (1, 3)), (0, (3, 1, 1, 1)), (0, (3, 5, 1, 5))]  # "--" is the whole step
     for ax, title in zip(axes, titles):
         ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("supervised step" if title == WARM_TITLE else "RL step")
         ax.grid(alpha=0.3)
-        for name, rows, colour in zip(names, runs, colours):
+        for name, rows, losses, colour in zip(names, runs, warm, colours):
             label = name if len(runs) > 1 else None
+            if title == WARM_TITLE:
+                ax.plot(range(1, len(losses) + 1), losses, color=colour, label=label)
+                continue
             if title == "step time by phase (s)":
                 for phase, style in zip(phases, styles * (1 + len(phases) // len(styles))):
                     xs, ys = _series(rows, f"time_{phase}")

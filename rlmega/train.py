@@ -108,8 +108,11 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
         start, history, produced = resume(roles, run, data, checkpoint)
         if checkpoint:
             clock.done("checkpoint load")
+        warm = {}  # the warm start's first and last loss, into the first RL step's row
         if start == 0 and t.warmup_sft_steps:
-            warm_start(roles, data, tokenizer, t, stop)
+            losses = warm_start(roles, data, tokenizer, t, stop)
+            run.write_warm_start(losses)
+            warm = {"warmup_sft_loss_first": losses[0], "warmup_sft_loss_last": losses[-1]} if losses else {}
             # KL regularises toward the policy RL starts from, not the untuned model.path.
             roles.call_actors("update_ref_policy", 1.0)
             clock.done("warm start")
@@ -144,6 +147,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
                 if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
                     metrics.update(evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens))
                 report(roles.manager, metrics, t.total_steps)
+                metrics, warm = {**warm, **metrics}, {}
                 history.append({k: v for k, v in metrics.items() if not k.startswith("_")})
                 run.log(history[-1])
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_ref']:.2e}",
@@ -198,21 +202,24 @@ def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | Non
     return step, list(extra["history"]), extra.get("producer")  # checkpoints before async have none
 
 
-def warm_start(roles: Roles, data, tokenizer, t, stop: StopRequest) -> None:
+def warm_start(roles: Roles, data, tokenizer, t, stop: StopRequest) -> list[float]:
     """A short supervised warm start on the prompts' labels (random weights learn nothing by RL):
     ``t.warmup_sft_steps`` steps at ``t.warmup_sft_lr``, targets cut to ``t.warmup_sft_max_tokens``.
+    Returns each step's loss.
 
     A stop request ends it early; the run then stops before RL with no checkpoint (a resume would
     start over, as the warm start belongs to step 0)."""
-    steps = t.warmup_sft_steps
+    steps, losses = t.warmup_sft_steps, []
     bar = tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0)
     for i in bar:
         if stop.requested():
-            return
+            return losses
         loops = {name: data.config(name).agent_loop for name in data.names}
         batch = sft_batch(data.warmup_prompts(i), tokenizer, loops, t.warmup_sft_max_tokens, data.processor)
         metrics = roles.call_actors("sft_step", batch, t.warmup_sft_lr)
+        losses.append(float(metrics["loss"]))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+    return losses
 
 
 def report(manager, metrics: dict, total_steps: int) -> None:

@@ -67,6 +67,9 @@ def refuse_a_held_folder(path: str | Path) -> None:
             f"{Path(path).absolute()})")
 
 
+WARM_START = "warm_start.jsonl"
+
+
 class RunDir:
     def __init__(self, path: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
                  config: dict | None = None):
@@ -121,6 +124,12 @@ class RunDir:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in _clean(metrics).items() if k != "step"}, step=metrics["step"])
+
+    def write_warm_start(self, losses: list[float]) -> None:
+        """RUN_DIR/warm_start.jsonl: the supervised warm start's loss, one line a step ({"sft_step", "loss"};
+        written whole, then renamed). rlmega/plots.py draws it; the first RL step's row holds its first and last."""
+        replace_durably(self.path / WARM_START, "".join(json.dumps(_clean({"sft_step": i, "loss": loss})) + "\n"
+                                                        for i, loss in enumerate(losses, 1)))
 
     def rewrite_metrics(self, history: list[dict]) -> None:
         """On resume: the metrics of the steps up to the checkpoint, and nothing after them.

@@ -70,6 +70,12 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
     # The reference is the warm-started policy: before step 1's update the two are the same weights.
     assert metrics[0]["kl_ref"] == 0.0
     assert all(m["kl_ref"] > 0 for m in metrics[1:])
+    # the warm start's loss a step (issue 56), its first and last in the first RL step's row
+    warm = [json.loads(line) for line in (straight / "warm_start.jsonl").read_text().splitlines()]
+    assert [w["sft_step"] for w in warm] == list(range(1, 9))
+    assert (metrics[0]["warmup_sft_loss_first"], metrics[0]["warmup_sft_loss_last"]) == (warm[0]["loss"],
+                                                                                         warm[-1]["loss"])
+    assert not any("warmup_sft_loss_first" in m for m in metrics[1:])
     assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (straight / "hf_final" / "config.json").exists()
     assert list((straight / "tensorboard").iterdir())

@@ -1,6 +1,7 @@
 """Curves from metrics.jsonl (rlmega/plots.py) and `rlmega plot`, on metrics files written here in the
 trainer's format (rlmega/rundir/run.py: one JSON object a line, NaN logged as null, a step-0 eval line)."""
 import json
+import math
 import struct
 
 import pytest
@@ -60,6 +61,22 @@ def test_a_run_without_a_kl_term_draws_no_kl_panel(tmp_path):
     assert plot_run(tmp_path / "run").exists()
     assert panel_titles([read_metrics(tmp_path / "run")]) == [t for t in ALL_PANELS if t not in
                                                               ("held-out greedy reward", "KL to reference")]
+
+
+def test_a_warm_started_run_draws_its_warm_start_loss(tmp_path):
+    """Issue 56: the warm-start loss was in no file. RunDir.write_warm_start keeps it a step; the curves draw it."""
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    run.write_warm_start([2.5, 1.75, float("nan"), 0.5])
+    for s in range(1, 5):
+        run.log(_step(s, 0.1))
+    run.close()
+    from rlmega.plots import read_warm_start
+
+    got = read_warm_start(tmp_path / "run")
+    assert got[:2] == [2.5, 1.75] and math.isnan(got[2]) and got[3] == 0.5  # NaN kept as a gap (JSON null)
+    assert plot_run(tmp_path / "run").exists()
+    assert panel_titles([read_metrics(tmp_path / "run")], [got])[-1] == "warm-start loss"
+    assert "warm-start loss" not in panel_titles([read_metrics(tmp_path / "run")], [[]])
 
 
 def test_the_plot_reads_the_metrics_file_anew(tmp_path):
