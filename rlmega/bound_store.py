@@ -8,7 +8,8 @@ listening on ``bind_address(host_name)``: 127.0.0.1 for a one-node group whose r
 127.0.0.1, the node's own address for a group that spans nodes.
 
 Used by ``rlmega.distributed.init_distributed`` (the store of a group rlmega starts: Ray-hosted
-ranks, tests, tools) and by ``rlmega.launch.torchrun`` (torchrun's own stores).
+ranks, tests, tools) and by ``rlmega.launch.torchrun`` (torchrun's own stores). ``reserve_port`` holds rank
+0's port from the moment the launcher asks for it until that store listens on it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,29 @@ def bind_address(host: str) -> tuple[int, str]:
 
 def is_loopback(address: str) -> bool:
     return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+# Ports this process holds for a store it will serve (reserve_port), until BoundTCPStore listens on one.
+_reserved: dict[int, socket.socket] = {}
+
+
+def reserve_port() -> int:
+    """A free port of this machine, held by this process (a bound socket, not listening) until a
+    ``BoundTCPStore`` of this process serves it. Why: a port found free and let go is anyone's until the
+    store binds it, seconds later while the rank imports and builds its model; on a busy machine another
+    process took it (EADDRINUSE in rank 0's store, CI of 2026-12-04 with two runs at once)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("", 0))  # every interface: nothing else binds this port meanwhile, on any address
+    port = sock.getsockname()[1]
+    _reserved[port] = sock
+    return port
+
+
+def _release(port: int) -> None:
+    """Let go of a port reserve_port holds, right before this process listens on it."""
+    sock = _reserved.pop(port, None)
+    if sock is not None:
+        sock.close()
 
 
 class PortInUse(RuntimeError):
@@ -70,6 +94,7 @@ class BoundTCPStore(TCPStore):
     def __init__(self, host_name: str, port: int, *args, is_master: bool = False, master_listen_fd=None, **kwargs):
         sock = None
         if is_master and master_listen_fd is None:
+            _release(port)  # reserved by this process for this store (reserve_port): now it listens
             try:
                 sock = listening_socket(host_name, port)
             except PortInUse:

@@ -13,7 +13,6 @@ raises here with that rank named; a dead actor becomes WorkerGroupError instead 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Callable
 
 import ray
@@ -35,12 +34,16 @@ class _RankHost:
         os.environ.update(env)
         self.worker = None
 
-    def address(self) -> tuple[str, int, str]:
-        """(node IP, a free port there, Ray node id)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, ray.get_runtime_context().get_node_id()
+    def address(self) -> tuple[str, str]:
+        """(node IP, Ray node id)."""
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def master_port(self) -> int:
+        """A free port of this node for the group's store, held by this process until its store serves it
+        (rlmega.bound_store.reserve_port)."""
+        from rlmega.bound_store import reserve_port
+
+        return reserve_port()
 
     def start(self, master: tuple[str, int], local_rank: int, local_world_size: int, cls, args: tuple,
               kwargs: dict) -> None:
@@ -80,12 +83,13 @@ class WorkerGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle)
             self.hosts.append(Host.options(**opts).remote(rank, world_size, env))
-        master = self._get([self.hosts[0].address.remote()])[0][:2]
+        # (one ref a call: _get names a failure by its index, and both are rank 0's)
+        master = (self._get([self.hosts[0].address.remote()])[0][0], self._get([self.hosts[0].master_port.remote()])[0])
         # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
         # node, as torchrun sets them. Each actor sees only its own GPU (Ray sets
         # CUDA_VISIBLE_DEVICES), so rlmega.distributed.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
         # Nodes are told apart by Ray node id: simulated nodes of one machine share an IP.
-        self.node_ids = [a[2] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
+        self.node_ids = [a[1] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
         nodes = self.node_ids
         if len(set(nodes)) == 1:  # rank 0's store then listens on loopback only (rlmega.distributed.init_distributed)
             master = ("127.0.0.1", master[1])

@@ -88,3 +88,22 @@ def test_a_store_for_several_nodes_listens_on_the_nodes_address_only():
         assert [ip for ip, p in _listening(os.getpid()) if p == store.port] == [ips[0]]
     finally:
         BoundTCPStore.refuse_loopback = False
+
+
+def test_a_reserved_port_is_nobody_elses_until_the_store_serves_it():
+    """Rank 0's port is found by its Ray actor seconds before the store binds it; let go meanwhile, another
+    process took it (EADDRINUSE, CI of 2026-12-04 with two runs at once). reserve_port holds it until then."""
+    import errno
+    import socket
+
+    from rlmega.bound_store import reserve_port
+
+    port = reserve_port()
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with pytest.raises(OSError) as e:
+        other.bind(("127.0.0.1", port))  # what another process's bind(0) or store would do meanwhile
+    assert e.value.errno == errno.EADDRINUSE
+    other.close()
+    store = BoundTCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # ours: it binds
+    store.set("k", "v")
+    assert store.get("k") == b"v" and ["127.0.0.1", port] in _listening(os.getpid())
