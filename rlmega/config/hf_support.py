@@ -221,6 +221,28 @@ def _vllm_registry_file() -> str | None:
     return os.path.join(list(spec.submodule_search_locations)[0], "model_executor", "models", "registry.py")
 
 
+def vllm_attention_backends() -> frozenset | None:
+    """The names ``rollout.attention_backend`` may take: the members of vLLM's AttentionBackendEnum, read from
+    vllm/v1/attention/backends/registry.py without importing vLLM (as ``vllm_architectures``). vLLM upper-cases
+    the name it is given (config/attention.py). None when vLLM is absent or the file has another shape;
+    tests/unit/test_config.py checks the result against the installed vLLM."""
+    import ast
+
+    registry = _vllm_registry_file()
+    path = registry and os.path.join(os.path.dirname(registry), "..", "..", "v1", "attention", "backends",
+                                     "registry.py")
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "AttentionBackendEnum":
+            names = {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets
+                     if isinstance(t, ast.Name)}
+            return frozenset(names) or None
+    return None
+
+
 def vllm_architectures() -> frozenset | None:
     """The architectures vLLM's model registry names (``ModelRegistry.get_supported_archs()``), read from
     vllm/model_executor/models/registry.py's ``_VLLM_MODELS`` literal without importing vLLM (seconds, and

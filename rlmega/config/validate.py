@@ -30,10 +30,11 @@ import rlmega.config.lora_rules as lora_rules
 import rlmega.config.moe_rules as moe_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.errors import MAX_ACTORS, ConfigError, problem  # noqa: F401 (re-exported)
-from rlmega.config.hf_support import EXPERT_BIAS_ARCHITECTURES, architecture
+from rlmega.config.hf_support import EXPERT_BIAS_ARCHITECTURES, architecture, vllm_attention_backends
 from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, UNIT, ModelShape, Rule, divisors,
                                          fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
 from rlmega.config.schema import RLConfig
+from rlmega.rundir.checkpoint_scan import auto_choice
 from rlmega.rundir.run import find_checkpoint
 from rlmega.config.dotted_path import SHAPE_FIX, shape_problem
 from rlmega.config.parity_rules import parity_limits
@@ -155,7 +156,7 @@ _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("trainer.save_every", GE0),
     ("trainer.eval_every", GE0), ("trainer.keep_last_checkpoints", GE1),
     ("data.seed", _SEED), ("data.synthetic_size", _upto(MAX_SYNTHETIC)), ("data.synthetic_digits", _upto(18)),
-    ("data.synthetic_length", _upto(10**6)),
+    ("data.synthetic_length", _upto(10**6)), ("data.max_image_pixels", GE1), ("rollout.max_images_per_prompt", GE1),
     ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
     ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
     ("algorithm.max_sampling_rounds", GE1), ("algorithm.overlong_penalty_factor", GE0),
@@ -425,6 +426,11 @@ def validate(cfg: RLConfig) -> None:
                            "(E_pi[grad log pi] = 0), so the KL penalty would regularise nothing",
                            "use algorithm.kl_estimator=k2 (gradient of KL(pi||ref)) or k3 (gradient of "
                            "KL(ref||pi)), or keep k1 with algorithm.kl_in_reward=true"))
+    backends = vllm_attention_backends() if cfg.rollout.attention_backend else None
+    if backends and cfg.rollout.attention_backend.upper() not in backends:  # else it fails once engines start
+        out.append(problem("rollout.attention_backend", f"{cfg.rollout.attention_backend!r} is not an attention "
+                           "backend of the installed vLLM", "leave it null (vLLM picks one for the device) or "
+                           f"name one of vLLM's: {', '.join(sorted(backends))}"))
     if shape_problem(cfg.reward.fn):
         out.append(problem("reward.fn", f"{cfg.reward.fn!r} {shape_problem(cfg.reward.fn)}", SHAPE_FIX))
     if tr.total_steps == 0 and tr.warmup_sft_steps == 0:
@@ -445,6 +451,10 @@ def validate(cfg: RLConfig) -> None:
                                '"none", "auto" (this run_dir\'s latest), or a checkpoints/step_N folder or '
                                "checkpoints folder of a run"))
         else:
+            out += lora_rules.resume_problems(cfg, found)
+    elif tr.resume == "auto" and tr.run_dir:  # --resume: the checkpoint it would take, before the run folder changes
+        found = auto_choice(os.path.join(tr.run_dir, "checkpoints"))
+        if found is not None:
             out += lora_rules.resume_problems(cfg, found)
     for name in ("train_path", "eval_path"):
         path = getattr(cfg.data, name)

@@ -5,9 +5,11 @@
 
 In the DCP files: "model" (this model's sharded state dict, HF names), "optimizer" (AdamW state and
 param groups by parameter name), each extra model by its name, and "rng_rank{R}" per rank (Python,
-NumPy, torch CPU and CUDA generators). common.pt holds {"meta": {"backend": "fsdp", "step",
-"scheduler", "extra", "world_size", "extra_models", "lora"}}: what the driver reads without loading tensors
-(rlmega/rundir/run.py reads meta.extra, rlmega/rundir/checkpoint_scan.py judges completeness by "backend").
+NumPy, torch CPU and CUDA generators, as a torch.save stream). Loads read all of it as data, never as code
+(rlmega/rundir/checkpoint_data.py): a checkpoint may come from elsewhere. common.pt holds {"meta":
+{"backend": "fsdp", "step", "scheduler", "extra", "world_size", "extra_models", "lora"}}: what the driver reads
+without loading tensors (rlmega/rundir/run.py reads meta.extra, rlmega/rundir/checkpoint_scan.py judges
+completeness by "backend").
 
 LoRA (rlmega/lora.py): meta["lora"] is the adapters' (rank, alpha, target_modules), None for a full-parameter
 model. A LoRA model loads a LoRA checkpoint of the same adapters, or a full-parameter one: its weights become
@@ -19,7 +21,8 @@ the saved one (another world size has other ranks: each keeps its own seeded gen
 """
 from __future__ import annotations
 
-import pickle
+import io
+import logging
 from pathlib import Path
 
 import torch
@@ -30,7 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlmega.config.lora_rules import checkpoint_mismatch
+from rlmega.rundir.checkpoint_data import data_only_loads, load_object
 from rlmega.rundir.checkpoint_files import resolve, rng_state, saving, set_rng_state, start_save
+
+log = logging.getLogger("rlmega")
 
 BACKEND = "fsdp"  # common.pt's meta["backend"]; rlmega/rundir/checkpoint_scan.py tells the two formats apart by it
 
@@ -68,8 +74,11 @@ def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, ext
     final, partial = start_save(root, step)
     rank = dist.get_rank()
     state = _state(model, optimizer, extra_models)
-    # A key per rank (DCP keeps every rank's own copy), pickled: DCP would flatten a dict into keys.
-    state[f"rng_rank{rank}"] = pickle.dumps(rng_state())
+    # A key per rank (DCP keeps every rank's own copy), one torch.save stream: DCP would flatten a dict into
+    # keys; the stream loads with torch's weights-only loader (load_object), a plain pickle would not.
+    buffer = io.BytesIO()
+    torch.save(rng_state(), buffer)
+    state[f"rng_rank{rank}"] = buffer.getvalue()
     common = {"meta": {"backend": BACKEND, "step": step, "scheduler": scheduler.state_dict() if scheduler else None,
                        "extra": extra or {}, "world_size": dist.get_world_size(),
                        "has_optimizer_state": optimizer is not None, "extra_models": sorted(extra_models or {}),
@@ -98,7 +107,7 @@ def _any_rank(flag: bool) -> bool:
 
 
 def read_meta(path: str | Path) -> dict:
-    meta = torch.load(Path(path) / "common.pt", map_location="cpu")["meta"]
+    meta = torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=True)["meta"]
     if meta.get("backend") != BACKEND:
         raise ValueError(f"{path} is not an FSDP checkpoint (actor.backend=fsdp); it was written by the "
                          f"{meta.get('backend', 'megatron')} backend. Fix: resume it with that actor.backend")
@@ -133,7 +142,8 @@ def load(path: str | Path, model, optimizer=None, scheduler=None,
     same_world = meta["world_size"] == dist.get_world_size()
     if optimizer is not None and same_world:
         state[rng_key] = b""  # DCP fills it in (a saved object, not a tensor)
-    dcp.load(state, checkpoint_id=str(path))
+    with data_only_loads():
+        dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
@@ -144,8 +154,21 @@ def load(path: str | Path, model, optimizer=None, scheduler=None,
         if scheduler is not None and meta["scheduler"] is not None:
             scheduler.load_state_dict(meta["scheduler"])
         if same_world:
-            set_rng_state(pickle.loads(state[rng_key]))
+            _restore_rng(state[rng_key], path)
     return int(meta["step"]), meta["extra"]
+
+
+def _restore_rng(saved: bytes, path: Path) -> None:
+    """This rank's generators from its saved stream. Checkpoints written before 2026-12-06 hold a plain pickle
+    there, which is never unpickled: their generators stay as seeded, and the resume is not bit-exact."""
+    try:
+        state = load_object(io.BytesIO(saved))
+    except Exception as e:  # noqa: BLE001 -- the old format, or a stream that holds more than data
+        log.warning("checkpoint %s: rank %d's RNG state was not restored (%s: %s); the run continues from freshly "
+                    "seeded generators, so it does not repeat the uninterrupted run exactly", path, dist.get_rank(),
+                    type(e).__name__, str(e).splitlines()[0][:160])
+        return
+    set_rng_state(state)
 
 
 def _load_into_base(path: Path, meta: dict, model, scheduler, extra_models: dict | None) -> tuple[int, dict]:
@@ -159,7 +182,8 @@ def _load_into_base(path: Path, meta: dict, model, scheduler, extra_models: dict
                          "the reference is that base")
     live = get_model_state_dict(model)
     state = {"model": {lora.hf_name(k): v for k, v in live.items() if not lora.is_adapter(k)}}
-    dcp.load(state, checkpoint_id=str(path))
+    with data_only_loads():
+        dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, {**{k: v for k, v in live.items() if lora.is_adapter(k)},
                                  **{k: state["model"][lora.hf_name(k)] for k in live if not lora.is_adapter(k)}})
     if scheduler is not None and meta["scheduler"] is not None:

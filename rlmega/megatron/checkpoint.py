@@ -32,6 +32,7 @@ from rlmega.rundir.checkpoint_files import (  # noqa: F401
     start_save, step_dir, undo_failed_save,
 )
 from rlmega.config.lora_rules import checkpoint_mismatch
+from rlmega.rundir.checkpoint_data import data_only_loads
 from rlmega.rundir import checkpoint_files as files
 from rlmega.megatron.hf_io import unwrap
 from rlmega.megatron.offload import torch_optimizers
@@ -188,7 +189,8 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
     if with_optimizer_state:
         sd["optimizer"] = optimizer.sharded_state_dict({k: v for k, v in sd.items() if k.startswith("model")},
                                                        is_loading=True, metadata=_OPTIM_FORMAT)
-    loaded = dist_checkpointing.load(sd, str(path))
+    with data_only_loads():  # the folder may come from elsewhere: data, never code (rundir/checkpoint_data.py)
+        loaded = dist_checkpointing.load(sd, str(path))
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     for name, chunks in (extra_models or {}).items():
@@ -221,7 +223,8 @@ def _load_into_base(path: Path, meta: dict, model: list, scheduler, extra_models
     if extra_models:
         raise ValueError(f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
                          "the reference is that base")
-    loaded = dist_checkpointing.load(_sharded(model, None, with_rng=False, base_only=True), str(path))
+    with data_only_loads():
+        loaded = dist_checkpointing.load(_sharded(model, None, with_rng=False, base_only=True), str(path))
     for i, chunk in enumerate(model):
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         left = [k for k in missing if "_lora." not in k] + list(unexpected)

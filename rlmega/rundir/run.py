@@ -25,7 +25,8 @@ import uuid
 from pathlib import Path
 
 from rlmega.rundir.checkpoint_scan import STEP_DIR as _STEP_DIR
-from rlmega.rundir.checkpoint_scan import latest_name, newest_complete, problem, read_common, step_folders
+from rlmega.rundir.checkpoint_scan import (auto_choice, latest_name, newest_complete, problem, read_common,
+                                           step_folders)
 from rlmega.rundir.durable import fsync_dir, replace_durably
 
 log = logging.getLogger("rlmega")
@@ -180,10 +181,9 @@ class RunDir:
             except FileNotFoundError as e:
                 raise ResumeError(f"trainer.resume={resume}: {e}") from None
         named = latest_name(self.checkpoints)
-        if named and (self.checkpoints / named).is_dir() and problem(self.checkpoints / named) is None:
-            # `latest` wins when complete: a newer step folder may be an abandoned branch (a named resume
-            # into this folder from an older step), or a save whose `latest` was never written (redone).
-            return self.checkpoints / named
+        chosen = auto_choice(self.checkpoints)
+        if chosen is not None and chosen.name == named:  # `latest` wins when complete
+            return chosen
         found, skipped = newest_complete(self.checkpoints)
         if found is None:
             if skipped:

@@ -43,7 +43,7 @@ def rejects(*overrides, path=None, field):
         load_config(path, overrides)
     assert any(p.startswith(f"{field}: ") for p in e.value.problems), str(e.value)
     assert "Fix:" in str(e.value)
-    return str(e.value)
+    return str(e.value) + "\n" + "\n".join(e.value.problems)  # the summary elides long lines
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -342,10 +342,17 @@ def test_resume_must_be_a_complete_checkpoint(tmp_path):
     assert "no metadata.json" in msg
     (tmp_path / "step_00000002" / "metadata.json").write_text("{}")
     msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
+    assert "names no sharded_backend" in msg  # Megatron's record names its backend; rlmega reads torch_dist alone
+    (tmp_path / "step_00000002" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
     assert "common.pt missing" in msg  # the full check: tests/unit/test_resume_choice.py
     import torch
+    import torch.distributed.checkpoint as dcp
 
     torch.save({"meta": {"step": 2, "extra": {}}}, tmp_path / "step_00000002" / "common.pt")
+    msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
+    assert ".metadata (the shard index) missing" in msg
+    dcp.save({"w": torch.zeros(3)}, checkpoint_id=str(tmp_path / "step_00000002"), no_dist=True)
     assert load_config(None, [f"trainer.resume={tmp_path / 'step_00000002'}"]).trainer.resume
     (tmp_path / "latest").write_text("step_00000002")
     load_config(None, [f"trainer.resume={tmp_path}"])  # a checkpoints root: its latest
@@ -466,3 +473,12 @@ def test_mla_kv_cache_is_one_latent_per_layer(tmp_path):
     assert shape.mla_width == 576
     assert kv_bytes_per_token(shape, "float32") == 4 * 576 * 4  # heads would say 2 * 4 * 4 * 64 * 4 = 8192
     assert kv_bytes_per_token(shape, "bfloat16", tensor_parallel_size=2) == 4 * 576 * 2  # the latent is not split
+
+
+def test_vllm_attention_backends_read_as_text_match_installed_vllm():
+    # rollout.attention_backend is checked at load against these (rlmega/config/validate.py), vLLM not imported
+    registry = pytest.importorskip("vllm.v1.attention.backends.registry")
+    from rlmega.config.hf_support import vllm_attention_backends
+
+    assert vllm_attention_backends() == {b.name for b in registry.AttentionBackendEnum}
+    assert "CPU_ATTN" in vllm_attention_backends()

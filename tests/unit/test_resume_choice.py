@@ -212,3 +212,24 @@ def test_fsdp_checkpoints_resume_fall_back_and_prune_like_megatrons(tmp_path, da
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000004"
     (run.checkpoints / "latest").write_text("step_00000004")
     assert [p.name for p in run.prune_checkpoints(keep=1)] == ["step_00000002"]  # never the latest (4)
+
+
+def test_resume_auto_refuses_a_lora_checkpoint_for_a_full_run_at_load(run):
+    """`rlmega train CONFIG --resume` (trainer.resume=auto) into a run folder whose newest checkpoint holds LoRA
+    adapters, with actor.lora.rank=0: refused by the config checks, naming trainer.resume, before the run folder
+    changes (it used to fail in a worker ~28 s later, after config.yaml was overwritten)."""
+    from rlmega.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[2]
+    lora = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj"]}
+    d = _checkpoint(run.checkpoints, 6)
+    torch.save({"meta": {"step": 6, "extra": {"settings": {}}, "lora": lora}}, d / "common.pt")
+    before = sorted(p.name for p in run.path.rglob("*"))
+    overrides = [f"trainer.run_dir={run.path}", "trainer.resume=auto"]
+    with pytest.raises(ConfigError, match=r"trainer.resume.*LoRA run's adapters"):
+        load_config(root / "configs/tiny_cpu.yaml", overrides)
+    assert sorted(p.name for p in run.path.rglob("*")) == before
+    (run.checkpoints / "latest").write_text("step_00000004")  # auto takes the complete full-parameter step 4
+    with pytest.raises(ConfigError) as other:  # only the model folder this test does not make is left
+        load_config(root / "configs/tiny_cpu.yaml", overrides)
+    assert "trainer.resume" not in str(other.value) and "model.path" in str(other.value)
