@@ -492,6 +492,13 @@ class DataConfig:
     max_image_pixels: int = 16777216
     """Images of prompt rows (content parts {"type": "image", "image": PATH_OR_URL_OR_BASE64}; Parquet: bytes)
     over this many pixels (width x height) are bad rows; checked before they are decoded. 4096 x 4096."""
+    max_image_bytes: int = 33554432
+    """The most bytes read for one image of a prompt row (file, data URI, bytes or URL): more is a bad row, found
+    without reading the rest (32 MiB). A path must be a regular file; Pillow opens PNG, JPEG, WebP, GIF, BMP only."""
+    image_urls: Literal["off", "public", "any"] = "off"
+    """Image parts given as URLs: "off" makes them bad rows (a row may name any address); "public" fetches
+    http(s) URLs whose host resolves to public addresses only, redirects checked alike, within 30 s a fetch;
+    "any" allows loopback and private addresses too."""
     strict: bool = False
     """A prompt longer than rollout.max_prompt_tokens, or with characters the tokenizer cannot
     represent, stops loading with its file and row; false: it is dropped (too long) or kept without

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from rlmega.data.arithmetic import make_problems
-from rlmega.data.images import processor_vision, split_images
+from rlmega.data.images import DEFAULT_IMAGE_LIMITS, ImageLimits, processor_vision, split_images
 from rlmega.data.sequences import make_sequence_problems
 from rlmega.data.shapes import shape_rows
 
@@ -40,7 +40,6 @@ MAX_SKIP_REASONS = 5  # reasons kept in Skipped; the count covers all of them
 # Roles chat templates know; anything else is most likely a typo ("usr") that a template would drop
 # or render as plain text.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # data.max_image_pixels' default
 
 
 @dataclass
@@ -61,9 +60,10 @@ class BadRowError(ValueError):
 
 
 def _check_row(obj: Any, prompt_key: str, label_key: str, base_dir: str = ".",
-               max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Tuple[Optional[Row], str]:
+               images_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
+               max_images: int | None = None) -> Tuple[Optional[Row], str]:
     """(row, "") for a good row, (None, "problem. Fix: ...") for a bad one. Image parts are read (paths relative
-    to ``base_dir``) and checked here."""
+    to ``base_dir``) and checked here, and counted against ``max_images`` (rollout.max_images_per_prompt)."""
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}. Fix: write one object per line"
     keys = sorted(map(str, obj))
@@ -89,9 +89,11 @@ def _check_row(obj: Any, prompt_key: str, label_key: str, base_dir: str = ".",
                 return None, (f"message {i} of prompt {prompt_key!r} has role {m['role']!r}. "
                               f"Fix: use one of {', '.join(CHAT_ROLES)}")
         try:
-            prompt, images = split_images([dict(m) for m in prompt], base_dir, max_image_pixels)
+            prompt, images = split_images([dict(m) for m in prompt], base_dir, images_limits)
         except ValueError as e:  # BadImage included: the image's file, URL or problem, and the fix
             return None, f"prompt {prompt_key!r}, {e}"
+        if max_images is not None and len(images) > max_images:
+            return None, _too_many_images(len(images), max_images)
         if not images:  # text parts only: plain strings, which every chat template takes
             prompt = [{**m, "content": m["content"] if isinstance(m["content"], str)
                        else "".join(p["text"] for p in m["content"])} for m in prompt]
@@ -167,8 +169,8 @@ def _parquet_objects(path: str, prompt_key: str, label_key: str) -> Iterator[Tup
             yield f"row {row}", obj, ""
 
 
-def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label",
-              on_bad_row: str = "error", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Tuple[List[Row], Skipped]:
+def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label", on_bad_row: str = "error",
+              images: ImageLimits = DEFAULT_IMAGE_LIMITS, max_images: int | None = None) -> Tuple[List[Row], Skipped]:
     """Read prompt rows from a JSONL or Parquet (.parquet) file.
 
     Returns (rows, skipped): rows as {"prompt": str | messages, "label": value}, in file order.
@@ -197,7 +199,7 @@ def load_rows(path: str, prompt_key: str = "prompt", label_key: str = "label",
         row = None
         if not problem:
             row, problem = _check_row(obj, prompt_key, label_key, os.path.dirname(os.path.abspath(path)),
-                                      max_image_pixels)
+                                      images, max_images)
         if row is not None:
             row["where"] = f"{path}, {where}"  # for problems found later (tokenization, length)
             rows.append(row)
@@ -334,9 +336,13 @@ def _check_images(where: str, count: int, processor, max_images: int) -> None:
         raise BadRowError(f"{where}: the prompt has {count} image(s), but model.path is a text-only model (no image "
                           "processor). Fix: use a vision-language model.path, or drop the image parts")
     if count > max_images:
-        raise BadRowError(f"{where}: the prompt has {count} images, over rollout.max_images_per_prompt="
-                          f"{max_images} (the engines' limit_mm_per_prompt). Fix: raise "
-                          f"rollout.max_images_per_prompt to {count}, or give the prompt fewer images")
+        raise BadRowError(f"{where}: {_too_many_images(count, max_images)}")
+
+
+def _too_many_images(count: int, max_images: int) -> str:
+    return (f"the prompt has {count} images, over rollout.max_images_per_prompt={max_images} (the engines' "
+            f"limit_mm_per_prompt). Fix: raise rollout.max_images_per_prompt to {count}, or give the prompt fewer "
+            "images")
 
 
 def _tokenize_with_images(processor, messages: Messages, images: Tuple[bytes, ...]) -> Tuple[str, List[int], List[int]]:
@@ -459,7 +465,8 @@ def load_prompt_dataset(cfg, tokenizer, max_prompt_tokens: int, split: str = "tr
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
     path = cfg.train_path if split == "train" else cfg.eval_path
     if path:
-        rows, _ = load_rows(path, cfg.prompt_key, cfg.label_key, cfg.on_bad_row, cfg.max_image_pixels)
+        limits = ImageLimits(cfg.max_image_pixels, cfg.max_image_bytes, cfg.image_urls)
+        rows, _ = load_rows(path, cfg.prompt_key, cfg.label_key, cfg.on_bad_row, limits, max_images)
         source = path
     elif cfg.train_path:
         return None

@@ -99,7 +99,8 @@ def _image_rows(d: Path) -> dict:
 
     return {"images_good.jsonl": row("shape.png") * 4, "images_two.jsonl": row("shape.png", "shape.png"),
             "images_missing_row2.jsonl": row("shape.png") + row("nope.png"),
-            "images_corrupt.jsonl": row("corrupt.png"), "images_big.jsonl": row("big.png")}
+            "images_corrupt.jsonl": row("corrupt.png"), "images_big.jsonl": row("big.png"),
+            "images_device.jsonl": row("/dev/zero"), "images_url.jsonl": row("http://127.0.0.1:9/a.png?token=SECRET")}
 
 
 def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
@@ -397,6 +398,16 @@ CASES = [
     ("an image over data.max_image_pixels", [*FSDP, "model.path={vlm}", "data.train_path={d}/images_big.jsonl",
                                              "data.max_image_pixels=50000"], None,
      "image of 300x200 = 60000 pixels is over data.max_image_pixels=50000"),
+    ("an image path that is a device (issue 57)", [*FSDP, "model.path={vlm}",
+                                                   "data.train_path={d}/images_device.jsonl"], None,
+     "images_device.jsonl, row 1: prompt 'prompt', message 0, part 0: image file /dev/zero is not a regular file"),
+    ("an image URL, with fetching off (the default)", [*FSDP, "model.path={vlm}",
+                                                       "data.train_path={d}/images_url.jsonl"], None,
+     "images_url.jsonl, row 1: prompt 'prompt', message 0, part 0: image URL http://127.0.0.1:9/a.png: fetching "
+     "URLs is off"),
+    ("an image over data.max_image_bytes", [*FSDP, "model.path={vlm}", "data.train_path={d}/images_big.jsonl",
+                                            "data.max_image_bytes=100"], None,
+     "big.png is over data.max_image_bytes=100 bytes"),
     # --- issue 42: the FSDP learner's family table (rlmega/config/families.py) ---
     ("fsdp, a family outside the table", [*FSDP, "model.path={granite}"], None,
      "model.path: 'GraniteForCausalLM' is not a family rlmega has tested on the FSDP learner"),

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from rlmega.data.images import BadImage, split_images
+from rlmega.data.images import BadImage, ImageLimits, split_images
 from rlmega.data.prompts import BadRowError, PromptDataset, load_rows
 from rlmega.data.shapes import COLOURS, draw, shape_rows
 
@@ -31,7 +31,7 @@ def test_every_source_form_gives_the_same_bytes(tmp_path, png):
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     for messages in (_message("sub/a.png"), _message(str(tmp_path / "sub" / "a.png")), _message(uri),
                      _message(png), _message({"bytes": png, "path": None}), _message(uri, kind="image_url")):
-        out, images = split_images(messages, str(tmp_path), max_pixels=10**6)
+        out, images = split_images(messages, str(tmp_path), ImageLimits(max_pixels=10**6))
         assert images == [png]
         assert out[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what colour?"}]
 
@@ -45,12 +45,12 @@ def test_every_source_form_gives_the_same_bytes(tmp_path, png):
 ])
 def test_a_bad_image_is_named(tmp_path, source, message):
     with pytest.raises(BadImage, match=message):
-        split_images(_message(source), str(tmp_path), max_pixels=10**6)
+        split_images(_message(source), str(tmp_path), ImageLimits(max_pixels=10**6))
 
 
 def test_an_oversize_image_is_refused_before_decoding(tmp_path, png):
     with pytest.raises(BadImage, match=r"112x112 = 12544 pixels is over data.max_image_pixels=10000"):
-        split_images(_message(png), str(tmp_path), max_pixels=10_000)
+        split_images(_message(png), str(tmp_path), ImageLimits(max_pixels=10_000))
 
 
 def test_jsonl_and_parquet_rows_carry_their_images(tmp_path, png):
@@ -112,3 +112,125 @@ def test_shape_problems_are_reproducible_and_the_eval_set_differs():
     assert [r["images"] for r in a] == [r["images"] for r in b]
     assert {r["label"] for r in a} <= {name[0] for name in COLOURS}
     assert [r["images"] for r in a] != [r["images"] for r in ev]
+
+
+# --- hostile sources (issue 57): bounded reads, regular files, URLs by rule, Pillow's formats ------------------
+
+def test_image_limits_defaults_are_the_configs():
+    from rlmega.config.schema import DataConfig
+    from rlmega.data.images import DEFAULT_IMAGE_LIMITS
+
+    d = DataConfig()
+    assert DEFAULT_IMAGE_LIMITS == ImageLimits(d.max_image_pixels, d.max_image_bytes, d.image_urls)
+
+
+def test_a_device_a_fifo_and_a_folder_are_refused_without_reading_them(tmp_path):
+    import os
+    import time
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    for source in ("/dev/zero", str(tmp_path / "fifo"), "folder"):
+        t0 = time.monotonic()
+        with pytest.raises(BadImage, match="is not a regular file"):
+            split_images(_message(source), str(tmp_path), ImageLimits())
+        assert time.monotonic() - t0 < 5  # /dev/zero read whole took all memory; a FIFO's open blocked forever
+
+
+def test_no_source_yields_more_than_max_image_bytes(tmp_path, png):
+    small = ImageLimits(max_bytes=len(png) - 1)
+    (tmp_path / "a.png").write_bytes(png + b"\0" * 10)
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    for source in ("a.png", uri, png):
+        with pytest.raises(BadImage, match=rf"over data.max_image_bytes={len(png) - 1} bytes"):
+            split_images(_message(source), str(tmp_path), small)
+    assert split_images(_message(png), str(tmp_path), ImageLimits(max_bytes=len(png)))[1] == [png]
+
+
+def test_pillow_opens_only_the_image_formats_processors_take(tmp_path):
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"  # Pillow would start Ghostscript
+    with pytest.raises(BadImage, match="not readable as PNG, JPEG, WEBP, GIF, BMP"):
+        split_images(_message(eps), str(tmp_path), ImageLimits())
+    from PIL import Image
+
+    with Image.open(__import__("io").BytesIO(eps)) as img:  # Pillow alone takes it for an image
+        assert img.format == "EPS"
+
+
+@pytest.fixture(scope="module")
+def server(png):
+    """A loopback HTTP server: /a.png?token=SECRET, /to-ftp (a redirect to ftp://), /big (2 MB), /slow (a byte
+    every 0.2 s)."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            if path == "/to-ftp":
+                self.send_response(302)
+                self.send_header("Location", "ftp://127.0.0.1/a.png")
+                self.end_headers()
+                return
+            body = {"/a.png": png, "/big": b"\0" * 2_000_000, "/slow": b"x" * 100}.get(path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if path == "/slow":
+                for byte in body:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            else:
+                self.wfile.write(body)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_urls_are_fetched_only_as_data_image_urls_allows(tmp_path, server, png):
+    url = f"{server}/a.png?token=SECRET"
+    with pytest.raises(BadImage, match="fetching URLs is off") as off:
+        split_images(_message(url), str(tmp_path), ImageLimits())
+    with pytest.raises(BadImage, match="resolves to 127.0.0.1, a loopback, private or reserved address") as public:
+        split_images(_message(url), str(tmp_path), ImageLimits(urls="public"))
+    assert "SECRET" not in str(off.value) + str(public.value)  # a URL's query string is never echoed
+    assert split_images(_message(url), str(tmp_path), ImageLimits(urls="any"))[1] == [png]
+    with pytest.raises(BadImage, match="redirects to ftp://127.0.0.1/a.png, which is refused: its scheme is 'ftp'"):
+        split_images(_message(f"{server}/to-ftp"), str(tmp_path), ImageLimits(urls="any"))
+    with pytest.raises(BadImage, match="its scheme is 'file'"):
+        split_images(_message("file:///etc/passwd"), str(tmp_path), ImageLimits(urls="any"))
+
+
+def test_a_fetch_is_bounded_in_bytes_and_in_time(tmp_path, server, monkeypatch):
+    import time
+
+    import rlmega.data.images as images
+
+    with pytest.raises(BadImage, match="over data.max_image_bytes=1000000"):
+        split_images(_message(f"{server}/big"), str(tmp_path), ImageLimits(max_bytes=1_000_000, urls="any"))
+    monkeypatch.setattr(images, "URL_DEADLINE_S", 1.0)  # the server sends a byte every 0.2 s: 20 s for all
+    t0 = time.monotonic()
+    with pytest.raises(BadImage, match="took over 1 s"):
+        split_images(_message(f"{server}/slow"), str(tmp_path), ImageLimits(urls="any"))
+    assert time.monotonic() - t0 < 1.0 + images.URL_READ_TIMEOUT_S
+
+
+def test_on_bad_row_skip_skips_a_row_with_too_many_images(tmp_path, png):
+    (tmp_path / "a.png").write_bytes(png)
+    rows = [{"prompt": _message("a.png", "a.png"), "label": "2"}, {"prompt": _message("a.png"), "label": "1"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept, skipped = load_rows(str(tmp_path / "rows.jsonl"), on_bad_row="skip", max_images=1)
+    assert [r["label"] for r in kept] == ["1"] and skipped.count == 1
+    assert "row 1: the prompt has 2 images, over rollout.max_images_per_prompt=1" in skipped.reasons[0]
+    with pytest.raises(BadRowError, match="row 1: the prompt has 2 images"):
+        load_rows(str(tmp_path / "rows.jsonl"), on_bad_row="error", max_images=1)
