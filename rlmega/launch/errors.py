@@ -7,7 +7,13 @@ message; the remote traceback stays on the error for the cases where it helps (u
 """
 from __future__ import annotations
 
+import re
+
 import ray
+
+
+# Ray's words for an actor whose __init__ raised (ActorDiedError); the traceback follows them.
+_CREATION = "The actor died because of an error raised in its creation task"
 
 
 class WorkerFailed(RuntimeError):
@@ -28,7 +34,12 @@ def describe(error: BaseException, worker: str) -> WorkerFailed:
         what = f"{type(cause).__name__}: {cause}" if cause is not None else str(error).splitlines()[0]
         return WorkerFailed(f"{worker} raised {what}", worker, cause, getattr(error, "traceback_str", "") or str(error))
     if isinstance(error, ray.exceptions.RayActorError):
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = str(error)
+        if _CREATION in text:  # its __init__ raised: the traceback's last line is what it raised, by its own words
+            last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+            last = re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+: )", "", last)  # "pkg.mod.KeyError: x" -> "KeyError: x"
+            return WorkerFailed(f"{worker} died while starting: {last}", worker, remote_traceback=text)
+        first = text.splitlines()[0] if text else type(error).__name__
         return WorkerFailed(f"{worker} died: {first}", worker)
     return WorkerFailed(f"{worker}: {type(error).__name__}: {error}", worker, error)
 

@@ -22,6 +22,11 @@ class EngineDied(RuntimeError):
     """The engine core process died; the message names its root cause and where its log is."""
 
 
+class EngineStartFailed(RuntimeError):
+    """The engine did not start; the message names the root cause (the engine core's own error where it logged
+    one, else what vLLM raised) and where its log is."""
+
+
 _DIED = re.compile(r"the vLLM engine core died: [^\n\\]*")
 
 
@@ -93,3 +98,17 @@ def engine_died(error: BaseException, log_paths: list[str] | None = None) -> Eng
     where = (f"engine logs: {', '.join(paths)}" if paths
              else f"engine log: the stdout/stderr of process {os.getpid()}")
     return EngineDied(f"the vLLM engine core died: {error} (root cause not found; {where})")
+
+
+def engine_start_failed(error: BaseException, log_paths: list[str] | None = None) -> EngineStartFailed:
+    """``EngineStartFailed`` for what AsyncLLM raised while starting: vLLM's own message is often "Engine core
+    initialization failed. See root cause above", the cause being in the engine core's log (default: this
+    process's stdout and stderr, which the core inherits), so that log's last exception is named first."""
+    paths = own_log_paths() if log_paths is None else log_paths
+    raised = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    for path in paths:
+        cause = _cause_in(path)
+        if cause:
+            return EngineStartFailed(f"the vLLM engine did not start: {cause} (engine log: {path})")
+    where = f"engine log: {', '.join(paths)}" if paths else f"engine log: the stdout/stderr of process {os.getpid()}"
+    return EngineStartFailed(f"the vLLM engine did not start: {raised} ({where})")

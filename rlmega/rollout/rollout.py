@@ -49,7 +49,7 @@ import torch
 from rlmega.sync import collective
 from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Piece
-from rlmega.rollout.engine_errors import engine_died
+from rlmega.rollout.engine_errors import engine_died, engine_start_failed
 from rlmega.rollout.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
 from rlmega.rollout.engine_routes import EngineRoutes, start_recording
 from rlmega.rollout import generation, lora_serving
@@ -129,6 +129,9 @@ class RolloutWorker:
             if record_routes:
                 self._routes = self._run(start_recording(self._engine))
                 self.num_experts = self._routes.num_experts
+        except Exception as e:  # named by its root cause and log: the driver shows the last line of this
+            self.shutdown()
+            raise engine_start_failed(e) from e
         except BaseException:
             self.shutdown()
             raise

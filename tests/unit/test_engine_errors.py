@@ -46,3 +46,17 @@ def test_an_engine_death_is_found_inside_a_failed_requests_text():
            "more\")')")
     assert engine_death_in(err) == "the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)"
     assert engine_death_in("generation failed 3 times: TimeoutError()") is None
+
+
+def test_an_engine_start_failure_names_the_cores_exception_or_else_what_vllm_raised(tmp_path):
+    from rlmega.rollout.engine_errors import engine_start_failed
+
+    log = tmp_path / "w.out"
+    log.write_text(LOG)
+    said = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    assert str(engine_start_failed(said, [str(log)])) == (
+        "the vLLM engine did not start: RuntimeError: CPU Generator does not use offset (in _bookkeeping_sync, "
+        f"vllm/v1/worker/gpu_model_runner.py:3502) (engine log: {log})")
+    log.write_text("nothing logged\n")
+    assert str(engine_start_failed(ValueError("bad arg\nmore"), [str(log)])) == (
+        f"the vLLM engine did not start: ValueError: bad arg (engine log: {log})")

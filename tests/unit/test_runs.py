@@ -50,7 +50,11 @@ def test_wandb_offline_run_gets_the_metrics_and_resumes_the_same_id(tmp_path, mo
 def _fake_checkpoint(root: Path, step: int) -> Path:
     d = root / f"step_{step:08d}"
     d.mkdir(parents=True)
-    (d / "metadata.json").write_text("{}")  # what Megatron's dist checkpointing writes last
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(d), no_dist=True)  # the shards and their index
+    # what Megatron's dist checkpointing writes last
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     torch.save({"meta": {"step": step, "extra": {}}}, d / "common.pt")  # rank 0's plain state
     return d
 
