@@ -341,9 +341,9 @@ def test_resume_must_be_a_complete_checkpoint(tmp_path):
     msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
     assert "no metadata.json" in msg
     (tmp_path / "step_00000002" / "metadata.json").write_text("{}")
-    with pytest.raises(ConfigError) as e:  # the summary line elides the middle of a long problem
+    with pytest.raises(ConfigError) as e:  # Megatron names its backend; rlmega reads torch_dist alone
         load_config(None, [f"trainer.resume={tmp_path / 'step_00000002'}"])
-    assert "names no sharded_backend" in e.value.problems[0]  # Megatron's record names its backend; rlmega reads torch_dist alone
+    assert "names no sharded_backend" in e.value.problems[0]
     (tmp_path / "step_00000002" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
     assert "common.pt missing" in msg  # the full check: tests/unit/test_resume_choice.py
