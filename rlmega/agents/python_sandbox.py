@@ -24,17 +24,22 @@ turns the others off and attacks it):
 - network: a network namespace of its own (unshare(CLONE_NEWNET); CLONE_NEWUSER too when not root),
   where no interface is up, not even loopback. Where the kernel refuses both, the child says so on
   stderr (the parent logs it once) and the files layer still refuses every socket;
-- files: RLIMIT_NOFILE = 3, so no new file descriptor at all (no file, socket, pipe; only the
-  stdin/stdout/stderr it has), and RLIMIT_FSIZE = 0 (no bytes written to a file);
+- files: RLIMIT_NOFILE = 0, so no new file descriptor at all (no file, socket, pipe; only the
+  stdin/stdout/stderr it has, even after closing one of them), and RLIMIT_FSIZE = 0 (no bytes written to a file);
 - processes: RLIMIT_NPROC = 0, so fork fails. The kernel does not enforce it for root, hence:
+- root: chroot into the call's empty work folder (the parent makes one when the workdir layer is off), as root
+  or inside a user namespace of its own, then every capability dropped and the securebits locked: no other path
+  exists for it (no /tmp, no /proc, none of the user's files), and it cannot chroot, mount or mknod its way out.
+  Where the kernel allows neither (not root, no unprivileged user namespaces), the child says so on stderr;
+- syscalls: a seccomp filter (x86_64; elsewhere the child says so on stderr): kill, tkill, tgkill,
+  rt_(tg)sigqueueinfo, pidfd_send_signal / _open / _getfd, ptrace, process_vm_readv / _writev, execve and
+  execveat fail with EPERM, so it signals, traces and execs nothing (a non-root parent's child is that user);
 - user: when started as root, the child drops to the user nobody (no supplementary groups) and
   sets no_new_privs; it then can neither raise the limits above (hard limits are lowered first) nor
   read another user's files or /proc/PID/environ, nor gain privileges through a setuid program;
 - always: the memory (RLIMIT_AS), CPU-time (RLIMIT_CPU) and core-dump limits of a short-lived process.
-Not contained: an exec of a program (exec is not fork; it keeps every limit above, and with no
-free file descriptor a dynamically linked one cannot even load its libraries); signals to other
-processes of the user nobody (e.g. concurrent tool calls). Blocking those needs seccomp, which the
-standard library does not offer.
+Each layer below the filter is attacked alone in tests/unit/test_tool_sandbox.py, every other layer off, after
+the same attack is shown to work with all of them off.
 
 Values are rendered in the tiny model's alphabet where that is cheap (render): True/False/None
 as true/false/none, lists, tuples, sets and dicts with parentheses instead of brackets and braces.
@@ -134,11 +139,20 @@ def render(value: object, max_chars: int = MAX_OUTPUT_CHARS) -> str:
 
 
 # The layers a test may switch off (tests/unit/test_tool_sandbox.py); the parent applies the first three.
-LAYERS = ("filter", "environment", "workdir", "network", "files", "processes", "user")
-CHILD_LAYERS = ("network", "files", "processes", "user")
+LAYERS = ("filter", "environment", "workdir", "network", "files", "processes", "root", "syscalls", "user")
+CHILD_LAYERS = ("network", "files", "processes", "root", "syscalls", "user")
 MAX_ERROR_CHARS = 200  # an exception's message is cut to this in the child: KeyError('a'*5*10**7)
 _CLONE_NEWNET, _CLONE_NEWUSER, _PR_SET_NO_NEW_PRIVS = 0x40000000, 0x10000000, 38
 _NOBODY = 65534  # uid and gid, when the user database cannot say
+_PR_SET_SECUREBITS, _PR_CAPBSET_DROP, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 28, 24, 22, 2
+# SECBIT_NOROOT | _LOCKED | SECBIT_NO_SETUID_FIXUP | _LOCKED | SECBIT_KEEP_CAPS_LOCKED: uid 0 regains nothing on exec
+_SECUREBITS_LOCKED = 0x2F
+# The syscalls layer's seccomp filter: these fail with EPERM (x86_64 numbers: the filter checks the architecture).
+# Signals and process-control of others (kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo,
+# pidfd_send_signal, pidfd_open, pidfd_getfd), reading or writing other processes (ptrace, process_vm_readv,
+# process_vm_writev), and starting programs (execve, execveat).
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_DENIED_X86_64 = (62, 200, 234, 129, 297, 424, 434, 438, 101, 310, 311, 59, 322)
 
 
 def _unshare_network(libc) -> str | None:
@@ -178,32 +192,111 @@ def _drop_to_nobody(libc, uid: int, gid: int) -> None:
         raise OSError("could not drop root")
 
 
-def confine(memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset()) -> list[str]:
-    """Shut this process in before it evaluates anything (see the module docstring), in the order
-    that works: namespaces while still privileged, limits (hard ones included) while root can still
-    lower them, the user last. Returns notes on layers the kernel refused (for the parent's log);
-    raises when a layer that must hold cannot be set."""
+def _enter_jail(libc, jail: str, in_user_namespace: bool) -> str | None:
+    """chroot into ``jail`` (the call's empty work folder): no other path exists for this process. Unprivileged,
+    inside a user namespace of its own (where it may chroot). Why not, when the kernel refuses."""
     import ctypes
+    import os
+
+    if os.geteuid() != 0 and not in_user_namespace and libc.unshare(_CLONE_NEWUSER) != 0:
+        return f"no root layer (unshare: {os.strerror(ctypes.get_errno())})"
+    try:
+        os.chroot(jail)
+        os.chdir("/")
+    except OSError as e:
+        return f"no root layer (chroot: {e.strerror})"
+    return None
+
+
+def _drop_capabilities(libc) -> None:
+    """No capability left, nor any to regain: what a process needs to leave a chroot (chroot, mount, mknod, ...).
+    Securebits first (CAP_SETPCAP): uid 0 gets no capabilities back on exec."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS_LOCKED, 0, 0, 0)  # refused without CAP_SETPCAP: then none to drop
+    for cap in range(64):
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()) != 0:  # _LINUX_CAPABILITY_VERSION_3
+        raise OSError("capset: could not drop the capabilities")
+
+
+def _deny_syscalls(libc) -> str | None:
+    """A seccomp filter: the syscalls of _DENIED_X86_64 fail with EPERM, those of another ABI (x32) too, and a
+    process of another architecture is killed at its first syscall. Why not, on a machine it is not written for."""
+    import ctypes
+    import os  # loaded already: nothing new can be opened by now (the files layer, the jail)
+
+    machine = os.uname().machine
+    if machine != "x86_64":
+        return f"no syscalls layer (its seccomp filter is written for x86_64; this machine is {machine})"
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, kill, eperm = 0x7FFF0000, 0x80000000, 0x00050000 | 1
+    n = len(_DENIED_X86_64)
+    program = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH_X86_64), (ret, 0, 0, kill), (ld, 0, 0, 0),
+               (jge, n + 1, 0, 0x40000000)]  # seccomp_data: nr at 0, arch at 4
+    program += [(jeq, n - i, 0, nr) for i, nr in enumerate(_DENIED_X86_64)]
+    program += [(ret, 0, 0, allow), (ret, 0, 0, eperm)]
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
+
+    instructions = (Instruction * len(program))(*(Instruction(*i) for i in program))
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
+            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), instructions)), 0, 0):
+        raise OSError(f"seccomp: the filter was refused ({ctypes.get_errno()})")
+    return None
+
+
+def confine(memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset(), jail: str | None = None) -> list[str]:
+    """Shut this process in before it evaluates anything (see the module docstring), in the order
+    that works: namespaces and the chroot while still privileged, limits (hard ones included) while root can
+    still lower them, the user, then the capabilities, the syscall filter last. ``jail``: the empty folder the
+    root layer chroots into. Returns notes on layers the kernel refused (for the parent's log); raises when a
+    layer that must hold cannot be set."""
+    import ctypes
+    import os
     import resource
 
     notes = []
     libc = ctypes.CDLL(None, use_errno=True)  # dlopen(NULL): no file to open
     nobody = _nobody()
+    in_user_namespace = False  # unprivileged, the network layer's namespace comes with a user namespace
     if "network" not in layers_off:
         note = _unshare_network(libc)
         if note is not None:
             notes.append(note)
+        in_user_namespace = note is None and os.geteuid() != 0
+    jailed = False
+    if "root" not in layers_off and jail:
+        note = _enter_jail(libc, jail, in_user_namespace)
+        notes += [note] if note else []
+        jailed = note is None
     memory = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))  # SIGXCPU, then SIGKILL
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would otherwise dump core
     if "files" not in layers_off:
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no bytes into any file
-        resource.setrlimit(resource.RLIMIT_NOFILE, (3, 3))  # stdin, stdout, stderr: no new descriptor
+        # A limit of 0, not 3: no descriptor can be made even after closing stdin (0 would be free again)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, 0))
     if "processes" not in layers_off:
         resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork fails (for any user but root)
     if "user" not in layers_off:
         _drop_to_nobody(libc, *nobody)
+    if jailed:
+        _drop_capabilities(libc)  # as root without the user layer, or in a user namespace: none to leave by
+    if "syscalls" not in layers_off:
+        note = _deny_syscalls(libc)
+        notes += [note] if note else []
     return notes
 
 
@@ -218,8 +311,8 @@ def _error_message(e: BaseException) -> str:
 
 def main() -> int:
     header, _, source = sys.stdin.buffer.read().decode("utf-8", errors="replace").partition("\n")
-    memory_mb, cpu_s, layers_off = header.split()
-    notes = confine(int(memory_mb), int(cpu_s), frozenset(layers_off.split(",")))
+    memory_mb, cpu_s, layers_off, jail = header.split(" ", 3)  # the jail's path may hold spaces
+    notes = confine(int(memory_mb), int(cpu_s), frozenset(layers_off.split(",")), None if jail == "-" else jail)
     if notes:
         sys.stderr.write("".join(f"sandbox: {note}\n" for note in notes))
         sys.stderr.flush()

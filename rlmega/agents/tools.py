@@ -310,6 +310,9 @@ def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int
     cpu_s = math.ceil(timeout_s) + 1
     child_off = ",".join(sorted(layers_off & set(python_sandbox.CHILD_LAYERS))) or "-"
     workdir = None if "workdir" in layers_off else tempfile.mkdtemp(prefix="rlmega-python-tool-")
+    # The root layer's jail: the work folder, or an empty folder of its own when that layer is off (tests).
+    own_jail = "root" not in layers_off and workdir is None
+    jail = tempfile.mkdtemp(prefix="rlmega-python-jail-") if own_jail else None if "root" in layers_off else workdir
     # Limits are set by the child itself, not in preexec_fn: that is unsafe in a threaded parent
     # (a Ray actor). -I -S: no user site, no PYTHONPATH, no site-packages in the child.
     try:
@@ -319,7 +322,8 @@ def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         try:
-            outputs = _communicate_capped(proc, f"{memory_mb} {cpu_s} {child_off}\n{source}".encode(), timeout_s)
+            header = f"{memory_mb} {cpu_s} {child_off} {jail or '-'}"
+            outputs = _communicate_capped(proc, f"{header}\n{source}".encode(), timeout_s)
         finally:  # never leave a child running, whatever ended the wait
             if proc.poll() is None:
                 proc.kill()
@@ -327,8 +331,9 @@ def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 pipe.close()
     finally:
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+        for folder in (workdir, jail if own_jail else None):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
     if outputs is None:
         return error_text(f"timeout after {timeout_s:g} s")
     stdout, stderr = outputs

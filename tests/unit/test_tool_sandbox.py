@@ -74,6 +74,54 @@ def test_files_layer(tmp_path):
     assert attack(f"{ESCAPE}['__import__']('socket').socket()", {"files"}).startswith("error: ")
 
 
+def test_files_layer_holds_after_stdin_is_closed(tmp_path):
+    """Issue 57: with RLIMIT_NOFILE at 3, closing fd 0 freed a number below the limit and open() took it."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    source = f"({OS}.close(0), {ESCAPE}['open']('{secret}').read())[1]"
+    assert attack(source) == f"'{SECRET}'"
+    assert attack(source, {"files"}).startswith("error: oserror: (errno 24) too many open files")
+
+
+def jail_allowed() -> bool:
+    """Whether the child may chroot: as root, or in a user namespace of its own."""
+    probe = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+             "ok = os.geteuid() == 0 or libc.unshare(0x10000000) == 0; os.chroot('/'); raise SystemExit(not ok)")
+    return subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not jail_allowed(), reason="the kernel lets this user neither chroot nor make a user namespace")
+def test_root_layer(tmp_path):
+    """The root layer alone (issue 57): the child sees its empty jail and nothing else, so it writes nothing
+    outside it, reads none of the user's files, sees no /proc, and cannot chroot its way out (no capabilities)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    outside = tmp_path / "made-by-the-child"
+    attacks = {f"{ESCAPE}['open']('{secret}').read()": f"'{SECRET}'",
+               f"{OS}.mkdir('{outside}')": "none",
+               f"len({ESCAPE}['open']('/proc/%d/cmdline' % {OS}.getppid()).read()) > 0": "true"}
+    for source, succeeds in attacks.items():
+        assert attack(source) == succeeds, source  # with every layer off, each attack works
+        out = attack(source, {"root"})
+        assert out.startswith("error: filenotfounderror: (errno 2) no such file or directory"), (source, out)
+    outside.rmdir()
+    escape = f"({OS}.mkdir('x'), {OS}.chroot('x'))"  # root's way out of a chroot: chroot again, then '..'
+    assert attack(escape, {"root"}) == "error: permissionerror: (errno 1) operation not permitted: 'x'"
+    assert attack(f"{OS}.listdir('/')", {"root"}) in ("()", "('x')")  # the jail (empty, or the x just made)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the syscalls layer's seccomp filter is for x86_64")
+def test_syscalls_layer():
+    """The syscalls layer alone (issue 57): under a non-root parent the child signalled the trainer (same user);
+    its seccomp filter refuses signals to any process, tracing others, and starting programs."""
+    for source, succeeds in ((f"{OS}.kill({OS}.getppid(), 0)", "none"),
+                             (f"{OS}.execv('/bin/true', ['true'])", None)):
+        out = attack(source)
+        assert out == succeeds if succeeds else "permission" not in out, (source, out)
+        assert attack(source, {"syscalls"}) == "error: permissionerror: (errno 1) operation not permitted", source
+
+
 @pytest.mark.skipif(not ROOT, reason="as another user the kernel enforces RLIMIT_NPROC on its own")
 def test_root_needs_the_user_layer(tmp_path):
     """Root is not held by RLIMIT_NPROC and may raise its own hard limits: both need the user layer."""
@@ -137,6 +185,9 @@ def test_all_layers_together_contain_a_filter_bypass(monkeypatch, tmp_path, list
     for source in (f"sorted({OS}.environ)", f"{ESCAPE}['open']('planted.txt', 'w')",
                    f"(pid := {OS}.fork()) or {OS}._exit(0)",
                    f"{ESCAPE}['open']('/proc/%d/environ' % {OS}.getppid()).read()",
+                   f"{ESCAPE}['open']('/proc/%d/cmdline' % {OS}.getppid()).read()",
+                   f"({OS}.close(0), {ESCAPE}['open']('/etc/passwd').read())",
+                   f"{OS}.mkdir('/tmp/rlmega-sandbox-escape')", f"{OS}.kill({OS}.getppid(), 0)",
                    f"{ESCAPE}['__import__']('socket').create_connection(('127.0.0.1', {listener}), 2)"):
         out = attack(source, on)
         assert SECRET not in out and (out.startswith("error: ") or out == "('LC_CTYPE')"), (source, out)
