@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlmega.rundir import shard_checksums
 from rlmega.rundir.durable import fsync_dir, fsync_tree, replace_durably
 
 
@@ -67,9 +68,23 @@ def start_save(root: Path, step: int) -> tuple[Path, Path]:
     return final, partial
 
 
+def write_checksums(partial: Path) -> None:
+    """``partial``/checksums.json: every shard file's sha256 (rundir/shard_checksums.py), each rank hashing every
+    world-th file of the folder (a shared one, as the rename needs), rank 0 writing them all. Collective."""
+    names = sorted(p.name for p in partial.glob("*.distcp"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = shard_checksums.digest(partial, names[rank::world])
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    if rank == 0:
+        shard_checksums.write(partial, {name: hex for part in parts for name, hex in part.items()})
+
+
 def finish_save(root: Path, partial: Path, final: Path) -> None:
-    """After every rank's files are in ``partial``: rank 0 moves it into place and points ``latest``
-    at it; then the older same-step save, if any, goes. Collective."""
+    """After every rank's files are in ``partial``: their checksums are written, rank 0 moves it into place and
+    points ``latest`` at it; then the older same-step save, if any, goes. Collective."""
+    dist.barrier()  # every rank's shards are whole before any is hashed
+    write_checksums(partial)
     if dist.get_rank() == 0:
         _move_into_place(partial, final)
         replace_durably(Path(root) / "latest", final.name)

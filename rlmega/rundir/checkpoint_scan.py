@@ -11,8 +11,8 @@ An FSDP checkpoint (plain torch DCP, rlmega/fsdp/checkpoint.py) has no metadata.
 says meta["backend"] == "fsdp", and the same .metadata index and shard files must be whole.
 
 A truncated or missing shard otherwise fails inside every worker on every resume; here it is found
-by reading the index and file sizes (no tensor is read), so the driver can fall back to an older
-checkpoint or say what is wrong. Torch only: megatron.core stays in rlmega/megatron/.
+by reading the index and file sizes, and a shard damaged at full length by the sha256 each save writes
+(rundir/shard_checksums.py), so the driver can fall back to an older checkpoint or say what is wrong. Torch only: megatron.core stays in rlmega/megatron/.
 
 Nothing here runs code from the folder (it may come from elsewhere): metadata.json is JSON, common.pt is read
 with torch's weights-only loader, and .metadata with an unpickler that builds only DCP's own record classes
@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+
+from rlmega.rundir import shard_checksums  # stdlib only: config loading imports this module
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -110,7 +112,7 @@ def _shards_problem(path: Path) -> str | None:
         size = f.stat().st_size
         if size < needed[name]:
             return f"shard {name} truncated ({size} of {needed[name]} bytes)"
-    return _objects_problem(path, index)
+    return shard_checksums.problem(path, sorted(needed)) or _objects_problem(path, index)
 
 
 def _objects_problem(path: Path, index) -> str | None:

@@ -17,9 +17,12 @@ from rlmega.rundir.run import ResumeError, RunDir, changed_settings, find_checkp
 
 
 def _checkpoint(root: Path, step: int, settings: dict | None = None) -> Path:
+    from rlmega.rundir import shard_checksums
+
     d = root / f"step_{step:08d}"
     dcp.save({"w": torch.arange(4096.0) + step}, checkpoint_id=str(d), no_dist=True)
     torch.save({"meta": {"step": step, "extra": {"settings": settings or {}}}}, d / "common.pt")
+    shard_checksums.write(d, shard_checksums.digest(d, [p.name for p in d.glob("*.distcp")]))  # as a save does
     (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     (root / "latest").write_text(d.name)
     return d
@@ -33,6 +36,13 @@ def _truncate(f: Path, keep: int) -> None:
     f.write_bytes(f.read_bytes()[:keep])
 
 
+def _flip(f: Path, at: int) -> None:
+    """One bit changed at byte ``at``; the file keeps its length (what a size check alone lets through)."""
+    data = bytearray(f.read_bytes())
+    data[at] ^= 1
+    f.write_bytes(bytes(data))
+
+
 @pytest.fixture
 def run(tmp_path):
     r = RunDir(tmp_path / "run", tensorboard=False)
@@ -44,6 +54,8 @@ def run(tmp_path):
 DAMAGE = {
     "shard truncated": (lambda d: _truncate(_shard(d), 100), "truncated (100 of"),
     "shard missing": (lambda d: _shard(d).unlink(), "missing"),
+    "a byte flipped in a shard": (lambda d: _flip(_shard(d), 100), "damaged (its sha256 differs"),
+    "checksums.json garbled": (lambda d: (d / "checksums.json").write_text("{"), "checksums.json unreadable"),
     "common.pt truncated": (lambda d: _truncate(d / "common.pt", 50), "common.pt unreadable"),
     "common.pt missing": (lambda d: (d / "common.pt").unlink(), "common.pt missing"),
     "index missing": (lambda d: (d / ".metadata").unlink(), ".metadata"),
