@@ -12,7 +12,8 @@ says meta["backend"] == "fsdp", and the same .metadata index and shard files mus
 
 A truncated or missing shard otherwise fails inside every worker on every resume; here it is found
 by reading the index and file sizes, and a shard damaged at full length by the sha256 each save writes
-(rundir/shard_checksums.py), so the driver can fall back to an older checkpoint or say what is wrong. Torch only: megatron.core stays in rlmega/megatron/.
+(rundir/shard_checksums.py), so the driver can fall back to an older checkpoint or say what is wrong.
+Torch only: megatron.core stays in rlmega/megatron/.
 
 Nothing here runs code from the folder (it may come from elsewhere): metadata.json is JSON, common.pt is read
 with torch's weights-only loader, and .metadata with an unpickler that builds only DCP's own record classes
