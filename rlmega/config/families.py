@@ -53,7 +53,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3ForCausalLM", "qwen3", _BOTH, "per-head q/k RMSNorm", _PARITY),
     Family("Qwen3MoeForCausalLM", "qwen3_moe", _BOTH,
            "routed experts, softmax router with or without `norm_topk_prob`; routing replay on Megatron",
-           "tests/multiproc/test_hf_parity.py, tests/multiproc/test_moe.py"),
+           "tests/multiproc/test_hf_parity.py, tests/multiproc/test_moe_layouts.py"),
     Family("MixtralForCausalLM", "mixtral", _BOTH, "routed experts, the top-k always renormalised",
            "tests/multiproc/test_hf_parity.py"),
     Family("Phi3ForCausalLM", "phi3", _FSDP, "fused `qkv_proj` and `gate_up_proj`; tied (Phi-4-mini) or untied",

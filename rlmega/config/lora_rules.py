@@ -27,8 +27,9 @@ from rlmega.config.errors import problem
 from rlmega.config.learner_rules import GE0, GT0, Rule
 from rlmega.config.schema import LoraConfig, RLConfig
 
-# vllm 0.32's LoRAConfig.max_lora_rank choices (vllm/config/lora.py MaxLoRARanks; tests/unit/test_lora.py holds
-# it to the installed vllm): an engine serves an adapter in the smallest slot that holds its rank
+# vllm 0.32's LoRAConfig.max_lora_rank choices (vllm/config/lora.py MaxLoRARanks;
+# tests/unit/test_lora_rules_and_streams.py holds it to the installed vllm): an engine serves an adapter in the
+# smallest slot that holds its rank
 LORA_SLOT_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # What the Megatron learner adapts (rlmega/megatron/lora_adapters.py's SITES: megatron-core's fused linear_qkv,
 # linear_proj, linear_fc1, linear_fc2 split into their HF modules); of an MoE model, the attention's only

@@ -166,9 +166,10 @@ class FSDPModelManager:
 
     def build_optimizer(self, model: torch.nn.Module, enable_critic_warmup: bool = False) -> torch.optim.AdamW:
         """AdamW over the sharded parameters with optimizer.{lr, weight_decay, adam_beta1/2, adam_eps}.
-        ``enable_critic_warmup`` is RLinf's (a critic-only warm-up); rlmega has no critic: must be False."""
+        ``enable_critic_warmup`` is RLinf's (a critic-only warm-up); rlmega's critic warms up by its own
+        ``critic.warmup_steps`` (rlmega/fsdp/critic.py): must be False."""
         if enable_critic_warmup:
-            raise ValueError("enable_critic_warmup: rlmega trains no critic")
+            raise ValueError("enable_critic_warmup: rlmega's critic warms up by critic.warmup_steps instead")
         o = self.optim_cfg
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)

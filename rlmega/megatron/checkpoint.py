@@ -25,8 +25,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-# The root's files (step_N, .partial, latest, disk-full handling) are backend-neutral; the names are
-# re-exported here for existing callers (train.py imports CheckpointSpaceError from this module).
+# The root's files (step_N, .partial, latest, disk-full handling) are backend-neutral
+# (rlmega/rundir/checkpoint_files.py); the names are re-exported here for this backend's callers
+# (megatron/engine.py's checkpoint.latest, the tests' checkpoint._move_into_place).
 from rlmega.rundir.checkpoint_files import (  # noqa: F401
     CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, saving,
     start_save, step_dir, undo_failed_save,

@@ -1,15 +1,15 @@
 """MegatronEngine: rlmega.engine_api.TrainEngine over megatron-core (tensor, pipeline, data, expert parallel).
 
 It is a MegatronModelManager (the model, optimizer, schedule, offload and checkpoints of one model on
-one rank) that also runs the passes: packed micro-batches planned per data-parallel rank
-(rlmega/megatron/batching.py), forward and forward+backward through megatron-core's own pipeline
+one rank) that also runs the passes: packed micro-batches of a rank's shard (``micro_batches``, planned by
+rlmega/data/packing.py), forward and forward+backward through megatron-core's own pipeline
 schedule with the loss as its ``loss_func`` (rlmega/megatron/policy.py), and the per-sample results
 gathered from the last pipeline stage over the data-parallel ranks.
 
     MegatronEngine.init_process(cfg.parallelism, seed)          # megatron's parallel state
     engine = MegatronEngine(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor)
     engine.build()
-    outs = engine.forward(*engine.plan(batch)[:1], Head())     # see rlmega/engine_api.py
+    outs = engine.forward(engine.micro_batches(shard), Head())  # see rlmega/engine_api.py
 
 MoE routing replay is Megatron's alone: ``routes`` (a routing_replay.RoutePass) rides along a pass;
 MegatronActor keeps its bookkeeping (rlmega/megatron/actor.py).

@@ -10,7 +10,8 @@ buckets from one sender rank per stage and hands each bucket to a transport:
                                      sender's node are written straight into its shared memory
                                      instead (rlmega/sync/local_slots.py)
     CudaIpcTransport([handle, ...])  same node, GPU: CUDA IPC handles of the trainer's tensors, no copy
-                                     through the host (its records ran on one GPU; selected nowhere yet)
+                                     through the host (its records ran on one GPU;
+                                     ``rollout.weight_transport: cuda_ipc``)
     CollectiveTransport([handle, ...])  any node: each bucket broadcast over a torch.distributed group of
                                      the sender and the engines, gloo or NCCL (rlmega/sync/collective.py;
                                      ``rollout.weight_transport: collective``)
