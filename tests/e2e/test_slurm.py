@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, left_behind, tagged_processes
+from conftest import ROOT, tagged_processes
 
 SBATCH = ROOT / "tools" / "slurm" / "rlmega.sbatch"
 TAG = f"slurm-{os.getpid()}"  # in the environment of every process a job starts (sbatch --export=ALL)
@@ -232,9 +232,7 @@ def test_scancel_leaves_no_process_and_a_resumable_checkpoint(slurm, cancelled):
     run, job, info, took = cancelled
     out = slurm.output(job)
     assert info["JobState"] == "CANCELLED", (info, out[-3000:])
-    # Processes still exiting get the 5 s a kill -9's do (conftest.left_behind): in a fresh-clone CI with two
-    # test workers (2026-12-06) two trainer ranks were still going when Slurm called the job gone; alone it passed.
-    leaked = left_behind(TAG)
+    leaked = tagged_processes(TAG)
     assert not leaked, f"left behind: {[Path(f'/proc/{p}/cmdline').read_bytes()[:100] for p in leaked]}"
     latest = find_checkpoint(run / "checkpoints")  # a complete checkpoint, the newest one
     assert latest is not None and 1 <= int(latest.name.split("_")[1]) <= max(_steps(run)), out[-3000:]
