@@ -128,3 +128,30 @@ def test_packed_image_samples_match_unpacked_transformers(tmp_path, arch):
     # measured 0 (per-sequence sdpa = unpacked sdpa); wrong mRoPE: 6.6e-3, swapped images: 0.18; the observation's
     # span one token long (its other placeholders taken for sampled text): 0.28 (Idefics3), an error (Qwen2-VL)
     assert worst < 1e-6
+
+
+def test_the_tiny_vlm_is_written_without_transformers_warning_about_its_default_config(tmp_path):
+    """Saving made transformers build Idefics3Config() to diff against and warn that its pad_token_id 128002 is
+    outside a 32000-token vocabulary: a config nobody wrote (ours has pad 0 in 63 tokens). The warning is silenced
+    for the save only; an out-of-vocabulary id in a config we build still warns."""
+    import logging
+
+    from transformers import Idefics3Config
+    from transformers.utils import logging as hf_logging
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers.configuration_utils")
+    logger.addHandler(handler)
+    try:
+        hf_logging.warning_once.cache_clear()  # transformers says each message once a process
+        path = make_tiny_vlm(tmp_path / "vlm")
+        assert not [m for m in seen if "integer within the vocabulary" in m], seen
+        hf_logging.warning_once.cache_clear()
+        Idefics3Config(text_config={"vocab_size": 63, "pad_token_id": 70})
+        assert [m for m in seen if "got 70" in m], seen
+    finally:
+        logger.removeHandler(handler)
+    cfg = Idefics3Config.from_pretrained(path)
+    assert 0 <= cfg.text_config.pad_token_id < cfg.text_config.vocab_size
