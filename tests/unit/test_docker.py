@@ -1,5 +1,5 @@
 """The Docker images (issue 11): both Dockerfiles lint clean with hadolint, the CPU image installs
-exactly as the README's "Installing by hand" says, and the GPU image pins what setup.py pins.
+exactly as docs/launching.md's "Installing by hand" says, and the GPU image pins what setup.py pins.
 
 test_cpu_image_builds_and_runs_the_demo builds the CPU image for real (no registry needed: a
 debootstrap base, pip pointed at this machine's local wheels) and runs a short demo in it; it costs
@@ -54,7 +54,7 @@ def _pip_steps(commands: list[str]) -> list[tuple[str, ...]]:
 
 
 def _readme_install_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "launching.md").read_text()
     section = text.split("## Installing by hand", 1)[1]
     block = section.split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
