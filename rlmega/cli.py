@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -193,20 +194,25 @@ def parser() -> argparse.ArgumentParser:
 
 
 def entry() -> None:
-    """The ``rlmega`` console script: :func:`main`, then leave without the interpreter's teardown
-    (rlmega/launch/process_exit.py)."""
+    """The ``rlmega`` console script: :func:`main` with its start-up imports uncollected (rlmega/heap.py), then
+    leave without the interpreter's teardown (rlmega/launch/process_exit.py)."""
     from rlmega.launch.process_exit import leave
 
-    leave(main())
+    leave(main(process_start=True))
 
 
-def main(argv=None) -> int:
+def main(argv=None, process_start: bool = False) -> int:
+    """``process_start``: this process was started for this command (the console script): its heavy imports go
+    uncollected and frozen (rlmega/heap.py); a caller that imports rlmega keeps its collector as it is."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
         from rlmega.train_args import parse as parse_train_args
 
         parse_train_args(argv[1:])  # --help and usage errors answer here, before the heavy imports
-        from rlmega.train import main as train_main
+        from rlmega.heap import imports_uncollected
+
+        with imports_uncollected() if process_start else contextlib.nullcontext():
+            from rlmega.train import main as train_main
 
         return train_main(argv[1:])
     args = parser().parse_args(argv)

@@ -14,8 +14,12 @@ processes: rank 0 runs this driver loop, the others serve its calls (launch/torc
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import sys
+
+if __name__ == "__main__":  # `python -m rlmega.train` starts its process here: imports uncollected (rlmega/heap.py)
+    gc.disable()
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -284,6 +288,8 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from rlmega.heap import settle
     from rlmega.launch.process_exit import leave
 
+    settle()  # the imports above are done: frozen, and the collector back on
     leave(main())

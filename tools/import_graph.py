@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rlmega"
 
 # Bottom first; a package may import its own layer and the ones below.
 LAYERS = [
-    ["bound_store", "distributed", "offload", "profiling", "tiny_model", "tiny_vlm"],  # process-level helpers
+    ["bound_store", "distributed", "heap", "offload", "profiling", "tiny_model", "tiny_vlm"],  # process-level helpers
     ["config", "algorithms", "data", "rundir"],          # schema and rules; pure math; batches; run folders
     ["engine_api", "actor_api", "critic_api", "sync", "rewards", "lora"],  # learner contract, weights, adapters
     ["policy_actor", "value_critic", "megatron", "fsdp"],           # the learners

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import ray
 
 from rlmega.launch.errors import WorkerFailed, first_failure
+from rlmega.heap import imports_uncollected
 from rlmega.launch.rank_imports import keep_out_unused
 
 
@@ -50,7 +51,8 @@ class _RankHost:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           LOCAL_WORLD_SIZE=str(local_world_size))
-        self.worker = cls(*args, **kwargs)
+        with imports_uncollected():  # the backend's imports (megatron-core or FSDP's stack): rlmega/heap.py
+            self.worker = cls(*args, **kwargs)  # an Actor builds nothing before setup (rlmega/actor_api.py)
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)

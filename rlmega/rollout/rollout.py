@@ -46,6 +46,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rlmega.heap import imports_uncollected
 from rlmega.sync import collective
 from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Piece
@@ -96,18 +97,22 @@ class RolloutWorker:
         # LoRA served unmerged (lora_rank > 0): the adapter every request generates with, once one is loaded
         self.lora_rank, self._lora = lora_rank, None
         self._lora_dir: str | None = None
-        args = engine_args(self.model_path, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                           kv_cache_space_gb=kv_cache_space_gb, gpu_memory_utilization=gpu_memory_utilization,
-                           tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                           enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
-                           attention_backend=attention_backend, lora_rank=lora_rank,
-                           images_per_prompt=images_per_prompt, cache_dir=cache_dir)
-        # vLLM's engine modules are imported here, in this thread, before the loop thread starts: it then only
-        # looks them up. Two threads importing vLLM's packages at once (the loop in start_engine, this one in
-        # _result) were the one difference in the start-ups that failed on an installed module
-        # ("No module named vllm.logprobs", twice in ~30 runs, issue 57).
-        import vllm.v1.engine.async_llm  # noqa: F401
-        import vllm.v1.engine.exceptions  # noqa: F401
+        # vLLM's imports, the engine actor's start, without collections (rlmega/heap.py); the heap is frozen only
+        # for the fork of the engine core (engine_lifecycle.forked_engine_core)
+        with imports_uncollected(freeze=False):
+            args = engine_args(self.model_path, device=device, dtype=dtype, max_model_len=max_model_len,
+                               seed=seed, kv_cache_space_gb=kv_cache_space_gb,
+                               gpu_memory_utilization=gpu_memory_utilization,
+                               tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+                               enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
+                               attention_backend=attention_backend, lora_rank=lora_rank,
+                               images_per_prompt=images_per_prompt, cache_dir=cache_dir)
+            # vLLM's engine modules are imported here, in this thread, before the loop thread starts: it then
+            # only looks them up. Two threads importing vLLM's packages at once (the loop in start_engine, this
+            # one in _result) were the one difference in the start-ups that failed on an installed module
+            # ("No module named vllm.logprobs", twice in ~30 runs, issue 57).
+            import vllm.v1.engine.async_llm  # noqa: F401
+            import vllm.v1.engine.exceptions  # noqa: F401
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True)
