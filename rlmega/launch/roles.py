@@ -118,10 +118,11 @@ class Roles:
         self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
                                     port=self.cfg.logging.dashboard_port)
         clock.listeners.append(self.manager.set_startup)
-        clock.done("placement")
         # Engines, trainer ranks and critic start at once, each in its own processes, and meet here before
-        # the first weight sync: the engines load vLLM and the model while the ranks build theirs.
-        began = clock.now()
+        # the first weight sync: the engines load vLLM and the model while the ranks build theirs. They begin
+        # where placement ends (its recorded end: clock.now() here was a few ms later, after the dashboard's
+        # update, and the two differed in their third decimal in one CI run).
+        began = clock.done("placement")["end_s"]
         self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
         meeting = {"engines": ([e.kv_cache_max_concurrency.remote() for e in self.engines],
                                [f"rollout engine {i}" for i in range(len(self.engines))])}
