@@ -16,8 +16,9 @@ model's tensors or a step's data.
 
 Called where a process starts its role (process-global, at process start only): the ``rlmega`` console
 script before a subcommand's stack (rlmega/cli.py entry), ``python -m rlmega.train`` (torchrun's ranks
-too) before its module's imports (rlmega/train.py), a trainer rank's host before it imports its backend
-(launch/worker_group.py), and a rollout engine's worker before it imports vLLM (rollout/rollout.py).
+too) before its module's imports (rlmega/train.py), a trainer rank before it imports its backend (a Ray rank
+host, launch/worker_group.py; a torchrun rank, launch/torchrun_group.py), and a rollout engine's worker before it
+imports vLLM (rollout/rollout.py).
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ import traceback
 from typing import Any
 
 from rlmega.bound_store import BOUND_ENV
+from rlmega.heap import imports_uncollected
 from rlmega.launch.rank_imports import keep_out_unused
 from rlmega.launch.worker_group import WorkerGroupError, first_rank_of
 
@@ -111,7 +112,8 @@ class _Host:
             return None
         if kind == "build":
             cls, args, kwargs = payload
-            self.worker = cls(*args, **kwargs)
+            with imports_uncollected():  # the backend's imports, as a Ray rank host's (rlmega/heap.py)
+                self.worker = cls(*args, **kwargs)
             return None
         if kind == "call_shards":  # this rank's share is under its own key (TorchrunGroup.submit_shards)
             method, key, dp_of_rank, args, kwargs = payload

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import ray
 
-from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.heap import imports_uncollected
+from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.rank_imports import keep_out_unused
 
 
