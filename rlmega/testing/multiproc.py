@@ -41,9 +41,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Imported once by the forkserver (see the module docstring), with the collector off, then frozen:
-# torch, transformers and megatron-core (rlmega/testing/rank_preload.py); of rlmega only that module and
-# its packages' empty __init__ files, so rlmega's own code is imported by each rank as it is now.
+# Imported once by the forkserver (see the module docstring), with the collector off, then frozen
+# (rlmega/testing/rank_preload.py, the server's one preload); third-party only, so rlmega's own code (but
+# this module and that one) is imported by each rank as it is now.
+WARM = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
+        "megatron.core.optimizer", "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel"]
 PRELOAD = ["rlmega.testing.rank_preload"]
 
 
