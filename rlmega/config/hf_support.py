@@ -61,19 +61,33 @@ def architecture(hf: dict) -> str | None:
     return next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
 
 
-def architecture_overrides(model_path: str) -> dict:
-    """What vLLM's ``hf_overrides`` needs for the model folder: when its config.json has no
-    `architectures`, vLLM picks the family's backbone (``LlamaModel``, no LM head), so name the
-    causal-LM class (any model_type transformers maps, for actor.backend=fsdp); else nothing."""
+# Keys transformers' DeepSeek-V3 class never writes (DeepseekV3Config has neither) because its router always
+# computes this way, and that vLLM reads with other defaults: softmax scores, and no correction bias (its loader
+# then fails on the checkpoint's `e_score_correction_bias`). DeepSeek-V3's and Kimi-K2's own config.json set both.
+DEEPSEEK_ROUTER_KEYS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def engine_overrides(model_path: str) -> dict:
+    """What vLLM's ``hf_overrides`` needs for the model folder, so that the engine computes what transformers
+    (and rlmega's Megatron mapping) compute from the same config.json:
+    - no `architectures`: vLLM would pick the family's backbone (``LlamaModel``, no LM head), so name the
+      causal-LM class (any model_type transformers maps, for actor.backend=fsdp);
+    - DeepSeek-V3 without `scoring_func` / `topk_method`: transformers' sigmoid router with its correction bias
+      (DEEPSEEK_ROUTER_KEYS; a model saved from transformers' own config class has neither key)."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):  # not a local folder: nothing to override (the preflight requires one)
         return {}
     with open(path) as f:
         hf = json.load(f)
-    if not isinstance(hf, dict) or hf.get("architectures"):
+    if not isinstance(hf, dict):
         return {}
+    out: dict = {}
     arch = architecture(hf) or causal_lm_class(hf)
-    return {"architectures": [arch]} if arch else {}
+    if not hf.get("architectures") and arch:
+        out["architectures"] = [arch]
+    if arch == "DeepseekV3ForCausalLM":
+        out.update({k: v for k, v in DEEPSEEK_ROUTER_KEYS.items() if k not in hf})
+    return out
 
 
 def unsupported_reason(hf: dict) -> str | None:

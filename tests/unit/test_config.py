@@ -282,15 +282,33 @@ def test_vllm_architectures_read_as_text_match_installed_vllm():
 
 def test_vllm_is_told_the_causal_lm_class_of_any_model_type(tmp_path):
     """A config.json without `architectures`: vLLM would pick the backbone (no LM head) for any family."""
-    from rlmega.config.hf_support import architecture_overrides
+    from rlmega.config.hf_support import engine_overrides
 
     for model_type, arch in (("qwen2", "Qwen2ForCausalLM"), ("phi3", "Phi3ForCausalLM")):
         (tmp_path / model_type).mkdir()
         (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
-        assert architecture_overrides(str(tmp_path / model_type)) == {"architectures": [arch]}
+        assert engine_overrides(str(tmp_path / model_type)) == {"architectures": [arch]}
     (tmp_path / "named").mkdir()
     (tmp_path / "named" / "config.json").write_text(json.dumps({"model_type": "phi3", "architectures": ["X"]}))
-    assert architecture_overrides(str(tmp_path / "named")) == {}
+    assert engine_overrides(str(tmp_path / "named")) == {}
+
+
+def test_vllm_routes_a_transformers_deepseek_v3_as_transformers_does(tmp_path):
+    """transformers' DeepseekV3Config writes neither `scoring_func` nor `topk_method` (its router is always sigmoid
+    with the correction bias); vLLM reads them as softmax and no bias, and its loader dies on the checkpoint's
+    bias (KeyError 'layers.1.mlp.gate.e_score_correction_bias', run). The engine is told what transformers does;
+    a config.json that says so itself (DeepSeek-V3's, Kimi-K2's) is left alone."""
+    from transformers import DeepseekV3Config
+
+    from rlmega.config.hf_support import engine_overrides
+
+    hf = DeepseekV3Config(vocab_size=64, hidden_size=128, num_hidden_layers=2,
+                          architectures=["DeepseekV3ForCausalLM"]).to_dict()
+    assert "scoring_func" not in hf and "topk_method" not in hf  # as a user's save_pretrained writes it
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert engine_overrides(str(tmp_path)) == {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
+    assert engine_overrides(str(tmp_path)) == {}
 
 
 def test_interleaved_schedule_needs_pp_micro_batches_per_rank(tmp_path):
@@ -424,7 +442,7 @@ def test_rollout_correction_settings_are_checked():
 def test_a_config_json_with_only_model_type_maps_to_its_causal_lm(tmp_path, model_type, arch):
     """Issue 22 D: no `architectures`, only model_type: the preflight, Megatron's model and vLLM's engine
     (through hf_overrides; without it vLLM builds the backbone, LlamaModel) all take the causal LM."""
-    from rlmega.config.hf_support import architecture_overrides, unsupported_reason
+    from rlmega.config.hf_support import engine_overrides, unsupported_reason
     from rlmega.megatron.hf_config import ModelShape
 
     hf = {"model_type": model_type, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
@@ -433,9 +451,9 @@ def test_a_config_json_with_only_model_type_maps_to_its_causal_lm(tmp_path, mode
     shape = ModelShape.from_hf(hf)
     assert (shape.architecture, shape.qkv_bias) == (arch, arch == "Qwen2ForCausalLM")
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    assert architecture_overrides(str(tmp_path)) == {"architectures": [arch]}
+    assert engine_overrides(str(tmp_path)) == {"architectures": [arch]}
     (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [arch]}))
-    assert architecture_overrides(str(tmp_path)) == {}  # named already: nothing overridden
+    assert engine_overrides(str(tmp_path)) == {}  # named already: nothing overridden
     assert "unsupported architecture 'mistral'" in unsupported_reason({**hf, "model_type": "mistral"})
 
 

