@@ -108,7 +108,9 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
         raise InputError(f"prompt data: {e}") from e
     clock.done("tokenizer and prompts")
     stop = StopRequest(run.path)  # SIGTERM / SIGINT / SIGUSR1 / `rlmega stop RUN_DIR`
-    with Roles(cfg, clock=clock) as roles, stop:  # the handlers go in after Ray's start-up, which installs its own
+    evals = sum(len(prompts) for prompts in data.eval_prompts().values())
+    # the handlers go in after Ray's start-up, which installs its own
+    with Roles(cfg, clock=clock, eval_requests=evals) as roles, stop:
         start, history, produced = resume(roles, run, data, checkpoint)
         if checkpoint:
             clock.done("checkpoint load")

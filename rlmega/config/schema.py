@@ -137,6 +137,14 @@ class RolloutConfig:
     start and a --resume skip compilation. null: vLLM's own default, which already persists across runs
     ($VLLM_CACHE_ROOT if set, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm). Set it to a folder every node
     sees to share one cache across a cluster. An eager engine (the default on CPU) compiles nothing."""
+    cuda_graph_max_batch: Optional[int] = None
+    """A compiled engine on CUDA (enforce_eager false): the largest batch, in sequences, vLLM captures a CUDA
+    graph for (its ``max_cudagraph_capture_size``; a larger decode batch runs eagerly, slower but the same
+    numbers). null: the most sequences one engine can hold at once in this run, prompts_per_step x n plus the
+    eval prompts, over num_engines, plus one per agent-loop router for uneven routing, rounded up onto
+    vLLM's capture grid and at most vLLM's own ceiling of 512 (rlmega/config/engine_mode.py). vLLM's default
+    captures every grid size up to 512: 51 graphs that each engine start records, where a run of 64
+    samples on one engine needs 12 (up to 72). No effect on an eager engine (the default on CPU)."""
     attention_backend: Optional[str] = None
     """vLLM's attention kernels by name (its ``attention_backend`` engine argument, e.g. TRITON_ATTN or
     FLASH_ATTN); null: vLLM's own choice. Set it where vLLM's default kernels are missing (a vLLM

@@ -128,6 +128,7 @@ _RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
     ("model.seed", _SEED), ("actor.moe_aux_loss_coeff", GE0), ("actor.moe_z_loss_coeff", GE0),
     ("actor.moe_router_bias_update_rate", GE0),
     ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", GE1),
+    ("rollout.cuda_graph_max_batch", _NONE_OR_GE1),
     ("rollout.n", _upto(MAX_ACTORS)),
     ("rollout.temperature", GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
     ("rollout.top_k", (lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1")),

@@ -1,19 +1,22 @@
 """The rollout engines as Ray actors: their actor class, their options in a placement slot, starting them.
 
-    engines = start_engines(cfg, pgs, plan.engines, engine_threads, profile_dir)
+    engines = start_engines(cfg, pgs, plan.engines, engine_threads, profile_dir, eval_requests)
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
 
 from rlmega.config.agent_rules import observed_images, task_loops
-from rlmega.config.engine_mode import enforce_eager, records_routes
+from rlmega.config.engine_mode import cuda_graph_max_batch, enforce_eager, records_routes
 from rlmega.config.placement_rules import Slot
 from rlmega.config.schema import RLConfig
 from rlmega.data.images import is_vlm_folder
 from rlmega.rollout.rollout import GENERATION_GROUP, RolloutWorker
+
+log = logging.getLogger("rlmega")
 
 # Generation calls one engine actor runs at once (threads; most wait on the engine): requests in flight
 # per engine, in its GENERATION_GROUP. Its other calls (weight buckets, pause/resume, versions) have
@@ -33,12 +36,18 @@ def engine_actor_class(generation_threads: int = ENGINE_MAX_CONCURRENCY):
     return ray.remote(concurrency_groups={GENERATION_GROUP: generation_threads})(RolloutWorker)
 
 
-def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, profile_dir: str | None) -> list:
+def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, profile_dir: str | None,
+                  eval_requests: int | None = None) -> list:
     """One RolloutWorker actor per engine slot (``threads[i]``: engine i's intra-op threads), started
-    with the model at model.path; returns their handles (they load the model in the background)."""
+    with the model at model.path; returns their handles (they load the model in the background).
+    ``eval_requests``: the eval prompts of the run, which size a compiled engine's CUDA graphs (None:
+    unknown, vLLM's default sizes)."""
     r, Engine, engines = cfg.rollout, engine_actor_class(), []
     # resolved here: an engine on another node has another working directory
     cache_dir = os.path.abspath(os.path.expanduser(r.cache_dir)) if r.cache_dir else None
+    graphs = cuda_graph_max_batch(cfg, eval_requests)
+    if graphs is not None:
+        log.info("rollout engines: CUDA graphs for batches up to %d sequences (rollout.cuda_graph_max_batch)", graphs)
     for i, slot in enumerate(slots):
         engines.append(Engine.options(**engine_options(pgs[slot.group], slot)).remote(
             cfg.model.path, device=r.device, dtype=cfg.model.dtype,
@@ -47,6 +56,7 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
             tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
             record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
             attention_backend=r.attention_backend, cache_dir=cache_dir,
+            cuda_graph_max_batch=graphs,
             lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0,  # served unmerged: load_adapter
             images_per_prompt=images_per_request(cfg) if is_vlm_folder(cfg.model.path) else 0))
     return engines

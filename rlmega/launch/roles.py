@@ -52,12 +52,15 @@ class RoleDied(WorkerFailed):
 
 class Roles:
     def __init__(self, cfg: RLConfig, call_timeout_s: float = 1800.0, pg_timeout_s: float = 120.0,
-                 clock: StartupClock | None = None):
-        """``clock``: where the start-up's phases go (rlmega/rundir/startup.py; default: kept, not printed)."""
+                 clock: StartupClock | None = None, eval_requests: int | None = None):
+        """``clock``: where the start-up's phases go (rlmega/rundir/startup.py; default: kept, not printed).
+        ``eval_requests``: the run's eval prompts, which size a compiled engine's CUDA graphs (None: not known,
+        vLLM's default sizes; rlmega/config/engine_mode.py)."""
         # Workers resolve a relative model.path from their own cwd: on another node that is not the driver's.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, path=os.path.abspath(cfg.model.path) if cfg.model.path else ""))
         self.cfg, self.call_timeout_s, self.pg_timeout_s = cfg, call_timeout_s, pg_timeout_s
+        self.eval_requests = eval_requests
         self.clock = clock or StartupClock(echo=False)
         self.started_ray = False
         self.actors: WorkerGroup | None = None
@@ -123,7 +126,8 @@ class Roles:
         # where placement ends (its recorded end: clock.now() here was a few ms later, after the dashboard's
         # update, and the two differed in their third decimal in one CI run).
         began = clock.done("placement")["end_s"]
-        self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir())
+        self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir(),
+                                     self.eval_requests)
         meeting = {"engines": ([e.kv_cache_max_concurrency.remote() for e in self.engines],
                                [f"rollout engine {i}" for i in range(len(self.engines))])}
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).

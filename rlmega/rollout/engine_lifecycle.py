@@ -20,12 +20,14 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
                 kv_cache_space_gb: float, gpu_memory_utilization: float, tensor_parallel_size: int,
                 enforce_eager: bool, enable_prefix_caching: bool, profile_dir: str | None,
                 attention_backend: str | None, lora_rank: int = 0, images_per_prompt: int = 0,
-                cache_dir: str | None = None):
+                cache_dir: str | None = None, cuda_graph_max_batch: int | None = None):
     """vLLM's ``AsyncEngineArgs`` for a RolloutWorker (and the environment vLLM reads at import and start).
     ``lora_rank`` > 0: the engine serves one LoRA adapter of up to that rank (RolloutWorker.load_adapter).
     ``images_per_prompt`` > 0: a vision-language model takes up to that many images a request (vLLM's
     ``limit_mm_per_prompt``: it also sizes the encoder cache it profiles at start). ``cache_dir``: vLLM's
-    VLLM_CACHE_ROOT (rollout.cache_dir; None: vLLM's default)."""
+    VLLM_CACHE_ROOT (rollout.cache_dir; None: vLLM's default). ``cuda_graph_max_batch``: vLLM's
+    max_cudagraph_capture_size, the largest batch a compiled engine captures a CUDA graph for
+    (rlmega/config/engine_mode.py; None: vLLM's default, up to 512)."""
     # vLLM reads these when it is imported and when the engine starts, so set them first.
     # AsyncLLM always runs its engine core in a child process. On CPU, "0" keeps the model in that
     # process too (the uniproc executor, as vLLM does on GPUs at TP 1); with "1" vLLM's CPU platform
@@ -56,6 +58,8 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
                              max_cpu_loras=2)
     if images_per_prompt:
         engine_kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
+    if cuda_graph_max_batch is not None and not enforce_eager:  # an eager engine captures nothing
+        engine_kwargs.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = cuda_graph_max_batch
     if attention_backend:  # vLLM's attention kernels by name (e.g. TRITON_ATTN); None: vLLM's choice
         engine_kwargs["attention_backend"] = attention_backend
     if profile_dir:  # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)

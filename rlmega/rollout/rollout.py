@@ -73,7 +73,8 @@ class RolloutWorker:
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
                  num_threads: int | None = None, record_routes: bool = False, attention_backend: str | None = None,
-                 lora_rank: int = 0, images_per_prompt: int = 0, cache_dir: str | None = None):
+                 lora_rank: int = 0, images_per_prompt: int = 0, cache_dir: str | None = None,
+                 cuda_graph_max_batch: int | None = None):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         if record_routes and not enforce_eager:
@@ -106,7 +107,8 @@ class RolloutWorker:
                                tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                                enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
                                attention_backend=attention_backend, lora_rank=lora_rank,
-                               images_per_prompt=images_per_prompt, cache_dir=cache_dir)
+                               images_per_prompt=images_per_prompt, cache_dir=cache_dir,
+                               cuda_graph_max_batch=cuda_graph_max_batch)
             # vLLM's engine modules are imported here, in this thread, before the loop thread starts: it then
             # only looks them up. Two threads importing vLLM's packages at once (the loop in start_engine, this
             # one in _result) were the one difference in the start-ups that failed on an installed module

@@ -334,3 +334,11 @@ def test_start_engines_hands_each_engine_the_resolved_enforce_eager(model_dir, t
     started.clear()
     engines.start_engines(cfg, [None], slots, [1, 1], None)
     assert [k["attention_backend"] for k in started] == ["TRITON_ATTN"] * 2
+    # CUDA graphs up to the run's largest batch per engine (dense, compiled): 8 prompts x n 4 over 2 engines
+    # + 1 router + 10 evals over 2 = 22 -> 24 on vLLM's grid; the eval set unknown: vLLM's default
+    cfg.model.path, cfg.rollout.enforce_eager = str(dense), None
+    cfg.trainer.prompts_per_step, cfg.trainer.eval_every, cfg.rollout.num_engines = 8, 1, 2
+    for evals, size in ((10, 24), (None, None)):
+        started.clear()
+        engines.start_engines(cfg, [None], slots, [1, 1], None, evals)
+        assert [k["cuda_graph_max_batch"] for k in started] == [size] * 2
