@@ -39,7 +39,8 @@ turns the others off and attacks it):
   read another user's files or /proc/PID/environ, nor gain privileges through a setuid program;
 - always: the memory (RLIMIT_AS), CPU-time (RLIMIT_CPU) and core-dump limits of a short-lived process.
 Each layer below the filter is attacked alone in tests/unit/test_tool_sandbox.py, every other layer off, after
-the same attack is shown to work with all of them off.
+the same attack is shown to work with all of them off; as root, and with the parent run as an unprivileged user
+(the root layer then chroots inside a user namespace, and the child keeps the parent's user).
 
 Values are rendered in the tiny model's alphabet where that is cheap (render): True/False/None
 as true/false/none, lists, tuples, sets and dicts with parentheses instead of brackets and braces.

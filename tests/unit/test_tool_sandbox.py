@@ -194,6 +194,79 @@ def test_all_layers_together_contain_a_filter_bypass(monkeypatch, tmp_path, list
     assert list(tmp_path.iterdir()) == []
 
 
+NON_ROOT = 1000  # an unprivileged uid and gid for the parent (no entry in /etc/passwd needed)
+NON_ROOT_PROBE = textwrap.dedent("""
+    import json, os, sys, tempfile
+    from rlmega.agents import python_sandbox
+    from rlmega.agents.tools import run_python
+    escape, attacks = sys.argv[1], json.loads(sys.argv[2])
+    home = tempfile.mkdtemp()
+    with open(os.path.join(home, "secret.txt"), "w") as f:
+        f.write("hunter2secret")
+    os.chmod(os.path.join(home, "secret.txt"), 0o600)  # the parent's own file, readable by it alone
+    everything = set(python_sandbox.LAYERS)
+    def off(on):  # "": every layer off; "all": only the filter off; else that layer alone on
+        return {"filter"} if on == "all" else everything - {on}
+    out = {"uid": os.getuid()}
+    for name, source in attacks.items():
+        source = source.replace("HOME", home)
+        out[name] = {on: run_python(source, timeout_s=5.0, memory_mb=256, layers_off=off(on))
+                     for on in ("", "root", "syscalls", "processes", "files", "all")}
+        if os.path.isdir(os.path.join(home, "made")):
+            os.rmdir(os.path.join(home, "made"))
+    print(json.dumps(out))
+""")
+
+
+def non_root_python() -> str | None:
+    """An interpreter an unprivileged user may run (the venv's may live under root's 0700 home), or None."""
+    for python in dict.fromkeys([sys.executable, "/usr/bin/python3"]):
+        try:
+            if subprocess.run([python, "-I", "-c", "import ast, ctypes, json, tempfile"], user=NON_ROOT,
+                              group=NON_ROOT, extra_groups=[], capture_output=True, timeout=30).returncode == 0:
+                return python
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.skipif(not ROOT, reason="run as another user, the tests above are the non-root parent's case")
+def test_a_non_root_parents_child_is_held_by_each_layer():
+    """Issue 57: under a non-root parent the child read a 0600 file of that user and signalled the trainer. The
+    tests above run as root here (the child drops to nobody); this one runs the parent as uid 1000, where the
+    child keeps the parent's user, the root layer chroots inside a user namespace of its own and the kernel
+    enforces RLIMIT_NPROC by itself. Each attack works with every layer off, and one layer alone holds it."""
+    python = non_root_python()
+    if python is None:
+        pytest.skip("no Python interpreter here that an unprivileged user may run")
+    attacks = {"read": f"{ESCAPE}['open']('HOME/secret.txt').read()", "mkdir": f"{OS}.mkdir('HOME/made')",
+               "proc": f"len({ESCAPE}['open']('/proc/%d/cmdline' % {OS}.getppid()).read()) > 0",
+               "signal": f"{OS}.kill({OS}.getppid(), 0)", "fork": f"(pid := {OS}.fork()) or {OS}._exit(0)",
+               "exec": f"{OS}.execv('/bin/true', ['true'])"}
+    import json
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(python_sandbox.__file__))))
+    run = subprocess.run([python, "-c", NON_ROOT_PROBE, ESCAPE, json.dumps(attacks)], user=NON_ROOT, group=NON_ROOT,
+                         extra_groups=[], env={"PYTHONPATH": repo, "HOME": "/tmp"}, cwd="/tmp", capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert out["uid"] == NON_ROOT
+    works = {"read": "'hunter2secret'", "mkdir": "none", "proc": "true", "signal": "none", "fork": str.isdigit,
+             "exec": lambda o: "permission" not in o and "no such file" not in o}
+    held_by = {"read": ("root", "files"), "mkdir": ("root",), "proc": ("root", "files"), "signal": ("syscalls",),
+               "fork": ("processes",), "exec": ("syscalls", "root")}
+    for name, results in out.items():
+        if name == "uid":
+            continue
+        want = works[name]
+        assert want(results[""]) if callable(want) else results[""] == want, (name, results)  # a real attack
+        for layer in held_by[name]:
+            held = results[layer]
+            assert held.startswith("error: ") and "hunter2secret" not in held, (name, layer, results)
+        assert results["all"].startswith("error: "), (name, results)
+
+
 def test_the_test_switch_is_out_of_reach():
     """Only run_python takes layers_off: neither a config (run_call's limits) nor model output
     (the call's text) can switch a layer off."""
