@@ -505,8 +505,9 @@ class DataConfig:
     without reading the rest (32 MiB). A path must be a regular file; Pillow opens PNG, JPEG, WebP, GIF, BMP only."""
     image_urls: Literal["off", "public", "any"] = "off"
     """Image parts given as URLs: "off" makes them bad rows (a row may name any address); "public" fetches
-    http(s) URLs whose host resolves to public addresses only, redirects checked alike, within 30 s a fetch;
-    "any" allows loopback and private addresses too."""
+    http(s) URLs whose host resolves to public addresses only, redirects checked alike, within 30 s a fetch,
+    connected to the address checked and through no proxy; "any" allows loopback and private addresses too, and
+    the environment's http(s)_proxy."""
     strict: bool = False
     """A prompt longer than rollout.max_prompt_tokens, or with characters the tokenizer cannot
     represent, stops loading with its file and row; false: it is dropped (too long) or kept without

@@ -21,13 +21,17 @@ A row's sources are hostile input (issue 57): a row may name any path or URL. So
   refused before decoding;
 - URLs are fetched only when data.image_urls allows it ("off" by default; "public": http(s) to public
   addresses; "any": loopback and private addresses too), each redirect checked the same way, within one
-  deadline for the whole fetch (URL_DEADLINE_S), and named in messages without their query string (tokens);
+  deadline for the whole fetch (URL_DEADLINE_S), and named in messages without their query string (tokens).
+  Under "public" the address checked is the address connected to (one lookup per connection, so a name that
+  resolves to a public address when checked and a private one when fetched, DNS rebinding, is refused), and
+  no proxy from the environment is used (a proxy would resolve and reach the host itself);
 - Pillow opens only IMAGE_FORMATS (an EPS, say, would start Ghostscript).
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import ipaddress
 import os
@@ -145,15 +149,60 @@ def _url_problem(url: str, limits: ImageLimits) -> str | None:
         return None
     try:
         found = socket.getaddrinfo(parts.hostname, parts.port or 443, type=socket.SOCK_STREAM)
-        addresses = {info[4][0] for info in found}
     except OSError as e:
         return f"its host does not resolve ({e})"
-    for address in addresses:
-        ip = ipaddress.ip_address(address.split("%")[0])
+    return _addresses_problem(found)
+
+
+def _addresses_problem(found: list) -> str | None:
+    """Why getaddrinfo's answer ``found`` names an address data.image_urls=public refuses, or None."""
+    for info in found:
+        ip = ipaddress.ip_address(info[4][0].split("%")[0])
         if not ip.is_global:
             return (f"its host resolves to {ip}, a loopback, private or reserved address (set data.image_urls=any "
                     "to allow those)")
     return None
+
+
+def _public_socket(host: str, port: int, timeout: float) -> socket.socket:
+    """A connection to ``host`` at an address of the one lookup it checked (create_connection would look up
+    again, and a rebinding name could answer otherwise the second time)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    why = _addresses_problem(found)
+    if why:
+        raise BadImage(f"image host {host} is refused when connecting: {why}")
+    error: OSError | None = None
+    for family, kind, proto, _, address in found:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise error or OSError(f"no address for {host}")
+
+
+class _PublicHTTPConnection(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = _public_socket(self.host, self.port, self.timeout)
+
+
+class _PublicHTTPSConnection(http.client.HTTPSConnection):
+    def connect(self):
+        self.sock = self._context.wrap_socket(_public_socket(self.host, self.port, self.timeout),
+                                              server_hostname=self.host)
+
+
+class _PublicHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_PublicHTTPConnection, req)
+
+
+class _PublicHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):
+        return self.do_open(_PublicHTTPSConnection, req, context=self._context)
 
 
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
@@ -177,7 +226,9 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
     if why:
         raise BadImage(f"image URL {_shown(url)} is refused: {why}")
     deadline = time.monotonic() + URL_DEADLINE_S
-    opener = urllib.request.build_opener(_CheckedRedirects(limits))
+    public = limits.urls == "public"  # connect to checked addresses only, and directly
+    opener = urllib.request.build_opener(_CheckedRedirects(limits), *(
+        (urllib.request.ProxyHandler({}), _PublicHTTPHandler(), _PublicHTTPSHandler()) if public else ()))
     chunks, size = [], 0
     try:
         with opener.open(url, timeout=URL_READ_TIMEOUT_S) as r:

@@ -211,6 +211,91 @@ def test_urls_are_fetched_only_as_data_image_urls_allows(tmp_path, server, png):
         split_images(_message("file:///etc/passwd"), str(tmp_path), ImageLimits(urls="any"))
 
 
+def _resolver(monkeypatch, answers: list[str]) -> list:
+    """socket.getaddrinfo for the name 'images.example' answering each address of ``answers`` in turn (the last
+    one from then on); every other name as before. Returns the addresses given out, in order."""
+    import socket
+
+    real, given = socket.getaddrinfo, []
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host != "images.example":
+            return real(host, port, *args, **kwargs)
+        given.append(answers[min(len(given), len(answers) - 1)])
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (given[-1], port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return given
+
+
+def test_a_rebinding_name_is_refused_at_the_connection(tmp_path, server, monkeypatch):
+    """DNS rebinding (issue 57): a name public when checked and loopback when fetched. Before, urllib looked the
+    name up again to connect and fetched from the loopback server (run); under data.image_urls=public the
+    connection now uses the one lookup it checks. Nothing here connects anywhere but loopback: the public answer
+    is only ever checked."""
+    port = server.rsplit(":", 1)[1]
+    given = _resolver(monkeypatch, ["93.184.216.34", "127.0.0.1"])
+    with pytest.raises(BadImage, match="refused when connecting: its host resolves to 127.0.0.1"):
+        split_images(_message(f"http://images.example:{port}/a.png"), str(tmp_path), ImageLimits(urls="public"))
+    assert given == ["93.184.216.34", "127.0.0.1"]
+
+
+def test_a_public_fetch_connects_to_the_address_it_checked(tmp_path, server, png, monkeypatch):
+    """The public path's own connections (plain HTTP here; HTTPS in the next test) fetch what they should, through
+    no proxy from the environment: loopback is let through as if it were public, to keep the test on this machine."""
+    import rlmega.data.images as images
+
+    monkeypatch.setattr(images, "_addresses_problem", lambda found: None)
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a proxy would be refused: port 9 listens to nothing
+    port = server.rsplit(":", 1)[1]
+    given = _resolver(monkeypatch, ["127.0.0.1"])
+    assert split_images(_message(f"http://images.example:{port}/a.png"), str(tmp_path),
+                        ImageLimits(urls="public"))[1] == [png]
+    assert given == ["127.0.0.1"] * 2  # the early check's lookup (its verdict bypassed above) and the connection's
+
+
+def test_a_public_https_fetch_verifies_the_name_it_asked_for(tmp_path, png, monkeypatch):
+    """HTTPS on the pinned connection: the certificate is checked against the URL's host name, not the address."""
+    import http.server
+    import ssl
+    import subprocess
+    import threading
+
+    import rlmega.data.images as images
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=images.example", "-addext", "subjectAltName=DNS:images.example", "-keyout", str(key),
+                    "-out", str(cert)], check=True, capture_output=True)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(images, "_addresses_problem", lambda found: None)
+        monkeypatch.setattr(ssl, "_create_default_https_context", lambda: ssl.create_default_context(cafile=cert))
+        _resolver(monkeypatch, ["127.0.0.1"])
+        url = f"https://images.example:{httpd.server_address[1]}/a.png"
+        assert split_images(_message(url), str(tmp_path), ImageLimits(urls="public"))[1] == [png]
+        other = url.replace("images.example", "127.0.0.1")  # the right server under another name
+        with pytest.raises(BadImage, match="could not be fetched"):
+            split_images(_message(other), str(tmp_path), ImageLimits(urls="public"))
+    finally:
+        httpd.shutdown()
+
+
 def test_a_fetch_is_bounded_in_bytes_and_in_time(tmp_path, server, monkeypatch):
     import time
 
