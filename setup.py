@@ -21,12 +21,12 @@ CORE = [
     "pyarrow",  # Parquet prompt datasets (rlmega.data.prompts)
     "tqdm",  # the trainer's progress bar
     "tensorboard",  # event files next to metrics.jsonl
-    "matplotlib==3.11.2",  # RUN_DIR/curves.png and `rlmega plot` (rlmega/plots.py)
+    "matplotlib==3.11.2",  # RUN_DIR/curves.png and `rlmega plot` (rlmega/rundir/plots.py)
     "fastapi",  # the coordinator's dashboard
     "uvicorn",
     "httpx",  # HTTP judgers (rlmega/judgers/http.py)
     "math-verify==0.9.0",  # the math answer verifier (rlmega/rewards/math.py)
-    "peft==0.21.2",  # LoRA adapters (rlmega/lora.py)
+    "peft==0.21.2",  # LoRA adapters (rlmega/learner/lora.py)
 ]
 
 EXTRAS = {

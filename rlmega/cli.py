@@ -6,7 +6,7 @@
     rlmega demo [--config CONFIG] [--steps N] [--run-dir DIR] [key=value ...]   the demo's tiny model, then
                                                  train CONFIG (default configs/demo_cpu.yaml) on it: `make demo`
     rlmega stop RUN_DIR                          ask a running train to checkpoint and stop
-    rlmega plot RUN_DIR [RUN_DIR ...] [--out FILE]   curves of one run, or several side by side (rlmega/plots.py)
+    rlmega plot RUN_DIR [RUN_DIR ...] [--out FILE]   curves of one run, or several side by side (rlmega/rundir/plots.py)
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _config_value(config: Path, overrides, dotted: str, default):
 def _demo(args) -> int:
     """Tiny model (made once, in RUN_DIR/tiny_model), then configs/demo_cpu.yaml (or --config) on it."""
     import rlmega
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
     from rlmega.train import main as train_main
 
     demo_config = Path(rlmega.__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
@@ -150,7 +150,7 @@ def _stop(args) -> int:
 
 
 def _plot(args) -> int:
-    from rlmega.plots import CURVES, MetricsError, plot_runs
+    from rlmega.rundir.plots import CURVES, MetricsError, plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / CURVES if len(args.run_dirs) == 1 else Path(CURVES)
     try:
@@ -194,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def entry() -> None:
-    """The ``rlmega`` console script: :func:`main` with its start-up imports uncollected (rlmega/heap.py), then
+    """The ``rlmega`` console script: :func:`main` with its start-up imports uncollected (rlmega/process/heap.py), then
     leave without the interpreter's teardown (rlmega/launch/process_exit.py)."""
     from rlmega.launch.process_exit import leave
 
@@ -203,13 +203,13 @@ def entry() -> None:
 
 def main(argv=None, process_start: bool = False) -> int:
     """``process_start``: this process was started for this command (the console script): its heavy imports go
-    uncollected and frozen (rlmega/heap.py); a caller that imports rlmega keeps its collector as it is."""
+    uncollected and frozen (rlmega/process/heap.py); a caller that imports rlmega keeps its collector as it is."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer owns its arguments
         from rlmega.train_args import parse as parse_train_args
 
         parse_train_args(argv[1:])  # --help and usage errors answer here, before the heavy imports
-        from rlmega.heap import imports_uncollected
+        from rlmega.process.heap import imports_uncollected
 
         with imports_uncollected() if process_start else contextlib.nullcontext():
             from rlmega.train import main as train_main

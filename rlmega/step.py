@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlmega.actor_api import advantages_and_returns
+from rlmega.learner.actor_api import advantages_and_returns
 from rlmega.algorithms import advantages as adv_lib
 from rlmega.algorithms import kl as kl_lib
 from rlmega.agents.metrics import rollout_metrics, staleness_metrics

@@ -18,7 +18,8 @@ import gc
 import logging
 import sys
 
-if __name__ == "__main__":  # `python -m rlmega.train` starts its process here: imports uncollected (rlmega/heap.py)
+# `python -m rlmega.train` starts its process here: imports uncollected (rlmega/process/heap.py)
+if __name__ == "__main__":
     gc.disable()
 
 from tqdm import tqdm
@@ -34,7 +35,7 @@ from rlmega.launch.errors import WorkerFailed
 from rlmega.launch.roles import Roles
 from rlmega.rundir.checkpoint_files import CheckpointSpaceError
 from rlmega.preflight import preflight
-from rlmega.profiling import profiled
+from rlmega.rundir.profiling import profiled
 from rlmega.rundir.run import (ResumeError, RunDir, changed_settings, critic_checkpoint, refuse_a_held_folder,
                          resume_settings)
 from rlmega.step import evaluate, rl_step, sft_batch
@@ -80,7 +81,7 @@ def draw_curves(run: RunDir) -> None:
     try:
         if not run.read_metrics():  # nothing logged (a run that failed before its first step)
             return
-        from rlmega.plots import plot_run
+        from rlmega.rundir.plots import plot_run
 
         print(f"rlmega: curves {plot_run(run.path)}", flush=True)
     except Exception as e:  # noqa: BLE001 -- any drawing problem, as the docstring says
@@ -290,7 +291,7 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from rlmega.heap import settle
+    from rlmega.process.heap import settle
     from rlmega.launch.process_exit import leave
 
     settle()  # the imports above are done: frozen, and the collector back on

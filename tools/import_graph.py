@@ -20,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[1] / "rlmega"
 
 # Bottom first; a package may import its own layer and the ones below.
 LAYERS = [
-    ["bound_store", "distributed", "heap", "offload", "profiling", "tiny_model", "tiny_vlm"],  # process-level helpers
-    ["config", "algorithms", "data", "rundir"],          # schema and rules; pure math; batches; run folders
-    ["engine_api", "actor_api", "critic_api", "sync", "rewards", "lora"],  # learner contract, weights, adapters
-    ["policy_actor", "value_critic", "megatron", "fsdp"],           # the learners
-    ["rollout", "judgers", "dashboard"],                            # the engine side, judging, the web page
-    ["agents"],                                                     # trajectories, production
-    ["coordinator", "launch", "plots"],                             # the run's roles on Ray / torchrun
+    ["process", "demo"],                                  # what a process sets up at start; the demo's model makers
+    ["config", "algorithms", "data", "rundir"],           # schema and rules; pure math; batches; run folders, records
+    ["sync", "rewards"],                                  # weights to the engines; reward functions
+    ["learner", "megatron", "fsdp"],                      # the learner's interface and logic; its two backends
+    ["rollout", "judgers", "dashboard"],                  # the engine side, judging, the web page
+    ["agents"],                                           # trajectories, production
+    ["launch"],                                           # the run's roles on Ray / torchrun, its coordinator
     ["step", "preflight", "train", "train_args", "cli", "__main__"],  # the driver and the commands
-    ["testing", "lm_demo"],                                         # tests' helpers, the Megatron LM demo
+    ["testing"],                                          # tests' helpers
 ]
 # Upward arrows kept on purpose, each with why (docs/architecture.md repeats them).
 ALLOWED = {

@@ -8,8 +8,8 @@ Usage:
         [--num-experts 8] [--top-k 2] [--moe-intermediate-size N]     (the mixture-of-experts archs)
         [--vocab-size N] [--tie-word-embeddings] [--seed 0] [--overwrite | --if-missing]
 
-Both transformers and vLLM load the result; see rlmega/tiny_model.py for what it contains, and
-rlmega/tiny_vlm.py for the vision-language archs (idefics3, qwen2_vl: only --hidden-size, --num-layers,
+Both transformers and vLLM load the result; see rlmega/demo/tiny_model.py for what it contains, and
+rlmega/demo/tiny_vlm.py for the vision-language archs (idefics3, qwen2_vl: only --hidden-size, --num-layers,
 --num-heads and --seed apply; a processor is saved with them).
 """
 import argparse
@@ -20,8 +20,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from rlmega.tiny_model import ARCHITECTURES, make_tiny_model
-from rlmega.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
+from rlmega.demo.tiny_model import ARCHITECTURES, make_tiny_model
+from rlmega.demo.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
 
 
 def parser() -> argparse.ArgumentParser:

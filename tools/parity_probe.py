@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from rlmega.data.arithmetic import make_problems
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

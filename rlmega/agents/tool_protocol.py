@@ -24,7 +24,7 @@ RESULT_CLOSE = "</result>"
 NAME_SEPARATOR = ":"
 TRUNCATION_MARK = " ...(truncated)"
 
-# The characters of rlmega.tiny_model.CHARACTERS, copied rather than imported: that module pulls
+# The characters of rlmega.demo.tiny_model.CHARACTERS, copied rather than imported: that module pulls
 # in torch and transformers, and the protocol must stay cheap to import (tests check they agree).
 VOCAB_CHARACTERS = frozenset("0123456789abcdefghijklmnopqrstuvwxyz" + " \n" + "+-*/=()<>.,:;?!'\"")
 # Out-of-vocabulary characters with an in-vocabulary stand-in; the rest are dropped.

@@ -26,7 +26,7 @@ SUM_KEYS = ("numerator", "count", *STAT_KEYS)
 
 
 # rl_loss's settings, by name: the algorithm section's fields of the same names (their defaults resolved,
-# rlmega.config.schema.AlgorithmConfig.resolve_defaults); rlmega/policy_actor.py hands them over as values.
+# rlmega.config.schema.AlgorithmConfig.resolve_defaults); rlmega/learner/policy_actor.py hands them over as values.
 SETTINGS = ("policy_loss", "clip_eps_low", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_in_reward",
             "kl_estimator", "entropy_coef", "loss_agg_mode", "rollout_correction", "rollout_is_cap",
             "rollout_is_bounds_low", "rollout_is_bounds_high")

@@ -457,7 +457,7 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     """The value model of algorithm.advantage_estimator=gae: the policy's architecture with a hidden -> 1
-    head (rlmega/critic_api.py), trained on the same backend as the actor (actor.backend), in worker
+    head (rlmega/learner/critic_api.py), trained on the same backend as the actor (actor.backend), in worker
     processes of its own placed like the actor's."""
 
     path: str = ""

@@ -13,7 +13,7 @@ results for the shard's own samples, which the driver puts back in batch order (
     full = plan.merge([per_sample_of_rank0, per_sample_of_rank1])   # results in batch order
 
 A rank given the whole batch (tests, one process) plans it the same way itself and takes its own shard
-(rlmega/policy_actor.py), so both paths run exactly the same micro-batches.
+(rlmega/learner/policy_actor.py), so both paths run exactly the same micro-batches.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """FSDPActor: the learner on one trainer rank, torch FSDP2 over any Hugging Face causal LM: PolicyActor with FSDPEngine.
 
-The same interface and the same numbers as MegatronActor (rlmega.actor_api.Actor is the contract; the RL
-logic is rlmega/policy_actor.py's, how a step maps onto FSDP2 is rlmega/fsdp/engine.py's); all ranks are
+The same interface and the same numbers as MegatronActor (rlmega.learner.actor_api.Actor is the contract; the RL
+logic is rlmega/learner/policy_actor.py's, how a step maps onto FSDP2 is rlmega/fsdp/engine.py's); all ranks are
 data-parallel and each holds a shard of every parameter. RLinf's FSDP actor's entry points stay:
 
     actor = FSDPActor(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor, cfg.algorithm,
@@ -13,7 +13,7 @@ data-parallel and each holds a shard of every parameter. RLinf's FSDP actor's en
 from __future__ import annotations
 
 from rlmega.fsdp.engine import FSDPEngine, _no_dropout, _reshard  # noqa: F401 (tests and tools import them here)
-from rlmega.policy_actor import PolicyActor
+from rlmega.learner.policy_actor import PolicyActor
 
 
 class FSDPActor(PolicyActor):

@@ -11,7 +11,7 @@ NumPy, torch CPU and CUDA generators, as a torch.save stream). Loads read all of
 without loading tensors (rlmega/rundir/run.py reads meta.extra, rlmega/rundir/checkpoint_scan.py judges
 completeness by "backend").
 
-LoRA (rlmega/lora.py): meta["lora"] is the adapters' (rank, alpha, target_modules), None for a full-parameter
+LoRA (rlmega/learner/lora.py): meta["lora"] is the adapters' (rank, alpha, target_modules), None for a full-parameter
 model. A LoRA model loads a LoRA checkpoint of the same adapters, or a full-parameter one: its weights become
 the frozen base and the adapters start at zero (the model computes what was saved), with fresh Adam state
 for them (``load``). A full-parameter model refuses a LoRA checkpoint.
@@ -175,7 +175,7 @@ def _load_into_base(path: Path, meta: dict, model, scheduler, extra_models: dict
     """A full-parameter checkpoint into a LoRA model: its policy's weights (HF names) into the frozen base
     layers; adapters, Adam state and RNG stay as built (B = 0: the model computes the saved policy), the
     schedule's step count is restored. A saved reference is not loaded: a LoRA run's reference is its base."""
-    from rlmega import lora
+    from rlmega.learner import lora
 
     if extra_models:
         raise ValueError(f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "

@@ -1,4 +1,5 @@
-"""FSDPEngine: rlmega.engine_api.TrainEngine over torch FSDP2 and any Hugging Face causal LM (or its value model).
+"""FSDPEngine: rlmega.learner.engine_api.TrainEngine over torch FSDP2 and any Hugging Face causal LM (or its
+value model).
 
 It is an FSDPModelManager (the sharded model, AdamW, LR schedule, offload, DCP checkpoints) that also
 runs the passes. How a step maps onto FSDP2:
@@ -27,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from rlmega import lora
+from rlmega.learner import lora
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
-from rlmega.distributed import init_distributed
-from rlmega.engine_api import Head, LossFn, TrainEngine
+from rlmega.process.distributed import init_distributed
+from rlmega.learner.engine_api import Head, LossFn, TrainEngine
 from rlmega.rundir.checkpoint_files import resolve
 from rlmega.fsdp.checkpoint import read_meta
 from rlmega.fsdp import ulysses

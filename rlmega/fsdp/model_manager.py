@@ -1,6 +1,6 @@
 """FSDPModelManager: one trainer rank's FSDP2-sharded HF model, optimizer, LR schedule and state.
 
-    init_distributed()                                   # rlmega.distributed
+    init_distributed()                                   # rlmega.process.distributed
     mm = FSDPModelManager(cfg.model, cfg.optimizer, cfg.actor, world_size, rank, lr_decay_steps=100)
     mm.setup_model_and_optimizer()                       # HF model, fully_shard, AdamW, schedule
     for i, mb in enumerate(micro_batches):
@@ -28,13 +28,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlmega import lora, offload
+from rlmega.learner import lora, offload
 from rlmega.algorithms.lr_schedule import LRSchedule
 from rlmega.rundir.checkpoint_files import finish_export
 from rlmega.config.families import family
 from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
-from rlmega.engine_api import StepResult
+from rlmega.learner.engine_api import StepResult
 from rlmega.fsdp import checkpoint, family_check, packed_attention, recurrent_layers, vision_inputs
 
 
@@ -74,7 +74,8 @@ class FSDPModelManager:
             raise ValueError(f"model.dtype={model.dtype!r}: the fsdp backend takes float32 or bfloat16")
         if not dist.is_initialized() or dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"FSDPModelManager(world_size={world_size}, rank={rank}) needs the default process "
-                               "group initialised with that size and rank (rlmega.distributed.init_distributed)")
+                               "group initialised with that size and rank "
+                               "(rlmega.process.distributed.init_distributed)")
         if hf_config is None and not model.path:
             raise ValueError("model.path is empty: the fsdp backend loads a Hugging Face folder from it")
         self.model_cfg, self.optim_cfg, self.actor_cfg = model, optimizer, actor
@@ -89,7 +90,7 @@ class FSDPModelManager:
         self.grad_scaler = None
         self.offloaded: dict = {}
         self.last_step_taken = False  # whether the latest optimizer_step updated the weights
-        self.lora_rank = actor.lora.rank  # > 0: LoRA adapters on a frozen base (rlmega/lora.py)
+        self.lora_rank = actor.lora.rank  # > 0: LoRA adapters on a frozen base (rlmega/learner/lora.py)
         self.frozen_tower: set[str] = set()  # a VLM's frozen vision tower's parameter names (setup_model_and_optimizer)
 
     # ---- building ---------------------------------------------------------------------------
@@ -134,7 +135,7 @@ class FSDPModelManager:
         for name, p in model.named_parameters():
             if name in self.frozen_tower:
                 p.requires_grad_(False)
-        if self.lora_rank:  # peft's LoRA layers in place, everything else frozen (rlmega/lora.py)
+        if self.lora_rank:  # peft's LoRA layers in place, everything else frozen (rlmega/learner/lora.py)
             model = lora.add_adapters(model, self.actor_cfg.lora, self.model_cfg.seed)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = None
@@ -271,7 +272,7 @@ class FSDPModelManager:
     @torch.no_grad()
     def iter_full_tensors(self, weights: str = "merged",
                           skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF checkpoint name, full tensor) of the plain model: under LoRA (rlmega/lora.py) with the adapters
+        """(HF checkpoint name, full tensor) of the plain model: under LoRA (rlmega/learner/lora.py) with the adapters
         merged into their layers (``weights`` "merged"), or the base alone ("base"). ``skip``: parameter names
         (named_parameters') left out; each still takes part in its all-gather on every rank."""
         if weights not in ("merged", "base"):
@@ -321,7 +322,7 @@ class FSDPModelManager:
                     if b is not None and name not in module._non_persistent_buffers_set:
                         yield f"{prefix}.{name}" if prefix else name, b.detach()
 
-    # ---- offload (each kind separately; storages freed and refilled, rlmega/offload.py) ------
+    # ---- offload (each kind separately; storages freed and refilled, rlmega/learner/offload.py) ------
     def _offload(self, kind: str, tensors: list[torch.Tensor]) -> None:
         if kind in self.offloaded:
             raise RuntimeError(f"{kind} are already offloaded; load them first")

@@ -40,7 +40,7 @@ from rlmega.launch.trainer_group import start_critic, start_trainer
 from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.collective import CollectiveTransport
 from rlmega.sync.transports import CudaIpcTransport, RayTransport
-from rlmega.coordinator import ActorManager
+from rlmega.launch.coordinator import ActorManager
 from rlmega.rundir.startup import StartupClock
 
 log = logging.getLogger("rlmega")
@@ -385,7 +385,7 @@ class Roles:
                           sync=self.rollout_phase, rollout=self.rollout, failures=self.generation_failures,
                           timeout_s=self.call_timeout_s)
 
-    # ---- profiling (logging.profile_steps, rlmega/profiling.py) --------------------------------
+    # ---- profiling (logging.profile_steps, rlmega/rundir/profiling.py) --------------------------------
     def _engine_profile_dir(self) -> str | None:
         """Where engines write traces (fixed when they start; stop_profile files them by step)."""
         if not self.cfg.logging.profile_steps:

@@ -7,7 +7,7 @@
 The arguments are torchrun's. Plain torchrun's agent hosts two TCPStores (the rendezvous store and the
 store the ranks share, MASTER_ADDR:MASTER_PORT) listening on every interface with no authentication;
 they carry pickles (rendezvous state, torchrun_group.py's commands), so whoever reaches them runs code
-in the job. Here every store server listens on its host's address only (rlmega/bound_store.py): on one
+in the job. Here every store server listens on its host's address only (rlmega/process/bound_store.py): on one
 node (``--standalone`` or ``--nnodes 1``) that is 127.0.0.1 and nothing is reachable from outside. A
 run that spans nodes must expose the stores to its nodes: they listen on the rendezvous endpoint's
 and rank 0's node addresses, still without auth, so keep such a run inside a trusted network.
@@ -22,7 +22,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
-from rlmega.bound_store import BOUND_ENV, BoundTCPStore
+from rlmega.process.bound_store import BOUND_ENV, BoundTCPStore
 
 
 def bind_stores(spans_nodes: bool) -> None:

@@ -33,8 +33,8 @@ import time
 import traceback
 from typing import Any
 
-from rlmega.bound_store import BOUND_ENV
-from rlmega.heap import imports_uncollected
+from rlmega.process.bound_store import BOUND_ENV
+from rlmega.process.heap import imports_uncollected
 from rlmega.launch.rank_imports import keep_out_unused
 from rlmega.launch.worker_group import WorkerGroupError, first_rank_of
 
@@ -112,7 +112,7 @@ class _Host:
             return None
         if kind == "build":
             cls, args, kwargs = payload
-            with imports_uncollected():  # the backend's imports, as a Ray rank host's (rlmega/heap.py)
+            with imports_uncollected():  # the backend's imports, as a Ray rank host's (rlmega/process/heap.py)
                 self.worker = cls(*args, **kwargs)
             return None
         if kind == "call_shards":  # this rank's share is under its own key (TorchrunGroup.submit_shards)

@@ -5,10 +5,10 @@ import dataclasses
 
 import ray
 
-from rlmega.actor_api import Learner
+from rlmega.learner.actor_api import Learner
 from rlmega.config.placement_rules import PlacementPlan
 from rlmega.config.schema import RLConfig
-from rlmega.critic_api import critic_kwargs, critic_learner
+from rlmega.learner.critic_api import critic_kwargs, critic_learner
 from rlmega.launch import torchrun_group
 from rlmega.launch.worker_group import WorkerGroup
 
@@ -41,7 +41,7 @@ def start_trainer(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, s
 def start_critic(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, swaps: bool,
                  optimizer_steps_per_rl_step: int, timeout_s: float, wait: bool = True):
     """The critic's ranks (algorithm.advantage_estimator=gae): a WorkerGroup in ``plan.critics``' slots,
-    each building the Critic of actor.backend (rlmega.critic_api). ``swaps``: they release their device
+    each building the Critic of actor.backend (rlmega.learner.critic_api). ``swaps``: they release their device
     memory while the engines generate (critic.offload_while_generating, resolved). The critic takes as
     many optimizer steps per RL step as the actor (one per mini-batch): its LR schedule has the same clock."""
     kwargs = critic_kwargs(cfg)

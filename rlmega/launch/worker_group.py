@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import ray
 
-from rlmega.heap import imports_uncollected
+from rlmega.process.heap import imports_uncollected
 from rlmega.launch.errors import WorkerFailed, first_failure
 from rlmega.launch.rank_imports import keep_out_unused
 
@@ -41,8 +41,8 @@ class _RankHost:
 
     def master_port(self) -> int:
         """A free port of this node for the group's store, held by this process until its store serves it
-        (rlmega.bound_store.reserve_port)."""
-        from rlmega.bound_store import reserve_port
+        (rlmega.process.bound_store.reserve_port)."""
+        from rlmega.process.bound_store import reserve_port
 
         return reserve_port()
 
@@ -51,8 +51,8 @@ class _RankHost:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           LOCAL_WORLD_SIZE=str(local_world_size))
-        with imports_uncollected():  # the backend's imports (megatron-core or FSDP's stack): rlmega/heap.py
-            self.worker = cls(*args, **kwargs)  # an Actor builds nothing before setup (rlmega/actor_api.py)
+        with imports_uncollected():  # the backend's imports (megatron-core or FSDP's stack): rlmega/process/heap.py
+            self.worker = cls(*args, **kwargs)  # an Actor builds nothing before setup (rlmega/learner/actor_api.py)
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -89,11 +89,12 @@ class WorkerGroup:
         master = (self._get([self.hosts[0].address.remote()])[0][0], self._get([self.hosts[0].master_port.remote()])[0])
         # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
         # node, as torchrun sets them. Each actor sees only its own GPU (Ray sets
-        # CUDA_VISIBLE_DEVICES), so rlmega.distributed.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
+        # CUDA_VISIBLE_DEVICES), so rlmega.process.distributed.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
         # Nodes are told apart by Ray node id: simulated nodes of one machine share an IP.
         self.node_ids = [a[1] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
         nodes = self.node_ids
-        if len(set(nodes)) == 1:  # rank 0's store then listens on loopback only (rlmega.distributed.init_distributed)
+        # one node: rank 0's store then listens on loopback only (rlmega.process.distributed.init_distributed)
+        if len(set(nodes)) == 1:
             master = ("127.0.0.1", master[1])
         local = [sum(1 for n in nodes[:r] if n == nodes[r]) for r in range(world_size)]
         per_node = [nodes.count(nodes[r]) for r in range(world_size)]

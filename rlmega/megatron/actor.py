@@ -1,6 +1,6 @@
 """MegatronActor: the learner on one trainer rank over megatron-core: PolicyActor with MegatronEngine.
 
-The RL logic is rlmega/policy_actor.py's, the passes MegatronEngine's (tensor, pipeline, data and expert
+The RL logic is rlmega/learner/policy_actor.py's, the passes MegatronEngine's (tensor, pipeline, data and expert
 parallel; rlmega/megatron/engine.py). What is this backend's alone, and lives here: MoE routing replay.
 
     actor = MegatronActor(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor, cfg.algorithm,
@@ -31,11 +31,11 @@ from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, Opti
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.megatron import policy, routing_replay
 from rlmega.megatron.engine import MegatronEngine
-from rlmega.policy_actor import PolicyActor
+from rlmega.learner.policy_actor import PolicyActor
 
 
 class MegatronActor(PolicyActor):
-    """The Actor interface (rlmega/actor_api.py, its rules included) over megatron-core."""
+    """The Actor interface (rlmega/learner/actor_api.py, its rules included) over megatron-core."""
 
     engine_class = MegatronEngine
 

@@ -1,4 +1,4 @@
-"""MegatronEngine: rlmega.engine_api.TrainEngine over megatron-core (tensor, pipeline, data, expert parallel).
+"""MegatronEngine: rlmega.learner.engine_api.TrainEngine over megatron-core (tensor, pipeline, data, expert parallel).
 
 It is a MegatronModelManager (the model, optimizer, schedule, offload and checkpoints of one model on
 one rank) that also runs the passes: packed micro-batches of a rank's shard (``micro_batches``, planned by
@@ -9,7 +9,7 @@ gathered from the last pipeline stage over the data-parallel ranks.
     MegatronEngine.init_process(cfg.parallelism, seed)          # megatron's parallel state
     engine = MegatronEngine(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor)
     engine.build()
-    outs = engine.forward(engine.micro_batches(shard), Head())  # see rlmega/engine_api.py
+    outs = engine.forward(engine.micro_batches(shard), Head())  # see rlmega/learner/engine_api.py
 
 MoE routing replay is Megatron's alone: ``routes`` (a routing_replay.RoutePass) rides along a pass;
 MegatronActor keeps its bookkeeping (rlmega/megatron/actor.py).
@@ -23,7 +23,7 @@ import torch
 from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
-from rlmega.engine_api import Head, LossFn, TrainEngine
+from rlmega.learner.engine_api import Head, LossFn, TrainEngine
 from rlmega.megatron import checkpoint, context_parallel, lora_adapters, policy
 from rlmega.megatron.hf_io import iter_hf_tensors
 from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager

@@ -46,7 +46,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_scatter_to_sequence_parallel_region)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from rlmega import lora
+from rlmega.learner import lora
 from rlmega.config.lora_rules import MEGATRON_TARGETS, MLP_TARGETS
 from rlmega.config.schema import LoraConfig
 from rlmega.megatron.hf_config import ModelShape
@@ -154,7 +154,7 @@ class SiteAdapters(torch.nn.Module):
     @torch.no_grad()
     def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's block of the linear's weight with the adapters merged: W + scale B A, computed in float32,
-        returned in W's dtype (as rlmega.lora.merged_weights does for the FSDP learner)."""
+        returned in W's dtype (as rlmega.learner.lora.merged_weights does for the FSDP learner)."""
         if self.site.parallel == "row":
             t = self.present[0]
             delta = self._b(t).float() @ self._a(t).float()
@@ -193,7 +193,7 @@ def add_adapters(chunks: list, cfg: LoraConfig, shape: ModelShape, seed: int,
                  sequence_parallel: bool) -> dict[int, SiteAdapters]:
     """Adapters on every target linear of every layer of this rank's chunks (unwrapped GPTModels), every
     other parameter frozen. Returns {id(linear weight): its adapters} (the merged sync looks them up).
-    A is ``rlmega.lora.initial_a`` (the FSDP learner's too), B zero."""
+    A is ``rlmega.learner.lora.initial_a`` (the FSDP learner's too), B zero."""
     targets = set(cfg.target_modules)
     unknown = sorted(targets - set(TARGETS))
     if unknown:  # refused at load (config/lora_rules.py); here for callers that skip validate

@@ -32,12 +32,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from rlmega import lora as lora_files
+from rlmega.learner import lora as lora_files
 from rlmega.config.gemma3_layout import gemma3_layout
 from rlmega.config.lora_rules import checkpoint_record
 from rlmega.config.schema import LoraConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, value_model_config
-from rlmega.engine_api import StepResult
+from rlmega.learner.engine_api import StepResult
 from rlmega.megatron import checkpoint, gemma3, lora_adapters, mla, offload
 from rlmega.megatron.hf_config import ModelShape, check_expert_layout, megatron_config_from_hf
 from rlmega.megatron.hf_io import export_hf, load_hf_weights, read_hf_config, unwrap

@@ -2,14 +2,14 @@
 
 Megatron DDP keeps parameters and gradients in a few large contiguous buffers that every
 parameter (and ``param.main_grad``) is a view of; the collectors below name those tensors and
-rlmega/offload.py (shared by both backends) moves their storages to host memory and back.
+rlmega/learner/offload.py (shared by both backends) moves their storages to host memory and back.
 ``offload_tensors`` / ``onload_tensors`` are re-exported here for existing callers.
 """
 from __future__ import annotations
 
 import torch
 
-from rlmega.offload import Saved, _distinct_storages, offload_tensors, onload_tensors  # noqa: F401  (re-exported)
+from rlmega.learner.offload import Saved, _distinct_storages, offload_tensors, onload_tensors  # noqa: F401  (re-exported)
 
 
 def model_params(model: list) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from rlmega.distributed import collective_device, init_distributed
+from rlmega.process.distributed import collective_device, init_distributed
 from rlmega.megatron.cpu_support import (enable_cpu_execution, mla_without_transformer_engine,
                                          moe_without_transformer_engine)
 

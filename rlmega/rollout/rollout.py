@@ -46,7 +46,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlmega.heap import imports_uncollected
+from rlmega.process.heap import imports_uncollected
 from rlmega.sync import collective
 from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Piece
@@ -98,8 +98,8 @@ class RolloutWorker:
         # LoRA served unmerged (lora_rank > 0): the adapter every request generates with, once one is loaded
         self.lora_rank, self._lora = lora_rank, None
         self._lora_dir: str | None = None
-        # vLLM's imports, the engine actor's start, without collections (rlmega/heap.py); the heap is frozen only
-        # for the fork of the engine core (engine_lifecycle.forked_engine_core)
+        # vLLM's imports, the engine actor's start, without collections (rlmega/process/heap.py); the heap is frozen
+        # only for the fork of the engine core (engine_lifecycle.forked_engine_core)
         with imports_uncollected(freeze=False):
             args = engine_args(self.model_path, device=device, dtype=dtype, max_model_len=max_model_len,
                                seed=seed, kv_cache_space_gb=kv_cache_space_gb,

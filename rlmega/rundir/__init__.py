@@ -5,4 +5,9 @@
     checkpoint_scan.py   which checkpoint folders are complete, judged before any worker loads one
     durable.py           writes that survive a crash (fsync of the file and of its folder)
     stopping.py          StopRequest: signals and ``rlmega stop RUN_DIR`` (the folder's STOP file)
+    checkpoint_data.py   a checkpoint's index and saved objects read as data, never as code
+    shard_checksums.py   each shard's sha256, written at save and checked before a resume
+    startup.py           the start-up's phases, printed as they end and written to setup.json
+    plots.py             curves of one run or several, from their metrics.jsonl, into one PNG
+    profiling.py         torch profiler traces of chosen RL steps (logging.profile_steps)
 """

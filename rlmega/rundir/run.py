@@ -128,7 +128,8 @@ class RunDir:
 
     def write_warm_start(self, losses: list[float]) -> None:
         """RUN_DIR/warm_start.jsonl: the supervised warm start's loss, one line a step ({"sft_step", "loss"};
-        written whole, then renamed). rlmega/plots.py draws it; the first RL step's row holds its first and last."""
+        written whole, then renamed). rlmega/rundir/plots.py draws it; the first RL step's row holds its first and
+        last."""
         replace_durably(self.path / WARM_START, "".join(json.dumps(_clean({"sft_step": i, "loss": loss})) + "\n"
                                                         for i, loss in enumerate(losses, 1)))
 

@@ -2,7 +2,7 @@
 
     sent = stream_weights(tensors, transport, version, bucket_bytes, sender)
 
-``tensors`` is what the rank's engine yields (rlmega.engine_api.TrainEngine.weights_out): (HF name,
+``tensors`` is what the rank's engine yields (rlmega.learner.engine_api.TrainEngine.weights_out): (HF name,
 tensor or Piece) in the model's order, gathered one parameter at a time, so only the bucket being filled
 is ever held in full. Every rank iterates it to the end (the gathers are collectives); the sender hands
 each bucket to the transport (rlmega/sync/transports.py), the others only take part in the gathers.

@@ -1,7 +1,7 @@
 """A tiny model that has learned the calculator tool format, for agent-loop tests.
 
 A random tiny model almost never writes "<tool>...</tool>", so a test of the multi-turn loop would
-see no tool call. This one is the tiny Qwen2 of rlmega.tiny_model after a few hundred steps of plain
+see no tool call. This one is the tiny Qwen2 of rlmega.demo.tiny_model after a few hundred steps of plain
 supervised training (transformers, float32, CPU, seconds) on targets in the agent loop's own format
 (rlmega.agents.sft): "12+34=" -> "<tool>calculator:12+34</tool>" [<result>46</result>] "46</s>", the
 result masked. Sampling at temperature 1 it calls the tool in most trajectories, sometimes badly: 15 of
@@ -23,7 +23,7 @@ def make_tool_model(out_dir, steps: int = 300, batch: int = 16, lr: float = 3e-3
     from rlmega.agents.sft import sft_example
     from rlmega.config.schema import AgentLoopConfig
     from rlmega.data.arithmetic import make_problems
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     path = make_tiny_model(out_dir, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2, seed=seed,
                            overwrite=True)

@@ -1,7 +1,7 @@
 """A tiny vision-language model that has learned to call the zoom tool, for tests of image observations.
 
 A random tiny VLM almost never writes "<tool>zoom:...</tool>", so a test of a multi-turn loop with image
-observations would see none. This one is the tiny Idefics3 of rlmega.tiny_vlm after a short supervised
+observations would see none. This one is the tiny Idefics3 of rlmega.demo.tiny_vlm after a short supervised
 training (transformers, float32, CPU) on the colour task's prompts (rlmega/data/shapes.py) -> a zoom call on
 the image's middle: "<tool>zoom:25 25 75 75</tool>" (one box: after 120 steps the model writes it whole at
 temperature 1 most of the time; with four boxes to pick from it often mangled the numbers). Only the first turn is
@@ -24,7 +24,7 @@ def make_zoom_vlm(out_dir, steps: int = 120, batch: int = 8, lr: float = 3e-3, s
     from rlmega.agents.tool_protocol import format_call
     from rlmega.data.images import load_processor, processor_vision
     from rlmega.data.shapes import shape_rows
-    from rlmega.tiny_vlm import make_tiny_vlm
+    from rlmega.demo.tiny_vlm import make_tiny_vlm
 
     path = make_tiny_vlm(out_dir, arch="idefics3", seed=seed, overwrite=True)
     proc = load_processor(str(path))

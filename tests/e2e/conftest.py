@@ -34,7 +34,7 @@ def pytest_collect_file(file_path, parent):
 def tiny_model(tmp_path_factory) -> str:
     """The tiny Qwen2 every `rlmega train` test runs (hidden 256, 4 heads, 2 KV heads, 4 layers, seed 0), made once
     a session. Read-only: a test that changes weights copies it first."""
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny", hidden_size=256, num_heads=4,
                                num_kv_heads=2, num_layers=4, seed=0))

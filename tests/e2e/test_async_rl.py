@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import ROOT, checkpointed, kill_9, read_metrics, run_ok
 
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 # compared between runs that must agree exactly (times and throughputs differ run to run)
 SAME = ("loss", "reward_mean", "reward_std", "grad_norm", "response_length", "entropy", "staleness_mean",

@@ -36,7 +36,7 @@ def test_check_config_rejects_a_bad_field_with_exit_2():
 def test_lm_demo_trains_megatron_tp2_pp2(tiny_model):
     """The plain language-model run (torchrun, 4 ranks): Megatron's whole training stack learns."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "rlmega.lm_demo", "--model", tiny_model, "--steps", "8"]
+           "-m", "rlmega.megatron.lm_demo", "--model", tiny_model, "--steps", "8"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmega import coordinator
-from rlmega.coordinator import ActorManager
+from rlmega.launch import coordinator
+from rlmega.launch.coordinator import ActorManager
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 PROMPTS = [[1, 5, 7, 9, 11, 13], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35, 36]]
 TOKENS = 24

@@ -245,7 +245,7 @@ def test_http_failures_score_0_with_a_flag(judge_url):
 # ---- a model judge on the tiny model ------------------------------------------------------------------
 @pytest.mark.slow
 def test_model_judge_on_the_tiny_model_is_deterministic(local_ray, tmp_path_factory):
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     model = str(make_tiny_model(tmp_path_factory.mktemp("judge") / "qwen2", hidden_size=128, num_heads=2,
                                 num_kv_heads=1, num_layers=2, seed=3))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 21]]
 FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -33,7 +33,7 @@ from rlmega.data.samples import batch_from_samples  # noqa: E402
 from rlmega.sync.parity import logprob_diff  # noqa: E402
 from rlmega.sync.transports import RayTransport  # noqa: E402
 from rlmega.testing.rl_step import train_step_on_fixed_rewards  # noqa: E402
-from rlmega.tiny_model import make_tiny_model  # noqa: E402
+from rlmega.demo.tiny_model import make_tiny_model  # noqa: E402
 
 T = 0.8
 LAYERS, EXPERTS, TOPK = 2, 8, 2

@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 MAX_MODEL_LEN, KV_GB = 256, 1.0
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35]]
 STOP_IDS = list(range(10, 30))  # a third of the vocabulary: most samples stop early
-EOS_ID = 2  # "</s>" in rlmega.tiny_model's tokenizer
+EOS_ID = 2  # "</s>" in rlmega.demo.tiny_model's tokenizer
 INFLIGHT_TOKENS = 64  # requests in flight across a weight sync: 0.2-1 s each here, as load varies
 STOP_AT = 40  # a stop string of the first 40 tokens' text: a cut after ~8 tokens lands inside it
 LONG_PROMPTS = [[4 + (7 * i + j) % 50 for j in range(200)] for i in range(8)]  # 8 x 200 tokens
@@ -692,7 +692,7 @@ def test_busy_seconds_counts_running_requests_only(run):
 
 
 def test_stop_across_cuts_finds_the_first_stop_string_spanning_a_cut():
-    from rlmega.tiny_model import make_tokenizer
+    from rlmega.demo.tiny_model import make_tokenizer
     from rlmega.rollout.generation import stop_across_cuts as _stop_across_cuts
 
     tok = make_tokenizer()

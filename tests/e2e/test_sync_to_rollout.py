@@ -23,7 +23,7 @@ from rlmega.sync.parity import logprob_diff  # noqa: E402
 from rlmega.sync.transports import RayTransport  # noqa: E402
 from rlmega.testing.faults import CorruptingTransport  # noqa: E402
 from rlmega.testing.rl_step import train_step_on_fixed_rewards  # noqa: E402
-from rlmega.tiny_model import make_tiny_model  # noqa: E402
+from rlmega.demo.tiny_model import make_tiny_model  # noqa: E402
 
 T = 0.8
 # float32 on both sides. Measured here: max <= 9.6e-7, mean <= 2.1e-7 over every layout and the

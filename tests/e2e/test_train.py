@@ -79,7 +79,7 @@ def test_three_plus_steps_write_metrics_parity_and_checkpoints(straight):
     assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (straight / "hf_final" / "config.json").exists()
     assert list((straight / "tensorboard").iterdir())
-    # the run's picture, drawn from metrics.jsonl as the run ended (rlmega/plots.py; tests/unit/test_plots.py)
+    # the run's picture, drawn from metrics.jsonl as the run ended (rlmega/rundir/plots.py; tests/unit/test_plots.py)
     assert (straight / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"rlmega: curves {straight / 'curves.png'}" in (straight / "driver.out").read_text()
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, checkpointed, kill_9, read_metrics, run_ok, same_numbers
 
-from rlmega.tiny_vlm import make_tiny_vlm
+from rlmega.demo.tiny_vlm import make_tiny_vlm
 
 ASYNC = ("produce.strategy=async", "produce.max_staleness=1", "produce.deterministic=true",
          "algorithm.rollout_correction=tis")

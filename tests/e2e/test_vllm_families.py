@@ -51,7 +51,7 @@ def _child(root: str) -> dict:
     from rlmega.sync.parity import logprob_diff
     from rlmega.sync.transports import DirectTransport
     from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     actors = {}
     for arch, dtype in {**FAMILIES, **REFUSED}.items():  # every trainer before vLLM loads (module docstring)

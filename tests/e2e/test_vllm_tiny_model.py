@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlmega.tiny_model import NATURAL_VOCAB_SIZE, make_tiny_model
+from rlmega.demo.tiny_model import NATURAL_VOCAB_SIZE, make_tiny_model
 
 PROMPTS = ["1+1=", "what is 2*3?"]
 N, MAX_TOKENS = 2, 8

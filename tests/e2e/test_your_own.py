@@ -28,7 +28,7 @@ def _users_model(folder: Path) -> Path:
     a tokenizer with a chat template (rlmega's character-level one: no hub downloads here)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlmega.tiny_model import make_tokenizer
+    from rlmega.demo.tiny_model import make_tokenizer
 
     tok = make_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,

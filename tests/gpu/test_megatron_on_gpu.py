@@ -45,7 +45,7 @@ def _binding_body():
     import torch.distributed as dist
 
     from rlmega.megatron import policy
-    from rlmega.distributed import collective_device, device_ordinal
+    from rlmega.process.distributed import collective_device, device_ordinal
     from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
     init_megatron(1, 1)
@@ -194,7 +194,7 @@ def _colocated_body(path, cycle):
 
 def test_colocated_phases_on_the_device_free_memory_and_train_bit_exactly(tmp_path):
     """The colocated trainer's release/sync/release/onload cycle on CUDA tensors, three steps."""
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "m", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4, seed=5))
     plain, _, w_plain = run_on_ranks(_colocated_body, 1, args=(path, False), timeout_s=600)[0]

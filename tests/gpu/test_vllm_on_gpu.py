@@ -232,7 +232,7 @@ def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -
 
 
 def test_engine_and_trainer_share_one_gpu_through_colocated_steps(tmp_path):
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / "qwen2_0.5b_shape", **SHAPE, seed=3))
     r = run_on_ranks(_cycle_body, 1, args=(model_dir,), timeout_s=900)[0]

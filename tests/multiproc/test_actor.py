@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, STEPS, REL = 10, 2, 1e-5
 

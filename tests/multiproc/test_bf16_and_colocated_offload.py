@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 # bf16 keeps 8 mantissa bits: a relative rounding of 2^-9 per op. Measured here over a 4-layer,
 # 128-wide model: log-prob max abs diff 5.7e-3 against float32 (see test); 0.05 leaves room for other

@@ -9,7 +9,7 @@ import torch
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 RATE, UPDATES = 0.01, 20
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 ROWS, SEQ, MBS = 4, 12, 1
 

@@ -12,7 +12,7 @@ reduce-scatters would not match.
 """
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 VOCAB = 151_936
 CHUNK = 5
@@ -28,7 +28,7 @@ def _body(path: str) -> dict:
 
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.data.micro_batches import build_micro_batch
-    from rlmega.engine_api import Head
+    from rlmega.learner.engine_api import Head
     from rlmega.fsdp.engine import FSDPEngine
     from rlmega.fsdp.model_manager import local_shard
     from rlmega.megatron.engine import MegatronEngine

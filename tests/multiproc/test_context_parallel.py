@@ -11,7 +11,7 @@ import pytest
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, STEPS = 12, 2
 KEYS = ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref")

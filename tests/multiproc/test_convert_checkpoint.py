@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = str(REPO / "tools" / "convert_checkpoint.py")

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 # (backend, tp, pp, world[, cp]): Megatron layouts (TP2 under sequence parallelism, its default; CP2: each row
 # split over two ranks, context_parallel.py), and the FSDP critic (data parallel).
@@ -40,7 +40,7 @@ def _batch():
 def _train_body(backend: str, path: str, tp: int, pp: int, world: int, cp: int, ckpt: str | None):
     """A critic on ``backend`` from the causal LM: values, two train steps toward fixed returns, values."""
     from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-    from rlmega.critic_api import critic_class
+    from rlmega.learner.critic_api import critic_class
 
     critic = critic_class(backend)(ModelConfig(path=path),
                                    ParallelismConfig(tp, pp, None, world, context_parallel_size=cp),

@@ -14,13 +14,13 @@ import math
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 
 def _body(path: str, other: str) -> dict:
     from rlmega.config.schema import (ActorConfig, AlgorithmConfig, CriticConfig, ModelConfig, OptimizerConfig,
                                       ParallelismConfig)
-    from rlmega.engine_api import StepResult
+    from rlmega.learner.engine_api import StepResult
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.fsdp.critic import FSDPCritic
     from rlmega.megatron.actor import MegatronActor

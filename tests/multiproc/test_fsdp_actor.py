@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, T = 10, 0.8
 BUDGETS = {1: 40, 2: 16, 4: 24}  # max_tokens_per_micro_batch per world size

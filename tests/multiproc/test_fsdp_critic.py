@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from rlmega.config.value_model import fresh_value_head, head_std, value_model_config
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, SEED = 10, 11
 BUDGETS = {1: 40, 2: 16}  # max_tokens_per_micro_batch per world size

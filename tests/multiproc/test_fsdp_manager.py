@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 ROWS, SEQ = 2, 12  # the batch; at world 2 each rank holds one row
 
@@ -107,7 +107,7 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from rlmega.distributed import init_distributed
+    from rlmega.process.distributed import init_distributed
 
     init_distributed()
     rank, res, out = dist.get_rank(), {}, Path(out)
@@ -228,7 +228,7 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
 
 
 def _world1_body(tied: str, out: str) -> dict:
-    from rlmega.distributed import init_distributed
+    from rlmega.process.distributed import init_distributed
 
     init_distributed()
     out, res = Path(out), {}

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 MODELS = {
     "qwen2_untied_vocab59": dict(arch="qwen2", vocab_size=None),

@@ -18,7 +18,7 @@ import torch
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
 from rlmega.testing.rl_step import step_with_reference
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, RANK, ALPHA = 8, 4, 8.0
 KEYS = ("loss", "grad_norm", "pg_loss", "kl_ref")

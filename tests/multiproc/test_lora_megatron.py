@@ -4,7 +4,7 @@
 A tiny Qwen2 (4 layers, GQA 4 heads / 2 KV groups, untied head) runs three RL steps (GRPO-style loss with a
 k3 KL to the reference) with rank-4 adapters on q, v, o, up and down: on FSDP (one rank), and on
 Megatron at TP1, TP2 x PP2, TP2 with sequence parallelism x PP2 x VPP2, and CP2 x DP2. Checked:
-- Megatron equals FSDP: the same adapters before training (rlmega.lora.initial_a), log-probs, loss, grad norm
+- Megatron equals FSDP: the same adapters before training (rlmega.learner.lora.initial_a), log-probs, loss, grad norm
   and the adapters' tensors (PEFT names, TP-gathered) after the steps; every layout equals TP1;
 - the reference is the base (B = 0 at the start, adapters off after), and only the adapters train (Adam holds
   state for them alone, the base's HF tensors are bit-identical after the steps);
@@ -19,7 +19,7 @@ import torch
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
 from rlmega.testing.rl_step import step_with_reference
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, RANK, ALPHA = 8, 4, 8.0
 KEYS = ("loss", "grad_norm", "pg_loss", "kl_ref")

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 E, K, LAYERS, N, STEPS = 8, 2, 2, 8, 2
 KEYS = ("loss", "grad_norm", "pg_loss", "entropy", "routes_live_fraction")

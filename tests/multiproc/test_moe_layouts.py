@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 SEQ, ROWS, MBS, STEPS = 16, 8, 1, 3
 # Measured: max rel diff 2.9e-7 (loss and grad norm; TP2 x EP2's, the EP-only layouts' 1.1e-7) over the

@@ -17,7 +17,7 @@ import torch
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 E, K, LAYERS, N, STEPS = 8, 2, 2, 8, 2
 KEYS = ("loss", "grad_norm", "pg_loss", "entropy", "moe_load_balancing_loss", "moe_z_loss", "routes_live_fraction")

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from rlmega.testing.multiproc import free_port
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 N, E, K, LAYERS = 12, 8, 2, 4
 # router-loss gradient: token-mean vs seq-mean measured 1.1e-7..2.9e-7 (unfixed: 11 = N_tok / N_seq - 1);

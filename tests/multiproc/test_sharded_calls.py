@@ -12,7 +12,7 @@ import torch
 
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 
 def _body(path: str, sharded: bool) -> dict:

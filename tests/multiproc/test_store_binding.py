@@ -2,7 +2,7 @@
 
 torch's TCPStore server listens on every interface with no auth, and the stores carry pickles. A
 one-node group's stores must listen on 127.0.0.1 alone: under rlmega's torchrun (both of the agent's
-stores) and for a group rlmega starts itself (rank 0's store, rlmega.distributed.init_distributed). Sockets are
+stores) and for a group rlmega starts itself (rank 0's store, rlmega.process.distributed.init_distributed). Sockets are
 read with psutil, i.e. from /proc/net/tcp{,6}.
 """
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlmega.bound_store import BoundTCPStore
+from rlmega.process.bound_store import BoundTCPStore
 from rlmega.testing.multiproc import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_rlmega_torchrun_on_one_node_listens_on_loopback_only(tmp_path):
 
 
 def _rank0_store():
-    from rlmega.distributed import init_distributed
+    from rlmega.process.distributed import init_distributed
 
     init_distributed()
     import torch.distributed as dist
@@ -96,7 +96,7 @@ def test_a_reserved_port_is_nobody_elses_until_the_store_serves_it():
     import errno
     import socket
 
-    from rlmega.bound_store import reserve_port
+    from rlmega.process.bound_store import reserve_port
 
     port = reserve_port()
     other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rlmega.sync.pieces import Assembled, Assembler, Piece
 from rlmega.testing.multiproc import run_on_ranks
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlmega.actor_api import BACKENDS, Actor, Learner, actor_class
+from rlmega.learner.actor_api import BACKENDS, Actor, Learner, actor_class
 
 
 def test_the_driver_imports_no_backend():

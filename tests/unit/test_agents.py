@@ -9,7 +9,7 @@ from rlmega.agents.sft import sft_example
 from rlmega.agents.tasks import Tasks, split_by_weight
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup, batch_from_groups
 from rlmega.config.schema import AgentLoopConfig, RLConfig, TaskConfig
-from rlmega.tiny_model import make_tokenizer
+from rlmega.demo.tiny_model import make_tokenizer
 
 
 def test_split_by_weight_is_largest_remainder_and_sums_to_the_total():

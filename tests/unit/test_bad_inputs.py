@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import rlmega.train as train_mod
-from rlmega.tiny_model import make_tiny_model
-from rlmega.tiny_vlm import make_tiny_vlm
+from rlmega.demo.tiny_model import make_tiny_model
+from rlmega.demo.tiny_vlm import make_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")

@@ -19,10 +19,10 @@ def test_demo_passes_overrides_after_its_own(tmp_path, monkeypatch):
 
 def test_demo_model_holds_the_configs_longest_sequence(tmp_path, monkeypatch):
     """The demo's model gets the context the config's engines need (RoPE: max_position_embeddings only)."""
-    import rlmega.tiny_model
+    import rlmega.demo.tiny_model
 
     made = []
-    monkeypatch.setattr(rlmega.tiny_model, "make_tiny_model", lambda path, **kw: made.append(kw))
+    monkeypatch.setattr(rlmega.demo.tiny_model, "make_tiny_model", lambda path, **kw: made.append(kw))
     monkeypatch.setattr(rlmega.train, "main", lambda argv: 0)
     long = ["rollout.max_prompt_tokens=100", "rollout.max_response_tokens=9000"]
     for overrides, longest in (([], 512), (long, 9100)):

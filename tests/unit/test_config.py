@@ -462,7 +462,7 @@ def test_phi3_demo_config_passes_every_check_only_with_the_fsdp_learner(tmp_path
     preflight) with actor.backend=fsdp; the Megatron learner refuses the model and the TP/PP-free layout
     is the only one fsdp takes."""
     from rlmega.preflight import preflight
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2,
                             num_layers=4, seed=0)

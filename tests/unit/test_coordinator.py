@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from rlmega.dashboard.app import prometheus_text
-from rlmega import coordinator
-from rlmega.coordinator import ActorManager
+from rlmega.launch import coordinator
+from rlmega.launch.coordinator import ActorManager
 
 
 class FakeClock:

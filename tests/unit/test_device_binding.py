@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rlmega.distributed import collective_device, device_ordinal
+from rlmega.process.distributed import collective_device, device_ordinal
 
 
 def test_torchrun_sees_every_gpu_of_the_node_and_binds_local_rank():

@@ -4,7 +4,7 @@ process and the engine core it spawns); unset, vLLM keeps its own default. The C
 import os
 
 from rlmega.rollout.engine_lifecycle import engine_args
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 
 def _args(model, cache_dir, **kw):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from rlmega.config import families
 from rlmega.fsdp import family_check, packed_attention, recurrent_layers
 from rlmega.fsdp.model_manager import FSDPModelManager
-from rlmega.tiny_model import ARCHITECTURES, make_tiny_model
+from rlmega.demo.tiny_model import ARCHITECTURES, make_tiny_model
 
 NEW = ("gemma3", "olmo3", "gpt_oss", "deepseek_v3", "qwen3_next")
 LENS = (23, 17, 5)  # longer and shorter than the sliding window (8)

@@ -234,7 +234,7 @@ def test_advantages_and_returns_composes_the_pieces_the_driver_uses():
 def test_the_drivers_gae_refuses_a_kl_reward_without_log_probs():
     import dataclasses
 
-    from rlmega.actor_api import advantages_and_returns
+    from rlmega.learner.actor_api import advantages_and_returns
     from rlmega.config.schema import AlgorithmConfig
     from rlmega.testing.batches import random_batch
 

@@ -111,7 +111,7 @@ def _headers_only(folder: Path, hf: dict) -> tuple[dict, int]:
     hole: only headers and the file size are read), and the tiny models' tokenizer; (header, data bytes)."""
 
     from rlmega.config.model_files import expected_shapes
-    from rlmega.tiny_model import make_tokenizer
+    from rlmega.demo.tiny_model import make_tokenizer
 
     (folder / "config.json").write_text(json.dumps(hf))
     required, _ = expected_shapes(hf)

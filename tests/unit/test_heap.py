@@ -1,10 +1,10 @@
-"""rlmega/heap.py: a process's start-up imports run without the collector, and what they built is frozen after
+"""rlmega/process/heap.py: a process's start-up imports run without the collector, and what they built is frozen after
 (later collections skip it); the collector comes back as it was."""
 import gc
 import subprocess
 import sys
 
-from rlmega.heap import imports_uncollected
+from rlmega.process.heap import imports_uncollected
 
 
 def test_the_block_runs_uncollected_then_freezes_what_it_built():

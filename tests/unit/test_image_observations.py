@@ -10,7 +10,7 @@ import torch
 from rlmega.agents.image_observations import Observations, image_placeholder_text
 from rlmega.agents.tool_protocol import RESULT_CLOSE, RESULT_OPEN
 from rlmega.data.images import load_processor, processor_vision
-from rlmega.tiny_vlm import make_tiny_vlm
+from rlmega.demo.tiny_vlm import make_tiny_vlm
 
 
 def _png(size) -> bytes:
@@ -30,7 +30,7 @@ def test_the_placeholder_is_what_the_chat_template_writes_for_an_image(idefics3,
     from transformers import AutoTokenizer
 
     assert image_placeholder_text(idefics3) == "<image>"
-    # Qwen2-VL's processor cannot be built here (rlmega/tiny_vlm.py); its chat template is the tokenizer's
+    # Qwen2-VL's processor cannot be built here (rlmega/demo/tiny_vlm.py); its chat template is the tokenizer's
     qwen = AutoTokenizer.from_pretrained(make_tiny_vlm(tmp_path / "qwen2_vl", arch="qwen2_vl"))
     assert image_placeholder_text(qwen) == "<|vision_start|><|image_pad|><|vision_end|>"
 

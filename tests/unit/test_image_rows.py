@@ -83,7 +83,7 @@ def test_text_parts_without_images_become_a_plain_string(tmp_path):
 def test_the_processor_expands_what_the_engine_gets_one_placeholder_of(tmp_path):
     from transformers import AutoProcessor
 
-    from rlmega.tiny_vlm import make_tiny_vlm
+    from rlmega.demo.tiny_vlm import make_tiny_vlm
 
     path = make_tiny_vlm(tmp_path / "vlm", arch="idefics3")
     proc = AutoProcessor.from_pretrained(path)

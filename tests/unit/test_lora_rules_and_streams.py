@@ -1,9 +1,9 @@
-"""LoRA's pure parts: the streams that leave the learner (rlmega/lora.py) and the checkpoint rule
+"""LoRA's pure parts: the streams that leave the learner (rlmega/learner/lora.py) and the checkpoint rule
 (rlmega/config/lora_rules.py)."""
 import pytest
 import torch
 
-from rlmega import lora
+from rlmega.learner import lora
 from rlmega.config.lora_rules import checkpoint_record, resume_problems
 from rlmega.config.schema import LoraConfig, RLConfig
 

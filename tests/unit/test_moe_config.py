@@ -153,7 +153,7 @@ def test_moe_cpu_config_passes_every_check_and_the_weights_are_checked_per_exper
     preflight reads every expert's safetensors header against config.json); a config.json whose expert
     width or count disagrees with the weights is refused naming the tensors."""
     from rlmega.preflight import preflight
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=256, num_heads=4, num_kv_heads=2,
                             num_layers=4, num_experts=8, top_k=2, moe_intermediate_size=128, seed=0)

@@ -1,4 +1,4 @@
-"""Curves from metrics.jsonl (rlmega/plots.py) and `rlmega plot`, on metrics files written here in the
+"""Curves from metrics.jsonl (rlmega/rundir/plots.py) and `rlmega plot`, on metrics files written here in the
 trainer's format (rlmega/rundir/run.py: one JSON object a line, NaN logged as null, a step-0 eval line)."""
 import json
 import math
@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from rlmega.cli import main as cli_main
-from rlmega.plots import CURVES, MetricsError, panel_titles, plot_run, plot_runs, read_metrics
+from rlmega.rundir.plots import CURVES, MetricsError, panel_titles, plot_run, plot_runs, read_metrics
 from rlmega.rundir.run import RunDir
 
 ALL_PANELS = ["reward (mean)", "held-out greedy reward", "KL to reference", "response length (tokens)",
@@ -70,7 +70,7 @@ def test_a_warm_started_run_draws_its_warm_start_loss(tmp_path):
     for s in range(1, 5):
         run.log(_step(s, 0.1))
     run.close()
-    from rlmega.plots import read_warm_start
+    from rlmega.rundir.plots import read_warm_start
 
     got = read_warm_start(tmp_path / "run")
     assert got[:2] == [2.5, 1.75] and math.isnan(got[2]) and got[3] == 0.5  # NaN kept as a gap (JSON null)
@@ -127,7 +127,7 @@ def test_rlmega_plot_names_a_folder_without_metrics(tmp_path, capsys):
 def test_a_run_that_ends_draws_its_curves_and_a_drawing_failure_hides_nothing(tmp_path, monkeypatch, caplog):
     """rlmega.train.draw_curves, as train() calls it in its finally: a picture when steps were logged,
     nothing for an empty run, and a warning (never an exception) when drawing fails."""
-    from rlmega import plots
+    from rlmega.rundir import plots
     from rlmega.train import draw_curves
 
     empty = RunDir(tmp_path / "empty", tensorboard=False)

@@ -21,7 +21,7 @@ from rlmega.data.prompts import (
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=128, num_heads=2, num_layers=1)
     return AutoTokenizer.from_pretrained(str(path))

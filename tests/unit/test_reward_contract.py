@@ -118,7 +118,7 @@ def test_a_reward_gets_the_prompt_the_raw_text_and_the_rows_columns_by_name(tmp_
 
 def test_rows_keep_their_other_columns_for_the_reward(tmp_path):
     from rlmega.data.prompts import PromptDataset, load_rows
-    from rlmega.tiny_model import make_tokenizer
+    from rlmega.demo.tiny_model import make_tokenizer
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"question": "1+1=", "answer": "2", "difficulty": 1, "tags": ["easy"]}\n'
@@ -130,7 +130,7 @@ def test_rows_keep_their_other_columns_for_the_reward(tmp_path):
 
 def test_check_config_calls_the_reward_on_row_1_and_ends_with_a_summary(tmp_path, monkeypatch, capsys):
     from rlmega.cli import main as cli_main
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", hidden_size=128, num_heads=2, num_kv_heads=2, num_layers=1, seed=0)
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')

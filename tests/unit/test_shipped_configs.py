@@ -16,8 +16,8 @@ import yaml
 
 from rlmega import cli, train, train_args
 from rlmega.config import ConfigError
-from rlmega.tiny_model import make_tiny_model
-from rlmega.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
+from rlmega.demo.tiny_model import make_tiny_model
+from rlmega.demo.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rlmega.tiny_model import NATURAL_VOCAB_SIZE, make_tiny_model
+from rlmega.demo.tiny_model import NATURAL_VOCAB_SIZE, make_tiny_model
 
 SMALL = dict(num_layers=2)  # keeps each model well under a second to build
 

@@ -19,7 +19,7 @@ from rlmega.agents.tools import (
 
 
 def test_markers_are_in_the_tiny_vocabulary():
-    from rlmega.tiny_model import CHARACTERS
+    from rlmega.demo.tiny_model import CHARACTERS
 
     assert VOCAB_CHARACTERS == frozenset(CHARACTERS)  # the copy in tool_protocol has not drifted
     for marker in (CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE, TRUNCATION_MARK, ":"):
@@ -272,7 +272,7 @@ TYPICAL_PYTHON = ["1+2", "1/3", "sum(range(100))", "[i*i for i in range(5)]", "(
 
 
 def test_outputs_encode_losslessly_with_the_tiny_tokenizer():
-    from rlmega.tiny_model import make_tokenizer
+    from rlmega.demo.tiny_model import make_tokenizer
 
     tok = make_tokenizer()
     with ThreadPoolExecutor(4) as pool:  # the python tool's calls are processes: overlap them

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from rlmega.config.schema import RLConfig
-from rlmega.tiny_model import make_tiny_model
+from rlmega.demo.tiny_model import make_tiny_model
 
 
 def test_train_closes_the_tensorboard_writer_when_it_fails(tmp_path):

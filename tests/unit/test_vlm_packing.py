@@ -1,6 +1,6 @@
 """Image samples packed into one row give each sample's log-probs as transformers' own unpacked forward.
 
-For both tiny VLM families (rlmega/tiny_vlm.py): Idefics3 (image tiles, pixel_attention_mask) and
+For both tiny VLM families (rlmega/demo/tiny_vlm.py): Idefics3 (image tiles, pixel_attention_mask) and
 Qwen2-VL (patches of a size-dependent grid, 3-D mRoPE positions computed per sequence). A row packs
 two image samples (of different image sizes for Qwen2-VL, two images in one of them) and a text-only
 one, and a sample whose response holds an image observation (a tool's image answer between response tokens,
@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 from rlmega.data.packing import pack
 from rlmega.fsdp import packed_attention
 from rlmega.fsdp.vision_inputs import load_kwargs, row_vision_kwargs
-from rlmega.tiny_vlm import make_tiny_vlm
+from rlmega.demo.tiny_vlm import make_tiny_vlm
 
 RESPONSE = [10, 11, 12, 13, 14, 15]  # plain characters of the tiny tokenizer
 
@@ -41,7 +41,7 @@ def _processed(arch, path, images, text):
         enc = proc(text=[prompt], images=[images] if images else None, return_tensors="pt")
         vision = {k: enc[k] for k in ("pixel_values", "pixel_attention_mask")} if images else None
         return enc["input_ids"][0].tolist(), vision
-    # Qwen2-VL: what Qwen2VLProcessor does (it cannot be built here without torchvision: rlmega/tiny_vlm.py)
+    # Qwen2-VL: what Qwen2VLProcessor does (it cannot be built here without torchvision: rlmega/demo/tiny_vlm.py)
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     tok = AutoTokenizer.from_pretrained(path)

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                         print(f"  final accuracy {runs[-1]['final_accuracy']}, "
                               f"process {runs[-1]['wall_s']:.0f} s", flush=True)
             if args.workload in ("grpo", "both"):
-                from rlmega.tiny_model import make_tiny_model
+                from rlmega.demo.tiny_model import make_tiny_model
 
                 model = work / "grpo_model"
                 if not (model / "config.json").exists():
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def plot_demo(runs: list[dict], work: Path, out: Path) -> None:
     """One picture per demo layout and mode, its rounds (seeds) overlaid; their metrics kept beside it."""
-    from rlmega.plots import plot_runs
+    from rlmega.rundir.plots import plot_runs
 
     out.mkdir(parents=True, exist_ok=True)
     for layout, mode in sorted({(r["layout"], r["side"].split("@")[0]) for r in runs if r["workload"] == "demo"}):

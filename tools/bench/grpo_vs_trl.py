@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(2)
 
     from rlmega.config import load_config
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="rlmega-grpo-vs-trl-"))  # removed on success; kept with its logs on failure
     model_dir = Path(args.model_dir).resolve() if args.model_dir else work / "model"

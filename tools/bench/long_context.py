@@ -83,7 +83,7 @@ def _loss(fields, lp, ent):
 
 
 def _train_pass(engine, mbs) -> None:
-    from rlmega.engine_api import Head
+    from rlmega.learner.engine_api import Head
 
     engine.zero_grad()
     engine.forward_backward(mbs, Head(temperature=1.0, entropy=True, entropy_grad=True), _loss)

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("WORLD_SIZE", "1")
     from rlmega.rollout.rollout import RolloutWorker
     from rlmega.sync.transports import DirectTransport
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     h = args.hidden_size
     tmp = tempfile.TemporaryDirectory(prefix="rlmega-bench-lora-")

@@ -179,7 +179,7 @@ def _fsdp_steps(hf: dict, dtype: str, tokens: torch.Tensor, micro_batch: int, st
 
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
     from rlmega.fsdp.model_manager import FSDPModelManager
-    from rlmega.distributed import init_distributed
+    from rlmega.process.distributed import init_distributed
 
     init_distributed()
     try:

@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
         p.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
     sys.path.insert(0, str(ROOT))
     from rlmega.cli import DEMO_MODEL
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     python = sys.executable
     sides = {"new": ROOT, **({"base": base_checkout(args.base)} if args.base and cases else {})}

@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
             ["rollout.max_response_tokens=16"]
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlmega-overhead-") as tmp:

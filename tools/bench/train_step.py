@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         p.error("--rounds and --threads must be >= 1")
 
     from rlmega.testing.multiproc import run_on_ranks
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import ray
 
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     _register_by_value()
     h = args.hidden_size

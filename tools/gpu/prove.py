@@ -494,7 +494,7 @@ def _commit() -> str:
 def make_models(work: Path, cpu: bool, keys: list[str], smoke: bool = False) -> dict:
     """The dense and MoE model folders the steps need, made once in ``work`` (random weights, seed 0)."""
     sys.path.insert(0, str(ROOT))
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
 
     need = {"dense": {"a", "b", "c"}, "moe": {"d"}}
     models = {}

@@ -7,7 +7,7 @@ reachable store runs code on every rank. ``BoundTCPStore`` hands the server a so
 listening on ``bind_address(host_name)``: 127.0.0.1 for a one-node group whose ranks connect to
 127.0.0.1, the node's own address for a group that spans nodes.
 
-Used by ``rlmega.distributed.init_distributed`` (the store of a group rlmega starts: Ray-hosted
+Used by ``rlmega.process.distributed.init_distributed`` (the store of a group rlmega starts: Ray-hosted
 ranks, tests, tools) and by ``rlmega.launch.torchrun`` (torchrun's own stores). ``reserve_port`` holds rank
 0's port from the moment the launcher asks for it until that store listens on it.
 """

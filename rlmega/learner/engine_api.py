@@ -1,6 +1,6 @@
 """The backend engine: what only a learner backend can do, for ONE model on one trainer rank.
 
-The RL logic is written once above it (rlmega/policy_actor.py: PolicyActor, rlmega/value_critic.py:
+The RL logic is written once above it (rlmega/learner/policy_actor.py: PolicyActor, rlmega/learner/value_critic.py:
 ValueCritic); a backend implements this interface once (rlmega/megatron/engine.py: MegatronEngine over
 megatron-core's pipeline schedule, rlmega/fsdp/engine.py: FSDPEngine over FSDP2), and its actor and
 critic are PolicyActor and ValueCritic with that engine class. An actor holds a policy engine (with

@@ -38,10 +38,10 @@ import importlib
 from rlmega.algorithms import gae as gae_lib
 from rlmega.algorithms import kl as kl_lib
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.profiling import TraceRecorder
+from rlmega.rundir.profiling import TraceRecorder
 
 # actor.backend -> "module:Class" of each role a trainer rank can play (the critic: algorithm.advantage_estimator
-# =gae, rlmega/critic_api.py), imported only when that backend runs.
+# =gae, rlmega/learner/critic_api.py), imported only when that backend runs.
 BACKENDS = {
     "megatron": "rlmega.megatron.actor:MegatronActor",
     "fsdp": "rlmega.fsdp.actor:FSDPActor",
@@ -182,7 +182,7 @@ class Actor(abc.ABC):
         returns for the critic, per sample (float32, batch order), as the seed API's entry point.
 
         The batch carries the judges' ``rewards`` (one per sample: on the last action token), the
-        critic's ``old_values`` (rlmega.critic_api.Critic.compute_values), and with
+        critic's ``old_values`` (rlmega.learner.critic_api.Critic.compute_values), and with
         algorithm.kl_in_reward the ``old_logprobs`` and ``ref_logprobs`` (a per-token KL penalty on the
         action tokens). Tool output (response_mask 0) is no action: no reward, advantage or return, and
         GAE's credit passes over it. Advantages use lam (or VAPO's length-adaptive lam_actor_alpha),
@@ -247,7 +247,7 @@ class Actor(abc.ABC):
 
     # ---- profiling (logging.profile_steps): the same for every backend -----------------------------
     def start_profile(self) -> None:
-        """Start recording this rank's trace (rlmega.profiling.TraceRecorder)."""
+        """Start recording this rank's trace (rlmega.rundir.profiling.TraceRecorder)."""
         self._trace = TraceRecorder()
         self._trace.start()
 

@@ -2,7 +2,7 @@
 
     rlmega plot RUN_DIR [RUN_DIR ...] [--out FILE]     (rlmega train draws RUN_DIR/curves.png as it ends)
 
-    from rlmega.plots import plot_runs
+    from rlmega.rundir.plots import plot_runs
     titles = plot_runs(["runs/sync", "runs/async"], "curves.png")   # the panels drawn, in order
 
 Panels, over RL steps: the sampled reward's mean, the held-out greedy reward (eval_accuracy: the mean reward of

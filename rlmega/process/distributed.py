@@ -4,7 +4,7 @@
 ``rlmega.testing.multiproc``): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and
 ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` on GPUs. gloo without a GPU; NCCL with GPUs, the rank bound to
 the GPU ``device_ordinal`` picks (torchrun: all of the node's GPUs visible; Ray: one GPU per actor).
-Rank 0's store listens on MASTER_ADDR only (rlmega.bound_store), never on every interface.
+Rank 0's store listens on MASTER_ADDR only (rlmega.process.bound_store), never on every interface.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlmega.bound_store import BoundTCPStore
+from rlmega.process.bound_store import BoundTCPStore
 
 
 def device_ordinal(local_rank: int, local_world_size: int, visible_devices: int) -> int:

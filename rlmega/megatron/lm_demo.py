@@ -5,7 +5,7 @@ optimizer and the 1F1B pipeline schedule on 4 gloo ranks (or NCCL on GPUs), prin
 per step. MegatronModelManager loads the tiny model's (random) HF weights into the chunks.
 
     python tools/make_tiny_model.py runs/demo/tiny_model --hidden-size 256 --num-heads 4 --num-kv-heads 2
-    torchrun --standalone --nproc-per-node 4 -m rlmega.lm_demo --model runs/demo/tiny_model --tp 2 --pp 2
+    torchrun --standalone --nproc-per-node 4 -m rlmega.megatron.lm_demo --model runs/demo/tiny_model --tp 2 --pp 2
 
 `rlmega demo` (and `make demo`) does both steps.
 """

@@ -1,9 +1,9 @@
 """PolicyActor: the RL learner of one trainer rank, written once over a backend engine.
 
-It implements rlmega.actor_api.Actor (whose docstrings are the contract): the loss composition
+It implements rlmega.learner.actor_api.Actor (whose docstrings are the contract): the loss composition
 (rlmega.algorithms.rl_loss), the non-finite rule, the reference policy and its Polyak update, the step
 metrics, the weight-sync bookkeeping and what a checkpoint holds. Everything a backend alone can do is
-its engine's (rlmega/engine_api.py): each backend's actor is this class with its engine class
+its engine's (rlmega/learner/engine_api.py): each backend's actor is this class with its engine class
 (rlmega/megatron/actor.py: MegatronActor, rlmega/fsdp/actor.py: FSDPActor).
 
     actor = MegatronActor(cfg.model, cfg.parallelism, cfg.optimizer, cfg.actor, cfg.algorithm,
@@ -32,13 +32,13 @@ from contextlib import contextmanager
 
 import torch
 
-from rlmega import lora
-from rlmega.actor_api import Actor
+from rlmega.learner import lora
+from rlmega.learner.actor_api import Actor
 from rlmega.algorithms import polyak, rl_loss
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.data.shards import Shard
-from rlmega.engine_api import Head, StepResult, TrainEngine
+from rlmega.learner.engine_api import Head, StepResult, TrainEngine
 from rlmega.sync.stream import stream_weights
 
 

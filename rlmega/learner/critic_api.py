@@ -1,9 +1,9 @@
 """The critic's interface: a value model on the trainer ranks, for ``algorithm.advantage_estimator: gae``.
 
 A backend's critic is one class that subclasses ``Critic`` (rlmega/megatron/critic.py: MegatronCritic,
-rlmega/fsdp/critic.py: FSDPCritic) and one line in rlmega.actor_api.CRITICS; ``actor.backend`` picks it (the critic
-runs on the actor's backend) and ``critic_class`` imports it, so nothing above this line imports a
-backend's library. The rules of rlmega/actor_api.py hold here too: every method is collective (every
+rlmega/fsdp/critic.py: FSDPCritic) and one line in rlmega.learner.actor_api.CRITICS; ``actor.backend`` picks it (the
+critic runs on the actor's backend) and ``critic_class`` imports it, so nothing above this line imports a
+backend's library. The rules of rlmega/learner/actor_api.py hold here too: every method is collective (every
 rank, same other arguments), a batch planned once with each data-parallel rank its share (or the whole
 batch in, the whole result out), losses normalised over the global batch,
 the same skip decision on every rank, float32 values whatever the model computes in.
@@ -18,17 +18,17 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-from rlmega.actor_api import Learner, backend_class
+from rlmega.learner.actor_api import Learner, backend_class
 from rlmega.config.schema import ModelConfig
 from rlmega.data.rollout_batch import RolloutBatch
 
 def critic_class(backend: str) -> type["Critic"]:
-    """The Critic subclass of ``actor.backend`` (rlmega.actor_api.CRITICS; imports its library only now)."""
+    """The Critic subclass of ``actor.backend`` (rlmega.learner.actor_api.CRITICS; imports its library only now)."""
     return backend_class(backend, "critic")
 
 
 def critic_learner(backend: str) -> Learner:
-    """A picklable stand-in for ``critic_class(backend)`` (rlmega.actor_api.Learner)."""
+    """A picklable stand-in for ``critic_class(backend)`` (rlmega.learner.actor_api.Learner)."""
     return Learner(backend, role="critic")
 
 

@@ -1,13 +1,13 @@
 """ValueCritic: the value model of PPO (algorithm.advantage_estimator=gae) on the trainer ranks, written once
-over a backend engine (rlmega/engine_api.py) with a value head.
+over a backend engine (rlmega/learner/engine_api.py) with a value head.
 
-It implements rlmega.critic_api.Critic: the policy's architecture with a hidden -> 1 head (the engine's
+It implements rlmega.learner.critic_api.Critic: the policy's architecture with a hidden -> 1 head (the engine's
 ``value_head``), packed micro-batches as the actor's, rlmega.algorithms.value_loss's clipped loss and
 metrics, the non-finite rule (a skip on every rank), checkpoints and the colocated offload. Each
 backend's critic is this class with its engine class (rlmega/megatron/critic.py: MegatronCritic,
 rlmega/fsdp/critic.py: FSDPCritic).
 
-    critic = MegatronCritic(**critic_kwargs(cfg))       # rlmega.critic_api
+    critic = MegatronCritic(**critic_kwargs(cfg))       # rlmega.learner.critic_api
     critic.setup()
     values = critic.compute_values(batch)               # per sample (response_len,) float32
     metrics = critic.train_step(replace(batch, returns=returns, old_values=values))
@@ -21,10 +21,10 @@ import torch
 
 from rlmega.algorithms import losses, value_loss
 from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
-from rlmega.critic_api import Critic
+from rlmega.learner.critic_api import Critic
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.data.shards import Shard
-from rlmega.engine_api import Head, StepResult, TrainEngine
+from rlmega.learner.engine_api import Head, StepResult, TrainEngine
 
 VALUES = Head(kind="values")
 

@@ -1,6 +1,6 @@
 """Make a tiny, randomly initialised vision-language model folder (weights, tokenizer, processor).
 
-The vision-language counterpart of rlmega/tiny_model.py: a model that transformers, its processor and
+The vision-language counterpart of rlmega/demo/tiny_model.py: a model that transformers, its processor and
 vLLM all load, so images can be tested end to end on a CPU machine. Two families:
 
 - ``idefics3`` (Idefics3ForConditionalGeneration: the SmolVLM architecture): a SigLIP vision tower, a
@@ -20,7 +20,7 @@ families load as usual.
 The tokenizer is tiny_model's character tokenizer plus the family's image tokens, with a chat template
 that renders ``{"type": "image"}`` content parts as the family's image placeholder.
 
-    from rlmega.tiny_vlm import make_tiny_vlm
+    from rlmega.demo.tiny_vlm import make_tiny_vlm
     path = make_tiny_vlm("/tmp/tiny_vlm", arch="idefics3", seed=0)
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from rlmega.tiny_model import make_tokenizer, write_model_folder
+from rlmega.demo.tiny_model import make_tokenizer, write_model_folder
 
 VLM_ARCHITECTURES = ("idefics3", "qwen2_vl")
 IDEFICS3_IMAGE_SIZE, IDEFICS3_PATCH, IDEFICS3_SCALE = 112, 14, 2
