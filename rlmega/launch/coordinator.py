@@ -76,7 +76,8 @@ class ActorManager:
         self.prompts, self.results = PromptQueue(), ResultQueue()
         self.register_queue("prompts", self.prompts.size)
         self.register_queue("results", self.results.size)
-        self._server = self._server_thread = None
+        self._server: Any = None  # uvicorn's Server, once the dashboard runs
+        self._server_thread: threading.Thread | None = None
         self._port: int | None = None
         if dashboard:
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import ray
 
@@ -33,7 +34,7 @@ def engine_actor_class(generation_threads: int = ENGINE_MAX_CONCURRENCY):
     their own they can never take the threads the sync that reopens the engine needs. Start it with
     ``.options(max_concurrency=ENGINE_CONTROL_CONCURRENCY, ...)`` for the other calls.
     """
-    return ray.remote(concurrency_groups={GENERATION_GROUP: generation_threads})(RolloutWorker)
+    return ray.remote(concurrency_groups={GENERATION_GROUP: generation_threads})(RolloutWorker)  # type: ignore[call-overload]
 
 
 def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, profile_dir: str | None,
@@ -90,7 +91,8 @@ def engine_options(pg, slot: Slot) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     many = len(slot.bundles) > 1
-    options = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus, max_concurrency=ENGINE_CONTROL_CONCURRENCY,
+    options: dict[str, Any] = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus,
+                                   max_concurrency=ENGINE_CONTROL_CONCURRENCY,
                    scheduling_strategy=PlacementGroupSchedulingStrategy(
                        placement_group=pg, placement_group_bundle_index=slot.bundles[0],
                        placement_group_capture_child_tasks=many))

@@ -23,7 +23,7 @@ import threading
 def leave(code: int | None) -> None:
     """Exit this process with ``code`` (None = 0) once its threads, atexit handlers and streams are done."""
     code = 0 if code is None else int(code)
-    threading._shutdown()  # noqa: SLF001 - the interpreter's own first step at exit: join non-daemon threads
+    threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 - the interpreter's own first step at exit
     atexit._run_exitfuncs()  # noqa: SLF001 - atexit's handlers, as at a normal exit
     for stream in (sys.stdout, sys.stderr):
         try:

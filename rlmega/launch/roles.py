@@ -4,7 +4,7 @@ workers and the coordinator.
     with Roles(cfg) as roles:                        # embedded local Ray, or attach to cluster.address
         groups = roles.rollout([("default", GroupRequest(...)), ...])   # agent loops: judged trajectories
         roles.train_phase()                          # engines sleep, trainer onloads (colocated GPUs)
-        roles.call_actors("train_step", batch)
+        roles.call_actors(Actor.train_step, batch)
         roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
 
 Where each rank and engine runs comes from rlmega.config.placement_rules (one placement group per node on
@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -41,9 +42,24 @@ from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
 from rlmega.sync.collective import CollectiveTransport
 from rlmega.sync.transports import CudaIpcTransport, RayTransport
 from rlmega.launch.coordinator import ActorManager
+from rlmega.learner.actor_api import Actor
+from rlmega.learner.critic_api import Critic
 from rlmega.rundir.startup import StartupClock
 
 log = logging.getLogger("rlmega")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def method_name(method: Callable, interface: type) -> str:
+    """The name of ``method``, a method of ``interface`` (``Actor.train_step``). Callers name a rank's method
+    through its interface: a misspelt one fails where it is written (and in a type check, which also checks its
+    arguments against the interface's signature); a method of another interface is refused here, before
+    anything is sent."""
+    name = getattr(method, "__name__", "")
+    if getattr(interface, name, None) is not method:
+        raise TypeError(f"{method!r} is not a method of {interface.__name__}")
+    return name
 
 
 class RoleDied(WorkerFailed):
@@ -226,12 +242,12 @@ class Roles:
         except ray.exceptions.GetTimeoutError as e:
             raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s", what) from e
 
-    def call_actors(self, method: str, *args, **kwargs):
-        """Rank 0's result (every rank returns the same); a call on a RolloutBatch goes as one share per
-        data-parallel rank and comes back merged (rlmega/launch/sharded.py). Brings a released trainer
-        back first."""
+    def call_actors(self, method: Callable[Concatenate[Actor, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method`` (a method of the Actor interface, ``Actor.train_step``) on every trainer rank: rank 0's
+        result (every rank returns the same); a call on a RolloutBatch goes as one share per data-parallel rank
+        and comes back merged (rlmega/launch/sharded.py). Brings a released trainer back first."""
         self.phases.before_training()
-        return self._call_actors(method, *args, **kwargs)
+        return self._call_actors(method_name(method, Actor), *args, **kwargs)
 
     def _call_actors(self, method: str, *args, **kwargs):
         try:
@@ -246,21 +262,26 @@ class Roles:
         """The run trains a value model (algorithm.advantage_estimator=gae)."""
         return self.cfg.algorithm.advantage_estimator == "gae"
 
-    def call_critics(self, method: str, *args, **kwargs):
-        """The critic's rank 0 result (every rank returns the same)."""
+    def call_critics(self, method: Callable[Concatenate[Critic, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method`` (of the Critic interface) on every critic rank: rank 0's result (every rank returns the
+        same)."""
         return self.submit_critics(method, *args, **kwargs)()
 
-    def submit_critics(self, method: str, *args, **kwargs):
-        """A critic call started now; returns a function that waits for it and gives rank 0's result, so
-        the actor's ranks can work meanwhile (the value forward beside the log-probs, the critic's train
-        step beside the policy's)."""
+    def submit_critics(self, method: Callable[Concatenate[Critic, P], R], *args: P.args,
+                       **kwargs: P.kwargs) -> Callable[[], R]:
+        """A critic call (``method`` of the Critic interface) started now; returns a function that waits for it
+        and gives rank 0's result, so the actor's ranks can work meanwhile (the value forward beside the
+        log-probs, the critic's train step beside the policy's)."""
         if self.critics is None:
             raise RuntimeError("this run has no critic (algorithm.advantage_estimator is not gae)")
+        name = method_name(method, Critic)
+        call_args: tuple[Any, ...] = tuple(args)
+        call_kwargs: dict[str, Any] = dict(kwargs)
         try:
-            if args and isinstance(args[0], RolloutBatch):
-                wait = self.critic_calls.submit(method, *args, **kwargs)
+            if call_args and isinstance(call_args[0], RolloutBatch):
+                wait = self.critic_calls.submit(name, *call_args, **call_kwargs)
             else:
-                wait = self.critics.submit_rank0(method, *args, **kwargs)
+                wait = self.critics.submit_rank0(name, *call_args, **call_kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 
@@ -393,7 +414,7 @@ class Roles:
         return str(Path(self.cfg.trainer.run_dir).resolve() / "profile" / "engines")
 
     def start_profile(self, name: str) -> None:
-        self._call_actors("start_profile")
+        self._call_actors(method_name(Actor.start_profile, Actor))
         self._get([e.start_profile.remote(f"{name}_engine{i}") for i, e in enumerate(self.engines)], "rollout engine")
         self._profile_name = name
 

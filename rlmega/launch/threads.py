@@ -51,7 +51,7 @@ def plan(cfg: RLConfig, rank_nodes: list[str], engine_nodes: list[str], node_cpu
     else:
         rank = min(per_process(rank_nodes, node_cpus))
     if r.device == "cuda" or r.tensor_parallel_size > 1:
-        engines = [None] * len(engine_nodes)
+        engines: list[int | None] = [None] * len(engine_nodes)
     elif c.threads_per_engine is not None:
         engines = [c.threads_per_engine] * len(engine_nodes)
     elif engines_awake_while_training:

@@ -29,9 +29,10 @@ def bind_stores(spans_nodes: bool) -> None:
     """Make every TCPStore server this process starts a BoundTCPStore (torchrun's modules look the
     class up by these names when they create their stores)."""
     BoundTCPStore.refuse_loopback = spans_nodes
-    dist.TCPStore = BoundTCPStore  # dynamic_rendezvous and elastic.utils.distributed use dist.TCPStore
-    c10d_rendezvous_backend.TCPStore = BoundTCPStore
-    static_tcp_rendezvous.TCPStore = BoundTCPStore
+    # (a class where torch has one: the type checker calls that assigning to a type)
+    dist.TCPStore = BoundTCPStore  # type: ignore[misc]  # dynamic_rendezvous, elastic.utils.distributed use it
+    c10d_rendezvous_backend.TCPStore = BoundTCPStore  # type: ignore[misc]
+    static_tcp_rendezvous.TCPStore = BoundTCPStore  # type: ignore[misc]
 
 
 @record

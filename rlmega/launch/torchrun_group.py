@@ -104,7 +104,7 @@ class _Host:
             # the mode into a cached config at import; re-read it as ray.init does for its own cluster.
             if env:
                 os.environ.update(env)
-                from ray._raylet import Config
+                from ray._raylet import Config  # type: ignore[attr-defined]
 
                 Config.initialize("")
             if not ray.is_initialized():

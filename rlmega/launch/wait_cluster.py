@@ -8,6 +8,7 @@ when as many nodes as HOSTs are alive, 1 naming the missing hosts after ``--time
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 import time
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
                 time.sleep(1)
                 continue
             try:
-                ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+                ray.init(address=args.address, log_to_driver=False, logging_level=logging.ERROR)
             except ray.exceptions.AuthenticationError as e:
                 print(f"wait_cluster: {e}\nFix: give every node and the trainer the same RAY_AUTH_MODE=token and "
                       "RAY_AUTH_TOKEN (rlmega.sbatch exports both)", file=sys.stderr)

@@ -72,9 +72,10 @@ class WorkerGroup:
         self.world_size, self.timeout_s, self.name = world_size, timeout_s, name
         # One intra-op thread per rank unless told otherwise: ranks share the node's cores.
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1)
-        Host = ray.remote(_RankHost)
-        self.hosts = []
+        options: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1)
+        # Ray's actor handles: their methods are reached through .remote, which Ray's typing does not describe
+        Host: Any = ray.remote(_RankHost)
+        self.hosts: list[Any] = []
         for rank in range(world_size):
             opts = dict(options)
             if placement_group is not None:
@@ -124,7 +125,7 @@ class WorkerGroup:
 
     def submit(self, method: str, *args, **kwargs) -> list:
         """``call`` started now: one ref per rank, in rank order, to wait on later."""
-        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
         return [h.call.remote(method, *args, **kwargs) for h in self.hosts]
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
@@ -137,7 +138,7 @@ class WorkerGroup:
         """``call_rank0`` started now and awaited later: returns a function that waits for every rank
         and gives rank 0's result, so the driver can keep another group busy meanwhile (the critic's
         forward beside the actor's). Calls on one group run in the order they were submitted."""
-        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
         refs = ([self.hosts[0].call.remote(method, *args, **kwargs)]
                 + [h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]])
         return lambda: self._get(refs)[0]
@@ -148,7 +149,7 @@ class WorkerGroup:
         other arguments. Returns a function that waits for every rank and gives one result per data-parallel
         rank: its first trainer rank's (the others answer None once done, or their error)."""
         refs_by_dp = [ray.put(s) for s in shards]
-        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
         first = first_rank_of(dp_of_rank)
         refs = [(h.call if first[dp_of_rank[r]] == r else h.call_quiet).remote(method, refs_by_dp[dp_of_rank[r]],
                                                                              *args, **kwargs)

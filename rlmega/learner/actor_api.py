@@ -37,6 +37,7 @@ import importlib
 
 from rlmega.algorithms import gae as gae_lib
 from rlmega.algorithms import kl as kl_lib
+from rlmega.config.schema import AlgorithmConfig
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.rundir.profiling import TraceRecorder
 
@@ -115,6 +116,8 @@ class Actor(abc.ABC):
 
     vocab_size: int
     """The model's vocabulary size, known after ``setup``."""
+    algo: AlgorithmConfig
+    """The algorithm section the actor was built with."""
     reference_moved: bool = False
     """The reference policy may differ from model.path (a copy after the warm start, a Polyak update,
     a reference restored from a checkpoint): from then on checkpoints carry it."""

@@ -71,3 +71,25 @@ def test_megatron_actor_built_in_code_refuses_activation_checkpointing():
     with pytest.raises(ValueError, match="actor.activation_checkpointing=true: the megatron backend"):
         actor_class("megatron")(ModelConfig(), ParallelismConfig(), OptimizerConfig(),
                                 ActorConfig(activation_checkpointing=True), AlgorithmConfig())
+
+
+def test_workers_are_called_through_their_interface():
+    """Issue 58: the driver names a rank's method by the interface's own function, never a string: a misspelt one
+    fails where it is written (and in `make lint`'s type check, mypy.ini, with the arguments); a method of the
+    other interface, or a string, is refused before anything is sent."""
+    import re
+    from pathlib import Path
+
+    from rlmega.launch.roles import method_name
+    from rlmega.learner.critic_api import Critic
+
+    assert method_name(Actor.train_step, Actor) == "train_step"
+    assert method_name(Critic.compute_values, Critic) == "compute_values"
+    for method, interface in ((Critic.train_step, Actor), (Actor.compute_logprobs, Critic), ("train_step", Actor)):
+        with pytest.raises(TypeError, match="is not a method of"):
+            method_name(method, interface)
+    root = Path(__file__).resolve().parents[2] / "rlmega"
+    by_string = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") for n, line in
+                 enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"\b(call_actors|call_critics|submit_critics)\(\s*[\"']", line)]
+    assert by_string == []
