@@ -50,80 +50,131 @@ class Timers(dict):
         self[f"time_{name}"] = time.perf_counter() - start
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one RL step runs, decided from its batch's size and the config."""
+    n_mini: int  # optimizer steps in this RL step
+    kl_reward: bool  # KL as a per-sequence reward penalty: needs the old log-probs before the advantages
+    gae: bool  # PPO with a value model: per-token advantages from its values (GAE)
+    policy_trains: bool  # critic warm-up: the first k steps train the critic alone
+    on_policy: bool  # one optimizer step: train_step scores the old log-probs itself (detached), no forward of its own
+
+    @staticmethod
+    def of(roles: Roles, cfg: RLConfig, step: int, batch_size: int) -> StepPlan:
+        a = cfg.algorithm
+        n_mini = mini_batch_count(batch_size, cfg.trainer.global_batch_size)
+        kl_reward, gae = a.kl_coef > 0 and a.kl_in_reward, roles.has_critic
+        policy_trains = not gae or step >= cfg.critic.warmup_steps
+        on_policy = n_mini == 1 and not kl_reward and policy_trains
+        return StepPlan(n_mini, kl_reward, gae, policy_trains, on_policy)
+
+
 def rl_step(roles: Roles, producer: Producer, step: int, cfg: RLConfig, task_names: list[str]) -> dict | None:
     """Train on batch ``step`` from the producer (rlmega/agents/produce.py), then sync the new weights.
     Returns the step's metrics; None when production stopped (should_stop) before the batch was made."""
-    a, t = cfg.algorithm, Timers()
-    start, busy = time.perf_counter(), roles.engine_busy_seconds()
+    t, start, busy = Timers(), time.perf_counter(), roles.engine_busy_seconds()
     with t("wait"):  # sync: the batch's generation and judging; async: what of it training did not hide
         produced = producer.take(step)
     if produced is None:
         return None
-    groups = produced.groups
     roles.train_phase()  # colocated GPUs: engines sleep, the trainer onloads (no-ops otherwise)
-    check_judgements(groups, cfg.reward.on_error)
-    judge_failures = judge_error_counts(groups)  # on_error=zero: failed items scored 0; said, not hidden
-    if judge_failures:
+    judge_failures = checked_judgements(produced.groups, step, cfg.reward.on_error)
+    generated = trainable_batch(produced.groups, step)  # the judges' rewards, every sampled token: the metrics'
+    batch, shaping = shape_overlong(generated, [(g.task, x) for g, x in kept_trajectories(produced.groups)], cfg)
+    plan = StepPlan.of(roles, cfg, step, len(batch))
+    with t("logprob"):
+        batch = scored(roles, batch, plan, cfg.algorithm.kl_coef > 0)
+    batch = with_advantages(batch, plan, cfg.algorithm)
+    with t("train"):
+        train, critic = trained(roles, batch, plan)
+    old = train[0].pop("old_logprobs") if plan.on_policy else batch.old_logprobs  # the policy's before the update
+    with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)
+        synced = producer.sync(step + 1)
+    t["time_step"] = time.perf_counter() - start
+    t["time_generate"] = produced.stats["time_generate"]  # the batch's own production, overlapped or not
+    busy_fraction = (roles.engine_busy_seconds() - busy) / (t["time_step"] * max(len(roles.engines), 1))
+    return {**step_metrics(step, produced, generated, batch, old, train, critic, plan.gae, task_names),
+            **{f"judge_errors/{k}": v for k, v in judge_failures.items()}, **shaping, **synced,
+            "engine_busy_fraction": min(1.0, max(0.0, busy_fraction)),  # the engines' clocks against the driver's
+            "trainer_busy_fraction": min(1.0, (t["time_logprob"] + t["time_train"]) / t["time_step"]),
+            "tokens_per_s": batch.num_tokens() / t["time_step"], **t}
+
+
+def checked_judgements(groups: list, step: int, on_error: str) -> dict:
+    """Ends the run on a failed judgement under reward.on_error=fail (check_judgements); under zero, says how
+    many items each judger failed on (scored 0: said, not hidden) and returns those counts."""
+    check_judgements(groups, on_error)
+    failures = judge_error_counts(groups)
+    if failures:
         log.warning("step %d: a judger failed on %d trajectories, scored 0 (reward.on_error=zero): %s; first: %s",
-                    step + 1, sum(judge_failures.values()), ", ".join(f"{k} {v}" for k, v in judge_failures.items()),
+                    step + 1, sum(failures.values()), ", ".join(f"{k} {v}" for k, v in failures.items()),
                     next(x.judge_error for g in groups if g.error is None for x in g.trajectories
                          if x.judge_error is not None)[:500])
-    rollout = rollout_metrics(groups, task_names)
+    return failures
+
+
+def trainable_batch(groups: list, step: int) -> RolloutBatch:
+    """The batch of the kept groups' trajectories; an error naming the engines' failure when none is left."""
     batch = batch_from_groups(groups)
     if len(batch) == 0:
         died = next((d for g in groups if g.error for d in [engine_death_in(g.error)] if d), None)
         raise RuntimeError(f"step {step + 1}: every group was dropped ({[g.error for g in groups][:3]} ...): "
                            "the engines fail every request: " + (died or "see the engine logs (Ray's worker logs "
                                                                    "under /tmp/ray/session_latest/logs/)"))
-    generated = batch  # the metrics report the judges' rewards and every sampled token, before any shaping
-    batch, shaping = shape_overlong(batch, [(g.task, x) for g, x in kept_trajectories(groups)], cfg)
-    n_mini = mini_batch_count(len(batch), cfg.trainer.global_batch_size)  # optimizer steps in this RL step
-    kl_reward = a.kl_coef > 0 and a.kl_in_reward  # needs the old log-probs before the advantages
-    gae = roles.has_critic  # PPO with a value model: per-token advantages from its values (GAE)
-    policy_trains = not gae or step >= cfg.critic.warmup_steps  # critic warm-up: the first k steps train it alone
-    # One optimizer step: the policy before it scores the train forward itself, so train_step takes
-    # the old log-probs from there (detached) instead of a separate forward, and returns them.
-    on_policy = n_mini == 1 and not kl_reward and policy_trains
-    with t("logprob"):
-        values_wait = roles.submit_critics(Critic.compute_values, batch) if gae else None  # beside the actor's
-        old = None if on_policy else roles.call_actors(Actor.compute_logprobs, batch)
-        ref = roles.call_actors(Actor.compute_ref_logprobs, batch) if a.kl_coef > 0 else None
-        values = values_wait() if values_wait else None
-    batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
-    if gae:
+    return batch
+
+
+def scored(roles: Roles, batch: RolloutBatch, plan: StepPlan, with_ref: bool) -> RolloutBatch:
+    """The batch with the old policy's log-probs (unless train_step scores them: plan.on_policy), the reference's
+    (``with_ref``: KL on) and the critic's values (plan.gae: on its own ranks, beside the actor's forwards)."""
+    values_wait = roles.submit_critics(Critic.compute_values, batch) if plan.gae else None
+    old = None if plan.on_policy else roles.call_actors(Actor.compute_logprobs, batch)
+    ref = roles.call_actors(Actor.compute_ref_logprobs, batch) if with_ref else None
+    values = values_wait() if values_wait else None
+    return dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
+
+
+def with_advantages(batch: RolloutBatch, plan: StepPlan, a) -> RolloutBatch:
+    """Per-token advantages: GAE from the critic's values (plan.gae), else the estimator's per-sequence advantage
+    on every response token, the rewards less the sequence KL first when KL is a reward penalty."""
+    if plan.gae:
         advantages, returns = advantages_and_returns(batch, a)  # here: pure arithmetic, no trainer rank
-        batch = dataclasses.replace(batch, advantages=advantages, returns=returns)
-    else:
-        seq_rewards = batch.rewards.clone()
-        if kl_reward:  # KL as a per-sequence reward penalty, over the tokens the loss trains on (not tool output)
-            seq_rewards -= a.kl_coef * kl_lib.sequence_kl(old, ref, batch.response_mask, a.kl_estimator)
-        seq_adv = adv_lib.compute(a.advantage_estimator, seq_rewards, batch.group_ids)
-        batch = dataclasses.replace(batch, advantages=[torch.full((n,), float(x))
-                                                       for n, x in zip(batch.response_lens(), seq_adv)])
-    with t("train"):
-        # the critic's steps (one per mini-batch, as the policy's) run on its own ranks beside the policy's
-        minis = [mini for mini in batch.split(n_mini) if len(mini)]
-        critic_waits = [roles.submit_critics(Critic.train_step, mini) for mini in minis] if gae else []
-        train = [roles.call_actors(Actor.train_step, mini, optimizer_steps_per_rl_step=n_mini)
-                 for mini in minis] if policy_trains else []
-        # A short batch (stale drops, short dynamic sampling) took fewer optimizer steps than the LR
-        # schedule plans per RL step: move it on by the rest, so it ends with trainer.total_steps.
-        behind = roles.optimizer_steps_per_rl_step() - n_mini
-        if behind > 0 and policy_trains:
-            roles.call_actors(Actor.advance_lr_schedule, behind)
-        critic = [wait() for wait in critic_waits]
-    if on_policy:
-        old = train[0].pop("old_logprobs")  # the policy's before this step's update, as compute_logprobs gives
-    with t("sync"):  # trainer offloads, engines wake, weights sync (async: as the schedule allows)
-        synced = producer.sync(step + 1)
+        return dataclasses.replace(batch, advantages=advantages, returns=returns)
+    seq_rewards = batch.rewards.clone()
+    if plan.kl_reward:  # KL as a per-sequence reward penalty, over the tokens the loss trains on (not tool output)
+        seq_rewards -= a.kl_coef * kl_lib.sequence_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
+                                                      a.kl_estimator)
+    seq_adv = adv_lib.compute(a.advantage_estimator, seq_rewards, batch.group_ids)
+    return dataclasses.replace(batch, advantages=[torch.full((n,), float(x))
+                                                  for n, x in zip(batch.response_lens(), seq_adv)])
+
+
+def trained(roles: Roles, batch: RolloutBatch, plan: StepPlan) -> tuple[list[dict], list[dict]]:
+    """The policy's and the critic's train_step results, one per mini-batch (the critic's on its own ranks,
+    beside the policy's)."""
+    minis = [mini for mini in batch.split(plan.n_mini) if len(mini)]
+    critic_waits = [roles.submit_critics(Critic.train_step, mini) for mini in minis] if plan.gae else []
+    train = [roles.call_actors(Actor.train_step, mini, optimizer_steps_per_rl_step=plan.n_mini)
+             for mini in minis] if plan.policy_trains else []
+    # A short batch (stale drops, short dynamic sampling) took fewer optimizer steps than the LR
+    # schedule plans per RL step: move it on by the rest, so it ends with trainer.total_steps.
+    behind = roles.optimizer_steps_per_rl_step() - plan.n_mini
+    if behind > 0 and plan.policy_trains:
+        roles.call_actors(Actor.advance_lr_schedule, behind)
+    return train, [wait() for wait in critic_waits]
+
+
+def step_metrics(step: int, produced, generated: RolloutBatch, batch: RolloutBatch, old, train: list[dict],
+                 critic: list[dict], gae: bool, task_names: list[str]) -> dict:
+    """The step's row (docs/troubleshooting.md lists the keys) apart from timings, shaping and the sync's: the
+    judges' rewards over every sampled token (``generated``), the train and critic steps' means, the parity of the
+    engine's log-probs with the trainer's ``old`` ones, and the producer's counts."""
+    groups, stats = produced.groups, produced.stats
+    rollout = rollout_metrics(groups, task_names)
     parity = logprob_diff(batch.rollout_logprobs, old, batch.response_mask)
     # The guard's measure: only samples the current weights made must agree (async ones may be stale).
     fresh = on_policy_diff(batch.rollout_logprobs, old, batch.response_mask,
                            [staleness(x, step) == 0 for _, x in kept_trajectories(groups)])
-    tokens = batch.num_tokens()
-    t["time_step"] = time.perf_counter() - start
-    t["time_generate"] = produced.stats["time_generate"]  # the batch's own production, overlapped or not
-    busy_fraction = (roles.engine_busy_seconds() - busy) / (t["time_step"] * max(len(roles.engines), 1))
     return {
         "step": step + 1,
         "reward_mean": float(generated.rewards.mean()),
@@ -136,15 +187,11 @@ def rl_step(roles: Roles, producer: Producer, step: int, cfg: RLConfig, task_nam
         "logprob_diff_max": parity["max"], "logprob_diff_mean": parity["mean"],
         "parity_max": fresh["max"], "parity_samples": fresh["samples"],
         "groups_trained": sum(g.error is None for g in groups),
-        "reward_errors": rollout["judge_errors"], "generation_failures": produced.stats["generation_failures"],
-        **{f"judge_errors/{k}": v for k, v in judge_failures.items()},
-        **rollout, **shaping, **synced,
-        **{k: produced.stats[k] for k in ("sampling_rounds", "prompts_drawn", "groups_filtered", "groups_short",
-                                          "stale_dropped", "stale_requeued")},
+        "reward_errors": rollout["judge_errors"], "generation_failures": stats["generation_failures"],
+        **rollout,
+        **{k: stats[k] for k in ("sampling_rounds", "prompts_drawn", "groups_filtered", "groups_short",
+                                 "stale_dropped", "stale_requeued")},
         **staleness_metrics(groups, step),
-        "engine_busy_fraction": min(1.0, max(0.0, busy_fraction)),  # the engines' clocks against the driver's
-        "trainer_busy_fraction": min(1.0, (t["time_logprob"] + t["time_train"]) / t["time_step"]),
-        "tokens_per_s": tokens / t["time_step"], **t,
         "_prefill_tokens": sum(len(x.prompt_ids) for g in groups for x in g.trajectories),
         "_decode_tokens": sum(int(m.sum()) for m in generated.response_mask),
     }
