@@ -26,25 +26,10 @@ from typing import List, Optional
 from rlmega.config.errors import problem
 from rlmega.config.families import fsdp_reason
 from rlmega.config.hf_support import transformers_reason, unsupported_reason
-from rlmega.config.learner_rules import (GE0, OPTIMIZER, PARALLELISM, ModelShape, Rule, fsdp_layout_problems,
-                                         grid_problems, in_section, megatron_model_problems)
+from rlmega.config.learner_rules import (ModelShape, fsdp_layout_problems, grid_problems,
+                                         megatron_model_problems)
 from rlmega.config.model_files import HeaderError, read_safetensors_header, weight_problems
 from rlmega.config.schema import RLConfig
-
-_RANGES: List[Rule] = [(f, *rule) for f, rule in [
-    ("algorithm.gamma", (lambda v: 0 < v <= 1, "in (0, 1]")), ("algorithm.lam", (lambda v: 0 <= v <= 1, "in [0, 1]")),
-    ("algorithm.lam_critic", (lambda v: v is None or 0 <= v <= 1, "null (lam) or in [0, 1]")),
-    ("algorithm.lam_actor_alpha", (lambda v: v is None or v > 0, "null (lam for every response) or > 0")),
-    ("critic.cliprange_value", (lambda v: v >= 0, ">= 0 (0: no clip)")), ("critic.warmup_steps", GE0),
-    ("critic.max_tokens_per_micro_batch", (lambda v: v is None or v >= 1,
-                                           "null (actor.max_tokens_per_micro_batch) or >= 1")),
-]] + in_section("critic.optimizer", OPTIMIZER)
-
-
-def ranges(cfg: RLConfig) -> List[Rule]:
-    """gae's and the critic section's ranges, critic.parallelism's where it is set (null: the actor's)."""
-    return _RANGES + (in_section("critic.parallelism", PARALLELISM) if cfg.critic.parallelism is not None else [])
-
 
 def critic_ranks(cfg: RLConfig) -> int:
     """The critic's ranks (its own worker group, algorithm.advantage_estimator=gae); 0 without a critic."""

@@ -19,6 +19,7 @@ import sys
 import typing
 from pathlib import Path
 
+from rlmega.config.ranges import range_of
 from rlmega.config.schema import RLConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -128,8 +129,8 @@ def render() -> str:
                 lines.append(f"- **`{f.name}`**: the [`{names[inner]}`](#{_anchor(names[inner])}) section"
                              + (f". {_one_line(doc)}" if doc and not here else "."))
                 continue
-            default = _yaml(_default(f))
-            lines.append(f"- **`{f.name}`** (`{annotation}`, default `{default}`): "
+            default, rule = _yaml(_default(f)), range_of(f)  # the range declared beside the field, as validate reads it
+            lines.append(f"- **`{f.name}`** (`{annotation}`, default `{default}`{f', {rule.words}' if rule else ''}): "
                          f"{_one_line(doc) if doc else '(no description)'}")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"

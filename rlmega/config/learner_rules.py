@@ -1,12 +1,10 @@
 """The rules of a learner's own sections, checked the moment a config loads (used by
 rlmega.config.validate for the actor and by rlmega.config.critic_rules for the critic).
 
-    rules = in_section("critic.optimizer", OPTIMIZER)      # (field, predicate, the rule in words) rows
     lines = grid_problems(cfg, "critic.parallelism", par) + megatron_model_problems("parallelism", par, shape)
 
 Each check takes the section and its name (``parallelism`` or ``critic.parallelism``), so a problem names the
 field the user set, and returns `field: problem. Fix: ...` lines (rlmega.config.errors.problem). The rules:
-- ranges of a ParallelismConfig and an OptimizerConfig, wherever one sits;
 - the layout: VPP needs PP (megatron), world_size a multiple of TP x PP, a sample for every DP rank (and at
   least PP of them per rank under the interleaved schedule);
 - actor.backend=fsdp has no tensor, pipeline or virtual pipeline split;
@@ -16,30 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from rlmega.config.errors import problem
 from rlmega.config.schema import ParallelismConfig, RLConfig
-
-# (dotted field, predicate, the rule in words). Layout checks rely on these holding first.
-Rule = Tuple[str, Callable[[object], bool], str]
-GE0, GE1, GT0 = (lambda v: v >= 0, ">= 0"), (lambda v: v >= 1, ">= 1"), (lambda v: v > 0, "> 0")
-UNIT = (lambda v: 0 <= v < 1, "in [0, 1)")
-
-# The rules of a ParallelismConfig and an OptimizerConfig, wherever one sits (the actor's, the critic's).
-PARALLELISM = [
-    ("tensor_model_parallel_size", GE1), ("pipeline_model_parallel_size", GE1),
-    ("virtual_pipeline_model_parallel_size", (lambda v: v is None or v >= 1, "null or >= 1")),
-    ("world_size", GE1), ("expert_model_parallel_size", GE1), ("context_parallel_size", GE1)]
-OPTIMIZER = [
-    # Adam moves each weight by about lr per step: past 1 every update outgrows typical weights.
-    ("lr", (lambda v: 0 <= v <= 1, "in [0, 1]")), ("min_lr", GE0), ("weight_decay", GE0),
-    ("adam_beta1", UNIT), ("adam_beta2", UNIT), ("adam_eps", GT0), ("clip_grad", GE0), ("lr_warmup_steps", GE0)]
-
-
-def in_section(section: str, rules) -> List[Rule]:
-    return [(f"{section}.{name}", *rule) for name, rule in rules]
-
 
 @dataclass(frozen=True)
 class ModelShape:

@@ -1,13 +1,12 @@
 """LoRA's rules (actor.lora, rollout.lora_merge), checked the moment a config loads (called by
 rlmega.config.validate) and against the model's folder (called by rlmega.preflight).
 
-    rules = RANGES                                        # (field, ok, rule) of the lora section
     lines = problems(cfg)                                 # against the rest of the config
     lines = module_problems(cfg, hf)                      # preflight: target_modules against the model
     lines = resume_problems(cfg, step_folder)             # trainer.resume's checkpoint against actor.lora
 
-- rank >= 0 (0 = off), alpha > 0, dropout 0 (a log-prob must be a function of the weights), a non-empty
-  target_modules list.
+- Declared beside the fields (schema.py): rank >= 0 (0 = off), alpha > 0, dropout 0 (a log-prob must be a
+  function of the weights), a non-empty target_modules list.
 - With rank > 0 on actor.backend=megatron: target_modules among MEGATRON_TARGETS (the attention's only for an
   MoE model: expert LoRA is not built, preflight). On both learners the reference is the base model (the
   policy with its adapters off), so a Polyak-moved reference (actor.ref_update_rate > 0) and a KL anchored to
@@ -24,7 +23,6 @@ from __future__ import annotations
 from typing import List
 
 from rlmega.config.errors import problem
-from rlmega.config.learner_rules import GE0, GT0, Rule
 from rlmega.config.schema import LoraConfig, RLConfig
 
 # vllm 0.32's LoRAConfig.max_lora_rank choices (vllm/config/lora.py MaxLoRARanks;
@@ -37,17 +35,8 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 MEGATRON_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
-RANGES: List[Rule] = [
-    ("actor.lora.rank", *GE0), ("actor.lora.alpha", *GT0),
-    ("actor.lora.dropout", lambda v: v == 0, "0: the learners run with dropout off, so that a log-prob is a function "
-     "of the weights (the PPO ratio's two forwards, parity with the engine)"),
-    ("actor.lora.target_modules", lambda v: len(v) > 0 and all(isinstance(m, str) and m for m in v),
-     "a non-empty list of module names, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"),
-]
-
-
 def problems(cfg: RLConfig) -> List[str]:
-    """actor.lora and rollout.lora_merge against the rest of the config (assumes RANGES hold)."""
+    """actor.lora and rollout.lora_merge against the rest of the config (assumes the section's ranges hold)."""
     lora, out = cfg.actor.lora, []
     if lora.rank == 0:
         if cfg.rollout.lora_merge:

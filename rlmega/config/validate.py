@@ -31,8 +31,9 @@ import rlmega.config.moe_rules as moe_rules
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.errors import MAX_ACTORS, ConfigError, problem  # noqa: F401 (re-exported)
 from rlmega.config.hf_support import EXPERT_BIAS_ARCHITECTURES, architecture, vllm_attention_backends
-from rlmega.config.learner_rules import (GE0, GE1, GT0, OPTIMIZER, PARALLELISM, UNIT, ModelShape, Rule, divisors,
-                                         fsdp_layout_problems, grid_problems, in_section, megatron_model_problems)
+from rlmega.config.learner_rules import (ModelShape, divisors, fsdp_layout_problems, grid_problems,
+                                         megatron_model_problems)
+from rlmega.config.ranges import ranged_fields
 from rlmega.config.schema import RLConfig
 from rlmega.rundir.checkpoint_scan import auto_choice
 from rlmega.rundir.run import find_checkpoint
@@ -108,61 +109,7 @@ def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-_NONE_OR_GE1 = (lambda v: v is None or v >= 1, "null (automatic) or >= 1")
-# Seeds: numpy's np.random.seed takes < 2**32 (model.seed reaches it on every rank), and offsets are
-# added to the seeds (rank, engine, step x 1_000_003, epoch); 2**31 - 1 leaves them room and fits int32.
-SEED_MAX = 2**31 - 1
 MAX_SAMPLES_PER_STEP = 2**20  # a step's batch (tokens, masks, log-probs) is held in the driver's memory
-MAX_SYNTHETIC = 10**6  # the synthetic problems are made and tokenized in the driver at start-up
-_SEED = (lambda v: 0 <= v <= SEED_MAX, f"in [0, {SEED_MAX}] (2**31 - 1)")
-
-
-def _upto(hi, lo: int = 1):
-    return (lambda v: lo <= v <= hi, f"in [{lo}, {hi}]")
-
-
-# (dotted field, predicate, the rule in words). Layout checks below rely on these holding first.
-# The actor's sections and the run's; gae's and the critic's follow them (critic_rules.ranges).
-_ACTOR: List[Rule] = in_section("parallelism", PARALLELISM) + in_section("optimizer", OPTIMIZER)
-_RANGES: List[Rule] = _ACTOR + [(f, *rule) for f, rule in [
-    ("model.seed", _SEED), ("actor.moe_aux_loss_coeff", GE0), ("actor.moe_z_loss_coeff", GE0),
-    ("actor.moe_router_bias_update_rate", GE0),
-    ("rollout.num_engines", _upto(MAX_ACTORS)), ("rollout.tensor_parallel_size", GE1),
-    ("rollout.cuda_graph_max_batch", _NONE_OR_GE1),
-    ("rollout.n", _upto(MAX_ACTORS)),
-    ("rollout.temperature", GT0), ("rollout.top_p", (lambda v: 0 < v <= 1, "in (0, 1]")),
-    ("rollout.top_k", (lambda v: v == -1 or v >= 1, "-1 (disabled) or >= 1")),
-    ("rollout.max_prompt_tokens", GE1), ("rollout.max_response_tokens", GE1),
-    ("rollout.kv_cache_space_gb", GT0), ("rollout.gpu_memory_utilization", (lambda v: 0 < v <= 1, "in (0, 1]")),
-    ("rollout.seed", _SEED),
-    ("rollout.parity_warn", (lambda v: v is None or v > 0, "null (the dtype's default) or > 0")),
-    ("rollout.parity_stop", (lambda v: v is None or v > 0, "null (the dtype's default) or > 0")),
-    ("algorithm.clip_eps_low", UNIT), ("algorithm.clip_eps_high", GE0),
-    ("algorithm.dual_clip_c", (lambda v: v > 1, "> 1")), ("algorithm.kl_coef", GE0),
-    ("algorithm.entropy_coef", GE0), ("reward.num_workers", _upto(MAX_ACTORS, 0)),
-    ("reward.timeout_s", (lambda v: 0 < v <= 86400, "in (0, 86400] (a day)")),
-    ("algorithm.rollout_is_cap", (lambda v: v >= 1, ">= 1 (a cap below 1 would shrink on-policy tokens)")),
-    ("algorithm.rollout_is_bounds_low", (lambda v: 0 < v <= 1, "in (0, 1] (ratio 1, no mismatch, must be kept)")),
-    ("algorithm.rollout_is_bounds_high", (lambda v: v >= 1, ">= 1 (ratio 1, no mismatch, must be kept)")),
-    ("trainer.warmup_sft_steps", GE0), ("trainer.warmup_sft_max_tokens", GE0),
-    ("trainer.warmup_sft_lr", (lambda v: v is None or 0 < v <= 1, "null or in (0, 1]")),
-    ("cluster.actor_cpus_per_rank", GT0), ("cluster.engine_cpus", GT0),
-    ("cluster.threads_per_rank", _NONE_OR_GE1), ("cluster.threads_per_engine", _NONE_OR_GE1),
-    ("cluster.reward_cpus", GT0),
-    ("cluster.num_cpus", (lambda v: v is None or 0 < v <= 10**6, "null (all cores) or in (0, 10**6]")),
-    ("cluster.gpus_per_node", GE1), ("cluster.cpu_ranks_per_node", GE0),
-    ("actor.max_tokens_per_micro_batch", GE1), ("actor.logprob_chunk_tokens", GE0), ("actor.ulysses_size", GE1),
-    ("actor.ref_update_rate", (lambda v: 0 <= v <= 1, "in [0, 1]")),
-    ("trainer.total_steps", GE0), ("trainer.prompts_per_step", GE1), ("trainer.global_batch_size", GE1),
-    ("trainer.save_every", GE0),
-    ("trainer.eval_every", GE0), ("trainer.keep_last_checkpoints", GE1),
-    ("data.seed", _SEED), ("data.synthetic_size", _upto(MAX_SYNTHETIC)), ("data.synthetic_digits", _upto(18)),
-    ("data.synthetic_length", _upto(10**6)), ("data.max_image_pixels", GE1), ("data.max_image_bytes", GE1),
-    ("rollout.max_images_per_prompt", GE1),
-    ("logging.dashboard_port", (lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")),
-    ("produce.max_staleness", (lambda v: v >= 1, ">= 1 (0 is produce.strategy=sync)")),
-    ("algorithm.max_sampling_rounds", GE1), ("algorithm.overlong_penalty_factor", GE0),
-]]
 
 
 def _number_problems(obj, prefix: str = "") -> List[str]:
@@ -401,10 +348,9 @@ def validate(cfg: RLConfig) -> None:
     out = _choice_problems(cfg)
     bad_numbers = _number_problems(cfg)
     bad_ranges = list(bad_numbers)
-    for field, ok, rule in _RANGES + critic_rules.ranges(cfg) + lora_rules.RANGES:
-        value = _get(cfg, field)
-        if field not in {_field_of(p) for p in bad_numbers} and not ok(value):
-            bad_ranges.append(problem(field, f"{value!r} must be {rule}", f"set {field} to a value {rule}"))
+    for field, value, rule in ranged_fields(cfg):  # each field's range, declared beside it in schema.py
+        if field not in {_field_of(p) for p in bad_numbers} and not rule.ok(value):
+            bad_ranges.append(problem(field, f"{value!r} must be {rule.words}", f"set {field} to a value {rule.words}"))
     out += bad_ranges
     out += _unused_sections(cfg)
 

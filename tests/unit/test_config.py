@@ -501,3 +501,25 @@ def test_vllm_attention_backends_read_as_text_match_installed_vllm():
 
     assert vllm_attention_backends() == {b.name for b in registry.AttentionBackendEnum}
     assert "CPU_ATTN" in vllm_attention_backends()
+
+
+def test_each_range_lives_beside_its_field_and_is_read_from_there():
+    """Issue 58: a field's range is declared on the field (schema.py, rlmega/config/ranges.py); validate and
+    docs/configuration.md both read it there. A section that sits twice is checked under each path: the critic's
+    optimizer and, once set, its parallelism, as the actor's."""
+    import dataclasses
+    from pathlib import Path
+
+    from rlmega.config.ranges import range_of, ranged_fields
+
+    cfg = load_config(None, [])
+    paths = {p for p, _, _ in ranged_fields(cfg)}
+    assert {"optimizer.lr", "critic.optimizer.lr", "actor.lora.dropout", "rollout.top_p", "data.seed"} <= paths
+    assert not any(p.startswith("critic.parallelism.") for p in paths)  # null: the actor's layout
+    rejects("critic.optimizer.lr=2.0", field="critic.optimizer.lr")
+    rejects("critic.parallelism.world_size=0", field="critic.parallelism.world_size")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for section in (cfg.rollout, cfg.algorithm, cfg.actor.lora):
+        for f in dataclasses.fields(section):
+            if range_of(f):
+                assert f"- **`{f.name}`** (" in page and f", {range_of(f).words}): " in page, f.name
