@@ -127,9 +127,9 @@ def trainable_batch(groups: list, step: int) -> RolloutBatch:
 def scored(roles: Roles, batch: RolloutBatch, plan: StepPlan, with_ref: bool) -> RolloutBatch:
     """The batch with the old policy's log-probs (unless train_step scores them: plan.on_policy), the reference's
     (``with_ref``: KL on) and the critic's values (plan.gae: on its own ranks, beside the actor's forwards)."""
-    values_wait = roles.submit_critics(Critic.compute_values, batch) if plan.gae else None
-    old = None if plan.on_policy else roles.call_actors(Actor.compute_logprobs, batch)
-    ref = roles.call_actors(Actor.compute_ref_logprobs, batch) if with_ref else None
+    values_wait = roles.submit_critic(Critic.compute_values, batch) if plan.gae else None
+    old = None if plan.on_policy else roles.call_policy(Actor.compute_logprobs, batch)
+    ref = roles.call_policy(Actor.compute_ref_logprobs, batch) if with_ref else None
     values = values_wait() if values_wait else None
     return dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
 
@@ -153,14 +153,14 @@ def trained(roles: Roles, batch: RolloutBatch, plan: StepPlan) -> tuple[list[dic
     """The policy's and the critic's train_step results, one per mini-batch (the critic's on its own ranks,
     beside the policy's)."""
     minis = [mini for mini in batch.split(plan.n_mini) if len(mini)]
-    critic_waits = [roles.submit_critics(Critic.train_step, mini) for mini in minis] if plan.gae else []
-    train = [roles.call_actors(Actor.train_step, mini, optimizer_steps_per_rl_step=plan.n_mini)
+    critic_waits = [roles.submit_critic(Critic.train_step, mini) for mini in minis] if plan.gae else []
+    train = [roles.call_policy(Actor.train_step, mini, optimizer_steps_per_rl_step=plan.n_mini)
              for mini in minis] if plan.policy_trains else []
     # A short batch (stale drops, short dynamic sampling) took fewer optimizer steps than the LR
     # schedule plans per RL step: move it on by the rest, so it ends with trainer.total_steps.
     behind = roles.optimizer_steps_per_rl_step() - plan.n_mini
     if behind > 0 and plan.policy_trains:
-        roles.call_actors(Actor.advance_lr_schedule, behind)
+        roles.call_policy(Actor.advance_lr_schedule, behind)
     return train, [wait() for wait in critic_waits]
 
 

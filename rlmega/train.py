@@ -126,7 +126,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
             run.write_warm_start(losses)
             warm = {"warmup_sft_loss_first": losses[0], "warmup_sft_loss_last": losses[-1]} if losses else {}
             # KL regularises toward the policy RL starts from, not the untuned model.path.
-            roles.call_actors(Actor.update_ref_policy, 1.0)
+            roles.call_policy(Actor.update_ref_policy, 1.0)
             clock.done("warm start")
         roles.sync_weights(version=start)
         clock.done("first weight sync")
@@ -155,7 +155,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
                 if metrics is None:  # should_stop came while waiting: the batch was never made
                     break
                 if cfg.actor.ref_update_rate > 0:  # Polyak: the reference trails the policy
-                    roles.call_actors(Actor.update_ref_policy)
+                    roles.call_policy(Actor.update_ref_policy)
                 if t.eval_every and data.eval_prompts() and (step + 1) % t.eval_every == 0:
                     metrics.update(evaluate(roles, data.eval_prompts(), cfg.rollout.max_response_tokens))
                 report(roles.manager, metrics, t.total_steps)
@@ -176,9 +176,9 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
                     save(roles, run, done, data, producer, history, t.keep_last_checkpoints, settings)
                 run.stopped = f"stopped at step {done} of {t.total_steps} ({stop.reason or 'should_stop'})"
             else:
-                roles.call_actors(Actor.export_hf, str(run.path / "hf_final"), True)
+                roles.call_policy(Actor.export_hf, str(run.path / "hf_final"), True)
                 if roles.has_critic:  # a critic to start the next run from (critic.path)
-                    roles.call_critics(Critic.export_hf, str(run.path / "critic_hf_final"), True)
+                    roles.call_critic(Critic.export_hf, str(run.path / "critic_hf_final"), True)
 
 
 def save(roles: Roles, run: RunDir, step: int, data: Tasks, producer: Producer, history: list, keep: int,
@@ -189,8 +189,8 @@ def save(roles: Roles, run: RunDir, step: int, data: Tasks, producer: Producer, 
     producer.pause()  # until the next advance
     extra = {"data": data.state_dict(), "history": history, "producer": producer.state_dict(), "settings": settings}
     if roles.has_critic:  # first: the policy's save writes `latest`, which commits the pair
-        roles.call_critics(Critic.save_checkpoint, str(run.checkpoints / "critic"), step)
-    roles.call_actors(Actor.save_checkpoint, str(run.checkpoints), step, extra)
+        roles.call_critic(Critic.save_checkpoint, str(run.checkpoints / "critic"), step)
+    roles.call_policy(Actor.save_checkpoint, str(run.checkpoints), step, extra)
     run.prune_checkpoints(keep)
     return step
 
@@ -206,8 +206,8 @@ def resume(roles: Roles, run: RunDir, data: Tasks, path: Path | None) -> tuple[i
             run.rewrite_metrics([])
         return 0, [], None
     if roles.has_critic:  # there: _train checked it before any worker started
-        roles.call_critics(Critic.load_checkpoint, str(critic_checkpoint(path)))
-    step, extra = roles.call_actors(Actor.load_checkpoint, str(path))
+        roles.call_critic(Critic.load_checkpoint, str(critic_checkpoint(path)))
+    step, extra = roles.call_policy(Actor.load_checkpoint, str(path))
     data.load_state_dict(extra["data"])
     run.rewrite_metrics(extra["history"])
     print(f"rlmega: resumed from {path} at step {step}", flush=True)
@@ -229,7 +229,7 @@ def warm_start(roles: Roles, data: Tasks, tokenizer, t: TrainerConfig, stop: Sto
             return losses
         loops = {name: data.config(name).agent_loop for name in data.names}
         batch = sft_batch(data.warmup_prompts(i), tokenizer, loops, t.warmup_sft_max_tokens, data.processor)
-        metrics = roles.call_actors(Actor.sft_step, batch, t.warmup_sft_lr)
+        metrics = roles.call_policy(Actor.sft_step, batch, t.warmup_sft_lr)
         losses.append(float(metrics["loss"]))
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
     return losses

@@ -4,7 +4,7 @@ workers and the coordinator.
     with Roles(cfg) as roles:                        # embedded local Ray, or attach to cluster.address
         groups = roles.rollout([("default", GroupRequest(...)), ...])   # agent loops: judged trajectories
         roles.train_phase()                          # engines sleep, trainer onloads (colocated GPUs)
-        roles.call_actors(Actor.train_step, batch)
+        roles.call_policy(Actor.train_step, batch)
         roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
 
 Where each rank and engine runs comes from rlmega.config.placement_rules (one placement group per node on
@@ -62,6 +62,16 @@ def method_name(method: Callable, interface: type) -> str:
     return name
 
 
+def of_actor(method: Callable) -> str:
+    """``method_name(method, Actor)``: a policy rank's method, by the Actor interface's function."""
+    return method_name(method, Actor)
+
+
+def of_critic(method: Callable) -> str:
+    """``method_name(method, Critic)``: a critic rank's method, by the Critic interface's function."""
+    return method_name(method, Critic)
+
+
 class RoleDied(WorkerFailed):
     """A worker of the run raised, died or hung: ``worker`` names it (see launch/errors.py)."""
 
@@ -79,10 +89,10 @@ class Roles:
         self.eval_requests = eval_requests
         self.clock = clock or StartupClock(echo=False)
         self.started_ray = False
-        self.actors: WorkerGroup | None = None
-        self.critics: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
+        self.policy_ranks: WorkerGroup | None = None
+        self.critic_ranks: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
         # calls on a batch: planned once, one share per data-parallel rank (rlmega/launch/sharded.py)
-        self.actor_calls: ShardedCalls | None = None
+        self.policy_calls: ShardedCalls | None = None
         self.critic_calls: ShardedCalls | None = None
         self.engines: list = []
         self.weight_transport = None  # made at the first sync (Roles._transport)
@@ -150,26 +160,27 @@ class Roles:
         offload = self.cfg.actor.offload_while_generating
         self.swaps = (c.colocate and r.device == "cuda") if offload is None else offload
         with_reference = self.cfg.algorithm.kl_coef > 0
-        self.actors = start_trainer(self.cfg, plan, self.pgs, rank_threads, self.swaps, on_torchrun,
+        self.policy_ranks = start_trainer(self.cfg, plan, self.pgs, rank_threads, self.swaps, on_torchrun,
                                     self.optimizer_steps_per_rl_step(), self.call_timeout_s, wait=False)
         log.info("placement: trainer ranks on nodes %s; rollout engines on nodes %s",
-                 _by_node(node_names(self.actors.node_ids)) if not on_torchrun else "(torchrun's)",
+                 _by_node(node_names(self.policy_ranks.node_ids)) if not on_torchrun else "(torchrun's)",
                  _by_node(node_names(engine_nodes)))
         trainer = "trainer (policy" + (" + reference)" if with_reference else ")")
         if on_torchrun:  # torchrun's ranks answer one blocking call at a time; the engines load meanwhile
-            self.actors.call("setup", with_reference=with_reference)
+            self.policy_ranks.call(of_actor(Actor.setup), with_reference=with_reference)
             clock.done(trainer, began)
         else:  # a rank runs its calls in the order they were made: setup once the build is done
-            names = self.actors.names()
-            meeting[trainer] = (self.actors.starting + self.actors.submit("setup", with_reference=with_reference),
-                                names + names)
+            names = self.policy_ranks.names()
+            setup = self.policy_ranks.submit(of_actor(Actor.setup), with_reference=with_reference)
+            meeting[trainer] = (self.policy_ranks.starting + setup, names + names)
         if self.has_critic:
             offload = self.cfg.critic.offload_while_generating
             self.critic_swaps = (c.colocate and r.device == "cuda") if offload is None else offload
-            self.critics = start_critic(self.cfg, plan, self.pgs, rank_threads, self.critic_swaps,
+            self.critic_ranks = start_critic(self.cfg, plan, self.pgs, rank_threads, self.critic_swaps,
                                         self.optimizer_steps_per_rl_step(), self.call_timeout_s, wait=False)
-            names = self.critics.names()
-            meeting["critic"] = (self.critics.starting + self.critics.submit("setup"), names + names)
+            names = self.critic_ranks.names()
+            setup = self.critic_ranks.submit(of_critic(Critic.setup))
+            meeting["critic"] = (self.critic_ranks.starting + setup, names + names)
         try:
             met = meet(meeting, self.call_timeout_s, done=lambda phase: clock.done(phase, began))
         except WorkerFailed as e:
@@ -177,9 +188,9 @@ class Roles:
         except ray.exceptions.GetTimeoutError as e:
             raise RoleDied(f"the trainer ranks and engines did not all start within {self.call_timeout_s:.0f}s",
                            "start-up") from e
-        self.actor_calls = ShardedCalls(self.actors, self.actors.call("data_layout"))
+        self.policy_calls = ShardedCalls(self.policy_ranks, self.policy_ranks.call(of_actor(Actor.data_layout)))
         if self.has_critic:
-            self.critic_calls = ShardedCalls(self.critics, self.critics.call("data_layout"))
+            self.critic_calls = ShardedCalls(self.critic_ranks, self.critic_ranks.call(of_critic(Critic.data_layout)))
         for i, value in enumerate(met["engines"]):
             self.manager.set_kv_cache_max_concurrency(i, value)
         # What the models compute with, as vLLM's processes report it (threads per model worker)
@@ -187,7 +198,7 @@ class Roles:
                                                        "rollout engine"))
         self.phases = ColocatedPhases(
             engines=lambda method: self._get([getattr(e, method).remote() for e in self.engines], "rollout engine"),
-            trainer=self._call_actors, critic=self.call_critics if self.critics is not None else None,
+            trainer=self._call_policy, critic=self.call_critic if self.critic_ranks is not None else None,
             swaps=self.swaps, critic_swaps=self.critic_swaps, keep_engines_awake=self.keep_engines_awake)
         self.hosts, self.background, agents_pg = start_agent_loops(self.cfg, self.engines, self.pg_timeout_s)
         if agents_pg is not None:
@@ -206,13 +217,13 @@ class Roles:
             except Exception:  # already dead
                 pass
         self.engines, self.weight_transport = [], None
-        for group in (self.actors, self.critics):
+        for group in (self.policy_ranks, self.critic_ranks):
             if group is not None:
                 try:
                     group.shutdown()
                 except Exception:
                     pass
-        self.actors = self.critics = None
+        self.policy_ranks = self.critic_ranks = None
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
@@ -242,18 +253,18 @@ class Roles:
         except ray.exceptions.GetTimeoutError as e:
             raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s", what) from e
 
-    def call_actors(self, method: Callable[Concatenate[Actor, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+    def call_policy(self, method: Callable[Concatenate[Actor, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``method`` (a method of the Actor interface, ``Actor.train_step``) on every trainer rank: rank 0's
         result (every rank returns the same); a call on a RolloutBatch goes as one share per data-parallel rank
         and comes back merged (rlmega/launch/sharded.py). Brings a released trainer back first."""
         self.phases.before_training()
-        return self._call_actors(method_name(method, Actor), *args, **kwargs)
+        return self._call_policy(method_name(method, Actor), *args, **kwargs)
 
-    def _call_actors(self, method: str, *args, **kwargs):
+    def _call_policy(self, method: str, *args, **kwargs):
         try:
             if args and isinstance(args[0], RolloutBatch):  # planned here once, each rank only its share
-                return self.actor_calls.submit(method, *args, **kwargs)()
-            return self.actors.call_rank0(method, *args, **kwargs)
+                return self.policy_calls.submit(method, *args, **kwargs)()
+            return self.policy_ranks.call_rank0(method, *args, **kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 
@@ -262,17 +273,17 @@ class Roles:
         """The run trains a value model (algorithm.advantage_estimator=gae)."""
         return self.cfg.algorithm.advantage_estimator == "gae"
 
-    def call_critics(self, method: Callable[Concatenate[Critic, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+    def call_critic(self, method: Callable[Concatenate[Critic, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``method`` (of the Critic interface) on every critic rank: rank 0's result (every rank returns the
         same)."""
-        return self.submit_critics(method, *args, **kwargs)()
+        return self.submit_critic(method, *args, **kwargs)()
 
-    def submit_critics(self, method: Callable[Concatenate[Critic, P], R], *args: P.args,
+    def submit_critic(self, method: Callable[Concatenate[Critic, P], R], *args: P.args,
                        **kwargs: P.kwargs) -> Callable[[], R]:
         """A critic call (``method`` of the Critic interface) started now; returns a function that waits for it
         and gives rank 0's result, so the actor's ranks can work meanwhile (the value forward beside the
         log-probs, the critic's train step beside the policy's)."""
-        if self.critics is None:
+        if self.critic_ranks is None:
             raise RuntimeError("this run has no critic (algorithm.advantage_estimator is not gae)")
         name = method_name(method, Critic)
         call_args: tuple[Any, ...] = tuple(args)
@@ -281,7 +292,7 @@ class Roles:
             if call_args and isinstance(call_args[0], RolloutBatch):
                 wait = self.critic_calls.submit(name, *call_args, **call_kwargs)
             else:
-                wait = self.critics.submit_rank0(name, *call_args, **call_kwargs)
+                wait = self.critic_ranks.submit_rank0(name, *call_args, **call_kwargs)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
 
@@ -356,8 +367,8 @@ class Roles:
         if self.lora_unmerged and self._base_sent:
             return self._send_adapter(version)
         try:
-            sent = self.actors.call("sync_model_to_rollout", self._transport(), version, bucket_bytes,
-                                    "base" if self.lora_unmerged else "merged")
+            sent = self.policy_ranks.call(of_actor(Actor.sync_model_to_rollout), self._transport(), version,
+                                          bucket_bytes, "base" if self.lora_unmerged else "merged")
         except WorkerGroupError as e:
             dead = self._dead_engines()
             if dead:  # the ranks failed because an engine they were sending to is gone
@@ -377,7 +388,7 @@ class Roles:
         Ray's object store once by trainer rank 0, read from there by each engine (not through the driver)."""
         start = time.perf_counter()
         try:
-            put = next(f for f in self.actors.call("put_adapter_for_rollout") if f is not None)
+            put = next(f for f in self.policy_ranks.call(of_actor(Actor.put_adapter_for_rollout)) if f is not None)
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
         self._get([e.load_adapter.remote(put["ref"], version) for e in self.engines], "rollout engine")
@@ -414,13 +425,13 @@ class Roles:
         return str(Path(self.cfg.trainer.run_dir).resolve() / "profile" / "engines")
 
     def start_profile(self, name: str) -> None:
-        self._call_actors(method_name(Actor.start_profile, Actor))
+        self._call_policy(of_actor(Actor.start_profile))
         self._get([e.start_profile.remote(f"{name}_engine{i}") for i, e in enumerate(self.engines)], "rollout engine")
         self._profile_name = name
 
     def stop_profile(self, out_dir: str) -> list[str]:
         """Every rank's and engine's trace of this profile, in ``out_dir``; returns their paths."""
-        paths = self.actors.call("stop_profile", out_dir)
+        paths = self.policy_ranks.call(of_actor(Actor.stop_profile), out_dir)
         self._get([e.stop_profile.remote() for e in self.engines], "rollout engine")
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for f in sorted(Path(self._engine_profile_dir()).glob(f"{self._profile_name}_engine*")):
