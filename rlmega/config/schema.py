@@ -1,9 +1,11 @@
 """Typed config schema: one dataclass per section, a docstring under each field.
 
-YAML files hold values only; the types, defaults and allowed choices live here. Choice fields are
-`Literal[...]`: OmegaConf checks them while merging, and `validate` checks them again for configs
-built in Python. Each component receives its own section (e.g. `cfg.rollout`), never `RLConfig`.
-The defaults describe a tiny single-process CPU run.
+YAML files hold values only; the types, defaults, allowed choices and single-field ranges live here. Choice
+fields are `Literal[...]`: OmegaConf checks them while merging, and `validate` checks them again for configs
+built in Python. A range is declared with its field, `ranged(default, rule)` (rlmega/config/ranges.py), and
+read from there by `validate` and by docs/configuration.md. Workers receive their own sections (e.g.
+`cfg.rollout`); a few driver-side modules still take the whole RLConfig (issue 58 lists them). The defaults
+describe a tiny single-process CPU run.
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
@@ -69,7 +71,7 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = ranged(1e-5, PROPORTION)
+    lr: float = ranged(1e-5, PROPORTION)  # Adam moves each weight by about lr a step: past 1 it outgrows the weights
     """Peak learning rate (after warm-up)."""
     min_lr: float = ranged(0.0, GE0)
     """Learning rate at the end of a cosine or linear decay."""
