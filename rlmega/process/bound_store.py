@@ -9,7 +9,8 @@ listening on ``bind_address(host_name)``: 127.0.0.1 for a one-node group whose r
 
 Used by ``rlmega.process.distributed.init_distributed`` (the store of a group rlmega starts: Ray-hosted
 ranks, tests, tools) and by ``rlmega.launch.torchrun`` (torchrun's own stores). ``reserve_port`` holds rank
-0's port from the moment the launcher asks for it until that store listens on it.
+0's port from the moment the launcher asks for it until that store listens on it; ``adopt_listening`` takes a
+socket another process already made listen (the test harness's ranks).
 """
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def reserve_port() -> int:
     return port
 
 
+# Sockets already listening that another process handed this one for its store (adopt_listening): the
+# test harness's rank 0 gets its port this way, so nothing can take it between the parent's choice and the
+# rank's store (rlmega.testing.multiproc).
+_adopted: dict[int, socket.socket] = {}
+
+
+def adopt_listening(sock: socket.socket) -> int:
+    """Keep ``sock`` (listening) for this process's store on its port; return that port."""
+    port = sock.getsockname()[1]
+    _adopted[port] = sock
+    return port
+
+
 def _release(port: int) -> None:
     """Let go of a port reserve_port holds, right before this process listens on it."""
     sock = _reserved.pop(port, None)
@@ -93,7 +107,9 @@ class BoundTCPStore(TCPStore):
 
     def __init__(self, host_name: str, port: int, *args, is_master: bool = False, master_listen_fd=None, **kwargs):
         sock = None
-        if is_master and master_listen_fd is None:
+        if is_master and master_listen_fd is None and port in _adopted:
+            sock = _adopted.pop(port)
+        elif is_master and master_listen_fd is None:
             _release(port)  # reserved by this process for this store (reserve_port): now it listens
             try:
                 sock = listening_socket(host_name, port)

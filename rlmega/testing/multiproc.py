@@ -64,7 +64,30 @@ class _ParentStdio:
         return tuple, ([reduction.DupFd(1), reduction.DupFd(2)],)
 
 
-def _rank_main(body, rank, world_size, port, args, kwargs, env, results, stdio=None):
+class _ListeningFd:
+    """Rank 0's store socket, made listening by the parent and handed over (multiprocessing's DupFd).
+
+    A port found free and let go is anyone's until rank 0 binds it, seconds later after its imports:
+    CI of 2026-12-07 lost a run to EADDRINUSE that way (tests/multiproc/test_moe_layouts.py). Listening
+    from the parent's choice on, nothing else can bind it."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _adopt_fd, (reduction.DupFd(self.sock.fileno()),)
+
+
+def _adopt_fd(dup) -> int:
+    from rlmega.process.bound_store import adopt_listening
+
+    return adopt_listening(socket.socket(fileno=dup.detach()))
+
+
+def _rank_main(body, rank, world_size, port, args, kwargs, env, results, stdio=None, adopted_port=None):
+    # adopted_port: rank 0's store socket, adopted by bound_store as it was unpickled (_ListeningFd)
     if stdio is not None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -113,14 +136,18 @@ def run_on_ranks(
     if start_method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
     results = ctx.Queue()
-    port = free_port()
+    from rlmega.process.bound_store import listening_socket
+
+    store_socket = listening_socket("127.0.0.1", 0)  # rank 0's, handed to it (_ListeningFd)
+    port = store_socket.getsockname()[1]
     # One intra-op thread per rank: the machines have 2 cores and N ranks share them.
     rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
             target=_rank_main,
             args=(body, r, world_size, port, tuple(args), kwargs or {}, rank_env, results,
-                  _ParentStdio() if start_method == "forkserver" else None),
+                  _ParentStdio() if start_method == "forkserver" else None,
+                  _ListeningFd(store_socket) if r == 0 else None),
             name=f"rank{r}",
             # Not daemonic: ranks may start helpers of their own (Megatron's checkpoint
             # writer does). The finally-block below kills them instead.
@@ -128,8 +155,11 @@ def run_on_ranks(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        store_socket.close()  # rank 0 holds its own copy from here on
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
