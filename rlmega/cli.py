@@ -35,13 +35,15 @@ def check_config(config: str | Path, overrides=(), with_tasks: bool = False):
         from transformers import AutoTokenizer
 
         from rlmega.agents.tasks import Tasks
+        from rlmega.config.resolved import task_configs
 
-        tasks = Tasks(cfg, AutoTokenizer.from_pretrained(cfg.model.path))
+        tasks = Tasks(task_configs(cfg), AutoTokenizer.from_pretrained(cfg.model.path),
+                      prompts_per_step=cfg.trainer.prompts_per_step, model_path=cfg.model.path, rollout=cfg.rollout)
     except (ValueError, OSError) as e:
         raise PromptDataError(f"prompt data: {e}") from e
     from rlmega.judgers.first_row import first_row_problems
 
-    problems = first_row_problems(cfg, tasks)
+    problems = first_row_problems(cfg.reward, tasks, named_tasks=bool(cfg.tasks))
     if problems:
         raise ConfigError(problems)
     return (cfg, tasks) if with_tasks else cfg

@@ -29,7 +29,7 @@ import socket
 import tempfile
 from typing import List
 
-from rlmega.agents.placement import roles_cpus
+from rlmega.agents.placement import run_cpus
 from rlmega.config import critic_rules, lora_rules
 from rlmega.config.agent_rules import IMAGE_TOOLS, task_loops
 from rlmega.config.critic_rules import critic_ranks
@@ -37,6 +37,7 @@ from rlmega.config.engine_mode import records_routes
 from rlmega.config.families import engine_reason, fsdp_reason
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
 from rlmega.config.model_files import tokenizer_problems, weight_problems
+from rlmega.config.resolved import task_configs, trainer_ranks
 from rlmega.config.schema import RLConfig
 from rlmega.config.validate import ConfigError, problem
 from rlmega.data.prompts import JSONL_SUFFIXES, PARQUET_SUFFIXES
@@ -260,12 +261,12 @@ def _devices_and_cluster(cfg: RLConfig) -> List[str]:
             out.append(problem("rollout.device", "cuda, but this machine has no CUDA GPU (and no cluster.address "
                                "is set, so everything runs here)",
                                "set rollout.device=cpu, or attach to a GPU cluster with cluster.address"))
-    if c.num_cpus is not None and c.num_cpus < roles_cpus(cfg):
+    if c.num_cpus is not None and c.num_cpus < run_cpus(cfg):
         critic = " + the critic's world_size x actor_cpus_per_rank" if critic_ranks(cfg) else ""
-        out.append(problem("cluster.num_cpus", f"{c.num_cpus} CPUs, but the roles reserve {roles_cpus(cfg):g} "
+        out.append(problem("cluster.num_cpus", f"{c.num_cpus} CPUs, but the roles reserve {run_cpus(cfg):g} "
                            f"(world_size x actor_cpus_per_rank{critic} + num_engines x engine_cpus + "
                            f"agent-loop and judger actors): Ray could never place them",
-                           f"set cluster.num_cpus >= {roles_cpus(cfg):g} (Ray CPUs are reservations, not cores), "
+                           f"set cluster.num_cpus >= {run_cpus(cfg):g} (Ray CPUs are reservations, not cores), "
                            "lower cluster.*_cpus, or leave cluster.num_cpus unset"))
     return out
 
@@ -288,12 +289,11 @@ def _machine(cfg: RLConfig) -> List[str]:
     if cfg.cluster.address:
         return []
     from rlmega.agents.placement import effective_judgers, task_bundles
-    from rlmega.agents.tasks import task_configs
 
     r, cores, mem = cfg.rollout, os.cpu_count() or 1, _machine_memory_gib()
     # Under torchrun only this node's ranks run here (the engines and actors on the embedded Ray do).
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallelism.world_size)) \
-        if "TORCHELASTIC_RUN_ID" in os.environ else cfg.parallelism.world_size + critic_ranks(cfg)
+        if "TORCHELASTIC_RUN_ID" in os.environ else trainer_ranks(cfg)
     actors = 0
     for t in task_configs(cfg):
         loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, cfg.reward, cfg.cluster.reward_cpus))
@@ -319,7 +319,7 @@ def _machine(cfg: RLConfig) -> List[str]:
             "%s on this %d-core machine: more than two trainer ranks a core, so they take turns and every step "
             "waits for the slowest. Fine for trying a layout; for speed, give each rank a core (or attach to a "
             "cluster with cluster.address)", what[0].upper() + what[1:], cores)
-    reserved = roles_cpus(cfg)
+    reserved = run_cpus(cfg)
     if reserved > MAX_RESERVED_PER_CORE * cores:
         out.append(problem("cluster", f"{what} reserve {reserved:g} Ray CPUs, more than {MAX_RESERVED_PER_CORE} "
                            f"per core of this {cores}-core machine (the embedded cluster runs them all here)",
@@ -356,7 +356,6 @@ def _torchrun(cfg: RLConfig) -> List[str]:
 
 def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
-    from rlmega.agents.tasks import task_configs
 
     out = _model(cfg) + _engine_mode(cfg) + critic_rules.folder_problems(cfg) + _reward(cfg)
     for i, t in enumerate(cfg.tasks or task_configs(cfg)):  # each task's prompt files (the data section's)

@@ -23,7 +23,7 @@ from rlmega.algorithms import kl as kl_lib
 from rlmega.agents.metrics import rollout_metrics, staleness_metrics
 from rlmega.agents.produce import group_requests
 from rlmega.agents.sft import sft_example
-from rlmega.agents.tasks import task_configs
+from rlmega.config.resolved import task_configs
 from rlmega.agents.trajectory import batch_from_groups, kept_trajectories, staleness
 from rlmega.algorithms import dapo
 from rlmega.data.images import processor_vision

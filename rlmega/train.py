@@ -28,6 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
+from rlmega.config.resolved import task_configs
 from rlmega.config.schema import TrainerConfig
 from rlmega.agents.produce import Producer
 from rlmega.agents.tasks import Tasks
@@ -101,7 +102,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
         raise ResumeError(f"{checkpoint} has no critic checkpoint ({critic_checkpoint(checkpoint)} is missing): it "
                           "was not saved by a run with algorithm.advantage_estimator=gae. Fix: resume it with its own "
                           "estimator, or start a new run (trainer.run_dir) from its policy (model.path)")
-    settings = resume_settings(cfg)
+    settings = resume_settings(cfg.optimizer, t.total_steps)
     changed = changed_settings(checkpoint, settings) if checkpoint else []
     if changed:
         log.warning("resuming with settings that differ from the checkpoint's; the new values are used (the LR "
@@ -109,7 +110,9 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
     run.write_config(dump_config(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     try:
-        data = Tasks(cfg, tokenizer)  # every task's prompts (cfg.tasks, or data + agent_loop)
+        # every task's prompts (cfg.tasks, or data + agent_loop)
+        data = Tasks(task_configs(cfg), tokenizer, prompts_per_step=t.prompts_per_step, model_path=cfg.model.path,
+                     rollout=cfg.rollout)
     except (ValueError, OSError) as e:  # a bad row, an unreadable file: the user's input, named by file and row
         raise InputError(f"prompt data: {e}") from e
     clock.done("tokenizer and prompts")
@@ -140,7 +143,8 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
         print(f"rlmega: dashboard http://{cfg.logging.dashboard_host}:{roles.manager.get_dashboard_port()}/ "
               f"| metrics {run.metrics_path} | checkpoints {run.checkpoints}", flush=True)
         # sync, or async: it generates while we train
-        with Producer(roles.generation(), data, cfg, start, produced) as producer:
+        with Producer(roles.generation(), data, cfg.produce, cfg.algorithm, t, cfg.rollout, start,
+                      produced) as producer:
             producer.advance(start)
             bar = tqdm(range(start, t.total_steps), initial=start, total=t.total_steps, desc="rl", unit="step")
             done = saved = start

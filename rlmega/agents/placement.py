@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlmega.config.critic_rules import critic_ranks
-from rlmega.config.schema import JudgerConfig
+from rlmega.config.resolved import task_configs, trainer_ranks
+from rlmega.config.schema import ClusterConfig, JudgerConfig, RewardConfig, RLConfig, TaskConfig
 
 
 def effective_judgers(loop_cfg, reward_cfg, reward_cpus: float) -> list[JudgerConfig]:
@@ -58,10 +58,14 @@ def agent_cpus(task_cfgs, reward_cfg, reward_cpus: float) -> float:
     return total
 
 
-def roles_cpus(cfg) -> float:
-    """Ray CPUs the run's roles reserve (trainer ranks, the critic's, engines, agent-loop and judger actors)."""
-    from rlmega.agents.tasks import task_configs
+def roles_cpus(cluster: ClusterConfig, reward: RewardConfig, tasks: list[TaskConfig], trainer_ranks: int,
+               engines: int) -> float:
+    """Ray CPUs the run's roles reserve: ``trainer_ranks`` (the policy's and the critic's) and ``engines`` by the
+    cluster section's per-role CPUs, and each task's agent-loop and judger actors."""
+    return (trainer_ranks * cluster.actor_cpus_per_rank + engines * cluster.engine_cpus
+            + agent_cpus(tasks, reward, cluster.reward_cpus))
 
-    c = cfg.cluster
-    return ((cfg.parallelism.world_size + critic_ranks(cfg)) * c.actor_cpus_per_rank
-            + cfg.rollout.num_engines * c.engine_cpus + agent_cpus(task_configs(cfg), cfg.reward, c.reward_cpus))
+
+def run_cpus(cfg: RLConfig) -> float:
+    """roles_cpus of the whole run: the one function here that reads every section it sums over."""
+    return roles_cpus(cfg.cluster, cfg.reward, task_configs(cfg), trainer_ranks(cfg), cfg.rollout.num_engines)

@@ -1,7 +1,8 @@
 """The producer: makes the trainer's batches through the agent loops, synchronously or asynchronously
 (produce.strategy), with DAPO's dynamic sampling (algorithm.dynamic_sampling).
 
-    with Producer(roles.generation(), data, cfg, start=step, state=extra.get("producer")) as producer:  # close()s
+    with Producer(roles.generation(), data, cfg.produce, cfg.algorithm, cfg.trainer, cfg.rollout,
+                  start=step, state=extra.get("producer")) as producer:  # close()s
         producer.advance(step)              # the engines hold weights `step`: batches up to step + k may start
         batch = producer.take(step)         # batch `step`, the one RL step `step` trains on (waits for it)
         ... log-probs, train ...
@@ -42,9 +43,11 @@ import time
 
 from rlmega.agents.buffer import ProducedBatch
 from rlmega.agents.hosting import Generation
+from rlmega.agents.tasks import Tasks
 from rlmega.agents.loop import GroupRequest
 from rlmega.agents.trajectory import TrajectoryGroup, staleness
 from rlmega.algorithms.dapo import is_uniform
+from rlmega.config.schema import AlgorithmConfig, ProduceConfig, RolloutConfig, TrainerConfig
 
 log = logging.getLogger("rlmega")
 
@@ -73,11 +76,15 @@ class ProductionStalled(RuntimeError):
 
 
 class Producer:
-    def __init__(self, gen: Generation, data, cfg, start: int, state: dict | None = None):
+    def __init__(self, gen: Generation, data: Tasks, produce: ProduceConfig, algorithm: AlgorithmConfig,
+                 trainer: TrainerConfig, rollout: RolloutConfig, start: int, state: dict | None = None):
         """``gen``: what it generates through (rlmega.agents.hosting.Generation: hosts, queues, the stop flag,
-        the weight sync); ``data``: the tasks' prompts (rlmega.agents.tasks.Tasks)."""
-        pr = cfg.produce
-        self.gen, self.data, self.cfg = gen, data, cfg
+        the weight sync); ``data``: the tasks' prompts; ``produce``: sync or async and its bounds; ``algorithm``:
+        dynamic sampling; ``trainer``: steps and prompts per step; ``rollout``: samples per prompt and the seed;
+        ``start``: the first step's batch; ``state``: a checkpoint's (state_dict)."""
+        pr = produce
+        self.gen, self.data, self.algorithm, self.rollout = gen, data, algorithm, rollout
+        self.prompts_per_step = trainer.prompts_per_step
         self.sync_mode = pr.strategy == "sync"
         self.k = 0 if self.sync_mode else pr.max_staleness
         self.deterministic = self.sync_mode or pr.deterministic
@@ -85,7 +92,7 @@ class Producer:
         self.on_stale = "requeue" if self.sync_mode else pr.on_stale
         self.in_flight = None if self.sync_mode else pr.in_flight
         self.timeout_s = gen.timeout_s
-        self.end = cfg.trainer.total_steps  # no batch past the last step
+        self.end = trainer.total_steps  # no batch past the last step
         self.prompts, self.results = gen.prompts, gen.results  # hosted by the coordinator
         self._cond = threading.Condition()
         self._next, self._allowed, self._producing = start, None, None
@@ -228,8 +235,8 @@ class Producer:
     async def _produce(self, b: int) -> ProducedBatch:
         """Batch b: one step's prompts; with dynamic sampling, more rounds until prompts_per_step groups
         with differing rewards (or max_sampling_rounds)."""
-        cfg, alg = self.cfg, self.cfg.algorithm
-        want, n, base = cfg.trainer.prompts_per_step, cfg.rollout.n, sample_seed(cfg.rollout.seed, b)
+        alg = self.algorithm
+        want, n, base = self.prompts_per_step, self.rollout.n, sample_seed(self.rollout.seed, b)
         start = time.perf_counter()
         failures = await asyncio.to_thread(self.gen.failures)
         kept: list[tuple[tuple[str, GroupRequest], TrajectoryGroup]] = []

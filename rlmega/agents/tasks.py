@@ -1,6 +1,7 @@
 """Tasks: several (prompts, agent loop with its judgers, weight) mixed in every step's batch.
 
-    tasks = Tasks(cfg, tokenizer)                 # cfg.tasks, or one task "default" from data + agent_loop
+    tasks = Tasks(task_configs(cfg), tokenizer, prompts_per_step=cfg.trainer.prompts_per_step,
+                  model_path=cfg.model.path, rollout=cfg.rollout)   # task_configs: rlmega.config.resolved
     picked = tasks.next_prompts()                 # [(task name, Prompt)], prompts_per_step of them
     tasks.state_dict() / load_state_dict(...)     # every task's sampler position, for exact resume
 
@@ -10,26 +11,24 @@ validation refuses a task whose share rounds to 0 prompts.
 """
 from __future__ import annotations
 
-from rlmega.config.schema import TaskConfig
+from rlmega.config.schema import RolloutConfig, TaskConfig
 from rlmega.config.task_rules import split_by_weight
 from rlmega.data.images import load_processor
 from rlmega.data.prompts import PromptData, load_prompt_data
 
 
-def task_configs(cfg) -> list[TaskConfig]:
-    """cfg.tasks, or the default task made of the data and agent_loop sections."""
-    return list(cfg.tasks) or [TaskConfig(name="default", weight=1.0, data=cfg.data, agent_loop=cfg.agent_loop)]
-
-
 class Tasks:
-    def __init__(self, cfg, tokenizer):
-        self.configs = task_configs(cfg)
-        self.counts = split_by_weight(cfg.trainer.prompts_per_step, [t.weight for t in self.configs])
+    def __init__(self, tasks: list[TaskConfig], tokenizer, *, prompts_per_step: int, model_path: str,
+                 rollout: RolloutConfig):
+        """``tasks``: rlmega.config.resolved.task_configs(cfg); ``prompts_per_step``: trainer's; ``model_path``:
+        model.path (a vision-language model's processor); ``rollout``: its prompt-length and image limits."""
+        self.configs = list(tasks)
+        self.counts = split_by_weight(prompts_per_step, [t.weight for t in self.configs])
         # a vision-language model's processor: image prompts' tokens, and the images' pixels for the trainer
-        self.processor = load_processor(cfg.model.path)
+        self.processor = load_processor(model_path)
         self.data: dict[str, PromptData] = {
-            t.name: load_prompt_data(t.data, tokenizer, cfg.rollout.max_prompt_tokens, k, self.processor,
-                                     cfg.rollout.max_images_per_prompt)
+            t.name: load_prompt_data(t.data, tokenizer, rollout.max_prompt_tokens, k, self.processor,
+                                     rollout.max_images_per_prompt)
             for t, k in zip(self.configs, self.counts)}
 
     @property

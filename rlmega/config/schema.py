@@ -3,9 +3,11 @@
 YAML files hold values only; the types, defaults, allowed choices and single-field ranges live here. Choice
 fields are `Literal[...]`: OmegaConf checks them while merging, and `validate` checks them again for configs
 built in Python. A range is declared with its field, `ranged(default, rule)` (rlmega/config/ranges.py), and
-read from there by `validate` and by docs/configuration.md. Workers receive their own sections (e.g.
-`cfg.rollout`); a few driver-side modules still take the whole RLConfig (issue 58 lists them). The defaults
-describe a tiny single-process CPU run.
+read from there by `validate` and by docs/configuration.md. Modules take the sections they use (e.g.
+`cfg.rollout`); the whole RLConfig reaches only the driver (train, cli, preflight, step, launch/) and config/
+itself: its rules, and rlmega/config/resolved.py, which resolves what spans sections (the task list, the
+critic's arguments); and rlmega.agents.placement.run_cpus, the whole run's Ray CPUs.
+The defaults describe a tiny single-process CPU run.
 """
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional

@@ -6,7 +6,7 @@ FSDPActor's policy (an FSDPEngine with ``value_head``), through the same packed 
 output at position p is the value of the state before the token at p + 1, so the values sit on the
 log-probs' prediction positions and each sample gets its (response_len,).
 
-    critic = FSDPCritic(**critic_kwargs(cfg))   # rlmega.learner.critic_api; in each trainer rank's process
+    critic = FSDPCritic(**critic_kwargs(cfg))   # rlmega.config.resolved; in each trainer rank's process
     critic.setup()                              # process group, value model, AdamW, LR schedule
     old = critic.compute_values(batch)          # list of (response_len,) float32, every rank
 """

@@ -7,7 +7,7 @@ import ray
 
 from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, LoopSpec
 from rlmega.agents.placement import effective_judgers, task_bundles
-from rlmega.agents.tasks import task_configs
+from rlmega.config.resolved import task_configs
 from rlmega.config.schema import RLConfig
 from rlmega.launch.cluster import ClusterError
 

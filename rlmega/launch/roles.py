@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, Generation
-from rlmega.agents.placement import roles_cpus
+from rlmega.agents.placement import run_cpus
 from rlmega.config.placement_rules import placement_plan
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
@@ -126,7 +126,7 @@ class Roles:
 
     def _start(self) -> None:
         c, p, r, clock = self.cfg.cluster, self.cfg.parallelism, self.cfg.rollout, self.clock
-        self.started_ray = connect(c, roles_cpus(self.cfg))
+        self.started_ray = connect(c, run_cpus(self.cfg))
         clock.done("Ray")
         # Under torchrun the trainer ranks are its processes, not Ray actors: Ray places the engines
         # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).

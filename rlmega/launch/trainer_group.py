@@ -5,10 +5,11 @@ import dataclasses
 
 import ray
 
-from rlmega.learner.actor_api import Learner
+from rlmega.learner.actor_api import BackendFactory
 from rlmega.config.placement_rules import PlacementPlan
 from rlmega.config.schema import RLConfig
-from rlmega.learner.critic_api import critic_kwargs, critic_learner
+from rlmega.config.resolved import critic_kwargs
+from rlmega.learner.critic_api import critic_factory
 from rlmega.launch import torchrun_group
 from rlmega.launch.worker_group import WorkerGroup
 
@@ -28,11 +29,11 @@ def start_trainer(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, s
         actor=dataclasses.replace(cfg.actor, offload_while_generating=swaps),
         algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
         lr_decay_steps=cfg.trainer.total_steps * optimizer_steps_per_rl_step, num_threads=threads)
-    learner = Learner(cfg.actor.backend)  # builds the backend's Actor in each rank's process
+    actor_factory = BackendFactory(cfg.actor.backend)  # builds the backend's Actor in each rank's process
     if on_torchrun:
-        return torchrun_group.TorchrunGroup(learner, p.world_size, kwargs=kwargs, timeout_s=timeout_s,
+        return torchrun_group.TorchrunGroup(actor_factory, p.world_size, kwargs=kwargs, timeout_s=timeout_s,
                                             ray_address=ray.get_runtime_context().gcs_address)
-    return WorkerGroup(learner, p.world_size, kwargs=kwargs, num_cpus=cfg.cluster.actor_cpus_per_rank,
+    return WorkerGroup(actor_factory, p.world_size, kwargs=kwargs, num_cpus=cfg.cluster.actor_cpus_per_rank,
                        num_gpus=plan.ranks[0].gpus,
                        placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks], timeout_s=timeout_s,
                        wait=wait)
@@ -47,7 +48,7 @@ def start_critic(cfg: RLConfig, plan: PlacementPlan, pgs: list, threads: int, sw
     kwargs = critic_kwargs(cfg)
     kwargs.update(critic=dataclasses.replace(cfg.critic, offload_while_generating=swaps), num_threads=threads,
                   lr_decay_steps=cfg.trainer.total_steps * optimizer_steps_per_rl_step)
-    return WorkerGroup(critic_learner(cfg.actor.backend), len(plan.critics), kwargs=kwargs,
+    return WorkerGroup(critic_factory(cfg.actor.backend), len(plan.critics), kwargs=kwargs,
                        num_cpus=cfg.cluster.actor_cpus_per_rank, num_gpus=plan.critics[0].gpus,
                        placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.critics], timeout_s=timeout_s,
                        name="critic", wait=wait)

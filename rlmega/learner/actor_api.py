@@ -74,7 +74,7 @@ def actor_class(backend: str) -> type["Actor"]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Learner:
+class BackendFactory:
     """A picklable stand-in for ``backend_class(backend, role)``: calling it in a rank's process builds that
     backend's Actor (or Critic) there. Launchers take it where they take a class (WorkerGroup,
     TorchrunGroup), so the driver never imports a backend's library (megatron-core, FSDP): only the ranks do."""

@@ -16,10 +16,8 @@ log-probs do: one float32 per response token.
 from __future__ import annotations
 
 import abc
-import dataclasses
 
-from rlmega.learner.actor_api import Learner, backend_class
-from rlmega.config.schema import ModelConfig
+from rlmega.learner.actor_api import BackendFactory, backend_class
 from rlmega.data.rollout_batch import RolloutBatch
 
 def critic_class(backend: str) -> type["Critic"]:
@@ -27,22 +25,9 @@ def critic_class(backend: str) -> type["Critic"]:
     return backend_class(backend, "critic")
 
 
-def critic_learner(backend: str) -> Learner:
-    """A picklable stand-in for ``critic_class(backend)`` (rlmega.learner.actor_api.Learner)."""
-    return Learner(backend, role="critic")
-
-
-def critic_kwargs(cfg) -> dict:
-    """The constructor arguments of the run's critic from the root config (RLConfig): the critic section
-    with its nulls resolved (path and dtype from model, layout from parallelism, token budget from actor,
-    the loss aggregation of the policy loss)."""
-    c = cfg.critic
-    algorithm = dataclasses.replace(cfg.algorithm).resolve_defaults()
-    return dict(model=ModelConfig(path=c.path or cfg.model.path, dtype=c.dtype or cfg.model.dtype, seed=cfg.model.seed,
-                                   allow_untested_family=cfg.model.allow_untested_family),
-                parallel=c.parallelism or cfg.parallelism, optimizer=c.optimizer, critic=c,
-                max_tokens_per_micro_batch=c.max_tokens_per_micro_batch or cfg.actor.max_tokens_per_micro_batch,
-                loss_agg_mode=algorithm.loss_agg_mode)
+def critic_factory(backend: str) -> BackendFactory:
+    """A picklable stand-in for ``critic_class(backend)`` (rlmega.learner.actor_api.BackendFactory)."""
+    return BackendFactory(backend, role="critic")
 
 
 class Critic(abc.ABC):
@@ -50,8 +35,9 @@ class Critic(abc.ABC):
     optimizer, critic, max_tokens_per_micro_batch=2048, loss_agg_mode="token-mean", lr_decay_steps=1000,
     hf_config=None, num_threads=None)``: ``model`` is the critic's ModelConfig (path: a critic's or a causal
     LM's HF folder; dtype; seed: the fresh head's), ``critic`` its CriticConfig (cliprange_value),
-    ``critic_kwargs(cfg)`` gives them all for a run; ``hf_config`` (a causal LM's config dict) builds the
-    body from it with random weights instead of a path; ``num_threads`` as the actor's."""
+    ``rlmega.config.resolved.critic_kwargs(cfg)`` gives them all for a run; ``hf_config`` (a causal LM's
+    config dict) builds the body from it with random weights instead of a path; ``num_threads`` as the
+    actor's."""
 
     @abc.abstractmethod
     def data_layout(self) -> tuple:

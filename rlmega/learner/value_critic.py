@@ -7,7 +7,7 @@ metrics, the non-finite rule (a skip on every rank), checkpoints and the colocat
 backend's critic is this class with its engine class (rlmega/megatron/critic.py: MegatronCritic,
 rlmega/fsdp/critic.py: FSDPCritic).
 
-    critic = MegatronCritic(**critic_kwargs(cfg))       # rlmega.learner.critic_api
+    critic = MegatronCritic(**critic_kwargs(cfg))       # rlmega.config.resolved
     critic.setup()
     values = critic.compute_values(batch)               # per sample (response_len,) float32
     metrics = critic.train_step(replace(batch, returns=returns, old_values=values))

@@ -29,7 +29,7 @@ import torch
 
 from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 from rlmega.data.rollout_batch import RolloutBatch
-from rlmega.megatron import policy, routing_replay
+from rlmega.megatron import pipeline_passes, routing_replay
 from rlmega.megatron.engine import MegatronEngine
 from rlmega.learner.policy_actor import PolicyActor
 
@@ -171,14 +171,14 @@ class MegatronActor(PolicyActor):
         drops tokens by this forward's ratio, it is the count before that drop)."""
         count = real = nonempty = 0.0
         for mb in mbs:
-            fields = policy.per_token_on(mb, "cpu")
+            fields = pipeline_passes.per_token_on(mb, "cpu")
             T = fields["labels"].numel()
             guess = fields.get("old_logprobs", fields.get("rollout_logprobs", torch.zeros(T)))
             count += float(loss_fn(fields, guess.float(), torch.zeros(T))[1])
             n = float(mb["real_tokens"].sum())
             real += n
             nonempty += float(n > 0)
-        count, real, nonempty = policy.sum_over_data_parallel(torch.tensor([count, real, nonempty])).tolist()
+        count, real, nonempty = pipeline_passes.sum_over_data_parallel(torch.tensor([count, real, nonempty])).tolist()
         # under context parallelism every CP rank returns the whole count, and megatron divides the gradients
         # by the sum over DP x CP: CP x N (context_parallel.py)
         return routing_replay.aux_loss_factor(count * cp, real), int(nonempty)

@@ -4,7 +4,7 @@ The policy's GPTModel with a hidden -> 1 output layer (rlmega/megatron/value_hea
 and the pipeline schedule exactly as the actor runs them (rlmega/megatron/engine.py), and
 rlmega.algorithms.value_loss's loss and metrics (rlmega/learner/value_critic.py).
 
-    critic = MegatronCritic(**critic_kwargs(cfg))       # rlmega.learner.critic_api
+    critic = MegatronCritic(**critic_kwargs(cfg))       # rlmega.config.resolved
     critic.setup()
     values = critic.compute_values(batch)               # per sample (response_len,) float32
 """

@@ -3,7 +3,7 @@
 It is a MegatronModelManager (the model, optimizer, schedule, offload and checkpoints of one model on
 one rank) that also runs the passes: packed micro-batches of a rank's shard (``micro_batches``, planned by
 rlmega/data/packing.py), forward and forward+backward through megatron-core's own pipeline
-schedule with the loss as its ``loss_func`` (rlmega/megatron/policy.py), and the per-sample results
+schedule with the loss as its ``loss_func`` (rlmega/megatron/pipeline_passes.py), and the per-sample results
 gathered from the last pipeline stage over the data-parallel ranks.
 
     MegatronEngine.init_process(cfg.parallelism, seed)          # megatron's parallel state
@@ -24,7 +24,7 @@ from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, Para
 from rlmega.data.micro_batches import scatter_responses
 from rlmega.data.shards import Layout, Shard
 from rlmega.learner.engine_api import Head, LossFn, TrainEngine
-from rlmega.megatron import checkpoint, context_parallel, lora_adapters, policy
+from rlmega.megatron import checkpoint, context_parallel, lora_adapters, pipeline_passes
 from rlmega.megatron.hf_io import iter_hf_tensors
 from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager
 from rlmega.megatron.runtime import (barrier, context_parallel_rank, data_parallel_rank_and_size, init_megatron,
@@ -109,14 +109,14 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
     # ---- passes -------------------------------------------------------------------------------
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict] | None:
         if head.kind == "values":
-            return policy.forward_values(self.model, mbs)
-        return policy.forward_logprobs(self.model, mbs, self.vocab_size, head.temperature, head.entropy,
+            return pipeline_passes.forward_values(self.model, mbs)
+        return pipeline_passes.forward_logprobs(self.model, mbs, self.vocab_size, head.temperature, head.entropy,
                                        routes=routes, chunk_tokens=self.chunk_tokens)
 
     def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict] | None:
         if head.kind == "values":
-            return policy.train_values(self.model, mbs, loss_fn)
-        return policy.train_micro_batches(self.model, mbs, self.vocab_size, head.temperature, loss_fn,
+            return pipeline_passes.train_values(self.model, mbs, loss_fn)
+        return pipeline_passes.train_micro_batches(self.model, mbs, self.vocab_size, head.temperature, loss_fn,
                                           with_entropy=head.entropy, entropy_grad=head.entropy_grad,
                                           keep_logprobs=head.keep_logprobs, routes=routes,
                                           chunk_tokens=self.chunk_tokens)
@@ -132,12 +132,12 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
             for mb, out in zip(mbs, outs):
                 pieces.update(scatter_responses(out[key], mb))
             flat = torch.cat([pieces[i] for i in order]) if order else torch.zeros(0)
-        mine = dict(zip(order, policy.share_from_last_stage(flat, sum(lens)).float().split(lens)))
+        mine = dict(zip(order, pipeline_passes.share_from_last_stage(flat, sum(lens)).float().split(lens)))
         return [mine[i] for i in shard.own]
 
     def gather_data_parallel(self, shard: Shard, results: list) -> list:
         merged = {}
-        for part in policy.all_gather_data_parallel(dict(zip(shard.samples, results))):
+        for part in pipeline_passes.all_gather_data_parallel(dict(zip(shard.samples, results))):
             merged.update(part)
         return [merged[i] for i in range(len(merged))]
 
@@ -145,7 +145,7 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         # outs is None off the last pipeline stage (it sends nothing); [] would sum to zeros
         sums = None if outs is None else \
             torch.stack([torch.as_tensor(sum(o[k] for o in outs), dtype=torch.float64) for k in keys])
-        sums = policy.sum_over_data_parallel(policy.share_from_last_stage(sums, len(keys)))
+        sums = pipeline_passes.sum_over_data_parallel(pipeline_passes.share_from_last_stage(sums, len(keys)))
         return dict(zip(keys, sums.tolist()))
 
     # ---- optimizer ----------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def make_data_iterator_list(data_iterator: Iterable, padding: bool = False, vpp_
     pulls each one in turn), else one iterator. ``padding``: each dict micro-batch gets
     "max_batch_seqlen", the longest row over all of them (the schedule's ``seq_length``; with VPP the
     rows in flight share that length). The one place that builds it (MegatronModelManager's
-    ``make_data_iterator_list``, rlmega/megatron/policy.py and lm_step.py)."""
+    ``make_data_iterator_list``, rlmega/megatron/pipeline_passes.py and lm_step.py)."""
     micro_batches = list(data_iterator)
     if padding:
         longest = max((mb["tokens"].shape[-1] for mb in micro_batches if isinstance(mb, dict)), default=0)

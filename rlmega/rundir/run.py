@@ -281,11 +281,12 @@ def _start_wandb(path: Path, project: str, config: dict | None):
                       config=config, name=path.name)
 
 
-def resume_settings(cfg) -> dict:
-    """The settings a resume takes from the config rather than the checkpoint, by config field
-    (saved with every checkpoint, so a resume can say which of them changed)."""
-    return {**{f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()},
-            "trainer.total_steps": cfg.trainer.total_steps}
+def resume_settings(optimizer, total_steps: int) -> dict:
+    """The settings a resume takes from the config rather than the checkpoint (``optimizer``: the optimizer
+    section, a dataclass; rundir sits beside config, not above it, so it names no config type; and
+    trainer.total_steps), by config field (saved with every checkpoint, so a resume can say which changed)."""
+    return {**{f"optimizer.{k}": v for k, v in dataclasses.asdict(optimizer).items()},
+            "trainer.total_steps": total_steps}
 
 
 def changed_settings(checkpoint: str | Path, now: dict) -> list[str]:

@@ -44,7 +44,7 @@ def _tokens(n=4, t=256, seed=0):
 def _binding_body():
     import torch.distributed as dist
 
-    from rlmega.megatron import policy
+    from rlmega.megatron import pipeline_passes
     from rlmega.process.distributed import collective_device, device_ordinal
     from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
@@ -53,9 +53,9 @@ def _binding_body():
            "ordinal": device_ordinal(0, 1, torch.cuda.device_count()),
            "collective_device": str(collective_device("nccl"))}
     # Host data through the helpers that used to hand CPU tensors to NCCL.
-    out["shared"] = policy.share_from_last_stage(torch.tensor([1.0, 2.0]), 2).tolist()
-    out["summed"] = policy.sum_over_data_parallel(torch.tensor([3.0])).tolist()
-    out["gathered"] = policy.all_gather_data_parallel({"a": torch.ones(2)})[0]["a"].tolist()
+    out["shared"] = pipeline_passes.share_from_last_stage(torch.tensor([1.0, 2.0]), 2).tolist()
+    out["summed"] = pipeline_passes.sum_over_data_parallel(torch.tensor([3.0])).tolist()
+    out["gathered"] = pipeline_passes.all_gather_data_parallel({"a": torch.ones(2)})[0]["a"].tolist()
     teardown_megatron()
     return out
 

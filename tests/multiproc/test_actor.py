@@ -202,7 +202,7 @@ def test_entropy_is_reported_at_coefficient_zero_and_trained_above_it(hf_model):
 
 def _packing_body(path):
     from rlmega.data.micro_batches import build_micro_batch, scatter_responses
-    from rlmega.megatron import policy
+    from rlmega.megatron import pipeline_passes
 
     actor = _actor(path, max_tokens=60)
     batch = random_batch(N, seed=2)
@@ -210,7 +210,7 @@ def _packing_body(path):
     singles = []
     for i in range(N):  # one sequence per row: the unpacked baseline
         mb = build_micro_batch(batch, [i])
-        out = policy.forward_logprobs(actor.policy.model, [mb], actor.vocab_size, actor.temperature)
+        out = pipeline_passes.forward_logprobs(actor.policy.model, [mb], actor.vocab_size, actor.temperature)
         singles.append(scatter_responses(out[0]["logprobs"], mb)[i])
     mbs, eff = actor._plan(batch)
     lengths = batch.lengths()

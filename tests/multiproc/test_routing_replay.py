@@ -136,7 +136,7 @@ def _body(path):
 
     from rlmega.algorithms import rl_loss as rl
     from rlmega.data.micro_batches import build_micro_batch
-    from rlmega.megatron import policy as pol
+    from rlmega.megatron import pipeline_passes as pol
     routers = [mod for c in actor.policy.model for mod in c.modules() if isinstance(mod, TopKRouter)]
     flat = dataclasses.replace(batch, advantages=[torch.zeros_like(a) for a in batch.advantages])
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlmega.learner.actor_api import BACKENDS, Actor, Learner, actor_class
+from rlmega.learner.actor_api import BACKENDS, Actor, BackendFactory, actor_class
 
 
 def test_the_driver_imports_no_backend():
@@ -30,10 +30,10 @@ def test_each_backend_implements_the_whole_interface(backend):
 
 
 def test_learner_pickles_and_refuses_an_unknown_backend():
-    assert pickle.loads(pickle.dumps(Learner("fsdp"))) == Learner("fsdp")
+    assert pickle.loads(pickle.dumps(BackendFactory("fsdp"))) == BackendFactory("fsdp")
     with pytest.raises(ValueError,
                        match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]"):
-        Learner("deepspeed")
+        BackendFactory("deepspeed")
 
 
 def _imports(path):

@@ -7,6 +7,7 @@ import pytest
 from rlmega.agents.metrics import rollout_metrics
 from rlmega.agents.sft import sft_example
 from rlmega.agents.tasks import Tasks, split_by_weight
+from rlmega.config.resolved import task_configs
 from rlmega.agents.trajectory import Trajectory, TrajectoryGroup, batch_from_groups
 from rlmega.config.schema import AgentLoopConfig, RLConfig, TaskConfig
 from rlmega.demo.tiny_model import make_tokenizer
@@ -85,29 +86,34 @@ def test_warm_start_targets_cut_to_max_tokens_lose_their_eos():
     assert [m.tolist() for m in cut.response_mask] == [[1.0] * 4, [1.0] * 3]
 
 
+def _tasks(cfg, tok):
+    return Tasks(task_configs(cfg), tok, prompts_per_step=cfg.trainer.prompts_per_step, model_path=cfg.model.path,
+                 rollout=cfg.rollout)
+
+
 def test_tasks_mix_by_weight_and_resume_their_positions():
     tok = make_tokenizer()
     cfg = RLConfig()
     cfg.trainer.prompts_per_step = 6
     cfg.tasks = [TaskConfig(name="a", weight=2.0), TaskConfig(name="b", weight=1.0)]
     cfg.tasks[1].data.seed = 7
-    tasks = Tasks(cfg, tok)
+    tasks = _tasks(cfg, tok)
     assert tasks.counts == [4, 2]
     first = tasks.next_prompts()
     assert [name for name, _ in first] == ["a"] * 4 + ["b"] * 2
     state = tasks.state_dict()
     later = [tasks.next_prompts() for _ in range(3)]
-    again = Tasks(cfg, tok)
+    again = _tasks(cfg, tok)
     again.load_state_dict(state)
     assert [[(n, p.index) for n, p in x] for x in later] == [[(n, p.index) for n, p in again.next_prompts()]
                                                             for _ in range(3)]
     with pytest.raises(ValueError, match="task"):
-        Tasks(cfg, tok).load_state_dict({"tasks": {"a": state["tasks"]["a"]}})
+        _tasks(cfg, tok).load_state_dict({"tasks": {"a": state["tasks"]["a"]}})
 
 
 def test_a_single_default_task_keeps_the_checkpoint_layout_of_before():
     tok = make_tokenizer()
-    tasks = Tasks(RLConfig(), tok)
+    tasks = _tasks(RLConfig(), tok)
     assert tasks.names == ["default"] and "sampler" in tasks.state_dict()
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rlmega.agents.placement import roles_cpus
+from rlmega.agents.placement import run_cpus
 from rlmega.config.errors import ConfigError
 from rlmega.config.schema import ParallelismConfig, RLConfig
 from rlmega.config.validate import critic_ranks, read_model_shape, validate
@@ -19,18 +19,18 @@ def _gae(**critic) -> RLConfig:
     return cfg
 
 
-def test_roles_cpus_count_the_critic_ranks_only_with_gae():
+def test_run_cpus_count_the_critic_ranks_only_with_gae():
     grpo = RLConfig()
     grpo.parallelism.world_size = 4
-    base = roles_cpus(grpo)
+    base = run_cpus(grpo)
     gae = _gae()
     gae.parallelism.world_size = 4
     assert critic_ranks(grpo) == 0 and critic_ranks(gae) == 4  # null critic.parallelism: the actor's layout
-    assert roles_cpus(gae) == pytest.approx(base + 4 * gae.cluster.actor_cpus_per_rank)
+    assert run_cpus(gae) == pytest.approx(base + 4 * gae.cluster.actor_cpus_per_rank)
     gae.critic.parallelism = ParallelismConfig(world_size=2)
     gae.cluster.actor_cpus_per_rank = 1.5
     grpo.cluster.actor_cpus_per_rank = 1.5
-    assert roles_cpus(gae) == pytest.approx(roles_cpus(grpo) + 2 * 1.5)
+    assert run_cpus(gae) == pytest.approx(run_cpus(grpo) + 2 * 1.5)
 
 
 def test_default_gae_config_is_valid_with_one_sample_per_prompt():
