@@ -35,10 +35,12 @@ test: $(STAMP) lint chromium slurm
 	@# pytest exits 5 when it collected no test: a suite that ran nothing is a failure too.
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile; rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc
 
-# ruff (ruff.toml) before the half-hour suite: an undefined name or unused import fails in a second; then mypy
+# ruff (ruff.toml) before the half-hour suite: an undefined name or unused import fails in a second, code not
+# as `ruff format` writes it (100 characters) too; then mypy
 # (mypy.ini) on the driver's path: a worker method the interface lacks, or arguments it refuses (~1 min cold).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # tests/e2e/test_dashboard_browser.py drives headless Chromium: install it if missing and we are root

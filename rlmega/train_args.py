@@ -1,13 +1,16 @@
 """`rlmega train`'s arguments, apart from the driver (rlmega/train.py) so that `rlmega train --help` and a
 usage error answer at once: this module imports nothing heavy (no torch, Ray, vLLM or Megatron)."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlmega train", description="The RL driver: rlmega train CONFIG [key=value ...] "
-                                "(see rlmega/train.py)")
+    p = argparse.ArgumentParser(
+        prog="rlmega train",
+        description="The RL driver: rlmega train CONFIG [key=value ...] (see rlmega/train.py)",
+    )
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.total_steps=10")
     p.add_argument("--resume", action="store_true", help="same as trainer.resume=auto")

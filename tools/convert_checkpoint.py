@@ -19,6 +19,7 @@ state) only: no optimizer state, so a trainer loads it with model_only=True.
 Weights keep their values bit for bit in both directions: Megatron's vocabulary padding (zero
 rows up to a multiple of lcm(128, TP)) is added on the way in and cut off on the way out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,8 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+# run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROG = "convert_checkpoint"
 _DTYPES = ("float32", "bfloat16")
@@ -41,26 +43,45 @@ class UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                epilog="Run with -h after a subcommand for its options.")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.splitlines()[0],
+        epilog="Run with -h after a subcommand for its options.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def layout(s):
         s.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
-        s.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per PP rank (default none)")
-        s.add_argument("--dtype", choices=("auto",) + _DTYPES, default="auto",
-                       help="parameter dtype; auto: bfloat16 if the HF config says so, else float32")
+        s.add_argument(
+            "--vpp",
+            type=int,
+            default=None,
+            help="virtual pipeline chunks per PP rank (default none)",
+        )
+        s.add_argument(
+            "--dtype",
+            choices=("auto",) + _DTYPES,
+            default="auto",
+            help="parameter dtype; auto: bfloat16 if the HF config says so, else float32",
+        )
 
     a = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron dist checkpoint (step 0)")
-    a.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    a.add_argument(
+        "--hf", required=True, help="Hugging Face model folder (config.json + safetensors)"
+    )
     a.add_argument("--out", required=True, help="checkpoint root to create (must be new or empty)")
     layout(a)
 
     b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF folder")
-    b.add_argument("--ckpt", required=True, help="checkpoint root (with `latest`) or one step_* folder")
-    b.add_argument("--hf-config-from", required=True,
-                   help="HF folder whose config.json and tokenizer describe the checkpoint's model")
+    b.add_argument(
+        "--ckpt", required=True, help="checkpoint root (with `latest`) or one step_* folder"
+    )
+    b.add_argument(
+        "--hf-config-from",
+        required=True,
+        help="HF folder whose config.json and tokenizer describe the checkpoint's model",
+    )
     b.add_argument("--out", required=True, help="HF folder to write")
     b.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     layout(b)
@@ -68,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ---- checks that need no torch and no process group ---------------------------------------------
+
 
 def _hf_config(folder: str, flag: str) -> dict:
     path = Path(folder)
@@ -92,8 +114,10 @@ def _check_layout(hf: dict, tp: int, pp: int, vpp: int | None) -> None:
     kv = hf.get("num_key_value_heads") or heads
     if heads % tp or kv % tp:
         ok = [d for d in range(1, math.gcd(heads, kv) + 1) if math.gcd(heads, kv) % d == 0]
-        raise UsageError(f"--tp {tp} must divide num_attention_heads={heads} and num_key_value_heads={kv}; "
-                         f"use one of {ok}")
+        raise UsageError(
+            f"--tp {tp} must divide num_attention_heads={heads} and num_key_value_heads={kv}; "
+            f"use one of {ok}"
+        )
     layers = hf.get("num_hidden_layers", 1)
     if layers % (pp * vpp):
         raise UsageError(f"num_hidden_layers={layers} is not divisible by PP x VPP = {pp} x {vpp}")
@@ -103,18 +127,28 @@ def _check_world(tp: int, pp: int) -> None:
     """World size == TP x PP. A plain `python` run becomes a one-rank world here."""
     if "WORLD_SIZE" not in os.environ:
         if tp * pp != 1:
-            raise UsageError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks: run it under "
-                             f"`torchrun --standalone --nproc-per-node {tp * pp} tools/convert_checkpoint.py ...`")
+            raise UsageError(
+                f"--tp {tp} --pp {pp} needs {tp * pp} ranks: run it under "
+                f"`torchrun --standalone --nproc-per-node {tp * pp} tools/convert_checkpoint.py ...`"
+            )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         return
     world = int(os.environ["WORLD_SIZE"])
     if world != tp * pp:
-        raise UsageError(f"world size {world} != TP x PP = {tp} x {pp}: launch "
-                         f"`torchrun --nproc-per-node {tp * pp}` (this tool runs no data parallelism)")
+        raise UsageError(
+            f"world size {world} != TP x PP = {tp} x {pp}: launch "
+            f"`torchrun --nproc-per-node {tp * pp}` (this tool runs no data parallelism)"
+        )
 
 
 def _dtype(choice: str, hf: dict) -> str:
@@ -134,9 +168,13 @@ def _checkpoint_dir(ckpt: str) -> Path:
             raise UsageError(f"--ckpt {ckpt}: `latest` points to {step.name}, which does not exist")
         path = step
     if path.suffix == ".partial":
-        raise UsageError(f"--ckpt {ckpt}: {path.name} is an unfinished save; pick a complete step_* folder")
+        raise UsageError(
+            f"--ckpt {ckpt}: {path.name} is an unfinished save; pick a complete step_* folder"
+        )
     if not (path / "metadata.json").is_file():
-        raise UsageError(f"--ckpt {ckpt}: not a Megatron dist checkpoint (no `latest` and no metadata.json in {path})")
+        raise UsageError(
+            f"--ckpt {ckpt}: not a Megatron dist checkpoint (no `latest` and no metadata.json in {path})"
+        )
     return path
 
 
@@ -152,15 +190,18 @@ def _hf_param_count(folder: Path) -> int:
 
 # ---- the conversions (collective: every rank runs them) ----------------------------------------
 
+
 def _manager(hf_folder: str, args, hf: dict):
     import torch.distributed as dist
 
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.model_manager import MegatronModelManager
 
-    return MegatronModelManager(ModelConfig(path=hf_folder, dtype=_dtype(args.dtype, hf)),
-                                ParallelismConfig(args.tp, args.pp, args.vpp, dist.get_world_size()),
-                                OptimizerConfig())
+    return MegatronModelManager(
+        ModelConfig(path=hf_folder, dtype=_dtype(args.dtype, hf)),
+        ParallelismConfig(args.tp, args.pp, args.vpp, dist.get_world_size()),
+        OptimizerConfig(),
+    )
 
 
 def _uniform_dtype(mm) -> None:
@@ -173,7 +214,11 @@ def _uniform_dtype(mm) -> None:
 
 
 def _padding_note(shape) -> str:
-    extra = (shape.padded_vocab_size - shape.vocab_size) * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    extra = (
+        (shape.padded_vocab_size - shape.vocab_size)
+        * shape.hidden_size
+        * (1 if shape.tie_word_embeddings else 2)
+    )
     return f"{extra:,} more in Megatron's padded vocabulary ({shape.vocab_size} -> {shape.padded_vocab_size} rows)"
 
 
@@ -181,14 +226,17 @@ def hf_to_mcore(args, hf: dict) -> None:
     import torch.distributed as dist
 
     mm = _manager(args.hf, args, hf)
-    mm.setup_model_and_optimizer(with_optimizer=False)  # builds this rank's chunks, reads its HF slices
+    # builds this rank's chunks, reads its HF slices
+    mm.setup_model_and_optimizer(with_optimizer=False)
     _uniform_dtype(mm)
     final = mm.save_checkpoint(args.out, step=0)
     if dist.get_rank() == 0:
         n = _hf_param_count(Path(args.hf))
-        print(f"wrote {final} (latest -> {final.name}) at TP{args.tp} PP{args.pp}"
-              f"{f' VPP{args.vpp}' if args.vpp else ''}, {mm.model_cfg.dtype}: {n:,} parameters, "
-              f"{_padding_note(mm.shape)}")
+        print(
+            f"wrote {final} (latest -> {final.name}) at TP{args.tp} PP{args.pp}"
+            f"{f' VPP{args.vpp}' if args.vpp else ''}, {mm.model_cfg.dtype}: {n:,} parameters, "
+            f"{_padding_note(mm.shape)}"
+        )
 
 
 def mcore_to_hf(args, hf: dict) -> None:
@@ -200,8 +248,10 @@ def mcore_to_hf(args, hf: dict) -> None:
     step, _ = mm.load_checkpoint(args.ckpt, model_only=True)  # reshards from the saved layout
     out = mm.export_hf(args.out, overwrite=args.overwrite)
     if dist.get_rank() == 0:
-        print(f"wrote {out} from step {step} of {args.ckpt}: {_hf_param_count(out):,} parameters "
-              f"({mm.model_cfg.dtype}), config and tokenizer from {args.hf_config_from}")
+        print(
+            f"wrote {out} from step {step} of {args.ckpt}: {_hf_param_count(out):,} parameters "
+            f"({mm.model_cfg.dtype}), config and tokenizer from {args.hf_config_from}"
+        )
 
 
 def main(argv=None) -> int:
@@ -215,13 +265,17 @@ def main(argv=None) -> int:
                 raise UsageError(f"--hf {args.hf}: no *.safetensors weights in the folder")
             out = Path(args.out)
             if out.exists() and (not out.is_dir() or any(out.iterdir())):
-                raise UsageError(f"--out {args.out} exists and is not an empty folder; pick a new checkpoint root")
+                raise UsageError(
+                    f"--out {args.out} exists and is not an empty folder; pick a new checkpoint root"
+                )
         else:
             _checkpoint_dir(args.ckpt)
             hf = _hf_config(args.hf_config_from, "--hf-config-from")
             out = Path(args.out)
             if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-                raise UsageError(f"--out {args.out} exists and is not empty; pass --overwrite to replace it")
+                raise UsageError(
+                    f"--out {args.out} exists and is not empty; pass --overwrite to replace it"
+                )
         _check_layout(hf, args.tp, args.pp, args.vpp)
         _check_world(args.tp, args.pp)
 
@@ -235,7 +289,9 @@ def main(argv=None) -> int:
         try:
             ModelShape.from_hf(hf)
         except UnsupportedModelError as e:
-            raise UsageError(f"{args.hf if args.command == 'hf-to-mcore' else args.hf_config_from}: {e}") from None
+            raise UsageError(
+                f"{args.hf if args.command == 'hf-to-mcore' else args.hf_config_from}: {e}"
+            ) from None
     except UsageError as e:
         if rank0:
             print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ A "package" is rlmega's first-level name (rlmega/agents/, rlmega/train.py, ...).
 those inside functions too (they still tie the code together). LAYERS (bottom first) is the house as
 docs/architecture.md draws it; an arrow from a lower layer to a higher one is "upward". Stdlib only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,19 +21,23 @@ ROOT = Path(__file__).resolve().parents[1] / "rlmega"
 
 # Bottom first; a package may import its own layer and the ones below.
 LAYERS = [
-    ["process", "demo"],                                  # what a process sets up at start; the demo's model makers
-    ["config", "algorithms", "data", "rundir"],           # schema and rules; pure math; batches; run folders, records
-    ["sync", "rewards"],                                  # weights to the engines; reward functions
-    ["learner", "megatron", "fsdp"],                      # the learner's interface and logic; its two backends
-    ["rollout", "judgers", "dashboard"],                  # the engine side, judging, the web page
-    ["agents"],                                           # trajectories, production
-    ["launch"],                                           # the run's roles on Ray / torchrun, its coordinator
+    ["process", "demo"],  # what a process sets up at start; the demo's model makers
+    [
+        "config",
+        "algorithms",
+        "data",
+        "rundir",
+    ],  # schema and rules; pure math; batches; run folders, records
+    ["sync", "rewards"],  # weights to the engines; reward functions
+    ["learner", "megatron", "fsdp"],  # the learner's interface and logic; its two backends
+    ["rollout", "judgers", "dashboard"],  # the engine side, judging, the web page
+    ["agents"],  # trajectories, production
+    ["launch"],  # the run's roles on Ray / torchrun, its coordinator
     ["step", "preflight", "train", "train_args", "cli", "__main__"],  # the driver and the commands
-    ["testing"],                                          # tests' helpers
+    ["testing"],  # tests' helpers
 ]
 # Upward arrows kept on purpose, each with why (docs/architecture.md repeats them).
-ALLOWED = {
-}
+ALLOWED = {}
 
 
 def package(module: str) -> str | None:
@@ -60,10 +65,11 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
             if base.startswith("rlmega"):
                 out.add(base)
-                out.update(f"{base}.{a.name}" for a in node.names)  # `from rlmega import x`: x may be a module
+                # `from rlmega import x`: x may be a module
+                out.update(f"{base}.{a.name}" for a in node.names)
     return out
 
 
@@ -157,7 +163,9 @@ def main(argv=None) -> int:
         up = upward(edges)
         print(f"upward arrows: {len(up)} ({sum((a, b) in ALLOWED for a, b in up)} kept on purpose)")
         for a, b in up:
-            print(f"  {a} -> {b}" + (f": {ALLOWED[a, b]}" if (a, b) in ALLOWED else "  (not allowed)"))
+            print(
+                f"  {a} -> {b}" + (f": {ALLOWED[a, b]}" if (a, b) in ALLOWED else "  (not allowed)")
+            )
     return 0
 
 

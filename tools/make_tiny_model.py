@@ -12,6 +12,7 @@ Both transformers and vLLM load the result; see rlmega/demo/tiny_model.py for wh
 rlmega/demo/tiny_vlm.py for the vision-language archs (idefics3, qwen2_vl: only --hidden-size, --num-layers,
 --num-heads and --seed apply; a processor is saved with them).
 """
+
 import argparse
 import math
 import sys
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+# run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlmega.demo.tiny_model import ARCHITECTURES, make_tiny_model
 from rlmega.demo.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
 
@@ -27,26 +29,51 @@ from rlmega.demo.tiny_vlm import VLM_ARCHITECTURES, make_tiny_vlm
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=sorted(ARCHITECTURES) + list(VLM_ARCHITECTURES))
+    p.add_argument(
+        "--arch", default="qwen2", choices=sorted(ARCHITECTURES) + list(VLM_ARCHITECTURES)
+    )
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=1)
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 2 * hidden size")
-    p.add_argument("--num-experts", type=int, default=8, help="mixture-of-experts archs: routed experts per layer")
-    p.add_argument("--top-k", type=int, default=2, help="mixture-of-experts archs: experts per token")
-    p.add_argument("--moe-intermediate-size", type=int, default=None,
-                   help="mixture-of-experts archs: default hidden size // 2")
-    p.add_argument("--max-position-embeddings", type=int, default=512,
-                   help="the context engines may be given (RoPE: no trained positions)")
-    p.add_argument("--rope-theta", type=float, default=10000.0,
-                   help="RoPE base; long contexts want a large one (Qwen2.5: 1e6)")
+    p.add_argument(
+        "--num-experts",
+        type=int,
+        default=8,
+        help="mixture-of-experts archs: routed experts per layer",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=2, help="mixture-of-experts archs: experts per token"
+    )
+    p.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        default=None,
+        help="mixture-of-experts archs: default hidden size // 2",
+    )
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=512,
+        help="the context engines may be given (RoPE: no trained positions)",
+    )
+    p.add_argument(
+        "--rope-theta",
+        type=float,
+        default=10000.0,
+        help="RoPE base; long contexts want a large one (Qwen2.5: 1e6)",
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's own size")
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
-    p.add_argument("--if-missing", action="store_true", help="leave an OUT_DIR that holds a model (config.json) "
-                   "as it is: a config's first-line command makes its model once, then trains")
+    p.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="leave an OUT_DIR that holds a model (config.json) "
+        "as it is: a config's first-line command makes its model once, then trains",
+    )
     return p
 
 
@@ -58,8 +85,13 @@ def main(argv=None) -> None:
         return
     try:
         if args["arch"] in VLM_ARCHITECTURES:
-            path = make_tiny_vlm(args["out_dir"], **{k: args[k] for k in (
-                "arch", "hidden_size", "num_layers", "num_heads", "seed", "overwrite")})
+            path = make_tiny_vlm(
+                args["out_dir"],
+                **{
+                    k: args[k]
+                    for k in ("arch", "hidden_size", "num_layers", "num_heads", "seed", "overwrite")
+                },
+            )
         else:
             path = make_tiny_model(args.pop("out_dir"), **args)
     except (ValueError, FileExistsError) as e:

@@ -11,7 +11,9 @@ def exact_match(response_text: str, label: str, **kwargs) -> float:
     return float(response_text.strip() == label)
 
 
-def exact_match_europe_counts_double(response_text: str, label: str, region: str = "", **kwargs) -> dict:
+def exact_match_europe_counts_double(
+    response_text: str, label: str, region: str = "", **kwargs
+) -> dict:
     """The same check, with the row's "region" column by name and a second named score in the metrics."""
     right = float(response_text.strip() == label)
     return {"reward": right * (2.0 if region == "europe" else 1.0), "right": right}

@@ -9,6 +9,7 @@ A ProducedBatch travels into checkpoints as plain data (``to_state`` / ``from_st
 numbers, strings, bytes), which is all torch.load(weights_only=True) reads back; a trajectory's MoE
 routes (int16 tensor) as {"shape", "int16": bytes}, so exact resume replays the routes it was sampled with.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,16 +39,32 @@ class ProducedBatch:
         return len(self.groups)
 
     def to_state(self) -> dict:
-        return {"index": self.index, "groups": [_group_state(g) for g in self.groups],
-                "requests": [[task, dataclasses.asdict(r)] for task, r in self.requests], "stats": dict(self.stats)}
+        return {
+            "index": self.index,
+            "groups": [_group_state(g) for g in self.groups],
+            "requests": [[task, dataclasses.asdict(r)] for task, r in self.requests],
+            "stats": dict(self.stats),
+        }
 
     @classmethod
     def from_state(cls, s: dict) -> "ProducedBatch":
-        groups = [TrajectoryGroup(**{**g, "trajectories": [Trajectory(**{**t, "routed_experts": _routes(t)})
-                                                           for t in g["trajectories"]]})
-                  for g in s["groups"]]
-        return cls(index=s["index"], groups=groups, requests=[(task, GroupRequest(**r)) for task, r in s["requests"]],
-                   stats=dict(s["stats"]))
+        groups = [
+            TrajectoryGroup(
+                **{
+                    **g,
+                    "trajectories": [
+                        Trajectory(**{**t, "routed_experts": _routes(t)}) for t in g["trajectories"]
+                    ],
+                }
+            )
+            for g in s["groups"]
+        ]
+        return cls(
+            index=s["index"],
+            groups=groups,
+            requests=[(task, GroupRequest(**r)) for task, r in s["requests"]],
+            stats=dict(s["stats"]),
+        )
 
 
 def _group_state(g: TrajectoryGroup) -> dict:
@@ -55,9 +72,14 @@ def _group_state(g: TrajectoryGroup) -> dict:
     state["trajectories"] = []
     for t in g.trajectories:
         r = t.routed_experts
-        state["trajectories"].append({**dataclasses.asdict(dataclasses.replace(t, routed_experts=None)),
-                                      "routed_experts": None if r is None else
-                                      {"shape": list(r.shape), "int16": r.to(torch.int16).numpy().tobytes()}})
+        state["trajectories"].append(
+            {
+                **dataclasses.asdict(dataclasses.replace(t, routed_experts=None)),
+                "routed_experts": None
+                if r is None
+                else {"shape": list(r.shape), "int16": r.to(torch.int16).numpy().tobytes()},
+            }
+        )
     return state
 
 

@@ -9,6 +9,7 @@ an actor is reached through its methods only.
 agent-loop config with its judgers, the reward section (the default judger), the model path (the
 tokenizer), sampling defaults and the group size.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,16 @@ def build_loop(spec: LoopSpec, engines: list) -> AgentLoop:
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     judger = build_judger(spec.agent_loop.judgers, spec.reward, bundles=spec.judger_bundles)
     router = EngineRouter(engines, spec.agent_loop.max_generation_retries)
-    return make_agent_loop(spec.task, spec.agent_loop, router, judger, tokenizer, spec.sampling, spec.n,
-                           load_processor(spec.model_path))
+    return make_agent_loop(
+        spec.task,
+        spec.agent_loop,
+        router,
+        judger,
+        tokenizer,
+        spec.sampling,
+        spec.n,
+        load_processor(spec.model_path),
+    )
 
 
 class AgentLoopActor:
@@ -65,15 +74,22 @@ class AgentLoopActor:
 
 
 class AgentLoopHost:
-    def __init__(self, spec: LoopSpec, engines: list, bundles: list | None = None,
-                 judger_bundles: list[list] | None = None):
+    def __init__(
+        self,
+        spec: LoopSpec,
+        engines: list,
+        bundles: list | None = None,
+        judger_bundles: list[list] | None = None,
+    ):
         """``bundles``: (placement group, index) for each of the spec's num_ray_actors actors;
         ``judger_bundles``: for each loop instance (the local one, or each actor), its judgers' bundles."""
         self.spec, self.local, self.actors = spec, None, []
         n = spec.agent_loop.num_ray_actors
         judger_bundles = judger_bundles or [[] for _ in range(max(1, n))]
         if n == 0:
-            self.local = build_loop(dataclasses.replace(spec, judger_bundles=judger_bundles[0]), engines)
+            self.local = build_loop(
+                dataclasses.replace(spec, judger_bundles=judger_bundles[0]), engines
+            )
         else:
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -86,9 +102,13 @@ class AgentLoopHost:
                 if bundles:
                     pg, index = bundles[i]
                     opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=index)
-                self.actors.append(Actor.options(**opts).remote(
-                    dataclasses.replace(spec, judger_bundles=judger_bundles[i]), engines))
+                        placement_group=pg, placement_group_bundle_index=index
+                    )
+                self.actors.append(
+                    Actor.options(**opts).remote(
+                        dataclasses.replace(spec, judger_bundles=judger_bundles[i]), engines
+                    )
+                )
         self.outstanding = [0] * len(self.actors)
 
     async def run_group(self, req: GroupRequest) -> TrajectoryGroup:
@@ -99,8 +119,12 @@ class AgentLoopHost:
         try:
             return await self.actors[i].run_group.remote(req)
         except Exception as e:  # the actor died: the group is lost, named, never a zero-reward row
-            return TrajectoryGroup(task=self.spec.task, prompt_index=req.prompt_index, label=req.label,
-                                   error=f"agent-loop actor {i} of task {self.spec.task!r} failed: {e!r}")
+            return TrajectoryGroup(
+                task=self.spec.task,
+                prompt_index=req.prompt_index,
+                label=req.label,
+                error=f"agent-loop actor {i} of task {self.spec.task!r} failed: {e!r}",
+            )
         finally:
             self.outstanding[i] -= 1
 
@@ -131,7 +155,9 @@ class BackgroundLoop:
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="agent-loops", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="agent-loops", daemon=True
+        )
         self._thread.start()
 
     def run(self, coro, timeout: float | None = None):
@@ -141,6 +167,7 @@ class BackgroundLoop:
         """Cancel the loop's tasks and let them unwind (``drain_s`` at most), then stop it: asyncio.run's own
         shutdown. A loop stopped with tasks pending logged "Task was destroyed but it is pending!" for each
         when they were collected (issue 56: a producer's batch in flight, its requests' waits)."""
+
         async def cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
@@ -151,7 +178,8 @@ class BackgroundLoop:
         if self.loop.is_running():
             try:
                 asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(drain_s + 1)
-            except (concurrent.futures.TimeoutError, RuntimeError):  # a task that ignores cancelling: left
+            # a task that ignores cancelling: left
+            except (concurrent.futures.TimeoutError, RuntimeError):
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)

@@ -15,6 +15,7 @@ The trainer must feed image features to an observation's placeholders and to no 
 trajectory's vision inputs carry each observation's span in the response (``observation_spans``, (k, 2)
 [start, end) offsets from the response's first token; rlmega/fsdp/vision_inputs.py reads them).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,21 +28,23 @@ from rlmega.data.images import processor_vision
 from rlmega.data.rollout_batch import OBSERVATION_SPANS
 
 
-
 def image_placeholder_text(processor) -> str:
     """What the model's chat template writes for one image (Idefics3: "<image>"; Qwen2-VL:
     "<|vision_start|><|image_pad|><|vision_end|>"): a message with an image part less one without."""
+
     def render(part: dict) -> str:
         return processor.apply_chat_template([{"role": "user", "content": [part]}], tokenize=False)
 
     with_image, without = render({"type": "image"}), render({"type": "text", "text": ""})
     head = len(os.path.commonprefix([with_image, without]))
     tail = len(os.path.commonprefix([with_image[head:][::-1], without[head:][::-1]]))
-    text = with_image[head:len(with_image) - tail]
+    text = with_image[head : len(with_image) - tail]
     token = getattr(processor, "image_token", None)
     if not text or (token and token not in text):
-        raise ValueError(f"cannot tell how the chat template writes an image (got {text!r}); the processor's image "
-                         f"token is {token!r}")
+        raise ValueError(
+            f"cannot tell how the chat template writes an image (got {text!r}); the processor's image "
+            f"token is {token!r}"
+        )
     return text
 
 
@@ -50,17 +53,25 @@ class Observations:
 
     def __init__(self, processor):
         if processor is None:
-            raise ValueError("an image observation needs a vision-language model (model.path has no processor "
-                             "with an image processor)")
+            raise ValueError(
+                "an image observation needs a vision-language model (model.path has no processor "
+                "with an image processor)"
+            )
         self.processor = processor
         self.placeholder = image_placeholder_text(processor)
         tok = processor.tokenizer
         # the markers as text even where a tokenizer has them as special tokens (tool output is never one)
-        self.open = tok(RESULT_OPEN, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        self.close = tok(RESULT_CLOSE, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        self.open = tok(RESULT_OPEN, add_special_tokens=False, split_special_tokens=True)[
+            "input_ids"
+        ]
+        self.close = tok(RESULT_CLOSE, add_special_tokens=False, split_special_tokens=True)[
+            "input_ids"
+        ]
         self.engine_placeholder = tok(self.placeholder, add_special_tokens=False)["input_ids"]
 
-    def follows_a_sampled_placeholder(self, response_ids: Sequence[int], response_mask: Sequence[float]) -> bool:
+    def follows_a_sampled_placeholder(
+        self, response_ids: Sequence[int], response_mask: Sequence[float]
+    ) -> bool:
         """Whether the model sampled an image placeholder token earlier in the response: vLLM expands a request's
         first N placeholders for its N images, so an image after such a token would have its features put in the
         sampled token's place (the loop answers with an error instead)."""
@@ -71,17 +82,31 @@ class Observations:
         """(the engine's ids, the trainer's ids, the image's expansion's [start, end) in the trainer's ids) of
         ``<result>IMAGE</result>``."""
         _, expanded = processor_vision(self.processor, self.placeholder, [png])
-        return (self.open + self.engine_placeholder + self.close, self.open + expanded + self.close,
-                (len(self.open), len(self.open) + len(expanded)))
+        return (
+            self.open + self.engine_placeholder + self.close,
+            self.open + expanded + self.close,
+            (len(self.open), len(self.open) + len(expanded)),
+        )
 
-    def trajectory_vision(self, prompt_text: str, prompt_images: Sequence[bytes], observed: Sequence[bytes],
-                          spans: Sequence[tuple[int, int]], scored: list[int]) -> dict:
+    def trajectory_vision(
+        self,
+        prompt_text: str,
+        prompt_images: Sequence[bytes],
+        observed: Sequence[bytes],
+        spans: Sequence[tuple[int, int]],
+        scored: list[int],
+    ) -> dict:
         """The processor's image inputs of a trajectory: the prompt's images, then each observation's, in order,
         with ``observation_spans``. ``scored``: the trajectory's prompt ids followed by each observation's
         expanded ids (what the processor must expand the images into, checked)."""
-        vision, ids = processor_vision(self.processor, prompt_text + self.placeholder * len(observed),
-                                       list(prompt_images) + list(observed))
+        vision, ids = processor_vision(
+            self.processor,
+            prompt_text + self.placeholder * len(observed),
+            list(prompt_images) + list(observed),
+        )
         if ids != scored:
-            raise ValueError("the processor expands a trajectory's images otherwise than one image at a time")
+            raise ValueError(
+                "the processor expands a trajectory's images otherwise than one image at a time"
+            )
         vision[OBSERVATION_SPANS] = torch.tensor(list(spans), dtype=torch.int64).reshape(-1, 2)
         return vision

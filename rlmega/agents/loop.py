@@ -18,6 +18,7 @@ A tool that answers with an image (zoom, for a vision-language model) adds an im
 engine's next turn gets the image too, and the trajectory its own vision inputs
 (rlmega/agents/image_observations.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,8 @@ from rlmega.config.agent_rules import IMAGE_TOOLS
 from rlmega.data.images import processor_vision
 from rlmega.judgers.base import JudgeItem
 
-TURN_SEED_STRIDE = 7_919_993  # far from the per-sample seed steps, so turns of nearby samples never share a seed
+# far from the per-sample seed steps, so turns of nearby samples never share a seed
+TURN_SEED_STRIDE = 7_919_993
 
 
 @dataclasses.dataclass
@@ -62,25 +64,49 @@ class GroupRequest:
 class AgentLoop:
     """Base: runs ``_trajectory`` n times concurrently, judges each, and groups them."""
 
-    def __init__(self, task: str, cfg, router: EngineRouter, judger, tokenizer, sampling: dict, n: int,
-                 processor=None):
-        self.task, self.cfg, self.router, self.judger, self.tokenizer = task, cfg, router, judger, tokenizer
+    def __init__(
+        self,
+        task: str,
+        cfg,
+        router: EngineRouter,
+        judger,
+        tokenizer,
+        sampling: dict,
+        n: int,
+        processor=None,
+    ):
+        self.task, self.cfg, self.router, self.judger, self.tokenizer = (
+            task,
+            cfg,
+            router,
+            judger,
+            tokenizer,
+        )
         self.sampling, self.n = dict(sampling), n
-        self.processor = processor  # a vision-language model's (rlmega.data.images.load_processor), else None
+        # a vision-language model's (rlmega.data.images.load_processor), else None
+        self.processor = processor
 
     async def run_group(self, req: GroupRequest) -> TrajectoryGroup:
         group = TrajectoryGroup(task=self.task, prompt_index=req.prompt_index, label=req.label)
         if req.images:  # the prompt's image tensors, once for its n trajectories (they share them)
             group.vision, expanded = processor_vision(self.processor, req.prompt_text, req.images)
             if expanded != req.scored_ids:
-                raise ValueError(f"prompt {req.prompt_index}: the processor expands its images otherwise now than "
-                                 "when the data was loaded")
+                raise ValueError(
+                    f"prompt {req.prompt_index}: the processor expands its images otherwise now than "
+                    "when the data was loaded"
+                )
         sampling = {**self.sampling, **(req.sampling or {})}
         if req.images:
             sampling["images"] = list(req.images)
         n = req.n or self.n
-        trajs = await asyncio.gather(*[self._trajectory(req, sampling, None if req.seed is None else req.seed + j)
-                                       for j in range(n)], return_exceptions=True)  # let every try finish
+        # let every try finish
+        trajs = await asyncio.gather(
+            *[
+                self._trajectory(req, sampling, None if req.seed is None else req.seed + j)
+                for j in range(n)
+            ],
+            return_exceptions=True,
+        )
         failed = [t for t in trajs if isinstance(t, BaseException)]
         if failed:  # never a zero-reward row: the whole group goes
             if not all(isinstance(e, GenerationFailed) for e in failed):
@@ -94,11 +120,17 @@ class AgentLoop:
         return group
 
     def _item(self, req: GroupRequest, t: Trajectory) -> JudgeItem:
-        return JudgeItem(prompt_text=req.prompt_text, response_text=t.response_text, label=req.label,
-                         response_raw=t.response_raw, columns=req.columns,
-                         prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
-                         metadata={"task": self.task, "finish_reason": t.finish_reason, **t.metadata},
-                         images=req.images)
+        return JudgeItem(
+            prompt_text=req.prompt_text,
+            response_text=t.response_text,
+            label=req.label,
+            response_raw=t.response_raw,
+            columns=req.columns,
+            prompt_ids=list(t.prompt_ids),
+            response_ids=list(t.response_ids),
+            metadata={"task": self.task, "finish_reason": t.finish_reason, **t.metadata},
+            images=req.images,
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -128,45 +160,69 @@ class SingleTurnAgentLoop(AgentLoop):
 class ToolAgentLoop(AgentLoop):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if set(self.cfg.tools) & set(IMAGE_TOOLS):  # a template whose image placeholder cannot be read fails here,
+        # a template whose image placeholder cannot be read fails here,
+        if set(self.cfg.tools) & set(IMAGE_TOOLS):
             self.observations  # noqa: B018 -- when the loop is built, not at the first image answer mid-run
 
     async def _trajectory(self, req, sampling, seed):
         cfg = self.cfg
         budget = cfg.max_total_tokens or sampling["max_tokens"]
-        t = Trajectory(prompt_ids=list(req.scored_ids or req.prompt_ids))  # (checked against the engine's below)
+        # (checked against the engine's below)
+        t = Trajectory(prompt_ids=list(req.scored_ids or req.prompt_ids))
         context = list(req.prompt_ids)
-        images, observed, spans = list(req.images), [], []  # the engine's images; image observations, their spans
+        # the engine's images; image observations, their spans
+        images, observed, spans = list(req.images), [], []
         for turn in range(cfg.max_turns):
             left = budget - len(t.response_ids)
             if left <= 0:
                 t.finish_reason = "max_tokens"
                 break
             turn_seed = None if seed is None else (seed + turn * TURN_SEED_STRIDE) % 2**31
-            s = await self.router.generate(context, {**sampling, "max_tokens": left, "seed": turn_seed,
-                                                     "stop": [CALL_CLOSE], **({"images": images} if images else {})})
+            s = await self.router.generate(
+                context,
+                {
+                    **sampling,
+                    "max_tokens": left,
+                    "seed": turn_seed,
+                    "stop": [CALL_CLOSE],
+                    **({"images": images} if images else {}),
+                },
+            )
             if turn == 0:
                 scored_prompt(req, s)
             elif images and list(s.prompt_ids) != t.prompt_ids + t.response_ids:
-                raise ValueError(f"prompt {req.prompt_index}, turn {turn}: the engine expanded the images of the "
-                                 "context otherwise than the trajectory holds them (check the processor files)")
-            t.append(s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts)
+                raise ValueError(
+                    f"prompt {req.prompt_index}, turn {turn}: the engine expanded the images of the "
+                    "context otherwise than the trajectory holds them (check the processor files)"
+                )
+            t.append(
+                s.response_ids, s.logprobs, s.token_versions, model=True, routes=s.routed_experts
+            )
             context += s.response_ids
             t.num_turns += 1
             text = self._decode(s.response_ids)
-            call = parse_call(text) if s.finish_reason == "stop" and text.rstrip().endswith(CALL_CLOSE) else None
+            call = (
+                parse_call(text)
+                if s.finish_reason == "stop" and text.rstrip().endswith(CALL_CLOSE)
+                else None
+            )
             if call is None:  # an answer (or a turn cut at max tokens): the trajectory is done
-                t.finish_reason = "max_tokens" if s.finish_reason == "length" and left < sampling["max_tokens"] \
+                t.finish_reason = (
+                    "max_tokens"
+                    if s.finish_reason == "length" and left < sampling["max_tokens"]
                     else s.finish_reason
+                )
                 break
             output = await self._run_tool(call, req.images)
             t.tool_calls += 1
             if isinstance(output, ImageResult) and self.observations.follows_a_sampled_placeholder(
-                    t.response_ids, t.response_mask):
+                t.response_ids, t.response_mask
+            ):
                 output = "error: no image after an image token the model wrote"
             if isinstance(output, ImageResult):
                 engine_ids, ids, (a, b) = self.observations.tokens(output.png)
-                if len(t.response_ids) + len(ids) <= budget:  # an image is never cut: it fits or is refused
+                # an image is never cut: it fits or is refused
+                if len(t.response_ids) + len(ids) <= budget:
                     spans.append((len(t.response_ids) + a, len(t.response_ids) + b))
                     observed.append(output.png)
                     images.append(output.png)
@@ -176,9 +232,11 @@ class ToolAgentLoop(AgentLoop):
                 output = "error: no room left for the image"
             t.tool_errors += output.startswith("error")
             # tokenized once; tool output is text, never a special token (an image placeholder, an end of turn)
-            ids = self.tokenizer(format_result(output), add_special_tokens=False,
-                                 split_special_tokens=True)["input_ids"]
-            if len(t.response_ids) + len(ids) > budget:  # the result does not fit: keep what does, stop
+            ids = self.tokenizer(
+                format_result(output), add_special_tokens=False, split_special_tokens=True
+            )["input_ids"]
+            # the result does not fit: keep what does, stop
+            if len(t.response_ids) + len(ids) > budget:
                 ids = ids[: budget - len(t.response_ids)]
                 t.append(ids, None, -1, model=False)
                 t.finish_reason = "max_tokens"
@@ -187,14 +245,23 @@ class ToolAgentLoop(AgentLoop):
             context += ids
         else:
             t.finish_reason = "max_turns"
-        if observed:  # the trainer's images: the prompt's, then the observations' (spans say where they sit)
+        # the trainer's images: the prompt's, then the observations' (spans say where they sit)
+        if observed:
             t.vision = self.observations.trajectory_vision(
-                req.prompt_text, req.images, observed, spans,
-                scored=t.prompt_ids + [i for a, b in spans for i in t.response_ids[a:b]])
+                req.prompt_text,
+                req.images,
+                observed,
+                spans,
+                scored=t.prompt_ids + [i for a, b in spans for i in t.response_ids[a:b]],
+            )
         transcript = self._decode(t.response_ids)
-        t.metadata = {"transcript": transcript, "tool_calls": t.tool_calls,
-                      **({"image_observations": len(observed)} if observed else {})}
-        t.response_raw = transcript.rsplit(RESULT_CLOSE, 1)[-1]  # the answer after the last tool result
+        t.metadata = {
+            "transcript": transcript,
+            "tool_calls": t.tool_calls,
+            **({"image_observations": len(observed)} if observed else {}),
+        }
+        # the answer after the last tool result
+        t.response_raw = transcript.rsplit(RESULT_CLOSE, 1)[-1]
         t.response_text = self._without_special_tokens(t.response_raw)
         return t
 
@@ -204,8 +271,9 @@ class ToolAgentLoop(AgentLoop):
 
     async def _run_tool(self, call, images=()):
         # Tools block (the Python evaluator waits on its process): off the event loop.
-        return await asyncio.to_thread(run_call, call, self.cfg.tools, self.cfg.tool_timeout_s,
-                                       self.cfg.tool_memory_mb, images)
+        return await asyncio.to_thread(
+            run_call, call, self.cfg.tools, self.cfg.tool_timeout_s, self.cfg.tool_memory_mb, images
+        )
 
 
 def scored_prompt(req: GroupRequest, s) -> list[int]:
@@ -214,16 +282,19 @@ def scored_prompt(req: GroupRequest, s) -> list[int]:
     if not req.images:
         return list(req.prompt_ids)
     if list(s.prompt_ids) != list(req.scored_ids):
-        raise ValueError(f"prompt {req.prompt_index}: the engine expanded its {len(req.images)} image(s) into "
-                         f"{len(s.prompt_ids)} prompt tokens, the model's processor into {len(req.scored_ids)}: the "
-                         "engine and the processor disagree on the image tokens (check the processor files in "
-                         "model.path)")
+        raise ValueError(
+            f"prompt {req.prompt_index}: the engine expanded its {len(req.images)} image(s) into "
+            f"{len(s.prompt_ids)} prompt tokens, the model's processor into {len(req.scored_ids)}: the "
+            "engine and the processor disagree on the image tokens (check the processor files in "
+            "model.path)"
+        )
     return list(s.prompt_ids)
 
 
 LOOPS = {"single_turn": SingleTurnAgentLoop, "tool": ToolAgentLoop}
 
 
-def make_agent_loop(task: str, cfg, router, judger, tokenizer, sampling: dict, n: int,
-                    processor=None) -> AgentLoop:
+def make_agent_loop(
+    task: str, cfg, router, judger, tokenizer, sampling: dict, n: int, processor=None
+) -> AgentLoop:
     return LOOPS[cfg.kind](task, cfg, router, judger, tokenizer, sampling, n, processor)

@@ -8,6 +8,7 @@ roles_cpus adds them to the trainer's, critic's and engines' CPUs: what the whol
 by the launcher (rlmega.launch.roles, sizing an embedded Ray) and by the preflight (rlmega.preflight); here,
 below both, because nothing in it needs Ray.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,12 @@ def judger_bundles(judgers: list[JudgerConfig]) -> list[dict]:
         if j.kind == "ray":
             out += [_bundle(j.cpus_per_actor, j.memory_mb_per_actor)] * j.num_actors
         elif j.kind == "model":  # its engine; on cuda with a GPU of its own
-            out.append({**_bundle(j.cpus_per_actor, j.memory_mb_per_actor),
-                        **({"GPU": 1} if j.device == "cuda" else {})})
+            out.append(
+                {
+                    **_bundle(j.cpus_per_actor, j.memory_mb_per_actor),
+                    **({"GPU": 1} if j.device == "cuda" else {}),
+                }
+            )
     return out
 
 
@@ -53,19 +58,31 @@ def agent_cpus(task_cfgs, reward_cfg, reward_cpus: float) -> float:
     """Ray CPUs every agent-loop and judger actor of the run reserves."""
     total = 0.0
     for t in task_cfgs:
-        loops, judges = task_bundles(t.agent_loop, effective_judgers(t.agent_loop, reward_cfg, reward_cpus))
+        loops, judges = task_bundles(
+            t.agent_loop, effective_judgers(t.agent_loop, reward_cfg, reward_cpus)
+        )
         total += sum(b["CPU"] for b in loops) + sum(b["CPU"] for inst in judges for b in inst)
     return total
 
 
-def roles_cpus(cluster: ClusterConfig, reward: RewardConfig, tasks: list[TaskConfig], trainer_ranks: int,
-               engines: int) -> float:
+def roles_cpus(
+    cluster: ClusterConfig,
+    reward: RewardConfig,
+    tasks: list[TaskConfig],
+    trainer_ranks: int,
+    engines: int,
+) -> float:
     """Ray CPUs the run's roles reserve: ``trainer_ranks`` (the policy's and the critic's) and ``engines`` by the
     cluster section's per-role CPUs, and each task's agent-loop and judger actors."""
-    return (trainer_ranks * cluster.actor_cpus_per_rank + engines * cluster.engine_cpus
-            + agent_cpus(tasks, reward, cluster.reward_cpus))
+    return (
+        trainer_ranks * cluster.actor_cpus_per_rank
+        + engines * cluster.engine_cpus
+        + agent_cpus(tasks, reward, cluster.reward_cpus)
+    )
 
 
 def run_cpus(cfg: RLConfig) -> float:
     """roles_cpus of the whole run: the one function here that reads every section it sums over."""
-    return roles_cpus(cfg.cluster, cfg.reward, task_configs(cfg), trainer_ranks(cfg), cfg.rollout.num_engines)
+    return roles_cpus(
+        cfg.cluster, cfg.reward, task_configs(cfg), trainer_ranks(cfg), cfg.rollout.num_engines
+    )

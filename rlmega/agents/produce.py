@@ -34,6 +34,7 @@ prompts of buffered batches are never drawn twice. A resumed deterministic run t
 exactly the batches of an uninterrupted one. In the fast mode a resume loses and repeats nothing and
 keeps the staleness bound, but which version a batch gets depends on timing in both runs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,16 +60,29 @@ def sample_seed(base: int, step: int) -> int:
     return base + step * SEED_STRIDE
 
 
-def group_requests(picked: list, n: int, base_seed: int | None, sampling: dict | None = None,
-                   offset: int = 0) -> list:
+def group_requests(
+    picked: list, n: int, base_seed: int | None, sampling: dict | None = None, offset: int = 0
+) -> list:
     """[(task, GroupRequest)] for prompts [(task, Prompt)]; request i has group id offset + i and samples
     with seeds base_seed + (offset + i) * n + j."""
-    return [(task, GroupRequest(prompt_index=offset + i, prompt_ids=p.request_ids(), label=p.label,
-                                prompt_text=p.text, n=n, sampling=sampling,
-                                seed=None if base_seed is None else base_seed + (offset + i) * n,
-                                images=tuple(p.images), scored_ids=list(p.token_ids) if p.images else None,
-                                columns=dict(p.columns)))
-            for i, (task, p) in enumerate(picked)]
+    return [
+        (
+            task,
+            GroupRequest(
+                prompt_index=offset + i,
+                prompt_ids=p.request_ids(),
+                label=p.label,
+                prompt_text=p.text,
+                n=n,
+                sampling=sampling,
+                seed=None if base_seed is None else base_seed + (offset + i) * n,
+                images=tuple(p.images),
+                scored_ids=list(p.token_ids) if p.images else None,
+                columns=dict(p.columns),
+            ),
+        )
+        for i, (task, p) in enumerate(picked)
+    ]
 
 
 class ProductionStalled(RuntimeError):
@@ -76,8 +90,17 @@ class ProductionStalled(RuntimeError):
 
 
 class Producer:
-    def __init__(self, gen: Generation, data: Tasks, produce: ProduceConfig, algorithm: AlgorithmConfig,
-                 trainer: TrainerConfig, rollout: RolloutConfig, start: int, state: dict | None = None):
+    def __init__(
+        self,
+        gen: Generation,
+        data: Tasks,
+        produce: ProduceConfig,
+        algorithm: AlgorithmConfig,
+        trainer: TrainerConfig,
+        rollout: RolloutConfig,
+        start: int,
+        state: dict | None = None,
+    ):
         """``gen``: what it generates through (rlmega.agents.hosting.Generation: hosts, queues, the stop flag,
         the weight sync); ``data``: the tasks' prompts; ``produce``: sync or async and its bounds; ``algorithm``:
         dynamic sampling; ``trainer``: steps and prompts per step; ``rollout``: samples per prompt and the seed;
@@ -122,10 +145,14 @@ class Producer:
                 if self._stopped and self._producing is None:
                     return None
                 if self._hold and self._producing is None:
-                    raise RuntimeError(f"batch {step} taken while production is paused (advance() first)")
+                    raise RuntimeError(
+                        f"batch {step} taken while production is paused (advance() first)"
+                    )
                 if time.perf_counter() - start > self.timeout_s:
-                    raise ProductionStalled(f"batch {step} did not arrive within {self.timeout_s:.0f}s "
-                                            f"(producing batch {self._producing}); see the engine logs")
+                    raise ProductionStalled(
+                        f"batch {step} did not arrive within {self.timeout_s:.0f}s "
+                        f"(producing batch {self._producing}); see the engine logs"
+                    )
                 self._cond.wait(_POLL_S)
         return self._handle_stale(batch, step)
 
@@ -134,11 +161,17 @@ class Producer:
         the older weights generate (b <= version - 1 + k)."""
         if self.deterministic and self.k:
             last = min(version - 1 + self.k, self.end - 1)  # no batch is made past the last step
-            self._wait(lambda: self._next > last or self._stopped, f"batch {last} before the sync to {version}")
+            self._wait(
+                lambda: self._next > last or self._stopped,
+                f"batch {last} before the sync to {version}",
+            )
         sent = self.gen.sync(version, in_flight=self.in_flight)
         # time_weight_transfer: the transfer alone (the slowest sender's), inside time_sync's release and wake
-        return {"preempted_requests": sent.get("preempted", 0), "sync_bytes": sent["bytes"],
-                "time_weight_transfer": sent["seconds"]}
+        return {
+            "preempted_requests": sent.get("preempted", 0),
+            "sync_bytes": sent["bytes"],
+            "time_weight_transfer": sent["seconds"],
+        }
 
     def pause(self) -> None:
         """Start no batch until ``advance``, and wait for the one in production (a checkpoint's state)."""
@@ -149,7 +182,10 @@ class Producer:
     def state_dict(self) -> dict:
         """After ``pause``: the next batch to make and the finished batches not yet trained on."""
         with self._cond:
-            return {"next_batch": self._next, "buffer": [b.to_state() for b in self.results.batches()]}
+            return {
+                "next_batch": self._next,
+                "buffer": [b.to_state() for b in self.results.batches()],
+            }
 
     def __enter__(self) -> "Producer":
         return self
@@ -192,8 +228,13 @@ class Producer:
             batch.stats["stale_requeued"] = len(stale)
         else:
             drop_groups(batch, stale, self.k)
-        log.warning("batch %d: %d group(s) older than max_staleness %d %s", step, len(stale), self.k,
-                    "generated again" if self.on_stale == "requeue" else "dropped")
+        log.warning(
+            "batch %d: %d group(s) older than max_staleness %d %s",
+            step,
+            len(stale),
+            self.k,
+            "generated again" if self.on_stale == "requeue" else "dropped",
+        )
         return batch
 
     # ---- the producing side (the agent loops' event loop) -----------------------------------
@@ -224,7 +265,12 @@ class Producer:
                     self._cond.notify_all()
                     return None
                 b = self._next
-                if b < self.end and not self._hold and self._allowed is not None and b - self.k <= self._allowed:
+                if (
+                    b < self.end
+                    and not self._hold
+                    and self._allowed is not None
+                    and b - self.k <= self._allowed
+                ):
                     self._producing = b
                     return b
             try:
@@ -242,14 +288,23 @@ class Producer:
         kept: list[tuple[tuple[str, GroupRequest], TrajectoryGroup]] = []
         drawn = rounds = filtered = 0
         while True:
-            requests = group_requests(self.data.next_prompts(), n, base, offset=drawn)  # the tasks' mix
+            # the tasks' mix
+            requests = group_requests(self.data.next_prompts(), n, base, offset=drawn)
             drawn, rounds = drawn + len(requests), rounds + 1
             for req, g in zip(requests, await self._run(b, requests)):
-                if alg.dynamic_sampling and g.error is None and is_uniform([t.reward for t in g.trajectories]):
+                if (
+                    alg.dynamic_sampling
+                    and g.error is None
+                    and is_uniform([t.reward for t in g.trajectories])
+                ):
                     filtered += 1  # all rewards equal: GRPO advantages 0, nothing to learn from
                 else:
                     kept.append((req, g))
-            if not alg.dynamic_sampling or _valid(kept) >= want or rounds >= alg.max_sampling_rounds:
+            if (
+                not alg.dynamic_sampling
+                or _valid(kept) >= want
+                or rounds >= alg.max_sampling_rounds
+            ):
                 break
         # the first `want` good groups in draw order (failed ones met on the way stay: counted)
         if alg.dynamic_sampling:
@@ -262,10 +317,17 @@ class Producer:
             kept = kept[:cut]
         for i, ((_, req), g) in enumerate(kept):  # group ids 0.. in the batch
             req.prompt_index = g.prompt_index = i
-        stats = {"time_generate": time.perf_counter() - start, "sampling_rounds": rounds, "prompts_drawn": drawn,
-                 "groups_filtered": filtered, "groups_short": max(0, want - _valid(kept)),
-                 "generation_failures": await asyncio.to_thread(self.gen.failures) - failures}
-        return ProducedBatch(index=b, groups=[g for _, g in kept], requests=[r for r, _ in kept], stats=stats)
+        stats = {
+            "time_generate": time.perf_counter() - start,
+            "sampling_rounds": rounds,
+            "prompts_drawn": drawn,
+            "groups_filtered": filtered,
+            "groups_short": max(0, want - _valid(kept)),
+            "generation_failures": await asyncio.to_thread(self.gen.failures) - failures,
+        }
+        return ProducedBatch(
+            index=b, groups=[g for _, g in kept], requests=[r for r, _ in kept], stats=stats
+        )
 
     async def _run(self, b: int, requests: list) -> list[TrajectoryGroup]:
         self.prompts.add(b, len(requests))
@@ -281,8 +343,11 @@ class Producer:
 
 def stale_groups(batch: ProducedBatch, step: int, k: int) -> list[int]:
     """Indices of the batch's groups with a trajectory more than ``k`` versions behind the trainer at ``step``."""
-    return [i for i, g in enumerate(batch.groups)
-            if g.error is None and any(staleness(t, step) > k for t in g.trajectories)]
+    return [
+        i
+        for i, g in enumerate(batch.groups)
+        if g.error is None and any(staleness(t, step) > k for t in g.trajectories)
+    ]
 
 
 def drop_groups(batch: ProducedBatch, indices: list[int], k: int) -> None:
@@ -294,9 +359,11 @@ def drop_groups(batch: ProducedBatch, indices: list[int], k: int) -> None:
     batch.requests = [batch.requests[i] for i in keep]
     batch.stats["stale_dropped"] = len(out)
     if not batch.groups:
-        raise RuntimeError(f"batch {batch.index}: every group is older than produce.max_staleness={k} (a checkpoint "
-                           "of a run with a larger k?). Fix: produce.on_stale=requeue generates them again with the "
-                           "current weights")
+        raise RuntimeError(
+            f"batch {batch.index}: every group is older than produce.max_staleness={k} (a checkpoint "
+            "of a run with a larger k?). Fix: produce.on_stale=requeue generates them again with the "
+            "current weights"
+        )
 
 
 def _valid(kept: list) -> int:

@@ -45,6 +45,7 @@ the same attack is shown to work with all of them off; as root, and with the par
 Values are rendered in the tiny model's alphabet where that is cheap (render): True/False/None
 as true/false/none, lists, tuples, sets and dicts with parentheses instead of brackets and braces.
 """
+
 from __future__ import annotations
 
 import ast
@@ -56,9 +57,35 @@ MAX_OUTPUT_CHARS = 1000  # the loop's format_result cuts further; this bounds th
 MAX_RENDER_DEPTH = 8
 
 SAFE_BUILTIN_NAMES = (
-    "abs", "min", "max", "sum", "len", "range", "round", "int", "float", "str", "bool", "sorted",
-    "reversed", "pow", "divmod", "list", "tuple", "dict", "set", "all", "any", "enumerate", "zip",
-    "map", "filter", "chr", "ord", "hex", "bin",
+    "abs",
+    "min",
+    "max",
+    "sum",
+    "len",
+    "range",
+    "round",
+    "int",
+    "float",
+    "str",
+    "bool",
+    "sorted",
+    "reversed",
+    "pow",
+    "divmod",
+    "list",
+    "tuple",
+    "dict",
+    "set",
+    "all",
+    "any",
+    "enumerate",
+    "zip",
+    "map",
+    "filter",
+    "chr",
+    "ord",
+    "hex",
+    "bin",
 )
 _BUILTINS = __builtins__ if isinstance(__builtins__, dict) else vars(__builtins__)
 SAFE_BUILTINS = {name: _BUILTINS[name] for name in SAFE_BUILTIN_NAMES}
@@ -140,7 +167,17 @@ def render(value: object, max_chars: int = MAX_OUTPUT_CHARS) -> str:
 
 
 # The layers a test may switch off (tests/unit/test_tool_sandbox.py); the parent applies the first three.
-LAYERS = ("filter", "environment", "workdir", "network", "files", "processes", "root", "syscalls", "user")
+LAYERS = (
+    "filter",
+    "environment",
+    "workdir",
+    "network",
+    "files",
+    "processes",
+    "root",
+    "syscalls",
+    "user",
+)
 CHILD_LAYERS = ("network", "files", "processes", "root", "syscalls", "user")
 MAX_ERROR_CHARS = 200  # an exception's message is cut to this in the child: KeyError('a'*5*10**7)
 _CLONE_NEWNET, _CLONE_NEWUSER, _PR_SET_NO_NEW_PRIVS = 0x40000000, 0x10000000, 38
@@ -161,7 +198,8 @@ def _unshare_network(libc) -> str | None:
     import ctypes
     import os
 
-    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET  # unprivileged: via a user ns
+    # unprivileged: via a user ns
+    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
     if libc.unshare(flags) == 0:
         return None
     return f"no network namespace (unshare: {os.strerror(ctypes.get_errno())})"
@@ -218,12 +256,18 @@ def _drop_capabilities(libc) -> None:
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
 
-    libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS_LOCKED, 0, 0, 0)  # refused without CAP_SETPCAP: then none to drop
+    # refused without CAP_SETPCAP: then none to drop
+    libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS_LOCKED, 0, 0, 0)
     for cap in range(64):
         libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
-    if libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()) != 0:  # _LINUX_CAPABILITY_VERSION_3
+    # _LINUX_CAPABILITY_VERSION_3
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()) != 0:
         raise OSError("capset: could not drop the capabilities")
 
 
@@ -236,28 +280,46 @@ def _deny_syscalls(libc) -> str | None:
     machine = os.uname().machine
     if machine != "x86_64":
         return f"no syscalls layer (its seccomp filter is written for x86_64; this machine is {machine})"
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, kill, eperm = 0x7FFF0000, 0x80000000, 0x00050000 | 1
     n = len(_DENIED_X86_64)
-    program = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH_X86_64), (ret, 0, 0, kill), (ld, 0, 0, 0),
-               (jge, n + 1, 0, 0x40000000)]  # seccomp_data: nr at 0, arch at 4
+    program = [
+        (ld, 0, 0, 4),
+        (jeq, 1, 0, _AUDIT_ARCH_X86_64),
+        (ret, 0, 0, kill),
+        (ld, 0, 0, 0),
+        (jge, n + 1, 0, 0x40000000),
+    ]  # seccomp_data: nr at 0, arch at 4
     program += [(jeq, n - i, 0, nr) for i, nr in enumerate(_DENIED_X86_64)]
     program += [(ret, 0, 0, allow), (ret, 0, 0, eperm)]
 
     class Instruction(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+        _fields_ = [
+            ("code", ctypes.c_ushort),
+            ("jt", ctypes.c_ubyte),
+            ("jf", ctypes.c_ubyte),
+            ("k", ctypes.c_uint),
+        ]
 
     class Program(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
 
     instructions = (Instruction * len(program))(*(Instruction(*i) for i in program))
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
-            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), instructions)), 0, 0):
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(
+        _PR_SET_SECCOMP,
+        _SECCOMP_MODE_FILTER,
+        ctypes.byref(Program(len(program), instructions)),
+        0,
+        0,
+    ):
         raise OSError(f"seccomp: the filter was refused ({ctypes.get_errno()})")
     return None
 
 
-def confine(memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset(), jail: str | None = None) -> list[str]:
+def confine(
+    memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset(), jail: str | None = None
+) -> list[str]:
     """Shut this process in before it evaluates anything (see the module docstring), in the order
     that works: namespaces and the chroot while still privileged, limits (hard ones included) while root can
     still lower them, the user, then the capabilities, the syscall filter last. ``jail``: the empty folder the
@@ -270,7 +332,8 @@ def confine(memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset()
     notes = []
     libc = ctypes.CDLL(None, use_errno=True)  # dlopen(NULL): no file to open
     nobody = _nobody()
-    in_user_namespace = False  # unprivileged, the network layer's namespace comes with a user namespace
+    # unprivileged, the network layer's namespace comes with a user namespace
+    in_user_namespace = False
     if "network" not in layers_off:
         note = _unshare_network(libc)
         if note is not None:
@@ -294,7 +357,8 @@ def confine(memory_mb: int, cpu_s: int, layers_off: frozenset[str] = frozenset()
     if "user" not in layers_off:
         _drop_to_nobody(libc, *nobody)
     if jailed:
-        _drop_capabilities(libc)  # as root without the user layer, or in a user namespace: none to leave by
+        # as root without the user layer, or in a user namespace: none to leave by
+        _drop_capabilities(libc)
     if "syscalls" not in layers_off:
         note = _deny_syscalls(libc)
         notes += [note] if note else []
@@ -313,7 +377,9 @@ def _error_message(e: BaseException) -> str:
 def main() -> int:
     header, _, source = sys.stdin.buffer.read().decode("utf-8", errors="replace").partition("\n")
     memory_mb, cpu_s, layers_off, jail = header.split(" ", 3)  # the jail's path may hold spaces
-    notes = confine(int(memory_mb), int(cpu_s), frozenset(layers_off.split(",")), None if jail == "-" else jail)
+    notes = confine(
+        int(memory_mb), int(cpu_s), frozenset(layers_off.split(",")), None if jail == "-" else jail
+    )
     if notes:
         sys.stderr.write("".join(f"sandbox: {note}\n" for note in notes))
         sys.stderr.flush()

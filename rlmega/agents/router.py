@@ -8,6 +8,7 @@ engines deterministically.
     router = EngineRouter(engines, max_retries=2)
     sample = await router.generate(prompt_ids, dict(temperature=1.0, max_tokens=32, seed=7))
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,8 @@ class EngineRouter:
         self.max_retries = max_retries
         self.failures = 0  # failed tries (retried or not), for the metrics
         self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]  # routers in several processes share the engines: ids stay unique
+        # routers in several processes share the engines: ids stay unique
+        self._prefix = uuid.uuid4().hex[:8]
 
     def _pick(self, avoid: int | None = None) -> int:
         order = sorted(range(len(self.engines)), key=lambda i: (i == avoid, self.outstanding[i], i))
@@ -56,13 +58,22 @@ class EngineRouter:
             i = self._pick(avoid)
             self.outstanding[i] += 1
             try:
-                sample = await generate_one(self.engines[i], list(prompt_ids),
-                                            request_id=f"{self._prefix}-{next(self._ids)}", **sampling)
+                sample = await generate_one(
+                    self.engines[i],
+                    list(prompt_ids),
+                    request_id=f"{self._prefix}-{next(self._ids)}",
+                    **sampling,
+                )
             except Exception as e:  # an engine error or a dead engine: try another (the same seed)
                 last_error, avoid = e, i
                 self.failures += 1
-                log.warning("generation on engine %d failed (try %d of %d): %r", i, attempt + 1,
-                            self.max_retries + 1, e)
+                log.warning(
+                    "generation on engine %d failed (try %d of %d): %r",
+                    i,
+                    attempt + 1,
+                    self.max_retries + 1,
+                    e,
+                )
                 continue
             finally:
                 self.outstanding[i] -= 1

@@ -6,6 +6,7 @@ the model never writes it), then the label and EOS:
 
     "12+34="  ->  "<tool>calculator:12+34</tool>" + ["<result>46</result>", masked] + "46</s>"
 """
+
 from __future__ import annotations
 
 from rlmega.agents.tool_protocol import format_call, format_result
@@ -23,7 +24,9 @@ def sft_segments(prompt_text: str, label, loop_cfg) -> list[tuple[str, bool]]:
     return answer
 
 
-def sft_example(prompt_ids: list[int], prompt_text: str, label, loop_cfg, tokenizer) -> tuple[list[int], list[float]]:
+def sft_example(
+    prompt_ids: list[int], prompt_text: str, label, loop_cfg, tokenizer
+) -> tuple[list[int], list[float]]:
     """(response token ids ending in EOS, their loss mask) for one prompt: each segment tokenized once."""
     ids, mask = [], []
     for text, trained in sft_segments(prompt_text, label, loop_cfg):

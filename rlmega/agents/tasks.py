@@ -9,6 +9,7 @@ Each step takes ``counts[k]`` prompts from task k: trainer.prompts_per_step spli
 largest-remainder rule (fixed per run, so a batch always holds the same mix and resume is exact);
 validation refuses a task whose share rounds to 0 prompts.
 """
+
 from __future__ import annotations
 
 from rlmega.config.schema import RolloutConfig, TaskConfig
@@ -18,8 +19,15 @@ from rlmega.data.prompts import PromptData, load_prompt_data
 
 
 class Tasks:
-    def __init__(self, tasks: list[TaskConfig], tokenizer, *, prompts_per_step: int, model_path: str,
-                 rollout: RolloutConfig):
+    def __init__(
+        self,
+        tasks: list[TaskConfig],
+        tokenizer,
+        *,
+        prompts_per_step: int,
+        model_path: str,
+        rollout: RolloutConfig,
+    ):
         """``tasks``: rlmega.config.resolved.task_configs(cfg); ``prompts_per_step``: trainer's; ``model_path``:
         model.path (a vision-language model's processor); ``rollout``: its prompt-length and image limits."""
         self.configs = list(tasks)
@@ -27,9 +35,16 @@ class Tasks:
         # a vision-language model's processor: image prompts' tokens, and the images' pixels for the trainer
         self.processor = load_processor(model_path)
         self.data: dict[str, PromptData] = {
-            t.name: load_prompt_data(t.data, tokenizer, rollout.max_prompt_tokens, k, self.processor,
-                                     rollout.max_images_per_prompt)
-            for t, k in zip(self.configs, self.counts)}
+            t.name: load_prompt_data(
+                t.data,
+                tokenizer,
+                rollout.max_prompt_tokens,
+                k,
+                self.processor,
+                rollout.max_images_per_prompt,
+            )
+            for t, k in zip(self.configs, self.counts)
+        }
 
     @property
     def names(self) -> list[str]:
@@ -48,7 +63,8 @@ class Tasks:
         return next(t for t in self.configs if t.name == name)
 
     def state_dict(self) -> dict:
-        if len(self.data) == 1 and "default" in self.data:  # the layout checkpoints had before tasks
+        # the layout checkpoints had before tasks
+        if len(self.data) == 1 and "default" in self.data:
             return self.data["default"].state_dict()
         return {"tasks": {name: d.state_dict() for name, d in self.data.items()}}
 
@@ -58,7 +74,9 @@ class Tasks:
             return
         missing = set(self.data) - set(state["tasks"])
         if missing:
-            raise ValueError(f"the checkpoint has no data position for task(s) {sorted(missing)}; "
-                             "resume with the tasks the run was started with")
+            raise ValueError(
+                f"the checkpoint has no data position for task(s) {sorted(missing)}; "
+                "resume with the tasks the run was started with"
+            )
         for name, d in self.data.items():
             d.load_state_dict(state["tasks"][name])

@@ -13,6 +13,7 @@ Every marker uses only characters of the tiny test model's character-level vocab
 upper-case letter would reach the model mangled. `to_vocab` brings free text (error messages)
 into that alphabet. Pure functions only; nothing here runs a tool.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,8 +63,8 @@ def parse_call(turn_text: str) -> ToolCall | None:
     start = turn_text.rfind(CALL_OPEN, 0, end)
     if start < 0:
         return None
-    raw = turn_text[start:end + len(CALL_CLOSE)]
-    inner = turn_text[start + len(CALL_OPEN):end]
+    raw = turn_text[start : end + len(CALL_CLOSE)]
+    inner = turn_text[start + len(CALL_OPEN) : end]
     name, sep, args = inner.partition(NAME_SEPARATOR)
     name = name.strip()
     if not sep or not name:
@@ -75,7 +76,9 @@ def format_call(name: str, args: str) -> str:
     """`<tool>name:args</tool>`; parse_call gives (name, args) back. ValueError for a name that
     could not round-trip (empty, padded, containing ":") or args that would close the call early."""
     if not name or name != name.strip() or NAME_SEPARATOR in name or CALL_OPEN in name:
-        raise ValueError(f"tool name {name!r} must be non-empty, unpadded and contain neither ':' nor {CALL_OPEN!r}")
+        raise ValueError(
+            f"tool name {name!r} must be non-empty, unpadded and contain neither ':' nor {CALL_OPEN!r}"
+        )
     if CALL_CLOSE in args or CALL_OPEN in args:
         raise ValueError(f"tool args {args!r} must not contain {CALL_OPEN!r} or {CALL_CLOSE!r}")
     return f"{CALL_OPEN}{name}{NAME_SEPARATOR}{args}{CALL_CLOSE}"
@@ -86,8 +89,8 @@ def truncate(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
     if max_chars <= len(TRUNCATION_MARK):  # no room for the mark: a plain cut is all that fits
-        return text[:max(max_chars, 0)]
-    return text[:max_chars - len(TRUNCATION_MARK)] + TRUNCATION_MARK
+        return text[: max(max_chars, 0)]
+    return text[: max_chars - len(TRUNCATION_MARK)] + TRUNCATION_MARK
 
 
 def escape_markers(text: str) -> str:
@@ -112,7 +115,7 @@ def parse_result(text: str) -> str | None:
     for untruncated text without markers; handy for tests and transcripts)."""
     end = text.rfind(RESULT_CLOSE)
     start = text.rfind(RESULT_OPEN, 0, end) if end >= 0 else -1
-    return None if start < 0 else text[start + len(RESULT_OPEN):end]
+    return None if start < 0 else text[start + len(RESULT_OPEN) : end]
 
 
 def to_vocab(text: str) -> str:

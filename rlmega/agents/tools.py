@@ -13,6 +13,7 @@ zoom tool (a vision-language model's) answers with an ImageResult, a box of the 
 python tool's output is bounded (python_sandbox.MAX_OUTPUT_CHARS, MAX_CHILD_BYTES read); the
 loop's format_result cuts every output further and escapes the protocol's markers in it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,6 +36,7 @@ from typing import Callable
 
 from rlmega.agents import python_sandbox, zoom
 from rlmega.agents.tool_protocol import ToolCall, to_vocab
+
 # The tools' names and the bounds of a call's limits are config rules (the config's validation uses the same).
 from rlmega.config.agent_rules import MAX_MEMORY_MB, MAX_TIMEOUT_S, MIN_MEMORY_MB, TOOL_NAMES
 
@@ -46,12 +48,24 @@ DEFAULT_MEMORY_MB = 256
 
 def limit_problem(timeout_s: object, memory_mb: object) -> tuple[str, str] | None:
     """(field, what is wrong with it) for tool limits out of range, or None when both are fine."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-            0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails every comparison: refused here
-        return "tool_timeout_s", f"{timeout_s!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
-    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not (
-            MIN_MEMORY_MB <= memory_mb <= MAX_MEMORY_MB):
-        return "tool_memory_mb", f"{memory_mb!r} is not a whole number of MiB in [{MIN_MEMORY_MB}, {MAX_MEMORY_MB}]"
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not (0 < timeout_s <= MAX_TIMEOUT_S)
+    ):  # NaN fails every comparison: refused here
+        return (
+            "tool_timeout_s",
+            f"{timeout_s!r} is not a number of seconds in (0, {MAX_TIMEOUT_S:g}]",
+        )
+    if (
+        isinstance(memory_mb, bool)
+        or not isinstance(memory_mb, int)
+        or not (MIN_MEMORY_MB <= memory_mb <= MAX_MEMORY_MB)
+    ):
+        return (
+            "tool_memory_mb",
+            f"{memory_mb!r} is not a whole number of MiB in [{MIN_MEMORY_MB}, {MAX_MEMORY_MB}]",
+        )
     return None
 
 
@@ -68,7 +82,7 @@ class ToolError(Exception):
 
 
 def error_text(message: str) -> str:
-    """"error: MESSAGE" in the tiny vocabulary (lower case, no brackets or underscores)."""
+    """ "error: MESSAGE" in the tiny vocabulary (lower case, no brackets or underscores)."""
     return "error: " + to_vocab(message)
 
 
@@ -88,8 +102,13 @@ class Tool(ABC):
     sees_images = False
     """True: `evaluate` also gets the prompt's images (encoded files) and may answer with an ImageResult."""
 
-    def run(self, args: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB,
-            images: Sequence[bytes] = ()) -> str | ImageResult:
+    def run(
+        self,
+        args: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        images: Sequence[bytes] = (),
+    ) -> str | ImageResult:
         """The tool's answer to `args`: a result, or "error: ..." text; never an exception for
         anything in `args`. Limits out of range (NaN, inf, 10**8 MiB) are the caller's bug: ValueError."""
         check_limits(timeout_s, memory_mb)
@@ -117,8 +136,13 @@ MAX_INT_BITS = 10_000  # ~3000 digits: below Python's 4300-digit str() limit, an
 MAX_DEPTH = 200
 
 _BINARY: dict[type, Callable[[object, object], object]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY: dict[type, Callable[[object], object]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -138,9 +162,13 @@ def _power(base: int | float, exponent: int | float) -> int | float:
     """base**exponent, refused before it is computed when it could take long or be huge."""
     if abs(exponent) > MAX_EXPONENT:
         raise ToolError(f"exponent too large (at most {MAX_EXPONENT})")
-    if isinstance(base, int) and isinstance(exponent, int) and base.bit_length() * exponent > MAX_INT_BITS:
+    if (
+        isinstance(base, int)
+        and isinstance(exponent, int)
+        and base.bit_length() * exponent > MAX_INT_BITS
+    ):
         raise ToolError("number too large")
-    return base ** exponent
+    return base**exponent
 
 
 def _arithmetic(node: ast.AST, depth: int = 0) -> int | float:
@@ -231,9 +259,14 @@ def _child_failure(returncode: int, stderr: bytes, timeout_s: float) -> str:
         return error_text(f"timeout after {timeout_s:g} s")
     if returncode < 0:
         return error_text(f"evaluator killed by signal {-returncode}")
-    lines = [line for line in stderr.decode("utf-8", errors="replace").strip().splitlines()
-             if not line.startswith("sandbox: ")]
-    return error_text(f"evaluator failed: {lines[-1] if lines else f'exit status {returncode}'}"[:200])
+    lines = [
+        line
+        for line in stderr.decode("utf-8", errors="replace").strip().splitlines()
+        if not line.startswith("sandbox: ")
+    ]
+    return error_text(
+        f"evaluator failed: {lines[-1] if lines else f'exit status {returncode}'}"[:200]
+    )
 
 
 def parse_child_output(stdout: bytes) -> str | None:
@@ -254,11 +287,15 @@ def _log_sandbox_notes(stderr: bytes) -> None:
     for line in stderr.decode("utf-8", errors="replace").splitlines():
         if line.startswith("sandbox: ") and line not in _noted:
             _noted.add(line)
-            logger.warning("python tool: %s; the other layers still hold (see rlmega/agents/python_sandbox.py)",
-                           line.removeprefix("sandbox: "))
+            logger.warning(
+                "python tool: %s; the other layers still hold (see rlmega/agents/python_sandbox.py)",
+                line.removeprefix("sandbox: "),
+            )
 
 
-def _communicate_capped(proc: subprocess.Popen, data: bytes, timeout_s: float) -> tuple[bytes, bytes] | None:
+def _communicate_capped(
+    proc: subprocess.Popen, data: bytes, timeout_s: float
+) -> tuple[bytes, bytes] | None:
     """Send `data`, then read the child's stdout and stderr until both close, keeping at most
     MAX_CHILD_BYTES of each (the rest is read and dropped, so the child never blocks on a full
     pipe and the parent never holds what a runaway child writes). None past `timeout_s`."""
@@ -281,7 +318,7 @@ def _communicate_capped(proc: subprocess.Popen, data: bytes, timeout_s: float) -
                 if not chunk:
                     selector.unregister(key.fd)
                 buffer = kept[key.fd]
-                buffer += chunk[:MAX_CHILD_BYTES - len(buffer)]
+                buffer += chunk[: MAX_CHILD_BYTES - len(buffer)]
     try:  # both pipes closed: it is exiting (unless a bypass closed them and carries on)
         proc.wait(max(deadline - time.monotonic(), 0.01))
     except subprocess.TimeoutExpired:
@@ -289,8 +326,13 @@ def _communicate_capped(proc: subprocess.Popen, data: bytes, timeout_s: float) -
     return bytes(kept[proc.stdout.fileno()]), bytes(kept[proc.stderr.fileno()])
 
 
-def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB, *,
-               layers_off: Iterable[str] = ()) -> str:
+def run_python(
+    source: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    *,
+    layers_off: Iterable[str] = (),
+) -> str:
     """The rendered value of the Python expression `source`, evaluated in a fresh, confined
     interpreter (python_sandbox's docstring lists the layers) with at most `memory_mb` MiB of
     address space and killed after `timeout_s` seconds of wall clock (the interpreter's start-up,
@@ -302,8 +344,10 @@ def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int
     check_limits(timeout_s, memory_mb)
     layers_off = frozenset(layers_off)
     if not layers_off <= set(python_sandbox.LAYERS):
-        raise ValueError(f"unknown sandbox layers {sorted(layers_off - set(python_sandbox.LAYERS))}; "
-                         f"known: {', '.join(python_sandbox.LAYERS)}")
+        raise ValueError(
+            f"unknown sandbox layers {sorted(layers_off - set(python_sandbox.LAYERS))}; "
+            f"known: {', '.join(python_sandbox.LAYERS)}"
+        )
     problem = None if "filter" in layers_off else python_sandbox.check_source(source)
     if problem is not None:
         return error_text(f"{problem[0]}: {problem[1]}")
@@ -312,14 +356,23 @@ def run_python(source: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int
     workdir = None if "workdir" in layers_off else tempfile.mkdtemp(prefix="rlmega-python-tool-")
     # The root layer's jail: the work folder, or an empty folder of its own when that layer is off (tests).
     own_jail = "root" not in layers_off and workdir is None
-    jail = tempfile.mkdtemp(prefix="rlmega-python-jail-") if own_jail else None if "root" in layers_off else workdir
+    jail = (
+        tempfile.mkdtemp(prefix="rlmega-python-jail-")
+        if own_jail
+        else None
+        if "root" in layers_off
+        else workdir
+    )
     # Limits are set by the child itself, not in preexec_fn: that is unsafe in a threaded parent
     # (a Ray actor). -I -S: no user site, no PYTHONPATH, no site-packages in the child.
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(SANDBOX_SCRIPT)], cwd=workdir,
+            [sys.executable, "-I", "-S", str(SANDBOX_SCRIPT)],
+            cwd=workdir,
             env=None if "environment" in layers_off else {},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         try:
             header = f"{memory_mb} {cpu_s} {child_off} {jail or '-'}"
@@ -356,15 +409,20 @@ class PythonTool(Tool):
 
 # ---------------------------------------------------------------------------- zoom
 
+
 class ZoomTool(Tool):
     """A box of the prompt's image, cut out and enlarged (rlmega/agents/zoom.py): an image observation, for a
     vision-language model ("thinking with images"). In-process: PIL on an image that passed the load checks."""
 
     name = "zoom"
-    description = "zoom: look closer at a box of the image, in percent, e.g. <tool>zoom:25 25 75 75</tool>"
+    description = (
+        "zoom: look closer at a box of the image, in percent, e.g. <tool>zoom:25 25 75 75</tool>"
+    )
     sees_images = True
 
-    def evaluate(self, args: str, timeout_s: float, memory_mb: int, images: Sequence[bytes] = ()) -> ImageResult:
+    def evaluate(
+        self, args: str, timeout_s: float, memory_mb: int, images: Sequence[bytes] = ()
+    ) -> ImageResult:
         try:
             box = zoom.parse_box(args)
         except ValueError as e:
@@ -389,8 +447,13 @@ def get_tool(name: str) -> Tool:
         raise KeyError(f"unknown tool {name!r}; known tools: {', '.join(TOOL_NAMES)}") from None
 
 
-def run_call(call: ToolCall, allowed: Iterable[str] = TOOL_NAMES, timeout_s: float = DEFAULT_TIMEOUT_S,
-             memory_mb: int = DEFAULT_MEMORY_MB, images: Sequence[bytes] = ()) -> str | ImageResult:
+def run_call(
+    call: ToolCall,
+    allowed: Iterable[str] = TOOL_NAMES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    memory_mb: int = DEFAULT_MEMORY_MB,
+    images: Sequence[bytes] = (),
+) -> str | ImageResult:
     """The answer to one parsed call (to wrap with format_result): the tool's output, or the
     error a malformed call or a tool outside `allowed` earns; an image tool's may be an ImageResult
     (`images`: the prompt's, encoded files). Raises only ValueError, for limits out of range

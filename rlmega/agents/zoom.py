@@ -11,6 +11,7 @@ came from (the image already passed data.max_image_pixels at load), so a zoom ca
 Anything wrong raises ValueError with a message for the model (rlmega.agents.tools turns it into
 "error: ...").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,7 +59,8 @@ def zoom(image: bytes, box: Box) -> bytes:
     x0, x1 = _span(box.left, box.right, w)
     y0, y1 = _span(box.top, box.bottom, h)
     crop = img.crop((x0, y0, x1, y1))
-    scale = min(w / (x1 - x0), h / (y1 - y0))  # >= 1: the box grows until one side meets the image's
+    # >= 1: the box grows until one side meets the image's
+    scale = min(w / (x1 - x0), h / (y1 - y0))
     size = (max(1, min(w, round((x1 - x0) * scale))), max(1, min(h, round((y1 - y0) * scale))))
     out = io.BytesIO()
     crop.resize(size, Image.Resampling.BICUBIC).save(out, format="PNG")

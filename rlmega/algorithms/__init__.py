@@ -3,6 +3,7 @@
 Functions take tensors and scalars only, never a config object or a process group; shapes are in
 each docstring. `rlmega.megatron` and the workers call them; nothing here knows about parallelism.
 """
+
 from rlmega.algorithms import advantages, kl, losses
 
 __all__ = ["advantages", "kl", "losses"]

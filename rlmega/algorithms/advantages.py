@@ -8,6 +8,7 @@ Samples that share a group id answer the same prompt; ids need not be contiguous
 
 Pure functions: tensors and scalars in, tensors out; no config objects, no process groups.
 """
+
 import math
 from typing import Tuple
 
@@ -16,8 +17,9 @@ import torch
 ESTIMATORS = ("grpo", "grpo_no_std", "rloo", "reinforce_plus_plus")
 
 
-def _group_stats(rewards: torch.Tensor,
-                 group_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample view of group statistics, all (N,): group size, group mean, group sum of squared
     deviations, and whether the sample's group carries signal (>= 2 members that are not all equal).
 
@@ -30,12 +32,15 @@ def _group_stats(rewards: torch.Tensor,
     _, inverse = torch.unique(group_ids, return_inverse=True)  # (N,) in [0, G)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     count = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, inverse, torch.ones_like(rewards))  # (G,)
+        0, inverse, torch.ones_like(rewards)
+    )  # (G,)
     total = torch.zeros_like(count).index_add_(0, inverse, rewards)  # (G,)
     mean = (total / count)[inverse]  # (N,)
     sq_dev = torch.zeros_like(count).index_add_(0, inverse, (rewards - mean) ** 2)[inverse]  # (N,)
-    g_max = torch.full_like(count, -math.inf).scatter_reduce(0, inverse, rewards, "amax")[inverse]  # (N,)
-    g_min = torch.full_like(count, math.inf).scatter_reduce(0, inverse, rewards, "amin")[inverse]  # (N,)
+    # (N,)
+    g_max = torch.full_like(count, -math.inf).scatter_reduce(0, inverse, rewards, "amax")[inverse]
+    # (N,)
+    g_min = torch.full_like(count, math.inf).scatter_reduce(0, inverse, rewards, "amin")[inverse]
     informative = (count[inverse] > 1) & (g_max > g_min)
     return count[inverse], mean, sq_dev, informative
 
@@ -52,7 +57,9 @@ def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
     return rewards.dtype if rewards.is_floating_point() else torch.float32
 
 
-def _grpo64(r: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+def _grpo64(
+    r: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool, eps: float
+) -> torch.Tensor:
     """grpo on float64 rewards (N,) -> float64 advantages (N,), exactly 0 for groups without signal."""
     count, mean, sq_dev, informative = _group_stats(r, group_ids)
     centered = r - mean  # (N,)
@@ -63,8 +70,9 @@ def _grpo64(r: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool, eps: fl
     return torch.where(informative, centered, torch.zeros_like(centered))
 
 
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-         eps: float = 1e-6) -> torch.Tensor:
+def grpo(
+    rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO (Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps), or r_i - mean_g without std.
 
     rewards: (N,) float or int, group_ids: (N,) int64 -> advantages: (N,) in the rewards' float dtype
@@ -94,7 +102,9 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return adv.to(_out_dtype(rewards))
 
 
-def reinforce_plus_plus(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def reinforce_plus_plus(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """REINFORCE++-baseline (Hu et al. 2025, as in OpenRLHF `reinforce_baseline`).
 
     rewards: (N,) float or int, group_ids: (N,) int64 -> advantages: (N,) in the rewards' float dtype,
@@ -111,7 +121,8 @@ def reinforce_plus_plus(rewards: torch.Tensor, group_ids: torch.Tensor, eps: flo
     """
     r = _as_float64(rewards)
     informative = _group_stats(r, group_ids)[3]  # (N,)
-    centered = _grpo64(r, group_ids, norm_by_std=False, eps=eps)  # (N,) r - group mean, 0 without signal
+    # (N,) r - group mean, 0 without signal
+    centered = _grpo64(r, group_ids, norm_by_std=False, eps=eps)
     centered = centered - centered.mean()
     whitened = centered / (centered.std(unbiased=False) + eps)
     return torch.where(informative, whitened, torch.zeros_like(whitened)).to(_out_dtype(rewards))

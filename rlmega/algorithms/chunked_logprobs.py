@@ -22,6 +22,7 @@ today's: each token's log-prob and entropy are the same function of the same hid
 The backend supplies three functions of one chunk; collectives inside them (tensor-parallel all-reduces)
 are fine: every rank of the group runs the same chunks in the same order, forward and recompute alike.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -29,9 +30,11 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-Logits = Callable[[torch.Tensor], torch.Tensor]               # hidden (C, H) -> logits (C, V or V/tp)
-LogProbs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # logits (C, V), labels (C,) -> (C,) float32
-Entropy = Callable[[torch.Tensor], torch.Tensor]               # logits (C, V) -> (C,) float32
+# hidden (C, H) -> logits (C, V or V/tp)
+Logits = Callable[[torch.Tensor], torch.Tensor]
+# logits (C, V), labels (C,) -> (C,) float32
+LogProbs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Entropy = Callable[[torch.Tensor], torch.Tensor]  # logits (C, V) -> (C,) float32
 
 
 def scored_positions(response_positions: list[tuple[int, int]], device=None) -> torch.Tensor:
@@ -41,8 +44,14 @@ def scored_positions(response_positions: list[tuple[int, int]], device=None) -> 
     return torch.cat([torch.arange(a, b, device=device) for a, b in response_positions])
 
 
-def _chunk_outputs(hidden: torch.Tensor, labels: torch.Tensor, logits_fn: Logits, logprob_fn: LogProbs,
-                   entropy_fn: Entropy | None, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_outputs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    logits_fn: Logits,
+    logprob_fn: LogProbs,
+    entropy_fn: Entropy | None,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs (C,), entropy (C,) or an empty tensor) of one chunk of hidden states (C, H)."""
     logits = logits_fn(hidden)
     lp = logprob_fn(logits, labels)
@@ -53,9 +62,16 @@ def _chunk_outputs(hidden: torch.Tensor, labels: torch.Tensor, logits_fn: Logits
     return lp, ent
 
 
-def chunked_logprobs(hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, chunk: int,
-                     logits_fn: Logits, logprob_fn: LogProbs, entropy_fn: Entropy | None = None,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor,
+    chunk: int,
+    logits_fn: Logits,
+    logprob_fn: LogProbs,
+    entropy_fn: Entropy | None = None,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token (log-probs (T,), entropy (T,) or None), float32, computed at ``positions`` only (0 elsewhere).
 
     hidden: (T, H) the model's last hidden states (after its final norm), one per token position;
@@ -68,22 +84,36 @@ def chunked_logprobs(hidden: torch.Tensor, labels: torch.Tensor, positions: torc
     T = hidden.shape[0]
     grad = torch.is_grad_enabled() and hidden.requires_grad
     placeholder = positions.numel() == 0
-    if placeholder:  # nothing scored (a placeholder micro-batch): still run the head once, weighted 0, so
+    # nothing scored (a placeholder micro-batch): still run the head once, weighted 0, so
+    if placeholder:
         # its weights get a (zero) gradient and every rank's backward reduces the same parameters (FSDP2)
         positions = torch.zeros(1, dtype=torch.int64, device=positions.device)
     lps, ents = [], []
     pieces = positions.split(chunk)
     for k, pos in enumerate(pieces):
         h, y = hidden.index_select(0, pos), labels.index_select(0, pos)
-        if grad and k < len(pieces) - 1:  # recomputed in the backward; the last chunk keeps its graph
-            lp, ent = checkpoint(_chunk_outputs, h, y, logits_fn, logprob_fn, entropy_fn, entropy_grad,
-                                 use_reentrant=False)
+        # recomputed in the backward; the last chunk keeps its graph
+        if grad and k < len(pieces) - 1:
+            lp, ent = checkpoint(
+                _chunk_outputs,
+                h,
+                y,
+                logits_fn,
+                logprob_fn,
+                entropy_fn,
+                entropy_grad,
+                use_reentrant=False,
+            )
         else:
             lp, ent = _chunk_outputs(h, y, logits_fn, logprob_fn, entropy_fn, entropy_grad)
         lps.append(lp)
         ents.append(ent)
     scale = 0.0 if placeholder else 1.0
-    lp_all = hidden.new_zeros(T, dtype=torch.float32).index_put((positions,), torch.cat(lps) * scale)
+    lp_all = hidden.new_zeros(T, dtype=torch.float32).index_put(
+        (positions,), torch.cat(lps) * scale
+    )
     if entropy_fn is None:
         return lp_all, None
-    return lp_all, hidden.new_zeros(T, dtype=torch.float32).index_put((positions,), torch.cat(ents) * scale)
+    return lp_all, hidden.new_zeros(T, dtype=torch.float32).index_put(
+        (positions,), torch.cat(ents) * scale
+    )

@@ -14,6 +14,7 @@ scale", sec. 3.2 and 3.4): dynamic sampling and overlong reward shaping.
 
 Pure functions: tensors and numbers in, tensors out.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,7 +27,9 @@ def is_uniform(rewards: Sequence[float]) -> bool:
     return len(set(float(r) for r in rewards)) <= 1
 
 
-def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
     """lengths (B,) response tokens -> (B,) float32 penalty in [-factor, 0] (DAPO eq. 13 x factor).
 
     ``max_len``: the budget L_max; ``buffer``: L_cache, 1 <= buffer <= max_len. A length past the budget

@@ -20,6 +20,7 @@ targets), so `gae` is called twice and each caller keeps one of its two outputs.
 Pure functions: tensors and numbers in, tensors out. `gae` is the padded (N, T) core; `token_rewards`,
 `gae_per_sample` and `whiten` also take the RolloutBatch's ragged per-sample (T_i,) lists.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -37,9 +38,13 @@ def _out_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
-def token_rewards(seq_rewards: torch.Tensor, response_mask: Sequence[torch.Tensor],
-                  kl: Sequence[torch.Tensor] | None = None, kl_coef: float = 0.0,
-                  turn_rewards: Sequence[Sequence[tuple[int, float]]] | None = None) -> list[torch.Tensor]:
+def token_rewards(
+    seq_rewards: torch.Tensor,
+    response_mask: Sequence[torch.Tensor],
+    kl: Sequence[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    turn_rewards: Sequence[Sequence[tuple[int, float]]] | None = None,
+) -> list[torch.Tensor]:
     """Per-token rewards of N responses, the `rewards` input of `gae`.
 
     seq_rewards: (N,) outcome reward per response; response_mask: N tensors (T_i,), > 0 on action tokens;
@@ -72,16 +77,23 @@ def token_rewards(seq_rewards: torch.Tensor, response_mask: Sequence[torch.Tenso
             r = torch.where(act, penalty, r)
         last = action_idx[-1]
         r[last] += seq_rewards[i].to(torch.float32)
-        for idx, value in (turn_rewards[i] if turn_rewards is not None else ()):
+        for idx, value in turn_rewards[i] if turn_rewards is not None else ():
             if not 0 <= idx < r.numel():
-                raise ValueError(f"turn reward index {idx} outside response {i} of {r.numel()} tokens")
+                raise ValueError(
+                    f"turn reward index {idx} outside response {i} of {r.numel()} tokens"
+                )
             r[idx] += value
         out.append(r)
     return out
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the action tokens of each row (see the module docstring for the recursion).
 
     rewards: (N, T), values: (N, T) the critic's V(s_t), mask: (N, T) > 0 on action tokens; gamma: float;
@@ -94,8 +106,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     backward scan over T, vectorised over N. Values on masked tokens are never read (NaN is fine).
     """
     if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
-        raise ValueError(f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
-                         f"{tuple(mask.shape)} must be the same (N, T)")
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask "
+            f"{tuple(mask.shape)} must be the same (N, T)"
+        )
     n, length = rewards.shape
     if torch.is_tensor(lam):
         if lam.shape != (n,):
@@ -118,7 +132,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         next_value = torch.where(a, v[:, t], next_value)
         next_adv = torch.where(a, adv_t, next_adv)
         pending = torch.where(a, zero, r_t)
-    returns = torch.where(act, adv + v, torch.zeros_like(adv))  # (N, T); where: v may be NaN on masked
+    # (N, T); where: v may be NaN on masked
+    returns = torch.where(act, adv + v, torch.zeros_like(adv))
     dtype = _out_dtype(rewards, values)
     return adv.to(dtype), returns.to(dtype)
 
@@ -127,13 +142,17 @@ def _pad(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     """N tensors (T_i,) -> (N, length), zero-padded on the right."""
     out = rows[0].new_zeros((len(rows), length))
     for i, row in enumerate(rows):
-        out[i, :row.numel()] = row
+        out[i, : row.numel()] = row
     return out
 
 
-def gae_per_sample(rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                   masks: Sequence[torch.Tensor], gamma: float,
-                   lam: float | torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gae_per_sample(
+    rewards: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`gae` on ragged per-sample lists: rewards, values, masks: N tensors (T_i,); lam: float or (N,)
     -> (advantages, returns): N tensors (T_i,) each. Pads to (N, max T_i) with zeros (padding is masked
     and carries reward 0, so it changes nothing), runs `gae`, cuts the padding off again.
@@ -145,10 +164,15 @@ def gae_per_sample(rewards: Sequence[torch.Tensor], values: Sequence[torch.Tenso
     lengths = [m.numel() for m in masks]
     for i, (r, v) in enumerate(zip(rewards, values)):
         if r.numel() != lengths[i] or v.numel() != lengths[i]:
-            raise ValueError(f"sample {i}: rewards {r.numel()}, values {v.numel()}, mask {lengths[i]} tokens")
+            raise ValueError(
+                f"sample {i}: rewards {r.numel()}, values {v.numel()}, mask {lengths[i]} tokens"
+            )
     width = max(lengths)
     adv, ret = gae(_pad(rewards, width), _pad(values, width), _pad(masks, width), gamma, lam)
-    return ([adv[i, :n] for i, n in enumerate(lengths)], [ret[i, :n] for i, n in enumerate(lengths)])
+    return (
+        [adv[i, :n] for i, n in enumerate(lengths)],
+        [ret[i, :n] for i, n in enumerate(lengths)],
+    )
 
 
 def _whiten_flat(x: torch.Tensor, act: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
@@ -159,15 +183,21 @@ def _whiten_flat(x: torch.Tensor, act: torch.Tensor, shift_mean: bool, eps: floa
         return torch.zeros_like(x)
     mean = sel.mean()
     # Unbiased (divide by M - 1) like verl's masked_whiten; one action token has no spread: var 0.
-    var = ((sel - mean) ** 2).sum() / (sel.numel() - 1) if sel.numel() > 1 else torch.zeros_like(mean)
+    var = (
+        ((sel - mean) ** 2).sum() / (sel.numel() - 1) if sel.numel() > 1 else torch.zeros_like(mean)
+    )
     out = (x64 - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return torch.where(act, out, torch.zeros_like(out)).to(x.dtype)
 
 
-def whiten(values: torch.Tensor | Sequence[torch.Tensor], mask: torch.Tensor | Sequence[torch.Tensor],
-           shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor | list[torch.Tensor]:
+def whiten(
+    values: torch.Tensor | Sequence[torch.Tensor],
+    mask: torch.Tensor | Sequence[torch.Tensor],
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor | list[torch.Tensor]:
     """Whiten advantages over the WHOLE batch's action tokens (each token counts once).
 
     values, mask: (N, T) tensors, or N tensors (T_i,) each -> the same layout and dtype.
@@ -202,11 +232,19 @@ def adaptive_lambda(response_lens: torch.Tensor, alpha: float) -> torch.Tensor:
     return lam.clamp(0.0, 1.0)
 
 
-def advantages_and_returns(seq_rewards: torch.Tensor, old_values: Sequence[torch.Tensor],
-                           response_mask: Sequence[torch.Tensor], kl: Sequence[torch.Tensor] | None, *,
-                           gamma: float, lam: float, lam_critic: float | None = None,
-                           lam_actor_alpha: float | None = None, whiten_advantages: bool = True,
-                           kl_coef: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def advantages_and_returns(
+    seq_rewards: torch.Tensor,
+    old_values: Sequence[torch.Tensor],
+    response_mask: Sequence[torch.Tensor],
+    kl: Sequence[torch.Tensor] | None,
+    *,
+    gamma: float,
+    lam: float,
+    lam_critic: float | None = None,
+    lam_actor_alpha: float | None = None,
+    whiten_advantages: bool = True,
+    kl_coef: float = 0.0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """PPO with a critic: per-token advantages for the policy and returns for the critic, per sample (float32).
 
     seq_rewards: (N,) the judges' reward of each sample, given on its last action token; old_values: the
@@ -220,7 +258,9 @@ def advantages_and_returns(seq_rewards: torch.Tensor, old_values: Sequence[torch
     lam_c = lam if lam_critic is None else lam_critic
     lam_a = lam
     if lam_actor_alpha is not None:  # VAPO: longer responses look further ahead
-        lam_a = adaptive_lambda(torch.tensor([float(m.sum()) for m in response_mask]), lam_actor_alpha)
+        lam_a = adaptive_lambda(
+            torch.tensor([float(m.sum()) for m in response_mask]), lam_actor_alpha
+        )
     advantages, returns = gae_per_sample(rewards, old_values, response_mask, gamma, lam_a)
     if lam_actor_alpha is not None or lam_c != lam:  # decoupled: the critic's own lambda
         returns = gae_per_sample(rewards, old_values, response_mask, gamma, lam_c)[1]

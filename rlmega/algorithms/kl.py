@@ -27,6 +27,7 @@ categorical distribution with autograd. The `kl_ref` metric is always the k3 val
 Pure functions over flat token tensors (T,); masking and averaging belong to `losses.aggregate`,
 except `sequence_kl`, the per-sequence penalty of algorithm.kl_in_reward (a reward, not a loss term).
 """
+
 from typing import Sequence
 
 import torch
@@ -52,15 +53,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":
-        return 0.5 * log_ratio ** 2
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
 
 
-def sequence_kl(logprobs: Sequence[torch.Tensor], ref_logprobs: Sequence[torch.Tensor],
-                masks: Sequence[torch.Tensor], estimator: str) -> torch.Tensor:
+def sequence_kl(
+    logprobs: Sequence[torch.Tensor],
+    ref_logprobs: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    estimator: str,
+) -> torch.Tensor:
     """Per-sequence KL penalty of algorithm.kl_in_reward: the sum of the per-token estimate over the
     tokens the loss trains on.
 
@@ -70,6 +75,8 @@ def sequence_kl(logprobs: Sequence[torch.Tensor], ref_logprobs: Sequence[torch.T
     estimate is inf/NaN: tool tokens were never sampled by the policy, so their log-probs say nothing
     about KL(pi||ref), and a sample out of the loss must not be penalised through its reward either.
     """
-    out = [torch.where(m > 0, kl_penalty(lp, ref, estimator), torch.zeros_like(lp)).sum()
-           for lp, ref, m in zip(logprobs, ref_logprobs, masks, strict=True)]
+    out = [
+        torch.where(m > 0, kl_penalty(lp, ref, estimator), torch.zeros_like(lp)).sum()
+        for lp, ref, m in zip(logprobs, ref_logprobs, masks, strict=True)
+    ]
     return torch.stack(out) if out else torch.zeros(0)

@@ -7,6 +7,7 @@ pair so that the loss of the global batch is sum(numerators) / sum(denominators)
 
 Pure functions: tensors and scalars in, tensors out; no config objects, no process groups.
 """
+
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -26,8 +27,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / mask.sum().clamp(min=1.0)
 
 
-def _segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor,
-                 num_seqs: int) -> torch.Tensor:
+def _segment_sum(
+    values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor, num_seqs: int
+) -> torch.Tensor:
     """sum over masked tokens of each sequence: values (T,) -> (num_seqs,).
 
     `where` (not values * mask) so NaN/inf garbage on padding cannot leak in; masked-out tokens are
@@ -40,8 +42,9 @@ def _segment_sum(values: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor
     return out.index_add(0, ids, vals)[:num_seqs]
 
 
-def _clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
-                       clip_high: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def _clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A) per token, and where the clipped branch won.
 
     `where` picks one branch explicitly: torch.maximum splits the gradient between tied branches,
@@ -49,12 +52,18 @@ def _clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
     """
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    took_clip = clipped > unclipped  # strict: inside the range both are equal and the gradient flows
+    # strict: inside the range both are equal and the gradient flows
+    took_clip = clipped > unclipped
     return torch.where(took_clip, clipped, unclipped), took_clip
 
 
-def _finish(loss: torch.Tensor, took_clip: torch.Tensor, ppo_kl: torch.Tensor, ratio: torch.Tensor,
-            mask: torch.Tensor) -> Tuple[torch.Tensor, Stats]:
+def _finish(
+    loss: torch.Tensor,
+    took_clip: torch.Tensor,
+    ppo_kl: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+) -> Tuple[torch.Tensor, Stats]:
     """Zero everything off the mask; stats are detached and masked so sum(stat)/sum(mask) is their mean."""
     valid = mask > 0
     zero = torch.zeros_like(loss)
@@ -66,9 +75,15 @@ def _finish(loss: torch.Tensor, took_clip: torch.Tensor, ppo_kl: torch.Tensor, r
     return torch.where(valid, loss * mask, zero), stats
 
 
-def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-             mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-             dual_clip_c: Optional[float] = None) -> Tuple[torch.Tensor, Stats]:
+def ppo_clip(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip_c: Optional[float] = None,
+) -> Tuple[torch.Tensor, Stats]:
     """PPO clipped surrogate (Schulman et al. 2017), per token.
 
     logprobs: (T,) current policy, with grad; old_logprobs: (T,) behaviour policy; advantages: (T,);
@@ -81,7 +96,9 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     value, i.e. wherever the gradient is cut. "ppo_kl" = old - logp, the k1 estimate of KL(old||new).
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 (got {dual_clip_c}); use None to disable dual-clip")
+        raise ValueError(
+            f"dual_clip_c must be > 1 (got {dual_clip_c}); use None to disable dual-clip"
+        )
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (T,)
     ratio = torch.exp(log_ratio)
     loss, took_clip = _clipped_objective(ratio, advantages, clip_low, clip_high)
@@ -93,9 +110,16 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     return _finish(loss, took_clip, old_logprobs - logprobs, ratio, mask)
 
 
-def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-         mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, clip_low: float = 3e-4,
-         clip_high: float = 4e-4) -> Tuple[torch.Tensor, Stats]:
+def gspo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> Tuple[torch.Tensor, Stats]:
     """GSPO-token (Zheng et al. 2025): PPO clipping on a length-normalised SEQUENCE ratio.
 
     logprobs, old_logprobs, advantages, mask: (T,); seq_ids: (T,) int64; num_seqs: S
@@ -109,14 +133,19 @@ def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.T
     Aggregating with "seq-mean-token-mean" gives the paper's sequence-level GSPO gradient.
     """
     log_ratio = logprobs - old_logprobs  # (T,)
-    slots = max(num_seqs, 1)  # one slot even for S == 0 so the gather below never indexes an empty tensor
+    # one slot even for S == 0 so the gather below never indexes an empty tensor
+    slots = max(num_seqs, 1)
     seq_len = _segment_sum(torch.ones_like(mask), seq_ids, mask, slots)  # (S,)
-    seq_mean = _segment_sum(log_ratio.detach(), seq_ids, mask, slots) / seq_len.clamp(min=1.0)  # (S,)
+    # (S,)
+    seq_mean = _segment_sum(log_ratio.detach(), seq_ids, mask, slots) / seq_len.clamp(min=1.0)
     valid = mask > 0
-    tok_seq_mean = seq_mean[torch.where(valid, seq_ids, torch.zeros_like(seq_ids))]  # (T,) token's s_i in log
+    # (T,) token's s_i in log
+    tok_seq_mean = seq_mean[torch.where(valid, seq_ids, torch.zeros_like(seq_ids))]
     tok_seq_mean = torch.where(valid, tok_seq_mean, torch.zeros_like(tok_seq_mean))
     # logp - sg(logp) is exactly 0 in value but carries d/dlogp = 1, so ratio == s_i with grad s_i.
-    log_tok_ratio = (tok_seq_mean + logprobs - logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_tok_ratio = (tok_seq_mean + logprobs - logprobs.detach()).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
     ratio = torch.exp(log_tok_ratio)  # (T,)
     loss, took_clip = _clipped_objective(ratio, advantages, clip_low, clip_high)
     return _finish(loss, took_clip, old_logprobs - logprobs, ratio, mask)
@@ -127,8 +156,9 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float) -> tor
     return -coef * entropy * mask
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
-              mode: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, mode: str
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reduce one micro-batch's per-token loss to (numerator, denominator), both 0-dim tensors on
     the loss's device (a Python float would make the host wait for the device every micro-batch).
 
@@ -148,7 +178,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor
         numerator = torch.where(mask > 0, per_token * mask, torch.zeros_like(per_token)).sum()
         return numerator, mask.sum()
     seq_sum = _segment_sum(per_token, seq_ids, mask, num_seqs)  # (S,)
-    seq_len = _segment_sum(torch.ones_like(mask), seq_ids, mask, num_seqs)  # (S,) masked token counts
+    # (S,) masked token counts
+    seq_len = _segment_sum(torch.ones_like(mask), seq_ids, mask, num_seqs)
     present = seq_len > 0  # sequences with no response token (e.g. truncated prompt) do not count
     if mode == "seq-mean-token-mean":
         seq_sum = torch.where(present, seq_sum / seq_len.clamp(min=1.0), torch.zeros_like(seq_sum))

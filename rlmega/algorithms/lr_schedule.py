@@ -9,6 +9,7 @@ from step 0 (warm-up included); it is at least ``warmup_steps + 1``, as the Mega
 Megatron's formula exactly (tests/unit/test_lr_schedule.py compares them step by step), so an FSDP
 run and a Megatron run of the same config use the same LR at every step. Pure Python, no torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,9 @@ def decay_steps_for(lr_decay_steps: int, warmup_steps: int) -> int:
     return max(lr_decay_steps, warmup_steps + 1)
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int, style: str) -> float:
+def lr_at(
+    step: int, lr: float, min_lr: float, warmup_steps: int, decay_steps: int, style: str
+) -> float:
     """The learning rate after ``step`` optimizer steps (see the module docstring)."""
     if style not in STYLES:
         raise ValueError(f"optimizer.lr_decay_style={style!r}: choose one of {', '.join(STYLES)}")
@@ -44,16 +47,24 @@ class LRSchedule:
     settings win over the checkpoint's, as for Megatron (use_checkpoint_opt_param_scheduler=False).
     """
 
-    def __init__(self, optimizer, lr: float, min_lr: float, warmup_steps: int, decay_steps: int, style: str):
+    def __init__(
+        self, optimizer, lr: float, min_lr: float, warmup_steps: int, decay_steps: int, style: str
+    ):
         self.optimizer = optimizer
         self.lr, self.min_lr, self.style = lr, min_lr, style
-        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps_for(decay_steps, warmup_steps)
+        self.warmup_steps, self.decay_steps = (
+            warmup_steps,
+            decay_steps_for(decay_steps, warmup_steps),
+        )
         self.num_steps = 0
-        lr_at(0, lr, min_lr, warmup_steps, self.decay_steps, style)  # a bad style fails here, not mid-run
+        # a bad style fails here, not mid-run
+        lr_at(0, lr, min_lr, warmup_steps, self.decay_steps, style)
         self.step(0)
 
     def get_lr(self) -> float:
-        return lr_at(self.num_steps, self.lr, self.min_lr, self.warmup_steps, self.decay_steps, self.style)
+        return lr_at(
+            self.num_steps, self.lr, self.min_lr, self.warmup_steps, self.decay_steps, self.style
+        )
 
     def step(self, increment: int = 1) -> None:
         self.num_steps += increment

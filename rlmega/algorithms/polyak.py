@@ -1,12 +1,17 @@
 """The reference policy's Polyak update, in float32 whatever the parameters' dtype (both backends)."""
+
 from __future__ import annotations
 
 import torch
 
 
 @torch.no_grad()
-def blend(pairs: list[tuple[torch.Tensor, torch.Tensor]], rate: float, masters: list | None,
-          host: bool = False) -> list:
+def blend(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    rate: float,
+    masters: list | None,
+    host: bool = False,
+) -> list:
     """ref <- (1 - rate) * ref + rate * policy for each (ref, policy) parameter pair; returns ``masters``.
 
     The blend runs in float32. In bf16 (8 significant bits) a step of rate * (policy - ref) below half

@@ -31,6 +31,7 @@ tokens that count; `seq_ids` (T,) int64 in [0, num_seqs). Returned `stats` are p
 
 Pure functions: tensors and scalars in, tensors out; no config objects, no process groups.
 """
+
 from typing import Dict, Tuple
 
 import torch
@@ -44,21 +45,30 @@ LOG_RATIO_CLAMP = 20.0
 Stats = Dict[str, torch.Tensor]
 
 
-def log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def log_ratio(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """log rho_t = old - rollout, clamped to [-20, 20], 0 off the mask: (T,) x3 -> (T,), detached."""
-    lr = (old_logprobs.detach() - rollout_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    lr = (old_logprobs.detach() - rollout_logprobs.detach()).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
     return torch.where(mask > 0, lr, torch.zeros_like(lr))
 
 
-def _stats(ratio: torch.Tensor, truncated: torch.Tensor, masked: torch.Tensor, mask: torch.Tensor) -> Stats:
+def _stats(
+    ratio: torch.Tensor, truncated: torch.Tensor, masked: torch.Tensor, mask: torch.Tensor
+) -> Stats:
     valid, zero = mask > 0, torch.zeros_like(ratio)
-    return {"ratio": torch.where(valid, ratio, zero),
-            "truncated": torch.where(valid & truncated, torch.ones_like(ratio), zero),
-            "masked": torch.where(valid & masked, torch.ones_like(ratio), zero)}
+    return {
+        "ratio": torch.where(valid, ratio, zero),
+        "truncated": torch.where(valid & truncated, torch.ones_like(ratio), zero),
+        "masked": torch.where(valid & masked, torch.ones_like(ratio), zero),
+    }
 
 
-def tis(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-        cap: float = 2.0) -> Tuple[torch.Tensor, Stats]:
+def tis(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float = 2.0
+) -> Tuple[torch.Tensor, Stats]:
     """Truncated IS: (T,) x3, cap C >= 1 -> weights (T,) = min(rho_t, C) (0 off the mask), stats.
 
     The cap bounds the variance a token with a tiny pi_rollout would add; the weight multiplies the
@@ -71,8 +81,13 @@ def tis(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.
     return weights, _stats(ratio, truncated, torch.zeros_like(truncated), mask)
 
 
-def mis_token(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-              low: float = 0.5, high: float = 2.0) -> Tuple[torch.Tensor, Stats]:
+def mis_token(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> Tuple[torch.Tensor, Stats]:
     """Token-level masked IS: (T,) x3 -> keep (T,) float, 1 where low <= rho_t <= high (0 off the mask), stats."""
     ratio = torch.exp(log_ratio(old_logprobs, rollout_logprobs, mask))  # (T,)
     inside = (ratio >= low) & (ratio <= high)
@@ -80,8 +95,13 @@ def mis_token(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: 
     return keep, _stats(ratio, torch.zeros_like(inside), ~inside, mask)
 
 
-def sequence_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-                       seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+def sequence_log_ratio(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+) -> torch.Tensor:
     """Per sequence, the mean over its masked tokens of log rho_t -> (num_seqs,); 0 for a sequence
     without masked tokens. exp() of it is the geometric mean of the token ratios."""
     lr = log_ratio(old_logprobs, rollout_logprobs, mask)  # (T,), 0 off the mask
@@ -89,19 +109,30 @@ def sequence_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     ids = torch.where(valid, seq_ids, torch.zeros_like(seq_ids))  # off-mask ids may be out of range
     slots = max(num_seqs, 1)
     total = torch.zeros(slots, dtype=lr.dtype, device=lr.device).index_add(0, ids, lr)
-    count = torch.zeros(slots, dtype=lr.dtype, device=lr.device).index_add(0, ids, valid.to(lr.dtype))
+    count = torch.zeros(slots, dtype=lr.dtype, device=lr.device).index_add(
+        0, ids, valid.to(lr.dtype)
+    )
     return (total / count.clamp(min=1.0))[:num_seqs]
 
 
-def mis_seq(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-            seq_ids: torch.Tensor, num_seqs: int, low: float = 0.5,
-            high: float = 2.0) -> Tuple[torch.Tensor, Stats]:
+def mis_seq(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> Tuple[torch.Tensor, Stats]:
     """Sequence-level masked IS: (T,) x3, seq_ids (T,), S -> keep (T,) float, stats.
 
     keep_t = 1 when the geometric-mean ratio of token t's sequence is in [low, high], else 0 (and 0
     off the mask): a sequence is kept or dropped whole.
     """
-    seq_ratio = torch.exp(sequence_log_ratio(old_logprobs, rollout_logprobs, mask, seq_ids, num_seqs))  # (S,)
+    # (S,)
+    seq_ratio = torch.exp(
+        sequence_log_ratio(old_logprobs, rollout_logprobs, mask, seq_ids, num_seqs)
+    )
     seq_inside = (seq_ratio >= low) & (seq_ratio <= high)  # (S,)
     valid = mask > 0
     if num_seqs == 0:
@@ -113,9 +144,17 @@ def mis_seq(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: to
     return keep, _stats(ratio, torch.zeros_like(inside), ~inside, mask)
 
 
-def correct(mode: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-            seq_ids: torch.Tensor, num_seqs: int, cap: float = 2.0, low: float = 0.5,
-            high: float = 2.0) -> Tuple[torch.Tensor, torch.Tensor, Stats]:
+def correct(
+    mode: str,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> Tuple[torch.Tensor, torch.Tensor, Stats]:
     """Dispatch by mode -> (weight (T,), keep (T,), stats): the trainer multiplies the per-token
     policy-gradient loss by `weight` and the loss mask by `keep`. Mode "none" gives ones for both
     (and the ratio statistics, for monitoring)."""

@@ -6,6 +6,7 @@ backend sums them over every micro-batch and data-parallel rank and divides once
 the global batch, whatever the layout or token budget), and ``critic_metrics`` turns the global sums into
 the step's metrics.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ STAT_KEYS = ("tokens", "vf_loss", "vf_clipped", "value", "ret", "ret_sq", "res",
 SUM_KEYS = ("numerator", "count", *STAT_KEYS)
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       cliprange: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss per token: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2).
 
     values, old_values, returns: (T,). ``cliprange`` None (or <= 0): the plain 0.5 * (v - R)^2.
@@ -33,8 +35,9 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return 0.5 * torch.maximum(plain, clipped), (clipped > plain).float()
 
 
-def critic_loss(mb: dict, values: torch.Tensor, cliprange: float | None,
-                loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, dict]:
+def critic_loss(
+    mb: dict, values: torch.Tensor, cliprange: float | None, loss_agg_mode: str = "token-mean"
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The value loss of one micro-batch (build_micro_batch's dict with "returns" and "old_values").
 
     values: (T,) this forward's values at the prediction positions (position p scores the state before
@@ -48,9 +51,16 @@ def critic_loss(mb: dict, values: torch.Tensor, cliprange: float | None,
     per_token, clipped = clipped_value_loss(values, old, returns, cliprange)
     numerator, count = losses.aggregate(per_token, mask, seq_ids, n, loss_agg_mode)
     v, residual = values.detach(), returns - values.detach()
-    stats = {"tokens": mask.sum(), "vf_loss": numerator.detach(), "vf_clipped": (clipped * mask).sum(),
-             "value": (v * mask).sum(), "ret": (returns * mask).sum(), "ret_sq": (returns ** 2 * mask).sum(),
-             "res": (residual * mask).sum(), "res_sq": (residual ** 2 * mask).sum()}
+    stats = {
+        "tokens": mask.sum(),
+        "vf_loss": numerator.detach(),
+        "vf_clipped": (clipped * mask).sum(),
+        "value": (v * mask).sum(),
+        "ret": (returns * mask).sum(),
+        "ret_sq": (returns**2 * mask).sum(),
+        "res": (residual * mask).sum(),
+        "res_sq": (residual**2 * mask).sum(),
+    }
     return numerator, count, stats
 
 
@@ -63,8 +73,12 @@ def critic_metrics(sums: dict, grad_norm: float, lr: float, ok: bool) -> dict:
     var_ret = s["ret_sq"] / n - (s["ret"] / n) ** 2
     var_res = s["res_sq"] / n - (s["res"] / n) ** 2
     return {
-        "critic/vf_loss": s["numerator"] / max(s["count"], 1.0), "critic/value_mean": s["value"] / n,
-        "critic/vf_clipfrac": s["vf_clipped"] / n, "critic/return_mean": s["ret"] / n,
+        "critic/vf_loss": s["numerator"] / max(s["count"], 1.0),
+        "critic/value_mean": s["value"] / n,
+        "critic/vf_clipfrac": s["vf_clipped"] / n,
+        "critic/return_mean": s["ret"] / n,
         "critic/explained_variance": 1.0 - var_res / var_ret if var_ret > 1e-12 else float("nan"),
-        "critic/grad_norm": grad_norm, "critic/lr": lr, "critic/skipped": 0.0 if ok else 1.0,
+        "critic/grad_norm": grad_norm,
+        "critic/lr": lr,
+        "critic/skipped": 0.0 if ok else 1.0,
     }

@@ -4,6 +4,7 @@
 config, but the trainer ranks and engines only use its dataclasses and rules, and each would otherwise
 import omegaconf and its grammar for nothing (issue 55: workers import only what their role uses).
 """
+
 from rlmega.config.schema import (
     ActorConfig,
     ClusterConfig,
@@ -21,7 +22,6 @@ from rlmega.config.schema import (
 from rlmega.config.validate import VLLM_CPU_HEAD_SIZES, ConfigError, validate
 
 
-
 def __getattr__(name: str):
     if name in ("load_config", "dump_config"):
         from rlmega.config import load
@@ -31,7 +31,21 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "RLConfig", "ActorConfig", "ClusterConfig", "ParallelismConfig", "ModelConfig", "OptimizerConfig",
-    "RolloutConfig", "AlgorithmConfig", "RewardConfig", "DataConfig", "TrainerConfig", "LoggingConfig",
-    "ConfigError", "load_config", "dump_config", "validate", "VLLM_CPU_HEAD_SIZES",
+    "RLConfig",
+    "ActorConfig",
+    "ClusterConfig",
+    "ParallelismConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RolloutConfig",
+    "AlgorithmConfig",
+    "RewardConfig",
+    "DataConfig",
+    "TrainerConfig",
+    "LoggingConfig",
+    "ConfigError",
+    "load_config",
+    "dump_config",
+    "validate",
+    "VLLM_CPU_HEAD_SIZES",
 ]

@@ -5,6 +5,7 @@ Rules of config values, checked when a config loads (rlmega/config/task_rules.py
 (rlmega/agents/tools.py, whose TOOLS registry holds exactly these names) import them from here and refuse
 a call outside the same bounds. No imports: any module may read them.
 """
+
 from __future__ import annotations
 
 TOOL_NAMES: tuple[str, ...] = ("calculator", "python", "zoom")

@@ -8,6 +8,7 @@ default the dataclass default, its description the string literal under the fiel
 docstring). Python keeps no attribute docstrings at run time, so they are read from the module's source
 with ``ast``. tests/unit/test_config_docs.py fails when the committed page is stale.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,11 @@ def field_docs(cls) -> dict[str, tuple[str, str]]:
     for node, after in zip(body, body[1:] + [None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             doc = ""
-            if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 doc = inspect.cleandoc(after.value.value)
             out[node.target.id] = (ast.unparse(node.annotation), doc)
     return out
@@ -77,7 +81,11 @@ def _sections() -> list[tuple[str, type, str]]:
             inner = _dataclass_in(hints[f.name])
             if inner and inner not in seen:
                 suffix = "[]" if typing.get_origin(hints[f.name]) in (list, typing.List) else ""
-                visit(f"{name}.{f.name}{suffix}" if name else f"{f.name}{suffix}", inner, docs[f.name][1])
+                visit(
+                    f"{name}.{f.name}{suffix}" if name else f"{f.name}{suffix}",
+                    inner,
+                    docs[f.name][1],
+                )
 
     visit("", RLConfig, "")
     return out[1:]
@@ -88,7 +96,11 @@ def _dataclass_in(hint):
     if dataclasses.is_dataclass(hint):
         return hint
     args = typing.get_args(hint)
-    if typing.get_origin(hint) in (list, typing.List) and args and dataclasses.is_dataclass(args[0]):
+    if (
+        typing.get_origin(hint) in (list, typing.List)
+        and args
+        and dataclasses.is_dataclass(args[0])
+    ):
         return args[0]
     return None
 
@@ -115,7 +127,8 @@ def render() -> str:
     ]
     for name, cls, note in sections:
         lines += [f"## {name}", ""]
-        own = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""  # not dataclass's
+        # not dataclass's
+        own = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
         about = " ".join(p for p in (inspect.cleandoc(own), note) if p)
         if about:
             lines += [_one_line(about), ""]
@@ -124,14 +137,20 @@ def render() -> str:
         for f in dataclasses.fields(cls):
             annotation, doc = docs[f.name]
             inner = _dataclass_in(hints[f.name])
-            if inner is not None:  # a section of its own: point there (its note is shown there when it is its own)
+            # a section of its own: point there (its note is shown there when it is its own)
+            if inner is not None:
                 here = names[inner].rstrip("[]") == f"{name}.{f.name}"
-                lines.append(f"- **`{f.name}`**: the [`{names[inner]}`](#{_anchor(names[inner])}) section"
-                             + (f". {_one_line(doc)}" if doc and not here else "."))
+                lines.append(
+                    f"- **`{f.name}`**: the [`{names[inner]}`](#{_anchor(names[inner])}) section"
+                    + (f". {_one_line(doc)}" if doc and not here else ".")
+                )
                 continue
-            default, rule = _yaml(_default(f)), range_of(f)  # the range declared beside the field, as validate reads it
-            lines.append(f"- **`{f.name}`** (`{annotation}`, default `{default}`{f', {rule.words}' if rule else ''}): "
-                         f"{_one_line(doc) if doc else '(no description)'}")
+            # the range declared beside the field, as validate reads it
+            default, rule = _yaml(_default(f)), range_of(f)
+            lines.append(
+                f"- **`{f.name}`** (`{annotation}`, default `{default}`{f', {rule.words}' if rule else ''}): "
+                f"{_one_line(doc) if doc else '(no description)'}"
+            )
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -155,13 +174,20 @@ def undocumented() -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(PAGE), help="where to write the page (default: docs/configuration.md)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is stale")
+    p.add_argument(
+        "--out", default=str(PAGE), help="where to write the page (default: docs/configuration.md)"
+    )
+    p.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the page is stale"
+    )
     args = p.parse_args(argv)
     text, out = render(), Path(args.out)
     if args.check:
         if not out.is_file() or out.read_text() != text:
-            print(f"{out} is stale (the schema's fields or docstrings changed). Fix: run {COMMAND}", file=sys.stderr)
+            print(
+                f"{out} is stale (the schema's fields or docstrings changed). Fix: run {COMMAND}",
+                file=sys.stderr,
+            )
             return 1
         print(f"{out} is up to date")
         return 0

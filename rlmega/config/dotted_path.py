@@ -14,6 +14,7 @@ run elsewhere, open the same file. Each failure names the path and what went wro
 It sits in rlmega.config because a config's dotted paths (reward.fn, a judger's fn) are checked when the
 config loads; rlmega.rewards re-exports resolve and RewardResolveError.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -58,7 +59,11 @@ def shape_problem(spec: str) -> str | None:
     package.module.function or path/to/file.py:function."""
     if is_file_path(spec):
         path, attr = spec.rsplit(":", 1)
-        if not path.endswith(".py") or not path[:-3] or not all(p.isidentifier() for p in attr.split(".")):
+        if (
+            not path.endswith(".py")
+            or not path[:-3]
+            or not all(p.isidentifier() for p in attr.split("."))
+        ):
             return "is not path/to/file.py:function"
         return None
     parts = spec.split(".") if isinstance(spec, str) else []
@@ -67,8 +72,10 @@ def shape_problem(spec: str) -> str | None:
     return None
 
 
-SHAPE_FIX = ("write it as package.module.function (e.g. rlmega.rewards.arithmetic.score), or as "
-             "path/to/file.py:function for a file of your own")
+SHAPE_FIX = (
+    "write it as package.module.function (e.g. rlmega.rewards.arithmetic.score), or as "
+    "path/to/file.py:function for a file of your own"
+)
 
 
 def _file_module(path: str, fail: Callable[[str, str], RewardResolveError]):
@@ -76,11 +83,16 @@ def _file_module(path: str, fail: Callable[[str, str], RewardResolveError]):
     where = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(where):
         shown = where if where == path else f"{path} (from {os.getcwd()}: {where})"
-        raise fail(f"no file {shown}", "give the path of the Python file that defines the function; a relative path "
-                   "is taken from the directory rlmega runs in")
+        raise fail(
+            f"no file {shown}",
+            "give the path of the Python file that defines the function; a relative path "
+            "is taken from the directory rlmega runs in",
+        )
     stem = os.path.splitext(os.path.basename(where))[0]
-    name = f"rlmega_file_{''.join(c if c.isalnum() else '_' for c in stem)}_" \
-           f"{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+    name = (
+        f"rlmega_file_{''.join(c if c.isalnum() else '_' for c in stem)}_"
+        f"{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+    )
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, where)
@@ -90,12 +102,16 @@ def _file_module(path: str, fail: Callable[[str, str], RewardResolveError]):
         spec.loader.exec_module(module)
     except ModuleNotFoundError as e:
         del sys.modules[name]
-        raise fail(f"running {where} failed: {e}", f"install the missing package {e.name!r}, or fix the import in "
-                   f"{where} (a file of one's own imports installed packages, not the other files of its folder)"
-                   ) from e
+        raise fail(
+            f"running {where} failed: {e}",
+            f"install the missing package {e.name!r}, or fix the import in "
+            f"{where} (a file of one's own imports installed packages, not the other files of its folder)",
+        ) from e
     except Exception as e:
         del sys.modules[name]
-        raise fail(f"running {where} failed: {type(e).__name__}: {e}", f"fix the error in {where}") from e
+        raise fail(
+            f"running {where} failed: {type(e).__name__}: {e}", f"fix the error in {where}"
+        ) from e
     return module
 
 
@@ -103,17 +119,24 @@ def _not_found_fix(module: str, attr: str = "function") -> str:
     """The fix for a dotted path whose module does not import: a file of one's own is the common case."""
     here = os.path.join(os.getcwd(), *module.split(".")) + ".py"
     if os.path.isfile(here):
-        return (f"{here} is a file, not an installed module: name it as a file, "
-                f"{os.path.relpath(here)}:{attr} (path/to/file.py:function)")
-    return ("for a file of your own, write path/to/file.py:function; for a package, check the spelling, and that it "
-            "is installed in this environment")
+        return (
+            f"{here} is a file, not an installed module: name it as a file, "
+            f"{os.path.relpath(here)}:{attr} (path/to/file.py:function)"
+        )
+    return (
+        "for a file of your own, write path/to/file.py:function; for a package, check the spelling, and that it "
+        "is installed in this environment"
+    )
 
 
 def resolve(dotted_path: str, field: str = "reward.fn") -> Callable:
     """The callable at `dotted_path` ("package.module.function", or "path/to/file.py:function");
     RewardResolveError otherwise."""
+
     def fail(what: str, fix: str) -> RewardResolveError:
-        return RewardResolveError(f"{field}={dotted_path!r}: {what}. Fix: {fix}", f"{dotted_path!r}: {what}", fix)
+        return RewardResolveError(
+            f"{field}={dotted_path!r}: {what}. Fix: {fix}", f"{dotted_path!r}: {what}", fix
+        )
 
     shape = shape_problem(dotted_path)
     if shape:
@@ -133,41 +156,58 @@ def resolve(dotted_path: str, field: str = "reward.fn") -> Callable:
             break
         except ModuleNotFoundError as e:
             if not _missing_module(e, name):
-                raise fail(f"importing module {name!r} failed: {e}",
-                           f"install the missing package {e.name!r} or fix the import in {name}") from e
+                raise fail(
+                    f"importing module {name!r} failed: {e}",
+                    f"install the missing package {e.name!r} or fix the import in {name}",
+                ) from e
             first_missing = first_missing or e
         except Exception as e:  # the module exists but raised while importing
-            raise fail(f"importing module {name!r} failed: {type(e).__name__}: {e}",
-                       f"fix the error in {name}") from e
+            raise fail(
+                f"importing module {name!r} failed: {type(e).__name__}: {e}",
+                f"fix the error in {name}",
+            ) from e
     if module is None:
         name = ".".join(parts[:-1])
-        raise fail(f"module {name!r} not found ({first_missing})", _not_found_fix(name, parts[-1])
-                   ) from first_missing
+        raise fail(
+            f"module {name!r} not found ({first_missing})", _not_found_fix(name, parts[-1])
+        ) from first_missing
     return _attribute_chain(module, obj, parts[i:], module.__name__, first_missing, fail)
 
 
-def _attribute_chain(module, obj, attrs: list[str], done: str, first_missing: ModuleNotFoundError | None,
-                     fail: Callable[[str, str], RewardResolveError]) -> Callable:
+def _attribute_chain(
+    module,
+    obj,
+    attrs: list[str],
+    done: str,
+    first_missing: ModuleNotFoundError | None,
+    fail: Callable[[str, str], RewardResolveError],
+) -> Callable:
     """``obj.attrs[0].attrs[1]...``, which must be callable; ``done`` names ``obj`` in the errors."""
     for attr in attrs:
         sep = ":" if done.endswith(".py") else "."  # a file's first attribute follows its colon
         if not hasattr(obj, attr):
             if obj is module and first_missing is not None:
                 # "pkg.missing_mod.fn": the longer prefix was the intended module, not an attribute of pkg.
-                raise fail(f"module {first_missing.name!r} not found", _not_found_fix(first_missing.name)
-                           ) from first_missing
+                raise fail(
+                    f"module {first_missing.name!r} not found", _not_found_fix(first_missing.name)
+                ) from first_missing
             public = [a for a in dir(obj) if not a.startswith("_")]
             close = difflib.get_close_matches(attr, public, n=3)
             if close:
                 hint = "did you mean " + " or ".join(f"{done}{sep}{c}" for c in close) + "?"
             else:
                 names = [a for a in public if callable(getattr(obj, a, None))]
-                hint = f"{done} defines the callables: {', '.join(names)[:300]}" if names else \
-                    f"{done} defines no public callables; name a module that does"
+                hint = (
+                    f"{done} defines the callables: {', '.join(names)[:300]}"
+                    if names
+                    else f"{done} defines no public callables; name a module that does"
+                )
             raise fail(f"{done!r} has no attribute {attr!r}", hint)
         obj = getattr(obj, attr)
         done = f"{done}{sep}{attr}"
     if not callable(obj):
-        raise fail(f"{done!r} is a {type(obj).__name__}, not a callable",
-                   "point it at a function fn(response_text, label, **kwargs) -> float")
+        raise fail(
+            f"{done!r} is a {type(obj).__name__}, not a callable",
+            "point it at a function fn(response_text, label, **kwargs) -> float",
+        )
     return obj

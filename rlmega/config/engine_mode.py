@@ -5,6 +5,7 @@ the preflight and the launcher both ask).
     enforce_eager(cfg)   vLLM runs eager (True) or compiled with CUDA graphs (False)
     cuda_graph_max_batch(cfg, eval_requests)   the largest CUDA graph a compiled engine captures
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,8 @@ def records_routes(cfg: RLConfig) -> bool:
     if cfg.actor.backend != "megatron":
         return False
     path = os.path.join(cfg.model.path, "config.json")
-    if not os.path.isfile(path):  # the preflight requires one; without it there is nothing to record
+    # the preflight requires one; without it there is nothing to record
+    if not os.path.isfile(path):
         return False
     with open(path) as f:
         hf = json.load(f)
@@ -55,7 +57,8 @@ def enforce_eager(cfg: RLConfig) -> bool:
     return cfg.rollout.device == "cpu" or records_routes(cfg)
 
 
-VLLM_CAPTURE_CEILING = 512  # vLLM's own default max_cudagraph_capture_size (1024 only on Blackwell data-centre GPUs)
+# vLLM's own default max_cudagraph_capture_size (1024 only on Blackwell data-centre GPUs)
+VLLM_CAPTURE_CEILING = 512
 
 
 def engine_batch_bound(cfg: RLConfig, eval_requests: int) -> int:

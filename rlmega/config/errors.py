@@ -1,5 +1,6 @@
 """The error every load-time check raises, the one format of its lines, and the counts every check bounds
 (no imports: any check may use them)."""
+
 from __future__ import annotations
 
 from typing import List
@@ -11,7 +12,9 @@ class ConfigError(ValueError):
     def __init__(self, problems: List[str]):
         self.problems = list(problems)
         n = len(self.problems)
-        super().__init__(f"invalid config ({n} problem{'s' if n != 1 else ''}):\n  " + "\n  ".join(self.problems))
+        super().__init__(
+            f"invalid config ({n} problem{'s' if n != 1 else ''}):\n  " + "\n  ".join(self.problems)
+        )
 
 
 def problem(field: str, what: str, fix: str) -> str:

@@ -1,4 +1,5 @@
 """The one test of "a real, finite number" that the load-time checks share (no imports: any validator may use it)."""
+
 from __future__ import annotations
 
 import math

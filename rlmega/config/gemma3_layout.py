@@ -8,6 +8,7 @@ Both config forms: transformers 5's (``layer_types``; ``rope_parameters`` keyed 
 as Google's checkpoints ship it (``sliding_window_pattern``: every pattern-th layer global; ``rope_theta`` and
 ``rope_scaling`` of the global layers, ``rope_local_base_freq`` of the sliding ones).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,16 +20,19 @@ _KINDS = ("sliding_attention", "full_attention")
 @dataclasses.dataclass(frozen=True)
 class Gemma3Layout:
     sliding: tuple[bool, ...]  # per decoder layer: a sliding-window layer (else global)
-    window: int  # transformers' sliding_window: a query sees itself and the window - 1 tokens before it
+    # transformers' sliding_window: a query sees itself and the window - 1 tokens before it
+    window: int
     global_theta: float
-    global_linear_factor: float | None  # "linear" RoPE scaling of the global layers (Gemma 3 4B+), else None
+    # "linear" RoPE scaling of the global layers (Gemma 3 4B+), else None
+    global_linear_factor: float | None
     sliding_theta: float
     query_pre_attn_scalar: float  # the softmax scale is its inverse square root
     hidden_size: int
 
     @property
-    def embedding_scale(self) -> float:  # transformers' Gemma3TextScaledWordEmbedding: sqrt(hidden_size)
-        return self.hidden_size ** 0.5
+    # transformers' Gemma3TextScaledWordEmbedding: sqrt(hidden_size)
+    def embedding_scale(self) -> float:
+        return self.hidden_size**0.5
 
 
 def _layer_types(hf: dict) -> list:
@@ -36,8 +40,10 @@ def _layer_types(hf: dict) -> list:
     if types:
         return list(types)
     pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(int(hf["num_hidden_layers"]))]
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(int(hf["num_hidden_layers"]))
+    ]
 
 
 def _ropes(hf: dict) -> tuple[dict, dict]:
@@ -70,9 +76,11 @@ def gemma3_reason(hf: dict) -> str | None:
     full, sliding = _ropes(hf)
     kinds = full.get("rope_type", "default"), sliding.get("rope_type", "default")
     if kinds[0] not in ("default", "linear") or kinds[1] != "default":
-        return (f"{ARCH} with RoPE types {full.get('rope_type')!r} (global layers), {sliding.get('rope_type')!r} "
-                "(sliding layers): rlmega's mapping takes default or linear on the global layers, default on the "
-                "sliding ones")
+        return (
+            f"{ARCH} with RoPE types {full.get('rope_type')!r} (global layers), {sliding.get('rope_type')!r} "
+            "(sliding layers): rlmega's mapping takes default or linear on the global layers, default on the "
+            "sliding ones"
+        )
     if "sliding_attention" in types and "sliding_window" in hf and not hf["sliding_window"]:
         return f"{ARCH} with sliding layers but sliding_window={hf.get('sliding_window')!r}"
     return None
@@ -83,8 +91,12 @@ def gemma3_layout(hf: dict) -> Gemma3Layout:
     full, sliding = _ropes(hf)
     linear = float(full["factor"]) if full.get("rope_type") == "linear" else None
     # absent keys take Gemma3TextConfig's defaults
-    return Gemma3Layout(sliding=tuple(t == "sliding_attention" for t in _layer_types(hf)),
-                        window=int(hf.get("sliding_window", 4096)), global_theta=float(full.get("rope_theta", 1e6)),
-                        global_linear_factor=linear, sliding_theta=float(sliding.get("rope_theta", 1e4)),
-                        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-                        hidden_size=int(hf["hidden_size"]))
+    return Gemma3Layout(
+        sliding=tuple(t == "sliding_attention" for t in _layer_types(hf)),
+        window=int(hf.get("sliding_window", 4096)),
+        global_theta=float(full.get("rope_theta", 1e6)),
+        global_linear_factor=linear,
+        sliding_theta=float(sliding.get("rope_theta", 1e4)),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        hidden_size=int(hf["hidden_size"]),
+    )

@@ -9,6 +9,7 @@ fsdp: ``transformers_reason`` (AutoModelForCausalLM has a class for the model_ty
 config.json) and ``vllm_reason`` (vLLM's model registry names the class; read without importing vLLM):
 any causal LM both build, no conversion.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,19 @@ from rlmega.config.gemma3_layout import gemma3_reason
 SUPPORTED_ARCHITECTURES = megatron_architectures()  # the family table's (rlmega/config/families.py)
 # A config.json written without `architectures` (some conversion scripts, hand-made configs) still
 # names its family in `model_type`; transformers' AutoModelForCausalLM maps it the same way.
-MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                            "deepseek_v3": "DeepseekV3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # multi-latent attention (megatron-core's MLA)
-EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM",)  # a sigmoid router with e_score_correction_bias
+# a sigmoid router with e_score_correction_bias
+EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 # The per-family part of the MoE weight names (the Megatron mapping, rlmega.megatron.hf_weights, and the
 # preflight's safetensors check both read it): architecture -> (the HF block holding the router
 # `<block>.gate` and the experts `<block>.experts.E.<name>.weight`, the expert names in (gate, up, down) order).
@@ -38,7 +46,8 @@ MOE_HF_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
 
 # config.json keys of the routed-expert count, first set wins: Qwen's published Qwen2/3-MoE configs say
 # `num_experts`; transformers 5's save_pretrained writes `num_local_experts` for them (as Mixtral's does).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # the last: DeepSeek-V3's
+# the last: DeepSeek-V3's
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def expert_count_key(hf: dict) -> str | None:
@@ -75,7 +84,8 @@ def engine_overrides(model_path: str) -> dict:
     - DeepSeek-V3 without `scoring_func` / `topk_method`: transformers' sigmoid router with its correction bias
       (DEEPSEEK_ROUTER_KEYS; a model saved from transformers' own config class has neither key)."""
     path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):  # not a local folder: nothing to override (the preflight requires one)
+    # not a local folder: nothing to override (the preflight requires one)
+    if not os.path.isfile(path):
         return {}
     with open(path) as f:
         hf = json.load(f)
@@ -95,16 +105,21 @@ def unsupported_reason(hf: dict) -> str | None:
     arch = architecture(hf)
     if arch is None:
         archs = hf.get("architectures") or []
-        return (f"unsupported architecture {archs or hf.get('model_type')!r}: rlmega's Megatron mapping converts "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (or a config.json without `architectures` whose "
-                f"model_type is {' or '.join(MODEL_TYPE_ARCHITECTURES)})")
-    if arch == "Gemma3ForCausalLM":  # its tanh-GELU MLP, windows, post-norms: rlmega/config/gemma3_layout.py
+        return (
+            f"unsupported architecture {archs or hf.get('model_type')!r}: rlmega's Megatron mapping converts "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (or a config.json without `architectures` whose "
+            f"model_type is {' or '.join(MODEL_TYPE_ARCHITECTURES)})"
+        )
+    # its tanh-GELU MLP, windows, post-norms: rlmega/config/gemma3_layout.py
+    if arch == "Gemma3ForCausalLM":
         return gemma3_reason(hf)
     if hf.get("hidden_act", "silu") != "silu":
         return f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported"
     if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         return "Llama with attention_bias/mlp_bias is not supported"
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get(
+        "use_sliding_window"
+    ):
         return f"{arch} with use_sliding_window=true is not supported"
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("attention_bias"):
         return f"{arch} with attention_bias=true is not supported"
@@ -126,24 +141,36 @@ def _deepseek_reason(hf: dict) -> str | None:
     against transformers): each refusal is a setting where megatron-core would give other numbers with no error."""
     arch = "DeepseekV3ForCausalLM"
     if hf.get("quantization_config"):
-        return (f"{arch} with quantization_config={str(hf['quantization_config'])[:80]}: rlmega's Megatron mapping "
-                "loads bfloat16 or float32 weights (DeepSeek-V3's and Kimi-K2's published FP8 ones: convert them "
-                "to bfloat16 first)")
-    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        return (f"{arch} with scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r}: rlmega's "
-                "Megatron mapping takes DeepSeek-V3's sigmoid router with its correction bias (sigmoid, noaux_tc)")
+        return (
+            f"{arch} with quantization_config={str(hf['quantization_config'])[:80]}: rlmega's Megatron mapping "
+            "loads bfloat16 or float32 weights (DeepSeek-V3's and Kimi-K2's published FP8 ones: convert them "
+            "to bfloat16 first)"
+        )
+    if (
+        hf.get("scoring_func", "sigmoid") != "sigmoid"
+        or hf.get("topk_method", "noaux_tc") != "noaux_tc"
+    ):
+        return (
+            f"{arch} with scoring_func={hf.get('scoring_func')!r}, topk_method={hf.get('topk_method')!r}: rlmega's "
+            "Megatron mapping takes DeepSeek-V3's sigmoid router with its correction bias (sigmoid, noaux_tc)"
+        )
     if not hf.get("norm_topk_prob", True):
-        return (f"{arch} with norm_topk_prob=false: megatron-core's sigmoid router always renormalises the top-k "
-                "weights (router probabilities 2.2 off, measured): use actor.backend=fsdp")
+        return (
+            f"{arch} with norm_topk_prob=false: megatron-core's sigmoid router always renormalises the top-k "
+            "weights (router probabilities 2.2 off, measured): use actor.backend=fsdp"
+        )
     groups, topk_group = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
     topk = int(hf.get("num_experts_per_tok") or 0)
-    if topk == 1:  # megatron-core normalises the top-k only for k > 1; transformers' weight is then 1 x scale
+    # megatron-core normalises the top-k only for k > 1; transformers' weight is then 1 x scale
+    if topk == 1:
         return f"{arch} with num_experts_per_tok=1: megatron-core's sigmoid router weighs it otherwise (unnormalised)"
     if groups > 1 and topk != 2 * topk_group:
-        return (f"{arch} with num_experts_per_tok={topk}, topk_group={topk_group}: megatron-core scores a group by "
-                f"the sum of its top num_experts_per_tok // topk_group = {topk // topk_group} experts, transformers "
-                "by its top 2 (30-52% of tokens routed elsewhere, measured); they agree when num_experts_per_tok = 2 x "
-                "topk_group (DeepSeek-V3's 8 and 4): use actor.backend=fsdp")
+        return (
+            f"{arch} with num_experts_per_tok={topk}, topk_group={topk_group}: megatron-core scores a group by "
+            f"the sum of its top num_experts_per_tok // topk_group = {topk // topk_group} experts, transformers "
+            "by its top 2 (30-52% of tokens routed elsewhere, measured); they agree when num_experts_per_tok = 2 x "
+            "topk_group (DeepSeek-V3's 8 and 4): use actor.backend=fsdp"
+        )
     if hf.get("rope_interleave", True) is False:
         return f"{arch} with rope_interleave=false is not mapped yet (its rope rows need a permutation)"
     if hf.get("attention_bias"):
@@ -154,12 +181,18 @@ def _deepseek_reason(hf: dict) -> str | None:
         return f"{arch} with rope_type={kind!r}: rlmega's MLA mapping takes default or yarn RoPE"
     if kind == "yarn":
         mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if "attention_factor" in params or not ((mscale and all_dim) or (not all_dim and (mscale or 1) == 1)):
-            return (f"{arch} with yarn mscale={mscale}, mscale_all_dim={all_dim}"
-                    f"{', attention_factor' if 'attention_factor' in params else ''}: megatron-core's yarn scales "
-                    "cos/sin as transformers does only with both mscales set (DeepSeek-V3's 1 and 1), or neither")
+        if "attention_factor" in params or not (
+            (mscale and all_dim) or (not all_dim and (mscale or 1) == 1)
+        ):
+            return (
+                f"{arch} with yarn mscale={mscale}, mscale_all_dim={all_dim}"
+                f"{', attention_factor' if 'attention_factor' in params else ''}: megatron-core's yarn scales "
+                "cos/sin as transformers does only with both mscales set (DeepSeek-V3's 1 and 1), or neither"
+            )
         if params.get("truncate") is False:
-            return f"{arch} with yarn truncate=false cannot be expressed through megatron-core's MLA"
+            return (
+                f"{arch} with yarn truncate=false cannot be expressed through megatron-core's MLA"
+            )
     return None
 
 
@@ -168,12 +201,16 @@ def _mixtral_reason(hf: dict) -> str | None:
     jitter (HF multiplies the MoE input by noise in training; Megatron's forward would not)."""
     window, max_pos = hf.get("sliding_window"), hf.get("max_position_embeddings")
     if window is not None and (max_pos is None or int(max_pos) > int(window)):
-        return (f"MixtralForCausalLM with sliding_window={window} < max_position_embeddings={max_pos} is not "
-                "supported (rlmega's Megatron attention has no sliding window): use a model whose sliding_window "
-                "is null or >= max_position_embeddings")
+        return (
+            f"MixtralForCausalLM with sliding_window={window} < max_position_embeddings={max_pos} is not "
+            "supported (rlmega's Megatron attention has no sliding window): use a model whose sliding_window "
+            "is null or >= max_position_embeddings"
+        )
     if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
-        return (f"MixtralForCausalLM with router_jitter_noise={hf['router_jitter_noise']} is not supported "
-                "(rlmega's Megatron router has no input jitter): set it to 0.0 in config.json")
+        return (
+            f"MixtralForCausalLM with router_jitter_noise={hf['router_jitter_noise']} is not supported "
+            "(rlmega's Megatron router has no input jitter): set it to 0.0 in config.json"
+        )
     return None
 
 
@@ -184,18 +221,24 @@ def _moe_reason(hf: dict, arch: str) -> str | None:
         return f"{arch} config.json has no `num_experts` (or `num_local_experts`) >= 1"
     if int(hf.get("num_experts_per_tok", 0)) < 1:
         return f"{arch} config.json has no `num_experts_per_tok` >= 1"
-    if arch in ("MixtralForCausalLM", "DeepseekV3ForCausalLM"):  # DeepSeek: dense first_k_dense_replace layers
+    # DeepSeek: dense first_k_dense_replace layers
+    if arch in ("MixtralForCausalLM", "DeepseekV3ForCausalLM"):
         return None
     if int(hf.get("decoder_sparse_step", 1)) != 1:
-        return (f"decoder_sparse_step={hf['decoder_sparse_step']}: rlmega's Qwen3-MoE mapping needs every layer "
-                "to be an MoE layer (decoder_sparse_step=1)")
+        return (
+            f"decoder_sparse_step={hf['decoder_sparse_step']}: rlmega's Qwen3-MoE mapping needs every layer "
+            "to be an MoE layer (decoder_sparse_step=1)"
+        )
     if hf.get("mlp_only_layers"):
-        return (f"mlp_only_layers={hf['mlp_only_layers']}: rlmega's Qwen3-MoE mapping needs every layer to be an "
-                "MoE layer (mlp_only_layers=[])")
+        return (
+            f"mlp_only_layers={hf['mlp_only_layers']}: rlmega's Qwen3-MoE mapping needs every layer to be an "
+            "MoE layer (mlp_only_layers=[])"
+        )
     return None
 
 
 # --- actor.backend=fsdp: any causal LM that transformers builds and vLLM serves ----------------------
+
 
 def causal_lm_class(hf: dict) -> str | None:
     """The class name vLLM will look up for config.json ``hf``: its first `architectures` entry, or, without
@@ -217,12 +260,16 @@ def transformers_reason(path: str, hf: dict) -> str | None:
 
     model_type = hf.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return (f"model_type={model_type!r} (architectures {hf.get('architectures')}) is not a causal LM the "
-                "installed transformers builds (AutoModelForCausalLM has no class for it; remote code is not run)")
+        return (
+            f"model_type={model_type!r} (architectures {hf.get('architectures')}) is not a causal LM the "
+            "installed transformers builds (AutoModelForCausalLM has no class for it; remote code is not run)"
+        )
     try:
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises ValueError, TypeError, StrictDataclass errors, ...
-        return f"transformers cannot read its config.json as a {model_type!r} config: {str(e)[:300]}"
+        return (
+            f"transformers cannot read its config.json as a {model_type!r} config: {str(e)[:300]}"
+        )
     return None
 
 
@@ -232,7 +279,9 @@ def _vllm_registry_file() -> str | None:
     spec = importlib.util.find_spec("vllm")  # locates the package without importing it (seconds)
     if spec is None or not spec.submodule_search_locations:
         return None
-    return os.path.join(list(spec.submodule_search_locations)[0], "model_executor", "models", "registry.py")
+    return os.path.join(
+        list(spec.submodule_search_locations)[0], "model_executor", "models", "registry.py"
+    )
 
 
 def vllm_attention_backends() -> frozenset | None:
@@ -243,16 +292,22 @@ def vllm_attention_backends() -> frozenset | None:
     import ast
 
     registry = _vllm_registry_file()
-    path = registry and os.path.join(os.path.dirname(registry), "..", "..", "v1", "attention", "backends",
-                                     "registry.py")
+    path = registry and os.path.join(
+        os.path.dirname(registry), "..", "..", "v1", "attention", "backends", "registry.py"
+    )
     if not path or not os.path.isfile(path):
         return None
     with open(path) as f:
         tree = ast.parse(f.read())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "AttentionBackendEnum":
-            names = {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets
-                     if isinstance(t, ast.Name)}
+            names = {
+                t.id
+                for n in node.body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
             return frozenset(names) or None
     return None
 
@@ -271,8 +326,13 @@ def vllm_architectures() -> frozenset | None:
         tree = ast.parse(f.read())
     dicts: dict = {}
     for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
-            node.target if isinstance(node, ast.AnnAssign) else None
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            else node.target
+            if isinstance(node, ast.AnnAssign)
+            else None
+        )
         if isinstance(target, ast.Name) and isinstance(getattr(node, "value", None), ast.Dict):
             dicts[target.id] = node.value
     top = dicts.get("_VLLM_MODELS")
@@ -284,7 +344,9 @@ def vllm_architectures() -> frozenset | None:
         if parts[0] is None:
             return None
         for d in parts:
-            names.update(k.value for k in d.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+            names.update(
+                k.value for k in d.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)
+            )
     return frozenset(names)
 
 
@@ -296,5 +358,7 @@ def vllm_reason(hf: dict) -> str | None:
     name = causal_lm_class(hf)
     if name in archs:
         return None
-    return (f"vLLM (the rollout engine) does not serve {name or hf.get('model_type')!r}: its model registry "
-            "has no such architecture")
+    return (
+        f"vLLM (the rollout engine) does not serve {name or hf.get('model_type')!r}: its model registry "
+        "has no such architecture"
+    )

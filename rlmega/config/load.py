@@ -4,6 +4,7 @@
 
 Every failure is a ConfigError naming the field by its dotted path and saying how to fix it.
 """
+
 import dataclasses
 import difflib
 import os
@@ -48,17 +49,24 @@ def _suggest(key: str) -> List[str]:
     parent, _, leaf = key.rpartition(".")
     paths = _field_paths()
     siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
-    close = [f"{parent}.{s}" if parent else s for s in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)]
-    close += [p for p in paths if difflib.SequenceMatcher(None, leaf, p.rpartition(".")[2]).ratio() >= 0.85]
+    close = [
+        f"{parent}.{s}" if parent else s
+        for s in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
+    ]
+    close += [
+        p
+        for p in paths
+        if difflib.SequenceMatcher(None, leaf, p.rpartition(".")[2]).ratio() >= 0.85
+    ]
     return list(dict.fromkeys(close))[:3]
 
 
 # Fields that existed once and did nothing; a config that still sets one is told what acts instead.
 REMOVED = {
     "trainer.micro_batch_size": "micro-batches are packed by tokens: set actor.max_tokens_per_micro_batch "
-                                "instead, and remove trainer.micro_batch_size",
+    "instead, and remove trainer.micro_batch_size",
     "trainer.seed": "prompt order is seeded by data.seed, sampling by rollout.seed and initialisation by "
-                    "model.seed: set those instead, and remove trainer.seed",
+    "model.seed: set those instead, and remove trainer.seed",
 }
 
 
@@ -75,7 +83,13 @@ def _locate(tree, e: OmegaConfBaseException, path: str = "") -> str | None:
     leaf = (e.full_key or "").rsplit(".", 1)[-1]
     if not leaf or "." in (e.full_key or ""):
         return None
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, list)
+        else []
+    )
     for k, v in items:
         sub = f"{path}[{k}]" if isinstance(tree, list) else f"{path}.{k}" if path else str(k)
         if k == leaf and not isinstance(v, (dict, list)) and f"'{v}'" in str(e):
@@ -86,20 +100,27 @@ def _locate(tree, e: OmegaConfBaseException, path: str = "") -> str | None:
     return None
 
 
-def _as_config_error(e: OmegaConfBaseException, source: str, where: str | None = None) -> ConfigError:
+def _as_config_error(
+    e: OmegaConfBaseException, source: str, where: str | None = None
+) -> ConfigError:
     key = where or e.full_key or "<root>"
     what = (str(e.msg or e) or type(e).__name__).splitlines()[0]
     if isinstance(e, ConfigKeyError) and key in REMOVED:
         return ConfigError([problem(key, f"no longer a config field (in {source})", REMOVED[key])])
     if isinstance(e, ConfigKeyError):
         close = _suggest(key)
-        fix = (f"did you mean {' or '.join(close)}? Otherwise remove it" if close else
-               "remove it (see rlmega/config/schema.py for the fields)")
+        fix = (
+            f"did you mean {' or '.join(close)}? Otherwise remove it"
+            if close
+            else "remove it (see rlmega/config/schema.py for the fields)"
+        )
         return ConfigError([problem(key, f"unknown key (in {source})", fix)])
     hint = _field_hint(key)
     if typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = inner[0] if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal else hint
+        hint = (
+            inner[0] if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal else hint
+        )
     if typing.get_origin(hint) is typing.Literal:
         fix = f"use one of: {', '.join(map(str, typing.get_args(hint)))}"
     elif hint is not None:
@@ -111,22 +132,52 @@ def _as_config_error(e: OmegaConfBaseException, source: str, where: str | None =
 
 def _read_yaml(path: str) -> DictConfig:
     if os.path.isdir(path):
-        raise ConfigError([problem("config file", f"{path!r} is a folder, not a file",
-                                   "pass the path of a YAML file in it, e.g. configs/tiny_cpu.yaml")])
+        raise ConfigError(
+            [
+                problem(
+                    "config file",
+                    f"{path!r} is a folder, not a file",
+                    "pass the path of a YAML file in it, e.g. configs/tiny_cpu.yaml",
+                )
+            ]
+        )
     if not os.path.isfile(path):
-        raise ConfigError([problem("config file", f"{path!r} does not exist",
-                                   "pass the path of a YAML file, e.g. configs/tiny_cpu.yaml")])
+        raise ConfigError(
+            [
+                problem(
+                    "config file",
+                    f"{path!r} does not exist",
+                    "pass the path of a YAML file, e.g. configs/tiny_cpu.yaml",
+                )
+            ]
+        )
     try:
-        node = OmegaConf.load(path)  # OmegaConf's loader also reads 1e-5 as a float, unlike plain PyYAML
+        # OmegaConf's loader also reads 1e-5 as a float, unlike plain PyYAML
+        node = OmegaConf.load(path)
     except yaml.YAMLError as e:
-        raise ConfigError([problem("config file", f"{path!r} is not valid YAML: {e}", "fix the YAML syntax")]) \
-            from None
+        raise ConfigError(
+            [problem("config file", f"{path!r} is not valid YAML: {e}", "fix the YAML syntax")]
+        ) from None
     except UnicodeDecodeError as e:
-        raise ConfigError([problem("config file", f"{path!r} is not UTF-8 text (byte {e.start}: {e.reason})",
-                                   "save the file as UTF-8")]) from None
+        raise ConfigError(
+            [
+                problem(
+                    "config file",
+                    f"{path!r} is not UTF-8 text (byte {e.start}: {e.reason})",
+                    "save the file as UTF-8",
+                )
+            ]
+        ) from None
     if not isinstance(node, DictConfig):
-        raise ConfigError([problem("config file", f"{path!r} holds a {type(node).__name__}, not a mapping",
-                                   "write sections at the top level, e.g. `trainer: {total_steps: 10}`")])
+        raise ConfigError(
+            [
+                problem(
+                    "config file",
+                    f"{path!r} holds a {type(node).__name__}, not a mapping",
+                    "write sections at the top level, e.g. `trainer: {total_steps: 10}`",
+                )
+            ]
+        )
     return node
 
 
@@ -134,10 +185,13 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
     bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
     if bad:
         fix = "write overrides as section.field=value, e.g. trainer.total_steps=10"
-        raise ConfigError([problem("override", f"{o!r} is not of the form key=value", fix) for o in bad])
+        raise ConfigError(
+            [problem("override", f"{o!r} is not of the form key=value", fix) for o in bad]
+        )
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except (OmegaConfBaseException, yaml.YAMLError):  # a value that is not YAML, e.g. "a.b=[" or "[???]"
+    # a value that is not YAML, e.g. "a.b=[" or "[???]"
+    except (OmegaConfBaseException, yaml.YAMLError):
         # Name the override: parse each alone (the first that fails is the culprit).
         for o in overrides:
             try:
@@ -148,8 +202,15 @@ def _read_overrides(overrides: Sequence[str]) -> DictConfig:
         else:
             o = ", ".join(overrides)
         what = str(e).replace("\n", " ")[:200]
-        raise ConfigError([problem(o.split("=", 1)[0].strip(), f"the override {o!r} is not a YAML value ({what})",
-                                   "quote the value, or write a list as [a, b] and a mapping as {k: v}")]) from None
+        raise ConfigError(
+            [
+                problem(
+                    o.split("=", 1)[0].strip(),
+                    f"the override {o!r} is not a YAML value ({what})",
+                    "quote the value, or write a list as [a, b] and a mapping as {k: v}",
+                )
+            ]
+        ) from None
 
 
 _LIST_SECTIONS = {"tasks"}  # top-level keys that hold a list of sections, not one section
@@ -163,16 +224,31 @@ def _shape_problems(node, hint, path: str, source: str) -> List[str]:
     where a mapping belongs (reward.kwargs=[1,2], tasks: {a: 1}), naming nothing; and it merges ???
     (its "missing value") by keeping the default, so `total_steps: ???` would quietly run 2 steps."""
     if node == "???":
-        return [problem(path, f"is ??? (OmegaConf's 'missing value') in {source}",
-                        f"give {path} a value, or remove it to keep the default")]
+        return [
+            problem(
+                path,
+                f"is ??? (OmegaConf's 'missing value') in {source}",
+                f"give {path} a value, or remove it to keep the default",
+            )
+        ]
     if typing.get_origin(hint) is typing.Union:  # Optional[X]: null is fine, else X's shape
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = inner[0] if len(inner) == 1 else typing.Any
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     mapping, listing = dataclasses.is_dataclass(hint) or origin is dict, origin is list
-    if (mapping or listing) and node is not None and not isinstance(node, dict if mapping else list):
-        return [problem(path, f"{node!r} is not {'a mapping' if mapping else 'a list'} (in {source})",
-                        f"write {path} as " + ("a mapping, e.g. {key: value}" if mapping else "a list, e.g. [a, b]"))]
+    if (
+        (mapping or listing)
+        and node is not None
+        and not isinstance(node, dict if mapping else list)
+    ):
+        return [
+            problem(
+                path,
+                f"{node!r} is not {'a mapping' if mapping else 'a list'} (in {source})",
+                f"write {path} as "
+                + ("a mapping, e.g. {key: value}" if mapping else "a list, e.g. [a, b]"),
+            )
+        ]
     out = []
     if isinstance(node, dict) and (mapping or hint is typing.Any):
         fields = typing.get_type_hints(hint) if dataclasses.is_dataclass(hint) else {}
@@ -197,9 +273,17 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
     layers.append((_read_overrides(overrides), "command-line overrides"))
     for layer, source in layers:
         for key in set(layer) & {f.name for f in dataclasses.fields(RLConfig)} - _LIST_SECTIONS:
-            if not isinstance(layer.get(key), DictConfig):  # OmegaConf's own error here names no field
-                raise ConfigError([problem(key, f"{layer.get(key)!r} is not a section (in {source})",
-                                           f"write {key} as a mapping of its fields, e.g. {key}.<field>=value")])
+            # OmegaConf's own error here names no field
+            if not isinstance(layer.get(key), DictConfig):
+                raise ConfigError(
+                    [
+                        problem(
+                            key,
+                            f"{layer.get(key)!r} is not a section (in {source})",
+                            f"write {key} as a mapping of its fields, e.g. {key}.<field>=value",
+                        )
+                    ]
+                )
         shape = _shape_problems(OmegaConf.to_container(layer, resolve=False), RLConfig, "", source)
         if shape:
             raise ConfigError(shape)
@@ -209,10 +293,18 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
             # Inside a list of sections (tasks, agent_loop.judgers) OmegaConf names only the leaf key.
             where = _locate(OmegaConf.to_container(layer), e)
             raise _as_config_error(e, source, where) from None
-        except (TypeError, ValueError) as e:  # a shape _shape_problems does not know yet: still no traceback
-            raise ConfigError([problem("config", f"cannot merge {source}: {e}",
-                                       "check each value's kind (mapping, list, number, text) against "
-                                       "rlmega/config/schema.py")]) from None
+        # a shape _shape_problems does not know yet: still no traceback
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                [
+                    problem(
+                        "config",
+                        f"cannot merge {source}: {e}",
+                        "check each value's kind (mapping, list, number, text) against "
+                        "rlmega/config/schema.py",
+                    )
+                ]
+            ) from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -221,7 +313,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RL
     cfg.algorithm.resolve_defaults(async_production=cfg.produce.strategy == "async")
     # a reward in a file of one's own: its path from here, as Ray's workers (elsewhere) must open it
     cfg.reward.fn = absolute(cfg.reward.fn)
-    for task in cfg.tasks or [cfg]:  # a model judge's engine runs where the rollout engines do, unless set
+    # a model judge's engine runs where the rollout engines do, unless set
+    for task in cfg.tasks or [cfg]:
         for judger in task.agent_loop.judgers:
             judger.device = judger.device or cfg.rollout.device
             judger.fn = absolute(judger.fn)

@@ -18,6 +18,7 @@ rlmega.config.validate) and against the model's folder (called by rlmega.preflig
 - A checkpoint to resume from holds the same adapters, or none (a full-parameter checkpoint becomes a LoRA
   run's base: both learners' checkpoint.py); a LoRA checkpoint does not resume a full-parameter run.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -35,35 +36,61 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 MEGATRON_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
+
 def problems(cfg: RLConfig) -> List[str]:
     """actor.lora and rollout.lora_merge against the rest of the config (assumes the section's ranges hold)."""
     lora, out = cfg.actor.lora, []
     if lora.rank == 0:
         if cfg.rollout.lora_merge:
-            out.append(problem("rollout.lora_merge", "true, but actor.lora.rank=0: there are no adapters to merge",
-                               "set rollout.lora_merge=false, or actor.lora.rank > 0"))
+            out.append(
+                problem(
+                    "rollout.lora_merge",
+                    "true, but actor.lora.rank=0: there are no adapters to merge",
+                    "set rollout.lora_merge=false, or actor.lora.rank > 0",
+                )
+            )
         return out
     if cfg.actor.backend == "megatron":
         other = [m for m in lora.target_modules if m not in MEGATRON_TARGETS]
         if other:
-            out.append(problem("actor.lora.target_modules", f"{other}: the Megatron learner adapts the attention and "
-                               f"MLP projections by their HF names {list(MEGATRON_TARGETS)}",
-                               "list modules from those, or use actor.backend=fsdp (peft's LoRA on any linear layer)"))
+            out.append(
+                problem(
+                    "actor.lora.target_modules",
+                    f"{other}: the Megatron learner adapts the attention and "
+                    f"MLP projections by their HF names {list(MEGATRON_TARGETS)}",
+                    "list modules from those, or use actor.backend=fsdp (peft's LoRA on any linear layer)",
+                )
+            )
     if cfg.actor.ref_update_rate > 0:
-        out.append(problem("actor.ref_update_rate", f"{cfg.actor.ref_update_rate}, but with actor.lora the reference "
-                           "policy is the base model (the policy with its adapters off): it cannot move",
-                           "set actor.ref_update_rate=0, or actor.lora.rank=0"))
+        out.append(
+            problem(
+                "actor.ref_update_rate",
+                f"{cfg.actor.ref_update_rate}, but with actor.lora the reference "
+                "policy is the base model (the policy with its adapters off): it cannot move",
+                "set actor.ref_update_rate=0, or actor.lora.rank=0",
+            )
+        )
     kl = cfg.algorithm.kl_coef > 0
     if cfg.trainer.warmup_sft_steps > 0 and kl:
-        out.append(problem("trainer.warmup_sft_steps", f"{cfg.trainer.warmup_sft_steps} warm-start steps with a KL "
-                           f"term (algorithm.kl_coef={cfg.algorithm.kl_coef}), but with actor.lora the reference "
-                           "is the base model, not the warm-started policy the KL would anchor to without LoRA",
-                           "set algorithm.kl_coef=0, or trainer.warmup_sft_steps=0, or actor.lora.rank=0"))
+        out.append(
+            problem(
+                "trainer.warmup_sft_steps",
+                f"{cfg.trainer.warmup_sft_steps} warm-start steps with a KL "
+                f"term (algorithm.kl_coef={cfg.algorithm.kl_coef}), but with actor.lora the reference "
+                "is the base model, not the warm-started policy the KL would anchor to without LoRA",
+                "set algorithm.kl_coef=0, or trainer.warmup_sft_steps=0, or actor.lora.rank=0",
+            )
+        )
     slot = LORA_SLOT_RANKS[-1]
     if not cfg.rollout.lora_merge and lora.rank > slot:
-        out.append(problem("actor.lora.rank", f"{lora.rank}, but vLLM serves adapters up to rank {slot}",
-                           f"set actor.lora.rank <= {slot}, or rollout.lora_merge=true (the trainer merges the "
-                           "adapters into the weights it syncs)"))
+        out.append(
+            problem(
+                "actor.lora.rank",
+                f"{lora.rank}, but vLLM serves adapters up to rank {slot}",
+                f"set actor.lora.rank <= {slot}, or rollout.lora_merge=true (the trainer merges the "
+                "adapters into the weights it syncs)",
+            )
+        )
     return out
 
 
@@ -73,18 +100,30 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
     if cfg.actor.lora.rank == 0:
         return []
     out = [] if cfg.rollout.lora_merge else _engine_problems(hf)
-    if cfg.actor.backend == "megatron":  # its targets are checked against MEGATRON_TARGETS (problems)
+    # its targets are checked against MEGATRON_TARGETS (problems)
+    if cfg.actor.backend == "megatron":
         from rlmega.config.hf_support import MLA_ARCHITECTURES, architecture, num_experts
 
-        if architecture(hf) in MLA_ARCHITECTURES:  # its attention has no q/k/v/o projections to adapt
-            return out + [problem("actor.lora.rank", f"{cfg.actor.lora.rank}, but model.path's model has multi-latent "
-                                  "attention (DeepSeek-V3): the Megatron learner's LoRA on it is not built",
-                                  "set actor.lora.rank=0, or actor.backend=fsdp (peft adapts any linear there)")]
+        # its attention has no q/k/v/o projections to adapt
+        if architecture(hf) in MLA_ARCHITECTURES:
+            return out + [
+                problem(
+                    "actor.lora.rank",
+                    f"{cfg.actor.lora.rank}, but model.path's model has multi-latent "
+                    "attention (DeepSeek-V3): the Megatron learner's LoRA on it is not built",
+                    "set actor.lora.rank=0, or actor.backend=fsdp (peft adapts any linear there)",
+                )
+            ]
         mlp = [m for m in cfg.actor.lora.target_modules if m in MLP_TARGETS]
         if mlp and num_experts(hf):
-            out.append(problem("actor.lora.target_modules", f"{mlp}, but model.path's model is a mixture of experts: "
-                               "the Megatron learner's LoRA on MoE experts is not built",
-                               f"adapt the attention only ({', '.join(ATTENTION_TARGETS)})"))
+            out.append(
+                problem(
+                    "actor.lora.target_modules",
+                    f"{mlp}, but model.path's model is a mixture of experts: "
+                    "the Megatron learner's LoRA on MoE experts is not built",
+                    f"adapt the attention only ({', '.join(ATTENTION_TARGETS)})",
+                )
+            )
         return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -100,16 +139,32 @@ def module_problems(cfg: RLConfig, hf: dict) -> List[str]:
     if head_name and head_name in cfg.actor.lora.target_modules:
         # the chunked log-probs compute logits from the head's weight (its base alone under LoRA), and vLLM
         # does not take adapters on it: refused rather than a head adapter the numbers would skip
-        out.append(problem("actor.lora.target_modules", f"{head_name!r} is the model's output layer: LoRA adapts "
-                           "the decoder's linear layers only", f"leave {head_name} out of actor.lora.target_modules"))
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and name and m is not head})
+        out.append(
+            problem(
+                "actor.lora.target_modules",
+                f"{head_name!r} is the model's output layer: LoRA adapts "
+                "the decoder's linear layers only",
+                f"leave {head_name} out of actor.lora.target_modules",
+            )
+        )
+    linear = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name and m is not head
+        }
+    )
     missing = [m for m in cfg.actor.lora.target_modules if m not in linear and m != head_name]
     if not missing:
         return out
-    return out + [problem("actor.lora.target_modules", f"{missing} name no linear layer of model.path's "
-                    f"{type(model).__name__} (its linear layers: {linear})",
-                    "list module names from those, e.g. the attention and MLP projections")]
+    return out + [
+        problem(
+            "actor.lora.target_modules",
+            f"{missing} name no linear layer of model.path's "
+            f"{type(model).__name__} (its linear layers: {linear})",
+            "list module names from those, e.g. the attention and MLP projections",
+        )
+    ]
 
 
 def _engine_problems(hf: dict) -> List[str]:
@@ -125,9 +180,14 @@ def _engine_problems(hf: dict) -> List[str]:
     cls = ModelRegistry._try_load_model_cls(name) if name else None
     if cls is None or supports_lora(cls):  # an unknown class is preflight's vllm_reason
         return []
-    return [problem("rollout.lora_merge", f"false, but vLLM's {name} (the rollout engine's model) cannot serve "
-                    "LoRA adapters", "set rollout.lora_merge=true: the trainer merges the adapters into the "
-                    "weights it syncs")]
+    return [
+        problem(
+            "rollout.lora_merge",
+            f"false, but vLLM's {name} (the rollout engine's model) cannot serve LoRA adapters",
+            "set rollout.lora_merge=true: the trainer merges the adapters into the "
+            "weights it syncs",
+        )
+    ]
 
 
 def resume_problems(cfg: RLConfig, step_folder) -> List[str]:
@@ -137,13 +197,18 @@ def resume_problems(cfg: RLConfig, step_folder) -> List[str]:
 
     saved = read_common(step_folder).get("meta", {}).get("lora")
     why = checkpoint_mismatch(saved, checkpoint_record(cfg.actor.lora), step_folder)
-    return [problem("trainer.resume", why.split(" Fix: ")[0], why.split(" Fix: ")[1])] if why else []
+    return (
+        [problem("trainer.resume", why.split(" Fix: ")[0], why.split(" Fix: ")[1])] if why else []
+    )
 
 
 def checkpoint_record(cfg: LoraConfig) -> dict | None:
     """What a checkpoint records of the adapters (both learners' checkpoint meta["lora"]), None without."""
-    return {"rank": cfg.rank, "alpha": float(cfg.alpha), "target_modules": sorted(cfg.target_modules)} \
-        if cfg.rank else None
+    return (
+        {"rank": cfg.rank, "alpha": float(cfg.alpha), "target_modules": sorted(cfg.target_modules)}
+        if cfg.rank
+        else None
+    )
 
 
 def checkpoint_mismatch(saved: dict | None, mine: dict | None, path) -> str | None:
@@ -152,8 +217,12 @@ def checkpoint_mismatch(saved: dict | None, mine: dict | None, path) -> str | No
     if saved is None or saved == mine:
         return None
     if mine is None:
-        return (f"checkpoint {path} holds a LoRA run's adapters (actor.lora {saved}), but this run trains every "
-                "weight (actor.lora.rank=0). Fix: resume it with the same actor.lora, or start a new run from its "
-                "exported hf_final/merged")
-    return (f"checkpoint {path} holds adapters {saved}, this run's are {mine}: their shapes differ. Fix: resume "
-            "it with the saved actor.lora settings")
+        return (
+            f"checkpoint {path} holds a LoRA run's adapters (actor.lora {saved}), but this run trains every "
+            "weight (actor.lora.rank=0). Fix: resume it with the same actor.lora, or start a new run from its "
+            "exported hf_final/merged"
+        )
+    return (
+        f"checkpoint {path} holds adapters {saved}, this run's are {mine}: their shapes differ. Fix: resume "
+        "it with the saved actor.lora settings"
+    )

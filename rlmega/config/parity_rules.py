@@ -1,5 +1,6 @@
 """The parity guard's limits by dtype (rlmega.sync.parity applies them): rules of config values
 (rollout.parity_warn, parity_stop by model.dtype), torch-free, so that config validation can read them quickly."""
+
 from __future__ import annotations
 
 # (warn, stop) limits of a step's on-policy max |rollout - trainer| log-prob difference, by dtype.

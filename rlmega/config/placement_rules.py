@@ -45,6 +45,7 @@ A STRICT_PACK plan's groups must land on distinct nodes: rlmega.launch.cluster.p
 A rule of config values, so it sits in rlmega.config: validation builds the same plan to refuse a layout
 that does not fit the nodes (rlmega/config/validate.py); nothing here imports Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -98,16 +99,39 @@ def placement_plan(parallel, rollout, cluster, critic_world: int = 0) -> Placeme
             raise PlacementError(
                 f"cluster.cpu_ranks_per_node: {cluster.cpu_ranks_per_node} applies to CPU runs only; with "
                 f"rollout.device=cuda the ranks per node are cluster.gpus_per_node={cluster.gpus_per_node}. "
-                "Fix: set cluster.cpu_ranks_per_node=0 (and cluster.gpus_per_node to the GPUs of a node)")
-        return _gpu_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines,
-                         rollout.tensor_parallel_size, cluster.colocate, cluster.gpus_per_node,
-                         cluster.actor_cpus_per_rank, cluster.engine_cpus, critic_world)
-    if cluster.cpu_ranks_per_node and parallel.world_size:  # world 0: torchrun holds the ranks, engines only
-        return _cpu_nodes_plan(parallel.world_size, parallel.tensor_model_parallel_size, rollout.num_engines,
-                               cluster.colocate, cluster.cpu_ranks_per_node, cluster.actor_cpus_per_rank,
-                               cluster.engine_cpus, critic_world)
-    return _cpu_plan(parallel.world_size, rollout.num_engines, cluster.colocate,
-                     cluster.actor_cpus_per_rank, cluster.engine_cpus, critic_world)
+                "Fix: set cluster.cpu_ranks_per_node=0 (and cluster.gpus_per_node to the GPUs of a node)"
+            )
+        return _gpu_plan(
+            parallel.world_size,
+            parallel.tensor_model_parallel_size,
+            rollout.num_engines,
+            rollout.tensor_parallel_size,
+            cluster.colocate,
+            cluster.gpus_per_node,
+            cluster.actor_cpus_per_rank,
+            cluster.engine_cpus,
+            critic_world,
+        )
+    # world 0: torchrun holds the ranks, engines only
+    if cluster.cpu_ranks_per_node and parallel.world_size:
+        return _cpu_nodes_plan(
+            parallel.world_size,
+            parallel.tensor_model_parallel_size,
+            rollout.num_engines,
+            cluster.colocate,
+            cluster.cpu_ranks_per_node,
+            cluster.actor_cpus_per_rank,
+            cluster.engine_cpus,
+            critic_world,
+        )
+    return _cpu_plan(
+        parallel.world_size,
+        rollout.num_engines,
+        cluster.colocate,
+        cluster.actor_cpus_per_rank,
+        cluster.engine_cpus,
+        critic_world,
+    )
 
 
 def _check_trainer_tp(world: int, trainer_tp: int, per_node: int, field: str) -> None:
@@ -116,18 +140,31 @@ def _check_trainer_tp(world: int, trainer_tp: int, per_node: int, field: str) ->
     if world > per_node and per_node % trainer_tp:
         raise PlacementError(
             f"parallelism.tensor_model_parallel_size: Megatron TP groups of {trainer_tp} ranks would span "
-            f"nodes of {field}={per_node}. Fix: use a tensor_model_parallel_size dividing {per_node}")
+            f"nodes of {field}={per_node}. Fix: use a tensor_model_parallel_size dividing {per_node}"
+        )
 
 
-def _fill_nodes(plan: PlacementPlan, n: int, per_node: int, bundle: dict, gpus: float, cpus: float) -> list[Slot]:
+def _fill_nodes(
+    plan: PlacementPlan, n: int, per_node: int, bundle: dict, gpus: float, cpus: float
+) -> list[Slot]:
     """Slots of n ranks filling new groups (nodes) of per_node bundles in rank order, as torchrun would."""
     first = len(plan.groups)
-    plan.groups += [[dict(bundle) for _ in range(min(per_node, n - k))] for k in range(0, n, per_node)]
+    plan.groups += [
+        [dict(bundle) for _ in range(min(per_node, n - k))] for k in range(0, n, per_node)
+    ]
     return [Slot(first + r // per_node, (r % per_node,), gpus, cpus) for r in range(n)]
 
 
-def _cpu_nodes_plan(world: int, trainer_tp: int, engines: int, colocate: bool, per_node: int, rank_cpus: float,
-                    engine_cpus: float, critic_world: int) -> PlacementPlan:
+def _cpu_nodes_plan(
+    world: int,
+    trainer_tp: int,
+    engines: int,
+    colocate: bool,
+    per_node: int,
+    rank_cpus: float,
+    engine_cpus: float,
+    critic_world: int,
+) -> PlacementPlan:
     _check_trainer_tp(world, trainer_tp, per_node, "cluster.cpu_ranks_per_node")
     plan = PlacementPlan(strategy="STRICT_PACK")
     plan.ranks = _fill_nodes(plan, world, per_node, {"CPU": rank_cpus}, 0.0, rank_cpus)
@@ -141,7 +178,8 @@ def _cpu_nodes_plan(world: int, trainer_tp: int, engines: int, colocate: bool, p
             b = len(plan.groups[node])
             plan.groups[node].append({"CPU": engine_cpus})
         plan.engines.append(Slot(node, (b,), 0.0, engine_cpus))
-    for c in range(critic_world):  # on trainer rank c's node; a group added when the trainer's run out
+    # on trainer rank c's node; a group added when the trainer's run out
+    for c in range(critic_world):
         node = c // per_node
         if node == len(plan.groups):
             plan.groups.append([])
@@ -150,8 +188,14 @@ def _cpu_nodes_plan(world: int, trainer_tp: int, engines: int, colocate: bool, p
     return plan
 
 
-def _cpu_plan(world: int, engines: int, colocate: bool, rank_cpus: float, engine_cpus: float,
-              critic_world: int) -> PlacementPlan:
+def _cpu_plan(
+    world: int,
+    engines: int,
+    colocate: bool,
+    rank_cpus: float,
+    engine_cpus: float,
+    critic_world: int,
+) -> PlacementPlan:
     plan = PlacementPlan(strategy="PACK")
     bundles = [{"CPU": rank_cpus} for _ in range(world)]
     plan.ranks = [Slot(0, (r,), 0.0, rank_cpus) for r in range(world)]
@@ -169,18 +213,29 @@ def _cpu_plan(world: int, engines: int, colocate: bool, rank_cpus: float, engine
     return plan
 
 
-def _gpu_plan(world: int, trainer_tp: int, engines: int, tp: int, colocate: bool, per_node: int, rank_cpus: float,
-              engine_cpus: float, critic_world: int) -> PlacementPlan:
+def _gpu_plan(
+    world: int,
+    trainer_tp: int,
+    engines: int,
+    tp: int,
+    colocate: bool,
+    per_node: int,
+    rank_cpus: float,
+    engine_cpus: float,
+    critic_world: int,
+) -> PlacementPlan:
     _check_trainer_tp(world, trainer_tp, per_node, "cluster.gpus_per_node")
     if tp > per_node:
         raise PlacementError(
             f"rollout.tensor_parallel_size: {tp} is more than one node's cluster.gpus_per_node={per_node} "
-            "(a vLLM TP group never spans nodes). Fix: lower rollout.tensor_parallel_size")
+            "(a vLLM TP group never spans nodes). Fix: lower rollout.tensor_parallel_size"
+        )
     if colocate and critic_world > world:
         raise PlacementError(
             f"critic.parallelism.world_size: {critic_world} colocated critic ranks need a trainer GPU each, "
             f"parallelism.world_size={world} offers {world}. Fix: set critic.parallelism.world_size <= {world}, "
-            "or cluster.colocate=false")
+            "or cluster.colocate=false"
+        )
     plan = PlacementPlan(strategy="STRICT_PACK")
     # colocated: the trainer rank and the engine's worker halve each GPU, or take a third each beside a critic
     share = 1.0 if not colocate else 1 / 3 if critic_world else 0.5
@@ -191,13 +246,16 @@ def _gpu_plan(world: int, trainer_tp: int, engines: int, tp: int, colocate: bool
     if colocate:
         for s in plan.ranks[:critic_world]:  # critic rank c on trainer rank c's GPU, with its CPUs
             plan.groups[s.group][s.bundles[0]]["CPU"] += rank_cpus
-        plan.critics = plan.ranks[:critic_world]  # the same slots (frozen): same group, bundle, share, CPUs
-        capacity = [s // tp for s in sizes]  # engines each node can hold without sharing a GPU twice
+        # the same slots (frozen): same group, bundle, share, CPUs
+        plan.critics = plan.ranks[:critic_world]
+        # engines each node can hold without sharing a GPU twice
+        capacity = [s // tp for s in sizes]
         if engines > sum(capacity):
             raise PlacementError(
                 f"rollout.num_engines: {engines} colocated engines of tensor_parallel_size={tp} need "
                 f"{engines * tp} GPUs in whole-node groups of {tp}, the trainer's nodes offer {sum(capacity)} "
-                f"such engines. Fix: set rollout.num_engines <= {sum(capacity)}, or cluster.colocate=false")
+                f"such engines. Fix: set rollout.num_engines <= {sum(capacity)}, or cluster.colocate=false"
+            )
         used = [0] * trainer_nodes
         node = 0
         for _ in range(engines):
@@ -216,7 +274,9 @@ def _gpu_plan(world: int, trainer_tp: int, engines: int, tp: int, colocate: bool
         if node == len(plan.groups):
             plan.groups.append([])
         first = len(plan.groups[node])
-        plan.groups[node] += [{"GPU": 1, **({"CPU": engine_cpus} if j == 0 else {})} for j in range(tp)]
+        plan.groups[node] += [
+            {"GPU": 1, **({"CPU": engine_cpus} if j == 0 else {})} for j in range(tp)
+        ]
         plan.engines.append(Slot(node, tuple(range(first, first + tp)), 1.0, engine_cpus))
         assert first == k * tp
     return plan

@@ -8,6 +8,7 @@ A section that sits in several places (an OptimizerConfig is the actor's and the
 it sits, under its own path. docs/configuration.md shows each field's rule in the same words (rlmega/config/docs.py).
 Rules that tie fields together live in validate.py and the *_rules.py files.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ MAX_SYNTHETIC = 10**6  # the synthetic problems are made and tokenized in the dr
 @dataclasses.dataclass(frozen=True)
 class Range:
     """What one field's value may be: ``ok(value)``, and the rule in the words errors and docs use."""
+
     ok: Callable[[Any], bool]
     words: str
 
@@ -32,7 +34,10 @@ class Range:
 
 def or_null(rule: Range, meaning: str = "") -> Range:
     """``rule``, or null (which means ``meaning``)."""
-    return Range(lambda v: v is None or rule.ok(v), f"null{f' ({meaning})' if meaning else ''} or {rule.words}")
+    return Range(
+        lambda v: v is None or rule.ok(v),
+        f"null{f' ({meaning})' if meaning else ''} or {rule.words}",
+    )
 
 
 def upto(hi: int, lo: int = 1) -> Range:

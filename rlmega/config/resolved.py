@@ -5,6 +5,7 @@ whole RLConfig to hand each module the sections it takes.
     critic = critic_kwargs(cfg)        # the critic's constructor arguments, its nulls taken from other sections
     ranks = trainer_ranks(cfg)         # the policy's ranks and the critic's
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,9 @@ from rlmega.config.schema import ModelConfig, RLConfig, TaskConfig
 
 def task_configs(cfg: RLConfig) -> list[TaskConfig]:
     """cfg.tasks, or the default task made of the data and agent_loop sections."""
-    return list(cfg.tasks) or [TaskConfig(name="default", weight=1.0, data=cfg.data, agent_loop=cfg.agent_loop)]
+    return list(cfg.tasks) or [
+        TaskConfig(name="default", weight=1.0, data=cfg.data, agent_loop=cfg.agent_loop)
+    ]
 
 
 def critic_kwargs(cfg: RLConfig) -> dict:
@@ -24,11 +27,20 @@ def critic_kwargs(cfg: RLConfig) -> dict:
     the loss aggregation of the policy loss)."""
     c = cfg.critic
     algorithm = dataclasses.replace(cfg.algorithm).resolve_defaults()
-    return dict(model=ModelConfig(path=c.path or cfg.model.path, dtype=c.dtype or cfg.model.dtype, seed=cfg.model.seed,
-                                   allow_untested_family=cfg.model.allow_untested_family),
-                parallel=c.parallelism or cfg.parallelism, optimizer=c.optimizer, critic=c,
-                max_tokens_per_micro_batch=c.max_tokens_per_micro_batch or cfg.actor.max_tokens_per_micro_batch,
-                loss_agg_mode=algorithm.loss_agg_mode)
+    return dict(
+        model=ModelConfig(
+            path=c.path or cfg.model.path,
+            dtype=c.dtype or cfg.model.dtype,
+            seed=cfg.model.seed,
+            allow_untested_family=cfg.model.allow_untested_family,
+        ),
+        parallel=c.parallelism or cfg.parallelism,
+        optimizer=c.optimizer,
+        critic=c,
+        max_tokens_per_micro_batch=c.max_tokens_per_micro_batch
+        or cfg.actor.max_tokens_per_micro_batch,
+        loss_agg_mode=algorithm.loss_agg_mode,
+    )
 
 
 def trainer_ranks(cfg: RLConfig) -> int:

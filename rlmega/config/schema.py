@@ -9,12 +9,26 @@ itself: its rules, and rlmega/config/resolved.py, which resolves what spans sect
 critic's arguments); and rlmega.agents.placement.run_cpus, the whole run's Ray CPUs.
 The defaults describe a tiny single-process CPU run.
 """
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional
 
 from rlmega.config.errors import MAX_ACTORS
-from rlmega.config.ranges import (FRACTION, GE0, GE1, GT0, MAX_SYNTHETIC, NONE_OR_GE1, PROPORTION, SEED, UNIT, Range,
-                                  or_null, ranged, upto)
+from rlmega.config.ranges import (
+    FRACTION,
+    GE0,
+    GE1,
+    GT0,
+    MAX_SYNTHETIC,
+    NONE_OR_GE1,
+    PROPORTION,
+    SEED,
+    UNIT,
+    Range,
+    or_null,
+    ranged,
+    upto,
+)
 
 
 @dataclass
@@ -48,13 +62,20 @@ class ParallelismConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                                   * self.context_parallel_size)
+        return self.world_size // (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
 
     @property
     def sequence_parallel_on(self) -> bool:
         """sequence_parallel resolved: null means on exactly when TP > 1."""
-        return self.tensor_model_parallel_size > 1 if self.sequence_parallel is None else self.sequence_parallel
+        return (
+            self.tensor_model_parallel_size > 1
+            if self.sequence_parallel is None
+            else self.sequence_parallel
+        )
 
 
 @dataclass
@@ -73,7 +94,8 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = ranged(1e-5, PROPORTION)  # Adam moves each weight by about lr a step: past 1 it outgrows the weights
+    # Adam moves each weight by about lr a step: past 1 it outgrows the weights
+    lr: float = ranged(1e-5, PROPORTION)
     """Peak learning rate (after warm-up)."""
     min_lr: float = ranged(0.0, GE0)
     """Learning rate at the end of a cosine or linear decay."""
@@ -187,7 +209,9 @@ POLICY_LOSS_DEFAULTS = {
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
+    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus", "gae"] = (
+        "grpo"
+    )
     """How rewards become advantages (see rlmega.algorithms.advantages). "gae": PPO with a learned critic
     (the ``critic`` section): per-token rewards (the outcome on the last action token, kl_in_reward's
     per-token KL), Generalized Advantage Estimation with gamma and lam (rlmega.algorithms.gae)."""
@@ -227,7 +251,9 @@ class AlgorithmConfig:
     """Subtract kl_coef * KL from the reward instead of adding a KL term to the loss."""
     entropy_coef: float = ranged(0.0, GE0)
     """Weight of the entropy bonus in the loss."""
-    loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]] = None
+    loss_agg_mode: Optional[Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]] = (
+        None
+    )
     """How per-token losses are reduced to a scalar. null = the policy_loss's published default:
     token-mean for ppo_clip/dual_clip, seq-mean-token-mean for gspo (the paper's sequence-level
     objective). A value you set always wins."""
@@ -283,7 +309,9 @@ class AlgorithmConfig:
         "none"; in place; returns self. Values already set are kept. Idempotent."""
         if self.rollout_correction is None:
             self.rollout_correction = "tis" if async_production else "none"
-        low, high, agg = POLICY_LOSS_DEFAULTS.get(self.policy_loss, POLICY_LOSS_DEFAULTS["ppo_clip"])
+        low, high, agg = POLICY_LOSS_DEFAULTS.get(
+            self.policy_loss, POLICY_LOSS_DEFAULTS["ppo_clip"]
+        )
         if self.clip_eps_low is None:
             self.clip_eps_low = low
         if self.clip_eps_high is None:
@@ -360,7 +388,9 @@ class LoggingConfig:
     """Weights & Biases project; None disables wandb."""
     dashboard_host: str = "127.0.0.1"
     """Address the ActorManager dashboard binds to."""
-    dashboard_port: int = ranged(0, Range(lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)"))
+    dashboard_port: int = ranged(
+        0, Range(lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = pick a free port)")
+    )
     """Dashboard port; 0 picks a free one."""
     profile_steps: List[int] = field(default_factory=list)
     """RL steps (1-based, as in metrics.jsonl) to trace with the torch profiler: every trainer rank and
@@ -368,11 +398,16 @@ class LoggingConfig:
 
 
 # LoRA's dropout must stay 0: the learners run with dropout off, so that a log-prob is a function of the weights
-NO_DROPOUT = Range(lambda v: v == 0, "0: the learners run with dropout off, so that a log-prob is a function of the "
-                   "weights (the PPO ratio's two forwards, parity with the engine)")
-MODULE_NAMES = Range(lambda v: len(v) > 0 and all(isinstance(m, str) and m for m in v),
-                     "a non-empty list of module names, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                     "down_proj]")
+NO_DROPOUT = Range(
+    lambda v: v == 0,
+    "0: the learners run with dropout off, so that a log-prob is a function of the "
+    "weights (the PPO ratio's two forwards, parity with the engine)",
+)
+MODULE_NAMES = Range(
+    lambda v: len(v) > 0 and all(isinstance(m, str) and m for m in v),
+    "a non-empty list of module names, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+    "down_proj]",
+)
 
 
 @dataclass
@@ -389,8 +424,18 @@ class LoraConfig:
     dropout: float = ranged(0.0, NO_DROPOUT)
     """Dropout on the adapters' input. Only 0 is accepted: a log-prob must be a function of the weights (the
     PPO ratio's old and new forwards, and parity with the engine), as the learners run with dropout off."""
-    target_modules: List[str] = ranged(rule=MODULE_NAMES, default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_modules: List[str] = ranged(
+        rule=MODULE_NAMES,
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    )
     """Linear layers that get adapters, by their Hugging Face module name (the last part: q_proj matches every
     layer's self_attn.q_proj). Each must name a linear layer of model.path's model (checked at load); on the
     megatron learner one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
@@ -486,7 +531,9 @@ class CriticConfig:
     parallelism: Optional[ParallelismConfig] = None
     """The critic's own layout (its world_size ranks); null: the actor's parallelism section. megatron:
     tensor and pipeline sizes must divide the model as for the actor; fsdp: data parallel only."""
-    max_tokens_per_micro_batch: Optional[int] = ranged(None, or_null(GE1, "actor.max_tokens_per_micro_batch"))
+    max_tokens_per_micro_batch: Optional[int] = ranged(
+        None, or_null(GE1, "actor.max_tokens_per_micro_batch")
+    )
     """Token budget of one packed micro-batch; null: actor.max_tokens_per_micro_batch."""
     cliprange_value: float = ranged(0.5, GE0.noted("0: no clip"))
     """PPO's value clip: the new value may move at most this far from the old one before the loss stops
@@ -647,15 +694,25 @@ class TaskConfig:
 
 # Variables a worker on another node needs from the driver's shell: model-hub and logging credentials and
 # caches, and the interfaces NCCL/gloo must use on multi-homed nodes.
-FORWARD_ENV = ("HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "WANDB_API_KEY", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
-               "NCCL_DEBUG", "NCCL_IB_HCA")
+FORWARD_ENV = (
+    "HF_TOKEN",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "WANDB_API_KEY",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_DEBUG",
+    "NCCL_IB_HCA",
+)
 
 
 @dataclass
 class ClusterConfig:
     address: str = ""
     """Ray cluster to attach to (e.g. "auto" or "ray://head:10001"); "" starts an embedded local Ray."""
-    num_cpus: Optional[float] = ranged(None, or_null(Range(lambda v: 0 < v <= 10**6, "in (0, 10**6]"), "all cores"))
+    num_cpus: Optional[float] = ranged(
+        None, or_null(Range(lambda v: 0 < v <= 10**6, "in (0, 10**6]"), "all cores")
+    )
     """CPUs of the embedded local Ray (default: all of this machine's)."""
     colocate: bool = True
     """Rollout engines share the trainer ranks' resources (GPU: the same devices) instead of their own."""

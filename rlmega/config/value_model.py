@@ -13,6 +13,7 @@ value is one dot product of the final-norm hidden state, the same on both backen
 A critic made from a policy checkpoint (no ``score.weight``) starts from ``fresh_value_head``: a
 normal(0, std) draw from a generator seeded with model.seed, so both backends start identically.
 """
+
 from __future__ import annotations
 
 _CAUSAL, _TOKEN = "ForCausalLM", "ForTokenClassification"
@@ -28,9 +29,15 @@ def value_model_config(hf: dict) -> dict:
     """The critic's config.json made from a causal LM's (or a critic's: returned normalised)."""
     archs = [a.replace(_CAUSAL, _TOKEN) for a in hf.get("architectures") or []]
     out = {k: v for k, v in hf.items() if k not in ("id2label", "label2id")}
-    out.update(architectures=archs, num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
-               classifier_dropout=0.0, token_classification_bias=False,
-               tie_word_embeddings=False)  # no LM head to tie: the body's embedding stays its own
+    out.update(
+        architectures=archs,
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        classifier_dropout=0.0,
+        token_classification_bias=False,
+        tie_word_embeddings=False,
+    )  # no LM head to tie: the body's embedding stays its own
     return out
 
 
@@ -38,7 +45,11 @@ def causal_lm_config(hf: dict) -> dict:
     """The causal-LM config of a critic's (the body's shape; the Megatron mapping reads these)."""
     archs = [a.replace(_TOKEN, _CAUSAL) for a in hf.get("architectures") or []]
     drop = ("num_labels", "id2label", "label2id", "classifier_dropout", "token_classification_bias")
-    return {**{k: v for k, v in hf.items() if k not in drop}, "architectures": archs, "tie_word_embeddings": False}
+    return {
+        **{k: v for k, v in hf.items() if k not in drop},
+        "architectures": archs,
+        "tie_word_embeddings": False,
+    }
 
 
 def fresh_value_head(hidden_size: int, std: float, seed: int):

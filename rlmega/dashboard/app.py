@@ -6,6 +6,7 @@
 
 Only GET routes exist, so anything else answers 405: nothing here can change the run.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,36 +54,83 @@ def prometheus_text(s: dict) -> str:
             lines.append(f"{name}{{{lab}}} {_num(v)}" if lab else f"{name} {_num(v)}")
 
     tok, tim, prog = s["tokens"], s["timings"], s["progress"]
-    family("rlmega_should_stop", "gauge", "1 once the stop flag is set.", [({}, float(s["should_stop"]))])
-    family("rlmega_uptime_seconds", "gauge", "Seconds since the coordinator started.", [({}, s["uptime_s"])])
-    family("rlmega_tokens_per_second", "gauge", f"Token throughput over the last {tok['window_s']:g} s.",
-           [({"kind": k}, tok[f"{k}_tokens_per_s"]) for k in ("prefill", "decode")]
-           + [({"kind": "total"}, tok["tokens_per_s"])])
-    family("rlmega_tokens_total", "counter", "Tokens processed since the start.",
-           [({"kind": k}, tok[f"total_{k}_tokens"]) for k in ("prefill", "decode")])
+    family(
+        "rlmega_should_stop",
+        "gauge",
+        "1 once the stop flag is set.",
+        [({}, float(s["should_stop"]))],
+    )
+    family(
+        "rlmega_uptime_seconds",
+        "gauge",
+        "Seconds since the coordinator started.",
+        [({}, s["uptime_s"])],
+    )
+    family(
+        "rlmega_tokens_per_second",
+        "gauge",
+        f"Token throughput over the last {tok['window_s']:g} s.",
+        [({"kind": k}, tok[f"{k}_tokens_per_s"]) for k in ("prefill", "decode")]
+        + [({"kind": "total"}, tok["tokens_per_s"])],
+    )
+    family(
+        "rlmega_tokens_total",
+        "counter",
+        "Tokens processed since the start.",
+        [({"kind": k}, tok[f"total_{k}_tokens"]) for k in ("prefill", "decode")],
+    )
     for kind in ("training_step", "batch_generation"):
         t = tim.get(kind, {})
-        family(f"rlmega_{kind}_seconds", "gauge", f"Duration of the last {kind.replace('_', ' ')}.",
-               [({}, t.get("last"))])
-        family(f"rlmega_{kind}_seconds_mean", "gauge", f"Mean {kind.replace('_', ' ')} duration.",
-               [({}, t.get("mean"))])
+        family(
+            f"rlmega_{kind}_seconds",
+            "gauge",
+            f"Duration of the last {kind.replace('_', ' ')}.",
+            [({}, t.get("last"))],
+        )
+        family(
+            f"rlmega_{kind}_seconds_mean",
+            "gauge",
+            f"Mean {kind.replace('_', ' ')} duration.",
+            [({}, t.get("mean"))],
+        )
     family("rlmega_step", "gauge", "Steps completed.", [({}, prog["step"])])
     family("rlmega_total_steps", "gauge", "Steps planned.", [({}, prog["total_steps"])])
-    family("rlmega_eta_seconds", "gauge", "Estimated seconds to the last step.", [({}, prog["eta_s"])])
-    family("rlmega_queue_size", "gauge", "Items waiting in each registered queue.",
-           [({"queue": n}, q["size"]) for n, q in s["queues"].items()])
+    family(
+        "rlmega_eta_seconds", "gauge", "Estimated seconds to the last step.", [({}, prog["eta_s"])]
+    )
+    family(
+        "rlmega_queue_size",
+        "gauge",
+        "Items waiting in each registered queue.",
+        [({"queue": n}, q["size"]) for n, q in s["queues"].items()],
+    )
     # Cumulative, yet a gauge: the name is the one dashboards query, and a counter would want "_total".
-    family("rlmega_staleness_trajectories", "gauge",
-           "Trajectories trained since the start, by staleness (trainer step - sampling weight version).",
-           [({"staleness": k}, n) for k, n in s["staleness"]["cumulative"].items()])
-    family("rlmega_busy_fraction", "gauge", "Fraction of the last step's wall time each role was busy.",
-           [({"role": r}, s["busy"][r]) for r in ("engine", "trainer")])
-    family("rlmega_kv_cache_max_concurrency", "gauge", "vLLM KV-cache max concurrency per engine.",
-           [({"engine": e}, v) for e, v in s["kv_cache_max_concurrency"].items()])
+    family(
+        "rlmega_staleness_trajectories",
+        "gauge",
+        "Trajectories trained since the start, by staleness (trainer step - sampling weight version).",
+        [({"staleness": k}, n) for k, n in s["staleness"]["cumulative"].items()],
+    )
+    family(
+        "rlmega_busy_fraction",
+        "gauge",
+        "Fraction of the last step's wall time each role was busy.",
+        [({"role": r}, s["busy"][r]) for r in ("engine", "trainer")],
+    )
+    family(
+        "rlmega_kv_cache_max_concurrency",
+        "gauge",
+        "vLLM KV-cache max concurrency per engine.",
+        [({"engine": e}, v) for e, v in s["kv_cache_max_concurrency"].items()],
+    )
     # Metric names become label values in the Prometheus name charset ("reward/mean" -> "reward_mean").
     latest = {_sanitise(k): v for k, v in s["latest_metrics"].items() if k != "step"}
-    family("rlmega_metric", "gauge", "Latest value of each training metric.",
-           [({"name": k}, v) for k, v in sorted(latest.items())])
+    family(
+        "rlmega_metric",
+        "gauge",
+        "Latest value of each training metric.",
+        [({"name": k}, v) for k, v in sorted(latest.items())],
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -3,6 +3,7 @@
 ``make_problems(3, digits=2, seed=0)`` -> ``[("12+34=", "46"), ...]``. Seeded and pure, so a
 warm start, the RL prompts and the verifier all agree on the data without shipping any.
 """
+
 from __future__ import annotations
 
 import random

@@ -27,6 +27,7 @@ A row's sources are hostile input (issue 57): a row may name any path or URL. So
   no proxy from the environment is used (a proxy would resolve and reach the host itself);
 - Pillow opens only IMAGE_FORMATS (an EPS, say, would start Ghostscript).
 """
+
 from __future__ import annotations
 
 import base64
@@ -57,12 +58,14 @@ URL_POLICIES = ("off", "public", "any")
 class ImageLimits:
     """What a row's image may cost: pixels (data.max_image_pixels), bytes read (data.max_image_bytes), and whether
     URLs are fetched (data.image_urls: "off", "public", "any")."""
+
     max_pixels: int = 4096 * 4096
     max_bytes: int = 32 * 2**20
     urls: str = "off"
 
 
-DEFAULT_IMAGE_LIMITS = ImageLimits()  # data.*'s defaults (tests/unit/test_image_rows.py holds them equal)
+# data.*'s defaults (tests/unit/test_image_rows.py holds them equal)
+DEFAULT_IMAGE_LIMITS = ImageLimits()
 
 
 class BadImage(ValueError):
@@ -82,18 +85,25 @@ def read_source(source: Any, base_dir: str, limits: ImageLimits = DEFAULT_IMAGE_
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _within(bytes(source), limits, "the image's bytes")
     if not isinstance(source, str) or not source:
-        raise BadImage(f"an image part's source is {type(source).__name__}, not a path, URL, data URI or bytes. "
-                       'Fix: write {"type": "image", "image": "PATH_OR_URL"}')
+        raise BadImage(
+            f"an image part's source is {type(source).__name__}, not a path, URL, data URI or bytes. "
+            'Fix: write {"type": "image", "image": "PATH_OR_URL"}'
+        )
     if source.startswith("data:"):
         head, _, data = source.partition(",")
         if not head.endswith(";base64"):
-            raise BadImage(f"data URI {source[:40]!r}... is not base64. Fix: write data:image/png;base64,<data>")
+            raise BadImage(
+                f"data URI {source[:40]!r}... is not base64. Fix: write data:image/png;base64,<data>"
+            )
         _within_size(len(data) * 3 // 4, limits, "the data URI's image")  # before decoding it
         try:
             return base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as e:
-            raise BadImage(f"data URI {source[:40]!r}... is not valid base64 ({e}). Fix: re-encode the image") from e
-    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", source):  # a URL, of any scheme: _fetch refuses all but http(s)
+            raise BadImage(
+                f"data URI {source[:40]!r}... is not valid base64 ({e}). Fix: re-encode the image"
+            ) from e
+    # a URL, of any scheme: _fetch refuses all but http(s)
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", source):
         return _fetch(source, limits)
     path = source if os.path.isabs(source) else os.path.join(base_dir, source)
     return _read_file(path, limits)
@@ -101,8 +111,10 @@ def read_source(source: Any, base_dir: str, limits: ImageLimits = DEFAULT_IMAGE_
 
 def _within_size(size: int, limits: ImageLimits, what: str) -> None:
     if size > limits.max_bytes:
-        raise BadImage(f"{what} is over data.max_image_bytes={limits.max_bytes} bytes. Fix: re-encode or resize "
-                       "it, or raise data.max_image_bytes")
+        raise BadImage(
+            f"{what} is over data.max_image_bytes={limits.max_bytes} bytes. Fix: re-encode or resize "
+            "it, or raise data.max_image_bytes"
+        )
 
 
 def _within(data: bytes, limits: ImageLimits, what: str) -> bytes:
@@ -116,12 +128,16 @@ def _read_file(path: str, limits: ImageLimits) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise BadImage(f"image file {path} cannot be read ({e.strerror}). Fix: give a path relative to the data "
-                       "file's folder, or an absolute one") from e
+        raise BadImage(
+            f"image file {path} cannot be read ({e.strerror}). Fix: give a path relative to the data "
+            "file's folder, or an absolute one"
+        ) from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise BadImage(f"image file {path} is not a regular file (a device, pipe or folder). Fix: give the path "
-                       "of an image file")
+        raise BadImage(
+            f"image file {path} is not a regular file (a device, pipe or folder). Fix: give the path "
+            "of an image file"
+        )
     with os.fdopen(fd, "rb") as f:
         data = f.read(limits.max_bytes + 1)
     return _within(data, limits, f"image file {path}")
@@ -135,7 +151,9 @@ def _shown(url: str) -> str:
         port = f":{parts.port}" if parts.port else ""
     except ValueError:  # a port that is not a number
         port = ""
-    return urllib.parse.urlunsplit((parts.scheme, (parts.hostname or "") + port, parts.path, "", ""))
+    return urllib.parse.urlunsplit(
+        (parts.scheme, (parts.hostname or "") + port, parts.path, "", "")
+    )
 
 
 def _url_problem(url: str, limits: ImageLimits) -> str | None:
@@ -159,8 +177,10 @@ def _addresses_problem(found: list) -> str | None:
     for info in found:
         ip = ipaddress.ip_address(info[4][0].split("%")[0])
         if not ip.is_global:
-            return (f"its host resolves to {ip}, a loopback, private or reserved address (set data.image_urls=any "
-                    "to allow those)")
+            return (
+                f"its host resolves to {ip}, a loopback, private or reserved address (set data.image_urls=any "
+                "to allow those)"
+            )
     return None
 
 
@@ -191,8 +211,9 @@ class _PublicHTTPConnection(http.client.HTTPConnection):
 
 class _PublicHTTPSConnection(http.client.HTTPSConnection):
     def connect(self):
-        self.sock = self._context.wrap_socket(_public_socket(self.host, self.port, self.timeout),
-                                              server_hostname=self.host)
+        self.sock = self._context.wrap_socket(
+            _public_socket(self.host, self.port, self.timeout), server_hostname=self.host
+        )
 
 
 class _PublicHTTPHandler(urllib.request.HTTPHandler):
@@ -212,7 +233,9 @@ class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         why = _url_problem(newurl, self.limits)
         if why:
-            raise BadImage(f"image URL {_shown(req.full_url)} redirects to {_shown(newurl)}, which is refused: {why}")
+            raise BadImage(
+                f"image URL {_shown(req.full_url)} redirects to {_shown(newurl)}, which is refused: {why}"
+            )
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -220,22 +243,32 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
     """An image URL's bytes: allowed by data.image_urls, redirects checked alike, at most limits.max_bytes, within
     URL_DEADLINE_S for the whole fetch."""
     if limits.urls == "off":
-        raise BadImage(f"image URL {_shown(url)}: fetching URLs is off. Fix: set data.image_urls=public (or any, "
-                       "for loopback and private addresses), or store the image beside the data file")
+        raise BadImage(
+            f"image URL {_shown(url)}: fetching URLs is off. Fix: set data.image_urls=public (or any, "
+            "for loopback and private addresses), or store the image beside the data file"
+        )
     why = _url_problem(url, limits)
     if why:
         raise BadImage(f"image URL {_shown(url)} is refused: {why}")
     deadline = time.monotonic() + URL_DEADLINE_S
     public = limits.urls == "public"  # connect to checked addresses only, and directly
-    opener = urllib.request.build_opener(_CheckedRedirects(limits), *(
-        (urllib.request.ProxyHandler({}), _PublicHTTPHandler(), _PublicHTTPSHandler()) if public else ()))
+    opener = urllib.request.build_opener(
+        _CheckedRedirects(limits),
+        *(
+            (urllib.request.ProxyHandler({}), _PublicHTTPHandler(), _PublicHTTPSHandler())
+            if public
+            else ()
+        ),
+    )
     chunks, size = [], 0
     try:
         with opener.open(url, timeout=URL_READ_TIMEOUT_S) as r:
             while True:
                 if time.monotonic() > deadline:
-                    raise BadImage(f"image URL {_shown(url)} took over {URL_DEADLINE_S:.0f} s. Fix: store the image "
-                                   "beside the data file")
+                    raise BadImage(
+                        f"image URL {_shown(url)} took over {URL_DEADLINE_S:.0f} s. Fix: store the image "
+                        "beside the data file"
+                    )
                 chunk = r.read1(65536)
                 if not chunk:
                     break
@@ -245,8 +278,10 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
     except BadImage:
         raise
     except (OSError, urllib.error.URLError, ValueError) as e:
-        raise BadImage(f"image URL {_shown(url)} could not be fetched ({type(e).__name__}). Fix: check the URL, or "
-                       "store the image next to the data file and give its path") from e
+        raise BadImage(
+            f"image URL {_shown(url)} could not be fetched ({type(e).__name__}). Fix: check the URL, or "
+            "store the image next to the data file and give its path"
+        ) from e
     return b"".join(chunks)
 
 
@@ -258,15 +293,20 @@ def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             width, height = img.size
-            if width * height > max_pixels:  # before decoding: a huge image is refused without being held
-                raise BadImage(f"image of {width}x{height} = {width * height} pixels is over "
-                               f"data.max_image_pixels={max_pixels}. Fix: resize it, or raise data.max_image_pixels")
+            # before decoding: a huge image is refused without being held
+            if width * height > max_pixels:
+                raise BadImage(
+                    f"image of {width}x{height} = {width * height} pixels is over "
+                    f"data.max_image_pixels={max_pixels}. Fix: resize it, or raise data.max_image_pixels"
+                )
             img.load()
     except BadImage:
         raise
     except Exception as e:  # PIL's UnidentifiedImageError, truncated files, decompression bombs
-        raise BadImage(f"image is not readable as {', '.join(IMAGE_FORMATS)} ({type(e).__name__}: {str(e)[:120]}). "
-                       "Fix: re-save it as PNG or JPEG") from e
+        raise BadImage(
+            f"image is not readable as {', '.join(IMAGE_FORMATS)} ({type(e).__name__}: {str(e)[:120]}). "
+            "Fix: re-save it as PNG or JPEG"
+        ) from e
     return width, height
 
 
@@ -292,8 +332,10 @@ def split_images(messages: list, base_dir: str, limits: ImageLimits) -> tuple[li
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 if not isinstance(part.get("text"), str):
-                    raise ValueError(f"{where}: a text part needs a string 'text'. Fix: "
-                                     '{"type": "text", "text": "..."}')
+                    raise ValueError(
+                        f"{where}: a text part needs a string 'text'. Fix: "
+                        '{"type": "text", "text": "..."}'
+                    )
                 parts.append({"type": "text", "text": part["text"]})
             elif kind in IMAGE_TYPES:
                 try:
@@ -302,8 +344,10 @@ def split_images(messages: list, base_dir: str, limits: ImageLimits) -> tuple[li
                     raise BadImage(f"{where}: {e}") from e
                 parts.append({"type": "image"})
             else:
-                raise ValueError(f"{where} is {str(part)[:60]}: a content part is "
-                                 '{"type": "text", "text": ...} or {"type": "image", "image": PATH_OR_URL}')
+                raise ValueError(
+                    f"{where} is {str(part)[:60]}: a content part is "
+                    '{"type": "text", "text": ...} or {"type": "image", "image": PATH_OR_URL}'
+                )
         out.append({**m, "content": parts})
     return out, images
 
@@ -351,6 +395,11 @@ def processor_vision(processor, text: str, images) -> tuple[dict, list[int]]:
     of a rendered prompt ``text`` with its ``images`` (encoded files)."""
     import torch
 
-    enc = processor(text=[text], images=[decode_images(list(images))], add_special_tokens=False, return_tensors="pt")
+    enc = processor(
+        text=[text],
+        images=[decode_images(list(images))],
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
     vision = {k: v for k, v in enc.items() if k not in _TOKEN_KEYS and isinstance(v, torch.Tensor)}
     return vision, [int(t) for t in enc["input_ids"][0]]

@@ -11,6 +11,7 @@ Attention must stay inside each sequence: Transformer Engine reads ``cu_seqlens`
 local spec's and FSDP's SDPA run once per sequence, so one long row costs nothing extra.
 ``block_causal_mask`` is the dense (T, T) equivalent, the reference the tests check them against.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,7 +33,11 @@ def mini_batch_count(num_samples: int, global_batch_size: int) -> int:
 
 
 def plan_micro_batches(
-    lengths: list[int], max_tokens: int, dp_size: int = 1, multiple_of: int = 1, allow_empty: bool = False
+    lengths: list[int],
+    max_tokens: int,
+    dp_size: int = 1,
+    multiple_of: int = 1,
+    allow_empty: bool = False,
 ) -> list[list[list[int]]]:
     """plan[rank][mb] = ascending sample indices of one micro-batch of data-parallel ``rank``.
 
@@ -64,7 +69,9 @@ def plan_micro_batches(
         )
     for i, length in enumerate(lengths):
         if length < 1:
-            raise ValueError(f"sample {i} has length {length}; every sample needs at least one token")
+            raise ValueError(
+                f"sample {i} has length {length}; every sample needs at least one token"
+            )
         if length > max_tokens:
             raise ValueError(
                 f"sample {i} has {length} tokens, more than max_tokens={max_tokens} per micro-batch; "
@@ -73,7 +80,8 @@ def plan_micro_batches(
 
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     per_rank: list[list[int]] = [[] for _ in range(dp_size)]
-    loads = [(0, rank) for rank in range(dp_size)]  # heap of (tokens so far, rank): ties -> lowest rank
+    # heap of (tokens so far, rank): ties -> lowest rank
+    loads = [(0, rank) for rank in range(dp_size)]
     for i in order:
         load, rank = heapq.heappop(loads)
         per_rank[rank].append(i)  # stays longest-first, as FFD wants
@@ -130,7 +138,9 @@ def _split_fullest(bins: list[list[int]], lengths: list[int]) -> list[list[int]]
     return bins[:b] + halves + bins[b + 1 :]
 
 
-def padding_efficiency(lengths: list[int], plan: list[list[list[int]]], row_multiple: int = 1) -> float:
+def padding_efficiency(
+    lengths: list[int], plan: list[list[list[int]]], row_multiple: int = 1
+) -> float:
     """Real tokens / computed tokens of a plan.
 
     A micro-batch is one row padded up to ``row_multiple``; an empty one (a placeholder) computes the
@@ -168,7 +178,9 @@ def pack(seqs: list[torch.Tensor], row_multiple: int = 1, pad_id: int = 0) -> di
     if seqs:
         tokens[:num_real] = torch.cat([s.to(torch.int64) for s in seqs])
     lens = torch.tensor(seq_lens, dtype=torch.int64)
-    seq_ids = torch.cat([torch.repeat_interleave(torch.arange(len(seqs)), lens), torch.full((pad,), -1)])
+    seq_ids = torch.cat(
+        [torch.repeat_interleave(torch.arange(len(seqs)), lens), torch.full((pad,), -1)]
+    )
     starts = torch.cumsum(lens, 0) - lens  # (S,) first position of each sequence
     position_ids = torch.zeros(total, dtype=torch.int64)
     position_ids[:num_real] = torch.arange(num_real) - torch.repeat_interleave(starts, lens)
@@ -193,7 +205,11 @@ def block_causal_mask(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
     """
     seq_ids = _seq_ids(cu_seqlens, total_len)  # (T,)
     pos = torch.arange(total_len)
-    allowed = (seq_ids[:, None] == seq_ids[None, :]) & (pos[None, :] <= pos[:, None]) & (seq_ids[:, None] >= 0)
+    allowed = (
+        (seq_ids[:, None] == seq_ids[None, :])
+        & (pos[None, :] <= pos[:, None])
+        & (seq_ids[:, None] >= 0)
+    )
     allowed |= torch.eye(total_len, dtype=torch.bool)
     return (~allowed)[None, None]
 
@@ -206,15 +222,24 @@ def unpack(values: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]
         raise ValueError(f"unpack: values must be (T,) or (1, T), got shape {tuple(values.shape)}")
     bounds = [int(c) for c in cu_seqlens.tolist()]
     if bounds and bounds[-1] > values.numel():
-        raise ValueError(f"unpack: cu_seqlens ends at {bounds[-1]} but values has only {values.numel()} entries")
+        raise ValueError(
+            f"unpack: cu_seqlens ends at {bounds[-1]} but values has only {values.numel()} entries"
+        )
     return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _seq_ids(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
     """(T,) int64 sequence index per position, -1 past cu_seqlens[-1]."""
     bounds = [int(c) for c in cu_seqlens.tolist()]
-    if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] > total_len:
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end <= total_len={total_len}, got {bounds}")
+    if (
+        not bounds
+        or bounds[0] != 0
+        or any(b < a for a, b in zip(bounds, bounds[1:]))
+        or bounds[-1] > total_len
+    ):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end <= total_len={total_len}, got {bounds}"
+        )
     lens = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.int64)
     ids = torch.repeat_interleave(torch.arange(len(lens)), lens)
     return torch.cat([ids, torch.full((total_len - bounds[-1],), -1, dtype=torch.int64)])

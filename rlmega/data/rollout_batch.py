@@ -12,6 +12,7 @@ vision-language model's images), each sample's processor outputs.
     batch = dataclasses.replace(batch, rewards=r)      # adds a field, re-validated
     batch.save("runs/x/rollout_000.safetensors"); RolloutBatch.load(...)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,15 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 # Per-sample tensors of shape (L_i - P_i,), one per response token.
-RESPONSE_FIELDS = ("response_mask", "rollout_logprobs", "advantages", "old_logprobs", "ref_logprobs", "returns",
-                   "old_values")
+RESPONSE_FIELDS = (
+    "response_mask",
+    "rollout_logprobs",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "returns",
+    "old_values",
+)
 # Tensors of shape (N,), one value per sample.
 SAMPLE_FIELDS = ("prompt_lens", "rewards", "group_ids", "sample_ids")
 # Per-sample tensors of shape (L_i, num_moe_layers, topk) int16, one row per token of prompt + response.
@@ -35,8 +43,17 @@ VISION_FIELDS = ("vision",)
 # A vision dict's key for a sample's image observations (a tool's image answers in the response,
 # rlmega/agents/image_observations.py): (k, 2) int64 [start, end) offsets from the response's first token.
 OBSERVATION_SPANS = "observation_spans"
-OPTIONAL_FIELDS = ("rollout_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs", "returns",
-                   "old_values", "routed_experts", "vision")
+OPTIONAL_FIELDS = (
+    "rollout_logprobs",
+    "rewards",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "returns",
+    "old_values",
+    "routed_experts",
+    "vision",
+)
 _INT_FIELDS = ("tokens", "prompt_lens", "group_ids", "sample_ids")
 _FORMAT = "rlmega.RolloutBatch"
 _VERSION = 1
@@ -109,13 +126,15 @@ class RolloutBatch:
 
     def response_tokens(self) -> list[torch.Tensor]:
         """Per sample (L_i - P_i,) int64 views of the response part of ``tokens``."""
-        return [t[int(p):] for t, p in zip(self.tokens, self.prompt_lens.tolist())]
+        return [t[int(p) :] for t, p in zip(self.tokens, self.prompt_lens.tolist())]
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         """Check every shape/dtype invariant; ValueError names the field and sample index."""
         if not isinstance(self.tokens, list):
-            raise ValueError(f"tokens must be a list of 1-D tensors, got {type(self.tokens).__name__}")
+            raise ValueError(
+                f"tokens must be a list of 1-D tensors, got {type(self.tokens).__name__}"
+            )
         n = len(self.tokens)
         for i, t in enumerate(self.tokens):
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
@@ -128,7 +147,9 @@ class RolloutBatch:
             if value is None and name in OPTIONAL_FIELDS:
                 continue
             if not isinstance(value, torch.Tensor) or value.shape != (n,):
-                raise ValueError(f"{name} must be a tensor of shape ({n},) for {n} samples, got {_describe(value)}")
+                raise ValueError(
+                    f"{name} must be a tensor of shape ({n},) for {n} samples, got {_describe(value)}"
+                )
             want = torch.int64 if name in _INT_FIELDS else torch.float32
             if value.dtype != want:
                 raise ValueError(f"{name} must be {want}, got {value.dtype}")
@@ -142,7 +163,9 @@ class RolloutBatch:
         seen = set()
         for i, s in enumerate(self.sample_ids.tolist()):
             if s in seen:
-                raise ValueError(f"sample_ids must be unique: sample_ids[{i}] = {s} repeats an earlier id")
+                raise ValueError(
+                    f"sample_ids must be unique: sample_ids[{i}] = {s} repeats an earlier id"
+                )
             seen.add(s)
 
         response_lens = [t.numel() - p for t, p in zip(self.tokens, prompt_lens)]
@@ -151,12 +174,16 @@ class RolloutBatch:
             if value is None and name in OPTIONAL_FIELDS:
                 continue
             if not isinstance(value, list) or len(value) != n:
-                raise ValueError(f"{name} must be a list of {n} tensors (one per sample), got {_describe(value)}")
+                raise ValueError(
+                    f"{name} must be a list of {n} tensors (one per sample), got {_describe(value)}"
+                )
             for i, (v, r) in enumerate(zip(value, response_lens)):
                 if not isinstance(v, torch.Tensor) or v.dim() != 1:
                     raise ValueError(f"{name}[{i}] must be a 1-D tensor, got {_describe(v)}")
                 if v.numel() != r:
-                    raise ValueError(f"{name}[{i}] has {v.numel()} tokens, sample {i} has {r} response tokens")
+                    raise ValueError(
+                        f"{name}[{i}] has {v.numel()} tokens, sample {i} has {r} response tokens"
+                    )
                 if v.dtype != torch.float32:
                     raise ValueError(f"{name}[{i}] must be float32, got {v.dtype} (fix: .float())")
         for i, m in enumerate(self.response_mask):
@@ -169,19 +196,31 @@ class RolloutBatch:
         if self.vision is None:
             return
         if not isinstance(self.vision, list) or len(self.vision) != n:
-            raise ValueError(f"vision must be a list of {n} dicts or None (one per sample), "
-                             f"got {_describe(self.vision)}")
+            raise ValueError(
+                f"vision must be a list of {n} dicts or None (one per sample), "
+                f"got {_describe(self.vision)}"
+            )
         for i, v in enumerate(self.vision):
-            if v is not None and not (isinstance(v, dict) and v and all(
-                    isinstance(k, str) and "/" not in k and isinstance(t, torch.Tensor) for k, t in v.items())):
-                raise ValueError(f"vision[{i}] must be None or a non-empty {{name: tensor}} dict, got {_describe(v)}")
+            if v is not None and not (
+                isinstance(v, dict)
+                and v
+                and all(
+                    isinstance(k, str) and "/" not in k and isinstance(t, torch.Tensor)
+                    for k, t in v.items()
+                )
+            ):
+                raise ValueError(
+                    f"vision[{i}] must be None or a non-empty {{name: tensor}} dict, got {_describe(v)}"
+                )
 
     def _validate_routes(self, n: int) -> None:
         routes = self.routed_experts
         if routes is None:
             return
         if not isinstance(routes, list) or len(routes) != n:
-            raise ValueError(f"routed_experts must be a list of {n} tensors (one per sample), got {_describe(routes)}")
+            raise ValueError(
+                f"routed_experts must be a list of {n} tensors (one per sample), got {_describe(routes)}"
+            )
         layout = None
         for i, (r, t) in enumerate(zip(routes, self.tokens)):
             if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.shape[0] != t.numel():
@@ -190,7 +229,9 @@ class RolloutBatch:
                     f"of {t.numel()} tokens, got {_describe(r)}"
                 )
             if r.dtype != torch.int16:
-                raise ValueError(f"routed_experts[{i}] must be int16, got {r.dtype} (fix: .to(torch.int16))")
+                raise ValueError(
+                    f"routed_experts[{i}] must be int16, got {r.dtype} (fix: .to(torch.int16))"
+                )
             if layout is None:
                 layout = tuple(r.shape[1:])
             elif tuple(r.shape[1:]) != layout:
@@ -199,7 +240,9 @@ class RolloutBatch:
                     f"routed_experts[0] has {layout}: every sample must come from the same model"
                 )
             if r.numel() and int(r.min()) < -1:
-                raise ValueError(f"routed_experts[{i}] holds {int(r.min())}: expert ids are >= 0, -1 = no route")
+                raise ValueError(
+                    f"routed_experts[{i}] holds {int(r.min())}: expert ids are >= 0, -1 = no route"
+                )
 
     # ---- reshaping ---------------------------------------------------------------------------
     def select(self, indices: Sequence[int] | torch.Tensor) -> RolloutBatch:
@@ -244,7 +287,9 @@ class RolloutBatch:
             if not all(present):
                 if any(present):
                     missing = present.index(False)
-                    raise ValueError(f"concat: {name} is set in some batches but not in batch {missing}")
+                    raise ValueError(
+                        f"concat: {name} is set in some batches but not in batch {missing}"
+                    )
                 fields[name] = None
             elif name in SAMPLE_FIELDS:
                 fields[name] = torch.cat([getattr(b, name) for b in batches])
@@ -267,11 +312,22 @@ class RolloutBatch:
                 tensors[name] = value.contiguous()
             elif name in TOKEN_FIELDS:
                 # (sum L_i, M, K); an empty batch loses (M, K), which nothing can then need.
-                tensors[name] = torch.cat(value).contiguous() if value else torch.zeros(0, 0, 0, dtype=torch.int16)
-            elif name in VISION_FIELDS:  # sample i's tensors as "vision/i/name"; a sample without any: None
+                tensors[name] = (
+                    torch.cat(value).contiguous()
+                    if value
+                    else torch.zeros(0, 0, 0, dtype=torch.int16)
+                )
+            # sample i's tensors as "vision/i/name"; a sample without any: None
+            elif name in VISION_FIELDS:
                 # clone: samples of one prompt share tensors, which safetensors refuses to save twice
-                tensors.update({f"{name}/{i}/{k}": t.contiguous().clone() for i, v in enumerate(value) if v
-                                for k, t in v.items()})
+                tensors.update(
+                    {
+                        f"{name}/{i}/{k}": t.contiguous().clone()
+                        for i, v in enumerate(value)
+                        if v
+                        for k, t in v.items()
+                    }
+                )
             else:
                 tensors[name] = _flat(value, torch.float32)
         header = {"format": _FORMAT, "version": str(_VERSION), "fields": json.dumps(present)}

@@ -1,4 +1,5 @@
 """Engine samples -> RolloutBatch (the trainer's batch contract)."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -9,9 +10,13 @@ import torch
 from rlmega.data.rollout_batch import RolloutBatch
 
 
-def batch_from_samples(samples: Sequence, rewards: Sequence[float] | None = None,
-                       group_offset: int = 0, sample_offset: int = 0,
-                       prompt_vision: Sequence[dict | None] | None = None) -> RolloutBatch:
+def batch_from_samples(
+    samples: Sequence,
+    rewards: Sequence[float] | None = None,
+    group_offset: int = 0,
+    sample_offset: int = 0,
+    prompt_vision: Sequence[dict | None] | None = None,
+) -> RolloutBatch:
     """Samples with prompt_index, prompt_ids, response_ids, logprobs (RolloutWorker.generate).
 
     ``prompt_vision``: a vision-language model's processor outputs of each prompt (by prompt_index; None for a
@@ -24,7 +29,9 @@ def batch_from_samples(samples: Sequence, rewards: Sequence[float] | None = None
     kept = [s for s in samples if len(s.response_ids) > 0]
     if rewards is not None:
         rewards = [r for s, r in zip(samples, rewards) if len(s.response_ids) > 0]
-    tokens = [torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.int64) for s in kept]
+    tokens = [
+        torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.int64) for s in kept
+    ]
     return RolloutBatch(
         tokens=tokens,
         prompt_lens=torch.tensor([len(s.prompt_ids) for s in kept], dtype=torch.int64),
@@ -33,8 +40,10 @@ def batch_from_samples(samples: Sequence, rewards: Sequence[float] | None = None
         rewards=None if rewards is None else torch.tensor(rewards, dtype=torch.float32),
         group_ids=torch.tensor([s.prompt_index + group_offset for s in kept], dtype=torch.int64),
         sample_ids=torch.arange(sample_offset, sample_offset + len(kept), dtype=torch.int64),
-        routed_experts=routes_of([getattr(s, "routed_experts", None) for s in kept],
-                                 [len(s.prompt_ids) + len(s.response_ids) for s in kept]),
+        routed_experts=routes_of(
+            [getattr(s, "routed_experts", None) for s in kept],
+            [len(s.prompt_ids) + len(s.response_ids) for s in kept],
+        ),
         vision=None if prompt_vision is None else [prompt_vision[s.prompt_index] for s in kept],
     )
 

@@ -16,6 +16,7 @@ from the last two digits stayed at p(correct) 0.2 for 300 steps; with the step a
 model copied the answer's own period instead of applying the rule, and sampled from the start it repeated
 a wrong first period (reward 0.06).
 """
+
 from __future__ import annotations
 
 import random
@@ -39,11 +40,17 @@ def answer(start: str, length: int, seed: int) -> str:
     return "".join(order[(i + 1 + j) % 26] for j in range(length))
 
 
-def make_sequence_problems(n: int, length: int, seed: int = 0, eval_set: bool = False) -> list[tuple[str, str]]:
+def make_sequence_problems(
+    n: int, length: int, seed: int = 0, eval_set: bool = False
+) -> list[tuple[str, str]]:
     """n (prompt, answer) pairs with start letters drawn at random (seeded), or with ``eval_set``
     EVAL_PROMPTS distinct start letters (n of them at most)."""
     if n < 0 or length < 1:
         raise ValueError(f"need n >= 0 and length >= 1, got n={n}, length={length}")
     rng = random.Random(seed + 1)
-    starts = rng.sample(LETTERS, min(n, EVAL_PROMPTS)) if eval_set else [rng.choice(LETTERS) for _ in range(n)]
+    starts = (
+        rng.sample(LETTERS, min(n, EVAL_PROMPTS))
+        if eval_set
+        else [rng.choice(LETTERS) for _ in range(n)]
+    )
     return [(f"{s}:", answer(s, length, seed)) for s in starts]

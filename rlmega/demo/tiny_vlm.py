@@ -23,6 +23,7 @@ that renders ``{"type": "image"}`` content parts as the family's image placehold
     from rlmega.demo.tiny_vlm import make_tiny_vlm
     path = make_tiny_vlm("/tmp/tiny_vlm", arch="idefics3", seed=0)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,12 +54,22 @@ def _chat_template(image_placeholder: str) -> str:
 
 
 def _text_fields(tokenizer, hidden_size: int, num_layers: int, num_heads: int) -> dict:
-    return dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=1,
-                head_dim=hidden_size // num_heads,  # 64 with the defaults: vLLM's CPU attention rejects 16
-                max_position_embeddings=1024, rope_theta=10000.0, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, dtype="float32",
-                tie_word_embeddings=False)
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=1,
+        head_dim=hidden_size // num_heads,  # 64 with the defaults: vLLM's CPU attention rejects 16
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+        tie_word_embeddings=False,
+    )
 
 
 def _idefics3(tokenizer, hidden_size, num_layers, num_heads):
@@ -67,22 +78,48 @@ def _idefics3(tokenizer, hidden_size, num_layers, num_heads):
     from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
 
     # <global-img> must be a token of its own (the processor looks its id up); the processor adds the rest.
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<fake_token_around_image>",
+                "<image>",
+                "<end_of_utterance>",
+                "<global-img>",
+            ]
+        }
+    )
     tokenizer.chat_template = _chat_template("<image>")
-    image_seq_len = (IDEFICS3_IMAGE_SIZE // IDEFICS3_PATCH) ** 2 // IDEFICS3_SCALE ** 2
+    image_seq_len = (IDEFICS3_IMAGE_SIZE // IDEFICS3_PATCH) ** 2 // IDEFICS3_SCALE**2
     config = Idefics3Config(
-        text_config=dict(model_type="llama", **_text_fields(tokenizer, hidden_size, num_layers, num_heads)),
-        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-                           image_size=IDEFICS3_IMAGE_SIZE, patch_size=IDEFICS3_PATCH),
-        scale_factor=IDEFICS3_SCALE, pad_token_id=tokenizer.pad_token_id,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False, dtype="float32")
+        text_config=dict(
+            model_type="llama", **_text_fields(tokenizer, hidden_size, num_layers, num_heads)
+        ),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=1,
+            image_size=IDEFICS3_IMAGE_SIZE,
+            patch_size=IDEFICS3_PATCH,
+        ),
+        scale_factor=IDEFICS3_SCALE,
+        pad_token_id=tokenizer.pad_token_id,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     # One tile per image: no splitting, every image resized to the vision tower's 112x112.
     image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": IDEFICS3_IMAGE_SIZE},
-        max_image_size={"longest_edge": IDEFICS3_IMAGE_SIZE})
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                  image_seq_len=image_seq_len, chat_template=tokenizer.chat_template)
+        do_image_splitting=False,
+        size={"longest_edge": IDEFICS3_IMAGE_SIZE},
+        max_image_size={"longest_edge": IDEFICS3_IMAGE_SIZE},
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=image_seq_len,
+        chat_template=tokenizer.chat_template,
+    )
     return config, Idefics3ForConditionalGeneration, [processor]
 
 
@@ -98,22 +135,49 @@ def _qwen2_vl(tokenizer, hidden_size, num_layers, num_heads):
     # mRoPE splits each head's rotary half (head_dim / 2 frequencies) into time, height and width sections.
     half = head_dim // 2
     config = Qwen2VLConfig(
-        text_config=dict(**_text_fields(tokenizer, hidden_size, num_layers, num_heads),
-                         rope_scaling={"type": "mrope", "mrope_section": [half // 2, half // 4, half // 4]}),
-        vision_config=dict(depth=2, embed_dim=64, hidden_size=hidden_size, num_heads=1, mlp_ratio=2,
-                           patch_size=QWEN2_VL_PATCH, spatial_merge_size=QWEN2_VL_MERGE, temporal_patch_size=2,
-                           in_chans=3),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, dtype="float32")
+        text_config=dict(
+            **_text_fields(tokenizer, hidden_size, num_layers, num_heads),
+            rope_scaling={"type": "mrope", "mrope_section": [half // 2, half // 4, half // 4]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=64,
+            hidden_size=hidden_size,
+            num_heads=1,
+            mlp_ratio=2,
+            patch_size=QWEN2_VL_PATCH,
+            spatial_merge_size=QWEN2_VL_MERGE,
+            temporal_patch_size=2,
+            in_chans=3,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     # Images of 56x56 .. 112x112 pixels: 4 .. 16 merged image tokens.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=QWEN2_VL_PATCH,
-                                               merge_size=QWEN2_VL_MERGE, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56,
+        max_pixels=112 * 112,
+        patch_size=QWEN2_VL_PATCH,
+        merge_size=QWEN2_VL_MERGE,
+        temporal_patch_size=2,
+    )
     return config, Qwen2VLForConditionalGeneration, [image_processor]
 
 
-def make_tiny_vlm(out_dir: str | os.PathLike, *, arch: str = "idefics3", hidden_size: int = 128,
-                  num_layers: int = 2, num_heads: int = 2, seed: int = 0, overwrite: bool = False) -> Path:
+def make_tiny_vlm(
+    out_dir: str | os.PathLike,
+    *,
+    arch: str = "idefics3",
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
     """Write a tiny `arch` VLM (float32 safetensors, tokenizer, processor) to `out_dir`; return its path.
 
     The language model is `num_layers` x `hidden_size` with `num_heads` query heads and one KV head; the
@@ -121,7 +185,9 @@ def make_tiny_vlm(out_dir: str | os.PathLike, *, arch: str = "idefics3", hidden_
     caller's RNG state untouched. Written whole or not at all (tiny_model.write_model_folder).
     """
     if arch not in VLM_ARCHITECTURES:
-        raise ValueError(f"arch={arch!r} is not a vision-language family; choose one of {list(VLM_ARCHITECTURES)}")
+        raise ValueError(
+            f"arch={arch!r} is not a vision-language family; choose one of {list(VLM_ARCHITECTURES)}"
+        )
     tokenizer = make_tokenizer()
     build = _idefics3 if arch == "idefics3" else _qwen2_vl
     config, model_cls, extras = build(tokenizer, hidden_size, num_layers, num_heads)

@@ -10,6 +10,7 @@ data-parallel and each holds a shard of every parameter. RLinf's FSDP actor's en
     old = actor.compute_logprobs(batch)     # list of (response_len,) per sample, every rank
     metrics = actor.train_step(replace(batch, old_logprobs=old, advantages=adv))
 """
+
 from __future__ import annotations
 
 from rlmega.fsdp.engine import FSDPEngine, _no_dropout, _reshard  # noqa: F401 (tests and tools import them here)

@@ -19,6 +19,7 @@ for them (``load``). A full-parameter model refuses a LoRA checkpoint.
 DCP reshards on load, so model and optimizer state load at any world size; the RNG state only at
 the saved one (another world size has other ranks: each keeps its own seeded generators).
 """
+
 from __future__ import annotations
 
 import io
@@ -29,7 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
 )
 
 from rlmega.config.lora_rules import checkpoint_mismatch
@@ -38,9 +43,8 @@ from rlmega.rundir.checkpoint_files import resolve, rng_state, saving, set_rng_s
 
 log = logging.getLogger("rlmega")
 
-BACKEND = "fsdp"  # common.pt's meta["backend"]; rlmega/rundir/checkpoint_scan.py tells the two formats apart by it
-
-
+# common.pt's meta["backend"]; rlmega/rundir/checkpoint_scan.py tells the two formats apart by it
+BACKEND = "fsdp"
 
 
 def _state(model, optimizer, extra_models: dict | None) -> dict:
@@ -57,13 +61,23 @@ def _state(model, optimizer, extra_models: dict | None) -> dict:
         state = {"model": get_model_state_dict(model)}
     for name, other in (extra_models or {}).items():
         if name in ("model", "optimizer") or name.startswith("rng_rank"):
-            raise ValueError(f"extra_models: {name!r} is a reserved checkpoint key; name the model otherwise")
+            raise ValueError(
+                f"extra_models: {name!r} is a reserved checkpoint key; name the model otherwise"
+            )
         state[name] = get_model_state_dict(other)
     return state
 
 
-def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, extra: dict | None = None,
-         extra_models: dict | None = None, lora: dict | None = None) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    model,
+    optimizer=None,
+    scheduler=None,
+    extra: dict | None = None,
+    extra_models: dict | None = None,
+    lora: dict | None = None,
+) -> Path:
     """Save everything for ``step`` under ``root``; returns the step folder. Collective.
 
     ``extra``: plain values stored once (rank 0's); ``extra_models``: other FSDP2 models saved
@@ -79,12 +93,21 @@ def save(root: str | Path, step: int, model, optimizer=None, scheduler=None, ext
     buffer = io.BytesIO()
     torch.save(rng_state(), buffer)
     state[f"rng_rank{rank}"] = buffer.getvalue()
-    common = {"meta": {"backend": BACKEND, "step": step, "scheduler": scheduler.state_dict() if scheduler else None,
-                       "extra": extra or {}, "world_size": dist.get_world_size(),
-                       "has_optimizer_state": optimizer is not None, "extra_models": sorted(extra_models or {}),
-                       "lora": lora}}
+    common = {
+        "meta": {
+            "backend": BACKEND,
+            "step": step,
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "extra": extra or {},
+            "world_size": dist.get_world_size(),
+            "has_optimizer_state": optimizer is not None,
+            "extra_models": sorted(extra_models or {}),
+            "lora": lora,
+        }
+    }
     with saving(root, partial, final):
-        dcp.save(state, checkpoint_id=str(partial))  # collective: a failure on any rank raises on every rank
+        # collective: a failure on any rank raises on every rank
+        dcp.save(state, checkpoint_id=str(partial))
         failure = None
         if rank == 0:
             try:
@@ -109,13 +132,21 @@ def _any_rank(flag: bool) -> bool:
 def read_meta(path: str | Path) -> dict:
     meta = torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=True)["meta"]
     if meta.get("backend") != BACKEND:
-        raise ValueError(f"{path} is not an FSDP checkpoint (actor.backend=fsdp); it was written by the "
-                         f"{meta.get('backend', 'megatron')} backend. Fix: resume it with that actor.backend")
+        raise ValueError(
+            f"{path} is not an FSDP checkpoint (actor.backend=fsdp); it was written by the "
+            f"{meta.get('backend', 'megatron')} backend. Fix: resume it with that actor.backend"
+        )
     return meta
 
 
-def load(path: str | Path, model, optimizer=None, scheduler=None,
-         extra_models: dict | None = None, lora: dict | None = None) -> tuple[int, dict]:
+def load(
+    path: str | Path,
+    model,
+    optimizer=None,
+    scheduler=None,
+    extra_models: dict | None = None,
+    lora: dict | None = None,
+) -> tuple[int, dict]:
     """Load a checkpoint (a step folder, or a root whose ``latest`` is used). Returns (step, extra).
 
     Model (and optimizer, when given) at any world size; the RNG state when the world size is the
@@ -133,10 +164,14 @@ def load(path: str | Path, model, optimizer=None, scheduler=None,
         return _load_into_base(path, meta, model, scheduler, extra_models)
     missing = sorted(set(extra_models or {}) - set(meta["extra_models"]))
     if missing:
-        raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "
-                         f"(it has: {meta['extra_models'] or 'none'})")
+        raise ValueError(
+            f"checkpoint {path} holds no {', '.join(missing)} model "
+            f"(it has: {meta['extra_models'] or 'none'})"
+        )
     if optimizer is not None and not meta["has_optimizer_state"]:
-        raise ValueError(f"checkpoint {path} holds no optimizer state; load it with model_only=True")
+        raise ValueError(
+            f"checkpoint {path} holds no optimizer state; load it with model_only=True"
+        )
     state = _state(model, optimizer, extra_models)
     rng_key = f"rng_rank{dist.get_rank()}"
     same_world = meta["world_size"] == dist.get_world_size()
@@ -145,7 +180,9 @@ def load(path: str | Path, model, optimizer=None, scheduler=None,
     with data_only_loads():
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
     else:
         set_model_state_dict(model, state["model"])
     for name, other in (extra_models or {}).items():
@@ -164,28 +201,42 @@ def _restore_rng(saved: bytes, path: Path) -> None:
     try:
         state = load_object(io.BytesIO(saved))
     except Exception as e:  # noqa: BLE001 -- the old format, or a stream that holds more than data
-        log.warning("checkpoint %s: rank %d's RNG state was not restored (%s: %s); the run continues from freshly "
-                    "seeded generators, so it does not repeat the uninterrupted run exactly", path, dist.get_rank(),
-                    type(e).__name__, str(e).splitlines()[0][:160])
+        log.warning(
+            "checkpoint %s: rank %d's RNG state was not restored (%s: %s); the run continues from freshly "
+            "seeded generators, so it does not repeat the uninterrupted run exactly",
+            path,
+            dist.get_rank(),
+            type(e).__name__,
+            str(e).splitlines()[0][:160],
+        )
         return
     set_rng_state(state)
 
 
-def _load_into_base(path: Path, meta: dict, model, scheduler, extra_models: dict | None) -> tuple[int, dict]:
+def _load_into_base(
+    path: Path, meta: dict, model, scheduler, extra_models: dict | None
+) -> tuple[int, dict]:
     """A full-parameter checkpoint into a LoRA model: its policy's weights (HF names) into the frozen base
     layers; adapters, Adam state and RNG stay as built (B = 0: the model computes the saved policy), the
     schedule's step count is restored. A saved reference is not loaded: a LoRA run's reference is its base."""
     from rlmega.learner import lora
 
     if extra_models:
-        raise ValueError(f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
-                         "the reference is that base")
+        raise ValueError(
+            f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
+            "the reference is that base"
+        )
     live = get_model_state_dict(model)
     state = {"model": {lora.hf_name(k): v for k, v in live.items() if not lora.is_adapter(k)}}
     with data_only_loads():
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, {**{k: v for k, v in live.items() if lora.is_adapter(k)},
-                                 **{k: state["model"][lora.hf_name(k)] for k in live if not lora.is_adapter(k)}})
+    set_model_state_dict(
+        model,
+        {
+            **{k: v for k, v in live.items() if lora.is_adapter(k)},
+            **{k: state["model"][lora.hf_name(k)] for k in live if not lora.is_adapter(k)},
+        },
+    )
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"]), meta["extra"]
@@ -193,4 +244,6 @@ def _load_into_base(path: Path, meta: dict, model, scheduler, extra_models: dict
 
 def full_model_state_dict(model, cpu_offload: bool = True) -> dict:
     """The whole model by HF name on rank 0 (the others get {}). Collective."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    )

@@ -10,6 +10,7 @@ log-probs' prediction positions and each sample gets its (response_len,).
     critic.setup()                              # process group, value model, AdamW, LR schedule
     old = critic.compute_values(batch)          # list of (response_len,) float32, every rank
 """
+
 from __future__ import annotations
 
 from rlmega.fsdp.engine import FSDPEngine

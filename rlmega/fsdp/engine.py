@@ -20,6 +20,7 @@ runs the passes. How a step maps onto FSDP2:
 ``value_head``: the policy's architecture as transformers' ``AutoModelForTokenClassification`` with one
 label, no bias and no dropout (rlmega/fsdp/value_model.py): the critic's.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -68,19 +69,32 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
     # from the parameters (the sharded parameters are the optimizer's float32 master weights)
     PHASE_KINDS = ("optimizer state", "params")
 
-    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 actor: ActorConfig | None = None, *, value_head: bool = False, with_optimizer: bool = True,
-                 max_tokens_per_micro_batch: int | None = None, lr_decay_steps: int = 1000,
-                 hf_config: dict | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelismConfig,
+        optimizer: OptimizerConfig,
+        actor: ActorConfig | None = None,
+        *,
+        value_head: bool = False,
+        with_optimizer: bool = True,
+        max_tokens_per_micro_batch: int | None = None,
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+    ):
         """``actor``: the policy's knobs the model needs (activation checkpointing, the token budget); None
         for a value model (``value_head``: the critic's, without recomputation). The process group must
         be up (``init_process``) with parallelism.world_size ranks."""
         actor = actor or ActorConfig()
         world, rank = dist.get_world_size(), dist.get_rank()
         if parallel.world_size != world:
-            raise ValueError(f"parallelism.world_size={parallel.world_size} but {world} ranks were started; fix: "
-                             "set parallelism.world_size (critic.parallelism for the critic) to the trainer's ranks")
-        super().__init__(model, optimizer, actor, world, rank, lr_decay_steps=lr_decay_steps, hf_config=hf_config)
+            raise ValueError(
+                f"parallelism.world_size={parallel.world_size} but {world} ranks were started; fix: "
+                "set parallelism.world_size (critic.parallelism for the critic) to the trainer's ranks"
+            )
+        super().__init__(
+            model, optimizer, actor, world, rank, lr_decay_steps=lr_decay_steps, hf_config=hf_config
+        )
         self.value_head, self.with_optimizer = value_head, with_optimizer
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
         self.chunk_tokens = 0 if value_head else actor.logprob_chunk_tokens
@@ -90,7 +104,8 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
             raise ValueError(f"actor.ulysses_size={self.ulysses} does not divide the {world} ranks")
         self.ulysses_group = None
         if self.ulysses > 1:
-            for start in range(0, world, self.ulysses):  # every rank makes every group, in the same order
+            # every rank makes every group, in the same order
+            for start in range(0, world, self.ulysses):
                 group = dist.new_group(list(range(start, start + self.ulysses)))
                 if start <= rank < start + self.ulysses:
                     self.ulysses_group = group
@@ -123,7 +138,8 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         if getattr(emb, "padding_idx", None) is not None:
             emb.padding_idx = None
         _no_dropout(self.model)
-        config = self.model.config.get_text_config()  # a VLM's language model (the config itself for an LM)
+        # a VLM's language model (the config itself for an LM)
+        config = self.model.config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         if self.chunk_tokens:
             check_chunkable(config)
@@ -135,8 +151,12 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
     def layout(self) -> Layout:
         """Every rank runs as many micro-batches (each forward all-gathers the parameters). Under Ulysses a
         group of U ranks takes one share, its rows padded to a multiple of U and up to U x the per-rank budget."""
-        return Layout(dp_size=self.world_size // self.ulysses, max_tokens=self.max_tokens * self.ulysses,
-                      equal_counts=True, row_multiple=self.ulysses)
+        return Layout(
+            dp_size=self.world_size // self.ulysses,
+            max_tokens=self.max_tokens * self.ulysses,
+            equal_counts=True,
+            row_multiple=self.ulysses,
+        )
 
     def dp_rank(self) -> int:
         return self.rank // self.ulysses
@@ -146,21 +166,31 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         mbs = super().micro_batches(shard)
         if self.ulysses == 1:
             return mbs
-        return [ulysses.localise(mb, self.rank % self.ulysses, self.ulysses, self.ulysses_group) for mb in mbs]
+        return [
+            ulysses.localise(mb, self.rank % self.ulysses, self.ulysses, self.ulysses_group)
+            for mb in mbs
+        ]
 
     # ---- passes -------------------------------------------------------------------------------
     def _outputs(self, mb: dict, head: Head) -> tuple:
         """The Head's per-token outputs of one micro-batch, in its order: (log-probs, entropy or None) or
         (values,)."""
         shard = mb.get("ulysses")
-        if shard is not None:  # this rank's part of the row; the results come back whole (ulysses.py)
+        # this rank's part of the row; the results come back whole (ulysses.py)
+        if shard is not None:
             mb = {**mb, **shard.head_fields}
         with ulysses.active(shard):
             if head.kind == "values":
                 out = (forward_logits(self.model, mb)[:, 0].float(),)  # (T, 1) -> (T,)
             else:
-                out = micro_batch_logprobs(self.model, mb, head.temperature, head.entropy, head.entropy_grad,
-                                           chunk=self.chunk_tokens)
+                out = micro_batch_logprobs(
+                    self.model,
+                    mb,
+                    head.temperature,
+                    head.entropy,
+                    head.entropy_grad,
+                    chunk=self.chunk_tokens,
+                )
         return out if shard is None else tuple(None if t is None else shard.to_full(t) for t in out)
 
     @torch.no_grad()
@@ -170,16 +200,24 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         _reshard(self.model)
         return outs
 
-    def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict]:
+    def forward_backward(
+        self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None
+    ) -> list[dict]:
         device, outs = self.device, []
         for k, mb in enumerate(mbs):
             self.before_micro_batch(self.model, is_last_micro_batch=k == len(mbs) - 1)
-            fields = {key: v.to(device) if torch.is_tensor(v) and v.dim() == 1 else v for key, v in mb.items()}
+            fields = {
+                key: v.to(device) if torch.is_tensor(v) and v.dim() == 1 else v
+                for key, v in mb.items()
+            }
             outputs = self._outputs(fields, head)
             numerator, count, stats = loss_fn(fields, *outputs)
-            if not numerator.requires_grad:  # e.g. nothing of the loss depends on the weights: still run
-                numerator = numerator + outputs[0].sum() * 0.0  # the backward, whose reduce-scatter every rank joins
-            with ulysses.active(mb.get("ulysses")):  # activation checkpointing recomputes attention in here
+            # e.g. nothing of the loss depends on the weights: still run
+            if not numerator.requires_grad:
+                # the backward, whose reduce-scatter every rank joins
+                numerator = numerator + outputs[0].sum() * 0.0
+            # activation checkpointing recomputes attention in here
+            with ulysses.active(mb.get("ulysses")):
                 numerator.backward()
             out = {key: torch.as_tensor(v, device=device).double() for key, v in stats.items()}
             out["numerator"], out["count"] = numerator.detach().double(), count.detach().double()
@@ -188,10 +226,14 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
             outs.append(out)
         return outs
 
-    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
+    def gather_responses(
+        self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard
+    ) -> list[torch.Tensor]:
         mine = {}
         for mb, out in zip(mbs, outs or []):
-            mine.update({i: v.detach().float().cpu() for i, v in scatter_responses(out[key], mb).items()})
+            mine.update(
+                {i: v.detach().float().cpu() for i, v in scatter_responses(out[key], mb).items()}
+            )
         return [mine[i] for i in shard.own]
 
     def gather_data_parallel(self, shard: Shard, results: list) -> list:
@@ -201,10 +243,14 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
         return [merged[i] for i in range(len(merged))]
 
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
-        sums = torch.stack([sum(o[k] for o in outs) for k in keys]) if outs else \
-            torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        sums = (
+            torch.stack([sum(o[k] for o in outs) for k in keys])
+            if outs
+            else torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        )
         if self.rank % self.ulysses:
-            sums = torch.zeros_like(sums)  # a Ulysses group's ranks hold the same sums: its first one counts
+            # a Ulysses group's ranks hold the same sums: its first one counts
+            sums = torch.zeros_like(sums)
         dist.all_reduce(sums)  # on the device: the GPU under nccl, the host under gloo
         return dict(zip(keys, sums.cpu().tolist()))
 
@@ -260,5 +306,7 @@ class FSDPEngine(FSDPModelManager, TrainEngine):
     def param_pairs(self, other: "FSDPEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
         mine, theirs = list(self.model.named_parameters()), list(other.model.named_parameters())
         if [n for n, _ in mine] != [n for n, _ in theirs]:
-            raise RuntimeError("reference and policy parameters differ: they must be built from one config")
+            raise RuntimeError(
+                "reference and policy parameters differ: they must be built from one config"
+            )
         return [(local_shard(a), local_shard(b)) for (_, a), (_, b) in zip(mine, theirs)]

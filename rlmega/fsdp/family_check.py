@@ -9,6 +9,7 @@ transformers' attention interface (so it sees the packed row as one sequence), o
 runs from one sequence into the next, fails by orders of magnitude more, and is refused here, naming
 its architecture, before any step trains on it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,18 +35,31 @@ def check_packing(model: torch.nn.Module, vocab_size: int, dtype: str) -> float:
     was_training = model.training
     model.eval()
     try:
-        packed = model(input_ids=torch.cat(seqs, 1).to(device),
-                       position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device),
-                       use_cache=False).logits.float()
-        alone = torch.cat([model(input_ids=s.to(device), position_ids=torch.arange(s.shape[1])[None].to(device),
-                                 use_cache=False).logits.float() for s in seqs], dim=1)
+        packed = model(
+            input_ids=torch.cat(seqs, 1).to(device),
+            position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device),
+            use_cache=False,
+        ).logits.float()
+        alone = torch.cat(
+            [
+                model(
+                    input_ids=s.to(device),
+                    position_ids=torch.arange(s.shape[1])[None].to(device),
+                    use_cache=False,
+                ).logits.float()
+                for s in seqs
+            ],
+            dim=1,
+        )
     finally:
         model.train(was_training)
     err = (packed - alone).abs().max().item()
     if not err <= LIMITS[dtype]:
         arch = (getattr(model.config, "architectures", None) or [model.config.model_type])[0]
-        raise PackingError(f"{arch}: a packed row of two sequences gives logits {err:.3g} away from each sequence "
-                           f"alone (limit {LIMITS[dtype]:g} in {dtype}): its attention or recurrent layers mix "
-                           "packed sequences, so training would use wrong log-probs. This family cannot train on "
-                           "the FSDP learner until rlmega supports it (rlmega/config/families.py)")
+        raise PackingError(
+            f"{arch}: a packed row of two sequences gives logits {err:.3g} away from each sequence "
+            f"alone (limit {LIMITS[dtype]:g} in {dtype}): its attention or recurrent layers mix "
+            "packed sequences, so training would use wrong log-probs. This family cannot train on "
+            "the FSDP learner until rlmega supports it (rlmega/config/families.py)"
+        )
     return err

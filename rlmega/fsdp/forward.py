@@ -16,6 +16,7 @@ Numerics match rlmega/megatron/vocab_parallel.py: logits.float() / temperature, 
 float32 whatever the model's dtype; the HF head has exactly ``config.vocab_size`` columns (no TP
 padding to mask).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -30,16 +31,25 @@ def forward_logits(model, mb: dict) -> torch.Tensor:
     """Logits (T, V) of a one-row packed micro-batch, in the model's dtype, on its device."""
     tokens = mb["tokens"]
     if tokens.shape[0] != 1:
-        raise ValueError(f"FSDP micro-batches are one packed row (build_micro_batch(...)); "
-                         f"got {tokens.shape[0]} rows")
+        raise ValueError(
+            f"FSDP micro-batches are one packed row (build_micro_batch(...)); "
+            f"got {tokens.shape[0]} rows"
+        )
     device = next(model.parameters()).device
     # a VLM's images (mb["vision"]: each sequence's processor outputs, None for text) and mRoPE positions
-    kwargs = row_vision_kwargs(model.config, tokens, mb["position_ids"], mb.get("vision") or [], _rope_index(model),
-                               mb.get("prompt_ends"))
+    kwargs = row_vision_kwargs(
+        model.config,
+        tokens,
+        mb["position_ids"],
+        mb.get("vision") or [],
+        _rope_index(model),
+        mb.get("prompt_ends"),
+    )
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
     with sampled_placeholders_as_text(model, tokens.to(device), kwargs["input_ids"]):
         out = model(attention_mask=None, use_cache=False, **kwargs)
-    return out.logits.squeeze(0)  # not [0]: a select's backward fills a zero copy of the whole logits first
+    # not [0]: a select's backward fills a zero copy of the whole logits first
+    return out.logits.squeeze(0)
 
 
 def _rope_index(model):
@@ -49,7 +59,9 @@ def _rope_index(model):
     return next(m.get_rope_index for m in model.modules() if hasattr(m, "get_rope_index"))
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(target) under softmax(logits / temperature), float32. logits (T, V), targets (T,) int64 -> (T,)."""
     z = logits.float() / temperature
     return torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -80,12 +92,20 @@ def check_chunkable(config) -> None:
     """Refuse a model whose logits are not ``lm_head(hidden)``: chunked log-probs would skip the rest."""
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is not None:
-        raise ValueError(f"{type(config).__name__} caps its logits (final_logit_softcapping={cap}) after the output "
-                         "layer, which chunked log-probs do not apply; fix: set actor.logprob_chunk_tokens: 0")
+        raise ValueError(
+            f"{type(config).__name__} caps its logits (final_logit_softcapping={cap}) after the output "
+            "layer, which chunked log-probs do not apply; fix: set actor.logprob_chunk_tokens: 0"
+        )
 
 
-def micro_batch_logprobs(model, mb: dict, temperature: float, with_entropy: bool = False,
-                         entropy_grad: bool = False, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def micro_batch_logprobs(
+    model,
+    mb: dict,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs (T,), entropy (T,) or None) of one packed micro-batch at its ``labels``.
 
     Differentiable in the log-probs when grad is enabled; ``entropy_grad`` False computes the entropy
@@ -98,10 +118,15 @@ def micro_batch_logprobs(model, mb: dict, temperature: float, with_entropy: bool
             hidden = forward_logits(model, mb)
         weight = head.weight
         return chunked_logprobs(
-            hidden, mb["labels"].to(hidden.device), scored_positions(mb["response_positions"], hidden.device), chunk,
+            hidden,
+            mb["labels"].to(hidden.device),
+            scored_positions(mb["response_positions"], hidden.device),
+            chunk,
             logits_fn=lambda h: torch.nn.functional.linear(h.to(weight.dtype), weight, head.bias),
             logprob_fn=lambda z, y: token_logprobs(z, y, temperature),
-            entropy_fn=(lambda z: entropy(z, temperature)) if with_entropy else None, entropy_grad=entropy_grad)
+            entropy_fn=(lambda z: entropy(z, temperature)) if with_entropy else None,
+            entropy_grad=entropy_grad,
+        )
     logits = forward_logits(model, mb)
     lp = token_logprobs(logits, mb["labels"].to(logits.device), temperature)
     ent = None

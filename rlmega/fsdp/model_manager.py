@@ -15,6 +15,7 @@ embeddings, final norm and head. Gradients are reduce-scattered and *averaged* o
 Megatron DDP averages over data-parallel ranks), so a loss that is each rank's mean over its share
 of an evenly split batch gives the gradient of the global mean. Names follow RLinf's FSDP manager.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,11 +39,11 @@ from rlmega.learner.engine_api import StepResult
 from rlmega.fsdp import checkpoint, family_check, packed_attention, recurrent_layers, vision_inputs
 
 
-
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view of FSDP2's storage); a plain tensor as it is."""
     if isinstance(t, DTensor):
-        with torch.no_grad():  # without grad mode to_local is the local tensor itself, no autograd view
+        # without grad mode to_local is the local tensor itself, no autograd view
+        with torch.no_grad():
             return t.to_local()
     return t
 
@@ -56,8 +57,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (no model.layers, and no module of a "
-                         f"class in _no_split_modules={sorted(names)}); actor.backend=fsdp cannot shard it by layer")
+        raise ValueError(
+            f"{type(model).__name__}: no decoder layers found (no model.layers, and no module of a "
+            f"class in _no_split_modules={sorted(names)}); actor.backend=fsdp cannot shard it by layer"
+        )
     return found
 
 
@@ -66,32 +69,54 @@ class FSDPModelManager:
     """The transformers auto class an export is rebuilt with (a subclass whose ``model_provider_func``
     builds another head names its own: rlmega/fsdp/critic.py's value model)."""
 
-    def __init__(self, model: ModelConfig, optimizer: OptimizerConfig, actor: ActorConfig, world_size: int,
-                 rank: int, lr_decay_steps: int = 1000, hf_config: dict | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        optimizer: OptimizerConfig,
+        actor: ActorConfig,
+        world_size: int,
+        rank: int,
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+    ):
         """``hf_config``: build that architecture with random weights (seeded by model.seed) instead
         of loading model.path's. The process group must be initialised (runtime.init_distributed)."""
         if model.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"model.dtype={model.dtype!r}: the fsdp backend takes float32 or bfloat16")
-        if not dist.is_initialized() or dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise RuntimeError(f"FSDPModelManager(world_size={world_size}, rank={rank}) needs the default process "
-                               "group initialised with that size and rank "
-                               "(rlmega.process.distributed.init_distributed)")
+            raise ValueError(
+                f"model.dtype={model.dtype!r}: the fsdp backend takes float32 or bfloat16"
+            )
+        if (
+            not dist.is_initialized()
+            or dist.get_world_size() != world_size
+            or dist.get_rank() != rank
+        ):
+            raise RuntimeError(
+                f"FSDPModelManager(world_size={world_size}, rank={rank}) needs the default process "
+                "group initialised with that size and rank "
+                "(rlmega.process.distributed.init_distributed)"
+            )
         if hf_config is None and not model.path:
-            raise ValueError("model.path is empty: the fsdp backend loads a Hugging Face folder from it")
+            raise ValueError(
+                "model.path is empty: the fsdp backend loads a Hugging Face folder from it"
+            )
         self.model_cfg, self.optim_cfg, self.actor_cfg = model, optimizer, actor
         self.world_size, self.rank = world_size, rank
         self.lr_decay_steps = lr_decay_steps
         self.hf_config = hf_config
         cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        )
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: LRSchedule | None = None
         self.grad_scaler = None
         self.offloaded: dict = {}
         self.last_step_taken = False  # whether the latest optimizer_step updated the weights
-        self.lora_rank = actor.lora.rank  # > 0: LoRA adapters on a frozen base (rlmega/learner/lora.py)
-        self.frozen_tower: set[str] = set()  # a VLM's frozen vision tower's parameter names (setup_model_and_optimizer)
+        # > 0: LoRA adapters on a frozen base (rlmega/learner/lora.py)
+        self.lora_rank = actor.lora.rank
+        # a VLM's frozen vision tower's parameter names (setup_model_and_optimizer)
+        self.frozen_tower: set[str] = set()
 
     # ---- building ---------------------------------------------------------------------------
     def model_provider_func(self) -> torch.nn.Module:
@@ -118,24 +143,34 @@ class FSDPModelManager:
                 model = auto_cls.from_config(config, **kw)
         else:
             model = auto_cls.from_pretrained(self.model_cfg.path, local_files_only=True, **kw)
-        recurrent_layers.restart_at_sequences(model)  # linear-attention state restarts per packed sequence
+        # linear-attention state restarts per packed sequence
+        recurrent_layers.restart_at_sequences(model)
         return model
 
     def setup_model_and_optimizer(self, with_optimizer: bool = True) -> None:
         """Model (sharded), and with ``with_optimizer`` the AdamW, LR schedule and grad scaler."""
         model = self.model_provider_func()
-        tied = model.config.tie_word_embeddings if hasattr(model.config, "tie_word_embeddings") else False
+        tied = (
+            model.config.tie_word_embeddings
+            if hasattr(model.config, "tie_word_embeddings")
+            else False
+        )
         if self.actor_cfg.activation_checkpointing:
             # transformers' own per-layer checkpointing (non-reentrant): it recomputes inside the
             # layer's __call__, so FSDP2's hooks on that layer gather its weights for the recompute;
             # parameter names stay HF's (a checkpoint_wrapper would add a prefix).
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         # A VLM's vision tower, frozen by default: out of the optimizer (requires_grad) and out of the syncs
-        self.frozen_tower = vision_inputs.vision_tower_names(model) if self.actor_cfg.freeze_vision_tower else set()
+        self.frozen_tower = (
+            vision_inputs.vision_tower_names(model) if self.actor_cfg.freeze_vision_tower else set()
+        )
         for name, p in model.named_parameters():
             if name in self.frozen_tower:
                 p.requires_grad_(False)
-        if self.lora_rank:  # peft's LoRA layers in place, everything else frozen (rlmega/learner/lora.py)
+        # peft's LoRA layers in place, everything else frozen (rlmega/learner/lora.py)
+        if self.lora_rank:
             model = lora.add_adapters(model, self.actor_cfg.lora, self.model_cfg.seed)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = None
@@ -146,18 +181,27 @@ class FSDPModelManager:
         kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
         for layer in decoder_layers(model):
             fully_shard(layer, **kw)
-        fully_shard(model, **kw)  # the rest (embeddings, final norm, head; a tied head shares the embedding)
+        # the rest (embeddings, final norm, head; a tied head shares the embedding)
+        fully_shard(model, **kw)
         if tied and model.get_output_embeddings() is not None:
             if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
                 raise RuntimeError("tied embeddings came apart in fully_shard")
         self.model = model
-        self.family_check_error = None  # measured by the packing check a family outside the table must pass
-        if self.model_cfg.allow_untested_family and family({"model_type": model.config.model_type}) is None:
+        # measured by the packing check a family outside the table must pass
+        self.family_check_error = None
+        if (
+            self.model_cfg.allow_untested_family
+            and family({"model_type": model.config.model_type}) is None
+        ):
             err = self.family_check_error = family_check.check_packing(
-                model, model.config.get_text_config().vocab_size, self.model_cfg.dtype)
+                model, model.config.get_text_config().vocab_size, self.model_cfg.dtype
+            )
             if self.rank == 0:
-                print(f"[rlmega] {type(model).__name__} is not in rlmega's tested families (model.allow_untested_family"
-                      f"=true): its packed row gives each sequence's logits alone within {err:.2g}", flush=True)
+                print(
+                    f"[rlmega] {type(model).__name__} is not in rlmega's tested families (model.allow_untested_family"
+                    f"=true): its packed row gives each sequence's logits alone within {err:.2g}",
+                    flush=True,
+                )
         if not with_optimizer:
             return
         model.train()
@@ -165,21 +209,34 @@ class FSDPModelManager:
         self.lr_scheduler = self.build_lr_scheduler(self.optimizer, self.optim_cfg)
         self.grad_scaler = self.build_grad_scaler(enabled=False)  # no fp16 in ModelConfig
 
-    def build_optimizer(self, model: torch.nn.Module, enable_critic_warmup: bool = False) -> torch.optim.AdamW:
+    def build_optimizer(
+        self, model: torch.nn.Module, enable_critic_warmup: bool = False
+    ) -> torch.optim.AdamW:
         """AdamW over the sharded parameters with optimizer.{lr, weight_decay, adam_beta1/2, adam_eps}.
         ``enable_critic_warmup`` is RLinf's (a critic-only warm-up); rlmega's critic warms up by its own
         ``critic.warmup_steps`` (rlmega/fsdp/critic.py): must be False."""
         if enable_critic_warmup:
-            raise ValueError("enable_critic_warmup: rlmega's critic warms up by critic.warmup_steps instead")
+            raise ValueError(
+                "enable_critic_warmup: rlmega's critic warms up by critic.warmup_steps instead"
+            )
         o = self.optim_cfg
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
-                                 betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            weight_decay=o.weight_decay,
+        )
 
-    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer, optim_config: OptimizerConfig) -> LRSchedule:
+    def build_lr_scheduler(
+        self, optimizer: torch.optim.Optimizer, optim_config: OptimizerConfig
+    ) -> LRSchedule:
         """Megatron's schedule (rlmega/algorithms/lr_schedule.py): warm-up from 0 over lr_warmup_steps, then
         optimizer.lr_decay_style to min_lr at max(lr_decay_steps, warm-up + 1)."""
         o = optim_config
-        return LRSchedule(optimizer, o.lr, o.min_lr, o.lr_warmup_steps, self.lr_decay_steps, o.lr_decay_style)
+        return LRSchedule(
+            optimizer, o.lr, o.min_lr, o.lr_warmup_steps, self.lr_decay_steps, o.lr_decay_style
+        )
 
     def build_grad_scaler(self, enabled: bool, **kwargs):
         """torch's ShardedGradScaler (loss scaling for float16 training) when ``enabled``, else None.
@@ -266,25 +323,37 @@ class FSDPModelManager:
         this rank's DTensor shards. Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=full_state_dict, cpu_offload=cpu_offload))
+        return get_model_state_dict(
+            self.model,
+            options=StateDictOptions(full_state_dict=full_state_dict, cpu_offload=cpu_offload),
+        )
 
     @torch.no_grad()
-    def iter_full_tensors(self, weights: str = "merged",
-                          skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_tensors(
+        self, weights: str = "merged", skip: set[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF checkpoint name, full tensor) of the plain model: under LoRA (rlmega/learner/lora.py) with the adapters
         merged into their layers (``weights`` "merged"), or the base alone ("base"). ``skip``: parameter names
         (named_parameters') left out; each still takes part in its all-gather on every rank."""
         if weights not in ("merged", "base"):
             raise ValueError(f"weights={weights!r}: choose 'merged' or 'base'")
         if not self.lora_rank:
-            return self._checkpoint_layout((n, t) for n, t in self.iter_model_tensors() if n not in skip)
+            return self._checkpoint_layout(
+                (n, t) for n, t in self.iter_model_tensors() if n not in skip
+            )
         if weights == "base":
-            return self._checkpoint_layout(lora.base_weights(self.iter_model_tensors(adapters=False)))
-        return self._checkpoint_layout(lora.merged_weights(self.iter_model_tensors(),
-                                                           self.actor_cfg.lora.alpha / self.lora_rank))
+            return self._checkpoint_layout(
+                lora.base_weights(self.iter_model_tensors(adapters=False))
+            )
+        return self._checkpoint_layout(
+            lora.merged_weights(
+                self.iter_model_tensors(), self.actor_cfg.lora.alpha / self.lora_rank
+            )
+        )
 
-    def _checkpoint_layout(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _checkpoint_layout(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors as the model's checkpoint stores them, which is what vLLM loads. transformers 5 converts
         some families' weights when it loads them (Mixtral's experts as one fused tensor under ``mlp.experts``,
         DeepSeek-V3's and Qwen3-Next's likewise) and converts them back when it saves; the in-memory names are
@@ -303,10 +372,15 @@ class FSDPModelManager:
         live parameters (engine_api: valid until the next update). Collective."""
         if not self.lora_rank:
             raise NotImplementedError("this model has no LoRA adapters (actor.lora.rank=0)")
-        return {k: v.detach().cpu() for k, v in lora.adapter_weights(self.iter_model_tensors(base=False))}
+        return {
+            k: v.detach().cpu()
+            for k, v in lora.adapter_weights(self.iter_model_tensors(base=False))
+        }
 
     @torch.no_grad()
-    def iter_model_tensors(self, base: bool = True, adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_model_tensors(
+        self, base: bool = True, adapters: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full float tensor on this rank's device) per parameter, in named_parameters order (a tied
         head is skipped, as HF stores the embedding once), then the persistent buffers (``base``): checkpoint state
         that is not trained, DeepSeek-V3's router bias ``e_score_correction_bias``, which vLLM loads together with
@@ -314,7 +388,7 @@ class FSDPModelManager:
         ``adapters`` False: without those). Collective: every rank iterates it to the end and gets every tensor;
         only one parameter's full tensor is gathered at a time."""
         for name, p in self.model.named_parameters():
-            if (adapters if lora.is_adapter(name) else base):
+            if adapters if lora.is_adapter(name) else base:
                 yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         if base:
             for prefix, module in self.model.named_modules():
@@ -333,8 +407,13 @@ class FSDPModelManager:
     def _onload(self, kind: str, device_id) -> None:
         if kind not in self.offloaded:
             raise RuntimeError(f"{kind} are not offloaded")
-        if device_id is not None and torch.device(device_id if not isinstance(device_id, int) else
-                                                  f"cuda:{device_id}").type != self.device.type:
+        if (
+            device_id is not None
+            and torch.device(
+                device_id if not isinstance(device_id, int) else f"cuda:{device_id}"
+            ).type
+            != self.device.type
+        ):
             raise ValueError(f"device_id={device_id}: the model lives on {self.device}")
         offload.onload_tensors(self.offloaded.pop(kind))  # back into the same storages, same device
 
@@ -345,7 +424,12 @@ class FSDPModelManager:
         return [local_shard(p.grad) for p in self.model.parameters() if p.grad is not None]
 
     def _optimizer_state(self) -> list[torch.Tensor]:
-        return [local_shard(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return [
+            local_shard(v)
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        ]
 
     def offload_param_and_grad(self, offload_grad: bool = False) -> None:
         """This rank's parameter shards (and gradients, with ``offload_grad``) to host memory."""
@@ -366,23 +450,47 @@ class FSDPModelManager:
         self._onload("optimizer state", device_id)
 
     # ---- checkpoints and export -------------------------------------------------------------
-    def save_checkpoint(self, save_path: str | Path, step: int, extra: dict | None = None,
-                        extra_models: dict | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        save_path: str | Path,
+        step: int,
+        extra: dict | None = None,
+        extra_models: dict | None = None,
+    ) -> Path:
         """Sharded DCP checkpoint of model, optimizer, schedule and RNG (fsdp/checkpoint.py). Collective.
         ``extra_models``: name -> FSDPModelManager or FSDP2 model saved alongside (the reference)."""
-        return checkpoint.save(save_path, step, self.model, self.optimizer, self.lr_scheduler, extra,
-                               _models(extra_models), lora=checkpoint_record(self.actor_cfg.lora))
+        return checkpoint.save(
+            save_path,
+            step,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            extra,
+            _models(extra_models),
+            lora=checkpoint_record(self.actor_cfg.lora),
+        )
 
-    def load_checkpoint(self, load_path: str | Path, model_only: bool = False,
-                        extra_models: dict | None = None) -> tuple[int, dict]:
+    def load_checkpoint(
+        self, load_path: str | Path, model_only: bool = False, extra_models: dict | None = None
+    ) -> tuple[int, dict]:
         """Everything, or with ``model_only`` just the weights; any world size. Returns (step, extra)."""
         # The config wins over the checkpoint's optimizer settings (lr, betas, eps, weight decay), as
         # for Megatron: loading replaces the param groups' values, so they are put back (only Adam's
         # state and the schedule's step count come from the checkpoint).
         opt = None if model_only else self.optimizer
-        settings = [] if opt is None else [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        step, extra = checkpoint.load(load_path, self.model, opt, None if model_only else self.lr_scheduler,
-                                      _models(extra_models), lora=checkpoint_record(self.actor_cfg.lora))
+        settings = (
+            []
+            if opt is None
+            else [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        )
+        step, extra = checkpoint.load(
+            load_path,
+            self.model,
+            opt,
+            None if model_only else self.lr_scheduler,
+            _models(extra_models),
+            lora=checkpoint_record(self.actor_cfg.lora),
+        )
         for group, mine in zip(opt.param_groups if opt is not None else [], settings):
             group.update(mine)
         if opt is not None:
@@ -396,33 +504,52 @@ class FSDPModelManager:
         peft.PeftModel.from_pretrained loads onto model.path, with the merged model as a plain HF folder in
         ``merged/``. Collective; rank 0 writes into ``out_dir.partial`` and renames it into place."""
         out_dir = Path(out_dir)
-        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # every rank sees it: no hang
+        # every rank sees it: no hang
+        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
             raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
         full = self.get_model_state_dict(cpu_offload=True, full_state_dict=True)
         # a VLM is rebuilt by its own auto class (rlmega/fsdp/vision_inputs.py)
-        auto_class = vision_inputs.VLM_AUTO_CLASS if vision_inputs.is_vlm(self.model.config) else self.AUTO_CLASS
+        auto_class = (
+            vision_inputs.VLM_AUTO_CLASS
+            if vision_inputs.is_vlm(self.model.config)
+            else self.AUTO_CLASS
+        )
         if self.rank == 0:
             partial = out_dir.with_name(out_dir.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
             if self.lora_rank:
                 # a PEFT adapter folder (peft loads it onto model.path), and the merged model in merged/
                 cfg = self.actor_cfg.lora
-                lora.write_adapter(str(partial), cfg, dict(lora.adapter_weights(full.items())),
-                                   str(Path(self.model_cfg.path).resolve()))
+                lora.write_adapter(
+                    str(partial),
+                    cfg,
+                    dict(lora.adapter_weights(full.items())),
+                    str(Path(self.model_cfg.path).resolve()),
+                )
                 full = dict(lora.merged_weights(full.items(), cfg.alpha / cfg.rank))
                 merged = partial / "merged.partial"
-                _cpu_copy(self.model.config, full, auto_class).save_pretrained(merged, safe_serialization=True)
+                _cpu_copy(self.model.config, full, auto_class).save_pretrained(
+                    merged, safe_serialization=True
+                )
                 finish_export(merged, partial / "merged", Path(self.model_cfg.path))
             else:
-                _cpu_copy(self.model.config, full, auto_class).save_pretrained(partial, safe_serialization=True)
-            finish_export(partial, out_dir, Path(self.model_cfg.path) if self.model_cfg.path else None)
+                _cpu_copy(self.model.config, full, auto_class).save_pretrained(
+                    partial, safe_serialization=True
+                )
+            finish_export(
+                partial, out_dir, Path(self.model_cfg.path) if self.model_cfg.path else None
+            )
         dist.barrier()
         return out_dir
 
 
 def _models(extra: dict | None) -> dict | None:
     # only a manager is unwrapped: an HF model's .model is its inner decoder (no lm_head)
-    return None if extra is None else {k: v.model if isinstance(v, FSDPModelManager) else v for k, v in extra.items()}
+    return (
+        None
+        if extra is None
+        else {k: v.model if isinstance(v, FSDPModelManager) else v for k, v in extra.items()}
+    )
 
 
 def _cpu_copy(config, state: dict, auto_class: str = "AutoModelForCausalLM") -> torch.nn.Module:
@@ -432,14 +559,22 @@ def _cpu_copy(config, state: dict, auto_class: str = "AutoModelForCausalLM") -> 
 
     config = type(config).from_dict(config.to_dict())
     config.use_cache = True  # gradient checkpointing turned it off on the training model
-    model = getattr(transformers, auto_class).from_config(config, dtype=next(iter(state.values())).dtype)
+    model = getattr(transformers, auto_class).from_config(
+        config, dtype=next(iter(state.values())).dtype
+    )
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not _tied_head(model, k)]:
-        raise RuntimeError(f"export: state dict does not match {type(model).__name__}: missing {missing}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(
+            f"export: state dict does not match {type(model).__name__}: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
     return model
 
 
 def _tied_head(model, key: str) -> bool:
     out = model.get_output_embeddings()
-    return out is not None and key.endswith("weight") and out.weight is model.get_input_embeddings().weight
+    return (
+        out is not None
+        and key.endswith("weight")
+        and out.weight is model.get_input_embeddings().weight
+    )

@@ -21,6 +21,7 @@ in memory, as transformers' own GPT-OSS eager path. A cache is refused by name. 
 transformers drops a 2-D ``attention_mask`` before it reaches a mask-less implementation, so callers give
 packed rows (forward.py does), never padded ones.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,28 +41,54 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def packed_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                  value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                                  scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+def packed_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+):
     """transformers' attention-function contract: query (B, H, T, D), key/value (B, H_kv, T, D) ->
     (output (B, T, H, D), None). Causal within each sequence of the packed row, nothing across. B > 1
     only when every row has the same sequences (a plain batch: one causal sequence per row)."""
     if attention_mask is not None:
-        raise ValueError(f"{NAME} takes packed rows without an attention_mask (sequences are read from position_ids)")
+        raise ValueError(
+            f"{NAME} takes packed rows without an attention_mask (sequences are read from position_ids)"
+        )
     if query.shape[2] != key.shape[2]:
-        raise ValueError(f"{NAME}: packed rows without a cache, got query {tuple(query.shape)}, "
-                         f"key {tuple(key.shape)}")
+        raise ValueError(
+            f"{NAME}: packed rows without a cache, got query {tuple(query.shape)}, "
+            f"key {tuple(key.shape)}"
+        )
     sinks = kwargs.get("s_aux")
     position_ids = kwargs.pop("position_ids", None)
     shard = ulysses.current()
-    if shard is not None:  # Ulysses: this rank's heads over the whole row, then back (rlmega/fsdp/ulysses.py)
-        if sinks is not None:  # the preflight refuses actor.ulysses_size > 1 for such a family first
-            raise ValueError(f"{NAME}: attention sinks under Ulysses (each rank would need its heads' sinks)")
+    # Ulysses: this rank's heads over the whole row, then back (rlmega/fsdp/ulysses.py)
+    if shard is not None:
+        # the preflight refuses actor.ulysses_size > 1 for such a family first
+        if sinks is not None:
+            raise ValueError(
+                f"{NAME}: attention sinks under Ulysses (each rank would need its heads' sinks)"
+            )
         query, key, value = (ulysses.seq_to_heads(t, shard) for t in (query, key, value))
-        out = _per_sequence(module, query, key, value, shard.full_position_ids.to(query.device), dropout, scaling,
-                            sliding_window)
+        out = _per_sequence(
+            module,
+            query,
+            key,
+            value,
+            shard.full_position_ids.to(query.device),
+            dropout,
+            scaling,
+            sliding_window,
+        )
         return ulysses.heads_to_seq(out.transpose(1, 2), shard).transpose(1, 2), None
-    return _per_sequence(module, query, key, value, position_ids, dropout, scaling, sliding_window, sinks), None
+    return _per_sequence(
+        module, query, key, value, position_ids, dropout, scaling, sliding_window, sinks
+    ), None
 
 
 def _window_mask(t: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -74,8 +101,14 @@ def _window_mask(t: int, sliding_window: int | None, device) -> torch.Tensor | N
     return ((d >= 0) & (d < sliding_window))[None, None]
 
 
-def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
-                   scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
+def sink_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor,
+    scaling: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
     """Causal attention of one sequence with a sink logit per head (GPT-OSS): query (1, H, t, D), key/value
     (1, H_kv, t, D), sinks (H,), mask (1, 1, t, t) bool or None (causal) -> (1, t, H, D).
 
@@ -88,18 +121,24 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if mask is None:
         mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()[None, None]
     scores = scores.masked_fill(~mask, float("-inf"))
-    combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(1, -1, t, 1).to(scores.dtype)], dim=-1)
+    combined = torch.cat(
+        [scores, sinks.reshape(1, -1, 1, 1).expand(1, -1, t, 1).to(scores.dtype)], dim=-1
+    )
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v).transpose(1, 2)
 
 
-def _per_sequence(module, query, key, value, position_ids, dropout, scaling, sliding_window,
-                  sinks=None) -> torch.Tensor:
+def _per_sequence(
+    module, query, key, value, position_ids, dropout, scaling, sliding_window, sinks=None
+) -> torch.Tensor:
     """query (B, H, T, D), key/value (B, H_kv, T, D) -> (B, T, H, D): causal sdpa per sequence of the row."""
-    if position_ids is not None and position_ids.shape[0] > 1:  # rows must share one layout (e.g. unpacked)
+    # rows must share one layout (e.g. unpacked)
+    if position_ids is not None and position_ids.shape[0] > 1:
         if not torch.equal(position_ids, position_ids[:1].expand_as(position_ids)):
-            raise ValueError(f"{NAME}: rows of a batch packed differently; pack into one row per micro-batch")
+            raise ValueError(
+                f"{NAME}: rows of a batch packed differently; pack into one row per micro-batch"
+            )
         position_ids = position_ids[:1]
     bounds = [(0, query.shape[2])] if position_ids is None else sequence_bounds(position_ids)
     # split, not slicing: the backward of a split is one cat, that of each slice a zero-filled (1, H, T, D)
@@ -109,10 +148,14 @@ def _per_sequence(module, query, key, value, position_ids, dropout, scaling, sli
         mask = _window_mask(q.shape[2], sliding_window, q.device)
         if sinks is not None:
             if dropout:
-                raise ValueError(f"{NAME}: attention dropout with sinks is not implemented (set attention_dropout=0)")
+                raise ValueError(
+                    f"{NAME}: attention dropout with sinks is not implemented (set attention_dropout=0)"
+                )
             outs.append(sink_attention(q, k, v, sinks, scaling, mask))
             continue
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=True)
+        out, _ = sdpa_attention_forward(
+            module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=True
+        )
         outs.append(out)  # (1, t, H, D)
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 

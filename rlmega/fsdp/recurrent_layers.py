@@ -10,6 +10,7 @@ sequence bounds from its ``position_ids`` (a forward pre-hook: it runs again whe
 checkpointing recomputes the layer), and the module runs once per sequence from a zero state, exactly
 as for that sequence alone; the outputs are concatenated back into the row.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,10 @@ from rlmega.fsdp.packed_attention import sequence_bounds
 def _bounds_hook(recurrent: torch.nn.Module):
     def hook(layer, args, kwargs):
         pos = kwargs.get("position_ids")
-        recurrent._rlmega_bounds = None if pos is None or pos.shape[0] != 1 else sequence_bounds(pos)
+        recurrent._rlmega_bounds = (
+            None if pos is None or pos.shape[0] != 1 else sequence_bounds(pos)
+        )
+
     return hook
 
 
@@ -30,12 +34,23 @@ def _per_sequence_forward(module: torch.nn.Module):
     def forward(hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
         bounds = getattr(module, "_rlmega_bounds", None)
         if bounds is None or len(bounds) == 1:
-            return inner(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-        if cache_params is not None or (attention_mask is not None and not bool(attention_mask.all())):
-            raise ValueError("a packed row through a linear-attention layer takes no cache and no padding mask")
-        kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length"))}
+            return inner(
+                hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
+            )
+        if cache_params is not None or (
+            attention_mask is not None and not bool(attention_mask.all())
+        ):
+            raise ValueError(
+                "a packed row through a linear-attention layer takes no cache and no padding mask"
+            )
+        kwargs = {
+            k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length"))
+        }
         parts = hidden_states.split([e - s for s, e in bounds], dim=1)
-        return torch.cat([inner(p, cache_params=None, attention_mask=None, **kwargs) for p in parts], dim=1)
+        return torch.cat(
+            [inner(p, cache_params=None, attention_mask=None, **kwargs) for p in parts], dim=1
+        )
+
     return forward
 
 
@@ -62,7 +77,9 @@ def restart_at_sequences(model: torch.nn.Module) -> int:
         return 0
     n = per_sequence(model, fam.recurrent)
     if not n:  # the table names a module the model lacks: transformers renamed it
-        raise RuntimeError(f"{fam.architecture}: no decoder layer has a {fam.recurrent!r} module to run per packed "
-                           "sequence (rlmega/config/families.py names it); refusing to train with state crossing "
-                           "sequences")
+        raise RuntimeError(
+            f"{fam.architecture}: no decoder layer has a {fam.recurrent!r} module to run per packed "
+            "sequence (rlmega/config/families.py names it); refusing to train with state crossing "
+            "sequences"
+        )
     return n

@@ -18,6 +18,7 @@ one rank of each group.
     with active(shard):                             # attention calls see it (packed_attention.py)
         hidden = model(shard.tokens, shard.position_ids)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,7 @@ _ACTIVE: list = []  # the shard of the forward in progress (a stack: set only in
 @dataclasses.dataclass
 class Shard:
     """One rank's contiguous part [lo, hi) of a micro-batch's packed row of ``full_len`` positions."""
+
     rank: int
     size: int
     group: object
@@ -53,10 +55,16 @@ def localise(mb: dict, rank: int, size: int, group) -> dict:
     and scored positions included)."""
     tokens, positions = mb["tokens"], mb["position_ids"]
     if tokens.shape[0] != 1 or tokens.shape[1] % size:
-        raise ValueError(f"Ulysses takes one packed row of a multiple of {size} tokens, got {tuple(tokens.shape)}")
+        raise ValueError(
+            f"Ulysses takes one packed row of a multiple of {size} tokens, got {tuple(tokens.shape)}"
+        )
     per = tokens.shape[1] // size
     lo, hi = rank * per, (rank + 1) * per
-    runs = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in mb["response_positions"] if min(b, hi) > max(a, lo)]
+    runs = [
+        (max(a, lo) - lo, min(b, hi) - lo)
+        for a, b in mb["response_positions"]
+        if min(b, hi) > max(a, lo)
+    ]
     head = {"labels": mb["labels"][lo:hi], "response_positions": runs}
     out = dict(mb)
     out["tokens"], out["position_ids"] = tokens[:, lo:hi], positions[:, lo:hi]
@@ -84,8 +92,10 @@ def current() -> Shard | None:
 def check_heads(num_heads: int, num_kv_heads: int, size: int) -> None:
     """Each rank attends with 1/U of the query heads and of the KV heads."""
     if num_heads % size or num_kv_heads % size:
-        raise ValueError(f"actor.ulysses_size={size} must divide the model's attention heads ({num_heads}) and KV "
-                         f"heads ({num_kv_heads}): each rank attends with 1/ulysses_size of each")
+        raise ValueError(
+            f"actor.ulysses_size={size} must divide the model's attention heads ({num_heads}) and KV "
+            f"heads ({num_kv_heads}): each rank attends with 1/ulysses_size of each"
+        )
 
 
 def seq_to_heads(x: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -101,7 +111,8 @@ def heads_to_seq(x: torch.Tensor, shard: Shard) -> torch.Tensor:
 def _a2a(x: torch.Tensor, group) -> torch.Tensor:
     """all_to_all over dim 0 (slot j to rank j; slot i of the result from rank i)."""
     x = x.contiguous()
-    out = torch.empty_like(x)  # (of the contiguous input: empty_like keeps a permuted tensor's strides)
+    # (of the contiguous input: empty_like keeps a permuted tensor's strides)
+    out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -115,7 +126,8 @@ def _seq_to_heads(x: torch.Tensor, size: int, group) -> torch.Tensor:
 
 def _heads_to_seq(x: torch.Tensor, size: int, group) -> torch.Tensor:
     _, h, T, D = x.shape
-    send = x[0].reshape(h, size, T // size, D).permute(1, 0, 2, 3)  # slot j: rank j's positions, my heads
+    # slot j: rank j's positions, my heads
+    send = x[0].reshape(h, size, T // size, D).permute(1, 0, 2, 3)
     got = _a2a(send, group)  # slot i: head group i over my positions
     return got.reshape(1, size * h, T // size, D)
 
@@ -130,7 +142,12 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.size, ctx.group), None, None, None
+        return (
+            (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.size, ctx.group),
+            None,
+            None,
+            None,
+        )
 
 
 class _GatherRow(torch.autograd.Function):
@@ -145,4 +162,4 @@ class _GatherRow(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)  # every rank's loss reads every position
-        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None, None
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None

@@ -8,6 +8,7 @@ unused) and the head starts from ``fresh_value_head(hidden, head_std, model.seed
 critic starts from too; ``hf_config`` (a causal LM's config dict) builds a random body seeded by model.seed,
 and the same head.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,13 @@ from pathlib import Path
 import torch
 
 from rlmega.config.schema import ModelConfig
-from rlmega.config.value_model import VALUE_HEAD, fresh_value_head, head_std, is_value_model, value_model_config
+from rlmega.config.value_model import (
+    VALUE_HEAD,
+    fresh_value_head,
+    head_std,
+    is_value_model,
+    value_model_config,
+)
 from rlmega.fsdp import packed_attention, recurrent_layers
 
 
@@ -26,8 +33,11 @@ def value_model(model_cfg: ModelConfig, hf_config: dict | None) -> torch.nn.Modu
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     kw = {"dtype": torch.float32, "attn_implementation": packed_attention.NAME}
-    source = dict(hf_config) if hf_config is not None else \
-        json.loads((Path(model_cfg.path) / "config.json").read_text())
+    source = (
+        dict(hf_config)
+        if hf_config is not None
+        else json.loads((Path(model_cfg.path) / "config.json").read_text())
+    )
     hf = value_model_config(source)
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     if hf_config is not None:
@@ -37,15 +47,21 @@ def value_model(model_cfg: ModelConfig, hf_config: dict | None) -> torch.nn.Modu
     else:
         # A causal LM's checkpoint fills the body (the same "model." prefix); its lm_head is left out.
         model, info = AutoModelForTokenClassification.from_pretrained(
-            model_cfg.path, config=config, local_files_only=True, output_loading_info=True, **kw)
-        fresh = set() if is_value_model(source) else {VALUE_HEAD}  # a policy has no value head to load
+            model_cfg.path, config=config, local_files_only=True, output_loading_info=True, **kw
+        )
+        # a policy has no value head to load
+        fresh = set() if is_value_model(source) else {VALUE_HEAD}
         missing = set(info["missing_keys"]) - fresh
-        if missing:  # transformers would have left them at random init without a word beyond a warning
-            raise RuntimeError(f"{model_cfg.path}: the value model's {sorted(missing)} are not in its checkpoint")
+        # transformers would have left them at random init without a word beyond a warning
+        if missing:
+            raise RuntimeError(
+                f"{model_cfg.path}: the value model's {sorted(missing)} are not in its checkpoint"
+            )
         if is_value_model(source):
             recurrent_layers.restart_at_sequences(model)
             return model  # a critic's export: its own head
-    recurrent_layers.restart_at_sequences(model)  # linear-attention state restarts per packed sequence
+    # linear-attention state restarts per packed sequence
+    recurrent_layers.restart_at_sequences(model)
     hidden = config.get_text_config().hidden_size
     with torch.no_grad():  # not transformers' init: the seeded draw both backends share
         model.score.weight.copy_(fresh_value_head(hidden, head_std(source), model_cfg.seed))

@@ -25,6 +25,7 @@ own embedding, and only the prompts' placeholders receive image features. mRoPE 
 An image a tool answered with (an image observation, rlmega/agents/image_observations.py) lies in the response
 too: a sequence's ``observation_spans`` name those placeholders, which receive features like the prompt's.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -38,7 +39,8 @@ from rlmega.fsdp.packed_attention import sequence_bounds
 IDEFICS3_TYPES = ("idefics3", "smolvlm")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")
 VLM_TYPES = IDEFICS3_TYPES + MROPE_TYPES
-VLM_AUTO_CLASS = "AutoModelForImageTextToText"  # the transformers auto class that builds every VLM_TYPES model
+# the transformers auto class that builds every VLM_TYPES model
+VLM_AUTO_CLASS = "AutoModelForImageTextToText"
 
 # rope_index(input_ids (1, t), mm_token_type_ids (1, t), image_grid_thw (n, 3)) -> (positions (3, 1, t), deltas)
 RopeIndex = Callable[..., tuple]
@@ -50,7 +52,12 @@ def is_vlm(config) -> bool:
 
 
 # The vision tower's module (an attribute of the VLM's inner model) per family: what freeze_vision_tower freezes.
-VISION_TOWERS = {"idefics3": "vision_model", "smolvlm": "vision_model", "qwen2_vl": "visual", "qwen2_5_vl": "visual"}
+VISION_TOWERS = {
+    "idefics3": "vision_model",
+    "smolvlm": "vision_model",
+    "qwen2_vl": "visual",
+    "qwen2_5_vl": "visual",
+}
 
 
 def vision_tower_names(model) -> set[str]:
@@ -66,27 +73,44 @@ def vision_tower_names(model) -> set[str]:
 def check_supported(config) -> None:
     """Refuse a VLM family whose image inputs this module cannot pack, naming the supported ones."""
     if is_vlm(config) and config.model_type not in VLM_TYPES:
-        raise ValueError(f"model.path is a {config.model_type} vision-language model; the FSDP learner packs images "
-                         f"for {', '.join(VLM_TYPES)} only. Fix: use one of those families, or a text-only model")
+        raise ValueError(
+            f"model.path is a {config.model_type} vision-language model; the FSDP learner packs images "
+            f"for {', '.join(VLM_TYPES)} only. Fix: use one of those families, or a text-only model"
+        )
 
 
-def _cat_padded_tiles(values: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _cat_padded_tiles(
+    values: list[torch.Tensor], masks: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Idefics3 tiles (1, n_i, 3, H_i, W_i) and masks (1, n_i, H_i, W_i) -> one (1, sum n, 3, H, W) and mask."""
     H = max(v.shape[-2] for v in values)
     W = max(v.shape[-1] for v in values)
-    pv = torch.cat([torch.nn.functional.pad(v, (0, W - v.shape[-1], 0, H - v.shape[-2])) for v in values], dim=1)
-    pm = torch.cat([torch.nn.functional.pad(m, (0, W - m.shape[-1], 0, H - m.shape[-2])) for m in masks], dim=1)
+    pv = torch.cat(
+        [torch.nn.functional.pad(v, (0, W - v.shape[-1], 0, H - v.shape[-2])) for v in values],
+        dim=1,
+    )
+    pm = torch.cat(
+        [torch.nn.functional.pad(m, (0, W - m.shape[-1], 0, H - m.shape[-2])) for m in masks], dim=1
+    )
     return pv, pm
 
 
 def placeholder_ids(config) -> list[int]:
     """The token ids a VLM fills with image (or video) features."""
-    return [i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
-            if i is not None]
+    return [
+        i
+        for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+        if i is not None
+    ]
 
 
-def sampled_placeholders(tokens: torch.Tensor, position_ids: torch.Tensor, config,
-                         prompt_ends: Sequence[int] | None, per_seq: Sequence[dict | None] = ()) -> torch.Tensor:
+def sampled_placeholders(
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    config,
+    prompt_ends: Sequence[int] | None,
+    per_seq: Sequence[dict | None] = (),
+) -> torch.Tensor:
     """(T,) bool: the row's image placeholders that lie after their sequence's prompt (sampled, so text), but
     for those of an image observation a tool put in the response (each sequence's ``observation_spans``).
 
@@ -94,17 +118,27 @@ def sampled_placeholders(tokens: torch.Tensor, position_ids: torch.Tensor, confi
     row, in row order (None: every token is prompt); per_seq: each sequence's vision inputs, in row order."""
     row = tokens.reshape(-1)
     in_response = torch.zeros_like(row, dtype=torch.bool)
-    for k, ((_, end), prompt_end) in enumerate(zip(sequence_bounds(position_ids), prompt_ends or [])):
+    for k, ((_, end), prompt_end) in enumerate(
+        zip(sequence_bounds(position_ids), prompt_ends or [])
+    ):
         in_response[prompt_end:end] = True
         vision = per_seq[k] if k < len(per_seq) else None
-        for a, b in (vision or {}).get(OBSERVATION_SPANS, torch.zeros(0, 2, dtype=torch.int64)).tolist():
-            in_response[prompt_end + a:prompt_end + b] = False  # an image observation: its features go there
+        for a, b in (
+            (vision or {}).get(OBSERVATION_SPANS, torch.zeros(0, 2, dtype=torch.int64)).tolist()
+        ):
+            # an image observation: its features go there
+            in_response[prompt_end + a : prompt_end + b] = False
     return in_response & torch.isin(row, torch.tensor(placeholder_ids(config), device=row.device))
 
 
-def mrope_position_ids(tokens: torch.Tensor, position_ids: torch.Tensor, per_seq: Sequence[dict | None],
-                       image_token_id: int, rope_index: RopeIndex,
-                       text_mask: torch.Tensor | None = None) -> torch.Tensor:
+def mrope_position_ids(
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    per_seq: Sequence[dict | None],
+    image_token_id: int,
+    rope_index: RopeIndex,
+    text_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(4, 1, T) position ids of a packed row for an mRoPE model.
 
     tokens, position_ids (1, T): the packed row (positions restart at 0 per sequence); per_seq: each
@@ -114,7 +148,9 @@ def mrope_position_ids(tokens: torch.Tensor, position_ids: torch.Tensor, per_seq
     out = text.expand(3, -1).clone()  # text tokens: the same position on all three axes
     bounds = sequence_bounds(text)
     if len(bounds) < len(per_seq):
-        raise ValueError(f"{len(per_seq)} samples' vision inputs for a row of {len(bounds)} sequences")
+        raise ValueError(
+            f"{len(per_seq)} samples' vision inputs for a row of {len(bounds)} sequences"
+        )
     for (s, e), vision in zip(bounds, per_seq):
         if vision is None:
             continue
@@ -127,8 +163,14 @@ def mrope_position_ids(tokens: torch.Tensor, position_ids: torch.Tensor, per_seq
     return torch.cat([text, out], dim=0)[:, None, :]
 
 
-def row_vision_kwargs(config, tokens: torch.Tensor, position_ids: torch.Tensor, per_seq: Sequence[dict | None],
-                      rope_index: RopeIndex | None = None, prompt_ends: Sequence[int] | None = None) -> dict:
+def row_vision_kwargs(
+    config,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    per_seq: Sequence[dict | None],
+    rope_index: RopeIndex | None = None,
+    prompt_ends: Sequence[int] | None = None,
+) -> dict:
     """Keyword arguments for ``model(**kwargs)`` over one packed row: ``input_ids`` and ``position_ids`` (the
     row's (1, T), or mRoPE's (4, 1, T)), and a VLM's images. per_seq: each sequence's processor outputs without
     the tokens (None for a text-only sample), in the row's order; prompt_ends: where each sequence's prompt ends
@@ -140,18 +182,23 @@ def row_vision_kwargs(config, tokens: torch.Tensor, position_ids: torch.Tensor, 
     have = [v for v in per_seq if v is not None]
     as_text = sampled_placeholders(tokens, position_ids, config, prompt_ends, per_seq)
     pad = getattr(config.get_text_config(), "pad_token_id", None) or 0
-    kwargs: dict = {"input_ids": tokens.masked_fill(as_text.reshape(tokens.shape), pad), "position_ids": position_ids}
+    kwargs: dict = {
+        "input_ids": tokens.masked_fill(as_text.reshape(tokens.shape), pad),
+        "position_ids": position_ids,
+    }
     if config.model_type in MROPE_TYPES:
         if rope_index is None:
             raise ValueError("an mRoPE model's packed row needs its get_rope_index (rope_index=)")
-        kwargs["position_ids"] = mrope_position_ids(tokens, position_ids, per_seq, config.image_token_id, rope_index,
-                                                    as_text)
+        kwargs["position_ids"] = mrope_position_ids(
+            tokens, position_ids, per_seq, config.image_token_id, rope_index, as_text
+        )
         if have:
             kwargs["pixel_values"] = torch.cat([v["pixel_values"] for v in have], dim=0)
             kwargs["image_grid_thw"] = torch.cat([v["image_grid_thw"] for v in have], dim=0)
     elif have:
         kwargs["pixel_values"], kwargs["pixel_attention_mask"] = _cat_padded_tiles(
-            [v["pixel_values"] for v in have], [v["pixel_attention_mask"] for v in have])
+            [v["pixel_values"] for v in have], [v["pixel_attention_mask"] for v in have]
+        )
     return kwargs
 
 
@@ -169,7 +216,9 @@ def sampled_placeholders_as_text(model, tokens: torch.Tensor, input_ids: torch.T
 
     def forward(ids, *args, **kwargs):
         if ids.shape != tokens.shape:
-            raise ValueError(f"embedding of ids {tuple(ids.shape)} while the row is {tuple(tokens.shape)}")
+            raise ValueError(
+                f"embedding of ids {tuple(ids.shape)} while the row is {tuple(tokens.shape)}"
+            )
         return own(emb, tokens.to(ids.device), *args, **kwargs)
 
     emb.forward = forward

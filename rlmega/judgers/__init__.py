@@ -12,9 +12,18 @@ agent loop's judgers by weight; factory.py builds them from JudgerConfig; rlmega
 checks the config at load (validate_judgers, re-exported here). Failures never raise: they score 0 with an
 error string naming the judger (base.py).
 """
+
 from rlmega.config.judger_rules import validate_judgers
 from rlmega.judgers.base import JudgeError, Judgement, Judger, JudgeItem
 from rlmega.judgers.composite import CompositeJudger
 from rlmega.judgers.factory import build_judger
 
-__all__ = ["Judger", "JudgeItem", "Judgement", "JudgeError", "CompositeJudger", "build_judger", "validate_judgers"]
+__all__ = [
+    "Judger",
+    "JudgeItem",
+    "Judgement",
+    "JudgeError",
+    "CompositeJudger",
+    "build_judger",
+    "validate_judgers",
+]

@@ -17,6 +17,7 @@ returns ({"reward": r, "format": f}) become `scores["<name>/format"]`. Prefixing
 keys of one judger the same for every item and makes the union over judgers with distinct names (which
 validation enforces) free of clashes (rlmega/judgers/composite.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -116,7 +117,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def raised_at(e: BaseException) -> str:
-    """" (raised at FILE:LINE)": the innermost frame of ``e``'s traceback, the line of the user's reward that
+    """ " (raised at FILE:LINE)": the innermost frame of ``e``'s traceback, the line of the user's reward that
     raised; "" when that frame is the judgers' own code (their messages say what is wrong) or unknown."""
     frames = traceback.extract_tb(e.__traceback__)
     if not frames or os.path.dirname(os.path.abspath(frames[-1].filename)) == _HERE:
@@ -154,7 +155,8 @@ class Judger:
     async def judge(self, item: JudgeItem) -> Judgement:
         """The verdict on `item`; failures come back as reward 0 with `error` set, never raised."""
         try:
-            await self.ready()  # before the item's clock starts: a judge engine may take minutes to start
+            # before the item's clock starts: a judge engine may take minutes to start
+            await self.ready()
         except Exception as e:
             why = str(e) if isinstance(e, JudgeError) else f"{type(e).__name__}: {e}"
             return failed(self.name, self._error(f"not ready: {why}"))
@@ -171,7 +173,8 @@ class Judger:
             return failed(self.name, self._error(f"{type(cause).__name__}: {cause}"))
         except JudgeError as e:
             return failed(self.name, self._error(str(e)))
-        except Exception as e:  # user code: keep its type, message and where it raised for the error flag
+        # user code: keep its type, message and where it raised for the error flag
+        except Exception as e:
             return failed(self.name, self._error(f"{type(e).__name__}: {e}{raised_at(e)}"))
 
     async def _own_timeouts_apart(self, item: JudgeItem) -> RawVerdict:

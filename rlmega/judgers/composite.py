@@ -14,6 +14,7 @@ sum(w_i); a failed judger contributes reward 0 (its Judgement's) with full weigh
 the reward rather than letting the others' verdict stand alone. Error: the failed judgers' errors
 joined by "; ", None when all succeeded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,7 +58,9 @@ class CompositeJudger:
                 self._errors[judger.name] += 1
                 errors.append(verdict.error)
         self.judged += 1
-        reward = sum(j.weight * v.reward for j, v in zip(self.judgers, verdicts)) / self.total_weight
+        reward = (
+            sum(j.weight * v.reward for j, v in zip(self.judgers, verdicts)) / self.total_weight
+        )
         return Judgement(scores=scores, reward=reward, error="; ".join(errors) if errors else None)
 
     async def judge_many(self, items: list[JudgeItem]) -> list[Judgement]:
@@ -80,4 +83,6 @@ class CompositeJudger:
         await asyncio.gather(*(j.aclose() for j in self.judgers))
 
     def __repr__(self) -> str:
-        return f"CompositeJudger({', '.join(f'{j.name}:{j.kind}*{j.weight:g}' for j in self.judgers)})"
+        return (
+            f"CompositeJudger({', '.join(f'{j.name}:{j.kind}*{j.weight:g}' for j in self.judgers)})"
+        )

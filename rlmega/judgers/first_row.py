@@ -8,6 +8,7 @@ The response it is given is the row's label as text (a right answer: a sensible 
 raising). Native and ray judgers only: their function runs here, in a thread, bounded by its timeout_s; an
 http judger's service and a model judge's engine are not started for this.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,20 +28,33 @@ def first_row_problems(reward: RewardConfig, tasks, named_tasks: bool) -> list[s
     for t in tasks.configs:
         prompt = tasks.data[t.name].train[0]
         where = f"row {prompt.index + 1} of {t.data.train_path or 'the synthetic ' + t.data.synthetic_task + ' rows'}"
-        item = JudgeItem(prompt_text=prompt.text, response_text=str(prompt.label), response_raw=str(prompt.label),
-                         label=prompt.label, prompt_ids=list(prompt.token_ids), images=tuple(prompt.images),
-                         metadata={"task": t.name, "finish_reason": "stop"}, columns=dict(prompt.columns))
+        item = JudgeItem(
+            prompt_text=prompt.text,
+            response_text=str(prompt.label),
+            response_raw=str(prompt.label),
+            label=prompt.label,
+            prompt_ids=list(prompt.token_ids),
+            images=tuple(prompt.images),
+            metadata={"task": t.name, "finish_reason": "stop"},
+            columns=dict(prompt.columns),
+        )
         custom = bool(t.agent_loop.judgers)
         prefix = f"tasks[{t.name}].agent_loop.judgers" if named_tasks else "agent_loop.judgers"
         for i, c in enumerate(t.agent_loop.judgers or default_judgers(reward)):
             if c.kind not in ("native", "ray"):
                 continue
             fn = c.fn or reward.fn
-            verdict = asyncio.run(NativeJudger(c.name, fn, kwargs=c.kwargs, timeout_s=c.timeout_s).judge(item))
+            verdict = asyncio.run(
+                NativeJudger(c.name, fn, kwargs=c.kwargs, timeout_s=c.timeout_s).judge(item)
+            )
             if verdict.error is not None:
-                out.append(problem(f"{prefix}[{i}].fn" if custom and c.fn else "reward.fn",
-                                   f"{fn} failed on {where}, given its label {prompt.label!r} as the response: "
-                                   f"{verdict.error.split(': ', 1)[-1]}",
-                                   "correct the function: it must return a number, or a dict holding 'reward', "
-                                   "for every response"))
+                out.append(
+                    problem(
+                        f"{prefix}[{i}].fn" if custom and c.fn else "reward.fn",
+                        f"{fn} failed on {where}, given its label {prompt.label!r} as the response: "
+                        f"{verdict.error.split(': ', 1)[-1]}",
+                        "correct the function: it must return a number, or a dict holding 'reward', "
+                        "for every response",
+                    )
+                )
     return out

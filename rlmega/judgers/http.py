@@ -11,6 +11,7 @@ connection error or no answer within timeout_s is that item's error (reward 0, f
 One httpx.AsyncClient (a connection pool) serves the judger; it is bound to the event loop that made
 it, so a call from another loop (a second `asyncio.run`) gets a fresh client.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,15 @@ from rlmega.judgers.base import JudgeError, Judger, JudgeItem, RawVerdict
 class HttpJudger(Judger):
     kind = "http"
 
-    def __init__(self, name: str, url: str, *, kwargs: dict | None = None, timeout_s: float = 60.0,
-                 weight: float = 1.0):
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        *,
+        kwargs: dict | None = None,
+        timeout_s: float = 60.0,
+        weight: float = 1.0,
+    ):
         super().__init__(name, timeout_s=timeout_s, weight=weight)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"judger {name!r}: url={url!r} must start with http:// or https://")
@@ -40,8 +48,14 @@ class HttpJudger(Judger):
         return self._client
 
     async def _judge(self, item: JudgeItem) -> RawVerdict:
-        body = {"response": item.response_text, "label": item.label, "prompt": item.prompt_text,
-                "metadata": item.metadata, "columns": item.columns, **self.kwargs}
+        body = {
+            "response": item.response_text,
+            "label": item.label,
+            "prompt": item.prompt_text,
+            "metadata": item.metadata,
+            "columns": item.columns,
+            **self.kwargs,
+        }
         answer = await self._client_for_this_loop().post(self.url, json=body)
         if not answer.is_success:
             raise JudgeError(f"HTTP {answer.status_code} from {self.url}: {answer.text[:200]!r}")
@@ -50,7 +64,9 @@ class HttpJudger(Judger):
         except ValueError:
             raise JudgeError(f"{self.url} answered {answer.text[:200]!r}, not JSON") from None
         if not isinstance(verdict, dict):
-            raise JudgeError(f"{self.url} answered {str(verdict)[:200]}, not a JSON object with 'reward'")
+            raise JudgeError(
+                f"{self.url} answered {str(verdict)[:200]}, not a JSON object with 'reward'"
+            )
         return verdict
 
     async def aclose(self) -> None:
@@ -63,7 +79,8 @@ class HttpJudger(Judger):
         client, loop = self._client, self._client_loop
         self._client = self._client_loop = None
         if client is None or loop is None or loop.is_closed():
-            return  # its loop is gone: nothing can await aclose; the sockets close when it is collected
+            # its loop is gone: nothing can await aclose; the sockets close when it is collected
+            return
         if loop.is_running():
             loop.create_task(client.aclose())
         else:

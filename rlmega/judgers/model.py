@@ -21,6 +21,7 @@ starts) waits up to `startup_timeout_s` for it. A prompt too long for the engine
 max_tokens > max_model_len) is that item's error. An engine that dies is not restarted (a start costs
 minutes): every later item fails fast with the reason, flagged, and the run goes on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,11 +64,25 @@ def engine_settings(c) -> dict:
 class ModelJudger(Judger):
     kind = "model"
 
-    def __init__(self, name: str, model_path: str, *, prompt_template: str = "{response}={label}?",
-                 max_tokens: int = 4, timeout_s: float = 60.0, weight: float = 1.0, cpus_per_actor: float = 0.25,
-                 memory_mb_per_actor: int = 0, num_gpus: float = 0.0, placement_group=None, bundle_index: int = -1,
-                 engine_kwargs: dict | None = None, max_batch: int = 64, batch_wait_s: float = 0.005,
-                 startup_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        *,
+        prompt_template: str = "{response}={label}?",
+        max_tokens: int = 4,
+        timeout_s: float = 60.0,
+        weight: float = 1.0,
+        cpus_per_actor: float = 0.25,
+        memory_mb_per_actor: int = 0,
+        num_gpus: float = 0.0,
+        placement_group=None,
+        bundle_index: int = -1,
+        engine_kwargs: dict | None = None,
+        max_batch: int = 64,
+        batch_wait_s: float = 0.005,
+        startup_timeout_s: float = 600.0,
+    ):
         super().__init__(name, timeout_s=timeout_s, weight=weight)
         if not os.path.isfile(os.path.join(model_path, "config.json")):
             raise ValueError(f"judger {name!r}: model_path={model_path!r} has no config.json")
@@ -75,16 +90,26 @@ class ModelJudger(Judger):
         if max_tokens < 1:
             raise ValueError(f"judger {name!r}: max_tokens={max_tokens} must be >= 1")
         if not ray.is_initialized():
-            raise RuntimeError(f"judger {name!r} (model) needs a running Ray: call ray.init() first")
+            raise RuntimeError(
+                f"judger {name!r} (model) needs a running Ray: call ray.init() first"
+            )
         from transformers import AutoTokenizer
 
         from rlmega.rollout.rollout import RolloutWorker
 
-        self.model_path, self.prompt_template, self.max_tokens = model_path, prompt_template, max_tokens
+        self.model_path, self.prompt_template, self.max_tokens = (
+            model_path,
+            prompt_template,
+            max_tokens,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         engine_kwargs = dict(engine_kwargs or {})
         self.max_model_len = engine_kwargs.setdefault("max_model_len", DEFAULT_MAX_MODEL_LEN)
-        self.max_batch, self.batch_wait_s, self.startup_timeout_s = max_batch, batch_wait_s, startup_timeout_s
+        self.max_batch, self.batch_wait_s, self.startup_timeout_s = (
+            max_batch,
+            batch_wait_s,
+            startup_timeout_s,
+        )
         options: dict = {"num_cpus": cpus_per_actor, "num_gpus": num_gpus}
         if memory_mb_per_actor > 0:
             options["memory"] = int(memory_mb_per_actor) * _MiB
@@ -92,33 +117,43 @@ class ModelJudger(Judger):
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=bundle_index)
-        self.engine = ray.remote(RolloutWorker).options(**options).remote(model_path, **engine_kwargs)
+                placement_group=placement_group, placement_group_bundle_index=bundle_index
+            )
+        self.engine = (
+            ray.remote(RolloutWorker).options(**options).remote(model_path, **engine_kwargs)
+        )
         self._started = self.engine.weight_version.remote()  # answers once the engine is up
         self._is_ready = False
         self._queue: list[tuple[list[int], asyncio.Future]] = []
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._batches: set[asyncio.Task] = set()  # running batches (a task must be referenced to live)
+        # running batches (a task must be referenced to live)
+        self._batches: set[asyncio.Task] = set()
 
     async def ready(self) -> None:
         if not self._is_ready:
             try:
                 await asyncio.wait_for(self._started, self.startup_timeout_s)
             except TimeoutError:
-                raise JudgeError(f"its engine did not start within {self.startup_timeout_s:g}s") from None
+                raise JudgeError(
+                    f"its engine did not start within {self.startup_timeout_s:g}s"
+                ) from None
             except Exception as e:
                 raise JudgeError(f"its engine failed to start: {first_line(e)}") from None
             self._is_ready = True
 
     def judge_prompt(self, item: JudgeItem) -> str:
-        return self.prompt_template.format(prompt=item.prompt_text, response=item.response_text, label=item.label)
+        return self.prompt_template.format(
+            prompt=item.prompt_text, response=item.response_text, label=item.label
+        )
 
     async def verdict_text(self, item: JudgeItem) -> str:
         """What the judge model says about `item` (decoded, special tokens dropped)."""
         ids = self.tokenizer.encode(self.judge_prompt(item))
         if len(ids) + self.max_tokens > self.max_model_len:
-            raise JudgeError(f"the judge prompt has {len(ids)} tokens; with max_tokens={self.max_tokens} that "
-                             f"exceeds the engine's max_model_len={self.max_model_len}")
+            raise JudgeError(
+                f"the judge prompt has {len(ids)} tokens; with max_tokens={self.max_tokens} that "
+                f"exceeds the engine's max_model_len={self.max_model_len}"
+            )
         return self.tokenizer.decode(await self._generate(ids), skip_special_tokens=True)
 
     async def _judge(self, item: JudgeItem) -> RawVerdict:
@@ -145,12 +180,14 @@ class ModelJudger(Judger):
         task.add_done_callback(self._batches.discard)
 
     async def _run_batch(self, batch: list[tuple[list[int], asyncio.Future]]) -> None:
-        batch = [(ids, f) for ids, f in batch if not f.done()]  # items that timed out meanwhile are dropped
+        # items that timed out meanwhile are dropped
+        batch = [(ids, f) for ids, f in batch if not f.done()]
         if not batch:
             return
         try:
             samples = await self.engine.generate.remote(
-                prompts=[ids for ids, _ in batch], n=1, temperature=0.0, max_tokens=self.max_tokens)
+                prompts=[ids for ids, _ in batch], n=1, temperature=0.0, max_tokens=self.max_tokens
+            )
         except Exception as e:
             error = JudgeError(f"judge engine failed: {first_line(e)}")
             for _, f in batch:

@@ -20,6 +20,7 @@ keeps its thread forever, and a few hung calls would starve every later item; th
 joined at interpreter exit, so one hung call would keep the process alive. A hung call here is
 abandoned when its timeout passes: its daemon thread ends with the function or with the process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,9 @@ def _parameters(fn: Callable) -> list[str]:
     return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def run_in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict, thread_name: str = "judger"
-                         ) -> asyncio.Future:
+def run_in_daemon_thread(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, thread_name: str = "judger"
+) -> asyncio.Future:
     """A future for `fn(*args, **kwargs)` run in a new daemon thread; cancelling the future abandons it."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
@@ -64,7 +66,8 @@ def run_in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict, thre
             value, error = fn(*args, **kwargs), None
         except Exception as e:  # handed to the awaiting coroutine
             value, error = None, e
-        except BaseException as e:  # SystemExit and kin would escape the judger's `except Exception`
+        # SystemExit and kin would escape the judger's `except Exception`
+        except BaseException as e:
             value, error = None, RuntimeError(f"raised {type(e).__name__}: {e}")
         try:
             loop.call_soon_threadsafe(settle, value, error)
@@ -78,8 +81,15 @@ def run_in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict, thre
 class NativeJudger(Judger):
     kind = "native"
 
-    def __init__(self, name: str, fn: str | Callable, *, kwargs: dict | None = None, timeout_s: float = 60.0,
-                 weight: float = 1.0):
+    def __init__(
+        self,
+        name: str,
+        fn: str | Callable,
+        *,
+        kwargs: dict | None = None,
+        timeout_s: float = 60.0,
+        weight: float = 1.0,
+    ):
         super().__init__(name, timeout_s=timeout_s, weight=weight)
         self.fn_path = fn if isinstance(fn, str) else f"{fn.__module__}.{fn.__qualname__}"
         self.fn = resolve(fn, field=f"judger {name!r} fn") if isinstance(fn, str) else fn
@@ -98,11 +108,15 @@ class NativeJudger(Judger):
             kwargs = {**kwargs, **columns, **{p: getattr(item, ITEM_FIELDS[p]) for p in self.wants}}
         if self.is_async:
             return await self.fn(item.response_text, item.label, **kwargs)
-        value = await run_in_daemon_thread(self.fn, (item.response_text, item.label), kwargs,
-                                           thread_name=f"judger-{self.name}")
-        if inspect.isawaitable(value):  # a wrapped async function (a partial, a decorator) returns a coroutine
+        value = await run_in_daemon_thread(
+            self.fn, (item.response_text, item.label), kwargs, thread_name=f"judger-{self.name}"
+        )
+        # a wrapped async function (a partial, a decorator) returns a coroutine
+        if inspect.isawaitable(value):
             value = await value
         return value
 
     def __repr__(self) -> str:
-        return f"NativeJudger(name={self.name!r}, fn={self.fn_path!r}, timeout_s={self.timeout_s:g})"
+        return (
+            f"NativeJudger(name={self.name!r}, fn={self.fn_path!r}, timeout_s={self.timeout_s:g})"
+        )

@@ -23,6 +23,7 @@ that slot tries again. `restarts` counts replacements.
 Deadlines: the actor enforces timeout_s on the function; the caller's own deadline (`deadline_s`) adds
 a restart and a retry, so it only fires when an actor stops answering altogether.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,8 @@ class JudgeActor:
 
     def __init__(self, name: str, fn: str, kwargs: dict, timeout_s: float, index: int):
         self.judger = NativeJudger(name, fn, kwargs=kwargs, timeout_s=timeout_s)
-        self.judger.kind = f"ray actor {index}"  # error strings then say which actor judged the item
+        # error strings then say which actor judged the item
+        self.judger.kind = f"ray actor {index}"
 
     async def judge(self, item: JudgeItem) -> Judgement:
         return await self.judger.judge(item)
@@ -60,29 +62,48 @@ class JudgeActor:
         """Where this actor runs: its process id, placement group (None outside one) and the Ray
         resources it holds (in a bundle they are named e.g. CPU_group_<bundle>_<group id>)."""
         ctx = ray.get_runtime_context()
-        return {"pid": os.getpid(), "placement_group": ctx.get_placement_group_id(),
-                "resources": ctx.get_assigned_resources()}
+        return {
+            "pid": os.getpid(),
+            "placement_group": ctx.get_placement_group_id(),
+            "resources": ctx.get_assigned_resources(),
+        }
 
 
 class RayJudger(Judger):
     kind = "ray"
 
-    def __init__(self, name: str, fn: str, *, kwargs: dict | None = None, timeout_s: float = 60.0,
-                 weight: float = 1.0, num_actors: int = 1, cpus_per_actor: float = 0.25,
-                 memory_mb_per_actor: int = 0, placement_group=None, bundles: Sequence[tuple] | None = None,
-                 restart_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        name: str,
+        fn: str,
+        *,
+        kwargs: dict | None = None,
+        timeout_s: float = 60.0,
+        weight: float = 1.0,
+        num_actors: int = 1,
+        cpus_per_actor: float = 0.25,
+        memory_mb_per_actor: int = 0,
+        placement_group=None,
+        bundles: Sequence[tuple] | None = None,
+        restart_timeout_s: float = 60.0,
+    ):
         super().__init__(name, timeout_s=timeout_s, weight=weight)
         if num_actors < 1:
             raise ValueError(f"judger {name!r}: num_actors={num_actors} must be >= 1")
         if not ray.is_initialized():
             # Ray would otherwise start a private local cluster on the first call, unasked.
-            raise RuntimeError(f"judger {name!r} (ray) needs a running Ray: call ray.init() (or start the "
-                               "trainer's cluster) before building it")
-        resolve(fn, field=f"judger {name!r} fn")  # a bad path fails here, in the driver, not in N actors
+            raise RuntimeError(
+                f"judger {name!r} (ray) needs a running Ray: call ray.init() (or start the "
+                "trainer's cluster) before building it"
+            )
+        # a bad path fails here, in the driver, not in N actors
+        resolve(fn, field=f"judger {name!r} fn")
         self.fn_path, self.kwargs = fn, dict(kwargs or {})
         self.restart_timeout_s, self.restarts = float(restart_timeout_s), 0
         if bundles is not None and len(bundles) != num_actors:
-            raise ValueError(f"judger {name!r}: {len(bundles)} placement bundles for {num_actors} actors")
+            raise ValueError(
+                f"judger {name!r}: {len(bundles)} placement bundles for {num_actors} actors"
+            )
         self._placement_group, self._bundles = placement_group, list(bundles or [])
         self._options = {"num_cpus": cpus_per_actor}
         if memory_mb_per_actor > 0:
@@ -110,17 +131,20 @@ class RayJudger(Judger):
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=bundle)
-        return self._actor_class.options(**options).remote(self.name, self.fn_path, self.kwargs, self.timeout_s,
-                                                          index)
+                placement_group=pg, placement_group_bundle_index=bundle
+            )
+        return self._actor_class.options(**options).remote(
+            self.name, self.fn_path, self.kwargs, self.timeout_s, index
+        )
 
     async def ready(self) -> None:
         """Wait (up to restart_timeout_s) for the first actors to start; one that failed to start is
         handled like a dead one by the first item routed to it."""
         if self._is_ready:
             return
-        done = await asyncio.wait_for(asyncio.gather(*self._started, return_exceptions=True),
-                                      self.restart_timeout_s)
+        done = await asyncio.wait_for(
+            asyncio.gather(*self._started, return_exceptions=True), self.restart_timeout_s
+        )
         if all(isinstance(d, BaseException) for d in done):
             raise JudgeError(f"none of its {len(done)} actors started: {first_line(done[0])}")
         self._is_ready = True
@@ -142,7 +166,8 @@ class RayJudger(Judger):
             self._actors[index] = self._start(index)
             self.restarts += 1
             try:
-                ray.kill(dead)  # it may be only unreachable; a half-alive copy must not keep its resources
+                # it may be only unreachable; a half-alive copy must not keep its resources
+                ray.kill(dead)
             except Exception:
                 pass
         actor = self._actors[index]
@@ -164,7 +189,9 @@ class RayJudger(Judger):
         try:
             return await self._call(index, actor, item)
         except RayActorError as e:
-            raise JudgeError(f"actor {index} died: {died}; its restart died too: {first_line(e)}") from None
+            raise JudgeError(
+                f"actor {index} died: {died}; its restart died too: {first_line(e)}"
+            ) from None
 
     def close(self) -> None:
         for actor in self._actors:
@@ -175,5 +202,7 @@ class RayJudger(Judger):
         self._actors = []
 
     def __repr__(self) -> str:
-        return (f"RayJudger(name={self.name!r}, fn={self.fn_path!r}, num_actors={len(self._actors)}, "
-                f"timeout_s={self.timeout_s:g})")
+        return (
+            f"RayJudger(name={self.name!r}, fn={self.fn_path!r}, num_actors={len(self._actors)}, "
+            f"timeout_s={self.timeout_s:g})"
+        )

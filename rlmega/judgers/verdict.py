@@ -10,6 +10,7 @@ Reading the verdict (`parse_verdict`), on the decoded text with leading white sp
 So "0.75 because" -> 0.75, "1" -> 1.0, "12" -> 0.0, "Yes." -> 1.0, "y3" -> 1.0, "no" -> 0.0.
 A judge prompted to answer with a probability or with yes/no both fit; ask for a short answer.
 """
+
 from __future__ import annotations
 
 import re

@@ -9,6 +9,7 @@ Attached to a cluster (``cluster.address``), workers on other nodes get this pro
 and the variables ``cluster.forward_env`` names (``runtime_env``), and their output reaches this
 process's console (``log_to_driver``). Roles calls all of these; tests call them to probe placement.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,12 @@ import secrets
 import time
 
 import ray
-from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 import rlmega
 from rlmega.config.placement_rules import PlacementPlan
@@ -42,9 +48,11 @@ def runtime_env(forward_env: list[str], environ=os.environ) -> dict:
     ``env_vars``: those of ``forward_env`` set here; a remote worker inherits its raylet's environment,
     not the driver's.
     """
-    return {"py_modules": [os.path.dirname(os.path.abspath(rlmega.__file__))],
-            "excludes": ["__pycache__/", "*.pyc"],
-            "env_vars": {k: environ[k] for k in forward_env if k in environ}}
+    return {
+        "py_modules": [os.path.dirname(os.path.abspath(rlmega.__file__))],
+        "excludes": ["__pycache__/", "*.pyc"],
+        "env_vars": {k: environ[k] for k in forward_env if k in environ},
+    }
 
 
 def connect(c, needed_cpus: float) -> bool:
@@ -63,8 +71,12 @@ def connect(c, needed_cpus: float) -> bool:
     # reserve, so a 2-core laptop runs the same layout a cluster would (slower).
     # address="local": a new Ray of our own, even when `ray start` left a cluster on this
     # machine (with no address, ray.init would attach to it).
-    ray.init(address="local", num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
-             include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=c.num_cpus or max(os.cpu_count() or 1, math.ceil(needed_cpus)),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     return True
 
 
@@ -81,15 +93,24 @@ def place_groups(plan: PlacementPlan, timeout_s: float) -> tuple[list, list[list
         raise ClusterError(
             f"the placement needs {len(plan.groups)} nodes (one per group of cluster.gpus_per_node GPUs or "
             f"cluster.cpu_ranks_per_node ranks), the cluster has {len(alive)}. Fix: raise "
-            "cluster.gpus_per_node / cluster.cpu_ranks_per_node, lower parallelism.world_size, or add nodes")
+            "cluster.gpus_per_node / cluster.cpu_ranks_per_node, lower parallelism.world_size, or add nodes"
+        )
     pgs: list = []
     nodes: list = []
     deadline = time.monotonic() + timeout_s
     try:
         for g, bundles in enumerate(plan.groups):
-            taken = sorted({n for group in nodes for n in group.values()}) if plan.one_node_per_group else []
-            selector = [{NODE_ID_LABEL_KEY: f"!in({','.join(taken)})"}] * len(bundles) if taken else None
-            pgs.append(placement_group(bundles, strategy=plan.strategy, bundle_label_selector=selector))
+            taken = (
+                sorted({n for group in nodes for n in group.values()})
+                if plan.one_node_per_group
+                else []
+            )
+            selector = (
+                [{NODE_ID_LABEL_KEY: f"!in({','.join(taken)})"}] * len(bundles) if taken else None
+            )
+            pgs.append(
+                placement_group(bundles, strategy=plan.strategy, bundle_label_selector=selector)
+            )
             try:
                 ray.get(pgs[-1].ready(), timeout=max(deadline - time.monotonic(), 1))
             except ray.exceptions.GetTimeoutError:
@@ -98,7 +119,8 @@ def place_groups(plan: PlacementPlan, timeout_s: float) -> tuple[list, list[list
                     f"{', on a node of its own' if plan.one_node_per_group else ''}) within {timeout_s:.0f}s; "
                     f"free per node: {_free_per_node()}. Fix: lower cluster.*_cpus, check cluster.gpus_per_node "
                     "/ cluster.cpu_ranks_per_node, or give the cluster more resources (cluster.num_cpus for "
-                    "the embedded one)") from None
+                    "the embedded one)"
+                ) from None
             nodes.append(placement_group_table(pgs[-1])["bundles_to_node_id"])
     except BaseException:
         for pg in pgs:
@@ -108,9 +130,13 @@ def place_groups(plan: PlacementPlan, timeout_s: float) -> tuple[list, list[list
 
 
 def _free_per_node() -> dict:
-    return {f"{n['NodeID'][:8]} ({n['NodeManagerAddress']})": {k: v for k, v in n["Resources"].items()
-                                                              if k in ("CPU", "GPU")}
-            for n in ray.nodes() if n["Alive"]}
+    return {
+        f"{n['NodeID'][:8]} ({n['NodeManagerAddress']})": {
+            k: v for k, v in n["Resources"].items() if k in ("CPU", "GPU")
+        }
+        for n in ray.nodes()
+        if n["Alive"]
+    }
 
 
 def node_names(node_ids: list[str]) -> list[str]:
@@ -130,8 +156,13 @@ def _look(run_dir_token: str, model_config: str) -> tuple[str | None, bool]:
     return token, os.path.isfile(model_config)
 
 
-def check_shared_paths(run_dir: str, model_path: str, trainer_nodes: list[str], engine_nodes: list[str],
-                       timeout_s: float = 120.0) -> None:
+def check_shared_paths(
+    run_dir: str,
+    model_path: str,
+    trainer_nodes: list[str],
+    engine_nodes: list[str],
+    timeout_s: float = 120.0,
+) -> None:
     """Every node hosting a trainer rank sees ``run_dir`` (checkpoints are written by every rank), and
     every node hosting a rank or an engine sees ``model_path``; ClusterError naming the nodes otherwise.
 
@@ -150,8 +181,15 @@ def check_shared_paths(run_dir: str, model_path: str, trainer_nodes: list[str], 
     with open(path, "w") as f:
         f.write(token)
     try:
-        seen = ray.get([_look.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                        .remote(path, model_config) for n in nodes], timeout=timeout_s)
+        seen = ray.get(
+            [
+                _look.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)
+                ).remote(path, model_config)
+                for n in nodes
+            ],
+            timeout=timeout_s,
+        )
     finally:
         os.remove(path)
     no_run_dir = [n for n, (got, _) in zip(nodes, seen) if got != token and n in trainer_nodes]
@@ -162,10 +200,12 @@ def check_shared_paths(run_dir: str, model_path: str, trainer_nodes: list[str], 
             f"trainer.run_dir: {os.path.abspath(run_dir)} is not the same folder on node(s) "
             f"{', '.join(node_names(no_run_dir))}, which host trainer ranks (a file written there here cannot be "
             "read there). Fix: put trainer.run_dir on a filesystem every node mounts at the same path "
-            "(NFS, Lustre, ...)")
+            "(NFS, Lustre, ...)"
+        )
     if no_model:
         problems.append(
             f"model.path: {model_config} is missing on node(s) {', '.join(node_names(no_model))}. Fix: put "
-            "model.path on a filesystem every node mounts, or copy the model to the same path on every node")
+            "model.path on a filesystem every node mounts, or copy the model to the same path on every node"
+        )
     if problems:
         raise ClusterError("; ".join(problems))

@@ -22,6 +22,7 @@ reads ``status()``.
 
 Views: ``GET /`` (page), ``GET /api/status`` (JSON), ``GET /metrics`` (Prometheus).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,14 @@ BUSY_HISTORY_LEN = 500  # steps of busy fractions kept for the chart
 
 
 class ActorManager:
-    def __init__(self, dashboard: bool = True, host: str = "127.0.0.1", port: int = 0,
-                 poll_interval_s: float = 1.0, token_window_s: float = 60.0):
+    def __init__(
+        self,
+        dashboard: bool = True,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        poll_interval_s: float = 1.0,
+        token_window_s: float = 60.0,
+    ):
         if token_window_s <= 0 or poll_interval_s <= 0:
             raise ValueError("token_window_s and poll_interval_s must be > 0")
         self._lock = threading.Lock()
@@ -69,7 +76,9 @@ class ActorManager:
         self._busy: deque[tuple[int, float, float]] = deque(maxlen=BUSY_HISTORY_LEN)
 
         self._stop_event = threading.Event()
-        self._poller = threading.Thread(target=self._poll_loop, name="rlmega-queue-poll", daemon=True)
+        self._poller = threading.Thread(
+            target=self._poll_loop, name="rlmega-queue-poll", daemon=True
+        )
         self._poller.start()
         # The run's own queues (rlmega/agents/buffer.py): the producer fills them, the trainer drains
         # "results"; hosted here so that the dashboard charts them like any registered queue.
@@ -96,8 +105,9 @@ class ActorManager:
             return self._should_stop
 
     # ---- tokens ----------------------------------------------------------------------------------
-    def report_token_statistics(self, prefill_tokens: int, decode_tokens: int,
-                                seconds: float | None = None) -> None:
+    def report_token_statistics(
+        self, prefill_tokens: int, decode_tokens: int, seconds: float | None = None
+    ) -> None:
         """Tokens processed, ending now; ``seconds`` (if known) is how long they took, so a long
         generation is spread over its real interval instead of landing as one spike."""
         now = time.monotonic()
@@ -128,11 +138,15 @@ class ActorManager:
             return n / span if span > 0 else 0.0
 
         total_p, total_d = self._totals["prefill"], self._totals["decode"]
-        return {"window_s": self._window_s,
-                "tokens_per_s": rate(prefill + decode),
-                "prefill_tokens_per_s": rate(prefill), "decode_tokens_per_s": rate(decode),
-                "total_prefill_tokens": total_p, "total_decode_tokens": total_d,
-                "total_tokens": total_p + total_d}
+        return {
+            "window_s": self._window_s,
+            "tokens_per_s": rate(prefill + decode),
+            "prefill_tokens_per_s": rate(prefill),
+            "decode_tokens_per_s": rate(decode),
+            "total_prefill_tokens": total_p,
+            "total_decode_tokens": total_d,
+            "total_tokens": total_p + total_d,
+        }
 
     # ---- timings ---------------------------------------------------------------------------------
     def report_training_step_time(self, step: int, seconds: float) -> None:
@@ -154,8 +168,15 @@ class ActorManager:
             return self._timing_stats_locked()
 
     def _timing_stats_locked(self) -> dict:
-        return {kind: {"last": t["last"], "mean": t["sum"] / t["count"], "count": t["count"],
-                       "step": t["step"]} for kind, t in self._timings.items()}
+        return {
+            kind: {
+                "last": t["last"],
+                "mean": t["sum"] / t["count"],
+                "count": t["count"],
+                "step": t["step"],
+            }
+            for kind, t in self._timings.items()
+        }
 
     # ---- engines, metrics, progress --------------------------------------------------------------
     def set_kv_cache_max_concurrency(self, engine_id: int, value: float) -> None:
@@ -191,7 +212,9 @@ class ActorManager:
         e.g. one per micro-batch, add up; a new step replaces them)."""
         step = _step(step)
         if not isinstance(counts, dict):
-            raise ValueError(f"counts must be a dict {{staleness: count}}, got {type(counts).__name__}")
+            raise ValueError(
+                f"counts must be a dict {{staleness: count}}, got {type(counts).__name__}"
+            )
         clean: dict[int, int] = {}
         for k, n in counts.items():  # all checked before anything is recorded
             if not _is_int(k) or k < 0:
@@ -210,7 +233,10 @@ class ActorManager:
         """Fractions (0..1) of ``step``'s wall time the engines spent generating and the trainer
         computing. A second report for the same step replaces the first."""
         step = _step(step)
-        for name, f in (("engine_fraction", engine_fraction), ("trainer_fraction", trainer_fraction)):
+        for name, f in (
+            ("engine_fraction", engine_fraction),
+            ("trainer_fraction", trainer_fraction),
+        ):
             real = isinstance(f, numbers.Real) and not isinstance(f, bool)
             if not (real and 0.0 <= f <= 1.0):  # NaN fails the comparison too
                 raise ValueError(f"{name} must be a number in [0, 1], got {f!r}")
@@ -223,11 +249,19 @@ class ActorManager:
     def _async_status_locked(self) -> dict:
         keys = lambda d: {str(k): d[k] for k in sorted(d)}  # noqa: E731  JSON keys are strings
         last = self._busy[-1] if self._busy else (None, None, None)
-        return {"staleness": {"cumulative": keys(self._staleness_total),
-                              "last_step": self._staleness_last_step,
-                              "last": keys(self._staleness_last)},
-                "busy": {"step": last[0], "engine": last[1], "trainer": last[2],
-                         "history": [list(h) for h in self._busy]}}
+        return {
+            "staleness": {
+                "cumulative": keys(self._staleness_total),
+                "last_step": self._staleness_last_step,
+                "last": keys(self._staleness_last),
+            },
+            "busy": {
+                "step": last[0],
+                "engine": last[1],
+                "trainer": last[2],
+                "history": [list(h) for h in self._busy],
+            },
+        }
 
     # ---- queues ----------------------------------------------------------------------------------
     def register_queue(self, name: str, size_fn: Callable[[], int]) -> None:
@@ -268,10 +302,17 @@ class ActorManager:
                 "uptime_s": now - self._t0,
                 "tokens": self._token_stats_locked(now),
                 "timings": self._timing_stats_locked(),
-                "queues": {n: {"size": q["size"], "error": q.get("error"),
-                               "history": [list(h) for h in q["history"]]}
-                           for n, q in self._queues.items()},
-                "kv_cache_max_concurrency": {str(e): v for e, v in sorted(self._kv_concurrency.items())},
+                "queues": {
+                    n: {
+                        "size": q["size"],
+                        "error": q.get("error"),
+                        "history": [list(h) for h in q["history"]],
+                    }
+                    for n, q in self._queues.items()
+                },
+                "kv_cache_max_concurrency": {
+                    str(e): v for e, v in sorted(self._kv_concurrency.items())
+                },
                 "startup": [dict(p) for p in self._startup],
                 "latest_metrics": dict(self._metrics_history[-1]) if self._metrics_history else {},
                 "metrics_history": [dict(r) for r in self._metrics_history],
@@ -292,8 +333,12 @@ class ActorManager:
             means = [t["sum"] / t["count"] for t in self._timings.values()]
             per_step = sum(means) if means else None
         left = max(self._total_steps - s_last, 0)
-        return {"step": s_last, "total_steps": self._total_steps, "s_per_step": per_step,
-                "eta_s": None if per_step is None else left * per_step}
+        return {
+            "step": s_last,
+            "total_steps": self._total_steps,
+            "s_per_step": per_step,
+            "eta_s": None if per_step is None else left * per_step,
+        }
 
     # ---- dashboard -------------------------------------------------------------------------------
     def get_dashboard_port(self) -> int:
@@ -313,11 +358,20 @@ class ActorManager:
         except OSError:
             sock.close()
             raise
-        config = uvicorn.Config(make_app(self), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            make_app(self),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
         self._server = uvicorn.Server(config)
-        self._server_thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                               name="rlmega-dashboard", daemon=True)
+        self._server_thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [sock]},
+            name="rlmega-dashboard",
+            daemon=True,
+        )
         self._server_thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:

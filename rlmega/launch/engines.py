@@ -1,7 +1,8 @@
 """The rollout engines as Ray actors: their actor class, their options in a placement slot, starting them.
 
-    engines = start_engines(cfg, pgs, plan.engines, engine_threads, profile_dir, eval_requests)
+engines = start_engines(cfg, pgs, plan.engines, engine_threads, profile_dir, eval_requests)
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,14 @@ def engine_actor_class(generation_threads: int = ENGINE_MAX_CONCURRENCY):
     return ray.remote(concurrency_groups={GENERATION_GROUP: generation_threads})(RolloutWorker)  # type: ignore[call-overload]
 
 
-def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, profile_dir: str | None,
-                  eval_requests: int | None = None) -> list:
+def start_engines(
+    cfg: RLConfig,
+    pgs: list,
+    slots: list[Slot],
+    threads: list,
+    profile_dir: str | None,
+    eval_requests: int | None = None,
+) -> list:
     """One RolloutWorker actor per engine slot (``threads[i]``: engine i's intra-op threads), started
     with the model at model.path; returns their handles (they load the model in the background).
     ``eval_requests``: the eval prompts of the run, which size a compiled engine's CUDA graphs (None:
@@ -48,25 +55,43 @@ def start_engines(cfg: RLConfig, pgs: list, slots: list[Slot], threads: list, pr
     cache_dir = os.path.abspath(os.path.expanduser(r.cache_dir)) if r.cache_dir else None
     graphs = cuda_graph_max_batch(cfg, eval_requests)
     if graphs is not None:
-        log.info("rollout engines: CUDA graphs for batches up to %d sequences (rollout.cuda_graph_max_batch)", graphs)
+        log.info(
+            "rollout engines: CUDA graphs for batches up to %d sequences (rollout.cuda_graph_max_batch)",
+            graphs,
+        )
     for i, slot in enumerate(slots):
-        engines.append(Engine.options(**engine_options(pgs[slot.group], slot)).remote(
-            cfg.model.path, device=r.device, dtype=cfg.model.dtype,
-            max_model_len=r.max_prompt_tokens + r.max_response_tokens, seed=r.seed + i,
-            kv_cache_space_gb=r.kv_cache_space_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-            tensor_parallel_size=r.tensor_parallel_size, profile_dir=profile_dir, num_threads=threads[i],
-            record_routes=records_routes(cfg), enforce_eager=enforce_eager(cfg),
-            attention_backend=r.attention_backend, cache_dir=cache_dir,
-            cuda_graph_max_batch=graphs,
-            lora_rank=cfg.actor.lora.rank if not r.lora_merge else 0,  # served unmerged: load_adapter
-            images_per_prompt=images_per_request(cfg) if is_vlm_folder(cfg.model.path) else 0))
+        engines.append(
+            Engine.options(**engine_options(pgs[slot.group], slot)).remote(
+                cfg.model.path,
+                device=r.device,
+                dtype=cfg.model.dtype,
+                max_model_len=r.max_prompt_tokens + r.max_response_tokens,
+                seed=r.seed + i,
+                kv_cache_space_gb=r.kv_cache_space_gb,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_parallel_size,
+                profile_dir=profile_dir,
+                num_threads=threads[i],
+                record_routes=records_routes(cfg),
+                enforce_eager=enforce_eager(cfg),
+                attention_backend=r.attention_backend,
+                cache_dir=cache_dir,
+                cuda_graph_max_batch=graphs,
+                lora_rank=cfg.actor.lora.rank
+                if not r.lora_merge
+                else 0,  # served unmerged: load_adapter
+                images_per_prompt=images_per_request(cfg) if is_vlm_folder(cfg.model.path) else 0,
+            )
+        )
     return engines
 
 
 def images_per_request(cfg: RLConfig) -> int:
     """vLLM's limit_mm_per_prompt: a prompt's images (rollout.max_images_per_prompt) and the most image
     observations a tool loop adds to one request (agent_rules.observed_images)."""
-    return cfg.rollout.max_images_per_prompt + max(observed_images(loop) for _, loop in task_loops(cfg))
+    return cfg.rollout.max_images_per_prompt + max(
+        observed_images(loop) for _, loop in task_loops(cfg)
+    )
 
 
 def engine_options(pg, slot: Slot) -> dict:
@@ -91,12 +116,21 @@ def engine_options(pg, slot: Slot) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     many = len(slot.bundles) > 1
-    options: dict[str, Any] = dict(num_cpus=slot.cpus, num_gpus=0 if many else slot.gpus,
-                                   max_concurrency=ENGINE_CONTROL_CONCURRENCY,
-                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                       placement_group=pg, placement_group_bundle_index=slot.bundles[0],
-                       placement_group_capture_child_tasks=many))
+    options: dict[str, Any] = dict(
+        num_cpus=slot.cpus,
+        num_gpus=0 if many else slot.gpus,
+        max_concurrency=ENGINE_CONTROL_CONCURRENCY,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg,
+            placement_group_bundle_index=slot.bundles[0],
+            placement_group_capture_child_tasks=many,
+        ),
+    )
     if many:
-        options["runtime_env"] = {"env_vars": {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundles)),
-                                               "VLLM_RAY_PER_WORKER_GPUS": str(slot.gpus)}}
+        options["runtime_env"] = {
+            "env_vars": {
+                "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundles)),
+                "VLLM_RAY_PER_WORKER_GPUS": str(slot.gpus),
+            }
+        }
     return options

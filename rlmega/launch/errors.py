@@ -5,6 +5,7 @@ remote traceback with the original message somewhere in it, and a dead actor in 
 The driver turns both into one line naming the worker and the original exception's type and
 message; the remote traceback stays on the error for the cases where it helps (unexpected errors).
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,13 @@ class WorkerFailed(RuntimeError):
     """A worker raised or died. ``worker`` names it, ``cause`` is the original exception (None when it
     died), ``remote_traceback`` is the worker's traceback text ("" when it died)."""
 
-    def __init__(self, message: str, worker: str, cause: BaseException | None = None, remote_traceback: str = ""):
+    def __init__(
+        self,
+        message: str,
+        worker: str,
+        cause: BaseException | None = None,
+        remote_traceback: str = "",
+    ):
         super().__init__(message)
         self.worker, self.cause, self.remote_traceback = worker, cause, remote_traceback
 
@@ -31,14 +38,25 @@ def describe(error: BaseException, worker: str) -> WorkerFailed:
         cause = getattr(error, "cause", None)
         if isinstance(cause, WorkerFailed):  # raised by a worker that relayed another's failure
             return cause
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(error).splitlines()[0]
-        return WorkerFailed(f"{worker} raised {what}", worker, cause, getattr(error, "traceback_str", "") or str(error))
+        what = (
+            f"{type(cause).__name__}: {cause}" if cause is not None else str(error).splitlines()[0]
+        )
+        return WorkerFailed(
+            f"{worker} raised {what}",
+            worker,
+            cause,
+            getattr(error, "traceback_str", "") or str(error),
+        )
     if isinstance(error, ray.exceptions.RayActorError):
         text = str(error)
-        if _CREATION in text:  # its __init__ raised: the traceback's last line is what it raised, by its own words
+        # its __init__ raised: the traceback's last line is what it raised, by its own words
+        if _CREATION in text:
             last = [line.strip() for line in text.splitlines() if line.strip()][-1]
-            last = re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+: )", "", last)  # "pkg.mod.KeyError: x" -> "KeyError: x"
-            return WorkerFailed(f"{worker} died while starting: {last}", worker, remote_traceback=text)
+            # "pkg.mod.KeyError: x" -> "KeyError: x"
+            last = re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+: )", "", last)
+            return WorkerFailed(
+                f"{worker} died while starting: {last}", worker, remote_traceback=text
+            )
         first = text.splitlines()[0] if text else type(error).__name__
         return WorkerFailed(f"{worker} died: {first}", worker)
     return WorkerFailed(f"{worker}: {type(error).__name__}: {error}", worker, error)
@@ -53,7 +71,9 @@ def first_failure(refs: list, names: list[str], timeout: float | None) -> list:
     return meet({"": (refs, names)}, timeout)[""]
 
 
-def meet(groups: dict[str, tuple[list, list[str]]], timeout: float | None, done=None) -> dict[str, list]:
+def meet(
+    groups: dict[str, tuple[list, list[str]]], timeout: float | None, done=None
+) -> dict[str, list]:
     """Wait for workers that start at once: ``groups`` {phase: (refs, names[i] for refs[i])}; returns
     {phase: its results}. ``done(phase)`` is called as each phase's last ref is ready. The first ref to fail,
     in any group, raises WorkerFailed naming its worker, while the others are still at work: an engine
@@ -62,7 +82,11 @@ def meet(groups: dict[str, tuple[list, list[str]]], timeout: float | None, done=
     import time
 
     deadline = None if timeout is None else time.monotonic() + timeout
-    owner = {ref: (phase, names[i]) for phase, (refs, names) in groups.items() for i, ref in enumerate(refs)}
+    owner = {
+        ref: (phase, names[i])
+        for phase, (refs, names) in groups.items()
+        for i, ref in enumerate(refs)
+    }
     left = {phase: len(refs) for phase, (refs, _) in groups.items()}
     for phase in [p for p, n in left.items() if n == 0]:
         if done is not None:

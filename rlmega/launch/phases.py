@@ -13,6 +13,7 @@ actor.offload_while_generating resolves to True), so CPU runs exercise the order
     phases.train_phase()                         # before the trainer computes
     sent = phases.rollout_phase(sync)            # around ``sync()``, the weight transfer
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -22,8 +23,15 @@ from rlmega.learner.critic_api import Critic
 
 
 class ColocatedPhases:
-    def __init__(self, engines: Callable[[str], list], trainer: Callable[..., Any],
-                 critic: Callable[..., Any] | None, swaps: bool, critic_swaps: bool, keep_engines_awake: bool):
+    def __init__(
+        self,
+        engines: Callable[[str], list],
+        trainer: Callable[..., Any],
+        critic: Callable[..., Any] | None,
+        swaps: bool,
+        critic_swaps: bool,
+        keep_engines_awake: bool,
+    ):
         """``engines(method)``: that method on every engine, their answers; ``trainer(method, **kw)`` and
         ``critic(method, **kw)``: on every trainer (critic) rank, ``method`` the interface's own function
         (``Actor.offload_for_rollout``, ``Critic.onload_for_training``: rlmega/launch/roles.py). ``swaps``: the
@@ -31,11 +39,15 @@ class ColocatedPhases:
         ``keep_engines_awake``: asynchronous production generates while the trainer trains, so the engines never
         sleep for it."""
         self.engines, self.trainer, self.critic = engines, trainer, critic
-        self.swaps, self.critic_swaps, self.keep_engines_awake = swaps, critic_swaps and critic is not None, \
-            keep_engines_awake
+        self.swaps, self.critic_swaps, self.keep_engines_awake = (
+            swaps,
+            critic_swaps and critic is not None,
+            keep_engines_awake,
+        )
         self.engines_asleep = False
         self.trainer_released = False
-        self.critic_released = False  # the critic swaps on its own setting (critic.offload_while_generating)
+        # the critic swaps on its own setting (critic.offload_while_generating)
+        self.critic_released = False
 
     def train_phase(self) -> None:
         """Engines free their GPU memory, the trainer takes its parameters and state back."""

@@ -12,6 +12,7 @@ interpreter calls first), then every ``atexit`` handler (ray.shutdown, logging's
 children, torch's), then stdout and stderr are flushed. Only the entry points call :func:`leave`: a process
 that imports rlmega as a library exits as Python does.
 """
+
 from __future__ import annotations
 
 import atexit

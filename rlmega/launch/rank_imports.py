@@ -7,6 +7,7 @@ and four ranks of a TP2 x PP2 run start on two cores beside the engine (a TP2 x 
 5 interleaved pairs: 1.3 s sooner on average, -3.7 to +0.4 s: noise of this size). A rank never logs to
 wandb: the driver does (rundir/run.py; under torchrun, rank 0, which is left alone).
 """
+
 from __future__ import annotations
 
 import sys

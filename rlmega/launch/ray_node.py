@@ -19,6 +19,7 @@ and returns only once every process under it has ended:
 Exit status: the command's (128 + N when a signal N ended it). Linux only (prctl); elsewhere the command
 runs as a plain child, without the subreaper, and a warning says so.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -91,9 +92,14 @@ def drain(grace_s: float, poll_s: float = 0.1) -> list[int]:
 
 def run(cmd: list[str], grace_s: float = 5.0) -> int:
     if not become_subreaper():
-        print("rlmega.launch.ray_node: no PR_SET_CHILD_SUBREAPER here: processes Ray leaves behind may outlive "
-              "this step", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # before the child starts: it inherits the disposition
+        print(
+            "rlmega.launch.ray_node: no PR_SET_CHILD_SUBREAPER here: processes Ray leaves behind may outlive "
+            "this step",
+            file=sys.stderr,
+            flush=True,
+        )
+    # before the child starts: it inherits the disposition
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     child = subprocess.Popen(cmd)
 
     def forward(signum, _frame):
@@ -107,8 +113,12 @@ def run(cmd: list[str], grace_s: float = 5.0) -> int:
     rc = child.wait()
     left = drain(grace_s)
     if left:
-        print(f"rlmega.launch.ray_node: {len(left)} process(es) still running {grace_s:g}s after the command "
-              f"ended were signalled: {left}", file=sys.stderr, flush=True)
+        print(
+            f"rlmega.launch.ray_node: {len(left)} process(es) still running {grace_s:g}s after the command "
+            f"ended were signalled: {left}",
+            file=sys.stderr,
+            flush=True,
+        )
     return rc if rc >= 0 else 128 - rc
 
 

@@ -12,6 +12,7 @@ GPUs). Leaving the block (normally, by an error, or by Ctrl-C) kills every actor
 placement groups, stops the dashboard and shuts Ray down if this process started it. A dead engine
 or rank surfaces as ``RoleDied`` naming it, within ``call_timeout_s`` at the latest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,20 +78,31 @@ class RoleDied(WorkerFailed):
 
 
 class Roles:
-    def __init__(self, cfg: RLConfig, call_timeout_s: float = 1800.0, pg_timeout_s: float = 120.0,
-                 clock: StartupClock | None = None, eval_requests: int | None = None):
+    def __init__(
+        self,
+        cfg: RLConfig,
+        call_timeout_s: float = 1800.0,
+        pg_timeout_s: float = 120.0,
+        clock: StartupClock | None = None,
+        eval_requests: int | None = None,
+    ):
         """``clock``: where the start-up's phases go (rlmega/rundir/startup.py; default: kept, not printed).
         ``eval_requests``: the run's eval prompts, which size a compiled engine's CUDA graphs (None: not known,
         vLLM's default sizes; rlmega/config/engine_mode.py)."""
         # Workers resolve a relative model.path from their own cwd: on another node that is not the driver's.
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, path=os.path.abspath(cfg.model.path) if cfg.model.path else ""))
+        cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(
+                cfg.model, path=os.path.abspath(cfg.model.path) if cfg.model.path else ""
+            ),
+        )
         self.cfg, self.call_timeout_s, self.pg_timeout_s = cfg, call_timeout_s, pg_timeout_s
         self.eval_requests = eval_requests
         self.clock = clock or StartupClock(echo=False)
         self.started_ray = False
         self.policy_ranks: WorkerGroup | None = None
-        self.critic_ranks: WorkerGroup | None = None  # the value model's ranks (algorithm.advantage_estimator=gae)
+        # the value model's ranks (algorithm.advantage_estimator=gae)
+        self.critic_ranks: WorkerGroup | None = None
         # calls on a batch: planned once, one share per data-parallel rank (rlmega/launch/sharded.py)
         self.policy_calls: ShardedCalls | None = None
         self.critic_calls: ShardedCalls | None = None
@@ -109,7 +121,8 @@ class Roles:
         self.critic_swaps = False  # the critic does too
         # Async production generates while the trainer trains: the engines never sleep for it.
         self.keep_engines_awake = cfg.produce.strategy == "async"
-        self.phases: ColocatedPhases | None = None  # who holds the devices (rlmega/launch/phases.py)
+        # who holds the devices (rlmega/launch/phases.py)
+        self.phases: ColocatedPhases | None = None
         self._profile_name = ""  # the profile being recorded (logging.profile_steps)
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -132,41 +145,75 @@ class Roles:
         # alone, on resources of their own (torchrun's ranks hold theirs outside Ray's view).
         on_torchrun = torchrun_group.rank() is not None
         critic_world = (self.cfg.critic.parallelism or p).world_size if self.has_critic else 0
-        plan = (placement_plan(dataclasses.replace(p, world_size=0), r, dataclasses.replace(c, colocate=False))
-                if on_torchrun else placement_plan(p, r, c, critic_world=critic_world))
+        plan = (
+            placement_plan(
+                dataclasses.replace(p, world_size=0), r, dataclasses.replace(c, colocate=False)
+            )
+            if on_torchrun
+            else placement_plan(p, r, c, critic_world=critic_world)
+        )
         self.pgs, bundle_nodes = place_groups(plan, self.pg_timeout_s)
         engine_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.engines]
         rank_nodes = [bundle_nodes[s.group][s.bundles[0]] for s in plan.ranks]
         if not self.started_ray:  # an embedded Ray is this machine alone
-            check_shared_paths(self.cfg.trainer.run_dir, self.cfg.model.path, rank_nodes, engine_nodes)
+            check_shared_paths(
+                self.cfg.trainer.run_dir, self.cfg.model.path, rank_nodes, engine_nodes
+            )
         cpus = {n["NodeID"]: n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]}
-        if self.started_ray:  # this machine: the embedded Ray may count more CPUs than it has, to fit the actors
+        # this machine: the embedded Ray may count more CPUs than it has, to fit the actors
+        if self.started_ray:
             cpus = {n: min(v, len(os.sched_getaffinity(0))) for n, v in cpus.items()}
-        rank_threads, engine_threads = threads.plan(self.cfg, rank_nodes, engine_nodes, cpus, on_torchrun,
-                                                    self.keep_engines_awake)
-        self.manager = ActorManager(dashboard=True, host=self.cfg.logging.dashboard_host,
-                                    port=self.cfg.logging.dashboard_port)
+        rank_threads, engine_threads = threads.plan(
+            self.cfg, rank_nodes, engine_nodes, cpus, on_torchrun, self.keep_engines_awake
+        )
+        self.manager = ActorManager(
+            dashboard=True,
+            host=self.cfg.logging.dashboard_host,
+            port=self.cfg.logging.dashboard_port,
+        )
         clock.listeners.append(self.manager.set_startup)
         # Engines, trainer ranks and critic start at once, each in its own processes, and meet here before
         # the first weight sync: the engines load vLLM and the model while the ranks build theirs. They begin
         # where placement ends (its recorded end: clock.now() here was a few ms later, after the dashboard's
         # update, and the two differed in their third decimal in one CI run).
         began = clock.done("placement")["end_s"]
-        self.engines = start_engines(self.cfg, self.pgs, plan.engines, engine_threads, self._engine_profile_dir(),
-                                     self.eval_requests)
-        meeting = {"engines": ([e.kv_cache_max_concurrency.remote() for e in self.engines],
-                               [f"rollout engine {i}" for i in range(len(self.engines))])}
+        self.engines = start_engines(
+            self.cfg,
+            self.pgs,
+            plan.engines,
+            engine_threads,
+            self._engine_profile_dir(),
+            self.eval_requests,
+        )
+        meeting = {
+            "engines": (
+                [e.kv_cache_max_concurrency.remote() for e in self.engines],
+                [f"rollout engine {i}" for i in range(len(self.engines))],
+            )
+        }
         # Colocated on GPUs the trainer gives the device up while the engines generate (None: decide so).
         offload = self.cfg.actor.offload_while_generating
         self.swaps = (c.colocate and r.device == "cuda") if offload is None else offload
         with_reference = self.cfg.algorithm.kl_coef > 0
-        self.policy_ranks = start_trainer(self.cfg, plan, self.pgs, rank_threads, self.swaps, on_torchrun,
-                                    self.optimizer_steps_per_rl_step(), self.call_timeout_s, wait=False)
-        log.info("placement: trainer ranks on nodes %s; rollout engines on nodes %s",
-                 _by_node(node_names(self.policy_ranks.node_ids)) if not on_torchrun else "(torchrun's)",
-                 _by_node(node_names(engine_nodes)))
+        self.policy_ranks = start_trainer(
+            self.cfg,
+            plan,
+            self.pgs,
+            rank_threads,
+            self.swaps,
+            on_torchrun,
+            self.optimizer_steps_per_rl_step(),
+            self.call_timeout_s,
+            wait=False,
+        )
+        log.info(
+            "placement: trainer ranks on nodes %s; rollout engines on nodes %s",
+            _by_node(node_names(self.policy_ranks.node_ids)) if not on_torchrun else "(torchrun's)",
+            _by_node(node_names(engine_nodes)),
+        )
         trainer = "trainer (policy" + (" + reference)" if with_reference else ")")
-        if on_torchrun:  # torchrun's ranks answer one blocking call at a time; the engines load meanwhile
+        # torchrun's ranks answer one blocking call at a time; the engines load meanwhile
+        if on_torchrun:
             self.policy_ranks.call(of_actor(Actor.setup), with_reference=with_reference)
             clock.done(trainer, began)
         else:  # a rank runs its calls in the order they were made: setup once the build is done
@@ -176,8 +223,16 @@ class Roles:
         if self.has_critic:
             offload = self.cfg.critic.offload_while_generating
             self.critic_swaps = (c.colocate and r.device == "cuda") if offload is None else offload
-            self.critic_ranks = start_critic(self.cfg, plan, self.pgs, rank_threads, self.critic_swaps,
-                                        self.optimizer_steps_per_rl_step(), self.call_timeout_s, wait=False)
+            self.critic_ranks = start_critic(
+                self.cfg,
+                plan,
+                self.pgs,
+                rank_threads,
+                self.critic_swaps,
+                self.optimizer_steps_per_rl_step(),
+                self.call_timeout_s,
+                wait=False,
+            )
             names = self.critic_ranks.names()
             setup = self.critic_ranks.submit(of_critic(Critic.setup))
             meeting["critic"] = (self.critic_ranks.starting + setup, names + names)
@@ -186,24 +241,46 @@ class Roles:
         except WorkerFailed as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
-            raise RoleDied(f"the trainer ranks and engines did not all start within {self.call_timeout_s:.0f}s",
-                           "start-up") from e
-        self.policy_calls = ShardedCalls(self.policy_ranks, self.policy_ranks.call(of_actor(Actor.data_layout)))
+            raise RoleDied(
+                f"the trainer ranks and engines did not all start within {self.call_timeout_s:.0f}s",
+                "start-up",
+            ) from e
+        self.policy_calls = ShardedCalls(
+            self.policy_ranks, self.policy_ranks.call(of_actor(Actor.data_layout))
+        )
         if self.has_critic:
-            self.critic_calls = ShardedCalls(self.critic_ranks, self.critic_ranks.call(of_critic(Critic.data_layout)))
+            self.critic_calls = ShardedCalls(
+                self.critic_ranks, self.critic_ranks.call(of_critic(Critic.data_layout))
+            )
         for i, value in enumerate(met["engines"]):
             self.manager.set_kv_cache_max_concurrency(i, value)
         # What the models compute with, as vLLM's processes report it (threads per model worker)
-        log.info("engine model threads: %s", self._get([e.engine_threads.remote() for e in self.engines],
-                                                       "rollout engine"))
+        log.info(
+            "engine model threads: %s",
+            self._get([e.engine_threads.remote() for e in self.engines], "rollout engine"),
+        )
         self.phases = ColocatedPhases(
-            engines=lambda method: self._get([getattr(e, method).remote() for e in self.engines], "rollout engine"),
+            engines=lambda method: self._get(
+                [getattr(e, method).remote() for e in self.engines], "rollout engine"
+            ),
             # the policy's calls without the phase check call_policy makes (these calls are the phases)
-            trainer=lambda method, *args, **kwargs: self._call_policy(of_actor(method), *args, **kwargs),
-            critic=(lambda method, *args, **kwargs: self._submit_critic(of_critic(method), args, kwargs)())
-            if self.critic_ranks is not None else None,
-            swaps=self.swaps, critic_swaps=self.critic_swaps, keep_engines_awake=self.keep_engines_awake)
-        self.hosts, self.background, agents_pg = start_agent_loops(self.cfg, self.engines, self.pg_timeout_s)
+            trainer=lambda method, *args, **kwargs: self._call_policy(
+                of_actor(method), *args, **kwargs
+            ),
+            critic=(
+                lambda method, *args, **kwargs: self._submit_critic(
+                    of_critic(method), args, kwargs
+                )()
+            )
+            if self.critic_ranks is not None
+            else None,
+            swaps=self.swaps,
+            critic_swaps=self.critic_swaps,
+            keep_engines_awake=self.keep_engines_awake,
+        )
+        self.hosts, self.background, agents_pg = start_agent_loops(
+            self.cfg, self.engines, self.pg_timeout_s
+        )
         if agents_pg is not None:
             self.pgs.append(agents_pg)
 
@@ -250,13 +327,19 @@ class Roles:
     def _get(self, refs: list, what: str, names: list[str] | None = None) -> list:
         """Results of calls on ``what`` workers (names[i] for refs[i], default "<what> i")."""
         try:
-            return first_failure(refs, names or [f"{what} {i}" for i in range(len(refs))], self.call_timeout_s)
+            return first_failure(
+                refs, names or [f"{what} {i}" for i in range(len(refs))], self.call_timeout_s
+            )
         except WorkerFailed as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
-            raise RoleDied(f"a {what} did not answer within {self.call_timeout_s:.0f}s", what) from e
+            raise RoleDied(
+                f"a {what} did not answer within {self.call_timeout_s:.0f}s", what
+            ) from e
 
-    def call_policy(self, method: Callable[Concatenate[Actor, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+    def call_policy(
+        self, method: Callable[Concatenate[Actor, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         """``method`` (a method of the Actor interface, ``Actor.train_step``) on every trainer rank: rank 0's
         result (every rank returns the same); a call on a RolloutBatch goes as one share per data-parallel rank
         and comes back merged (rlmega/launch/sharded.py). Brings a released trainer back first."""
@@ -265,7 +348,8 @@ class Roles:
 
     def _call_policy(self, method: str, *args, **kwargs):
         try:
-            if args and isinstance(args[0], RolloutBatch):  # planned here once, each rank only its share
+            # planned here once, each rank only its share
+            if args and isinstance(args[0], RolloutBatch):
                 return self.policy_calls.submit(method, *args, **kwargs)()
             return self.policy_ranks.call_rank0(method, *args, **kwargs)
         except WorkerGroupError as e:
@@ -276,13 +360,16 @@ class Roles:
         """The run trains a value model (algorithm.advantage_estimator=gae)."""
         return self.cfg.algorithm.advantage_estimator == "gae"
 
-    def call_critic(self, method: Callable[Concatenate[Critic, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+    def call_critic(
+        self, method: Callable[Concatenate[Critic, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         """``method`` (of the Critic interface) on every critic rank: rank 0's result (every rank returns the
         same)."""
         return self.submit_critic(method, *args, **kwargs)()
 
-    def submit_critic(self, method: Callable[Concatenate[Critic, P], R], *args: P.args,
-                      **kwargs: P.kwargs) -> Callable[[], R]:
+    def submit_critic(
+        self, method: Callable[Concatenate[Critic, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Callable[[], R]:
         """A critic call (``method`` of the Critic interface) started now; returns a function that waits for it
         and gives rank 0's result, so the actor's ranks can work meanwhile (the value forward beside the
         log-probs, the critic's train step beside the policy's). Brings a released trainer and critic back first,
@@ -293,7 +380,9 @@ class Roles:
         self.phases.before_training()
         return self._submit_critic(method_name(method, Critic), tuple(args), dict(kwargs))
 
-    def _submit_critic(self, name: str, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> Callable[[], Any]:
+    def _submit_critic(
+        self, name: str, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]
+    ) -> Callable[[], Any]:
         """submit_critic without the phase check (the phases' own calls)."""
         try:
             if call_args and isinstance(call_args[0], RolloutBatch):
@@ -319,7 +408,9 @@ class Roles:
         self.phases.before_generation()
 
         async def run_all():
-            return await asyncio.gather(*[self.hosts[task].run_group(req) for task, req in requests])
+            return await asyncio.gather(
+                *[self.hosts[task].run_group(req) for task, req in requests]
+            )
 
         return self.background.run(run_all(), timeout=self.call_timeout_s)
 
@@ -331,7 +422,9 @@ class Roles:
         """Failed generation tries so far (retried or, after the retries, their group dropped)."""
         return sum(h.generation_failures() for h in self.hosts.values())
 
-    def sync_weights(self, version: int, bucket_bytes: int = 512 << 20, in_flight: str | None = None) -> dict:
+    def sync_weights(
+        self, version: int, bucket_bytes: int = 512 << 20, in_flight: str | None = None
+    ) -> dict:
         """Stream the trainer's weights into every engine (both must be resident: see rollout_phase).
 
         ``in_flight``: None, for a sync between rollouts (no request in flight, or they take the
@@ -348,8 +441,12 @@ class Roles:
             return self._send_weights(version, bucket_bytes)
         failed = True
         try:  # pausing inside: engines paused before one of them failed are resumed too
-            preempted = sum(self._get([e.pause_generation.remote(in_flight == "abort") for e in self.engines],
-                                      "rollout engine"))
+            preempted = sum(
+                self._get(
+                    [e.pause_generation.remote(in_flight == "abort") for e in self.engines],
+                    "rollout engine",
+                )
+            )
             sent = self._send_weights(version, bucket_bytes)
             failed = False
         finally:
@@ -358,7 +455,9 @@ class Roles:
             except Exception:
                 if not failed:
                     raise
-                log.warning("resuming the engines after a failed weight sync failed too", exc_info=True)
+                log.warning(
+                    "resuming the engines after a failed weight sync failed too", exc_info=True
+                )
         return {**sent, "preempted": preempted}
 
     def _transport(self):
@@ -366,7 +465,8 @@ class Roles:
         ranks keep their process groups with the engines across syncs by its key."""
         if self.weight_transport is None:
             kind = {"collective": CollectiveTransport, "cuda_ipc": CudaIpcTransport}.get(
-                self.cfg.rollout.weight_transport, RayTransport)
+                self.cfg.rollout.weight_transport, RayTransport
+            )
             self.weight_transport = kind(self.engines, self.call_timeout_s)
         return self.weight_transport
 
@@ -374,8 +474,13 @@ class Roles:
         if self.lora_unmerged and self._base_sent:
             return self._send_adapter(version)
         try:
-            sent = self.policy_ranks.call(of_actor(Actor.sync_model_to_rollout), self._transport(), version,
-                                          bucket_bytes, "base" if self.lora_unmerged else "merged")
+            sent = self.policy_ranks.call(
+                of_actor(Actor.sync_model_to_rollout),
+                self._transport(),
+                version,
+                bucket_bytes,
+                "base" if self.lora_unmerged else "merged",
+            )
         except WorkerGroupError as e:
             dead = self._dead_engines()
             if dead:  # the ranks failed because an engine they were sending to is gone
@@ -388,17 +493,26 @@ class Roles:
             return out
         self._base_sent = True  # the base in, now the adapters on it
         adapter = self._send_adapter(version)
-        return {"bytes": out["bytes"] + adapter["bytes"], "seconds": out["seconds"] + adapter["seconds"]}
+        return {
+            "bytes": out["bytes"] + adapter["bytes"],
+            "seconds": out["seconds"] + adapter["seconds"],
+        }
 
     def _send_adapter(self, version: int) -> dict:
         """The policy's LoRA adapter to every engine (RolloutWorker.load_adapter): a few megabytes, put into
         Ray's object store once by trainer rank 0, read from there by each engine (not through the driver)."""
         start = time.perf_counter()
         try:
-            put = next(f for f in self.policy_ranks.call(of_actor(Actor.put_adapter_for_rollout)) if f is not None)
+            put = next(
+                f
+                for f in self.policy_ranks.call(of_actor(Actor.put_adapter_for_rollout))
+                if f is not None
+            )
         except WorkerGroupError as e:
             raise RoleDied(str(e), e.worker, e.cause, e.remote_traceback) from e
-        self._get([e.load_adapter.remote(put["ref"], version) for e in self.engines], "rollout engine")
+        self._get(
+            [e.load_adapter.remote(put["ref"], version) for e in self.engines], "rollout engine"
+        )
         self._check_versions(version)
         return {"bytes": put["bytes"], "seconds": time.perf_counter() - start}
 
@@ -419,10 +533,17 @@ class Roles:
 
     def generation(self) -> "Generation":
         """What the producer (rlmega/agents/produce.py) generates through: no more of Roles than that."""
-        return Generation(hosts=self.hosts, loop=self.background.loop, prompts=self.manager.prompts,
-                          results=self.manager.results, should_stop=self.manager.should_stop,
-                          sync=self.rollout_phase, rollout=self.rollout, failures=self.generation_failures,
-                          timeout_s=self.call_timeout_s)
+        return Generation(
+            hosts=self.hosts,
+            loop=self.background.loop,
+            prompts=self.manager.prompts,
+            results=self.manager.results,
+            should_stop=self.manager.should_stop,
+            sync=self.rollout_phase,
+            rollout=self.rollout,
+            failures=self.generation_failures,
+            timeout_s=self.call_timeout_s,
+        )
 
     # ---- profiling (logging.profile_steps, rlmega/rundir/profiling.py) --------------------------------
     def _engine_profile_dir(self) -> str | None:
@@ -433,7 +554,10 @@ class Roles:
 
     def start_profile(self, name: str) -> None:
         self._call_policy(of_actor(Actor.start_profile))
-        self._get([e.start_profile.remote(f"{name}_engine{i}") for i, e in enumerate(self.engines)], "rollout engine")
+        self._get(
+            [e.start_profile.remote(f"{name}_engine{i}") for i, e in enumerate(self.engines)],
+            "rollout engine",
+        )
         self._profile_name = name
 
     def stop_profile(self, out_dir: str) -> list[str]:
@@ -442,7 +566,9 @@ class Roles:
         self._get([e.stop_profile.remote() for e in self.engines], "rollout engine")
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for f in sorted(Path(self._engine_profile_dir()).glob(f"{self._profile_name}_engine*")):
-            paths.append(str(f.replace(Path(out_dir) / f.name.removeprefix(f"{self._profile_name}_"))))
+            paths.append(
+                str(f.replace(Path(out_dir) / f.name.removeprefix(f"{self._profile_name}_")))
+            )
         return paths
 
     def _dead_engines(self) -> list[int]:

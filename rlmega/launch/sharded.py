@@ -9,6 +9,7 @@ its share; the results come back per share and are put back in batch order: a li
 each list of a tuple, and each list value of a dict (a train step's on-policy "old_logprobs"; its other
 values are global, the same on every rank, and taken from data-parallel rank 0).
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,7 +26,9 @@ class ShardedCalls:
         """``layouts``: every rank's ``data_layout()``: (the engine's Layout, its data-parallel rank)."""
         kinds = {layout for layout, _ in layouts}
         if len(kinds) != 1:
-            raise RuntimeError(f"trainer ranks disagree on how to split a batch: {sorted(map(str, kinds))}")
+            raise RuntimeError(
+                f"trainer ranks disagree on how to split a batch: {sorted(map(str, kinds))}"
+            )
         self.group, self.layout = group, kinds.pop()
         self.dp_of_rank = [dp for _, dp in layouts]
         self._plans: collections.OrderedDict = collections.OrderedDict()
@@ -56,5 +59,8 @@ def merge(plan: StepPlan, per_dp: list) -> Any:
     if isinstance(first, tuple):
         return tuple(merge(plan, [r[k] for r in per_dp]) for k in range(len(first)))
     if isinstance(first, dict):
-        return {k: plan.merge([r[k] for r in per_dp]) if isinstance(v, list) else v for k, v in first.items()}
+        return {
+            k: plan.merge([r[k] for r in per_dp]) if isinstance(v, list) else v
+            for k, v in first.items()
+        }
     return first

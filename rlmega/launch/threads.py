@@ -9,6 +9,7 @@ runs on the device. ``cluster.threads_per_rank`` / ``cluster.threads_per_engine`
 Asynchronous production (produce.strategy=async) generates while the ranks train: there ranks and
 engines share a node's CPUs, every process of either kind counted (launch/roles.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,14 @@ def per_process(nodes: list[str], node_cpus: dict[str, float]) -> list[int]:
     return [share(node_cpus.get(n, 1), count[n]) for n in nodes]
 
 
-def plan(cfg: RLConfig, rank_nodes: list[str], engine_nodes: list[str], node_cpus: dict[str, float],
-         on_torchrun: bool, engines_awake_while_training: bool) -> tuple[int, list]:
+def plan(
+    cfg: RLConfig,
+    rank_nodes: list[str],
+    engine_nodes: list[str],
+    node_cpus: dict[str, float],
+    on_torchrun: bool,
+    engines_awake_while_training: bool,
+) -> tuple[int, list]:
     """Intra-op threads of the trainer ranks (one number: every rank gets the same) and of each
     engine (None: vLLM's own workers, TP > 1 or CUDA), given the node of each rank and engine and
     the CPUs of each node."""
@@ -46,7 +53,8 @@ def plan(cfg: RLConfig, rank_nodes: list[str], engine_nodes: list[str], node_cpu
         rank = 1
     elif on_torchrun:  # the ranks are torchrun's, on nodes like this one
         rank = share(len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    elif engines_awake_while_training:  # async: ranks and engines compute at the same time, sharing the node
+    # async: ranks and engines compute at the same time, sharing the node
+    elif engines_awake_while_training:
         rank = min(per_process(rank_nodes + engine_nodes, node_cpus)[: len(rank_nodes)])
     else:
         rank = min(per_process(rank_nodes, node_cpus))
@@ -55,7 +63,7 @@ def plan(cfg: RLConfig, rank_nodes: list[str], engine_nodes: list[str], node_cpu
     elif c.threads_per_engine is not None:
         engines = [c.threads_per_engine] * len(engine_nodes)
     elif engines_awake_while_training:
-        engines = per_process(rank_nodes + engine_nodes, node_cpus)[len(rank_nodes):]
+        engines = per_process(rank_nodes + engine_nodes, node_cpus)[len(rank_nodes) :]
     else:
         engines = per_process(engine_nodes, node_cpus)
     log.info("intra-op threads: %d per trainer rank, %s per engine", rank, engines)

@@ -12,6 +12,7 @@ node (``--standalone`` or ``--nnodes 1``) that is 127.0.0.1 and nothing is reach
 run that spans nodes must expose the stores to its nodes: they listen on the rendezvous endpoint's
 and rank 0's node addresses, still without auth, so keep such a run inside a trusted network.
 """
+
 from __future__ import annotations
 
 import os

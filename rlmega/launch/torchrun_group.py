@@ -20,6 +20,7 @@ rank 0's to act on (finish the step, checkpoint, release everyone), and it needs
 that. They leave on rank 0's exit command, or when torchrun tears the job down (SIGKILL after its
 grace period, when any rank dies).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -59,8 +60,12 @@ def _store(timeout_s: float = 300.0):
     import torch.distributed as dist
 
     # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): every rank is a client.
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     # A restarted job (torchrun --max-restarts) starts a fresh conversation in the same store.
     return dist.PrefixStore(f"rlmega/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
@@ -84,7 +89,12 @@ def _outcome(fn, *args, **kwargs) -> tuple:
             pickle.dumps(e)
         except Exception:  # an exception that does not pickle travels as text only
             e = None
-        return ("error", e, f"{type(e).__name__ if e else 'Exception'}: {e}", traceback.format_exc())
+        return (
+            "error",
+            e,
+            f"{type(e).__name__ if e else 'Exception'}: {e}",
+            traceback.format_exc(),
+        )
 
 
 class _Host:
@@ -92,7 +102,8 @@ class _Host:
 
     def __init__(self):
         self.worker = None
-        self.store = None  # this rank's client of the store, made when a sharded call first needs it
+        # this rank's client of the store, made when a sharded call first needs it
+        self.store = None
 
     def run(self, command: tuple) -> Any:
         kind, payload = command
@@ -112,10 +123,12 @@ class _Host:
             return None
         if kind == "build":
             cls, args, kwargs = payload
-            with imports_uncollected():  # the backend's imports, as a Ray rank host's (rlmega/process/heap.py)
+            # the backend's imports, as a Ray rank host's (rlmega/process/heap.py)
+            with imports_uncollected():
                 self.worker = cls(*args, **kwargs)
             return None
-        if kind == "call_shards":  # this rank's share is under its own key (TorchrunGroup.submit_shards)
+        # this rank's share is under its own key (TorchrunGroup.submit_shards)
+        if kind == "call_shards":
             method, key, dp_of_rank, args, kwargs = payload
             me = rank() or 0
             self.store = self.store or _store()
@@ -151,24 +164,39 @@ class TorchrunGroup:
     ``__init__`` connects the serving ranks to Ray at ``ray_address`` (if given) and builds ``cls(*args,
     **kwargs)`` on every rank. Call ``close(code)`` to release the serving ranks."""
 
-    def __init__(self, cls, world_size_: int, args: tuple = (), kwargs: dict | None = None, *,
-                 ray_address: str | None, timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        cls,
+        world_size_: int,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        *,
+        ray_address: str | None,
+        timeout_s: float = 1800.0,
+    ):
         if world_size() != world_size_:
-            raise RuntimeError(f"torchrun started {world_size()} processes but parallelism.world_size is "
-                               f"{world_size_}: start torchrun with --nnodes x --nproc-per-node = {world_size_}")
+            raise RuntimeError(
+                f"torchrun started {world_size()} processes but parallelism.world_size is "
+                f"{world_size_}: start torchrun with --nnodes x --nproc-per-node = {world_size_}"
+            )
         self.world_size, self.timeout_s = world_size_, timeout_s
         if os.environ.get(BOUND_ENV) != "1":
-            log.warning("torchrun's key-value stores listen on every interface with no authentication, and "
-                        "they carry the ranks' commands (pickles): launch with `python -m rlmega.launch.torchrun` "
-                        "(the same arguments) to keep them on this group's address (docs/launching.md)")
+            log.warning(
+                "torchrun's key-value stores listen on every interface with no authentication, and "
+                "they carry the ranks' commands (pickles): launch with `python -m rlmega.launch.torchrun` "
+                "(the same arguments) to keep them on this group's address (docs/launching.md)"
+            )
         self.store, self.k = _store(), 0
         self._host = _Host()
         # One thread runs every local call: the CUDA device a rank binds to is per thread.
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="trainer-rank-0", daemon=True)
         self._thread.start()
-        if ray_address:  # the ranks send weights to Ray actors (RayTransport): they join rank 0's Ray
-            self._send(("ray", (ray_address, {k: v for k, v in os.environ.items() if k in RAY_AUTH_ENV})))
+        # the ranks send weights to Ray actors (RayTransport): they join rank 0's Ray
+        if ray_address:
+            self._send(
+                ("ray", (ray_address, {k: v for k, v in os.environ.items() if k in RAY_AUTH_ENV}))
+            )
         self._send(("build", (cls, tuple(args), kwargs or {})))
 
     def _work(self) -> None:
@@ -213,14 +241,21 @@ class TorchrunGroup:
                 if r not in results and _ready(self.store, f"res/{k}/{r}"):
                     results[r] = _take(self.store, f"res/{k}/{r}")
             failed = [r for r, out in sorted(results.items()) if out[0] == "error"]
-            if failed:  # report the first failure at once: its peers may wait for it in a collective
+            # report the first failure at once: its peers may wait for it in a collective
+            if failed:
                 _, cause, what, tb = results[failed[0]]
-                raise WorkerGroupError(f"trainer rank {failed[0]} raised {what}", f"trainer rank {failed[0]}",
-                                       cause, tb)
+                raise WorkerGroupError(
+                    f"trainer rank {failed[0]} raised {what}",
+                    f"trainer rank {failed[0]}",
+                    cause,
+                    tb,
+                )
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in results]
-                raise WorkerGroupError(f"trainer ranks {missing} did not answer within {self.timeout_s:.0f}s",
-                                   "trainer ranks")
+                raise WorkerGroupError(
+                    f"trainer ranks {missing} did not answer within {self.timeout_s:.0f}s",
+                    "trainer ranks",
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         self.store.delete_key(f"cmd/{k}")

@@ -10,6 +10,7 @@ MASTER_ADDR/MASTER_PORT; each actor gets
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE before the worker object is built. A call that raises on any rank
 raises here with that rank named; a dead actor becomes WorkerGroupError instead of a hang.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,27 @@ class _RankHost:
 
         return reserve_port()
 
-    def start(self, master: tuple[str, int], local_rank: int, local_world_size: int, cls, args: tuple,
-              kwargs: dict) -> None:
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
-                          LOCAL_WORLD_SIZE=str(local_world_size))
-        with imports_uncollected():  # the backend's imports (megatron-core or FSDP's stack): rlmega/process/heap.py
-            self.worker = cls(*args, **kwargs)  # an Actor builds nothing before setup (rlmega/learner/actor_api.py)
+    def start(
+        self,
+        master: tuple[str, int],
+        local_rank: int,
+        local_world_size: int,
+        cls,
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
+        os.environ.update(
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+        )
+        # the backend's imports (megatron-core or FSDP's stack): rlmega/process/heap.py
+        with imports_uncollected():
+            # an Actor builds nothing before setup (rlmega/learner/actor_api.py)
+            self.worker = cls(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -63,9 +78,21 @@ class _RankHost:
 
 
 class WorkerGroup:
-    def __init__(self, cls, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
-                 num_cpus: float = 1.0, num_gpus: float = 0.0, env: dict[str, str] | None = None,
-                 placement_group=None, timeout_s: float = 1800.0, name: str = "trainer", wait: bool = True):
+    def __init__(
+        self,
+        cls,
+        world_size: int,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        *,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        env: dict[str, str] | None = None,
+        placement_group=None,
+        timeout_s: float = 1800.0,
+        name: str = "trainer",
+        wait: bool = True,
+    ):
         """``name``: what errors call the ranks ("trainer rank 3", "critic rank 0"). ``wait``: return once
         every rank built its worker object; False: as soon as that is under way (``starting`` holds the
         refs to wait on; calls made meanwhile run after it, in the order they were made)."""
@@ -82,25 +109,36 @@ class WorkerGroup:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 # One group (bundle index = rank), or each rank's own (group, bundle index).
-                pg, bundle = placement_group[rank] if isinstance(placement_group, list) else (placement_group, rank)
+                pg, bundle = (
+                    placement_group[rank]
+                    if isinstance(placement_group, list)
+                    else (placement_group, rank)
+                )
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle)
+                    placement_group=pg, placement_group_bundle_index=bundle
+                )
             self.hosts.append(Host.options(**opts).remote(rank, world_size, env))
         # (one ref a call: _get names a failure by its index, and both are rank 0's)
-        master = (self._get([self.hosts[0].address.remote()])[0][0], self._get([self.hosts[0].master_port.remote()])[0])
+        master = (
+            self._get([self.hosts[0].address.remote()])[0][0],
+            self._get([self.hosts[0].master_port.remote()])[0],
+        )
         # LOCAL_RANK / LOCAL_WORLD_SIZE: the rank's index among, and the number of, the ranks on its
         # node, as torchrun sets them. Each actor sees only its own GPU (Ray sets
         # CUDA_VISIBLE_DEVICES), so rlmega.process.distributed.device_ordinal binds it to ordinal 0, not LOCAL_RANK.
         # Nodes are told apart by Ray node id: simulated nodes of one machine share an IP.
-        self.node_ids = [a[1] for a in self._get([h.address.remote() for h in self.hosts])]  # as each rank reports
+        # as each rank reports
+        self.node_ids = [a[1] for a in self._get([h.address.remote() for h in self.hosts])]
         nodes = self.node_ids
         # one node: rank 0's store then listens on loopback only (rlmega.process.distributed.init_distributed)
         if len(set(nodes)) == 1:
             master = ("127.0.0.1", master[1])
         local = [sum(1 for n in nodes[:r] if n == nodes[r]) for r in range(world_size)]
         per_node = [nodes.count(nodes[r]) for r in range(world_size)]
-        self.starting = [h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})
-                         for r, h in enumerate(self.hosts)]
+        self.starting = [
+            h.start.remote(master, local[r], per_node[r], cls, tuple(args), kwargs or {})
+            for r, h in enumerate(self.hosts)
+        ]
         if wait:
             self._get(self.starting)
 
@@ -112,12 +150,14 @@ class WorkerGroup:
         """All results, but fail as soon as ANY rank fails: its peers may be blocked in a
         collective waiting for it, and would only give up at the process-group timeout."""
         try:
-            return first_failure(refs, self.names()[:len(refs)], self.timeout_s)
+            return first_failure(refs, self.names()[: len(refs)], self.timeout_s)
         except WorkerFailed as e:
             raise WorkerGroupError(str(e), e.worker, e.cause, e.remote_traceback) from e
         except ray.exceptions.GetTimeoutError as e:
-            raise WorkerGroupError(f"{self.name} ranks did not answer within {self.timeout_s:.0f}s",
-                                   f"{self.name} ranks") from e
+            raise WorkerGroupError(
+                f"{self.name} ranks did not answer within {self.timeout_s:.0f}s",
+                f"{self.name} ranks",
+            ) from e
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank with the same arguments (put in the object store once)."""
@@ -125,7 +165,10 @@ class WorkerGroup:
 
     def submit(self, method: str, *args, **kwargs) -> list:
         """``call`` started now: one ref per rank, in rank order, to wait on later."""
-        args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
+        args = tuple(
+            ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a
+            for a in args
+        )
         return [h.call.remote(method, *args, **kwargs) for h in self.hosts]
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
@@ -138,22 +181,34 @@ class WorkerGroup:
         """``call_rank0`` started now and awaited later: returns a function that waits for every rank
         and gives rank 0's result, so the driver can keep another group busy meanwhile (the critic's
         forward beside the actor's). Calls on one group run in the order they were submitted."""
-        args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
-        refs = ([self.hosts[0].call.remote(method, *args, **kwargs)]
-                + [h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]])
+        args = tuple(
+            ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a
+            for a in args
+        )
+        refs = [self.hosts[0].call.remote(method, *args, **kwargs)] + [
+            h.call_quiet.remote(method, *args, **kwargs) for h in self.hosts[1:]
+        ]
         return lambda: self._get(refs)[0]
 
-    def submit_shards(self, method: str, shards: list, dp_of_rank: list[int], *args, **kwargs) -> Callable[[], list]:
+    def submit_shards(
+        self, method: str, shards: list, dp_of_rank: list[int], *args, **kwargs
+    ) -> Callable[[], list]:
         """``method`` on every rank with its data-parallel rank's share first (``shards[d]``, put in the object
         store once and fetched only by the ranks of data-parallel rank d: rlmega/data/shards.py), the same
         other arguments. Returns a function that waits for every rank and gives one result per data-parallel
         rank: its first trainer rank's (the others answer None once done, or their error)."""
         refs_by_dp = [ray.put(s) for s in shards]
-        args = tuple(ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args)
+        args = tuple(
+            ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a
+            for a in args
+        )
         first = first_rank_of(dp_of_rank)
-        refs = [(h.call if first[dp_of_rank[r]] == r else h.call_quiet).remote(method, refs_by_dp[dp_of_rank[r]],
-                                                                             *args, **kwargs)
-                for r, h in enumerate(self.hosts)]
+        refs = [
+            (h.call if first[dp_of_rank[r]] == r else h.call_quiet).remote(
+                method, refs_by_dp[dp_of_rank[r]], *args, **kwargs
+            )
+            for r, h in enumerate(self.hosts)
+        ]
 
         def result() -> list:
             out = self._get(refs)

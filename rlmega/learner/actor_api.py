@@ -28,6 +28,7 @@ Rules every method follows (the contract the callers rely on):
 - **HF names at the edges.** ``sync_model_to_rollout`` and ``export_hf`` speak Hugging Face parameter
   names and layouts, whatever the backend holds inside.
 """
+
 from __future__ import annotations
 
 import abc
@@ -95,15 +96,31 @@ def advantages_and_returns(batch: RolloutBatch, algo) -> tuple[list, list]:
     says what the batch carries). The driver calls it: pure arithmetic, no trainer rank involved."""
     a, masks = algo, batch.response_mask
     if batch.rewards is None or batch.old_values is None:
-        raise ValueError("compute_advantages_and_returns needs batch.rewards and batch.old_values (the critic's)")
+        raise ValueError(
+            "compute_advantages_and_returns needs batch.rewards and batch.old_values (the critic's)"
+        )
     kl = None
     if a.kl_coef > 0 and a.kl_in_reward:
         if batch.old_logprobs is None or batch.ref_logprobs is None:
-            raise ValueError("algorithm.kl_in_reward needs batch.old_logprobs and batch.ref_logprobs")
-        kl = [kl_lib.kl_penalty(o, r, a.kl_estimator) for o, r in zip(batch.old_logprobs, batch.ref_logprobs)]
-    return gae_lib.advantages_and_returns(batch.rewards, batch.old_values, masks, kl, gamma=a.gamma, lam=a.lam,
-                                          lam_critic=a.lam_critic, lam_actor_alpha=a.lam_actor_alpha,
-                                          whiten_advantages=a.whiten_advantages, kl_coef=a.kl_coef)
+            raise ValueError(
+                "algorithm.kl_in_reward needs batch.old_logprobs and batch.ref_logprobs"
+            )
+        kl = [
+            kl_lib.kl_penalty(o, r, a.kl_estimator)
+            for o, r in zip(batch.old_logprobs, batch.ref_logprobs)
+        ]
+    return gae_lib.advantages_and_returns(
+        batch.rewards,
+        batch.old_values,
+        masks,
+        kl,
+        gamma=a.gamma,
+        lam=a.lam,
+        lam_critic=a.lam_critic,
+        lam_actor_alpha=a.lam_actor_alpha,
+        whiten_advantages=a.whiten_advantages,
+        kl_coef=a.kl_coef,
+    )
 
 
 class Actor(abc.ABC):
@@ -156,7 +173,9 @@ class Actor(abc.ABC):
 
     # ---- training -------------------------------------------------------------------------------
     @abc.abstractmethod
-    def train_step(self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None) -> dict:
+    def train_step(
+        self, batch: RolloutBatch, optimizer_steps_per_rl_step: int | None = None
+    ) -> dict:
         """One RL optimizer step on the whole batch; returns ``rl_loss.step_metrics``'s dict.
 
         The batch needs advantages, ref_logprobs when the loss uses the KL term, rollout_logprobs when
@@ -197,8 +216,9 @@ class Actor(abc.ABC):
 
     # ---- weights out ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20,
-                              weights: str = "merged") -> dict:
+    def sync_model_to_rollout(
+        self, transport, version: int, bucket_bytes: int = 512 << 20, weights: str = "merged"
+    ) -> dict:
         """Stream the policy's full weights, HF names and layouts, to the engines through
         ``transport`` (rlmega.sync.transports): size-bounded buckets, each gathered only when it is
         sent, so no rank holds the whole model; one sender calls ``transport.send(bucket, version)``

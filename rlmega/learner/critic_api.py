@@ -13,12 +13,14 @@ The value model is the policy's architecture with its output layer replaced by a
 before the token at p + 1, so a sample's values line up with its response tokens exactly as its
 log-probs do: one float32 per response token.
 """
+
 from __future__ import annotations
 
 import abc
 
 from rlmega.learner.actor_api import BackendFactory, backend_class
 from rlmega.data.rollout_batch import RolloutBatch
+
 
 def critic_class(backend: str) -> type["Critic"]:
     """The Critic subclass of ``actor.backend`` (rlmega.learner.actor_api.CRITICS; imports its library only now)."""

@@ -24,6 +24,7 @@ loss's gradient is normalised over the global ``count`` (all micro-batches of al
 output (a pipeline stage before the last), and ``gather_responses``/``global_sums`` give every rank
 the same full result from there.
 """
+
 from __future__ import annotations
 
 import abc
@@ -115,8 +116,10 @@ class TrainEngine(abc.ABC):
         """The shard's packed micro-batches (rlmega.data.micro_batches.build_micro_batch; placeholders for
         [] entries), each at least the plan's shape where it has one."""
         row_multiple = self.layout().row_multiple
-        return [build_micro_batch(shard.batch, idx, row_multiple=row_multiple, min_shape=shape)
-                for idx, shape in zip(shard.micro_batches, shard.shapes)]
+        return [
+            build_micro_batch(shard.batch, idx, row_multiple=row_multiple, min_shape=shape)
+            for idx, shape in zip(shard.micro_batches, shard.shapes)
+        ]
 
     # ---- passes -------------------------------------------------------------------------------
 
@@ -125,13 +128,17 @@ class TrainEngine(abc.ABC):
         """A no-grad pass: per micro-batch the Head's per-token outputs, on the model's device."""
 
     @abc.abstractmethod
-    def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict] | None:
+    def forward_backward(
+        self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None
+    ) -> list[dict] | None:
         """Forward and backward of every micro-batch (gradients accumulate, normalised over the global
         count once ``optimizer_step`` runs): per micro-batch its loss's sums ("numerator", "count", its
         stats) as float64 on the device, and "logprobs" with ``head.keep_logprobs``."""
 
     @abc.abstractmethod
-    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
+    def gather_responses(
+        self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard
+    ) -> list[torch.Tensor]:
         """Per-token outputs ``key`` of this rank's micro-batches -> a float32 (response_len,) per sample of
         the shard's own (``shard.own`` order), on the host, on every rank of this data-parallel rank."""
 
@@ -181,12 +188,16 @@ class TrainEngine(abc.ABC):
 
     # ---- state --------------------------------------------------------------------------------
     @abc.abstractmethod
-    def save_checkpoint(self, root, step: int, extra: dict | None = None, extra_models: dict | None = None):
+    def save_checkpoint(
+        self, root, step: int, extra: dict | None = None, extra_models: dict | None = None
+    ):
         """Model, optimizer, schedule, RNG and ``extra`` under root/step_N (written whole, then renamed),
         and ``extra_models`` {name: another engine of this backend} beside them. Returns the path."""
 
     @abc.abstractmethod
-    def load_checkpoint(self, root, model_only: bool = False, extra_models: dict | None = None) -> tuple[int, dict]:
+    def load_checkpoint(
+        self, root, model_only: bool = False, extra_models: dict | None = None
+    ) -> tuple[int, dict]:
         """Restore what ``save_checkpoint`` wrote (root/latest or ``root`` itself): (step, extra). The
         config's optimizer settings win over the saved ones."""
 

@@ -18,6 +18,7 @@ What leaves the learner (each a stream of (name, tensor) in the model's named_pa
   ``adapter_model.safetensors`` of a folder ``peft.PeftModel.from_pretrained`` (and vLLM) loads
   (``write_adapter``, ``adapter_files``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,14 @@ def peft_config(cfg: LoraConfig):
     """peft's LoraConfig of ``actor.lora``."""
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                          target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def add_adapters(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
@@ -50,7 +57,8 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn
 
     with torch.random.fork_rng(devices=[]):
         model = inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
-    with torch.no_grad():  # the init both learners share (initial_a), not peft's draw from the global stream
+    # the init both learners share (initial_a), not peft's draw from the global stream
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_A." in name:
                 p.copy_(initial_a(seed, name.split(".lora_A.")[0], cfg.rank, p.shape[1]))
@@ -67,7 +75,12 @@ def initial_a(seed: int, module: str, rank: int, in_features: int) -> torch.Tens
     rlmega/megatron/lora_adapters.py) start from the same adapters whatever order or rank builds them."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(module.encode()))
     bound = 1.0 / math.sqrt(in_features)
-    return torch.rand(rank, in_features, generator=g, dtype=torch.float64).mul_(2 * bound).sub_(bound).float()
+    return (
+        torch.rand(rank, in_features, generator=g, dtype=torch.float64)
+        .mul_(2 * bound)
+        .sub_(bound)
+        .float()
+    )
 
 
 def is_adapter(name: str) -> bool:
@@ -104,25 +117,32 @@ def adapter_name(name: str) -> str:
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def merged_weights(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(
+    named: Iterable[tuple[str, torch.Tensor]], scale: float
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(model name, full tensor) in named_parameters order -> (HF name, tensor) of the plain model: an adapted
     layer's W comes out as W + scale B A (computed in float32, in W's dtype), once its B has passed; A and B
     themselves do not come out. Holds at most one layer's W and A at a time."""
     pending: dict[str, dict] = {}
     for name, t in named:
         if name.endswith(".base_layer.weight"):
-            pending[name[:-len(".base_layer.weight")]] = {"W": t}
+            pending[name[: -len(".base_layer.weight")]] = {"W": t}
         elif ".lora_A." in name:
             pending[name.split(".lora_A.")[0]]["A"] = t
         elif ".lora_B." in name:
             module = name.split(".lora_B.")[0]
             held = pending.pop(module)
             w = held["W"]
-            yield module + ".weight", (w.float() + scale * (t.float() @ held["A"].float())).to(w.dtype)
+            yield (
+                module + ".weight",
+                (w.float() + scale * (t.float() @ held["A"].float())).to(w.dtype),
+            )
         else:
             yield hf_name(name), t
     if pending:
-        raise RuntimeError(f"LoRA layers without their adapters in the weight stream: {sorted(pending)[:3]}")
+        raise RuntimeError(
+            f"LoRA layers without their adapters in the weight stream: {sorted(pending)[:3]}"
+        )
 
 
 def base_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,14 +153,18 @@ def base_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
             yield hf_name(name), t
 
 
-def adapter_weights(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_weights(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(model name, tensor) -> (PEFT name, tensor) of the adapters only."""
     for name, t in named:
         if is_adapter(name):
             yield adapter_name(name), t
 
 
-def write_adapter(out_dir: str, cfg: LoraConfig, tensors: dict[str, torch.Tensor], base_model: str = "") -> None:
+def write_adapter(
+    out_dir: str, cfg: LoraConfig, tensors: dict[str, torch.Tensor], base_model: str = ""
+) -> None:
     """A PEFT adapter folder: adapter_config.json (peft's own, ``base_model_name_or_path`` = ``base_model``)
     and adapter_model.safetensors (``tensors``: PEFT names). The caller writes into a partial folder and
     renames it into place."""
@@ -150,8 +174,11 @@ def write_adapter(out_dir: str, cfg: LoraConfig, tensors: dict[str, torch.Tensor
     config.base_model_name_or_path = base_model or None
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-              os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        os.path.join(out_dir, "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def adapter_files(cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
@@ -165,5 +192,7 @@ def adapter_files(cfg: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict[str
     with tempfile.TemporaryDirectory() as d:  # peft writes its own config (a few hundred bytes)
         peft_config(cfg).save_pretrained(d)
         config = Path(d, "adapter_config.json").read_bytes()
-    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": "pt"})
+    data = save(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": "pt"}
+    )
     return {"adapter_config.json": config, "adapter_model.safetensors": data}

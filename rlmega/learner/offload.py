@@ -11,6 +11,7 @@ original storage is freed), which is how the tests prove the storage really is r
 What to offload (which tensors a backend holds) is each backend's business:
 rlmega/megatron/offload.py collects Megatron's buffers, rlmega/fsdp/model_manager.py FSDP2's shards.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -42,11 +43,13 @@ def offload_tensors(tensors: Iterable[torch.Tensor]) -> Saved:
     pin = torch.cuda.is_available()
     storages = _distinct_storages(tensors)
     fixed = [s for s in storages if not s.resizable()]
-    if fixed:  # checked before anything moves: a failure half-way would free some storages and lose their copies
+    # checked before anything moves: a failure half-way would free some storages and lose their copies
+    if fixed:
         raise RuntimeError(
             f"{len(fixed)} of {len(storages)} storages ({sum(s.nbytes() for s in fixed)} bytes) are not resizable, "
             "so they cannot be released; torch marks a storage so when Tensor.numpy() or torch.from_numpy() "
-            "shares its memory with numpy")
+            "shares its memory with numpy"
+        )
     for storage in storages:
         host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
         host.copy_(_bytes_view(storage), non_blocking=pin)

@@ -22,6 +22,7 @@ An RL step of one optimizer step needs no separate old-log-prob forward (train_s
 Backend hooks (no-ops here; MegatronActor's MoE routing replay overrides them): ``_forward_routing``,
 ``_pass_routes``, ``_forward_done``, ``_train_routing``, ``_train_routes``, ``_train_done``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,13 @@ import torch
 from rlmega.learner import lora
 from rlmega.learner.actor_api import Actor
 from rlmega.algorithms import polyak, rl_loss
-from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+)
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.data.shards import Shard
 from rlmega.learner.engine_api import Head, StepResult, TrainEngine
@@ -46,9 +53,18 @@ class PolicyActor(Actor):
     engine_class: type[TrainEngine]
     """The backend's engine (each backend's subclass sets it)."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
-                 lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelismConfig,
+        optimizer: OptimizerConfig,
+        actor: ActorConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float = 1.0,
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+        num_threads: int | None = None,
+    ):
         """``num_threads``: this process's intra-op threads (torch.set_num_threads), set here because
         the actor is built at its process's start (WorkerGroup, torchrun); None leaves them."""
         if num_threads is not None:
@@ -61,11 +77,13 @@ class PolicyActor(Actor):
         self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
         self.policy: TrainEngine | None = None
         self.reference: TrainEngine | None = None
-        self.base_reference = False  # LoRA: the reference is the policy with its adapters off (setup)
+        # LoRA: the reference is the policy with its adapters off (setup)
+        self.base_reference = False
         # False once the reference may differ from model.path (a copy after the warm start, a
         # Polyak update, a reference restored from a checkpoint): from then on checkpoints carry it.
         self.reference_moved = False
-        self._ref_master: list | None = None  # float32 copy of a low-precision reference (update_ref_policy)
+        # float32 copy of a low-precision reference (update_ref_policy)
+        self._ref_master: list | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, with_reference: bool = True) -> None:
@@ -84,9 +102,15 @@ class PolicyActor(Actor):
     def _engine(self, with_optimizer: bool) -> TrainEngine:
         """A built engine of the policy's model (weights from model.path, or ``hf_config`` at random), with
         its optimizer and LR schedule when ``with_optimizer`` (the policy), without (the reference)."""
-        engine = self.engine_class(self.model_cfg, self.parallel, self.optim_cfg, self.cfg,
-                                   with_optimizer=with_optimizer, lr_decay_steps=self.lr_decay_steps,
-                                   hf_config=self.hf_config)
+        engine = self.engine_class(
+            self.model_cfg,
+            self.parallel,
+            self.optim_cfg,
+            self.cfg,
+            with_optimizer=with_optimizer,
+            lr_decay_steps=self.lr_decay_steps,
+            hf_config=self.hf_config,
+        )
         engine.build()
         return engine
 
@@ -103,15 +127,23 @@ class PolicyActor(Actor):
         return self.policy.micro_batches(shard), shard.efficiency
 
     @staticmethod
-    def _per_sample(engine: TrainEngine, mbs: list[dict], outs, key: str, shard: Shard, data) -> list[torch.Tensor]:
+    def _per_sample(
+        engine: TrainEngine, mbs: list[dict], outs, key: str, shard: Shard, data
+    ) -> list[torch.Tensor]:
         """A pass's per-token ``key`` as per-sample results: the shard's own samples for a Shard, the whole
         batch (gathered over the data-parallel ranks) for a caller that gave every rank all of it."""
         mine = engine.gather_responses(mbs, outs, key, shard)
         return mine if isinstance(data, Shard) else engine.gather_data_parallel(shard, mine)
 
     # ---- forward passes ---------------------------------------------------------------------
-    def _logprobs(self, engine: TrainEngine, data: RolloutBatch | Shard, with_entropy: bool,
-                  replay: bool = False, record: bool = False):
+    def _logprobs(
+        self,
+        engine: TrainEngine,
+        data: RolloutBatch | Shard,
+        with_entropy: bool,
+        replay: bool = False,
+        record: bool = False,
+    ):
         """(log-probs, entropies or None) per sample under ``engine``'s model. ``replay`` / ``record``: the
         backend's routing of this pass (MoE routing replay, MegatronActor)."""
         shard = engine.shard(data)
@@ -124,8 +156,12 @@ class PolicyActor(Actor):
         return lp, ent
 
     def compute_logprobs(self, batch: RolloutBatch | Shard, with_entropy: bool = False):
-        lp, ent = self._logprobs(self.policy, batch, with_entropy,
-                                 *self._forward_routing(_batch_of(batch), "compute_logprobs"))
+        lp, ent = self._logprobs(
+            self.policy,
+            batch,
+            with_entropy,
+            *self._forward_routing(_batch_of(batch), "compute_logprobs"),
+        )
         return (lp, ent) if with_entropy else lp
 
     def compute_ref_logprobs(self, batch: RolloutBatch | Shard) -> list[torch.Tensor]:
@@ -146,7 +182,9 @@ class PolicyActor(Actor):
         """
         return self._step(batch, rl_loss.sft_loss, Head(temperature=1.0, entropy=True), lr=lr)
 
-    def train_step(self, batch: RolloutBatch | Shard, optimizer_steps_per_rl_step: int | None = None) -> dict:
+    def train_step(
+        self, batch: RolloutBatch | Shard, optimizer_steps_per_rl_step: int | None = None
+    ) -> dict:
         """One RL optimizer step on the whole batch (needs advantages, and old_logprobs unless on-policy).
 
         Old log-probs are the policy's before the RL step's first update: the PPO ratio's
@@ -158,15 +196,28 @@ class PolicyActor(Actor):
         as a separate no-grad forward, see tests/multiproc/test_actor.py), and the result holds
         them as "old_logprobs": per sample, batch order, on every rank, as compute_logprobs returns.
         """
-        settings = {name: getattr(self.algo, name) for name in rl_loss.SETTINGS}  # the loss takes values
-        on_policy = rl_loss.check_train_batch(_batch_of(batch), optimizer_steps_per_rl_step, **settings)
+        # the loss takes values
+        settings = {name: getattr(self.algo, name) for name in rl_loss.SETTINGS}
+        on_policy = rl_loss.check_train_batch(
+            _batch_of(batch), optimizer_steps_per_rl_step, **settings
+        )
         loss_fn = functools.partial(rl_loss.rl_loss, on_policy=on_policy, **settings)
-        head = Head(temperature=self.temperature, entropy=True, entropy_grad=self.algo.entropy_coef > 0,
-                    keep_logprobs=on_policy)
+        head = Head(
+            temperature=self.temperature,
+            entropy=True,
+            entropy_grad=self.algo.entropy_coef > 0,
+            keep_logprobs=on_policy,
+        )
         return self._train_metrics(self._step(batch, loss_fn, head, on_policy=on_policy), on_policy)
 
-    def _step(self, data: RolloutBatch | Shard, loss_fn, head: Head, lr: float | None = None,
-              on_policy: bool | None = None) -> dict:
+    def _step(
+        self,
+        data: RolloutBatch | Shard,
+        loss_fn,
+        head: Head,
+        lr: float | None = None,
+        on_policy: bool | None = None,
+    ) -> dict:
         """One optimizer step: forward + backward of this rank's micro-batches, the global sums, then the
         step, or a skip (or FloatingPointError) on every rank alike: loss and grad norm are global.
         ``on_policy`` None: not an RL step (the warm start), so no routing replay either."""
@@ -183,7 +234,11 @@ class PolicyActor(Actor):
         outs = engine.forward_backward(mbs, head, loss_fn, routes)
         extra = self._train_done(routes, shard.batch, real_mbs)
         # collectives (PP broadcast, DP gather) on every rank, before a non-finite loss can raise
-        old = self._per_sample(engine, mbs, outs, "logprobs", shard, data) if head.keep_logprobs else None
+        old = (
+            self._per_sample(engine, mbs, outs, "logprobs", shard, data)
+            if head.keep_logprobs
+            else None
+        )
         s = engine.global_sums(outs, rl_loss.SUM_KEYS)
         loss = rl_loss.global_loss(s)
         if math.isfinite(loss):
@@ -196,7 +251,10 @@ class PolicyActor(Actor):
             step = StepResult(False, float("nan"), engine.current_lr())
         if self.cfg.offload_optimizer:
             engine.offload("optimizer state")
-        return {**rl_loss.step_metrics(s, shard.efficiency, step.grad_norm, step.lr, step.taken, old), **extra}
+        return {
+            **rl_loss.step_metrics(s, shard.efficiency, step.grad_norm, step.lr, step.taken, old),
+            **extra,
+        }
 
     def advance_lr_schedule(self, steps: int) -> float:
         """Move the LR schedule on by ``steps`` optimizer steps without taking them; returns the LR now.
@@ -234,7 +292,9 @@ class PolicyActor(Actor):
                     r.copy_(p)  # exact, even where the old reference held inf/NaN
                 self._ref_master = None  # the reference is the policy, nothing below its precision
             else:
-                self._ref_master = polyak.blend(pairs, rate, self._ref_master, host=self.cfg.offload_reference)
+                self._ref_master = polyak.blend(
+                    pairs, rate, self._ref_master, host=self.cfg.offload_reference
+                )
         self.reference_moved = True
 
     @contextmanager
@@ -249,8 +309,9 @@ class PolicyActor(Actor):
                 self.reference.offload("params")
 
     # ---- weights out, checkpoints, export -----------------------------------------------------
-    def sync_model_to_rollout(self, transport, version: int, bucket_bytes: int = 512 << 20,
-                              weights: str = "merged") -> dict:
+    def sync_model_to_rollout(
+        self, transport, version: int, bucket_bytes: int = 512 << 20, weights: str = "merged"
+    ) -> dict:
         """Stream the policy's weights, in HF names and layout, to the rollout engines: the engine says
         which ranks send and what (``weights_out``: on Megatron each TP rank's own blocks as pieces, or
         whole tensors gathered to TP rank 0 for a transport that cannot take pieces, ``takes_pieces``
@@ -261,7 +322,9 @@ class PolicyActor(Actor):
         whole shape) and seconds. ``weights``: with LoRA adapters, "merged" into the weights, or "base" alone
         (for engines that serve the adapters unmerged: ``adapter_for_rollout``)."""
         start = time.perf_counter()
-        sender, tensors = self.policy.weights_out(pieces=getattr(transport, "takes_pieces", False), weights=weights)
+        sender, tensors = self.policy.weights_out(
+            pieces=getattr(transport, "takes_pieces", False), weights=weights
+        )
         sent = stream_weights(tensors, transport, version, bucket_bytes, sender)
         self.policy.barrier()  # every stage's buckets are loaded when any rank returns
         sent["seconds"] = time.perf_counter() - start
@@ -271,7 +334,11 @@ class PolicyActor(Actor):
         """The policy's LoRA adapters as a PEFT adapter folder's files ({name: bytes}) on trainer rank 0, None
         on the others, for engines that serve them unmerged (RolloutWorker.load_adapter). Collective."""
         tensors = self.policy.adapter_tensors()
-        return lora.adapter_files(self.cfg.lora, tensors) if torch.distributed.get_rank() == 0 else None
+        return (
+            lora.adapter_files(self.cfg.lora, tensors)
+            if torch.distributed.get_rank() == 0
+            else None
+        )
 
     def put_adapter_for_rollout(self) -> dict | None:
         start = time.perf_counter()
@@ -283,7 +350,11 @@ class PolicyActor(Actor):
         # one copy into the store, read by every engine; returned to the driver instead, the files were copied
         # out of the store there and put back (the same seconds in tools/bench/lora.py at 10 MB, more memory)
         ref = ray.put(files)
-        return {"ref": ref, "bytes": sum(len(b) for b in files.values()), "seconds": time.perf_counter() - start}
+        return {
+            "ref": ref,
+            "bytes": sum(len(b) for b in files.values()),
+            "seconds": time.perf_counter() - start,
+        }
 
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
         """Policy, optimizer, schedule, RNG and ``extra``; plus the reference once it has moved away
@@ -291,14 +362,18 @@ class PolicyActor(Actor):
         if self.reference is None or not self.reference_moved:
             return self.policy.save_checkpoint(root, step, extra)
         with self._reference_onloaded():
-            return self.policy.save_checkpoint(root, step, extra, extra_models={"reference": self.reference})
+            return self.policy.save_checkpoint(
+                root, step, extra, extra_models={"reference": self.reference}
+            )
 
     def load_checkpoint(self, root, model_only: bool = False):
         """Restore what ``save_checkpoint`` wrote; a saved reference replaces the one from model.path."""
         if self.reference is None or "reference" not in self.policy.saved_models(root):
             return self.policy.load_checkpoint(root, model_only)
         with self._reference_onloaded():
-            out = self.policy.load_checkpoint(root, model_only, extra_models={"reference": self.reference})
+            out = self.policy.load_checkpoint(
+                root, model_only, extra_models={"reference": self.reference}
+            )
         self.reference_moved = True
         self._ref_master = None  # the Polyak blend restarts from the loaded reference
         return out
@@ -320,7 +395,8 @@ class PolicyActor(Actor):
                 if kind not in engine.offloaded and not (keep_params and kind == "params"):
                     engine.offload(kind)
             if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the caching allocator would otherwise keep the freed blocks
+                # the caching allocator would otherwise keep the freed blocks
+                torch.cuda.empty_cache()
         allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         return {"offloaded": sorted(engine.offloaded), "device_bytes": allocated}
 
@@ -329,7 +405,9 @@ class PolicyActor(Actor):
         when ``actor.offload_optimizer`` keeps it there between steps: the train step loads it)."""
         engine = self.policy
         for kind in engine.PHASE_KINDS:
-            if kind in engine.offloaded and not (kind == "optimizer state" and self.cfg.offload_optimizer):
+            if kind in engine.offloaded and not (
+                kind == "optimizer state" and self.cfg.offload_optimizer
+            ):
                 engine.onload(kind)
         return {"offloaded": sorted(engine.offloaded)}
 
@@ -338,7 +416,9 @@ class PolicyActor(Actor):
         """(replay, record) of a log-prob pass ``what`` ("compute_logprobs" or "compute_ref_logprobs")."""
         return False, False
 
-    def _pass_routes(self, engine: TrainEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, record: bool):
+    def _pass_routes(
+        self, engine: TrainEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, record: bool
+    ):
         """The routing a no-grad pass carries to the engine (None: the model's own)."""
         return None
 
@@ -349,8 +429,9 @@ class PolicyActor(Actor):
         """(the batch a train step trains on, whether its pass replays routes)."""
         return batch, False
 
-    def _train_routes(self, engine: TrainEngine, batch: RolloutBatch, mbs: list[dict], replay: bool,
-                      loss_fn) -> tuple[object, int]:
+    def _train_routes(
+        self, engine: TrainEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, loss_fn
+    ) -> tuple[object, int]:
         """(the routing a train pass carries, the micro-batches with real tokens over every rank)."""
         return None, 0
 

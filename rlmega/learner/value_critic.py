@@ -12,6 +12,7 @@ rlmega/fsdp/critic.py: FSDPCritic).
     values = critic.compute_values(batch)               # per sample (response_len,) float32
     metrics = critic.train_step(replace(batch, returns=returns, old_values=values))
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,16 +34,29 @@ class ValueCritic(Critic):
     engine_class: type[TrainEngine]
     """The backend's engine (each backend's subclass sets it)."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 critic: CriticConfig, max_tokens_per_micro_batch: int = 2048, loss_agg_mode: str = "token-mean",
-                 lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelismConfig,
+        optimizer: OptimizerConfig,
+        critic: CriticConfig,
+        max_tokens_per_micro_batch: int = 2048,
+        loss_agg_mode: str = "token-mean",
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+        num_threads: int | None = None,
+    ):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if loss_agg_mode not in losses.AGGREGATIONS:
-            raise ValueError(f"loss_agg_mode={loss_agg_mode!r}; valid: {', '.join(losses.AGGREGATIONS)}")
+            raise ValueError(
+                f"loss_agg_mode={loss_agg_mode!r}; valid: {', '.join(losses.AGGREGATIONS)}"
+            )
         if parallel.expert_model_parallel_size > 1:
-            raise ValueError("critic.parallelism.expert_model_parallel_size > 1: an MoE critic runs its experts "
-                             "without expert parallelism; set it to 1")
+            raise ValueError(
+                "critic.parallelism.expert_model_parallel_size > 1: an MoE critic runs its experts "
+                "without expert parallelism; set it to 1"
+            )
         self.model_cfg, self.parallel, self.optim_cfg, self.cfg = model, parallel, optimizer, critic
         self.max_tokens, self.loss_agg_mode = max_tokens_per_micro_batch, loss_agg_mode
         self.lr_decay_steps, self.hf_config = lr_decay_steps, hf_config
@@ -50,9 +64,15 @@ class ValueCritic(Critic):
 
     def setup(self) -> None:
         self.engine_class.init_process(self.parallel, self.model_cfg.seed)
-        self.manager = self.engine_class(self.model_cfg, self.parallel, self.optim_cfg, value_head=True,
-                                         max_tokens_per_micro_batch=self.max_tokens,
-                                         lr_decay_steps=self.lr_decay_steps, hf_config=self.hf_config)
+        self.manager = self.engine_class(
+            self.model_cfg,
+            self.parallel,
+            self.optim_cfg,
+            value_head=True,
+            max_tokens_per_micro_batch=self.max_tokens,
+            lr_decay_steps=self.lr_decay_steps,
+            hf_config=self.hf_config,
+        )
         self.manager.build()
 
     def teardown(self) -> None:
@@ -79,10 +99,15 @@ class ValueCritic(Critic):
         engine = self.manager
         shard = engine.shard(batch)
         if shard.batch.returns is None:
-            raise ValueError("critic train_step needs batch.returns (the GAE returns, rlmega.algorithms.gae)")
+            raise ValueError(
+                "critic train_step needs batch.returns (the GAE returns, rlmega.algorithms.gae)"
+            )
         mbs = engine.micro_batches(shard)
-        loss_fn = functools.partial(value_loss.critic_loss, cliprange=self.cfg.cliprange_value,
-                                    loss_agg_mode=self.loss_agg_mode)
+        loss_fn = functools.partial(
+            value_loss.critic_loss,
+            cliprange=self.cfg.cliprange_value,
+            loss_agg_mode=self.loss_agg_mode,
+        )
         s = engine.global_sums(engine.forward_backward(mbs, VALUES, loss_fn), value_loss.SUM_KEYS)
         if math.isfinite(s["numerator"] / max(s["count"], 1.0)):
             engine.normalize_grads(s["count"])

@@ -21,13 +21,20 @@ and MoE layers) when their coefficients are on. The router losses' coefficients 
 train step (routing_replay.aux_loss_factor) so that actor.moe_aux_loss_coeff / moe_z_loss_coeff weigh
 the mean router loss whatever the RL loss divides by; padding stays out of them (padding mask).
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from rlmega.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+)
 from rlmega.data.rollout_batch import RolloutBatch
 from rlmega.megatron import pipeline_passes, routing_replay
 from rlmega.megatron.engine import MegatronEngine
@@ -39,25 +46,50 @@ class MegatronActor(PolicyActor):
 
     engine_class = MegatronEngine
 
-    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 actor: ActorConfig, algorithm: AlgorithmConfig, temperature: float = 1.0,
-                 lr_decay_steps: int = 1000, hf_config: dict | None = None, num_threads: int | None = None):
-        if actor.activation_checkpointing:  # config validation refuses it too; this covers actors built in code
-            raise ValueError("actor.activation_checkpointing=true: the megatron backend does not recompute "
-                             "activations; set it to false, or use actor.backend=fsdp")
-        super().__init__(model, parallel, optimizer, actor, algorithm, temperature, lr_decay_steps, hf_config,
-                         num_threads)
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelismConfig,
+        optimizer: OptimizerConfig,
+        actor: ActorConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float = 1.0,
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+        num_threads: int | None = None,
+    ):
+        # config validation refuses it too; this covers actors built in code
+        if actor.activation_checkpointing:
+            raise ValueError(
+                "actor.activation_checkpointing=true: the megatron backend does not recompute "
+                "activations; set it to false, or use actor.backend=fsdp"
+            )
+        super().__init__(
+            model,
+            parallel,
+            optimizer,
+            actor,
+            algorithm,
+            temperature,
+            lr_decay_steps,
+            hf_config,
+            num_threads,
+        )
         # MoE routing replay (algorithm.routing_replay): none | trainer (R2) | rollout (R3)
         self.routing_replay = self.algo.routing_replay
         self._routes: dict[int, routing_replay.ModelRoutes] = {}  # id(engine) -> its routers
-        self._trainer_routes: dict[int, torch.Tensor] = {}  # R2: sample_id -> (L_i, M, K) of the old forward (own share)
-        self._route_metrics: dict = {}  # of the last compute_logprobs, reported by the train_steps after it
+        # R2: sample_id -> (L_i, M, K) of the old forward (own share)
+        self._trainer_routes: dict[int, torch.Tensor] = {}
+        # of the last compute_logprobs, reported by the train_steps after it
+        self._route_metrics: dict = {}
 
     def setup(self, with_reference: bool = True) -> None:
         super().setup(with_reference)
         if self.routing_replay != "none" and not self.policy.shape.is_moe:
-            raise ValueError(f"algorithm.routing_replay={self.routing_replay} needs a mixture-of-experts model; "
-                             f"{self.policy.shape.architecture} is dense: set it to none")
+            raise ValueError(
+                f"algorithm.routing_replay={self.routing_replay} needs a mixture-of-experts model; "
+                f"{self.policy.shape.architecture} is dense: set it to none"
+            )
         # each model's own routers (the reference has its own RouterReplay instances)
         for engine in (self.policy, self.reference):
             if engine is not None and engine.shape.is_moe:
@@ -69,23 +101,36 @@ class MegatronActor(PolicyActor):
         if self.routing_replay != "rollout":
             return False
         if batch.routed_experts is None:
-            raise ValueError(f"algorithm.routing_replay=rollout: {what} needs batch.routed_experts (the engine's "
-                             "routes; the rollout workers record them when routing replay is rollout)")
+            raise ValueError(
+                f"algorithm.routing_replay=rollout: {what} needs batch.routed_experts (the engine's "
+                "routes; the rollout workers record them when routing replay is rollout)"
+            )
         return True
 
     def _forward_routing(self, batch: RolloutBatch, what: str) -> tuple[bool, bool]:
         """R3 replays the engine's routes; R2's compute_logprobs records the routes it takes, for
         train_step to replay (by sample id)."""
-        return self._replays(batch, what), self.routing_replay == "trainer" and what == "compute_logprobs"
+        return self._replays(
+            batch, what
+        ), self.routing_replay == "trainer" and what == "compute_logprobs"
 
     def _route_pass(self, engine: MegatronEngine, mbs: list[dict], replay: bool, record: bool):
         """The routing bookkeeping of one pass of an MoE model (None for a dense one)."""
         model_routes = self._routes.get(id(engine))
         if model_routes is None or not model_routes.enabled:
             return None
-        return routing_replay.RoutePass(model_routes, engine.model, mbs, replay=replay, record=record)
+        return routing_replay.RoutePass(
+            model_routes, engine.model, mbs, replay=replay, record=record
+        )
 
-    def _pass_routes(self, engine: MegatronEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, record: bool):
+    def _pass_routes(
+        self,
+        engine: MegatronEngine,
+        batch: RolloutBatch,
+        mbs: list[dict],
+        replay: bool,
+        record: bool,
+    ):
         """``replay``: the batch's routed_experts replace the routers' choice (-1 rows routed live);
         ``record``: self._trainer_routes gets the routes this pass used, per sample id."""
         if replay:
@@ -94,15 +139,21 @@ class MegatronActor(PolicyActor):
 
     def _route_results(self, routes, batch: RolloutBatch) -> dict:
         """Collectives: the pass's routes (when recorded, into self._trainer_routes) and its metrics."""
-        if routes.record:  # by sample id, this rank's share: _train_routing fetches what a train step needs
+        # by sample id, this rank's share: _train_routing fetches what a train step needs
+        if routes.record:
             ids, lengths = batch.sample_ids.tolist(), batch.lengths()
             recorded = routes.recorded_routes()
             missing = [ids[i] for mb in routes.mbs for i in mb["indices"] if i not in recorded]
             if missing:
-                raise RuntimeError(f"routing replay: no routes were recorded for samples {missing[:5]}")
+                raise RuntimeError(
+                    f"routing replay: no routes were recorded for samples {missing[:5]}"
+                )
             shape = (routes.routes.num_moe_layers, routes.routes.topk)
             self._trainer_routes = routing_replay.merge_stage_routes(
-                {ids[i]: r for i, r in recorded.items()}, {ids[i]: lengths[i] for i in recorded}, shape)
+                {ids[i]: r for i, r in recorded.items()},
+                {ids[i]: lengths[i] for i in recorded},
+                shape,
+            )
         counts, load = routing_replay.reduce_counts(routes.counts, routes.load)
         return routing_replay.route_metrics(counts, load)
 
@@ -124,25 +175,36 @@ class MegatronActor(PolicyActor):
             mine = routing_replay.exchange_routes(self._trainer_routes, ids)
             missing = [s for s in ids if s not in mine]
             if missing:
-                raise ValueError(f"algorithm.routing_replay=trainer: samples {missing[:5]} have no routes from "
-                                 "compute_logprobs; call it on this batch before train_step")
+                raise ValueError(
+                    f"algorithm.routing_replay=trainer: samples {missing[:5]} have no routes from "
+                    "compute_logprobs; call it on this batch before train_step"
+                )
             routed = [mine[s] for s in ids]
             batch, replay = dataclasses.replace(batch, routed_experts=routed), True
         return batch, replay
 
-    def _train_routes(self, engine: MegatronEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, loss_fn):
+    def _train_routes(
+        self, engine: MegatronEngine, batch: RolloutBatch, mbs: list[dict], replay: bool, loss_fn
+    ):
         routes = self._pass_routes(engine, batch, mbs, replay, record=False)
         if routes is None:
             return None, 0
         routing_replay.clear_aux_losses()
         routes.aux_factor, real_mbs = self._aux_loss_factor(mbs, loss_fn, engine.cp)
-        self._bias_before = [b.clone() for b in _expert_biases(engine)] if self.cfg.moe_router_bias_update_rate else []
+        self._bias_before = (
+            [b.clone() for b in _expert_biases(engine)]
+            if self.cfg.moe_router_bias_update_rate
+            else []
+        )
         return routes, real_mbs
 
     def _train_done(self, routes, batch: RolloutBatch, real_mbs: int) -> dict:
         if routes is None:
             return {}
-        out = {**self._route_results(routes, batch), **routing_replay.aux_loss_metrics(routes, real_mbs)}
+        out = {
+            **self._route_results(routes, batch),
+            **routing_replay.aux_loss_metrics(routes, real_mbs),
+        }
         if self.cfg.moe_router_bias_update_rate:  # moved by megatron-core's finalize_model_grads
             # collective over every rank (a pipeline stage may hold no router; TP copies weigh alike)
             total = torch.zeros(2, dtype=torch.float64)
@@ -160,7 +222,9 @@ class MegatronActor(PolicyActor):
         if on_policy:
             self._route_metrics = {}
         else:
-            metrics.update({k: v for k, v in self._route_metrics.items() if k in ("router_mismatch",)})
+            metrics.update(
+                {k: v for k, v in self._route_metrics.items() if k in ("router_mismatch",)}
+            )
         return metrics
 
     def _aux_loss_factor(self, mbs: list[dict], loss_fn, cp: int) -> tuple[float, int]:
@@ -178,7 +242,9 @@ class MegatronActor(PolicyActor):
             n = float(mb["real_tokens"].sum())
             real += n
             nonempty += float(n > 0)
-        count, real, nonempty = pipeline_passes.sum_over_data_parallel(torch.tensor([count, real, nonempty])).tolist()
+        count, real, nonempty = pipeline_passes.sum_over_data_parallel(
+            torch.tensor([count, real, nonempty])
+        ).tolist()
         # under context parallelism every CP rank returns the whole count, and megatron divides the gradients
         # by the sum over DP x CP: CP x N (context_parallel.py)
         return routing_replay.aux_loss_factor(count * cp, real), int(nonempty)
@@ -186,4 +252,9 @@ class MegatronActor(PolicyActor):
 
 def _expert_biases(engine: MegatronEngine) -> list[torch.Tensor]:
     """This rank's routers' expert bias buffers (DeepSeek-V3's e_score_correction_bias), in module order."""
-    return [b for chunk in engine.unwrapped() for n, b in chunk.named_buffers() if n.endswith("mlp.router.expert_bias")]
+    return [
+        b
+        for chunk in engine.unwrapped()
+        for n, b in chunk.named_buffers()
+        if n.endswith("mlp.router.expert_bias")
+    ]

@@ -13,6 +13,7 @@ are the same (DP and CP may differ: the distributed optimizer's shards reshard o
 when the whole layout is. RNG state is per rank (Python, NumPy, torch, CUDA,
 Megatron's tracker), stored as one sharded object per (PP, TP, DP[, CP]) coordinate.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,17 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 # (rlmega/rundir/checkpoint_files.py); the names are re-exported here for this backend's callers
 # (megatron/engine.py's checkpoint.latest, the tests' checkpoint._move_into_place).
 from rlmega.rundir.checkpoint_files import (  # noqa: F401
-    CheckpointSpaceError, _move_into_place, _out_of_space, _replaced, finish_save, latest, resolve, saving,
-    start_save, step_dir, undo_failed_save,
+    CheckpointSpaceError,
+    _move_into_place,
+    _out_of_space,
+    _replaced,
+    finish_save,
+    latest,
+    resolve,
+    saving,
+    start_save,
+    step_dir,
+    undo_failed_save,
 )
 from rlmega.config.lora_rules import checkpoint_mismatch
 from rlmega.rundir.checkpoint_data import data_only_loads
@@ -43,10 +53,16 @@ from rlmega.megatron.save_results import use_in_process_queue
 def _coords() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, offset) of this rank in the (PP, TP, DP[, CP]) grid: one RNG state per rank. CP joins only when
     > 1, so checkpoints without it keep their 3-d objects."""
-    shape = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
-             ps.get_data_parallel_world_size()]
-    offset = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-              ps.get_data_parallel_rank()]
+    shape = [
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+    ]
+    offset = [
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    ]
     if ps.get_context_parallel_world_size() > 1:
         shape.append(ps.get_context_parallel_world_size())
         offset.append(ps.get_context_parallel_rank())
@@ -56,7 +72,13 @@ def _coords() -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _layout() -> tuple[int, ...]:
     """(PP, TP, DP, EP, CP): what optimizer and RNG state depend on (MoE experts' optimizer shards follow EP)."""
     pp, tp, dp = _coords()[0][:3]
-    return pp, tp, dp, ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    return (
+        pp,
+        tp,
+        dp,
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+    )
 
 
 def _saved_layout(meta: dict) -> tuple[int, ...]:
@@ -84,15 +106,23 @@ def _has_state(optimizer) -> bool:
     return any(len(o.state) for o in torch_optimizers(optimizer))
 
 
-def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None, base_only: bool = False) -> dict:
+def _sharded(
+    model, optimizer, with_rng: bool, extra_models: dict | None = None, base_only: bool = False
+) -> dict:
     """``base_only``: the model's tensors without its LoRA adapters (a full-parameter checkpoint's)."""
     sd = {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
     if base_only:
-        sd = {k: {n: t for n, t in v.items() if "_lora." not in n} for k, v in sd.items()}  # lora_adapters.SUFFIX
+        # lora_adapters.SUFFIX
+        sd = {k: {n: t for n, t in v.items() if "_lora." not in n} for k, v in sd.items()}
     for name, chunks in (extra_models or {}).items():
         # Sharded keys are global names in the checkpoint: a prefix keeps a second copy of the
         # same architecture (the reference policy) apart from the policy's tensors.
-        sd.update({f"{name}{i}": unwrap(c).sharded_state_dict(prefix=f"{name}.") for i, c in enumerate(chunks)})
+        sd.update(
+            {
+                f"{name}{i}": unwrap(c).sharded_state_dict(prefix=f"{name}.")
+                for i, c in enumerate(chunks)
+            }
+        )
     if optimizer is not None and _has_state(optimizer):
         sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=_OPTIM_FORMAT)
     if with_rng:
@@ -101,8 +131,16 @@ def _sharded(model, optimizer, with_rng: bool, extra_models: dict | None = None,
     return sd
 
 
-def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=None, extra: dict | None = None,
-         extra_models: dict[str, list] | None = None, lora: dict | None = None) -> Path:
+def save(
+    root: str | Path,
+    step: int,
+    model: list,
+    optimizer=None,
+    scheduler=None,
+    extra: dict | None = None,
+    extra_models: dict[str, list] | None = None,
+    lora: dict | None = None,
+) -> Path:
     """Save everything for ``step`` under ``root`` (collective: every rank calls it).
 
     ``extra_models``: other models of the same layout saved alongside, by name (e.g. the
@@ -113,13 +151,20 @@ def save(root: str | Path, step: int, model: list, optimizer=None, scheduler=Non
     final, partial = start_save(root, step)
     sd = _sharded(model, optimizer, with_rng=True, extra_models=extra_models)
     # Plain values are "common" state: rank 0 stores them once.
-    sd["meta"] = {"step": step, "has_optimizer_state": "optimizer" in sd,
-                  "scheduler": scheduler.state_dict() if scheduler else None,
-                  "extra": extra or {}, "layout": _layout(),
-                  "extra_models": sorted(extra_models or {}), "lora": lora}
-    use_in_process_queue()  # else Megatron's writer starts a Manager process that outlives a kill -9
+    sd["meta"] = {
+        "step": step,
+        "has_optimizer_state": "optimizer" in sd,
+        "scheduler": scheduler.state_dict() if scheduler else None,
+        "extra": extra or {},
+        "layout": _layout(),
+        "extra_models": sorted(extra_models or {}),
+        "lora": lora,
+    }
+    # else Megatron's writer starts a Manager process that outlives a kill -9
+    use_in_process_queue()
     with saving(root, partial, final):
-        dist_checkpointing.save(sd, str(partial))  # collective: a failure on any rank raises on every rank
+        # collective: a failure on any rank raises on every rank
+        dist_checkpointing.save(sd, str(partial))
         dist.barrier()  # every rank's shards are on disk
     return final
 
@@ -147,11 +192,19 @@ def _restore_adam_step(optimizer, saved: dict) -> None:
 
 def saved_models(path: str | Path) -> list[str]:
     """Names of the extra models (``save(extra_models=...)``) stored in a complete checkpoint."""
-    return list(dist_checkpointing.load_common_state_dict(str(path))["meta"].get("extra_models", []))
+    return list(
+        dist_checkpointing.load_common_state_dict(str(path))["meta"].get("extra_models", [])
+    )
 
 
-def load(path: str | Path, model: list, optimizer=None, scheduler=None,
-         extra_models: dict[str, list] | None = None, lora: dict | None = None) -> tuple[int, dict]:
+def load(
+    path: str | Path,
+    model: list,
+    optimizer=None,
+    scheduler=None,
+    extra_models: dict[str, list] | None = None,
+    lora: dict | None = None,
+) -> tuple[int, dict]:
     """Load a checkpoint (a step dir, or a root whose ``latest`` is used). Returns (step, extra).
 
     Model weights load into any layout; optimizer and scheduler only when given and the saved PP, TP and EP
@@ -172,14 +225,20 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
     # the distributed optimizer shards its state over DP x CP ranks ("dp_reshardable": it reshards across
     # them); a TP, PP or EP change would need another format
     if optimizer is not None and _model_split(saved) != _model_split(now):
-        raise ValueError(f"checkpoint layout (PP, TP, DP, EP, CP)={saved} differs from the current {now} in PP, TP "
-                         "or EP: load it with model_only=True, or restore the saved PP, TP and EP (DP and CP may "
-                         "change)")
+        raise ValueError(
+            f"checkpoint layout (PP, TP, DP, EP, CP)={saved} differs from the current {now} in PP, TP "
+            "or EP: load it with model_only=True, or restore the saved PP, TP and EP (DP and CP may "
+            "change)"
+        )
     missing = sorted(set(extra_models or {}) - set(meta.get("extra_models", [])))
     if missing:
-        raise ValueError(f"checkpoint {path} holds no {', '.join(missing)} model "
-                         f"(it has: {meta.get('extra_models', []) or 'none'})")
-    sd = _sharded(model, None, with_rng=same_layout and optimizer is not None, extra_models=extra_models)
+        raise ValueError(
+            f"checkpoint {path} holds no {', '.join(missing)} model "
+            f"(it has: {meta.get('extra_models', []) or 'none'})"
+        )
+    sd = _sharded(
+        model, None, with_rng=same_layout and optimizer is not None, extra_models=extra_models
+    )
     with_optimizer_state = optimizer is not None and meta["has_optimizer_state"]
     if with_optimizer_state and not _has_state(optimizer):
         # A fresh optimizer (a resumed run) has no Adam state for Megatron to load into; it makes
@@ -188,9 +247,13 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             inner._init_optimizer_states_with_dummy_values()
     if with_optimizer_state:
-        sd["optimizer"] = optimizer.sharded_state_dict({k: v for k, v in sd.items() if k.startswith("model")},
-                                                       is_loading=True, metadata=_OPTIM_FORMAT)
-    with data_only_loads():  # the folder may come from elsewhere: data, never code (rundir/checkpoint_data.py)
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            {k: v for k, v in sd.items() if k.startswith("model")},
+            is_loading=True,
+            metadata=_OPTIM_FORMAT,
+        )
+    # the folder may come from elsewhere: data, never code (rundir/checkpoint_data.py)
+    with data_only_loads():
         loaded = dist_checkpointing.load(sd, str(path))
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
@@ -212,25 +275,34 @@ def load(path: str | Path, model: list, optimizer=None, scheduler=None,
         if scheduler is not None and meta["scheduler"] is not None:
             scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved count
             scheduler.load_state_dict(meta["scheduler"])
-        if same_layout:  # per-rank streams: another layout starts from the seeds (dropout is off in RL)
+        # per-rank streams: another layout starts from the seeds (dropout is off in RL)
+        if same_layout:
             set_rng_state(loaded["rng"])
     return int(meta["step"]), meta["extra"]
 
 
-def _load_into_base(path: Path, meta: dict, model: list, scheduler, extra_models: dict | None) -> tuple[int, dict]:
+def _load_into_base(
+    path: Path, meta: dict, model: list, scheduler, extra_models: dict | None
+) -> tuple[int, dict]:
     """A full-parameter checkpoint into a LoRA model (any layout): its policy's weights into the frozen base;
     adapters, Adam state and RNG stay as built (B = 0: the model computes the saved policy), the schedule's
     step count is restored. A saved reference is not loaded: a LoRA run's reference is its base."""
     if extra_models:
-        raise ValueError(f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
-                         "the reference is that base")
+        raise ValueError(
+            f"checkpoint {path}: a full-parameter checkpoint loads into a LoRA model's base only; "
+            "the reference is that base"
+        )
     with data_only_loads():
-        loaded = dist_checkpointing.load(_sharded(model, None, with_rng=False, base_only=True), str(path))
+        loaded = dist_checkpointing.load(
+            _sharded(model, None, with_rng=False, base_only=True), str(path)
+        )
     for i, chunk in enumerate(model):
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         left = [k for k in missing if "_lora." not in k] + list(unexpected)
         if left:
-            raise RuntimeError(f"checkpoint {path} into a LoRA model's base: tensors not matched: {left[:4]}")
+            raise RuntimeError(
+                f"checkpoint {path} into a LoRA model's base: tensors not matched: {left[:4]}"
+            )
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved count
         scheduler.load_state_dict(meta["scheduler"])

@@ -26,6 +26,7 @@ Three things then differ from a run without CP:
 
 Positions come from each token's position in its own sequence, so RoPE needs nothing more.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,7 @@ class CPShare:
     positions [start, start + length) attend to row positions [key start, key end) (their segment, up to
     the chunk's end); key start -1 for the padding slots, which attend among themselves.
     """
+
     local_idx: torch.Tensor
     full_from_gathered: torch.Tensor
     queries: list[tuple[int, int, int, int]]
@@ -75,38 +77,65 @@ class CPShare:
 
         Differentiable: the gather's backward sums the gradient each rank's copy receives (reduce-scatter),
         which is what the normalisation above relies on."""
-        gathered = gather_from_sequence_parallel_region(local.contiguous(), tensor_parallel_output_grad=True,
-                                                        group=ps.get_context_parallel_group())
+        gathered = gather_from_sequence_parallel_region(
+            local.contiguous(),
+            tensor_parallel_output_grad=True,
+            group=ps.get_context_parallel_group(),
+        )
         return gathered[self.full_from_gathered.to(local.device)]
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               dropout: float) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        dropout: float,
+    ) -> torch.Tensor:
         """Causal attention of this rank's queries over their segments' keys on every CP rank.
 
         query (S_local, 1, H, D), key/value (S_local, 1, G, D), RoPE applied -> (S_local, H, D)."""
         if dropout:
-            raise ValueError("context parallelism: attention dropout is not supported (RL runs without it)")
+            raise ValueError(
+                "context parallelism: attention dropout is not supported (RL runs without it)"
+            )
         group = ps.get_context_parallel_group()
-        whole_k, whole_v = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)
-                            [self.full_from_gathered.to(t.device), 0] for t in (key, value))  # (full_len, G, D)
+        # (full_len, G, D)
+        whole_k, whole_v = (
+            gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)[
+                self.full_from_gathered.to(t.device), 0
+            ]
+            for t in (key, value)
+        )
         q, k, v = query[:, 0], key[:, 0], value[:, 0]
-        heads = (lambda t: t) if q.shape[1] == k.shape[1] else \
-            (lambda t: t.repeat_interleave(q.shape[1] // t.shape[1], dim=1))  # GQA: each group's heads
+        # GQA: each group's heads
+        heads = (
+            (lambda t: t)
+            if q.shape[1] == k.shape[1]
+            else (lambda t: t.repeat_interleave(q.shape[1] // t.shape[1], dim=1))
+        )
         outs = []
         for start, length, k_lo, k_hi in self.queries:
-            qs = q[start:start + length].transpose(0, 1)[None]  # (1, H, n, D)
+            qs = q[start : start + length].transpose(0, 1)[None]  # (1, H, n, D)
             if k_lo < 0:  # padding slots: among themselves
-                ks, vs = k[start:start + length], v[start:start + length]
-                o = F.scaled_dot_product_attention(qs, *(heads(t).transpose(0, 1)[None] for t in (ks, vs)),
-                                                   is_causal=True, scale=scale)
+                ks, vs = k[start : start + length], v[start : start + length]
+                o = F.scaled_dot_product_attention(
+                    qs,
+                    *(heads(t).transpose(0, 1)[None] for t in (ks, vs)),
+                    is_causal=True,
+                    scale=scale,
+                )
             else:
-                ks, vs = (heads(t[k_lo:k_hi]).transpose(0, 1)[None] for t in (whole_k, whole_v))  # (1, H, m, D)
+                # (1, H, m, D)
+                ks, vs = (heads(t[k_lo:k_hi]).transpose(0, 1)[None] for t in (whole_k, whole_v))
                 o = prefix_causal_attention(qs, ks, vs, scale)
             outs.append(o[0].transpose(0, 1))  # (n, H, D)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _pieces(segments: list[int], cp: int, rank: int) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+def _pieces(
+    segments: list[int], cp: int, rank: int
+) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     """(row positions, query pieces with local starts) of CP rank ``rank``, before padding."""
     positions, queries, start = [], [], 0
     for length in segments:
@@ -127,7 +156,9 @@ def share_length(segments: list[int], cp: int, multiple: int = 1, at_least: int 
     return max(multiple, -(-longest // multiple) * multiple)
 
 
-def cp_layout(segments: list[int], cp: int, rank: int, multiple: int = 1, at_least: int = 0) -> CPShare:
+def cp_layout(
+    segments: list[int], cp: int, rank: int, multiple: int = 1, at_least: int = 0
+) -> CPShare:
     """The layout of CP rank ``rank`` over one row whose causal segments have lengths ``segments``
     (sequences, then the padding tail: packed_attention.row_segments). The local row is
     ``share_length(segments, cp, multiple, at_least)`` long."""
@@ -189,7 +220,9 @@ def localise(mb: dict, cp: int, rank: int, multiple: int = 1, at_least: int = 0)
     return out
 
 
-def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefix_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Causal attention aligned lower-right: q (1, H, n, D) are the last n positions of the m keys/values
     (1, H, m, D); query i sees keys 0 .. m - n + i. -> (1, H, n, D).
 
@@ -203,8 +236,12 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if n == m:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, m), scale=scale)
-    return _PrefixThenCausal.apply(q, k[:, :, :m - n], v[:, :, :m - n], k[:, :, m - n:], v[:, :, m - n:], scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(n, m), scale=scale
+        )
+    return _PrefixThenCausal.apply(
+        q, k[:, :, : m - n], v[:, :, : m - n], k[:, :, m - n :], v[:, :, m - n :], scale
+    )
 
 
 class _PrefixThenCausal(torch.autograd.Function):
@@ -222,7 +259,10 @@ class _PrefixThenCausal(torch.autograd.Function):
         o2, l2 = flash(q, k_own, v_own, 0.0, True, scale=scale)
         lse = torch.logaddexp(l1, l2)  # (1, H, n) float32
         acc = torch.promote_types(q.dtype, torch.float32)
-        out = ((l1 - lse).exp().unsqueeze(-1) * o1.to(acc) + (l2 - lse).exp().unsqueeze(-1) * o2.to(acc)).to(q.dtype)
+        out = (
+            (l1 - lse).exp().unsqueeze(-1) * o1.to(acc)
+            + (l2 - lse).exp().unsqueeze(-1) * o2.to(acc)
+        ).to(q.dtype)
         ctx.save_for_backward(q, k_pre, v_pre, k_own, v_own, out, lse)
         ctx.scale = scale
         return out

@@ -21,6 +21,7 @@ It only redirects where tensors live and what a type query answers; no arithmeti
 so results are those of the same ops on CPU tensors. It is a no-op when CUDA is available and
 can be switched off again (``disable_cpu_execution``) so tests can prove what it is needed for.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -187,7 +188,10 @@ def enable_cpu_execution() -> bool:
     saved = {
         "cuda": {k: getattr(torch.cuda, k) for k in _CUDA_STUBS},
         "random": {k: getattr(mcore_random, k) for k in _RANDOM_STUBS},
-        "tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
+        "tracker": (
+            mcore_random._CUDA_RNG_STATE_TRACKER,
+            mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        ),
         "mappings": {k: getattr(mcore_mappings, k) for k in _BACKWARD_COLLECTIVES},
         "backwards": {f: f.__dict__["backward"] for f in _BACKWARD_FUNCTIONS},
     }
@@ -223,5 +227,7 @@ def disable_cpu_execution() -> None:
         setattr(mcore_mappings, k, v)
     for f, backward in _state["backwards"].items():
         f.backward = backward
-    mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _state["tracker"]
+    mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _state[
+        "tracker"
+    ]
     _state = None

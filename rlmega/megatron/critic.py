@@ -8,6 +8,7 @@ rlmega.algorithms.value_loss's loss and metrics (rlmega/learner/value_critic.py)
     critic.setup()
     values = critic.compute_values(batch)               # per sample (response_len,) float32
 """
+
 from __future__ import annotations
 
 from rlmega.megatron.engine import MegatronEngine

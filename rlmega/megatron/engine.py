@@ -14,6 +14,7 @@ gathered from the last pipeline stage over the data-parallel ranks.
 MoE routing replay is Megatron's alone: ``routes`` (a routing_replay.RoutePass) rides along a pass;
 MegatronActor keeps its bookkeeping (rlmega/megatron/actor.py).
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -27,28 +28,52 @@ from rlmega.learner.engine_api import Head, LossFn, TrainEngine
 from rlmega.megatron import checkpoint, context_parallel, lora_adapters, pipeline_passes
 from rlmega.megatron.hf_io import iter_hf_tensors
 from rlmega.megatron.model_manager import PHASE_KINDS as MOVES, MegatronModelManager
-from rlmega.megatron.runtime import (barrier, context_parallel_rank, data_parallel_rank_and_size, init_megatron,
-                                    replica_rank, teardown_megatron, tensor_parallel_rank)
+from rlmega.megatron.runtime import (
+    barrier,
+    context_parallel_rank,
+    data_parallel_rank_and_size,
+    init_megatron,
+    replica_rank,
+    teardown_megatron,
+    tensor_parallel_rank,
+)
 
 
 class MegatronEngine(MegatronModelManager, TrainEngine):
     PHASE_KINDS = tuple(kind for kind, _, _ in MOVES)  # grads, optimizer state, main params, params
     _MOVES = {kind: (off, on) for kind, off, on in MOVES}
 
-    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 actor: ActorConfig | None = None, *, value_head: bool = False, with_optimizer: bool = True,
-                 max_tokens_per_micro_batch: int | None = None, lr_decay_steps: int = 1000,
-                 hf_config: dict | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelismConfig,
+        optimizer: OptimizerConfig,
+        actor: ActorConfig | None = None,
+        *,
+        value_head: bool = False,
+        with_optimizer: bool = True,
+        max_tokens_per_micro_batch: int | None = None,
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+    ):
         """``actor``: the policy's knobs the model needs (its MoE router-loss coefficients, its token budget);
         None for a value model (``value_head``: a hidden -> 1 head, the critic's). Every MoE policy's
         routers get megatron's RouterReplay hook: it routes live unless a pass replays, and it is what
         measures router_mismatch (rlmega/megatron/routing_replay.py)."""
         actor = actor or ActorConfig()
-        super().__init__(model, parallel, optimizer, lr_decay_steps=lr_decay_steps, hf_config=hf_config,
-                         moe_aux_loss_coeff=actor.moe_aux_loss_coeff, moe_z_loss_coeff=actor.moe_z_loss_coeff,
-                         moe_router_bias_update_rate=0.0 if value_head else actor.moe_router_bias_update_rate,
-                         routing_replay=not value_head, value_head=value_head,
-                         lora=None if value_head else actor.lora)
+        super().__init__(
+            model,
+            parallel,
+            optimizer,
+            lr_decay_steps=lr_decay_steps,
+            hf_config=hf_config,
+            moe_aux_loss_coeff=actor.moe_aux_loss_coeff,
+            moe_z_loss_coeff=actor.moe_z_loss_coeff,
+            moe_router_bias_update_rate=0.0 if value_head else actor.moe_router_bias_update_rate,
+            routing_replay=not value_head,
+            value_head=value_head,
+            lora=None if value_head else actor.lora,
+        )
         self.with_optimizer = with_optimizer
         self.max_tokens = max_tokens_per_micro_batch or actor.max_tokens_per_micro_batch
         self.vocab_size = self.shape.vocab_size
@@ -59,16 +84,23 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
     # ---- process and model --------------------------------------------------------------------
     @staticmethod
     def init_process(parallel: ParallelismConfig, seed: int) -> None:
-        init_megatron(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                      parallel.virtual_pipeline_model_parallel_size, seed=seed,
-                      ep=parallel.expert_model_parallel_size, cp=parallel.context_parallel_size)
+        init_megatron(
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size,
+            seed=seed,
+            ep=parallel.expert_model_parallel_size,
+            cp=parallel.context_parallel_size,
+        )
 
     @staticmethod
     def teardown_process() -> None:
         teardown_megatron()
 
     def build(self) -> None:
-        self.setup_model_and_optimizer(load_weights=bool(self.model_cfg.path), with_optimizer=self.with_optimizer)
+        self.setup_model_and_optimizer(
+            load_weights=bool(self.model_cfg.path), with_optimizer=self.with_optimizer
+        )
 
     # ---- data ---------------------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -79,11 +111,17 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         context parallelism a micro-batch holds CP x the per-rank token budget, and each rank's share of a
         row (not the row) is padded to a multiple of TP under sequence parallelism."""
         ep = self.transformer_config.expert_model_parallel_size > 1
-        allgather = not self.use_te and self.transformer_config.moe_token_dispatcher_type == "allgather"
-        return Layout(dp_size=data_parallel_rank_and_size()[1], max_tokens=self.max_tokens * self.cp,
-                      multiple_of=self.parallel.pipeline_model_parallel_size if self.vpp > 1 else 1,
-                      equal_counts=ep, equal_shapes=ep and allgather,
-                      row_multiple=1 if self.cp > 1 else self._sp_multiple)
+        allgather = (
+            not self.use_te and self.transformer_config.moe_token_dispatcher_type == "allgather"
+        )
+        return Layout(
+            dp_size=data_parallel_rank_and_size()[1],
+            max_tokens=self.max_tokens * self.cp,
+            multiple_of=self.parallel.pipeline_model_parallel_size if self.vpp > 1 else 1,
+            equal_counts=ep,
+            equal_shapes=ep and allgather,
+            row_multiple=1 if self.cp > 1 else self._sp_multiple,
+        )
 
     @property
     def _sp_multiple(self) -> int:
@@ -97,11 +135,16 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         if self.cp == 1:
             return mbs
         multiple = self._sp_multiple
-        lengths = [context_parallel.share_length(context_parallel.mb_segments(mb), self.cp, multiple) for mb in mbs]
+        lengths = [
+            context_parallel.share_length(context_parallel.mb_segments(mb), self.cp, multiple)
+            for mb in mbs
+        ]
         if self.layout().equal_shapes:
             lengths = context_parallel.longest_over_data_parallel(lengths)
-        return [context_parallel.localise(mb, self.cp, context_parallel_rank(), multiple, n)
-                for mb, n in zip(mbs, lengths)]
+        return [
+            context_parallel.localise(mb, self.cp, context_parallel_rank(), multiple, n)
+            for mb, n in zip(mbs, lengths)
+        ]
 
     def dp_rank(self) -> int:
         return data_parallel_rank_and_size()[0]
@@ -110,18 +153,37 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
     def forward(self, mbs: list[dict], head: Head, routes=None) -> list[dict] | None:
         if head.kind == "values":
             return pipeline_passes.forward_values(self.model, mbs)
-        return pipeline_passes.forward_logprobs(self.model, mbs, self.vocab_size, head.temperature, head.entropy,
-                                       routes=routes, chunk_tokens=self.chunk_tokens)
+        return pipeline_passes.forward_logprobs(
+            self.model,
+            mbs,
+            self.vocab_size,
+            head.temperature,
+            head.entropy,
+            routes=routes,
+            chunk_tokens=self.chunk_tokens,
+        )
 
-    def forward_backward(self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None) -> list[dict] | None:
+    def forward_backward(
+        self, mbs: list[dict], head: Head, loss_fn: LossFn, routes=None
+    ) -> list[dict] | None:
         if head.kind == "values":
             return pipeline_passes.train_values(self.model, mbs, loss_fn)
-        return pipeline_passes.train_micro_batches(self.model, mbs, self.vocab_size, head.temperature, loss_fn,
-                                          with_entropy=head.entropy, entropy_grad=head.entropy_grad,
-                                          keep_logprobs=head.keep_logprobs, routes=routes,
-                                          chunk_tokens=self.chunk_tokens)
+        return pipeline_passes.train_micro_batches(
+            self.model,
+            mbs,
+            self.vocab_size,
+            head.temperature,
+            loss_fn,
+            with_entropy=head.entropy,
+            entropy_grad=head.entropy_grad,
+            keep_logprobs=head.keep_logprobs,
+            routes=routes,
+            chunk_tokens=self.chunk_tokens,
+        )
 
-    def gather_responses(self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard) -> list[torch.Tensor]:
+    def gather_responses(
+        self, mbs: list[dict], outs: list[dict] | None, key: str, shard: Shard
+    ) -> list[torch.Tensor]:
         """The last pipeline stage's outputs (``outs``, None elsewhere), shared with the stage's peers."""
         order = [i for mb in mbs for i in mb["indices"]]
         all_lens = shard.batch.response_lens()  # once: it walks the whole batch
@@ -132,7 +194,9 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
             for mb, out in zip(mbs, outs):
                 pieces.update(scatter_responses(out[key], mb))
             flat = torch.cat([pieces[i] for i in order]) if order else torch.zeros(0)
-        mine = dict(zip(order, pipeline_passes.share_from_last_stage(flat, sum(lens)).float().split(lens)))
+        mine = dict(
+            zip(order, pipeline_passes.share_from_last_stage(flat, sum(lens)).float().split(lens))
+        )
         return [mine[i] for i in shard.own]
 
     def gather_data_parallel(self, shard: Shard, results: list) -> list:
@@ -143,9 +207,16 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
 
     def global_sums(self, outs: list[dict] | None, keys: tuple[str, ...]) -> dict[str, float]:
         # outs is None off the last pipeline stage (it sends nothing); [] would sum to zeros
-        sums = None if outs is None else \
-            torch.stack([torch.as_tensor(sum(o[k] for o in outs), dtype=torch.float64) for k in keys])
-        sums = pipeline_passes.sum_over_data_parallel(pipeline_passes.share_from_last_stage(sums, len(keys)))
+        sums = (
+            None
+            if outs is None
+            else torch.stack(
+                [torch.as_tensor(sum(o[k] for o in outs), dtype=torch.float64) for k in keys]
+            )
+        )
+        sums = pipeline_passes.sum_over_data_parallel(
+            pipeline_passes.share_from_last_stage(sums, len(keys))
+        )
         return dict(zip(keys, sums.tolist()))
 
     # ---- optimizer ----------------------------------------------------------------------------
@@ -167,13 +238,19 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         getattr(self, self._MOVES[kind][1])()
 
     # ---- state --------------------------------------------------------------------------------
-    def save_checkpoint(self, root, step: int, extra: dict | None = None, extra_models: dict | None = None):
+    def save_checkpoint(
+        self, root, step: int, extra: dict | None = None, extra_models: dict | None = None
+    ):
         models = {k: v.model for k, v in (extra_models or {}).items()} or None
         return MegatronModelManager.save_checkpoint(self, root, step, extra, models)
 
-    def load_checkpoint(self, root, model_only: bool = False, extra_models: dict | None = None) -> tuple[int, dict]:
+    def load_checkpoint(
+        self, root, model_only: bool = False, extra_models: dict | None = None
+    ) -> tuple[int, dict]:
         models = {k: v.model for k, v in (extra_models or {}).items()} or None
-        return MegatronModelManager.load_checkpoint(self, checkpoint.latest(root) or root, model_only, models)
+        return MegatronModelManager.load_checkpoint(
+            self, checkpoint.latest(root) or root, model_only, models
+        )
 
     def saved_models(self, root) -> set[str]:
         return set(checkpoint.saved_models(checkpoint.latest(root) or root))
@@ -189,9 +266,13 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
         replica = replica_rank()  # DP x CP: the CP ranks of replica 0 hold the same weights too
         sender = replica == 0 and (tensor_parallel_rank() == 0 or pieces)
         iterate = replica == 0 or self.transformer_config.expert_model_parallel_size > 1
-        merge = self.adapters if weights == "merged" else None  # "base": the frozen weights as they are
-        tensors = iter_hf_tensors(self.model, self.shape, to_first=True, pieces=pieces, merge=merge) \
-            if iterate else iter(())
+        # "base": the frozen weights as they are
+        merge = self.adapters if weights == "merged" else None
+        tensors = (
+            iter_hf_tensors(self.model, self.shape, to_first=True, pieces=pieces, merge=merge)
+            if iterate
+            else iter(())
+        )
         return sender, tensors
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
@@ -210,12 +291,24 @@ class MegatronEngine(MegatronModelManager, TrainEngine):
     def param_pairs(self, other: "MegatronEngine") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The parameters, and the routers' expert bias: a buffer the policy moves under
         actor.moe_router_bias_update_rate, so the reference's Polyak update must follow it too."""
+
         def state(engine):
-            return [(n, p) for chunk in engine.unwrapped() for n, p in
-                    [*chunk.named_parameters(), *((n, b) for n, b in chunk.named_buffers()
-                                                  if n.endswith("mlp.router.expert_bias"))]]
+            return [
+                (n, p)
+                for chunk in engine.unwrapped()
+                for n, p in [
+                    *chunk.named_parameters(),
+                    *(
+                        (n, b)
+                        for n, b in chunk.named_buffers()
+                        if n.endswith("mlp.router.expert_bias")
+                    ),
+                ]
+            ]
 
         mine, theirs = state(self), state(other)
         if [n for n, _ in mine] != [n for n, _ in theirs]:
-            raise RuntimeError("reference and policy parameters differ: they must be built from one config")
+            raise RuntimeError(
+                "reference and policy parameters differ: they must be built from one config"
+            )
         return [(a, b) for (_, a), (_, b) in zip(mine, theirs)]

@@ -24,6 +24,7 @@ What it lacks, built here:
 Not built, refused at load (rlmega/config/hf_support.py): attention/final logit soft-capping, bidirectional
 attention, attention bias, other RoPE types; context parallelism with sliding windows (megatron/packed_attention.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,7 +43,9 @@ class PostNormSelfAttention(SelfAttention):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.post_attention_norm = ZeroCenteredTokenRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_attention_norm = ZeroCenteredTokenRMSNorm(
+            config, config.hidden_size, eps=config.layernorm_epsilon
+        )
 
     def forward(self, *args, **kwargs):
         output, bias = super().forward(*args, **kwargs)
@@ -56,7 +59,9 @@ class PostNormMLP(MLP):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.post_mlp_norm = ZeroCenteredTokenRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_mlp_norm = ZeroCenteredTokenRMSNorm(
+            config, config.hidden_size, eps=config.layernorm_epsilon
+        )
 
     def forward(self, hidden_states, *args, **kwargs):
         output, bias = super().forward(hidden_states, *args, **kwargs)
@@ -78,17 +83,25 @@ def layer_spec():
     return spec
 
 
-def finish_model(model, embedding_scale: float, window_rope_base: float | None, rope_linear_factor: float | None):
+def finish_model(
+    model, embedding_scale: float, window_rope_base: float | None, rope_linear_factor: float | None
+):
     """What GPTModel cannot be told: the first stage's embedding scale, the sliding layers' RoPE base (None: the
     same as the global layers'), the global layers' linear RoPE scaling (None: none)."""
     if model.pre_process:
-        def scale(_module, _inputs, output):  # transformers multiplies by the scale cast to the weights' dtype
+        # transformers multiplies by the scale cast to the weights' dtype
+        def scale(_module, _inputs, output):
             return output * torch.tensor(embedding_scale, dtype=output.dtype, device=output.device)
 
         model.embedding.register_forward_hook(scale)
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is not None and rope_linear_factor:
-        rope.inv_freq = rope.inv_freq / rope_linear_factor  # transformers' "linear" RoPE: inv_freq / factor
+        # transformers' "linear" RoPE: inv_freq / factor
+        rope.inv_freq = rope.inv_freq / rope_linear_factor
     if window_rope_base is not None:
-        model.rlmega_window_rope = RotaryEmbedding(model.config.kv_channels, rotary_percent=1.0,
-                                                   rotary_base=window_rope_base, use_cpu_initialization=True)
+        model.rlmega_window_rope = RotaryEmbedding(
+            model.config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=window_rope_base,
+            use_cpu_initialization=True,
+        )

@@ -19,6 +19,7 @@ Mixtral's router (transformers' MixtralTopKRouter) is softmax, top-k, renormalis
 The vocabulary is padded to a multiple of lcm(128, TP) so every TP rank holds an equal slice and the padded size
 (hence a checkpoint) is the same for TP = 1, 2, 4, 8.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,16 +31,25 @@ from megatron.core.transformer import TransformerConfig
 
 from rlmega.config.gemma3_layout import ARCH as GEMMA3
 from rlmega.config.gemma3_layout import gemma3_layout
-from rlmega.config.hf_support import (MLA_ARCHITECTURES, MOE_ARCHITECTURES, architecture, num_experts,
-                                      unsupported_reason)
+from rlmega.config.hf_support import (
+    MLA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    architecture,
+    num_experts,
+    unsupported_reason,
+)
 from rlmega.config.value_model import causal_lm_config, is_value_model
 
 VOCAB_PAD_MULTIPLE = 128
 
 # Fusions are CUDA kernels; off where the local (non-Transformer-Engine) spec runs.
 _NO_FUSIONS = dict(
-    gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-    masked_softmax_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+    gradient_accumulation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    bias_activation_fusion=False,
 )
 
 
@@ -56,7 +66,9 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from either the transformers-4 keys or transformers-5 `rope_parameters`."""
     params = hf.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    scaling = hf.get("rope_scaling") or (
+        params if params.get("rope_type", "default") != "default" else None
+    )
     return theta, scaling
 
 
@@ -80,7 +92,8 @@ class ModelShape:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = False
-    value_head: bool = False  # a critic: the output layer is hidden -> 1 (HF score.weight), never tied
+    # a critic: the output layer is hidden -> 1 (HF score.weight), never tied
+    value_head: bool = False
     # DeepSeek-V3 (multi-latent attention, docs/deepseek_v3_megatron.md): q/k heads of qk_nope + qk_rope, v heads of
     # v_head; the latent q (q_lora) and kv (kv_lora) widths; a sigmoid router with a correction bias picking the
     # top group_topk of groups; shared experts of shared_ffn; the first first_dense layers a dense MLP
@@ -137,49 +150,79 @@ class ModelShape:
     @staticmethod
     def _mla_fields(hf: dict) -> dict:
         nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
-        return dict(mla=True, q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=int(hf["kv_lora_rank"]),
-                    qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(hf["v_head_dim"]),
-                    head_dim=nope + rope, num_kv_heads=int(hf["num_attention_heads"]), router="sigmoid",
-                    groups=int(hf.get("n_group") or 1), group_topk=int(hf.get("topk_group") or 1),
-                    topk_scale=float(hf.get("routed_scaling_factor") or 1.0),
-                    shared_ffn=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts") or 0),
-                    first_dense=int(hf.get("first_k_dense_replace") or 0))
+        return dict(
+            mla=True,
+            q_lora_rank=int(hf.get("q_lora_rank") or 0),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(hf["v_head_dim"]),
+            head_dim=nope + rope,
+            num_kv_heads=int(hf["num_attention_heads"]),
+            router="sigmoid",
+            groups=int(hf.get("n_group") or 1),
+            group_topk=int(hf.get("topk_group") or 1),
+            topk_scale=float(hf.get("routed_scaling_factor") or 1.0),
+            shared_ffn=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts") or 0),
+            first_dense=int(hf.get("first_k_dense_replace") or 0),
+        )
 
     @staticmethod
     def _moe_fields(hf: dict) -> dict:
-        if architecture(hf) == "MixtralForCausalLM":  # every MLP is MoE: intermediate_size is one expert's
+        # every MLP is MoE: intermediate_size is one expert's
+        if architecture(hf) == "MixtralForCausalLM":
             ffn, norm = int(hf["intermediate_size"]), True
         else:
             ffn, norm = int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False))
-        return dict(num_experts=num_experts(hf), moe_topk=int(hf["num_experts_per_tok"]),
-                    moe_ffn_hidden_size=ffn, norm_topk_prob=norm)
+        return dict(
+            num_experts=num_experts(hf),
+            moe_topk=int(hf["num_experts_per_tok"]),
+            moe_ffn_hidden_size=ffn,
+            norm_topk_prob=norm,
+        )
 
 
-def check_expert_layout(shape: ModelShape, ep: int, tp: int = 1, pp: int = 1, world: int | None = None) -> None:
+def check_expert_layout(
+    shape: ModelShape, ep: int, tp: int = 1, pp: int = 1, world: int | None = None
+) -> None:
     """Refuse an expert-parallel layout that cannot hold the model, naming the config field."""
     if ep < 1:
         raise ValueError(f"parallelism.expert_model_parallel_size={ep} must be >= 1")
     if ep > 1 and not shape.is_moe:
-        raise ValueError(f"parallelism.expert_model_parallel_size={ep} needs a mixture-of-experts model; "
-                         f"{shape.architecture} is dense: set it to 1")
+        raise ValueError(
+            f"parallelism.expert_model_parallel_size={ep} needs a mixture-of-experts model; "
+            f"{shape.architecture} is dense: set it to 1"
+        )
     if shape.is_moe and shape.num_experts % ep:
-        raise ValueError(f"parallelism.expert_model_parallel_size={ep} does not divide the model's "
-                         f"{shape.num_experts} experts: pick a divisor of {shape.num_experts}")
+        raise ValueError(
+            f"parallelism.expert_model_parallel_size={ep} does not divide the model's "
+            f"{shape.num_experts} experts: pick a divisor of {shape.num_experts}"
+        )
     if world is not None and world % (tp * ep * pp):
-        raise ValueError(f"world size {world} is not divisible by TP x EP x PP = {tp} x {ep} x {pp} "
-                         "(expert tensor parallel = TP): change parallelism.expert_model_parallel_size "
-                         "or the world size")
+        raise ValueError(
+            f"world size {world} is not divisible by TP x EP x PP = {tp} x {ep} x {pp} "
+            "(expert tensor parallel = TP): change parallelism.expert_model_parallel_size "
+            "or the world size"
+        )
 
 
-def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_coeff: float,
-                      routing_replay: bool, cpu: bool = True, grouped_gemm: bool = False,
-                      bias_update_rate: float = 0.0) -> dict:
+def moe_config_kwargs(
+    shape: ModelShape,
+    ep: int,
+    aux_loss_coeff: float,
+    z_loss_coeff: float,
+    routing_replay: bool,
+    cpu: bool = True,
+    grouped_gemm: bool = False,
+    bias_update_rate: float = 0.0,
+) -> dict:
     """TransformerConfig's MoE fields for ``shape`` (empty for a dense model). ``bias_update_rate``:
     actor.moe_router_bias_update_rate (a sigmoid router's correction bias; refused for others by the config)."""
     if not shape.is_moe:
         return {}
     sigmoid = {}
-    if shape.router == "sigmoid":  # DeepSeek-V3's router, as transformers computes it (docs/deepseek_v3_megatron.md)
+    # DeepSeek-V3's router, as transformers computes it (docs/deepseek_v3_megatron.md)
+    if shape.router == "sigmoid":
         sigmoid = dict(
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,  # e_score_correction_bias: picks the experts, weighs nothing
@@ -194,58 +237,83 @@ def moe_config_kwargs(shape: ModelShape, ep: int, aux_loss_coeff: float, z_loss_
             moe_shared_expert_overlap=False,
             moe_layer_freq=[0] * shape.first_dense + [1] * (shape.num_layers - shape.first_dense),
         )
-    return sigmoid | dict(
-        num_moe_experts=shape.num_experts,
-        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-        moe_router_topk=shape.moe_topk,
-        moe_router_score_function=sigmoid.get("moe_router_score_function", "softmax"),
-        moe_router_pre_softmax=not shape.norm_topk_prob,  # see the module docstring (softmax routers only)
-        # The router's linear in the params' dtype, as HF's and vLLM's gate computes it (megatron's
-        # softmax over the logits is fp32 either way).
-        moe_router_dtype=sigmoid.get("moe_router_dtype"),
-        # aux loss 0: no load-balancing term at all (Megatron's default type would still build one).
-        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=float(aux_loss_coeff),
-        moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
-        moe_enable_routing_replay=bool(routing_replay),
-        # The local spec's SequentialMLP (one Linear pair per expert, CPU) or, with Transformer Engine,
-        # its grouped experts: must agree with the layer spec (model_manager.layer_spec).
-        moe_grouped_gemm=grouped_gemm,
-        # "alltoall" (megatron's choice at scale) opens torch.cuda.Stream()s for its split-size copies in
-        # its constructor, which cannot run without CUDA; "allgather" only all-gathers tokens and
-        # reduce-scatters results over the TP x EP group, which gloo does. On GPUs alltoall is used.
-        moe_token_dispatcher_type="allgather" if cpu else "alltoall",
-        expert_model_parallel_size=ep,
-        moe_permute_fusion=False,
+    return (
+        sigmoid
+        | dict(
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_router_topk=shape.moe_topk,
+            moe_router_score_function=sigmoid.get("moe_router_score_function", "softmax"),
+            moe_router_pre_softmax=not shape.norm_topk_prob,  # see the module docstring (softmax routers only)
+            # The router's linear in the params' dtype, as HF's and vLLM's gate computes it (megatron's
+            # softmax over the logits is fp32 either way).
+            moe_router_dtype=sigmoid.get("moe_router_dtype"),
+            # aux loss 0: no load-balancing term at all (Megatron's default type would still build one).
+            moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=float(aux_loss_coeff),
+            moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
+            moe_enable_routing_replay=bool(routing_replay),
+            # The local spec's SequentialMLP (one Linear pair per expert, CPU) or, with Transformer Engine,
+            # its grouped experts: must agree with the layer spec (model_manager.layer_spec).
+            moe_grouped_gemm=grouped_gemm,
+            # "alltoall" (megatron's choice at scale) opens torch.cuda.Stream()s for its split-size copies in
+            # its constructor, which cannot run without CUDA; "allgather" only all-gathers tokens and
+            # reduce-scatters results over the TP x EP group, which gloo does. On GPUs alltoall is used.
+            moe_token_dispatcher_type="allgather" if cpu else "alltoall",
+            expert_model_parallel_size=ep,
+            moe_permute_fusion=False,
+        )
     )
 
 
-def mla_config_kwargs(shape: ModelShape, theta: float, scaling: dict | None, tp: int, context_parallel: int,
-                      sequence_parallel: bool) -> dict:
+def mla_config_kwargs(
+    shape: ModelShape,
+    theta: float,
+    scaling: dict | None,
+    tp: int,
+    context_parallel: int,
+    sequence_parallel: bool,
+) -> dict:
     """MLATransformerConfig's fields for DeepSeek-V3 (docs/deepseek_v3_megatron.md, each measured against
     transformers). megatron's ``qk_head_dim`` is the no-RoPE part; ``rotary_interleaved`` stays False for HF's
     ``rope_interleave: true`` (MLA's RoPE de-interleaves first, which is HF's interleaved rotation); the config's
     ``qk_layernorm`` is True for MLA: it keeps the latent q/kv norms (False makes them identities with no error)."""
     if context_parallel > 1:
-        raise UnsupportedModelError("parallelism.context_parallel_size > 1 with multi-latent attention (DeepSeek-V3) "
-                                    "is not built: set it to 1")
+        raise UnsupportedModelError(
+            "parallelism.context_parallel_size > 1 with multi-latent attention (DeepSeek-V3) "
+            "is not built: set it to 1"
+        )
     if tp > 1 and not sequence_parallel:
         # megatron-core sums the q latent norm's gradient over TP by its name, right only when each TP rank saw
         # its share of the tokens (sequence parallelism); without it every rank's gradient is the whole one
-        raise UnsupportedModelError("multi-latent attention at TP > 1 needs parallelism.sequence_parallel=true")
+        raise UnsupportedModelError(
+            "multi-latent attention at TP > 1 needs parallelism.sequence_parallel=true"
+        )
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "yarn":
-        rope = dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                    beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
-                    mscale=float(scaling.get("mscale") or 1.0),
-                    mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
-    else:  # the softmax scale reads mscale(rotary_scaling_factor, mscale_all_dim)^2 even for plain RoPE: make it 1
+        rope = dict(
+            rope_type="yarn",
+            rotary_scaling_factor=float(scaling["factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast", 32)),
+            beta_slow=float(scaling.get("beta_slow", 1)),
+            mscale=float(scaling.get("mscale") or 1.0),
+            mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+        )
+    # the softmax scale reads mscale(rotary_scaling_factor, mscale_all_dim)^2 even for plain RoPE: make it 1
+    else:
         rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
-    return dict(multi_latent_attention=True, q_lora_rank=shape.q_lora_rank or None,  # None: a plain q_proj
-                kv_lora_rank=shape.kv_lora_rank,
-                qk_head_dim=shape.qk_nope_head_dim, qk_pos_emb_head_dim=shape.qk_rope_head_dim,
-                v_head_dim=shape.v_head_dim, rotary_base=theta, rotary_interleaved=False, **rope)
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=shape.q_lora_rank or None,  # None: a plain q_proj
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_head_dim=shape.qk_nope_head_dim,
+        qk_pos_emb_head_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim,
+        rotary_base=theta,
+        rotary_interleaved=False,
+        **rope,
+    )
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -261,18 +329,35 @@ def gemma3_config_kwargs(hf: dict, context_parallel: int) -> dict:
     windows = {}
     if any(layout.sliding):
         if context_parallel > 1:
-            raise UnsupportedModelError("parallelism.context_parallel_size > 1 with sliding-window layers (Gemma 3) is "
-                                        "not built: set it to 1")
-        windows = dict(window_size=(layout.window - 1, 0), window_attn_skip_freq=[int(s) for s in layout.sliding])
-    return dict(layernorm_zero_centered_gamma=True,
-                softmax_scale=layout.query_pre_attn_scalar ** -0.5, **windows)
+            raise UnsupportedModelError(
+                "parallelism.context_parallel_size > 1 with sliding-window layers (Gemma 3) is "
+                "not built: set it to 1"
+            )
+        windows = dict(
+            window_size=(layout.window - 1, 0),
+            window_attn_skip_freq=[int(s) for s in layout.sliding],
+        )
+    return dict(
+        layernorm_zero_centered_gamma=True,
+        softmax_scale=layout.query_pre_attn_scalar**-0.5,
+        **windows,
+    )
 
 
 def megatron_config_from_hf(
-    hf: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
-    params_dtype: torch.dtype = torch.float32, cpu: bool = True, ep: int = 1,
-    moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
-    grouped_gemm: bool = False, sequence_parallel: bool = False, context_parallel: int = 1,
+    hf: dict,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    cpu: bool = True,
+    ep: int = 1,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_z_loss_coeff: float = 0.0,
+    routing_replay: bool = False,
+    grouped_gemm: bool = False,
+    sequence_parallel: bool = False,
+    context_parallel: int = 1,
     moe_router_bias_update_rate: float = 0.0,
 ) -> tuple[TransformerConfig, dict]:
     """The one place HF model hyper-parameters become Megatron's. Returns (config, GPTModel kwargs).
@@ -293,15 +378,19 @@ def megatron_config_from_hf(
     if scaling and not shape.mla:  # MLA: its own RoPE (mla_config_kwargs)
         kind = scaling.get("rope_type") or scaling.get("type")
         if kind != "llama3":
-            raise UnsupportedModelError(f"rope_scaling type {kind!r}: only 'llama3' (or none) is supported")
+            raise UnsupportedModelError(
+                f"rope_scaling type {kind!r}: only 'llama3' (or none) is supported"
+            )
         rope_scaling_factor = float(scaling["factor"])
     vpp = vpp if vpp and vpp > 1 else None
     config_class, mla = TransformerConfig, {}
     if shape.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        config_class, mla = MLATransformerConfig, mla_config_kwargs(shape, theta, scaling, tp, context_parallel,
-                                                                    sequence_parallel)
+        config_class, mla = (
+            MLATransformerConfig,
+            mla_config_kwargs(shape, theta, scaling, tp, context_parallel, sequence_parallel),
+        )
     config = config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -339,8 +428,16 @@ def megatron_config_from_hf(
         # and data-parallel ranks, so RL loss aggregation is over the whole batch.
         calculate_per_token_loss=True,
         **(_NO_FUSIONS if cpu else {}),
-        **moe_config_kwargs(shape, ep, moe_aux_loss_coeff, moe_z_loss_coeff, routing_replay, cpu, grouped_gemm,
-                            moe_router_bias_update_rate),
+        **moe_config_kwargs(
+            shape,
+            ep,
+            moe_aux_loss_coeff,
+            moe_z_loss_coeff,
+            routing_replay,
+            cpu,
+            grouped_gemm,
+            moe_router_bias_update_rate,
+        ),
         **mla,
         **(gemma3_config_kwargs(hf, context_parallel) if shape.gemma3 else {}),
     )

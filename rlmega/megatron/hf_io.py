@@ -9,6 +9,7 @@ group, then every expert of the layer over the expert-parallel group); one rank 
 index, config and tokenizer. Everything goes to ``OUT.partial`` first and is renamed at the end,
 so an interrupted export never looks complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ from safetensors.torch import save_file
 from megatron.core import parallel_state as ps
 
 from rlmega.megatron.hf_config import ModelShape
-from rlmega.megatron.hf_weights import (expert_index, from_megatron_shards, hf_pieces, rule, to_megatron_shard,
-                                        with_expert_index)
+from rlmega.megatron.hf_weights import (
+    expert_index,
+    from_megatron_shards,
+    hf_pieces,
+    rule,
+    to_megatron_shard,
+    with_expert_index,
+)
 from rlmega.rundir.checkpoint_files import finish_export
 from rlmega.sync.pieces import Piece
 
@@ -46,7 +53,9 @@ def local_experts_offset(chunk: torch.nn.Module) -> int:
     config = unwrap(chunk).config
     if not config.num_moe_experts:
         return 0
-    return ps.get_expert_model_parallel_rank() * (config.num_moe_experts // ps.get_expert_model_parallel_world_size())
+    return ps.get_expert_model_parallel_rank() * (
+        config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    )
 
 
 def global_named_parameters(chunk: torch.nn.Module):
@@ -62,8 +71,9 @@ def global_named_parameters(chunk: torch.nn.Module):
             continue
         m = _LOCAL_LAYER.match(name)
         if m:
-            layer = model.decoder.layers[int(m.group(1))].layer_number - 1  # layer_number is 1-based
-            name = f"decoder.layers.{layer}." + name[m.end():]
+            # layer_number is 1-based
+            layer = model.decoder.layers[int(m.group(1))].layer_number - 1
+            name = f"decoder.layers.{layer}." + name[m.end() :]
             local = expert_index(name)
             if local is not None and offset:
                 name = with_expert_index(name, offset + local)
@@ -84,12 +94,16 @@ class HFReader:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
-            self.where = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            self.where = {
+                k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()
+            }
         elif (self.folder / "model.safetensors").exists():
             with safe_open(self.folder / "model.safetensors", "pt") as f:
                 self.where = {k: self.folder / "model.safetensors" for k in f.keys()}
         else:
-            raise FileNotFoundError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+            raise FileNotFoundError(
+                f"{self.folder}: no model.safetensors or model.safetensors.index.json"
+            )
         self._open: dict[Path, object] = {}
 
     def get(self, name: str) -> torch.Tensor:
@@ -109,25 +123,39 @@ def read_hf_config(folder: str | Path) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None = None,
-                    missing: dict[str, torch.Tensor] | None = None) -> None:
+def load_hf_weights(
+    chunks: list,
+    folder: str | Path,
+    shape: ModelShape | None = None,
+    missing: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Copy this rank's slices of the HF weights into its chunks (raw or DDP-wrapped). MoE: a rank
     reads only the experts it holds (its expert-parallel share, its expert-TP slice).
 
     ``shape``: the model's (default: the folder's config), e.g. a critic's body read from a causal LM's
     folder; ``missing``: HF tensors to use where the folder has none (a critic's fresh value head)."""
     reader = HFReader(folder)
-    shape = shape or ModelShape.from_hf(read_hf_config(folder), ps.get_tensor_model_parallel_world_size())
+    shape = shape or ModelShape.from_hf(
+        read_hf_config(folder), ps.get_tensor_model_parallel_world_size()
+    )
     missing = missing or {}
 
     def get(hf_name: str) -> torch.Tensor:
-        return missing[hf_name] if hf_name in missing and hf_name not in reader.where else reader.get(hf_name)
+        return (
+            missing[hf_name]
+            if hf_name in missing and hf_name not in reader.where
+            else reader.get(hf_name)
+        )
 
     for chunk in chunks:
         for name, param in global_named_parameters(chunk):
             # a parameter megatron keeps whole on every TP rank is read whole, whatever its layout kind (MLA's latent
             # down-projections: replicated, rlmega/megatron/mla.py; megatron-core's local spec would split them)
-            tp_rank, tp = _tp_rank_and_size(name) if getattr(param, "tensor_model_parallel", False) else (0, 1)
+            tp_rank, tp = (
+                _tp_rank_and_size(name)
+                if getattr(param, "tensor_model_parallel", False)
+                else (0, 1)
+            )
             value = to_megatron_shard(name, get, shape, tp_rank, tp)
             if value.shape != param.shape:
                 _, hf_names = rule(name, shape)
@@ -139,8 +167,13 @@ def load_hf_weights(chunks: list, folder: str | Path, shape: ModelShape | None =
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False, pieces: bool = False,
-                    merge: dict | None = None) -> Iterator[tuple[str, torch.Tensor | Piece]]:
+def iter_hf_tensors(
+    chunks: list,
+    shape: ModelShape,
+    to_first: bool = False,
+    pieces: bool = False,
+    merge: dict | None = None,
+) -> Iterator[tuple[str, torch.Tensor | Piece]]:
     """HF-named full tensors of this rank's pipeline stage, one Megatron parameter at a time.
 
     Collective over the stage's TP group (and, for MoE, its expert-TP and expert-parallel groups):
@@ -168,12 +201,19 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False, pie
             if name == "output_layer.weight" and shape.tie_word_embeddings:
                 continue
             expert = expert_index(name)
-            group, size = (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()) \
-                if expert is not None else (tp_group, tp)
+            group, size = (
+                (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size())
+                if expert is not None
+                else (tp_group, tp)
+            )
             dense = expert is None or ps.get_expert_model_parallel_world_size() == 1
             mine = not to_first or size == 1 or dist.get_rank(group=group) == 0
             split = getattr(param, "tensor_model_parallel", False) and size > 1
-            data = merge[id(param)].merged_weight(param.data) if merge and id(param) in merge else param.data
+            data = (
+                merge[id(param)].merged_weight(param.data)
+                if merge and id(param) in merge
+                else param.data
+            )
             if split and to_first and pieces and dense:
                 yield from hf_pieces(name, data, shape, dist.get_rank(group=group), size).items()
                 continue
@@ -204,7 +244,9 @@ def iter_hf_tensors(chunks: list, shape: ModelShape, to_first: bool = False, pie
                     yield hf_name, v.detach().contiguous()
 
 
-def _gather_to_first(shard: torch.Tensor, group, size: int, first: bool) -> list[torch.Tensor] | None:
+def _gather_to_first(
+    shard: torch.Tensor, group, size: int, first: bool
+) -> list[torch.Tensor] | None:
     """Every TP rank's ``shard`` on the group's first rank (its own not copied), None elsewhere.
 
     Point-to-point receives straight into the first rank's buffers, not ``dist.gather``: gloo's
@@ -218,7 +260,11 @@ def _gather_to_first(shard: torch.Tensor, group, size: int, first: bool) -> list
         dist.send(shard, dst=root, group=group)
         return None
     shards = [shard] + [torch.empty_like(shard) for _ in range(size - 1)]
-    for work in [dist.irecv(buf, src=dist.get_global_rank(group, r), group=group) for r, buf in enumerate(shards) if r]:
+    for work in [
+        dist.irecv(buf, src=dist.get_global_rank(group, r), group=group)
+        for r, buf in enumerate(shards)
+        if r
+    ]:
         work.wait()
     return shards
 
@@ -234,13 +280,21 @@ def _cat_shards(name: str, shards: list[torch.Tensor], shape: ModelShape) -> tor
     return hf[names[0]].contiguous()
 
 
-def gather_hf_tensors(chunks: list, shape: ModelShape, merge: dict | None = None) -> dict[str, torch.Tensor]:
+def gather_hf_tensors(
+    chunks: list, shape: ModelShape, merge: dict | None = None
+) -> dict[str, torch.Tensor]:
     """All of this stage's HF tensors at once, on the CPU (for export)."""
     return {k: v.cpu() for k, v in iter_hf_tensors(chunks, shape, merge=merge)}
 
 
-def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: bool = False,
-              hf_config: dict | None = None, merge: dict | None = None) -> Path:
+def export_hf(
+    chunks: list,
+    out_dir: str | Path,
+    source: str | Path,
+    overwrite: bool = False,
+    hf_config: dict | None = None,
+    merge: dict | None = None,
+) -> Path:
     """Write the model as an HF folder (safetensors + config + tokenizer of ``source``). Collective.
     ``hf_config``: the config.json to write (default ``source``'s), e.g. a critic's; ``merge``: LoRA adapters
     to merge into the weights (``iter_hf_tensors``)."""
@@ -257,7 +311,10 @@ def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: 
     dist.barrier()
     tensors = gather_hf_tensors(chunks, shape, merge)
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    writer = (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
         save_file(tensors, partial / file, metadata={"format": "pt"})
@@ -267,10 +324,12 @@ def export_hf(chunks: list, out_dir: str | Path, source: str | Path, overwrite: 
     if rank0:
         weight_map = {n: f for item in everyone if item for f, ns in [item] for n in ns}
         (partial / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+        )
         dtype = next(iter(tensors.values())).dtype
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
-        if hf_config.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layers: not built, not written
+        # DeepSeek-V3's MTP layers: not built, not written
+        if hf_config.get("num_nextn_predict_layers"):
             hf_config["num_nextn_predict_layers"] = 0
         (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
         finish_export(partial, out_dir, source)

@@ -9,6 +9,7 @@ per step. MegatronModelManager loads the tiny model's (random) HF weights into t
 
 `rlmega demo` (and `make demo`) does both steps.
 """
+
 import argparse
 import time
 
@@ -33,7 +34,9 @@ def token_rows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, help="HF folder from tools/make_tiny_model.py")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
@@ -47,9 +50,11 @@ def main() -> None:
     init_megatron(args.tp, args.pp, seed=0)
     rank0 = dist.get_rank() == 0
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    mm = MegatronModelManager(ModelConfig(path=args.model),
-                              ParallelismConfig(args.tp, args.pp, None, dist.get_world_size()),
-                              OptimizerConfig(lr=args.lr, clip_grad=1.0))
+    mm = MegatronModelManager(
+        ModelConfig(path=args.model),
+        ParallelismConfig(args.tp, args.pp, None, dist.get_world_size()),
+        OptimizerConfig(lr=args.lr, clip_grad=1.0),
+    )
     mm.setup_model_and_optimizer()
     config, model = mm.transformer_config, mm.model
 
@@ -59,20 +64,29 @@ def main() -> None:
     dp_rank, dp = data_parallel_rank_and_size()
     mine = lambda rows: rows.chunk(dp)[dp_rank]  # noqa: E731  this data-parallel rank's share
 
-    start_eval = lm_step.lm_forward_backward(model, mine(held_out), args.micro_batch, forward_only=True)
+    start_eval = lm_step.lm_forward_backward(
+        model, mine(held_out), args.micro_batch, forward_only=True
+    )
     if rank0:
-        print(f"rlmega demo: Megatron GPT {config.num_layers}x{config.hidden_size}, TP{args.tp} x PP{args.pp} "
-              f"x DP{dp} on {dist.get_world_size()} ranks ({dist.get_backend()}); held-out loss {start_eval:.3f}",
-              flush=True)
+        print(
+            f"rlmega demo: Megatron GPT {config.num_layers}x{config.hidden_size}, TP{args.tp} x PP{args.pp} "
+            f"x DP{dp} on {dist.get_world_size()} ranks ({dist.get_backend()}); held-out loss {start_eval:.3f}",
+            flush=True,
+        )
     for step in range(args.steps):
         t0 = time.perf_counter()
-        rows = train[(step * args.batch) % (len(train) - args.batch):][: args.batch]
+        rows = train[(step * args.batch) % (len(train) - args.batch) :][: args.batch]
         loss = lm_step.lm_forward_backward(model, mine(rows), args.micro_batch)
         ok, grad_norm, _ = mm.optimizer_step()
         if rank0:
-            print(f"step {step + 1:3d}/{args.steps}  loss {loss:.4f}  grad_norm {grad_norm:.3f}  "
-                  f"{time.perf_counter() - t0:.2f}s", flush=True)
-    end_eval = lm_step.lm_forward_backward(model, mine(held_out), args.micro_batch, forward_only=True)
+            print(
+                f"step {step + 1:3d}/{args.steps}  loss {loss:.4f}  grad_norm {grad_norm:.3f}  "
+                f"{time.perf_counter() - t0:.2f}s",
+                flush=True,
+            )
+    end_eval = lm_step.lm_forward_backward(
+        model, mine(held_out), args.micro_batch, forward_only=True
+    )
     if rank0:
         print(f"held-out loss {start_eval:.3f} -> {end_eval:.3f}", flush=True)
     teardown_megatron()

@@ -10,6 +10,7 @@ Call order on every rank (after ``runtime.init_megatron``):
     loss = lm_forward_backward(mm.model, tokens, micro_batch_size)  # (B, T+1) int64 token ids
     ok, grad_norm, lr = mm.optimizer_step()
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -42,19 +43,23 @@ def _forward_step(data_iterator, model):
     b, t = inputs.shape
     position_ids = torch.arange(t, device=inputs.device).unsqueeze(0).expand(b, t)
     with packed_rows(model, position_ids, [[0, t]] * b) as params:  # each row one causal sequence
-        output = model(inputs, position_ids, None, packed_seq_params=params, labels=labels)  # (b, t) losses
+        # (b, t) losses
+        output = model(inputs, position_ids, None, packed_seq_params=params, labels=labels)
     return output, partial(_loss, torch.ones_like(labels, dtype=torch.float32))
 
 
-def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int,
-                        forward_only: bool = False) -> float:
+def lm_forward_backward(
+    model: list, tokens: torch.Tensor, micro_batch_size: int, forward_only: bool = False
+) -> float:
     """Forward (+backward) one global batch of this DP rank; returns the mean loss on all ranks.
 
     tokens: (B, T+1) int64, this data-parallel rank's share of the global batch.
     """
     num_micro = tokens.shape[0] // micro_batch_size
     if num_micro * micro_batch_size != tokens.shape[0]:
-        raise ValueError(f"batch of {tokens.shape[0]} rows is not divisible by micro_batch_size={micro_batch_size}")
+        raise ValueError(
+            f"batch of {tokens.shape[0]} rows is not divisible by micro_batch_size={micro_batch_size}"
+        )
     micro = list(tokens.split(micro_batch_size))
     vpp = len(model)
     iters = make_data_iterator_list(micro, vpp_size=vpp)  # each model chunk pulls every micro-batch
@@ -80,7 +85,6 @@ def lm_forward_backward(model: list, tokens: torch.Tensor, micro_batch_size: int
     return float(total[0] / total[1])
 
 
-
 def _logits_step(data_iterator, model):
     tokens = next(data_iterator)  # (b, t)
     b, t = tokens.shape
@@ -89,13 +93,19 @@ def _logits_step(data_iterator, model):
         logits = model(tokens, position_ids, None, packed_seq_params=params)  # (b, t, vocab / tp)
 
     def keep(output):
-        return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"logits": output.detach().clone()}
+        return (
+            output.sum() * 0.0,
+            torch.ones((), dtype=torch.int),
+            {"logits": output.detach().clone()},
+        )
 
     return logits, keep
 
 
 @torch.no_grad()
-def forward_logits(model: list, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
+def forward_logits(
+    model: list, tokens: torch.Tensor, micro_batch_size: int = 1
+) -> torch.Tensor | None:
     """Full-vocabulary logits (B, T, padded vocab) on the last pipeline stage, None elsewhere.
 
     Gathers the TP-sharded vocabulary: for checks and exports only; the learner computes
@@ -108,7 +118,9 @@ def forward_logits(model: list, tokens: torch.Tensor, micro_batch_size: int = 1)
         forward_step_func=_logits_step,
         data_iterator=make_data_iterator_list(micro, vpp_size=vpp),
         model=model if vpp > 1 else model[0],
-        num_microbatches=num_micro, seq_length=tokens.shape[1], micro_batch_size=micro_batch_size,
+        num_microbatches=num_micro,
+        seq_length=tokens.shape[1],
+        micro_batch_size=micro_batch_size,
         forward_only=True,
     )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):

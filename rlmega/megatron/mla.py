@@ -27,6 +27,7 @@ counts them as ``routing_map & ~padding_mask``, (tokens, experts) against the (t
 its routers: a shape error, or with as many tokens as experts a wrong count with no error. rlmega counts with the
 mask on the token axis, and not at all when the bias stays.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,26 +52,38 @@ class RowPackedMLASelfAttention(MLASelfAttention):
     """MLASelfAttention whose q/k/v projections see rlmega's packed rows as plain sbhd rows (no packing: they are
     per token), and whose core attention gets the ``RowPacking`` (causal per packed sequence)."""
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
-                                    packed_seq_params=None, *args, **kwargs):
+    def get_query_key_value_tensors(
+        self,
+        hidden_states,
+        key_value_states=None,
+        position_ids=None,
+        packed_seq_params=None,
+        *args,
+        **kwargs,
+    ):
         if isinstance(packed_seq_params, RowPacking):
             packed_seq_params = None
-        return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids, packed_seq_params,
-                                                   *args, **kwargs)
+        return super().get_query_key_value_tensors(
+            hidden_states, key_value_states, position_ids, packed_seq_params, *args, **kwargs
+        )
 
 
 def decoder_block_spec(config, vp_stage: int | None = None):
     """The TransformerBlockSubmodules of this pipeline stage (virtual stage ``vp_stage``): megatron-core's per-layer
     local specs (dense or MoE by ``config.moe_layer_freq``) with rlmega's attention and norms."""
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       vp_stage=vp_stage)
-    for spec in {id(s): s for s in block.layer_specs}.values():  # dense and MoE specs are shared objects
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    # dense and MoE specs are shared objects
+    for spec in {id(s): s for s in block.layer_specs}.values():
         layer = spec.submodules
         layer.input_layernorm = layer.pre_mlp_layernorm = TokenRMSNorm
         attention = layer.self_attention
         attention.module = RowPackedMLASelfAttention
         attention.submodules.core_attention = PackedSDPAttention
-        attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ReplicatedLinear
+        attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = (
+            ReplicatedLinear
+        )
         attention.submodules.q_layernorm = attention.submodules.kv_layernorm = LatentRMSNorm
     block.layer_norm = TokenRMSNorm
     return block
@@ -85,8 +98,11 @@ def count_expert_tokens(model) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, TopKRouter) and module.enable_expert_bias:
-            module._apply_expert_bias = (_count_tokens(module) if module.config.moe_router_bias_update_rate
-                                         else lambda routing_map, padding_mask=None: None)
+            module._apply_expert_bias = (
+                _count_tokens(module)
+                if module.config.moe_router_bias_update_rate
+                else lambda routing_map, padding_mask=None: None
+            )
             n += 1
     return n
 

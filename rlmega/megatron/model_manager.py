@@ -11,6 +11,7 @@
 The model is a list of chunks, one per virtual pipeline stage this rank holds (one without
 VPP), each wrapped in Megatron DDP once the optimizer is set up. Names follow RLinf's manager.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,10 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from rlmega.learner import lora as lora_files
 from rlmega.config.gemma3_layout import gemma3_layout
@@ -59,17 +63,23 @@ def layer_spec(use_te: bool, shape: ModelShape | None = None):
     qk_norm = bool(shape and shape.qk_norm)
     experts = shape.num_experts if shape is not None and shape.is_moe else None
     if use_te:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=qk_norm)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
-                                    normalization="RMSNorm")
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=qk_norm
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
+    )
     # torch's RMSNorm marked for sequence parallelism (megatron-core's WrappedTorchNorm refuses it): norms.py
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = TokenRMSNorm
     if qk_norm:
-        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = HeadRMSNorm
+        layer.self_attention.submodules.q_layernorm = (
+            layer.self_attention.submodules.k_layernorm
+        ) = HeadRMSNorm
     # fused SDPA per packed sequence (and RoPE without cats) instead of DotProductAttention's
     # materialised, unfused (B*heads, S, S) scores: rlmega/megatron/packed_attention.py
     spec.submodules.self_attention.submodules.core_attention = PackedSDPAttention
@@ -88,10 +98,12 @@ def transformer_engine_usable() -> bool:
 
 # (kind, offload method, onload method) of MegatronModelManager, in offload order: what a colocated
 # trainer (MegatronActor) or critic (MegatronCritic) releases while the engines generate.
-PHASE_KINDS = (("grads", "offload_grads", "onload_grads"),
-               ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
-               ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
-               ("params", "offload_params", "onload_params"))
+PHASE_KINDS = (
+    ("grads", "offload_grads", "onload_grads"),
+    ("optimizer state", "offload_optimizer_state", "onload_optimizer_state"),
+    ("main params", "offload_megatron_copy_params", "load_megatron_copy_params"),
+    ("params", "offload_params", "onload_params"),
+)
 
 
 def make_data_iterator_list(data_iterator: Iterable, padding: bool = False, vpp_size: int = 1):
@@ -103,7 +115,9 @@ def make_data_iterator_list(data_iterator: Iterable, padding: bool = False, vpp_
     ``make_data_iterator_list``, rlmega/megatron/pipeline_passes.py and lm_step.py)."""
     micro_batches = list(data_iterator)
     if padding:
-        longest = max((mb["tokens"].shape[-1] for mb in micro_batches if isinstance(mb, dict)), default=0)
+        longest = max(
+            (mb["tokens"].shape[-1] for mb in micro_batches if isinstance(mb, dict)), default=0
+        )
         for mb in micro_batches:
             if isinstance(mb, dict):
                 mb["max_batch_seqlen"] = longest
@@ -111,10 +125,20 @@ def make_data_iterator_list(data_iterator: Iterable, padding: bool = False, vpp_
 
 
 class MegatronModelManager:
-    def __init__(self, model: ModelConfig, parallel: ParallelismConfig, optimizer: OptimizerConfig,
-                 lr_decay_steps: int = 1000, hf_config: dict | None = None,
-                 moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, routing_replay: bool = False,
-                 value_head: bool = False, lora: LoraConfig | None = None, moe_router_bias_update_rate: float = 0.0):
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelismConfig,
+        optimizer: OptimizerConfig,
+        lr_decay_steps: int = 1000,
+        hf_config: dict | None = None,
+        moe_aux_loss_coeff: float = 0.0,
+        moe_z_loss_coeff: float = 0.0,
+        routing_replay: bool = False,
+        value_head: bool = False,
+        lora: LoraConfig | None = None,
+        moe_router_bias_update_rate: float = 0.0,
+    ):
         """``hf_config`` overrides reading ``model.path/config.json`` (a model built from scratch).
 
         ``value_head``: a critic (rlmega/megatron/critic.py): the output layer is hidden -> 1 (ValueHead,
@@ -134,7 +158,8 @@ class MegatronModelManager:
         self.lr_decay_steps = lr_decay_steps
         self.hf_config = hf_config if hf_config is not None else read_hf_config(model.path)
         if value_head:
-            self.hf_config = value_model_config(self.hf_config)  # a causal LM's config becomes its critic's
+            # a causal LM's config becomes its critic's
+            self.hf_config = value_model_config(self.hf_config)
         self.dtype = _DTYPES[model.dtype]
         self.use_te = transformer_engine_usable()
         vpp = parallel.virtual_pipeline_model_parallel_size
@@ -143,28 +168,49 @@ class MegatronModelManager:
         self.shape = ModelShape.from_hf(self.hf_config, parallel.tensor_model_parallel_size)
         mtp = int(self.hf_config.get("num_nextn_predict_layers") or 0) if self.shape.mla else 0
         if mtp and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            print(f"[rlmega] {self.shape.architecture}: the checkpoint's {mtp} multi-token-prediction layer(s) "
-                  f"(model.layers.{self.shape.num_layers}.*) are dropped, as transformers drops them: RL trains "
-                  "the next-token model, and the export says num_nextn_predict_layers: 0", flush=True)
-        check_expert_layout(self.shape, self.ep, parallel.tensor_model_parallel_size,
-                            parallel.pipeline_model_parallel_size,
-                            torch.distributed.get_world_size() if torch.distributed.is_initialized() else None)
-        if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() != self.ep:
+            print(
+                f"[rlmega] {self.shape.architecture}: the checkpoint's {mtp} multi-token-prediction layer(s) "
+                f"(model.layers.{self.shape.num_layers}.*) are dropped, as transformers drops them: RL trains "
+                "the next-token model, and the export says num_nextn_predict_layers: 0",
+                flush=True,
+            )
+        check_expert_layout(
+            self.shape,
+            self.ep,
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            torch.distributed.get_world_size() if torch.distributed.is_initialized() else None,
+        )
+        if (
+            ps.model_parallel_is_initialized()
+            and ps.get_expert_model_parallel_world_size() != self.ep
+        ):
             raise ValueError(
                 f"parallelism.expert_model_parallel_size={self.ep} but Megatron was initialised with EP "
-                f"{ps.get_expert_model_parallel_world_size()}: pass ep= to init_megatron")
+                f"{ps.get_expert_model_parallel_world_size()}: pass ep= to init_megatron"
+            )
         self.transformer_config, self.gpt_kwargs = megatron_config_from_hf(
-            self.hf_config, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-            self.vpp, self.dtype, cpu=not torch.cuda.is_available(), ep=self.ep,
-            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff, routing_replay=routing_replay,
+            self.hf_config,
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            self.vpp,
+            self.dtype,
+            cpu=not torch.cuda.is_available(),
+            ep=self.ep,
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_z_loss_coeff=moe_z_loss_coeff,
+            routing_replay=routing_replay,
             moe_router_bias_update_rate=moe_router_bias_update_rate,
-            grouped_gemm=self.use_te, sequence_parallel=parallel.sequence_parallel_on,
+            grouped_gemm=self.use_te,
+            sequence_parallel=parallel.sequence_parallel_on,
             context_parallel=parallel.context_parallel_size,
         )
         if parallel.context_parallel_size > 1 and self.use_te:
-            raise ValueError("parallelism.context_parallel_size > 1 runs with rlmega's attention (the local layer "
-                             "spec, rlmega/megatron/context_parallel.py); with Transformer Engine installed its THD "
-                             "context-parallel path is not wired up yet: set context_parallel_size=1")
+            raise ValueError(
+                "parallelism.context_parallel_size > 1 runs with rlmega's attention (the local layer "
+                "spec, rlmega/megatron/context_parallel.py); with Transformer Engine installed its THD "
+                "context-parallel path is not wired up yet: set context_parallel_size=1"
+            )
         self.lora = lora if lora is not None and lora.rank else None
         self.adapters: dict = {}
         self.model: list = []
@@ -173,25 +219,35 @@ class MegatronModelManager:
         self.offloaded: dict = {}
 
     # ---- building ---------------------------------------------------------------------------
-    def model_provider_func(self, pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
+    def model_provider_func(
+        self, pre_process: bool, post_process: bool, vp_stage: int | None = None
+    ) -> GPTModel:
         """One model chunk; pre_process holds the embedding, post_process the output head (a critic's:
         the value head, seeded as rlmega.config.value_model.fresh_value_head until weights load)."""
-        if self.shape.mla:  # DeepSeek-V3: per-layer specs (dense first layers), multi-latent attention: mla.py
+        # DeepSeek-V3: per-layer specs (dense first layers), multi-latent attention: mla.py
+        if self.shape.mla:
             if self.use_te:
-                raise ValueError("DeepSeek-V3 (multi-latent attention) on Transformer Engine's layer spec is not built "
-                                 "yet: rlmega builds it on the local spec (docs/deepseek_v3_megatron.md)")
+                raise ValueError(
+                    "DeepSeek-V3 (multi-latent attention) on Transformer Engine's layer spec is not built "
+                    "yet: rlmega builds it on the local spec (docs/deepseek_v3_megatron.md)"
+                )
             spec = mla.decoder_block_spec(self.transformer_config, vp_stage)
         elif self.shape.gemma3:  # post-norms, norms centred on 0, windows: gemma3.py
             if self.use_te:
-                raise ValueError("Gemma 3 on Transformer Engine's layer spec is not built yet: rlmega builds it on "
-                                 "the local spec (rlmega/megatron/gemma3.py)")
+                raise ValueError(
+                    "Gemma 3 on Transformer Engine's layer spec is not built yet: rlmega builds it on "
+                    "the local spec (rlmega/megatron/gemma3.py)"
+                )
             spec = gemma3.layer_spec()
         else:
             spec = layer_spec(self.use_te, self.shape)
-        if not self.use_te and not self.shape.mla:  # the block's final norm too (megatron-core: WrappedTorchNorm)
+        # the block's final norm too (megatron-core: WrappedTorchNorm)
+        if not self.use_te and not self.shape.mla:
             spec = TransformerBlockSubmodules(
-                layer_specs=[spec] * get_num_layers_to_build(self.transformer_config, vp_stage=vp_stage),
-                layer_norm=ZeroCenteredTokenRMSNorm if self.shape.gemma3 else TokenRMSNorm)
+                layer_specs=[spec]
+                * get_num_layers_to_build(self.transformer_config, vp_stage=vp_stage),
+                layer_norm=ZeroCenteredTokenRMSNorm if self.shape.gemma3 else TokenRMSNorm,
+            )
         model = GPTModel(
             config=self.transformer_config,
             transformer_layer_spec=spec,
@@ -204,29 +260,40 @@ class MegatronModelManager:
             mla.count_expert_tokens(model)
         if self.shape.gemma3:
             layout = gemma3_layout(self.hf_config)
-            gemma3.finish_model(model, layout.embedding_scale, layout.sliding_theta if any(layout.sliding) else None,
-                                layout.global_linear_factor)
+            gemma3.finish_model(
+                model,
+                layout.embedding_scale,
+                layout.sliding_theta if any(layout.sliding) else None,
+                layout.global_linear_factor,
+            )
         if post_process and self.shape.value_head:
-            model.output_layer = ValueHead(self.shape.hidden_size, self.dtype,
-                                           sequence_parallel=self.transformer_config.sequence_parallel)
+            model.output_layer = ValueHead(
+                self.shape.hidden_size,
+                self.dtype,
+                sequence_parallel=self.transformer_config.sequence_parallel,
+            )
             with torch.no_grad():
                 model.output_layer.weight.copy_(self.fresh_head())
         return model
 
     def fresh_head(self) -> torch.Tensor:
         """A critic's value head before training, when its folder has none (both backends draw it alike)."""
-        return fresh_value_head(self.shape.hidden_size, head_std(self.hf_config), self.model_cfg.seed)
+        return fresh_value_head(
+            self.shape.hidden_size, head_std(self.hf_config), self.model_cfg.seed
+        )
 
     def build_model_chunks(self) -> list[torch.nn.Module]:
         """This rank's chunks: GPTModel, wrapped in Float16Module for bf16."""
         chunks = []
         for i in range(self.vpp):
             stage = i if self.vpp > 1 else None
-            chunks.append(self.model_provider_func(
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                vp_stage=stage,
-            ))
+            chunks.append(
+                self.model_provider_func(
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                    vp_stage=stage,
+                )
+            )
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
         if self.transformer_config.bf16:
@@ -236,42 +303,71 @@ class MegatronModelManager:
             chunks = [Float16Module(self.transformer_config, c) for c in chunks]
         return chunks
 
-    def setup_model_and_optimizer(self, load_weights: bool = True, with_optimizer: bool = True) -> None:
+    def setup_model_and_optimizer(
+        self, load_weights: bool = True, with_optimizer: bool = True
+    ) -> None:
         """Chunks (HF weights loaded when model.path is set), DDP, optimizer and LR schedule."""
         chunks = self.build_model_chunks()
         if load_weights and self.model_cfg.path:
             fresh = {VALUE_HEAD: self.fresh_head()} if self.shape.value_head else None
             load_hf_weights(chunks, self.model_cfg.path, shape=self.shape, missing=fresh)
         if self.lora:  # before DDP: its buffers and the optimizer take the adapters alone
-            self.adapters = lora_adapters.add_adapters(chunks, self.lora, self.shape, self.model_cfg.seed,
-                                                       sequence_parallel=self.transformer_config.sequence_parallel)
+            self.adapters = lora_adapters.add_adapters(
+                chunks,
+                self.lora,
+                self.shape,
+                self.model_cfg.seed,
+                sequence_parallel=self.transformer_config.sequence_parallel,
+            )
         if not with_optimizer:
             self.model = chunks
             return
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
         )
         # Only the first chunk buckets its grads; the schedule issues the others' reductions in
         # order, as Megatron's own get_model does.
-        self.model = [DistributedDataParallel(self.transformer_config, ddp_config, c, disable_bucketing=i > 0)
-                      for i, c in enumerate(chunks)]
+        self.model = [
+            DistributedDataParallel(self.transformer_config, ddp_config, c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
         self.transformer_config.finalize_model_grads_func = finalize_model_grads
         o = self.optim_cfg
-        self.optimizer = get_megatron_optimizer(McoreOptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer,
-            params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16,
-        ), self.model)
+        self.optimizer = get_megatron_optimizer(
+            McoreOptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+                params_dtype=self.dtype,
+                bf16=self.dtype == torch.bfloat16,
+            ),
+            self.model,
+        )
         decay_steps = max(self.lr_decay_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+            self.optimizer,
+            init_lr=0.0 if o.lr_warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
             # On resume the config's schedule wins over the checkpoint's (only the step count is taken
             # from it): config.yaml records the new values, and a longer trainer.total_steps must
             # stretch the decay. The driver logs what changed (rlmega/rundir/run.py: changed_settings).
-            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
 
     # ---- stepping ---------------------------------------------------------------------------
@@ -306,7 +402,9 @@ class MegatronModelManager:
             for inner in getattr(opt, "chained_optimizers", [opt]):
                 params = inner.get_parameters()
                 if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=self.optim_cfg.clip_grad, total_norm=grad_norm)
+                    clip_grad_by_total_norm_fp32(
+                        params, max_norm=self.optim_cfg.clip_grad, total_norm=grad_norm
+                    )
         ok = opt.step_with_ready_grads()
         if ok and scheduled:
             self.scheduler.step(increment=1)
@@ -330,33 +428,75 @@ class MegatronModelManager:
             raise RuntimeError(f"{kind} are not offloaded")
         offload.onload_tensors(self.offloaded.pop(kind))
 
-    def offload_params(self): self._offload("params", offload.model_params(self.model))
-    def onload_params(self): self._onload("params")
-    def offload_grads(self): self._offload("grads", offload.model_grads(self.model))
-    def onload_grads(self): self._onload("grads")
-    def offload_optimizer_state(self): self._offload("optimizer state", offload.optimizer_state(self.optimizer))
-    def onload_optimizer_state(self): self._onload("optimizer state")
-    def offload_megatron_copy_params(self): self._offload("main params", offload.main_params(self.optimizer))
-    def load_megatron_copy_params(self): self._onload("main params")
+    def offload_params(self):
+        self._offload("params", offload.model_params(self.model))
+
+    def onload_params(self):
+        self._onload("params")
+
+    def offload_grads(self):
+        self._offload("grads", offload.model_grads(self.model))
+
+    def onload_grads(self):
+        self._onload("grads")
+
+    def offload_optimizer_state(self):
+        self._offload("optimizer state", offload.optimizer_state(self.optimizer))
+
+    def onload_optimizer_state(self):
+        self._onload("optimizer state")
+
+    def offload_megatron_copy_params(self):
+        self._offload("main params", offload.main_params(self.optimizer))
+
+    def load_megatron_copy_params(self):
+        self._onload("main params")
 
     # ---- checkpoints and export -------------------------------------------------------------
-    def save_checkpoint(self, ckpt_dir: str | Path, step: int, extra: dict | None = None,
-                        extra_models: dict[str, list] | None = None) -> Path:
-        return checkpoint.save(ckpt_dir, step, self.model, self.optimizer, self.scheduler, extra, extra_models,
-                               lora=checkpoint_record(self.lora) if self.lora else None)
+    def save_checkpoint(
+        self,
+        ckpt_dir: str | Path,
+        step: int,
+        extra: dict | None = None,
+        extra_models: dict[str, list] | None = None,
+    ) -> Path:
+        return checkpoint.save(
+            ckpt_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            extra,
+            extra_models,
+            lora=checkpoint_record(self.lora) if self.lora else None,
+        )
 
-    def load_checkpoint(self, ckpt_dir: str | Path, model_only: bool = False,
-                        extra_models: dict[str, list] | None = None) -> tuple[int, dict]:
+    def load_checkpoint(
+        self,
+        ckpt_dir: str | Path,
+        model_only: bool = False,
+        extra_models: dict[str, list] | None = None,
+    ) -> tuple[int, dict]:
         """Everything (at the saved PP, TP and EP; DP and CP may differ), or with ``model_only`` just the
         weights (any layout)."""
         # Loading the optimizer replaces its param groups' settings (max_lr, min_lr, Adam's betas and
         # eps, ...) with the checkpoint's; the config's win, as for the LR schedule, so they are put
         # back (keys the load adds, such as Adam's step, stay).
-        settings = [] if model_only or self.optimizer is None else [
-            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        step, extra = checkpoint.load(ckpt_dir, self.model, None if model_only else self.optimizer,
-                                      None if model_only else self.scheduler, extra_models,
-                                      lora=checkpoint_record(self.lora) if self.lora else None)
+        settings = (
+            []
+            if model_only or self.optimizer is None
+            else [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ]
+        )
+        step, extra = checkpoint.load(
+            ckpt_dir,
+            self.model,
+            None if model_only else self.optimizer,
+            None if model_only else self.scheduler,
+            extra_models,
+            lora=checkpoint_record(self.lora) if self.lora else None,
+        )
         for group, mine in zip(self.optimizer.param_groups if settings else [], settings):
             group.update(mine)
         if model_only and self.optimizer is not None:
@@ -368,10 +508,16 @@ class MegatronModelManager:
         adapter_model.safetensors, the tokenizer) that peft.PeftModel.from_pretrained loads onto model.path,
         with the merged model as a plain HF folder in ``merged/``. Collective."""
         if not self.lora:
-            return export_hf(self.model, out_dir, source=self.model_cfg.path, overwrite=overwrite,
-                             hf_config=self.hf_config if self.shape.value_head else None)
+            return export_hf(
+                self.model,
+                out_dir,
+                source=self.model_cfg.path,
+                overwrite=overwrite,
+                hf_config=self.hf_config if self.shape.value_head else None,
+            )
         out_dir, source = Path(out_dir), Path(self.model_cfg.path)
-        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # every rank sees it: no hang
+        # every rank sees it: no hang
+        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
             raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
         partial = out_dir.with_name(out_dir.name + ".partial")
         tensors = lora_adapters.adapter_tensors(self.adapters)
@@ -386,9 +532,13 @@ class MegatronModelManager:
         torch.distributed.barrier()
         return out_dir
 
-    def make_data_iterator_list(self, data_iterator: Iterable, padding: bool = False, vpp_size: int | None = None):
+    def make_data_iterator_list(
+        self, data_iterator: Iterable, padding: bool = False, vpp_size: int | None = None
+    ):
         """``make_data_iterator_list`` for this manager's chunks (``vpp_size`` None: the model's own)."""
-        return make_data_iterator_list(data_iterator, padding, self.vpp if vpp_size is None else vpp_size)
+        return make_data_iterator_list(
+            data_iterator, padding, self.vpp if vpp_size is None else vpp_size
+        )
 
     def unwrapped(self) -> list[GPTModel]:
         return [unwrap(c) for c in self.model]

@@ -9,6 +9,7 @@ of its heads under either layout and is not marked (megatron-core sums the q/k n
 name already). Both compute exactly what WrappedTorchNorm's torch.nn.RMSNorm computes; their ``ZeroCentered``
 forms compute Gemma's (1 + weight) norm in float32 (rlmega/megatron/gemma3.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,9 @@ import torch
 class TokenRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         if config.normalization != "RMSNorm":
-            raise ValueError(f"TokenRMSNorm is an RMSNorm; the config asks for {config.normalization}")
+            raise ValueError(
+                f"TokenRMSNorm is an RMSNorm; the config asks for {config.normalization}"
+            )
         super().__init__(normalized_shape=hidden_size, eps=eps)
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel
@@ -42,16 +45,28 @@ class ZeroCenteredTokenRMSNorm(TokenRMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _zero_centered_rms(x, self.weight, self.eps)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ):
         """Its weight replicated over TP and DP, as megatron-core's default for a torch module: inside megatron-core's
         MLP (Gemma 3's post-MLP norm, rlmega/megatron/gemma3.py) every child must have this method."""
         from megatron.core import parallel_state
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
-        tp = parallel_state.get_tensor_model_parallel_group()  # both groups: with one alone every TP rank reads as 0
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
-                                                   sharded_offsets, tp_group=tp, dp_cp_group=metadata["dp_cp_group"])
+        # both groups: with one alone every TP rank reads as 0
+        tp = parallel_state.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {},
+            sharded_offsets,
+            tp_group=tp,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
 
 
 class ZeroCenteredHeadRMSNorm(HeadRMSNorm):

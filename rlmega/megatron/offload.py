@@ -5,6 +5,7 @@ parameter (and ``param.main_grad``) is a view of; the collectors below name thos
 rlmega/learner/offload.py (shared by both backends) moves their storages to host memory and back.
 ``offload_tensors`` / ``onload_tensors`` are re-exported here for existing callers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,12 @@ def model_params(model: list) -> list[torch.Tensor]:
 
 def model_grads(model: list) -> list[torch.Tensor]:
     """Megatron DDP's gradient buffers (``param.main_grad`` views)."""
-    return [p.main_grad for chunk in model for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+    return [
+        p.main_grad
+        for chunk in model
+        for p in chunk.parameters()
+        if getattr(p, "main_grad", None) is not None
+    ]
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -29,8 +35,13 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 def optimizer_state(optimizer) -> list[torch.Tensor]:
     """Adam moments (and step counters) of every parameter shard this rank owns."""
-    return [v for opt in torch_optimizers(optimizer) for st in opt.state.values() for v in st.values()
-            if torch.is_tensor(v)]
+    return [
+        v
+        for opt in torch_optimizers(optimizer)
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    ]
 
 
 # Where Megatron's mixed-precision optimizers keep the fp32 master copies: the distributed optimizer
@@ -42,4 +53,10 @@ def main_params(optimizer) -> list[torch.Tensor]:
     """fp32 master copies kept for bf16 training, with or without the distributed optimizer. fp32
     models have none: their master weights are the parameters themselves (offload those with the params)."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [p for o in inner for attr in _MAIN_PARAM_GROUPS for group in getattr(o, attr, []) for p in group]
+    return [
+        p
+        for o in inner
+        for attr in _MAIN_PARAM_GROUPS
+        for group in getattr(o, attr, [])
+        for p in group
+    ]

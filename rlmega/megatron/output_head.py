@@ -14,6 +14,7 @@ no sum), and each chunk goes through the layer with its sequence-parallel flag o
 gradient is then all-reduced over TP, the one sum the vocabulary split needs (the layer itself would
 otherwise all-gather every chunk and reduce-scatter its gradient, with no gather of ours to pair with).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -43,23 +44,38 @@ def full_sequence(chunk, hidden: torch.Tensor) -> torch.Tensor:
     from each TP rank's (B, S/TP, H))."""
     if not unwrap(chunk).output_layer.sequence_parallel:
         return hidden
-    return gather_from_sequence_parallel_region(hidden.transpose(0, 1), tensor_parallel_output_grad=False
-                                                ).transpose(0, 1)
+    return gather_from_sequence_parallel_region(
+        hidden.transpose(0, 1), tensor_parallel_output_grad=False
+    ).transpose(0, 1)
 
 
-def logprobs(chunk, hidden: torch.Tensor, mb: dict, vocab_size: int, temperature: float, chunk_tokens: int,
-             with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs(
+    chunk,
+    hidden: torch.Tensor,
+    mb: dict,
+    vocab_size: int,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs (T,), entropy (T,) or None) at the micro-batch's response positions (0 elsewhere).
 
     hidden: (T, H) from the last stage under ``hidden_out`` (Float16Module hands it back in float32; the
     layer gets it in its weight's dtype, as it would have: the cast back is exact)."""
     model = unwrap(chunk)
     layer = model.output_layer
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else None
+    )
     dtype = (weight if weight is not None else layer.weight).dtype
 
-    def logits_fn(h: torch.Tensor) -> torch.Tensor:  # (C, H) -> (C, V/tp); also when recomputed in the backward
-        sequence_parallel, layer.sequence_parallel = layer.sequence_parallel, False  # h is whole: see above
+    # (C, H) -> (C, V/tp); also when recomputed in the backward
+    def logits_fn(h: torch.Tensor) -> torch.Tensor:
+        # h is whole: see above
+        sequence_parallel, layer.sequence_parallel = layer.sequence_parallel, False
         try:
             # squeeze, not [:, 0]: a select's backward fills a zero (C, 1, V/tp) tensor first (~10% of a
             # train pass at 2k tokens over 152k tokens); a squeeze's is a view
@@ -68,6 +84,12 @@ def logprobs(chunk, hidden: torch.Tensor, mb: dict, vocab_size: int, temperature
             layer.sequence_parallel = sequence_parallel
 
     return chunked_logprobs(
-        hidden, mb["labels"].to(hidden.device), scored_positions(mb["response_positions"], hidden.device),
-        chunk_tokens, logits_fn, lambda z, y: token_logprobs(z, y, vocab_size, temperature),
-        (lambda z: entropy(z, vocab_size, temperature)) if with_entropy else None, entropy_grad)
+        hidden,
+        mb["labels"].to(hidden.device),
+        scored_positions(mb["response_positions"], hidden.device),
+        chunk_tokens,
+        logits_fn,
+        lambda z, y: token_logprobs(z, y, vocab_size, temperature),
+        (lambda z: entropy(z, vocab_size, temperature)) if with_entropy else None,
+        entropy_grad,
+    )

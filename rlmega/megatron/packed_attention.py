@@ -25,6 +25,7 @@ has one (``RowPacking.window_cos``).
 Called without ``packed_rows`` (no ``RowPacking``), the module is plain causal SDPA (or SDPA under the
 given boolean mask, True = may not attend) and Megatron applies RoPE as usual; a sliding-window layer refuses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,12 +56,14 @@ class RowPacking(PackedSeqParams):
     ``window_cos`` / ``window_sin``: the angles of the sliding-window layers where they rotate with a base of
     their own (Gemma 3's ``rope_local_base_freq``: the model chunk's ``rlmega_window_rope``), else None.
     """
+
     segments: list[int] = dataclasses.field(default_factory=list)
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     window_cos: torch.Tensor | None = None
     window_sin: torch.Tensor | None = None
-    cp: object | None = None  # context_parallel.CPShare of a row split over the CP group: it attends
+    # context_parallel.CPShare of a row split over the CP group: it attends
+    cp: object | None = None
 
 
 def row_segments(row_cu: list[list[int]], rows: int, row_len: int) -> list[int]:
@@ -94,19 +97,34 @@ def packed_rows(chunk, position_ids: torch.Tensor, row_cu: list[list[int]], cp=N
         yield None
         return
     mla_ropes = _mla_rotary_embeddings(model)
-    if mla_ropes:  # multi-latent attention rotates inside its layers: give them each token's own angles
+    # multi-latent attention rotates inside its layers: give them each token's own angles
+    if mla_ropes:
         with _per_token_mla_rope(mla_ropes, position_ids):
-            yield RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=row_segments(row_cu, B, S))
+            yield RowPacking(
+                qkv_format="sbhd",
+                max_seqlen_q=S,
+                max_seqlen_kv=S,
+                segments=row_segments(row_cu, B, S),
+            )
         return
     rope = getattr(model, "rotary_pos_emb", None)
     cos, sin = _angles(rope, position_ids, model.config) if rope is not None else (None, None)
-    window_rope = getattr(model, "rlmega_window_rope", None)  # Gemma 3's sliding layers: a base of their own
+    # Gemma 3's sliding layers: a base of their own
+    window_rope = getattr(model, "rlmega_window_rope", None)
     window_cos = window_sin = None
     if window_rope is not None:
         window_cos, window_sin = _angles(window_rope, position_ids, model.config)
-    params = RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S,
-                        segments=[] if cp is not None else row_segments(row_cu, B, S), cos=cos, sin=sin, cp=cp,
-                        window_cos=window_cos, window_sin=window_sin)
+    params = RowPacking(
+        qkv_format="sbhd",
+        max_seqlen_q=S,
+        max_seqlen_kv=S,
+        segments=[] if cp is not None else row_segments(row_cu, B, S),
+        cos=cos,
+        sin=sin,
+        cp=cp,
+        window_cos=window_cos,
+        window_sin=window_sin,
+    )
     if rope is not None:
         rope.forward = lambda *args, **kwargs: None
     try:
@@ -120,11 +138,14 @@ def _angles(rope, position_ids: torch.Tensor, config) -> tuple[torch.Tensor, tor
     """cos (S, B, 1, dim), sin (S, B, 1, dim / 2) of each token's position (``position_ids`` (B, S)) under megatron's
     rotary embedding ``rope``: its own angles (inverse frequencies, scaling), computed in float32, then cast to the
     activations' dtype, as Megatron's rotation casts them."""
-    table = rope.get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim): [freqs, freqs] (not interleaved)
+    # (L, 1, 1, dim): [freqs, freqs] (not interleaved)
+    table = rope.get_emb(int(position_ids.max()) + 1)
     if config.rotary_interleaved or table.shape[-1] != config.kv_channels:
-        raise ValueError("packed_rows: RoPE over whole heads, halves rotated (HF Llama/Qwen) only; got "
-                         f"interleaved={config.rotary_interleaved}, rotary dim {table.shape[-1]} of "
-                         f"head dim {config.kv_channels}")
+        raise ValueError(
+            "packed_rows: RoPE over whole heads, halves rotated (HF Llama/Qwen) only; got "
+            f"interleaved={config.rotary_interleaved}, rotary dim {table.shape[-1]} of "
+            f"head dim {config.kv_channels}"
+        )
     half = table[..., : table.shape[-1] // 2].to(position_ids.device)
     angles = half[position_ids.t()].squeeze(3)  # (S, B, 1, dim / 2)
     dtype = config.params_dtype
@@ -143,7 +164,8 @@ def _per_token_mla_rope(ropes: list, position_ids: torch.Tensor):
     """While open, each MLA layer's rotary embedding returns the angles of each token at its position in its own
     sequence, (S, B, 1, dim) (with yarn's mscale, as its own forward returns it), instead of those of row
     offsets 0..S-1: the same rows of its own table, so a sequence packed anywhere in a row rotates as alone."""
-    table = ropes[0].get_emb(int(position_ids.max()) + 1)  # (L, 1, 1, dim), or (that, mscale) for yarn
+    # (L, 1, 1, dim), or (that, mscale) for yarn
+    table = ropes[0].get_emb(int(position_ids.max()) + 1)
     emb, mscale = table if isinstance(table, tuple) else (table, None)
     per_token = emb[position_ids.t().to(emb.device)][:, :, 0]  # (S, B, 1, dim)
     out = per_token if mscale is None else (per_token, mscale)
@@ -183,34 +205,62 @@ class PackedSDPAttention(MegatronModule):
     """Drop-in for megatron-core's ``DotProductAttention`` (same constructor and forward contract):
     query (S, B, heads/tp, D), key/value (S, B, groups/tp, D) -> (S, B, heads/tp * D)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
-                 v_channels: int | None = None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+    ):
         # k_channels / v_channels: multi-latent attention's q/k and v head sizes (rlmega/megatron/mla.py); the
         # attention reads them from the tensors, and MLA passes its softmax_scale
         super().__init__(config=config)
-        self.context_parallel = config.context_parallel_size > 1  # then only rows split by context_parallel.py
+        # then only rows split by context_parallel.py
+        self.context_parallel = config.context_parallel_size > 1
         if config.softmax_type != "vanilla":
-            raise ValueError("PackedSDPAttention: softmax offsets (attention sinks) are not supported")
+            raise ValueError(
+                "PackedSDPAttention: softmax offsets (attention sinks) are not supported"
+            )
         # megatron-core's sliding window for this layer (layer_number: 1-based, model-wide), (left, 0): a query sees
         # itself and the ``left`` keys before it, so transformers' / vLLM's sliding_window is left + 1
         self.window = None
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        ):
             left, right = config.window_size
             if right != 0 or left < 0:
-                raise ValueError(f"PackedSDPAttention: window_size={config.window_size}: causal windows (left, 0) only")
+                raise ValueError(
+                    f"PackedSDPAttention: window_size={config.window_size}: causal windows (left, 0) only"
+                )
             if self.context_parallel:
-                raise ValueError("PackedSDPAttention: sliding windows under context parallelism are not built")
+                raise ValueError(
+                    "PackedSDPAttention: sliding windows under context parallelism are not built"
+                )
             self.window = left + 1
         head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        )
         # apply_query_key_layer_scaling: Megatron divides the scale by the layer number and multiplies
         # it back inside its fp32 softmax, so the product is this plain scale either way
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if attention_bias is not None:
             raise ValueError("PackedSDPAttention: attention_bias is not supported")
         S, B = query.shape[:2]
@@ -218,15 +268,27 @@ class PackedSDPAttention(MegatronModule):
         gqa = query.shape[2] != key.shape[2]
         if not isinstance(packed_seq_params, RowPacking):
             if self.context_parallel or packed_seq_params is not None:
-                raise ValueError("PackedSDPAttention takes RowPacking (under context parallelism: its rows split "
-                                 "by context_parallel.py) or no packing, got "
-                                 f"{getattr(packed_seq_params, 'qkv_format', None)!r}")
+                raise ValueError(
+                    "PackedSDPAttention takes RowPacking (under context parallelism: its rows split "
+                    "by context_parallel.py) or no packing, got "
+                    f"{getattr(packed_seq_params, 'qkv_format', None)!r}"
+                )
             if self.window is not None:  # its window and its own RoPE come with packed_rows only
-                raise ValueError("PackedSDPAttention: a sliding-window layer runs under packed_attention.packed_rows")
+                raise ValueError(
+                    "PackedSDPAttention: a sliding-window layer runs under packed_attention.packed_rows"
+                )
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (B, H, S, D)
             mask = None if attention_mask is None else ~attention_mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                 is_causal=mask is None, scale=self.softmax_scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=mask is None,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
             return out.permute(2, 0, 1, 3).reshape(S, B, -1)  # (S, B, H*D)
         cos, sin = packed_seq_params.cos, packed_seq_params.sin
         if self.window is not None and packed_seq_params.window_cos is not None:
@@ -234,20 +296,33 @@ class PackedSDPAttention(MegatronModule):
         if cos is not None:
             query, key = rotate(query, cos, sin), rotate(key, cos, sin)
         if packed_seq_params.cp is not None:
-            return packed_seq_params.cp.attend(query, key, value, self.softmax_scale, dropout).reshape(S, B, -1)
+            return packed_seq_params.cp.attend(
+                query, key, value, self.softmax_scale, dropout
+            ).reshape(S, B, -1)
         if self.context_parallel:
-            raise ValueError("PackedSDPAttention under context parallelism takes rows split by "
-                             "rlmega/megatron/context_parallel.py (RowPacking.cp)")
+            raise ValueError(
+                "PackedSDPAttention under context parallelism takes rows split by "
+                "rlmega/megatron/context_parallel.py (RowPacking.cp)"
+            )
         # rows one after the other: (B*S, H, D); split, not slicing: the backward of a split is one cat
         q, k, v = (t.transpose(0, 1).reshape(B * S, *t.shape[2:]) for t in (query, key, value))
         outs = []
         for qs, ks, vs in zip(*(t.split(packed_seq_params.segments) for t in (q, k, v))):
             qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))  # (1, H, len, D)
             if self.window is not None:
-                o = windowed_causal_attention(qs, ks, vs, self.window, self.softmax_scale, dropout, gqa)
+                o = windowed_causal_attention(
+                    qs, ks, vs, self.window, self.softmax_scale, dropout, gqa
+                )
             else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True,
-                                                   scale=self.softmax_scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(
+                    qs,
+                    ks,
+                    vs,
+                    dropout_p=dropout,
+                    is_causal=True,
+                    scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                )
             outs.append(o[0].transpose(0, 1))  # (len, H, D)
         out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (B*S, H, D)
         return out.reshape(B, S, -1).transpose(0, 1).contiguous()  # (S, B, H*D)

@@ -11,6 +11,7 @@ Attention over a packed row: without Transformer Engine (the local layer spec), 
 sequence of each row (``packed_attention.packed_rows``); with Transformer Engine on a GPU, THD
 ``PackedSeqParams`` built from ``cu_seqlens``.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -32,7 +33,9 @@ from rlmega.megatron.runtime import for_collective
 from rlmega.megatron.vocab_parallel import entropy, token_logprobs
 
 # loss_fn(micro_batch, logprobs (T,), entropy (T,) | None) -> (numerator, count, {name: sum}), 0-dim tensors
-LossFn = Callable[[dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, dict]]
+LossFn = Callable[
+    [dict, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, dict]
+]
 
 
 def forward_chunk(model, mb: dict, hidden: bool = False) -> torch.Tensor:
@@ -55,20 +58,31 @@ def _run(model, mb: dict) -> torch.Tensor:
         # MoE: padding (row tails, rows and micro-batches added to even out shapes) stays out of the
         # routers' aux / z losses and their token counts (megatron-core: (B, S) bool, True = padding);
         # routing itself, and so every output, is unchanged
-        real = mb["real_tokens"] if mb.get("cp") is None else mb["cp"].take(mb["real_tokens"], False)  # CP: local slots
+        # CP: local slots
+        real = (
+            mb["real_tokens"] if mb.get("cp") is None else mb["cp"].take(mb["real_tokens"], False)
+        )
         extra["padding_mask"] = ~real.view(tokens.shape).to(device)
         if unwrap(model).config.sequence_parallel and not unwrap(model).pre_process:
             # megatron-core scatters the mask along the sequence only where the embedding runs (the first
             # stage); a later stage's layers see this TP rank's part of the sequence (S/TP) and need it cut
-            tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            tp, rank = (
+                ps.get_tensor_model_parallel_world_size(),
+                ps.get_tensor_model_parallel_rank(),
+            )
             extra["padding_mask"] = extra["padding_mask"].chunk(tp, dim=1)[rank]
     if uses_packed_sdpa(unwrap(model)):  # local spec: SDPA per sequence (packed_attention.py)
         with packed_rows(model, positions, mb["row_cu"], cp=mb.get("cp")) as params:
             return model(tokens, positions, None, packed_seq_params=params, **extra)
     # Transformer Engine: THD packing
     cu = mb["cu_seqlens"].to(device=device, dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=mb["max_seqlen"],
+        max_seqlen_kv=mb["max_seqlen"],
+    )
     return model(tokens, positions, None, packed_seq_params=params, **extra)
 
 
@@ -87,11 +101,14 @@ def run_schedule(model: list, micro_batches: list[dict], step_fn, forward_only: 
         for chunk in model:
             chunk.zero_grad_buffer()
     return get_forward_backward_func()(
-        forward_step_func=step_fn, data_iterator=iters, model=model if vpp > 1 else model[0],
+        forward_step_func=step_fn,
+        data_iterator=iters,
+        model=model if vpp > 1 else model[0],
         # megatron divides seq_length by CP for the stages' tensor shapes: rows are split over CP already
         num_microbatches=len(micro_batches),
         seq_length=micro_batches[0]["max_batch_seqlen"] * ps.get_context_parallel_world_size(),
-        micro_batch_size=1, forward_only=forward_only,
+        micro_batch_size=1,
+        forward_only=forward_only,
     )
 
 
@@ -100,22 +117,37 @@ def _routed(routes: RoutePass | None, chunk, mb: dict):
     return nullcontext() if routes is None else routes.forward(chunk, mb)
 
 
-def _head(chunk, output: torch.Tensor, mb: dict, vocab_size: int, temperature: float, chunk_tokens: int,
-          with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _head(
+    chunk,
+    output: torch.Tensor,
+    mb: dict,
+    vocab_size: int,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs (T,), entropy (T,) or None) from the last stage's output: hidden states computed a chunk at a
     time when ``chunk_tokens`` > 0 (response positions only), else the whole logits. Under context
     parallelism the output is this rank's slots'; the results come back whole (context_parallel.py)."""
     cp = mb.get("cp")
-    fields = mb if cp is None else {k: v.to(output.device) if torch.is_tensor(v) else v
-                                    for k, v in cp.head_fields.items()}
+    fields = (
+        mb
+        if cp is None
+        else {
+            k: v.to(output.device) if torch.is_tensor(v) else v for k, v in cp.head_fields.items()
+        }
+    )
     if chunk_tokens > 0:
-        lp, ent = output_head.logprobs(chunk, output, fields, vocab_size, temperature, chunk_tokens, with_entropy,
-                                       entropy_grad)
+        lp, ent = output_head.logprobs(
+            chunk, output, fields, vocab_size, temperature, chunk_tokens, with_entropy, entropy_grad
+        )
     else:
         lp = token_logprobs(output, fields["labels"].to(output.device), vocab_size, temperature)
         ent = None
         if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # no graph when only a metric
+            # no graph when only a metric
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = entropy(output, vocab_size, temperature)
     if cp is not None:
         lp, ent = cp.to_full(lp), None if ent is None else cp.to_full(ent)
@@ -123,9 +155,15 @@ def _head(chunk, output: torch.Tensor, mb: dict, vocab_size: int, temperature: f
 
 
 @torch.no_grad()
-def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
-                     with_entropy: bool = False, routes: RoutePass | None = None,
-                     chunk_tokens: int = 0) -> list[dict] | None:
+def forward_logprobs(
+    model: list,
+    micro_batches: list[dict],
+    vocab_size: int,
+    temperature: float,
+    with_entropy: bool = False,
+    routes: RoutePass | None = None,
+    chunk_tokens: int = 0,
+) -> list[dict] | None:
     """Per micro-batch {"logprobs": (T,), "entropy": (T,)} (on the model's device) on the last stage; None elsewhere.
 
     ``routes``: MoE routing replay / recording of this pass (set per micro-batch and chunk, in the forward step).
@@ -138,9 +176,12 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
             logits = forward_chunk(chunk, mb, hidden=chunk_tokens > 0)
 
         def collect(output):
-            lp, ent = _head(chunk, output, mb, vocab_size, temperature, chunk_tokens, with_entropy, False)
+            lp, ent = _head(
+                chunk, output, mb, vocab_size, temperature, chunk_tokens, with_entropy, False
+            )
             out = {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
-            return output.sum() * 0.0, torch.ones((), dtype=torch.int), out  # on the device: no sync per micro-batch
+            # on the device: no sync per micro-batch
+            return output.sum() * 0.0, torch.ones((), dtype=torch.int), out
 
         return logits, collect
 
@@ -148,10 +189,18 @@ def forward_logprobs(model: list, micro_batches: list[dict], vocab_size: int, te
     return outs if ps.is_pipeline_last_stage(ignore_virtual=True) else None
 
 
-def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int, temperature: float,
-                        loss_fn: LossFn, with_entropy: bool, entropy_grad: bool = True,
-                        keep_logprobs: bool = False, routes: RoutePass | None = None,
-                        chunk_tokens: int = 0) -> list[dict] | None:
+def train_micro_batches(
+    model: list,
+    micro_batches: list[dict],
+    vocab_size: int,
+    temperature: float,
+    loss_fn: LossFn,
+    with_entropy: bool,
+    entropy_grad: bool = True,
+    keep_logprobs: bool = False,
+    routes: RoutePass | None = None,
+    chunk_tokens: int = 0,
+) -> list[dict] | None:
     """Forward + backward of all micro-batches (gradients land in Megatron DDP's buffers).
 
     Returns each micro-batch's stats (sums) on the last pipeline stage, None elsewhere.
@@ -169,13 +218,23 @@ def train_micro_batches(model: list, micro_batches: list[dict], vocab_size: int,
 
         def loss(output):
             fields = per_token_on(mb, output.device)
-            lp, ent = _head(chunk, output, fields, vocab_size, temperature, chunk_tokens, with_entropy,
-                            entropy_grad)
+            lp, ent = _head(
+                chunk,
+                output,
+                fields,
+                vocab_size,
+                temperature,
+                chunk_tokens,
+                with_entropy,
+                entropy_grad,
+            )
             numerator, count, stats = loss_fn(fields, lp, ent)
             # Everything stays on the device (the caller sums over micro-batches, then copies once):
             # reading a number here would make the host wait for the device every micro-batch.
-            stats = {k: torch.as_tensor(v, dtype=torch.float64, device=output.device).detach()
-                     for k, v in stats.items()}
+            stats = {
+                k: torch.as_tensor(v, dtype=torch.float64, device=output.device).detach()
+                for k, v in stats.items()
+            }
             stats["numerator"] = numerator.detach().double()
             stats["count"] = count.detach().double()
             if keep_logprobs:
@@ -224,8 +283,14 @@ def train_values(model: list, micro_batches: list[dict], loss_fn) -> list[dict] 
         def loss(out):
             fields = per_token_on(mb, out.device)
             numerator, count, stats = loss_fn(fields, _values(out, mb))
-            stats = {k: torch.as_tensor(v, dtype=torch.float64, device=out.device).detach() for k, v in stats.items()}
-            stats["numerator"], stats["count"] = numerator.detach().double(), count.detach().double()
+            stats = {
+                k: torch.as_tensor(v, dtype=torch.float64, device=out.device).detach()
+                for k, v in stats.items()
+            }
+            stats["numerator"], stats["count"] = (
+                numerator.detach().double(),
+                count.detach().double(),
+            )
             return numerator, count.detach().round().int(), stats
 
         return output, loss

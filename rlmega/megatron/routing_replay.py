@@ -37,6 +37,7 @@ Under context parallelism each CP rank's routers see its share of the row (conte
 replayed target is cut to that share first (then to the TP block), and what the routers used is
 gathered back over CP into row order, so every rank records and counts whole rows.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -89,7 +90,9 @@ class _State:
         self.live: torch.Tensor | None = None  # (T, K) the router's own top-k
 
 
-def _get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+def _get_replay_topk(
+    replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+):
     """Replaces RouterReplay.get_replay_topk on our instances (see the module docstring)."""
     probs, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
     state: _State | None = getattr(replay, "rlmega_state", None)
@@ -99,8 +102,10 @@ def _get_replay_topk(replay, scores, topk, num_groups=None, group_topk=None, def
     if state.target is not None:
         target = state.target.to(scores.device)
         if target.shape != live.shape:
-            raise RuntimeError(f"routing replay: {tuple(target.shape)} target routes for a router that sees "
-                               f"{tuple(live.shape)} (tokens, topk)")
+            raise RuntimeError(
+                f"routing replay: {tuple(target.shape)} target routes for a router that sees "
+                f"{tuple(live.shape)} (tokens, topk)"
+            )
         used = torch.where((target < 0).any(-1, keepdim=True), live, target)
         probs = scores.gather(1, used)
     state.used, state.live = used.detach(), live.detach()
@@ -116,9 +121,11 @@ class ModelRoutes:
             model = unwrap(chunk)
             config = model.config
             if getattr(config, "recompute_granularity", None) is not None:
-                raise ValueError("routing replay with activation recomputation is not supported by the megatron "
-                                 "actor (the recomputed forward would route again); "
-                                 "set actor.activation_checkpointing=false")
+                raise ValueError(
+                    "routing replay with activation recomputation is not supported by the megatron "
+                    "actor (the recomputed forward would route again); "
+                    "set actor.activation_checkpointing=false"
+                )
             numbers = moe_layer_numbers(config.num_layers, config.moe_layer_freq)
             found = []
             for module in model.modules():
@@ -162,11 +169,17 @@ class ModelRoutes:
             return
         shape = tuple(routes[0].shape[1:])
         if shape != (self.num_moe_layers, self.topk):
-            raise ValueError(f"{field} has (num_moe_layers, topk) = {shape}, the model has "
-                             f"({self.num_moe_layers}, {self.topk}): the routes come from another model")
-        top = max(int(r.max()) for r in routes if r.numel()) if any(r.numel() for r in routes) else -1
+            raise ValueError(
+                f"{field} has (num_moe_layers, topk) = {shape}, the model has "
+                f"({self.num_moe_layers}, {self.topk}): the routes come from another model"
+            )
+        top = (
+            max(int(r.max()) for r in routes if r.numel()) if any(r.numel() for r in routes) else -1
+        )
         if top >= self.num_experts:
-            raise ValueError(f"{field} names expert {top}; the model has {self.num_experts} experts per layer")
+            raise ValueError(
+                f"{field} names expert {top}; the model has {self.num_experts} experts per layer"
+            )
 
     @contextmanager
     def loss_coefficients(self, factor: float):
@@ -178,7 +191,9 @@ class ModelRoutes:
         """
         for config in self.configs:
             config.moe_aux_loss_coeff = self.aux_coeff * factor
-            config.moe_z_loss_coeff = self.z_coeff * factor * self.z_scale if self.z_coeff * factor > 0 else None
+            config.moe_z_loss_coeff = (
+                self.z_coeff * factor * self.z_scale if self.z_coeff * factor > 0 else None
+            )
         try:
             yield
         finally:
@@ -200,7 +215,9 @@ class ModelRoutes:
         for layer, instance in self.by_chunk[chunk_index]:
             target = to_router_order(rows, layer) if (replay and rows is not None) else None
             if target is not None and self.sequence_parallel:
-                target = target.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
+                target = target.chunk(ps.get_tensor_model_parallel_world_size())[
+                    ps.get_tensor_model_parallel_rank()
+                ]
             states[layer] = instance.rlmega_state = _State(target)
         try:
             yield states
@@ -225,12 +242,15 @@ class RoutePass:
     combine ranks.
     """
 
-    def __init__(self, routes: ModelRoutes, chunks: list, mbs: list[dict], replay: bool, record: bool):
+    def __init__(
+        self, routes: ModelRoutes, chunks: list, mbs: list[dict], replay: bool, record: bool
+    ):
         self.routes, self.replay, self.record = routes, replay, record
         self.chunk_index = {id(c): i for i, c in enumerate(chunks)}
         self.mb_index = {id(mb): j for j, mb in enumerate(mbs)}
         self.mbs = mbs
-        self.recorded: dict[int, torch.Tensor] = {}  # micro-batch index -> (B, S, M, K) int16, -1 elsewhere
+        # micro-batch index -> (B, S, M, K) int16, -1 elsewhere
+        self.recorded: dict[int, torch.Tensor] = {}
         self.counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
         # train passes: the factor on the aux / z-loss coefficients (aux_loss_factor); None = as configured
         self.aux_factor: float | None = None
@@ -245,10 +265,15 @@ class RoutePass:
         rows = mb.get("routed_experts")
         factor = 1.0 if self.aux_factor is None else self.aux_factor
         if not bool(mb["real_tokens"].any()):
-            factor = 0.0  # a placeholder micro-batch: no router loss (its mean over no token is 0/0)
+            # a placeholder micro-batch: no router loss (its mean over no token is 0/0)
+            factor = 0.0
         z_before = _tracked("z_loss") if self.routes.split else None
-        with self.routes.micro_batch(self.chunk_index[id(chunk)], rows, self.replay, mb.get("cp")) as states, \
-                self.routes.loss_coefficients(factor):
+        with (
+            self.routes.micro_batch(
+                self.chunk_index[id(chunk)], rows, self.replay, mb.get("cp")
+            ) as states,
+            self.routes.loss_coefficients(factor),
+        ):
             yield
         if z_before is not None:
             z_after = _tracked("z_loss")  # (empty until megatron-core first tracks one)
@@ -260,10 +285,14 @@ class RoutePass:
         """Keep this chunk's per-layer z-loss means (over this rank's valid tokens of ``mb``: its CP share's
         TP block) weighted by those tokens, so that ``z_loss_means`` can weigh the TP x CP ranks' means
         into the micro-batch's."""
-        real = mb["real_tokens"] if mb.get("cp") is None else mb["cp"].take(mb["real_tokens"], False)
+        real = (
+            mb["real_tokens"] if mb.get("cp") is None else mb["cp"].take(mb["real_tokens"], False)
+        )
         real = real.view(mb["tokens"].shape)
         if self.routes.sequence_parallel:
-            real = real.chunk(ps.get_tensor_model_parallel_world_size(), dim=1)[ps.get_tensor_model_parallel_rank()]
+            real = real.chunk(ps.get_tensor_model_parallel_world_size(), dim=1)[
+                ps.get_tensor_model_parallel_rank()
+            ]
         valid = float(real.sum())
         num, _ = self.z_parts.setdefault(self.mb_index[id(mb)], [torch.zeros_like(z_means), valid])
         num += z_means * valid
@@ -274,11 +303,27 @@ class RoutePass:
         group."""
         order = sorted(self.z_parts)
         L = self.routes.num_layers
-        parts = torch.stack([torch.cat([self.z_parts[j][0].double().cpu(), torch.tensor([self.z_parts[j][1]],
-                                        dtype=torch.float64)]) for j in order]) if order else \
-            torch.zeros(0, L + 1, dtype=torch.float64)
+        parts = (
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            self.z_parts[j][0].double().cpu(),
+                            torch.tensor([self.z_parts[j][1]], dtype=torch.float64),
+                        ]
+                    )
+                    for j in order
+                ]
+            )
+            if order
+            else torch.zeros(0, L + 1, dtype=torch.float64)
+        )
         parts = _all_reduce(parts, ps.get_tensor_and_context_parallel_group())
-        return (parts[:, :L] / parts[:, L:].clamp_min(1.0)).sum(0) if order else torch.zeros(L, dtype=torch.float64)
+        return (
+            (parts[:, :L] / parts[:, L:].clamp_min(1.0)).sum(0)
+            if order
+            else torch.zeros(L, dtype=torch.float64)
+        )
 
     @torch.no_grad()
     def _account(self, mb: dict, rows: torch.Tensor | None, states: dict) -> None:
@@ -289,9 +334,11 @@ class RoutePass:
         counts = torch.zeros(len(COUNT_KEYS), dtype=torch.float64)
         for layer, st in states.items():
             used_all, live_all = st.used, st.live
-            if self.routes.sequence_parallel:  # each TP rank routed its block: the whole micro-batch's on every rank
+            # each TP rank routed its block: the whole micro-batch's on every rank
+            if self.routes.sequence_parallel:
                 used_all, live_all = _whole_sequence(used_all), _whole_sequence(live_all)
-            if cp is not None:  # each CP rank routed its share of the row: the whole row on every rank
+            # each CP rank routed its share of the row: the whole row on every rank
+            if cp is not None:
                 used_all, live_all = _whole_row(used_all, cp), _whole_row(live_all, cp)
             used = from_router_order(used_all, B, S).cpu()  # (B, S, K)
             live = from_router_order(live_all, B, S).cpu()
@@ -300,7 +347,9 @@ class RoutePass:
                 if j not in self.recorded:
                     self.recorded[j] = torch.full((B, S, M, used.shape[-1]), -1, dtype=torch.int16)
                 self.recorded[j][:, :, layer] = used.to(torch.int16)
-            self.load[layer] += torch.bincount(used[real].flatten(), minlength=self.routes.num_experts).double()
+            self.load[layer] += torch.bincount(
+                used[real].flatten(), minlength=self.routes.num_experts
+            ).double()
             if rows is None:
                 continue
             target = rows[:, :, layer]
@@ -329,7 +378,9 @@ def _whole_sequence(block: torch.Tensor) -> torch.Tensor:
     if size == 1:
         return block
     local = for_collective(block.contiguous(), group)
-    out = torch.empty((local.shape[0] * size, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    out = torch.empty(
+        (local.shape[0] * size, *local.shape[1:]), dtype=local.dtype, device=local.device
+    )
     dist.all_gather_into_tensor(out, local, group=group)
     return out.to(block.device)
 
@@ -339,8 +390,11 @@ def _whole_row(local: torch.Tensor, cp) -> torch.Tensor:
     row's (S, K) in row order, on every CP rank."""
     group = ps.get_context_parallel_group()
     block = for_collective(local.contiguous(), group)
-    out = torch.empty((block.shape[0] * dist.get_world_size(group), *block.shape[1:]), dtype=block.dtype,
-                      device=block.device)
+    out = torch.empty(
+        (block.shape[0] * dist.get_world_size(group), *block.shape[1:]),
+        dtype=block.dtype,
+        device=block.device,
+    )
     dist.all_gather_into_tensor(out, block, group=group)
     return out[cp.full_from_gathered.to(out.device)].to(local.device)
 
@@ -353,7 +407,9 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return out.to(t.device)
 
 
-def merge_stage_routes(local: dict[int, torch.Tensor], lengths: dict[int, int], shape: tuple[int, int]) -> dict:
+def merge_stage_routes(
+    local: dict[int, torch.Tensor], lengths: dict[int, int], shape: tuple[int, int]
+) -> dict:
     """This rank's recorded routes with every pipeline stage's layers: {sample id: (L_i, M, K) int16}.
 
     Pipeline stages hold disjoint layers (-1 elsewhere, and expert ids >= 0): an element-wise max over
@@ -362,8 +418,12 @@ def merge_stage_routes(local: dict[int, torch.Tensor], lengths: dict[int, int], 
     lengths: each sample's token count; shape: (num_moe_layers, topk).
     """
     order = sorted(local)
-    flat = torch.cat([local[i] for i in order]) if order else torch.zeros(0, *shape, dtype=torch.int16)
-    flat = _all_reduce(flat.int(), ps.get_pipeline_model_parallel_group(), dist.ReduceOp.MAX).to(torch.int16)
+    flat = (
+        torch.cat([local[i] for i in order]) if order else torch.zeros(0, *shape, dtype=torch.int16)
+    )
+    flat = _all_reduce(flat.int(), ps.get_pipeline_model_parallel_group(), dist.ReduceOp.MAX).to(
+        torch.int16
+    )
     return dict(zip(order, flat.split([lengths[i] for i in order])))
 
 
@@ -382,7 +442,9 @@ def exchange_routes(held: dict[int, torch.Tensor], needed: list[int]) -> dict[in
     dist.all_gather_object(wants, list(needed), group=group)
     out = {}
     for src in range(n):
-        pieces = [{i: held[i] for i in wants[d] if i in held} for d in range(n)] if src == me else None
+        pieces = (
+            [{i: held[i] for i in wants[d] if i in held} for d in range(n)] if src == me else None
+        )
         got = [None]
         dist.scatter_object_list(got, pieces, src=dist.get_global_rank(group, src), group=group)
         out.update(got[0])
@@ -395,16 +457,23 @@ def reduce_counts(counts: torch.Tensor, load: torch.Tensor) -> tuple[dict, torch
     both = torch.cat([counts, load.flatten()])
     both = _all_reduce(both, ps.get_pipeline_model_parallel_group())
     both = _all_reduce(both, ps.get_data_parallel_group())
-    return dict(zip(COUNT_KEYS, both[:len(COUNT_KEYS)].tolist())), both[len(COUNT_KEYS):].view_as(load)
+    return dict(zip(COUNT_KEYS, both[: len(COUNT_KEYS)].tolist())), both[len(COUNT_KEYS) :].view_as(
+        load
+    )
 
 
 def route_metrics(counts: dict, load: torch.Tensor) -> dict:
     """router_mismatch, routes_live_fraction (NaN where nothing was compared / replayed) and, per MoE
     layer, the expert load as max / mean tokens per expert (1 = balanced; num_experts / topk at most)."""
     out = {
-        "router_mismatch": (counts["mismatch_pairs"] / counts["compared_pairs"] if counts["compared_pairs"]
-                            else float("nan")),
-        "routes_live_fraction": counts["live_pairs"] / counts["real_pairs"] if counts["real_pairs"] else float("nan"),
+        "router_mismatch": (
+            counts["mismatch_pairs"] / counts["compared_pairs"]
+            if counts["compared_pairs"]
+            else float("nan")
+        ),
+        "routes_live_fraction": counts["live_pairs"] / counts["real_pairs"]
+        if counts["real_pairs"]
+        else float("nan"),
     }
     if load.numel() and float(load.sum()) > 0:
         ratio = load.max(1).values / load.mean(1).clamp_min(1e-12)
@@ -462,7 +531,11 @@ def aux_loss_metrics(route_pass: RoutePass, num_micro_batches: int) -> dict:
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     routes = route_pass.routes
-    names = [n for n, c in (("load_balancing_loss", routes.aux_coeff), ("z_loss", routes.z_coeff)) if c > 0]
+    names = [
+        n
+        for n, c in (("load_balancing_loss", routes.aux_coeff), ("z_loss", routes.z_coeff))
+        if c > 0
+    ]
     if not names:
         return {}
     L = routes.num_layers
@@ -473,8 +546,11 @@ def aux_loss_metrics(route_pass: RoutePass, num_micro_batches: int) -> dict:
         if routes.split:  # each TP x CP rank tracked the loss of its own tokens
             # the load-balancing loss: each rank's share of one loss (its tokens' probabilities against the
             # micro-batch's expert counts): they add up; the z-loss: a mean per rank, weighed by tokens
-            value = _all_reduce(value, ps.get_tensor_and_context_parallel_group()) if n == "load_balancing_loss" \
+            value = (
+                _all_reduce(value, ps.get_tensor_and_context_parallel_group())
+                if n == "load_balancing_loss"
                 else route_pass.z_loss_means()
+            )
         rows.append(value)
     values = torch.stack(rows)
     values = _all_reduce(values, ps.get_pipeline_model_parallel_group())

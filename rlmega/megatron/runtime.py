@@ -10,6 +10,7 @@ it uses NCCL and binds the rank to the GPU ``device_ordinal`` picks (torchrun: a
 visible; Ray: one GPU per actor).
 ``teardown_megatron()`` undoes it, so one process can set up several layouts in a row.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,11 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from rlmega.process.distributed import collective_device, init_distributed
-from rlmega.megatron.cpu_support import (enable_cpu_execution, mla_without_transformer_engine,
-                                         moe_without_transformer_engine)
+from rlmega.megatron.cpu_support import (
+    enable_cpu_execution,
+    mla_without_transformer_engine,
+    moe_without_transformer_engine,
+)
 
 
 def device() -> torch.device:
@@ -72,8 +76,9 @@ def set_seeds(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1,
-                  cp: int = 1) -> None:
+def init_megatron(
+    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1, cp: int = 1
+) -> None:
     """Process group + Megatron model-parallel groups + seeds for this rank.
 
     ``cp`` is parallelism.context_parallel_size: each micro-batch's row split over CP ranks
@@ -82,8 +87,10 @@ def init_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 
     ``ep`` is parallelism.expert_model_parallel_size (expert tensor parallel = TP, megatron's default):
     the experts of an MoE layer are split over EP ranks taken from the data-parallel ranks."""
     enable_cpu_execution()  # no-op with a GPU
-    moe_without_transformer_engine()  # process-global: MoE routers without Transformer Engine (GPU or CPU)
-    mla_without_transformer_engine()  # process-global: multi-latent attention without Transformer Engine
+    # process-global: MoE routers without Transformer Engine (GPU or CPU)
+    moe_without_transformer_engine()
+    # process-global: multi-latent attention without Transformer Engine
+    mla_without_transformer_engine()
     init_distributed()
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:

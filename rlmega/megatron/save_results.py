@@ -13,6 +13,7 @@ results, and the finalize step takes them in that same process. A plain thread-s
 just as well, so ``use_in_process_queue()`` installs one before the first save and no Manager starts.
 An async save (results put by a separate writer process) would need a cross-process queue again.
 """
+
 from __future__ import annotations
 
 import queue
@@ -25,9 +26,11 @@ def use_in_process_queue() -> None:
     """Make Megatron's save results travel through an in-process queue (idempotent; call before a save)."""
     if not hasattr(filesystem_async, "_results_queue"):
         # A megatron-core other than the pinned one: saving still works, with its Manager process.
-        warnings.warn("megatron-core's filesystem_async has no _results_queue: its checkpoint writer may start a "
-                      "Manager process that outlives a rank killed with SIGKILL (rlmega/megatron/save_results.py)",
-                      stacklevel=2)
+        warnings.warn(
+            "megatron-core's filesystem_async has no _results_queue: its checkpoint writer may start a "
+            "Manager process that outlives a rank killed with SIGKILL (rlmega/megatron/save_results.py)",
+            stacklevel=2,
+        )
         return
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()

@@ -14,6 +14,7 @@ rank computes the same loss over all values), and the weight's gradient from its
 over the TP ranks by megatron-core's finalize_model_grads, as for the norms (``sequence_parallel``
 marks the parameter).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,9 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 
 class ValueHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device=None, sequence_parallel: bool = False):
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, device=None, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel

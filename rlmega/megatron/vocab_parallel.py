@@ -10,6 +10,7 @@ Both functions are differentiable: every TP rank computes the same value, and th
 the all-reduced sums is the identity, which gives each rank the gradient of its own slice (the
 same scheme as Megatron's vocab-parallel cross-entropy, which ``token_logprobs`` reuses).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 
-def _mask_padding(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mask_padding(
+    logits: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits with padded-vocab columns at -inf, the boolean pad mask of this slice or None)."""
     local = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * local
@@ -30,14 +33,16 @@ def _mask_padding(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
     return logits.masked_fill(pad, float("-inf")), pad
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                   temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(target) under softmax(logits / temperature).
 
     logits: (..., V/tp) this rank's vocabulary slice; targets: (...) int64 global token ids.
     Returns (...) float32.
     """
-    scaled = logits.float() / temperature  # a fresh tensor: Megatron's kernel edits its input in place
+    # a fresh tensor: Megatron's kernel edits its input in place
+    scaled = logits.float() / temperature
     scaled, _ = _mask_padding(scaled, vocab_size)
     return -vocab_parallel_cross_entropy(scaled, targets)
 

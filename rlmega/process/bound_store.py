@@ -12,6 +12,7 @@ ranks, tests, tools) and by ``rlmega.launch.torchrun`` (torchrun's own stores). 
 0's port from the moment the launcher asks for it until that store listens on it; ``adopt_listening`` takes a
 socket another process already made listen (the test harness's ranks).
 """
+
 from __future__ import annotations
 
 import errno
@@ -105,7 +106,15 @@ class BoundTCPStore(TCPStore):
 
     refuse_loopback = False
 
-    def __init__(self, host_name: str, port: int, *args, is_master: bool = False, master_listen_fd=None, **kwargs):
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        *args,
+        is_master: bool = False,
+        master_listen_fd=None,
+        **kwargs,
+    ):
         sock = None
         if is_master and master_listen_fd is None and port in _adopted:
             sock = _adopted.pop(port)
@@ -124,6 +133,9 @@ class BoundTCPStore(TCPStore):
                 raise RuntimeError(
                     f"the store for a group that spans nodes would listen on {address} ({host_name!r} resolves to "
                     "loopback on this node), which the other nodes cannot reach. Fix: pass this node's network "
-                    "address, e.g. --rdzv-endpoint ADDRESS:PORT and --local-addr ADDRESS")
+                    "address, e.g. --rdzv-endpoint ADDRESS:PORT and --local-addr ADDRESS"
+                )
             master_listen_fd = sock.detach()  # the store's server owns the socket from here on
-        super().__init__(host_name, port, *args, is_master=is_master, master_listen_fd=master_listen_fd, **kwargs)
+        super().__init__(
+            host_name, port, *args, is_master=is_master, master_listen_fd=master_listen_fd, **kwargs
+        )

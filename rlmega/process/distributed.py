@@ -6,6 +6,7 @@
 the GPU ``device_ordinal`` picks (torchrun: all of the node's GPUs visible; Ray: one GPU per actor).
 Rank 0's store listens on MASTER_ADDR only (rlmega.process.bound_store), never on every interface.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,10 +29,14 @@ def device_ordinal(local_rank: int, local_world_size: int, visible_devices: int)
     mistake, reported here rather than as an invalid-ordinal or duplicate-GPU error inside NCCL.
     """
     if visible_devices < 1:
-        raise RuntimeError("no CUDA device is visible to this rank: check CUDA_VISIBLE_DEVICES "
-                           "(Ray: give trainer actors num_gpus > 0)")
+        raise RuntimeError(
+            "no CUDA device is visible to this rank: check CUDA_VISIBLE_DEVICES "
+            "(Ray: give trainer actors num_gpus > 0)"
+        )
     if not 0 <= local_rank < max(local_world_size, 1):
-        raise RuntimeError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}"
+        )
     if local_world_size <= visible_devices:
         return local_rank
     if visible_devices == 1:
@@ -39,7 +44,8 @@ def device_ordinal(local_rank: int, local_world_size: int, visible_devices: int)
     raise RuntimeError(
         f"{local_world_size} ranks on this node but {visible_devices} GPUs visible to LOCAL_RANK={local_rank}: "
         "run at most one rank per GPU (torchrun --nproc-per-node <= GPUs) or give each rank exactly one "
-        "GPU through CUDA_VISIBLE_DEVICES")
+        "GPU through CUDA_VISIBLE_DEVICES"
+    )
 
 
 def collective_device(backend: str) -> torch.device:
@@ -57,7 +63,9 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the default process group from the launcher's environment (idempotent)."""
     if dist.is_initialized():
         return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
     if missing:
         raise RuntimeError(
             f"torch.distributed needs {', '.join(missing)} in the environment: launch with "
@@ -78,6 +86,14 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     # Rank 0 hosts the store, as env:// would, but listening on MASTER_ADDR only (the launcher gives
     # 127.0.0.1 to a one-node group): torch's own server listens on every interface, with no auth.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = BoundTCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
-                          timeout=timeout, multi_tenant=True)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    store = BoundTCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
+    )

@@ -20,6 +20,7 @@ too) before its module's imports (rlmega/train.py), a trainer rank before it imp
 host, launch/worker_group.py; a torchrun rank, launch/torchrun_group.py), and a rollout engine's worker before it
 imports vLLM (rollout/rollout.py).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -13,6 +13,7 @@ Built in (BUILT_IN, by dotted path; each module is imported only when named):
   rlmega.rewards.format.ends_with_eos  the response ended by itself
   rlmega.rewards.format.tool_format    every <tool>name:args</tool> call well formed
 """
+
 from rlmega.config.dotted_path import RewardResolveError, resolve
 
 BUILT_IN = (

@@ -3,6 +3,7 @@
 The prompt ends with "="; the response is correct when it opens with exactly the answer's digits,
 followed by anything that is not a digit (an EOS token, a space, a newline) or by nothing.
 """
+
 from __future__ import annotations
 
 DIGITS = frozenset("0123456789")  # ASCII only: str.isdigit would also accept "²" or "٣"
@@ -19,5 +20,5 @@ def score(response_text: str, label: str, **kwargs) -> float:
         return 0.0
     if not response_text.startswith(answer):
         return 0.0
-    rest = response_text[len(answer):]
+    rest = response_text[len(answer) :]
     return 0.0 if rest[:1] in DIGITS else 1.0

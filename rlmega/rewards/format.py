@@ -10,6 +10,7 @@ Small judgers to weight next to a correctness judger, e.g. math (weight 1) + box
 Each is `fn(response_text, label, **kwargs) -> float`, addressed by dotted path
 (`fn: rlmega.rewards.format.boxed`).
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,7 @@ def boxed_contents(text: str) -> list[str | None]:
         while i < len(text) and depth:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
-        out.append(text[start + len(BOXED):i - 1] if depth == 0 else None)
+        out.append(text[start + len(BOXED) : i - 1] if depth == 0 else None)
         start = text.find(BOXED, i if depth == 0 else start + len(BOXED))
     return out
 
@@ -40,8 +41,9 @@ def boxed(response_text: str, label=None, **kwargs) -> float:
     return 1.0 if len(found) == 1 and found[0] is not None and found[0].strip() else 0.0
 
 
-def ends_with_eos(response_text: str, label=None, eos: str = "</s>", response_raw: str | None = None,
-                  **kwargs) -> float:
+def ends_with_eos(
+    response_text: str, label=None, eos: str = "</s>", response_raw: str | None = None, **kwargs
+) -> float:
     """1.0 when the response (trailing white space ignored) ends with `eos`, the end-of-sequence token's
     text: read from ``response_raw``, the response with its special tokens (a judger passes it to a function
     that names it; response_text has none), or from response_text when called without it."""
@@ -60,15 +62,20 @@ def tool_calls(text: str) -> list[str] | None:
         end = text.find(TOOL_CLOSE, open_at)
         if close_at < open_at or end < 0:
             return None
-        body = text[open_at + len(TOOL_OPEN):end]
+        body = text[open_at + len(TOOL_OPEN) : end]
         if TOOL_OPEN in body:
             return None
         calls.append(body)
         pos = end + len(TOOL_CLOSE)
 
 
-def tool_format(response_text: str, label=None, tools: list[str] | None = None, metadata: dict | None = None,
-                **kwargs) -> float:
+def tool_format(
+    response_text: str,
+    label=None,
+    tools: list[str] | None = None,
+    metadata: dict | None = None,
+    **kwargs,
+) -> float:
     """1.0 when every <tool>...</tool> in the response is `name:args`: the name an identifier (one of
     `tools` when given, e.g. the agent loop's tool list) and args not blank; the tags must pair up.
     A response without tool calls scores 1.0 (nothing is malformed); pair it with a task reward.

@@ -17,6 +17,7 @@ main thread (elsewhere it logs an error and returns "no match": a silent 0). Jud
 call reward functions from worker threads, so there those bounds are off and the caller's timeout_s
 bounds the call instead (its thread is abandoned past it).
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,11 +40,14 @@ def parse_gold(label) -> list:
         return []
     if "$" in text or "\\boxed" in text:
         return parse(text, GOLD_CONFIG, parsing_timeout=_timeout())
-    return (parse(f"${text}$", GOLD_CONFIG, parsing_timeout=_timeout())
-            or parse(text, GOLD_CONFIG, parsing_timeout=_timeout()))
+    return parse(f"${text}$", GOLD_CONFIG, parsing_timeout=_timeout()) or parse(
+        text, GOLD_CONFIG, parsing_timeout=_timeout()
+    )
 
 
-def score(response_text: str, label, float_rounding: int = 6, strict: bool = True, **kwargs) -> float:
+def score(
+    response_text: str, label, float_rounding: int = 6, strict: bool = True, **kwargs
+) -> float:
     """1.0 when the response's answer equals the label mathematically, else 0.0.
 
     float_rounding and strict are math-verify's `verify` options (decimal places compared; strict=False
@@ -55,5 +59,10 @@ def score(response_text: str, label, float_rounding: int = 6, strict: bool = Tru
     answer = parse(response_text, ANSWER_CONFIG, parsing_timeout=_timeout())
     if not answer:
         return 0.0
-    return 1.0 if verify(gold, answer, float_rounding=float_rounding, strict=strict,
-                         timeout_seconds=_timeout()) else 0.0
+    return (
+        1.0
+        if verify(
+            gold, answer, float_rounding=float_rounding, strict=strict, timeout_seconds=_timeout()
+        )
+        else 0.0
+    )

@@ -6,6 +6,7 @@ the 26). The score is the fraction of the label's positions the response gets ri
 the label's first letter and position i > 0 the successor of the response's letter i - 1, so a letter gone
 wrong costs one position, not the rest of the answer. Missing positions (a short response) are wrong.
 """
+
 from __future__ import annotations
 
 
@@ -20,7 +21,7 @@ def score(response_text: str, label: str, **kwargs) -> float:
     if not label:
         raise ValueError("the label is empty: a sequence answer has at least one letter")
     successor = dict(zip(label, label[1:]))
-    text = response_text[:len(label)]
+    text = response_text[: len(label)]
     right = int(text[:1] == label[0])
     for prev, cur in zip(text, text[1:]):
         right += successor.get(prev) == cur

@@ -4,6 +4,7 @@ its initial, "b" for blue).
 The response is correct when it opens with exactly the label's word, followed by anything that is not a letter (an
 EOS token, a space, a full stop) or by nothing: "b" and "b</s>" score 1 against "b", "blue" scores 0.
 """
+
 from __future__ import annotations
 
 
@@ -16,4 +17,4 @@ def score(response_text: str, label: str, **kwargs) -> float:
     answer = str(label).strip()
     if not answer or not response_text.startswith(answer):
         return 0.0
-    return 0.0 if response_text[len(answer):][:1].isalpha() else 1.0
+    return 0.0 if response_text[len(answer) :][:1].isalpha() else 1.0

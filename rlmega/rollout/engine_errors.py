@@ -6,6 +6,7 @@ stderr, which is the RolloutWorker's (under Ray: the actor's worker log file). A
 driver's error should not have to find that file: ``EngineDied`` carries the root-cause line (the last
 exception the engine core logged, with the frame that raised it) and the log's path.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,12 @@ import re
 
 _TAIL_BYTES = 4 << 20  # the end of the log: the death is the last thing the engine core wrote
 # "(EngineCore pid=14652) ERROR 11-24 23:13:41 [core.py:1512] RuntimeError: CPU Generator does not use offset"
-_LOGGED = re.compile(r"^\((?:EngineCore|Worker)[^)]*\)\s+ERROR\s+\S+\s+\S+\s+\[[^\]]*\]\s?(?P<text>.*)$")
-_EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(?P<msg>.*))?$")
+_LOGGED = re.compile(
+    r"^\((?:EngineCore|Worker)[^)]*\)\s+ERROR\s+\S+\s+\S+\s+\[[^\]]*\]\s?(?P<text>.*)$"
+)
+_EXCEPTION = re.compile(
+    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(?P<msg>.*))?$"
+)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
@@ -95,12 +100,17 @@ def engine_died(error: BaseException, log_paths: list[str] | None = None) -> Eng
         cause = _cause_in(path)
         if cause:
             return EngineDied(f"the vLLM engine core died: {cause} (engine log: {path})")
-    where = (f"engine logs: {', '.join(paths)}" if paths
-             else f"engine log: the stdout/stderr of process {os.getpid()}")
+    where = (
+        f"engine logs: {', '.join(paths)}"
+        if paths
+        else f"engine log: the stdout/stderr of process {os.getpid()}"
+    )
     return EngineDied(f"the vLLM engine core died: {error} (root cause not found; {where})")
 
 
-def engine_start_failed(error: BaseException, log_paths: list[str] | None = None) -> EngineStartFailed:
+def engine_start_failed(
+    error: BaseException, log_paths: list[str] | None = None
+) -> EngineStartFailed:
     """``EngineStartFailed`` for what AsyncLLM raised while starting: vLLM's own message is often "Engine core
     initialization failed. See root cause above", the cause being in the engine core's log (default: this
     process's stdout and stderr, which the core inherits), so that log's last exception is named first."""
@@ -110,5 +120,9 @@ def engine_start_failed(error: BaseException, log_paths: list[str] | None = None
         cause = _cause_in(path)
         if cause:
             return EngineStartFailed(f"the vLLM engine did not start: {cause} (engine log: {path})")
-    where = f"engine log: {', '.join(paths)}" if paths else f"engine log: the stdout/stderr of process {os.getpid()}"
+    where = (
+        f"engine log: {', '.join(paths)}"
+        if paths
+        else f"engine log: the stdout/stderr of process {os.getpid()}"
+    )
     return EngineStartFailed(f"the vLLM engine did not start: {raised} ({where})")

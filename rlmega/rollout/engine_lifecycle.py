@@ -2,6 +2,7 @@
 
 Processes, CPU threads, whole prefills and the log-probs mode are explained in docs/rollout_engine.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,11 +17,25 @@ from rlmega.rollout.vllm_extension import EXTENSION
 _GiB = 1 << 30
 
 
-def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int, seed: int,
-                kv_cache_space_gb: float, gpu_memory_utilization: float, tensor_parallel_size: int,
-                enforce_eager: bool, enable_prefix_caching: bool, profile_dir: str | None,
-                attention_backend: str | None, lora_rank: int = 0, images_per_prompt: int = 0,
-                cache_dir: str | None = None, cuda_graph_max_batch: int | None = None):
+def engine_args(
+    model_path: str,
+    *,
+    device: str,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
+    kv_cache_space_gb: float,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    enforce_eager: bool,
+    enable_prefix_caching: bool,
+    profile_dir: str | None,
+    attention_backend: str | None,
+    lora_rank: int = 0,
+    images_per_prompt: int = 0,
+    cache_dir: str | None = None,
+    cuda_graph_max_batch: int | None = None,
+):
     """vLLM's ``AsyncEngineArgs`` for a RolloutWorker (and the environment vLLM reads at import and start).
     ``lora_rank`` > 0: the engine serves one LoRA adapter of up to that rank (RolloutWorker.load_adapter).
     ``images_per_prompt`` > 0: a vision-language model takes up to that many images a request (vLLM's
@@ -54,30 +69,43 @@ def engine_args(model_path: str, *, device: str, dtype: str, max_model_len: int,
     if lora_rank:
         # one adapter (the policy's, replaced in place by each sync), in a slot of vLLM's smallest allowed
         # max_lora_rank that holds it; a second CPU slot so that loading the next never evicts it
-        engine_kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=1,
-                             max_cpu_loras=2)
+        engine_kwargs.update(
+            enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=1, max_cpu_loras=2
+        )
     if images_per_prompt:
         engine_kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
     if cuda_graph_max_batch is not None and not enforce_eager:  # an eager engine captures nothing
-        engine_kwargs.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = cuda_graph_max_batch
-    if attention_backend:  # vLLM's attention kernels by name (e.g. TRITON_ATTN); None: vLLM's choice
+        engine_kwargs.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = (
+            cuda_graph_max_batch
+        )
+    # vLLM's attention kernels by name (e.g. TRITON_ATTN); None: vLLM's choice
+    if attention_backend:
         engine_kwargs["attention_backend"] = attention_backend
-    if profile_dir:  # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)
+    # logging.profile_steps: vLLM's torch profiler, started per step (start_profile)
+    if profile_dir:
         from vllm.config import ProfilerConfig
 
         # No Python stacks (vLLM's default has them): ops and shapes, like the trainer ranks' traces;
         # stacks made one traced step's engine trace 16 MB and the step ~30 s slower here.
         # ignore_frontend: the engine's trace only, not also one of this process's asyncio loop.
         engine_kwargs["profiler_config"] = ProfilerConfig(
-            profiler="torch", torch_profiler_dir=os.path.abspath(profile_dir),
-            torch_profiler_with_stack=False, torch_profiler_record_shapes=True, ignore_frontend=True)
+            profiler="torch",
+            torch_profiler_dir=os.path.abspath(profile_dir),
+            torch_profiler_with_stack=False,
+            torch_profiler_record_shapes=True,
+            ignore_frontend=True,
+        )
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from rlmega.config.hf_support import engine_overrides
 
     return AsyncEngineArgs(
-        model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=enforce_eager,
         logprobs_mode="processed_logprobs",  # log_softmax(logits / T): docs/rollout_engine.md
         # Off by default: a prefix-cache hit reuses KV computed in another batch, and exact
         # resume (same seeds, same weights -> same samples) must not depend on cache history.
@@ -128,7 +156,9 @@ def lora_slot_rank(rank: int) -> int:
     for r in LORA_SLOT_RANKS:
         if r >= rank:
             return r
-    raise ValueError(f"actor.lora.rank={rank}: vLLM serves adapters up to rank {LORA_SLOT_RANKS[-1]}")
+    raise ValueError(
+        f"actor.lora.rank={rank}: vLLM serves adapters up to rank {LORA_SLOT_RANKS[-1]}"
+    )
 
 
 async def start_engine(args, tensor_parallel_size: int):
@@ -238,8 +268,10 @@ def engine_threads(device: str, num_threads: int | None):
     """The environment vLLM's model worker is spawned with, for its thread count (docs/rollout_engine.md)."""
     env: dict[str, str] = {}
     if device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "OMP_NUM_THREADS": str(num_threads or torch.get_num_threads())}
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(num_threads or torch.get_num_threads()),
+        }
     elif num_threads is not None and device == "cuda":
         env = {"OMP_NUM_THREADS": str(num_threads)}
     saved = {k: os.environ.get(k) for k in env}

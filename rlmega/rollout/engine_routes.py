@@ -19,6 +19,7 @@ which the engine's store matches), the first such part logs a warning, and ``mis
 ``missing_rows`` count them all; the rows go to the trainer as -1 (routed live, in
 routes_live_fraction).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ class EngineRoutes:
     def __init__(self, num_layers: int, topk: int, num_experts: int):
         self.num_layers, self.topk, self.num_experts = num_layers, topk, num_experts
         self.missing_parts = 0  # engine requests that lacked rows they must have (module doc)
-        self.missing_rows = 0   # ... and how many rows, all together
+        self.missing_rows = 0  # ... and how many rows, all together
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -44,7 +45,9 @@ class EngineRoutes:
     def empty(self) -> np.ndarray:
         return np.full((0, self.num_layers, self.topk), -1, dtype=np.int16)
 
-    async def take(self, engine, engine_id: str, routes: np.ndarray, must_have: range = range(0)) -> np.ndarray:
+    async def take(
+        self, engine, engine_id: str, routes: np.ndarray, must_have: range = range(0)
+    ) -> np.ndarray:
         """``routes`` with the rows the engine recorded for one engine request (a part) laid over it.
 
         A part computes prompt + tokens so far (a resumed part re-prefills them on the new weights) and
@@ -60,7 +63,8 @@ class EngineRoutes:
             logger.warning("routes of %s not taken: %r", engine_id, exc)
             return routes
         got = next(a for a in answers if a is not None).get(engine_id)
-        part = np.full((0, *self.shape), -1, dtype=np.int16)  # nothing computed (aborted while queued)
+        # nothing computed (aborted while queued)
+        part = np.full((0, *self.shape), -1, dtype=np.int16)
         if got is not None:
             data, shape = got
             part = np.frombuffer(data, dtype=np.int16).reshape(shape)
@@ -85,7 +89,11 @@ class EngineRoutes:
                 "engine replays CUDA graphs (the routers' capture hook never runs: RolloutWorker needs "
                 "enforce_eager=True to record routes) or vLLM's internal request ids no longer are "
                 "'<id>-<suffix>' (rlmega/rollout/route_store.py matches them). Further cases are counted "
-                "silently (RolloutWorker.routes_missing()).", engine_id, missing, len(must_have))
+                "silently (RolloutWorker.routes_missing()).",
+                engine_id,
+                missing,
+                len(must_have),
+            )
 
 
 async def start_recording(engine) -> EngineRoutes:

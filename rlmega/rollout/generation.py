@@ -9,6 +9,7 @@ A request is one ``_Request`` in ``self._live``; the gate, ``_live`` and the bus
 the loop thread only, and a request checks the gate and marks its part running with no ``await`` in
 between, so a pause sees every request either running (and counts it) or waiting at the gate.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,22 +58,32 @@ class _Request:
     """One ``generate``/``generate_one`` request while the worker holds it (loop thread only)."""
 
     def __init__(self):
-        self.part: asyncio.Event | None = None  # the engine request now or last running; set once ended
-        self.engine_id: str | None = None  # that engine request's id: the caller's id + "#<n>", unique
+        # the engine request now or last running; set once ended
+        self.part: asyncio.Event | None = None
+        # that engine request's id: the caller's id + "#<n>", unique
+        self.engine_id: str | None = None
         self.preempted = False  # pause_generation(abort_in_flight=True) aborted that engine request
-        self.cut = False        # ... and this request goes on after the pause (known when ``part`` is set)
+        # ... and this request goes on after the pause (known when ``part`` is set)
+        self.cut = False
         self.aborted = asyncio.Event()  # abort(): end with what it has, never resume
-        self.done = asyncio.Event()     # returned to its caller
+        self.done = asyncio.Event()  # returned to its caller
 
 
-async def generate_request(self, prompt_ids: list[int], params, request_id: str, prompt_index: int,
-                           images: list[bytes] | None = None) -> Sample:
+async def generate_request(
+    self,
+    prompt_ids: list[int],
+    params,
+    request_id: str,
+    prompt_index: int,
+    images: list[bytes] | None = None,
+) -> Sample:
     """``images``: a vision-language prompt's images (encoded files); ``prompt_ids`` then hold one placeholder per
     image, and the Sample's ``prompt_ids`` are the engine's expanded ones (what the trainer scores)."""
     from vllm.inputs import TokensPrompt
 
     mm = {"multi_modal_data": {"image": decode_images(images)}} if images else {}
-    scored_prompt = None if images else prompt_ids  # the expanded prompt, from the engine's first part
+    # the expanded prompt, from the engine's first part
+    scored_prompt = None if images else prompt_ids
     req = _Request()
     self._live.setdefault(request_id, []).append(req)
     ids, logprobs, versions, cuts = [], [], [], []  # cuts: len(ids) at each cut
@@ -96,19 +107,34 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
             try:
                 final = None
                 try:
-                    async for out in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids + ids, **mm),
-                                                           part_params, req.engine_id, lora_request=self._lora):
+                    async for out in self._engine.generate(
+                        TokensPrompt(prompt_token_ids=prompt_ids + ids, **mm),
+                        part_params,
+                        req.engine_id,
+                        lora_request=self._lora,
+                    ):
                         final = out  # FINAL_ONLY: the one output, when the part has ended
-                    if scored_prompt is None and final is not None:  # the images' tokens, expanded by the engine
-                        scored_prompt = list(final.prompt_token_ids)[:len(final.prompt_token_ids) - len(ids)]
+                    # the images' tokens, expanded by the engine
+                    if scored_prompt is None and final is not None:
+                        scored_prompt = list(final.prompt_token_ids)[
+                            : len(final.prompt_token_ids) - len(ids)
+                        ]
                 finally:
                     if routes is not None:  # taken even from a failed part: the engine frees them
                         # positions it surely computed: its last input token and each sampled token but the last
                         # (the engine's prompt: an image prompt's placeholders expanded)
-                        p0 = len(prompt_ids) + len(ids) if final is None else len(final.prompt_token_ids)
+                        p0 = (
+                            len(prompt_ids) + len(ids)
+                            if final is None
+                            else len(final.prompt_token_ids)
+                        )
                         n = 0 if final is None else len(final.outputs[0].token_ids)
-                        routes = await self._routes.take(self._engine, req.engine_id, routes,
-                                                         must_have=range(p0 - 1, p0 + n - 1) if n else range(0))
+                        routes = await self._routes.take(
+                            self._engine,
+                            req.engine_id,
+                            routes,
+                            must_have=range(p0 - 1, p0 + n - 1) if n else range(0),
+                        )
                 c = final.outputs[0]
                 new = list(c.token_ids)
                 ids += new
@@ -119,13 +145,18 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
                 # Aborted by a pause, not by abort(), nor ended on its own as the abort came: go on,
                 # unless no token is left to sample (max_tokens, or the model's length: vLLM's own cap).
                 if reason == "abort" and req.preempted and not req.aborted.is_set():
-                    if len(ids) >= params.max_tokens or len(prompt_ids) + len(ids) >= self.max_model_len:
+                    if (
+                        len(ids) >= params.max_tokens
+                        or len(prompt_ids) + len(ids) >= self.max_model_len
+                    ):
                         reason = "length"
                     else:
                         req.cut = True
-                if cuts and params.stop:  # a stop string across an earlier cut ends the response there
-                    end = stop_across_cuts(self._engine.tokenizer, ids, cuts, params.stop,
-                                            params.skip_special_tokens)
+                # a stop string across an earlier cut ends the response there
+                if cuts and params.stop:
+                    end = stop_across_cuts(
+                        self._engine.tokenizer, ids, cuts, params.stop, params.skip_special_tokens
+                    )
                     if end is not None:
                         del ids[end:], logprobs[end:], versions[end:]
                         # (routes: cut to prompt + response below)
@@ -143,15 +174,20 @@ async def generate_request(self, prompt_ids: list[int], params, request_id: str,
         if not live:
             del self._live[request_id]
         req.done.set()
-    if scored_prompt is None:  # no part ran (aborted at the gate): nothing was expanded, nothing to score
+    # no part ran (aborted at the gate): nothing was expanded, nothing to score
+    if scored_prompt is None:
         scored_prompt = prompt_ids
     return Sample(
-        prompt_index=prompt_index, prompt_ids=scored_prompt, response_ids=ids, logprobs=logprobs,
-        finish_reason=reason, weight_version=self._version if first_version is None else first_version,
-        token_versions=versions, resumes=resumes,
+        prompt_index=prompt_index,
+        prompt_ids=scored_prompt,
+        response_ids=ids,
+        logprobs=logprobs,
+        finish_reason=reason,
+        weight_version=self._version if first_version is None else first_version,
+        token_versions=versions,
+        resumes=resumes,
         routed_experts=None if routes is None else fit_rows(routes, len(scored_prompt) + len(ids)),
     )
-
 
 
 async def wait_for_gate(self, req: _Request) -> bool:
@@ -170,8 +206,9 @@ async def wait_for_gate(self, req: _Request) -> bool:
     return not req.aborted.is_set()
 
 
-def stop_across_cuts(tokenizer, ids: list[int], cuts: list[int], stop: list[str],
-                      skip_special_tokens: bool) -> int | None:
+def stop_across_cuts(
+    tokenizer, ids: list[int], cuts: list[int], stop: list[str], skip_special_tokens: bool
+) -> int | None:
     """Length of ``ids`` up to the token that first completes a stop string spanning one of ``cuts``
     (positions in ``ids`` where a request was cut and resumed), or None.
 
@@ -215,8 +252,12 @@ _RESUME_SEED_STEP = 1_000_000_007  # a prime
 
 async def pause(self, abort_in_flight: bool) -> int:
     self._gate.clear()  # from here no engine request starts: new and cut requests wait at the gate
-    running = [(req.engine_id, req, req.part) for reqs in self._live.values() for req in reqs
-               if req.part is not None and not req.part.is_set()]
+    running = [
+        (req.engine_id, req, req.part)
+        for reqs in self._live.values()
+        for req in reqs
+        if req.part is not None and not req.part.is_set()
+    ]
     if not abort_in_flight:
         await asyncio.gather(*[part.wait() for _, _, part in running])
         return len(running)
@@ -226,7 +267,9 @@ async def pause(self, abort_in_flight: bool) -> int:
     while not all(part.is_set() for _, _, part in running):
         await self._engine.abort(list({rid for rid, _, part in running if not part.is_set()}))
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*[part.wait() for _, _, part in running]), timeout=0.05)
+            await asyncio.wait_for(
+                asyncio.gather(*[part.wait() for _, _, part in running]), timeout=0.05
+            )
     return sum(req.cut for _, req, _ in running)
 
 
@@ -241,7 +284,9 @@ async def abort(self, request_id: str) -> bool:
     while not all(req.done.is_set() for req in ending):
         await self._engine.abort([req.engine_id for req in ending if req.engine_id is not None])
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*[req.done.wait() for req in ending]), timeout=0.05)
+            await asyncio.wait_for(
+                asyncio.gather(*[req.done.wait() for req in ending]), timeout=0.05
+            )
     return True
 
 
@@ -251,11 +296,19 @@ def sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop,
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos, seed=seed,
+        n=1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k > 0 else 0,
+        max_tokens=max_tokens,
+        stop_token_ids=list(stop_token_ids or []),
+        ignore_eos=ignore_eos,
+        seed=seed,
         logprobs=0,  # the sampled token's log-prob only
         # Token ids in and out; stop strings are matched on text, so only then detokenize.
-        stop=list(stop or []), detokenize=bool(stop), include_stop_str_in_output=bool(stop),
+        stop=list(stop or []),
+        detokenize=bool(stop),
+        include_stop_str_in_output=bool(stop),
         output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, as LLM.generate asks
     )
 
@@ -276,5 +329,3 @@ def count_running(self, delta: int) -> None:
     self._running += delta
     if self._running == 0:
         self._busy_closed += time.monotonic() - self._busy_since
-
-

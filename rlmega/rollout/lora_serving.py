@@ -13,6 +13,7 @@ in-flight requests take new weights (docs/rollout_engine.md).
 The engine's own weights are the base (model.path, or the base the trainer sends first: a LoRA run resumed
 from a full-parameter checkpoint trains on that checkpoint's weights; rlmega/launch/roles.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,9 @@ def load(worker, files: dict[str, bytes], version: int):
 
     missing = {"adapter_config.json", "adapter_model.safetensors"} - set(files)
     if missing:
-        raise ValueError(f"load_adapter: a PEFT adapter folder's files are needed, {sorted(missing)} missing")
+        raise ValueError(
+            f"load_adapter: a PEFT adapter folder's files are needed, {sorted(missing)} missing"
+        )
     folder = tempfile.mkdtemp(prefix=f"rlmega-lora-{os.getpid()}-v{version}-", dir=_root())
     try:
         for name, data in files.items():
@@ -42,7 +45,9 @@ def load(worker, files: dict[str, bytes], version: int):
             with open(os.path.join(folder, name), "wb") as f:
                 f.write(data)
         name = f"rlmega-policy-v{version}"
-        worker._run(worker._engine.add_lora(LoRARequest(name, ADAPTER_ID, folder, load_inplace=True)))
+        worker._run(
+            worker._engine.add_lora(LoRARequest(name, ADAPTER_ID, folder, load_inplace=True))
+        )
     except BaseException:
         remove_folder(folder)
         raise

@@ -33,6 +33,7 @@ synchronous and thread-safe (it runs a coroutine on that loop and waits), so a R
 How and why (seeds, processes, log-probs, weights, in-flight syncs, routes, CPU threads):
 docs/rollout_engine.md.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,12 @@ from rlmega.sync import collective
 from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.pieces import Piece
 from rlmega.rollout.engine_errors import engine_died, engine_start_failed
-from rlmega.rollout.engine_lifecycle import engine_args, engine_threads, shutdown_engine, start_engine
+from rlmega.rollout.engine_lifecycle import (
+    engine_args,
+    engine_threads,
+    shutdown_engine,
+    start_engine,
+)
 from rlmega.rollout.engine_routes import EngineRoutes, start_recording
 from rlmega.rollout import generation, lora_serving
 from rlmega.rollout.generation import Sample
@@ -68,13 +74,28 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int = 512, seed: int = 0, kv_cache_space_gb: float = 1.0,
-                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, enable_prefix_caching: bool = False, profile_dir: str | None = None,
-                 num_threads: int | None = None, record_routes: bool = False, attention_backend: str | None = None,
-                 lora_rank: int = 0, images_per_prompt: int = 0, cache_dir: str | None = None,
-                 cuda_graph_max_batch: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        seed: int = 0,
+        kv_cache_space_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = False,
+        profile_dir: str | None = None,
+        num_threads: int | None = None,
+        record_routes: bool = False,
+        attention_backend: str | None = None,
+        lora_rank: int = 0,
+        images_per_prompt: int = 0,
+        cache_dir: str | None = None,
+        cuda_graph_max_batch: int | None = None,
+    ):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: choose 'cpu' or 'cuda'")
         if record_routes and not enforce_eager:
@@ -84,7 +105,8 @@ class RolloutWorker:
                 "routing replay would be silently wrong). rlmega's engines run eager whenever they record routes "
                 "(rlmega/config/engine_mode.py); "
                 "fix: leave enforce_eager=True, or record_routes=False (algorithm.routing_replay=none on a dense "
-                "model / actor.backend=fsdp)")
+                "model / actor.backend=fsdp)"
+            )
         self.device, self.model_path, self.max_model_len = device, str(model_path), max_model_len
         self._version, self._tp = 0, tensor_parallel_size
         # Loop thread only (no lock): request id -> the requests holding it; the gate new engine
@@ -101,14 +123,24 @@ class RolloutWorker:
         # vLLM's imports, the engine actor's start, without collections (rlmega/process/heap.py); the heap is frozen
         # only for the fork of the engine core (engine_lifecycle.forked_engine_core)
         with imports_uncollected(freeze=False):
-            args = engine_args(self.model_path, device=device, dtype=dtype, max_model_len=max_model_len,
-                               seed=seed, kv_cache_space_gb=kv_cache_space_gb,
-                               gpu_memory_utilization=gpu_memory_utilization,
-                               tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                               enable_prefix_caching=enable_prefix_caching, profile_dir=profile_dir,
-                               attention_backend=attention_backend, lora_rank=lora_rank,
-                               images_per_prompt=images_per_prompt, cache_dir=cache_dir,
-                               cuda_graph_max_batch=cuda_graph_max_batch)
+            args = engine_args(
+                self.model_path,
+                device=device,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                kv_cache_space_gb=kv_cache_space_gb,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enforce_eager=enforce_eager,
+                enable_prefix_caching=enable_prefix_caching,
+                profile_dir=profile_dir,
+                attention_backend=attention_backend,
+                lora_rank=lora_rank,
+                images_per_prompt=images_per_prompt,
+                cache_dir=cache_dir,
+                cuda_graph_max_batch=cuda_graph_max_batch,
+            )
             # vLLM's engine modules are imported here, in this thread, before the loop thread starts: it then
             # only looks them up. Two threads importing vLLM's packages at once (the loop in start_engine, this
             # one in _result) were the one difference in the start-ups that failed on an installed module
@@ -117,7 +149,9 @@ class RolloutWorker:
             import vllm.v1.engine.exceptions  # noqa: F401
 
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rlmega-vllm-loop", daemon=True
+        )
         self._thread.start()
         try:
             with engine_threads(device, num_threads):
@@ -125,7 +159,9 @@ class RolloutWorker:
             # Every process vLLM started goes when this one does, even by SIGKILL (docs/rollout_engine.md).
             self._run(self._engine.collective_rpc("rlmega_watch_owner", args=(os.getpid(),)))
             self.vocab_size = self._engine.model_config.get_vocab_size()
-            vllm_names, packed = self._run(self._engine.collective_rpc("rlmega_param_names_and_packing"))[0]
+            vllm_names, packed = self._run(
+                self._engine.collective_rpc("rlmega_param_names_and_packing")
+            )[0]
             experts = self._run(self._engine.collective_rpc("rlmega_expert_layers"))[0]
             self._layer_args = (vllm_names, packed, experts)
             self._layers = FusedLayers(*self._layer_args)
@@ -136,7 +172,8 @@ class RolloutWorker:
             if record_routes:
                 self._routes = self._run(start_recording(self._engine))
                 self.num_experts = self._routes.num_experts
-        except Exception as e:  # named by its root cause and log: the driver shows the last line of this
+        # named by its root cause and log: the driver shows the last line of this
+        except Exception as e:
             self.shutdown()
             raise engine_start_failed(e) from e
         except BaseException:
@@ -164,10 +201,19 @@ class RolloutWorker:
         return self._run(_call(fn))
 
     # ---- generation -----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = -1, max_tokens: int = 32, stop_token_ids: list[int] | None = None,
-                 seed: int | None = None, ignore_eos: bool = False,
-                 images: list[list[bytes] | None] | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int = 32,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        images: list[list[bytes] | None] | None = None,
+    ) -> list[Sample]:
         """Sample ``n`` responses per prompt (token ids in, token ids out), prompt-major order.
 
         ``seed`` makes the call reproducible: prompt i sample j uses seed + i * n + j, so no two
@@ -180,20 +226,47 @@ class RolloutWorker:
         base = f"gen{next(self._ids)}"
 
         async def all_samples():
-            return await asyncio.gather(*[
-                generation.generate_request(
-                    self, list(p), generation.sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids,
-                                                              None, None if seed is None else seed + i * n + j,
-                                                              ignore_eos),
-                    f"{base}-{i}-{j}", prompt_index=i, images=images[i] if images else None)
-                for i, p in enumerate(prompts) for j in range(n)])
+            return await asyncio.gather(
+                *[
+                    generation.generate_request(
+                        self,
+                        list(p),
+                        generation.sampling_params(
+                            temperature,
+                            top_p,
+                            top_k,
+                            max_tokens,
+                            stop_token_ids,
+                            None,
+                            None if seed is None else seed + i * n + j,
+                            ignore_eos,
+                        ),
+                        f"{base}-{i}-{j}",
+                        prompt_index=i,
+                        images=images[i] if images else None,
+                    )
+                    for i, p in enumerate(prompts)
+                    for j in range(n)
+                ]
+            )
 
         return self._run(all_samples())
 
-    def generate_one(self, prompt_ids: list[int], *, temperature: float = 1.0, top_p: float = 1.0,
-                     top_k: int = -1, max_tokens: int = 32, stop_token_ids: list[int] | None = None,
-                     stop: list[str] | None = None, seed: int | None = None, ignore_eos: bool = False,
-                     request_id: str | None = None, images: list[bytes] | None = None) -> Sample:
+    def generate_one(
+        self,
+        prompt_ids: list[int],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int = 32,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        images: list[bytes] | None = None,
+    ) -> Sample:
         """One response to one prompt; blocks this thread only (call it from many threads at once).
 
         ``stop``: stop strings; the response ends with the tokens that complete one (included), and
@@ -203,10 +276,19 @@ class RolloutWorker:
         """
         self._weights.check_ready()
         generation.warn_truncation(top_p, top_k)
-        params = generation.sampling_params(temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed,
-                                            ignore_eos)
-        return self._run(generation.generate_request(self, list(prompt_ids), params,
-                                                    request_id or f"one{next(self._ids)}", 0, images=images))
+        params = generation.sampling_params(
+            temperature, top_p, top_k, max_tokens, stop_token_ids, stop, seed, ignore_eos
+        )
+        return self._run(
+            generation.generate_request(
+                self,
+                list(prompt_ids),
+                params,
+                request_id or f"one{next(self._ids)}",
+                0,
+                images=images,
+            )
+        )
 
     def abort(self, request_id: str) -> bool:
         """End a request in flight: its ``generate_one`` returns the tokens so far, ``"abort"``.
@@ -242,18 +324,26 @@ class RolloutWorker:
         """MoE route recording's misses: {"parts": engine requests lacking rows they computed, "rows": how
         many rows} (rlmega/rollout/engine_routes.py); zeros when routes are not recorded."""
         r = self._routes
-        return {"parts": 0 if r is None else r.missing_parts, "rows": 0 if r is None else r.missing_rows}
+        return {
+            "parts": 0 if r is None else r.missing_parts,
+            "rows": 0 if r is None else r.missing_rows,
+        }
 
     def busy_seconds(self) -> float:
         """Wall seconds (monotonic) since the engine started with at least one engine request running.
 
         Requests waiting at a paused gate do not count. Divide by wall time for a busy fraction.
         """
-        return self._on_loop(lambda: self._busy_closed + (time.monotonic() - self._busy_since
-                                                          if self._running else 0.0))
+        return self._on_loop(
+            lambda: (
+                self._busy_closed + (time.monotonic() - self._busy_since if self._running else 0.0)
+            )
+        )
 
     # ---- weights: one reload in the engine per sync (rlmega/rollout/weight_stream.py) -------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Load HF-named tensors in place (any iterable, any subset) and set ``version``; loaded when it
         returns. Thread-safe: calls at the same time share one reload.
 
@@ -265,13 +355,17 @@ class RolloutWorker:
         # (rlmega/sync/transports.py) is the same-node design: its records ran on one GPU, not yet via Ray.
         named_tensors = list(named_tensors)
         if any(isinstance(t, Piece) for _, t in named_tensors):
-            raise ValueError("update_weights takes whole tensors; TP ranks' blocks (rlmega/sync/pieces.py) go "
-                             "through receive_weights and finish_weights, one sender per rank, in one sync")
+            raise ValueError(
+                "update_weights takes whole tensors; TP ranks' blocks (rlmega/sync/pieces.py) go "
+                "through receive_weights and finish_weights, one sender per rank, in one sync"
+            )
         sender = object()
         self.receive_weights(named_tensors, version, sender)
         self.finish_weights(version, sender)
 
-    def receive_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, sender) -> None:
+    def receive_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, sender
+    ) -> None:
         """One bucket of a sync from ``sender`` (any hashable key, one per sending process); returns
         once the engine has it, before it is loaded. The sync's first bucket opens one reload in the
         engine, which holds the model (no engine step runs) until ``finish_weights``: send the buckets
@@ -285,8 +379,12 @@ class RolloutWorker:
         import ray
 
         directory = self._weights.begin(version, sender, nbytes_hint)
-        return {"directory": directory, "ranks": self._weights.ranks, "layers": self._layer_args,
-                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None}
+        return {
+            "directory": directory,
+            "ranks": self._weights.ranks,
+            "layers": self._layer_args,
+            "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+        }
 
     def finish_weights(self, version: int, sender) -> list[str]:
         """``sender`` sent its last bucket; returns once every bucket of the sync is loaded (the reload
@@ -304,22 +402,28 @@ class RolloutWorker:
             raise RuntimeError("load_adapter: this engine was started without LoRA (lora_rank=0)")
         self._weights.check_ready()
         request, folder = lora_serving.load(self, files, version)
-        self._run(self._engine.reset_prefix_cache())  # cached KV of the old adapter is not this one's
+        # cached KV of the old adapter is not this one's
+        self._run(self._engine.reset_prefix_cache())
 
-        def swap():  # on the loop, where requests read them: new requests carry this version from here on
+        # on the loop, where requests read them: new requests carry this version from here on
+        def swap():
             self._lora, self._version = request, version
 
         self._on_loop(swap)
-        lora_serving.remove_folder(self._lora_dir)  # a request sent before the swap named it; its id is loaded
+        # a request sent before the swap named it; its id is loaded
+        lora_serving.remove_folder(self._lora_dir)
         self._lora_dir = folder
 
-    def join_weight_group(self, name: str, host: str, port: int, rank: int, world: int, backend: str,
-                          timeout_s: float) -> None:
+    def join_weight_group(
+        self, name: str, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
+    ) -> None:
         """Join a sender's weight group (CollectiveTransport, rlmega/sync/collective.py); returns once
         every member has."""
         collective.join(name, host, port, rank, world, backend, timeout_s)
 
-    def receive_broadcast(self, name: str, seq: int, toc: list, version: int, sender, timeout_s: float) -> None:
+    def receive_broadcast(
+        self, name: str, seq: int, toc: list, version: int, sender, timeout_s: float
+    ) -> None:
         """Bucket ``seq`` of weight group ``name``: its bytes come by broadcast, ``toc`` says what they
         hold; then as ``receive_weights``."""
         self.receive_weights(collective.receive(name, seq, toc, timeout_s), version, sender)
@@ -354,7 +458,9 @@ class RolloutWorker:
         """
         value = self._engine.vllm_config.cache_config.kv_cache_max_concurrency
         if value is None:
-            raise RuntimeError("vLLM did not record kv_cache_max_concurrency (KV cache not sized yet?)")
+            raise RuntimeError(
+                "vLLM did not record kv_cache_max_concurrency (KV cache not sized yet?)"
+            )
         return float(value)
 
     def engine_threads(self) -> list[int]:
@@ -390,7 +496,8 @@ class RolloutWorker:
         if engine is not None:
             try:  # on the loop: AsyncLLM cancels its output handler there
                 self._run(shutdown_engine(engine))
-            except Exception as exc:  # teardown is best effort: report, never mask the caller's error
+            # teardown is best effort: report, never mask the caller's error
+            except Exception as exc:
                 logger.warning("vLLM engine shutdown raised %r", exc)
         if getattr(self, "_weights", None) is not None:
             self._weights.close()  # the shared-memory slots the engine read the weights from

@@ -10,6 +10,7 @@ side that lays them onto samples is rlmega/rollout/engine_routes.py.
     store.begin_step(finished_req_ids=set()); store.capture(0, ids0); store.capture(1, ids1); store.end_step()
     store.take(["a#0"])   # {"a#0": (bytes, (6, 2, 2))}
 """
+
 from __future__ import annotations
 
 import time
@@ -30,10 +31,12 @@ class RouteStore:
 
     def __init__(self, num_layers: int, topk: int):
         self.num_layers, self.topk = num_layers, topk
-        self.rows: dict[str, np.ndarray] = {}     # internal request id -> array
-        self.finished: dict[str, float] = {}      # internal request id -> when vLLM reported it ended
-        self.layout = None                        # (req ids, scheduled tokens, computed tokens) of this step
-        self.step: dict[int, torch.Tensor] = {}   # MoE layer index -> (tokens, topk) of this step
+        self.rows: dict[str, np.ndarray] = {}  # internal request id -> array
+        # internal request id -> when vLLM reported it ended
+        self.finished: dict[str, float] = {}
+        # (req ids, scheduled tokens, computed tokens) of this step
+        self.layout = None
+        self.step: dict[int, torch.Tensor] = {}  # MoE layer index -> (tokens, topk) of this step
 
     def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         self.step[layer] = topk_ids.detach().clone()  # a router may reuse its output buffer
@@ -53,19 +56,27 @@ class RouteStore:
         layout, step, self.layout, self.step = self.layout, self.step, None, {}
         if layout is None or len(step) != self.num_layers:  # a warm-up / dummy run: no requests
             return
-        ids = torch.stack([step[i] for i in range(self.num_layers)], dim=1).cpu().numpy()  # (T, layers, k)
+        # (T, layers, k)
+        ids = torch.stack([step[i] for i in range(self.num_layers)], dim=1).cpu().numpy()
         offset = 0
         for rid, count, start in zip(*layout):
             count, start = int(count), int(start)
             arr = self.rows.get(rid)
             if arr is None or arr.shape[0] < start + count:
-                grown = np.full((max(2 * (0 if arr is None else arr.shape[0]), start + count, 64),
-                                 self.num_layers, self.topk), -1, dtype=np.int16)
+                grown = np.full(
+                    (
+                        max(2 * (0 if arr is None else arr.shape[0]), start + count, 64),
+                        self.num_layers,
+                        self.topk,
+                    ),
+                    -1,
+                    dtype=np.int16,
+                )
                 if arr is not None:
                     grown[: arr.shape[0]] = arr
                 arr = self.rows[rid] = grown
-            arr[start:start + count] = ids[offset:offset + count]
-            arr[start + count:] = -1  # a recomputed request (preempted) starts over from here
+            arr[start : start + count] = ids[offset : offset + count]
+            arr[start + count :] = -1  # a recomputed request (preempted) starts over from here
             offset += count
 
     def take(self, request_ids: list[str]) -> dict:

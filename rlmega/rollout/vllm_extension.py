@@ -23,6 +23,7 @@ reload per bucket (safetensors files read into memory), 2.10x and 3.04x with one
 Names carry an ``rlmega_`` prefix: vLLM's own worker already has methods such as ``update_weights``
 (its weight-transfer API), and an extension must not shadow them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -101,7 +102,8 @@ def _repack_cpu_experts(model: torch.nn.Module, loaded: list[str]) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, RoutedExperts):
             continue
-        base = name.rpartition(".")[0] + "."  # "<mlp>.experts." (HF: <mlp>.experts.<e>.gate_proj.weight)
+        # "<mlp>.experts." (HF: <mlp>.experts.<e>.gate_proj.weight)
+        base = name.rpartition(".")[0] + "."
         if not any(n.startswith(base) for n in loaded):
             continue
         experts = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
@@ -136,7 +138,9 @@ class RolloutExtension:
             slots = self._rlmega_slots = SlotReader()
 
         def weights():
-            for name, tensor in bucket_files.read_stream(directory, self.rlmega_rank(), idle_timeout_s, waited, slots):
+            for name, tensor in bucket_files.read_stream(
+                directory, self.rlmega_rank(), idle_timeout_s, waited, slots
+            ):
                 names.append(name)
                 yield name, tensor
 
@@ -155,13 +159,19 @@ class RolloutExtension:
             shutil.rmtree(os.path.join(directory, str(self.rlmega_rank())), ignore_errors=True)
         _refresh_tied_layers(model, names)
         _repack_cpu_experts(model, names)
-        return {"tensors": len(names), "seconds": time.perf_counter() - start, "waited_s": waited[0]}
+        return {
+            "tensors": len(names),
+            "seconds": time.perf_counter() - start,
+            "waited_s": waited[0],
+        }
 
     def rlmega_param_names_and_packing(self) -> tuple[list[str], dict[str, list[str]]]:
         """The vLLM model's parameter names and its ``packed_modules_mapping`` (fused -> HF shards)."""
         model = self.model_runner.get_model()
         packed = getattr(model, "packed_modules_mapping", None) or {}
-        return [name for name, _ in model.named_parameters()], {k: list(v) for k, v in packed.items()}
+        return [name for name, _ in model.named_parameters()], {
+            k: list(v) for k, v in packed.items()
+        }
 
     def rlmega_watch_owner(self, owner_pid: int, interval_s: float = 0.5) -> int:
         """Kill this process (and the engine core above it) once the RolloutWorker's process is gone.
@@ -194,7 +204,8 @@ class RolloutExtension:
         def watch() -> None:
             while not gone():
                 time.sleep(interval_s)
-            for path in bucket_files.staged_by(owner_pid):  # a sync the owner was sending when it died
+            # a sync the owner was sending when it died
+            for path in bucket_files.staged_by(owner_pid):
                 shutil.rmtree(path, ignore_errors=True)
             for p in victims:
                 try:
@@ -246,8 +257,13 @@ class RolloutExtension:
                 continue
             # name: "<mlp>.experts.routed_experts"; the mapping's weight names start at "experts."
             base = name.rpartition(".")[0].rpartition(".")[0]
-            out[name] = sorted({f"{base}.{weight}weight" for _, weight, _, _ in module.get_expert_mapping()
-                                if ".gate_up_proj" not in weight and ".w13" not in weight})
+            out[name] = sorted(
+                {
+                    f"{base}.{weight}weight"
+                    for _, weight, _, _ in module.get_expert_mapping()
+                    if ".gate_up_proj" not in weight and ".w13" not in weight
+                }
+            )
         return out
 
     def rlmega_record_routes(self) -> dict | None:
@@ -275,11 +291,16 @@ class RolloutExtension:
 
         runners = [m for m in self.model_runner.get_model().modules() if isinstance(m, MoERunner)]
         if not runners:
-            raise ValueError("routes asked for (algorithm.routing_replay=rollout), but the engine's model "
-                             "has no MoE layer: use routing_replay=none for a dense model")
+            raise ValueError(
+                "routes asked for (algorithm.routing_replay=rollout), but the engine's model "
+                "has no MoE layer: use routing_replay=none for a dense model"
+            )
         layer_ids = sorted({m.layer_id for m in runners})
-        info = {"layers": layer_ids, "topk": int(runners[0].router.top_k),
-                "num_experts": int(runners[0].router.global_num_experts)}
+        info = {
+            "layers": layer_ids,
+            "topk": int(runners[0].router.top_k),
+            "num_experts": int(runners[0].router.global_num_experts),
+        }
         if get_tp_group().rank_in_group != 0:
             return None
         if getattr(self, "_rlmega_routes", None) is not None:
@@ -292,9 +313,13 @@ class RolloutExtension:
         prepare, execute = runner._prepare_inputs, runner.execute_model
 
         def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
-            n = runner.input_batch.num_reqs  # values as _prepare_inputs reads them (it does not change them)
-            store.layout = (list(runner.input_batch.req_ids[:n]), num_scheduled_tokens[:n].copy(),
-                            runner.input_batch.num_computed_tokens_cpu[:n].copy())
+            # values as _prepare_inputs reads them (it does not change them)
+            n = runner.input_batch.num_reqs
+            store.layout = (
+                list(runner.input_batch.req_ids[:n]),
+                num_scheduled_tokens[:n].copy(),
+                runner.input_batch.num_computed_tokens_cpu[:n].copy(),
+            )
             return prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
         def execute_model(scheduler_output, *args, **kwargs):

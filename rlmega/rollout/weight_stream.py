@@ -17,6 +17,7 @@ sender that sent into it has finished and no tensor waits for other TP ranks' pi
 whose first bucket comes late still lands in it); a sender whose first bucket comes after the others
 all finished opens a second reload: correct, only slower.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,10 @@ from rlmega.sync.shm_slots import RETIRED, SlotPool
 
 logger = logging.getLogger(__name__)
 
-HELD_PIECES_BYTES = 2 << 30  # TP ranks' blocks waiting for the other ranks' (a few 512 MiB buckets' worth)
-IDLE_TIMEOUT_S = 600.0  # the engine ends a stream with no bucket and no end for this long (a dead sender)
+# TP ranks' blocks waiting for the other ranks' (a few 512 MiB buckets' worth)
+HELD_PIECES_BYTES = 2 << 30
+# the engine ends a stream with no bucket and no end for this long (a dead sender)
+IDLE_TIMEOUT_S = 600.0
 
 
 class _Sync:
@@ -50,21 +53,32 @@ class _Sync:
         self.seq = itertools.count()
         self.done = threading.Event()  # the reload returned (or failed) and all is cleaned up
         self.error: BaseException | None = None
-        self.retired: list[str] = []  # the readers' retired-slot marks, read before the directory goes
+        # the readers' retired-slot marks, read before the directory goes
+        self.retired: list[str] = []
 
 
 class WeightStream:
-    def __init__(self, worker, layers: FusedLayers, ranks: list[int], idle_timeout_s: float = IDLE_TIMEOUT_S):
+    def __init__(
+        self, worker, layers: FusedLayers, ranks: list[int], idle_timeout_s: float = IDLE_TIMEOUT_S
+    ):
         """``worker``: the RolloutWorker (its engine, loop, version and gate); ``ranks``: its model
         workers' folder names (``rlmega_rank``)."""
-        self.worker, self.layers, self.ranks, self.idle_timeout_s = worker, layers, ranks, idle_timeout_s
-        self._lock = threading.RLock()  # re-entered when the engine call fails at once (_start's callback)
+        self.worker, self.layers, self.ranks, self.idle_timeout_s = (
+            worker,
+            layers,
+            ranks,
+            idle_timeout_s,
+        )
+        # re-entered when the engine call fails at once (_start's callback)
+        self._lock = threading.RLock()
         self._open: _Sync | None = None
         self._by_sender: dict[Any, _Sync] = {}
         self.slots = SlotPool(FILE_BYTES)  # shared memory the buckets go through, kept across syncs
-        self.pieces = Assembler()  # TP ranks' blocks of a tensor, held until all have come (rlmega/sync/pieces.py)
+        # TP ranks' blocks of a tensor, held until all have come (rlmega/sync/pieces.py)
+        self.pieces = Assembler()
         self.reloads = 0  # reloads the engine has finished (one per sync)
-        self.last_load: list[dict] = []  # what each model worker's rlmega_load_stream returned, last sync
+        # what each model worker's rlmega_load_stream returned, last sync
+        self.last_load: list[dict] = []
         # The last failed sync's (version, what failed): its late buckets (other senders' in flight) are
         # refused, not loaded in a new stream that no finish would close (requests would wait for its idle
         # timeout). Set under the lock that closes the sync, so no late bucket slips in between.
@@ -81,8 +95,10 @@ class WeightStream:
             self.layers.check_none_pending()
             names = self.pieces.pending()
             if names:
-                raise RuntimeError(f"{len(names)} weights wait for the pieces of their other TP ranks (e.g. "
-                                   f"{names[:4]}): a sync ended without them (a trainer rank that did not send)")
+                raise RuntimeError(
+                    f"{len(names)} weights wait for the pieces of their other TP ranks (e.g. "
+                    f"{names[:4]}): a sync ended without them (a trainer rank that did not send)"
+                )
 
     def begin(self, version: int, sender, nbytes_hint: int) -> str:
         """Open (or join) a sync for ``sender`` without a bucket; its directory, where a sender on this
@@ -117,7 +133,8 @@ class WeightStream:
             try:
                 self._wait_for_room(sync, version)
                 seq = next(sync.seq)
-                if self.slots.write(sync.directory, seq, chunk, self.ranks) is None:  # no slot free: a file
+                # no slot free: a file
+                if self.slots.write(sync.directory, seq, chunk, self.ranks) is None:
                     bucket_files.write_bucket(sync.directory, seq, chunk, self.ranks)
             except OSError:  # the sync's directory went with a failed engine call: say why
                 self._raise_if_ended(sync, version)
@@ -142,7 +159,8 @@ class WeightStream:
         if closing:
             try:
                 self.last_load = self.worker._result(sync.future)
-                self.pieces.drop_older(version)  # (late blocks of a failed sync's version: they never complete)
+                # (late blocks of a failed sync's version: they never complete)
+                self.pieces.drop_older(version)
                 self.reloads += 1
                 self.worker._run(self.worker._engine.reset_prefix_cache())
                 if self.worker._engine.model_config.is_multimodal_model:
@@ -158,15 +176,19 @@ class WeightStream:
         if sync.error is not None:
             # again: a writer in another process (local_slots.py) may have added a file after the first removal
             shutil.rmtree(sync.directory, ignore_errors=True)
-            raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
-                               f"{type(sync.error).__name__}: {sync.error}") from sync.error
+            raise RuntimeError(
+                f"the rollout engine failed to load weights version {version}: "
+                f"{type(sync.error).__name__}: {sync.error}"
+            ) from sync.error
         return sync.retired
 
     def _refuse_if_failed(self, version: int) -> None:
         """A bucket or finish of the version whose sync failed, with no sync open: a sender that was late."""
         if self._failed is not None and self._failed[0] == version:
-            raise RuntimeError(f"weights version {version} failed to load already ({self._failed[1]}); a late "
-                               "bucket or finish of it is refused: send the weights again as a new version")
+            raise RuntimeError(
+                f"weights version {version} failed to load already ({self._failed[1]}); a late "
+                "bucket or finish of it is refused: send the weights again as a new version"
+            )
 
     def close(self) -> None:
         """Let go of the shared-memory slots (the engine is shut down, or going)."""
@@ -176,7 +198,9 @@ class WeightStream:
         directory = bucket_files.open_sync_dir(self.ranks, nbytes_hint)
         w = self.worker
         future = asyncio.run_coroutine_threadsafe(
-            w._engine.collective_rpc("rlmega_load_stream", args=(directory, self.idle_timeout_s)), w._loop)
+            w._engine.collective_rpc("rlmega_load_stream", args=(directory, self.idle_timeout_s)),
+            w._loop,
+        )
         sync = self._open = _Sync(directory, future, version)  # (the caller holds the lock)
         w._loop.call_soon_threadsafe(self.loaded.clear)
         future.add_done_callback(lambda _: self._ended_early(sync))
@@ -192,9 +216,12 @@ class WeightStream:
             sync.error = exc or RuntimeError("the engine's weight stream ended before the sync did")
             waiting = self.pieces.pending()
             if waiting:  # the likely cause: a TP rank that never sent its blocks
-                sync.error = RuntimeError(f"{sync.error} ({len(waiting)} tensors still waited for other TP ranks' "
-                                          f"blocks, e.g. {waiting[:3]}: a trainer rank that did not send?)")
-            self._failed = (sync.version, f"{type(sync.error).__name__}: {sync.error}")  # (before a late bucket looks)
+                sync.error = RuntimeError(
+                    f"{sync.error} ({len(waiting)} tensors still waited for other TP ranks' "
+                    f"blocks, e.g. {waiting[:3]}: a trainer rank that did not send?)"
+                )
+            # (before a late bucket looks)
+            self._failed = (sync.version, f"{type(sync.error).__name__}: {sync.error}")
         logger.error("weight stream %s ended early: %r", sync.directory, sync.error)
         self._close(sync)
 
@@ -202,7 +229,8 @@ class WeightStream:
         if sync.error is not None:
             self.pieces.clear()  # a failed sync's held pieces never complete
             self._failed = (sync.version, f"{type(sync.error).__name__}: {sync.error}")
-        self.slots.end_sync(sync.directory, failed=sync.error is not None)  # (while its tickets are there)
+        # (while its tickets are there)
+        self.slots.end_sync(sync.directory, failed=sync.error is not None)
         with contextlib.suppress(OSError):
             sync.retired = [n for n in os.listdir(sync.directory) if n.startswith(RETIRED)]
         shutil.rmtree(sync.directory, ignore_errors=True)
@@ -216,14 +244,20 @@ class WeightStream:
         first tensor still waiting misses a rank all of whose pieces are complete; that rank is never
         held, and its next bucket completes it."""
         nap = 1e-4
-        while not sync.future.done() and self.pieces.held_bytes > HELD_PIECES_BYTES and self.pieces.holds(sender):
+        while (
+            not sync.future.done()
+            and self.pieces.held_bytes > HELD_PIECES_BYTES
+            and self.pieces.holds(sender)
+        ):
             time.sleep(nap)
             nap = min(2 * nap, 2e-3)
         self._raise_if_ended(sync, version)
 
     def _wait_for_room(self, sync: _Sync, version: int) -> None:
         nap = 1e-4
-        while not sync.future.done() and bucket_files.unread(sync.directory, self.ranks) >= MAX_UNREAD:
+        while (
+            not sync.future.done() and bucket_files.unread(sync.directory, self.ranks) >= MAX_UNREAD
+        ):
             time.sleep(nap)
             nap = min(2 * nap, 2e-3)
         self._raise_if_ended(sync, version)
@@ -233,6 +267,7 @@ class WeightStream:
         does not know, no bucket for ``idle_timeout_s``)."""
         if sync.future.done():
             sync.done.wait()
-            raise RuntimeError(f"the rollout engine failed to load weights version {version}: "
-                               f"{type(sync.error).__name__}: {sync.error}") from sync.error
-
+            raise RuntimeError(
+                f"the rollout engine failed to load weights version {version}: "
+                f"{type(sync.error).__name__}: {sync.error}"
+            ) from sync.error

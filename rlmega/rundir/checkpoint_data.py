@@ -21,6 +21,7 @@ Tensors themselves are raw bytes to DCP: no pickle.
 ``data_only_loads`` swaps the two DCP methods for these while a load runs (a context, not an import-time patch:
 nothing else in the process sees it), in the worker process that loads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,10 +41,22 @@ class CheckpointDataError(ValueError):
 # layouts by name, and the checkpoint's id as a path. Every one only stores fields; none runs code of the file's.
 _INDEX_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+    },
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath"},
@@ -52,18 +65,28 @@ _INDEX_GLOBALS = {
 
 # NumPy arrays in saved objects (Megatron's RNG state holds np.random.get_state()): rebuilding an array only
 # allocates it; the class it is rebuilt as must itself be allowed (ndarray).
-_NUMPY_GLOBALS = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np.dtypes.Float64DType, np.dtypes.Int64DType,
-                  np._core.multiarray._reconstruct, np._core.multiarray.scalar]
+_NUMPY_GLOBALS = [
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,
+    np.dtypes.Float64DType,
+    np.dtypes.Int64DType,
+    np._core.multiarray._reconstruct,
+    np._core.multiarray.scalar,
+]
 
 
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in _INDEX_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # torch.float32 ...
+        # torch.float32 ...
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointDataError(f"it names {module}.{name}, which is not one of the record classes torch DCP "
-                                  "writes there: refused, never imported")
+        raise CheckpointDataError(
+            f"it names {module}.{name}, which is not one of the record classes torch DCP "
+            "writes there: refused, never imported"
+        )
 
 
 def read_index_file(f) -> object:
@@ -97,7 +120,8 @@ def _read_metadata(self, *args, **kwargs):
 
 def _load_bytes(self, read_item, value: io.BytesIO) -> None:
     """DefaultLoadPlanner.load_bytes, with the object read by ``load_object``."""
-    from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper, as load_bytes uses it
+    # DCP's own helper, as load_bytes uses it
+    from torch.distributed.checkpoint._traverse import set_element
 
     obj = load_object(value)
     if self.flatten_state_dict:

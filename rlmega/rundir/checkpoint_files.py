@@ -10,6 +10,7 @@ Every rank writes its shards into ``.partial``; after a barrier rank 0 fsyncs it
 checkpoint to load. A save that fails undoes itself (``undo_failed_save``) and, when the disk filled
 up, says so as CheckpointSpaceError. rlmega/rundir/checkpoint_scan.py judges which folders are complete.
 """
+
 from __future__ import annotations
 
 import errno
@@ -88,7 +89,8 @@ def finish_save(root: Path, partial: Path, final: Path) -> None:
     if dist.get_rank() == 0:
         _move_into_place(partial, final)
         replace_durably(Path(root) / "latest", final.name)
-        shutil.rmtree(_replaced(final), ignore_errors=True)  # only now: there is always a complete step_N
+        # only now: there is always a complete step_N
+        shutil.rmtree(_replaced(final), ignore_errors=True)
     dist.barrier()
 
 
@@ -107,7 +109,8 @@ def undo_failed_save(error: BaseException, root: Path, partial: Path) -> None:
             f"no space left on device while writing checkpoint {partial} ({free / 2**20:.1f} MiB free there); "
             f"the partial save was removed and {root / 'latest'} still names the last good checkpoint "
             f"({latest(root).name if latest(root) else 'none yet'}). Fix: free space, or point "
-            "trainer.run_dir at a larger filesystem, then resume") from error
+            "trainer.run_dir at a larger filesystem, then resume"
+        ) from error
 
 
 @contextmanager
@@ -143,10 +146,19 @@ def set_rng_state(state: dict) -> None:
 
 
 # Copied from the model's folder into an HF export (the weights and config.json are written fresh).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json",
-                   # a vision-language model's processor (image processor settings, the processor's own)
-                   "processor_config.json", "preprocessor_config.json", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    # a vision-language model's processor (image processor settings, the processor's own)
+    "processor_config.json",
+    "preprocessor_config.json",
+    "chat_template.json",
+)
 
 
 def finish_export(partial: Path, out_dir: Path, source: Path | None) -> None:

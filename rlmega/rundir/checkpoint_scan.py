@@ -19,6 +19,7 @@ Nothing here runs code from the folder (it may come from elsewhere): metadata.js
 with torch's weights-only loader, and .metadata with an unpickler that builds only DCP's own record classes
 (rundir/checkpoint_data.py). A file that names anything else makes the checkpoint incomplete, by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,11 @@ def problem(path: str | Path) -> str | None:
         return _fsdp_problem(path)
     except (OSError, ValueError, AttributeError) as e:
         return f"metadata.json unreadable ({e})"
-    if backend != "torch_dist":  # Megatron's other backends (zarr, ...) load by code rlmega never runs or checks
-        named = "no sharded_backend" if backend is None else f"sharded_backend {str(backend)[:40]!r}"
+    # Megatron's other backends (zarr, ...) load by code rlmega never runs or checks
+    if backend != "torch_dist":
+        named = (
+            "no sharded_backend" if backend is None else f"sharded_backend {str(backend)[:40]!r}"
+        )
         return f"metadata.json names {named}; rlmega writes and reads 'torch_dist' only"
     try:
         read_common(path)
@@ -75,8 +79,10 @@ def _load_failure(what: str, e: Exception) -> str:
     # torch words it "Unsupported global: GLOBAL x.y ..." or "unsupported GLOBAL x.y whose module ... is blocked"
     refused = re.search(r"(?i)unsupported(?: global:)? GLOBAL (\S+)", str(e))
     if refused:
-        return (f"{what} refused: it names {refused.group(1)}, more than tensors and plain values (a checkpoint "
-                "rlmega wrote holds only those)")
+        return (
+            f"{what} refused: it names {refused.group(1)}, more than tensors and plain values (a checkpoint "
+            "rlmega wrote holds only those)"
+        )
     return f"{what} unreadable ({type(e).__name__}: {str(e)[:120]})"
 
 
@@ -103,9 +109,12 @@ def _shards_problem(path: Path) -> str | None:
         return ".metadata (the shard index) is not a DCP index"
     needed: dict[str, int] = {}
     for info in index.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name in sorted(needed):
-        if Path(name).name != name or not name.endswith(".distcp"):  # the index names files of this folder only
+        # the index names files of this folder only
+        if Path(name).name != name or not name.endswith(".distcp"):
             return f"the index names shard {name[:80]!r}, not a .distcp file of this folder"
         f = path / name
         if not f.is_file():
@@ -143,7 +152,9 @@ def step_folders(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), reverse=True)
+    return sorted(
+        (p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), reverse=True
+    )
 
 
 def latest_name(root: str | Path) -> str | None:

@@ -3,6 +3,7 @@
 A rename is only durable once its folder is fsynced, and a renamed file's bytes only once the file
 itself was; both steps are here so the metrics file, config.yaml and checkpoints' `latest` share them.
 """
+
 from __future__ import annotations
 
 import os

@@ -16,6 +16,7 @@ share each panel, one colour per run, named by the folder as given.
 The metrics file is read anew on every call (it is what a finished run, a stopped one and a live one
 have in common); the PNG is written to a temporary name and renamed, so a viewer never shows half of it.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,10 +46,14 @@ def read_metrics(run_dir: str | Path) -> List[dict]:
     """
     path = Path(run_dir) / METRICS
     if not Path(run_dir).is_dir():
-        raise MetricsError(f"{run_dir} is not a folder. Fix: give the trainer.run_dir of an `rlmega train` run")
+        raise MetricsError(
+            f"{run_dir} is not a folder. Fix: give the trainer.run_dir of an `rlmega train` run"
+        )
     if not path.is_file():
-        raise MetricsError(f"{run_dir} has no {METRICS}, so there is nothing to draw. Fix: give the trainer.run_dir "
-                           "of an `rlmega train` run that has logged at least one step")
+        raise MetricsError(
+            f"{run_dir} has no {METRICS}, so there is nothing to draw. Fix: give the trainer.run_dir "
+            "of an `rlmega train` run that has logged at least one step"
+        )
     text = path.read_text(errors="replace")
     lines = text.split("\n")[:-1]  # the part after the last newline is not a whole line yet
     rows = []
@@ -58,12 +63,16 @@ def read_metrics(run_dir: str | Path) -> List[dict]:
         try:
             row = json.loads(line)
         except ValueError as e:
-            raise MetricsError(f"{path} line {i} is not JSON ({e}): {line[:80]!r}. Fix: remove or repair that "
-                               "line (rlmega writes one JSON object per line)") from None
+            raise MetricsError(
+                f"{path} line {i} is not JSON ({e}): {line[:80]!r}. Fix: remove or repair that "
+                "line (rlmega writes one JSON object per line)"
+            ) from None
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
     if not rows:
-        raise MetricsError(f"{path} holds no step yet. Fix: plot again after the run has logged its first step")
+        raise MetricsError(
+            f"{path} holds no step yet. Fix: plot again after the run has logged its first step"
+        )
     return rows
 
 
@@ -104,7 +113,9 @@ def _running_mean(ys: Sequence[float], window: int) -> list:
 
 def _phases(runs: Sequence[List[dict]]) -> list[str]:
     """The time_* phases any run logged (without time_step), in step order."""
-    found = {k[len("time_"):] for rows in runs for r in rows for k in r if k.startswith("time_")} - {"step"}
+    found = {
+        k[len("time_") :] for rows in runs for r in rows for k in r if k.startswith("time_")
+    } - {"step"}
     return [p for p in PHASE_ORDER if p in found] + sorted(found - set(PHASE_ORDER))
 
 
@@ -145,10 +156,15 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, cols, squeeze=False).ravel()
     colours = [f"C{i % 10}" for i in range(len(runs))]
-    keys = {"reward (mean)": "reward_mean", "held-out greedy reward": "eval_accuracy", "KL to reference": "kl_ref",
-            "response length (tokens)": "response_length"}
+    keys = {
+        "reward (mean)": "reward_mean",
+        "held-out greedy reward": "eval_accuracy",
+        "KL to reference": "kl_ref",
+        "response length (tokens)": "response_length",
+    }
     phases = _phases(runs)
-    styles = ["-", ":", "-.", (0, (1, 3)), (0, (3, 1, 1, 1)), (0, (3, 5, 1, 5))]  # "--" is the whole step
+    # "--" is the whole step
+    styles = ["-", ":", "-.", (0, (1, 3)), (0, (3, 1, 1, 1)), (0, (3, 5, 1, 5))]
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("supervised step" if title == WARM_TITLE else "RL step")
@@ -167,28 +183,47 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
                     else:
                         ax.plot(xs, ys, linestyle=style, linewidth=1.2, color=colour)
                 xs, ys = _series(rows, "time_step")
-                ax.plot(xs, ys, linestyle="--", linewidth=2.2 if len(runs) > 1 else 1.5,
-                        color="black" if len(runs) == 1 else colour, label="whole step" if len(runs) == 1 else None)
+                ax.plot(
+                    xs,
+                    ys,
+                    linestyle="--",
+                    linewidth=2.2 if len(runs) > 1 else 1.5,
+                    color="black" if len(runs) == 1 else colour,
+                    label="whole step" if len(runs) == 1 else None,
+                )
                 continue
             xs, ys = _series(rows, keys[title])
-            if title == "held-out greedy reward":  # a few points (every trainer.eval_every steps): mark each
+            # a few points (every trainer.eval_every steps): mark each
+            if title == "held-out greedy reward":
                 ax.plot(xs, ys, marker="o", color=colour, label=label)
                 ax.set_ylim(-0.02, 1.02)
             elif title == "reward (mean)" and len(ys) > 2 * SMOOTH_WINDOW:
                 ax.plot(xs, ys, color=colour, alpha=0.3, linewidth=1)
-                ax.plot(xs, _running_mean(ys, SMOOTH_WINDOW), color=colour, linewidth=2, label=label)
+                ax.plot(
+                    xs, _running_mean(ys, SMOOTH_WINDOW), color=colour, linewidth=2, label=label
+                )
             else:
                 ax.plot(xs, ys, color=colour, label=label)
         if title == "step time by phase (s)":
-            if len(runs) > 1:  # colours name the runs (figure legend); grey proxies name the line styles
+            # colours name the runs (figure legend); grey proxies name the line styles
+            if len(runs) > 1:
                 for phase, style in zip(phases, styles * (1 + len(phases) // len(styles))):
                     ax.plot([], [], linestyle=style, color="grey", label=phase)
                 ax.plot([], [], linestyle="--", linewidth=2.2, color="grey", label="whole step")
             ax.legend(fontsize="small", ncol=2)
-        if title == "reward (mean)" and any(len(_series(rows, "reward_mean")[1]) > 2 * SMOOTH_WINDOW for rows in runs):
-            ax.text(0.01, 0.98, f"thick: mean of the last {SMOOTH_WINDOW} steps", transform=ax.transAxes,
-                    fontsize="x-small", va="top", alpha=0.7)
-    for ax in axes[len(titles):]:
+        if title == "reward (mean)" and any(
+            len(_series(rows, "reward_mean")[1]) > 2 * SMOOTH_WINDOW for rows in runs
+        ):
+            ax.text(
+                0.01,
+                0.98,
+                f"thick: mean of the last {SMOOTH_WINDOW} steps",
+                transform=ax.transAxes,
+                fontsize="x-small",
+                va="top",
+                alpha=0.7,
+            )
+    for ax in axes[len(titles) :]:
         ax.set_visible(False)
     if len(runs) > 1:  # one legend naming each run by its folder, for every panel
         handles = [axes[0].plot([], [], color=c, linewidth=2)[0] for c in colours]

@@ -8,6 +8,7 @@ chrome://tracing. The driver's own phases are in metrics.jsonl (time_*).
     with profiled(roles, run.path / "profile", step=3, steps=cfg.logging.profile_steps):
         metrics = rl_step(...)
 """
+
 from __future__ import annotations
 
 import os

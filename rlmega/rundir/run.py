@@ -13,6 +13,7 @@ twice. A metrics file cut inside a line (disk full, power loss) is cut back to i
 the run folder is opened. trainer.resume=auto resumes from the checkpoint `latest` names when it is complete, else
 from the newest *complete* one (checkpoint_scan.py); trainer.resume=none refuses a folder that already holds a run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,14 @@ import uuid
 from pathlib import Path
 
 from rlmega.rundir.checkpoint_scan import STEP_DIR as _STEP_DIR
-from rlmega.rundir.checkpoint_scan import (auto_choice, latest_name, newest_complete, problem, read_common,
-                                           step_folders)
+from rlmega.rundir.checkpoint_scan import (
+    auto_choice,
+    latest_name,
+    newest_complete,
+    problem,
+    read_common,
+    step_folders,
+)
 from rlmega.rundir.durable import fsync_dir, replace_durably
 
 log = logging.getLogger("rlmega")
@@ -38,7 +45,10 @@ class ResumeError(RuntimeError):
 
 def _clean(metrics: dict) -> dict:
     """JSON-safe: floats that are not finite become null (JSON has no NaN)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+        for k, v in metrics.items()
+    }
 
 
 def earlier_run(path: str | Path) -> str | None:
@@ -65,16 +75,23 @@ def refuse_a_held_folder(path: str | Path) -> None:
             f"trainer.resume=none, but trainer.run_dir={Path(path).absolute()} already holds a run ({held}); a "
             "fresh start there would mix the two runs' metrics and overwrite its checkpoints. Fix: continue it "
             "with --resume (trainer.resume=auto), or start over in a new trainer.run_dir (or delete "
-            f"{Path(path).absolute()})")
+            f"{Path(path).absolute()})"
+        )
 
 
 WARM_START = "warm_start.jsonl"
 
 
 class RunDir:
-    def __init__(self, path: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: dict | None = None):
-        self.path = Path(path).absolute()  # workers on other nodes resolve relative paths from another cwd
+    def __init__(
+        self,
+        path: str | Path,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
+        # workers on other nodes resolve relative paths from another cwd
+        self.path = Path(path).absolute()
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.metrics_path = self.path / "metrics.jsonl"
@@ -105,9 +122,13 @@ class RunDir:
                 os.fsync(f.fileno())
         except FileNotFoundError:
             return
-        log.warning("%s ended in a half-written line (%d bytes after the last newline, from a write cut "
-                    "short): removed it; %d complete lines kept", self.metrics_path, len(data) - keep,
-                    data[:keep].count(b"\n"))
+        log.warning(
+            "%s ended in a half-written line (%d bytes after the last newline, from a write cut "
+            "short): removed it; %d complete lines kept",
+            self.metrics_path,
+            len(data) - keep,
+            data[:keep].count(b"\n"),
+        )
 
     def log(self, metrics: dict) -> None:
         """Append one step's metrics (must contain "step")."""
@@ -124,14 +145,21 @@ class RunDir:
                     self._tb.add_scalar(k, v, metrics["step"])
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in _clean(metrics).items() if k != "step"}, step=metrics["step"])
+            self._wandb.log(
+                {k: v for k, v in _clean(metrics).items() if k != "step"}, step=metrics["step"]
+            )
 
     def write_warm_start(self, losses: list[float]) -> None:
         """RUN_DIR/warm_start.jsonl: the supervised warm start's loss, one line a step ({"sft_step", "loss"};
         written whole, then renamed). rlmega/rundir/plots.py draws it; the first RL step's row holds its first and
         last."""
-        replace_durably(self.path / WARM_START, "".join(json.dumps(_clean({"sft_step": i, "loss": loss})) + "\n"
-                                                        for i, loss in enumerate(losses, 1)))
+        replace_durably(
+            self.path / WARM_START,
+            "".join(
+                json.dumps(_clean({"sft_step": i, "loss": loss})) + "\n"
+                for i, loss in enumerate(losses, 1)
+            ),
+        )
 
     def rewrite_metrics(self, history: list[dict]) -> None:
         """On resume: the metrics of the steps up to the checkpoint, and nothing after them.
@@ -140,10 +168,15 @@ class RunDir:
         so a purge marker at the first step after the history hides the killed run's later
         points (SummaryWriter's purge_step), as TensorBoard documents for restarts.
         """
-        replace_durably(self.metrics_path, "".join(json.dumps(_clean(m), sort_keys=True) + "\n" for m in history))
+        replace_durably(
+            self.metrics_path,
+            "".join(json.dumps(_clean(m), sort_keys=True) + "\n" for m in history),
+        )
         if self._tb is not None:
             self._tb.close()
-            self._tb = self._tensorboard(purge_step=1 + max((m["step"] for m in history), default=0))
+            self._tb = self._tensorboard(
+                purge_step=1 + max((m["step"] for m in history), default=0)
+            )
 
     def read_metrics(self) -> list[dict]:
         if not self.metrics_path.exists():
@@ -154,7 +187,9 @@ class RunDir:
                 try:
                     rows.append(json.loads(line))
                 except ValueError as e:
-                    raise ValueError(f"{self.metrics_path} line {i} is not JSON ({e}): {line[:80]!r}") from None
+                    raise ValueError(
+                        f"{self.metrics_path} line {i} is not JSON ({e}): {line[:80]!r}"
+                    ) from None
         return rows
 
     def latest_checkpoint(self) -> Path | None:
@@ -190,18 +225,27 @@ class RunDir:
             if skipped:
                 raise ResumeError(
                     f"trainer.resume=auto: no complete checkpoint in {self.checkpoints} ({'; '.join(skipped)}). "
-                    "Fix: restore a complete one, or start over in a new trainer.run_dir")
+                    "Fix: restore a complete one, or start over in a new trainer.run_dir"
+                )
             if named:
                 raise ResumeError(
                     f"trainer.resume=auto: {self.checkpoints}/latest names {named}, but no checkpoint folder is "
                     "left there: nothing to resume from. Fix: restore the checkpoints, or start over in a new "
-                    "trainer.run_dir")
+                    "trainer.run_dir"
+                )
             return None  # nothing was ever saved here: a fresh start
         if skipped or named != found.name:
-            pointer = "is missing" if named is None else "is empty" if not named else f"names {named}"
-            log.warning("resuming from %s, the newest complete checkpoint (checkpoints/latest %s%s). "
-                        "To resume from another one: trainer.resume=%s/step_N", found, pointer,
-                        "; skipped " + "; ".join(skipped) if skipped else "", self.checkpoints)
+            pointer = (
+                "is missing" if named is None else "is empty" if not named else f"names {named}"
+            )
+            log.warning(
+                "resuming from %s, the newest complete checkpoint (checkpoints/latest %s%s). "
+                "To resume from another one: trainer.resume=%s/step_N",
+                found,
+                pointer,
+                "; skipped " + "; ".join(skipped) if skipped else "",
+                self.checkpoints,
+            )
         return found
 
     def earlier_run(self) -> str | None:
@@ -211,12 +255,16 @@ class RunDir:
     def prune_checkpoints(self, keep: int) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints (never the latest one)."""
         latest = self.latest_checkpoint()
-        steps = (sorted(p for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name))
-                 if self.checkpoints.exists() else [])
+        steps = (
+            sorted(p for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name))
+            if self.checkpoints.exists()
+            else []
+        )
         doomed = [p for p in steps[:-keep] if p != latest] if keep > 0 else []
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)
-            shutil.rmtree(critic_checkpoint(p), ignore_errors=True)  # a gae run's critic of the same step
+            # a gae run's critic of the same step
+            shutil.rmtree(critic_checkpoint(p), ignore_errors=True)
         return doomed
 
     def close(self) -> None:
@@ -247,20 +295,28 @@ def find_checkpoint(path: str | Path) -> Path:
     if latest_name(path) is not None or step_folders(path):  # a checkpoints root
         found, skipped = newest_complete(path)
         if found is None:
-            raise FileNotFoundError(f"no complete checkpoint in {path}"
-                                    + (f" ({'; '.join(skipped)})" if skipped else ""))
+            raise FileNotFoundError(
+                f"no complete checkpoint in {path}"
+                + (f" ({'; '.join(skipped)})" if skipped else "")
+            )
         if skipped or latest_name(path) != found.name:
-            log.warning("%s: using %s, the newest complete checkpoint%s", path, found.name,
-                        " (skipped " + "; ".join(skipped) + ")" if skipped else "")
+            log.warning(
+                "%s: using %s, the newest complete checkpoint%s",
+                path,
+                found.name,
+                " (skipped " + "; ".join(skipped) + ")" if skipped else "",
+            )
         return found
     why = problem(path)
     if why == "not a folder":
         raise FileNotFoundError(f"{path} is not a folder")
     if why is not None:
         beside, _ = newest_complete(path.parent)
-        raise FileNotFoundError(f"{path} cannot be resumed from: {why}. Give a complete checkpoints/step_N folder"
-                                + (f" (e.g. {beside})" if beside else "")
-                                + " or a checkpoints folder, whose newest complete step is used")
+        raise FileNotFoundError(
+            f"{path} cannot be resumed from: {why}. Give a complete checkpoints/step_N folder"
+            + (f" (e.g. {beside})" if beside else "")
+            + " or a checkpoints folder, whose newest complete step is used"
+        )
     return path
 
 
@@ -272,33 +328,45 @@ def _start_wandb(path: Path, project: str, config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise RuntimeError(f"logging.wandb_project={project!r} needs wandb: pip install wandb "
-                           "(or unset logging.wandb_project)") from None
+        raise RuntimeError(
+            f"logging.wandb_project={project!r} needs wandb: pip install wandb "
+            "(or unset logging.wandb_project)"
+        ) from None
     id_file = path / "wandb_run_id"
     if not id_file.exists():
         id_file.write_text(uuid.uuid4().hex[:12])
-    return wandb.init(project=project, dir=str(path), id=id_file.read_text().strip(), resume="allow",
-                      config=config, name=path.name)
+    return wandb.init(
+        project=project,
+        dir=str(path),
+        id=id_file.read_text().strip(),
+        resume="allow",
+        config=config,
+        name=path.name,
+    )
 
 
 def resume_settings(optimizer, total_steps: int) -> dict:
     """The settings a resume takes from the config rather than the checkpoint (``optimizer``: the optimizer
     section, a dataclass; rundir sits beside config, not above it, so it names no config type; and
     trainer.total_steps), by config field (saved with every checkpoint, so a resume can say which changed)."""
-    return {**{f"optimizer.{k}": v for k, v in dataclasses.asdict(optimizer).items()},
-            "trainer.total_steps": total_steps}
+    return {
+        **{f"optimizer.{k}": v for k, v in dataclasses.asdict(optimizer).items()},
+        "trainer.total_steps": total_steps,
+    }
 
 
 def changed_settings(checkpoint: str | Path, now: dict) -> list[str]:
-    """"field: saved -> now" for each of ``now`` that differs from what the checkpoint recorded
+    """ "field: saved -> now" for each of ``now`` that differs from what the checkpoint recorded
     (nothing for a checkpoint from before the record was kept). Raises ResumeError for a change a
     resume cannot honour."""
     saved = read_common(checkpoint)["meta"]["extra"].get("settings") or {}
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     fixed = [f"{k}={changed[k][0]}" for k in sorted(_FIXED_ON_RESUME & changed.keys())]
     if fixed:
-        raise ResumeError(f"{checkpoint} was saved with {', '.join(fixed)}, which a resume cannot change (the "
-                          f"optimizer state on disk is laid out by it). Fix: set {', '.join(fixed)} again")
+        raise ResumeError(
+            f"{checkpoint} was saved with {', '.join(fixed)}, which a resume cannot change (the "
+            f"optimizer state on disk is laid out by it). Fix: set {', '.join(fixed)} again"
+        )
     return [f"{k}: {was} -> {v}" for k, (was, v) in changed.items()]
 
 

@@ -13,6 +13,7 @@ the folder's shards (rundir/checkpoint_files.finish_save, collective); before a 
 all, once a process (a result is kept per file path, size and mtime: the config checks and the run's own scan
 share it). No torch here: the driver's config checks import this module.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,7 +47,9 @@ def write(folder: str | Path, digests: dict[str, str]) -> Path:
     """``folder``/checksums.json, written whole (inside a .partial save folder: its rename makes it durable)."""
     path = Path(folder) / CHECKSUMS
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(digests.items()))}, indent=1) + "\n")
+    tmp.write_text(
+        json.dumps({"algorithm": "sha256", "files": dict(sorted(digests.items()))}, indent=1) + "\n"
+    )
     os.replace(tmp, path)
     return path
 

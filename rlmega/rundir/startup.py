@@ -10,6 +10,7 @@ RUN_DIR/setup.json (each start of a run writes its own: a resume has a start-up 
 dashboard. Phases can overlap: the trainer ranks, the critic and the engines start at once
 (rlmega/launch/roles.py), so the sum of the phases' seconds is more than the time to the first step.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,8 @@ def process_start_monotonic() -> float:
     """time.monotonic() at this process's start, read from /proc (Linux); now, where it cannot be read."""
     try:
         with open(f"/proc/{os.getpid()}/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+            # field 22: starttime, in clock ticks
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
@@ -41,7 +43,8 @@ class StartupClock:
         """``t0``: time.monotonic() of t = 0 (default: this process's start); ``echo``: print each phase."""
         self.t0 = process_start_monotonic() if t0 is None else t0
         self.echo = echo
-        self.phases: list[dict] = []  # {"phase", "start_s", "end_s", "seconds"} in the order they ended
+        # {"phase", "start_s", "end_s", "seconds"} in the order they ended
+        self.phases: list[dict] = []
         self._last_end = 0.0
         self.listeners: list = []  # called with the phase list after each phase (the dashboard)
 
@@ -54,12 +57,19 @@ class StartupClock:
         the phase that ended last did."""
         end = self.now()
         start = self._last_end if began is None else began
-        row = {"phase": phase, "start_s": round(start, 3), "end_s": round(end, 3), "seconds": round(end - start, 3)}
+        row = {
+            "phase": phase,
+            "start_s": round(start, 3),
+            "end_s": round(end, 3),
+            "seconds": round(end - start, 3),
+        }
         self.phases.append(row)
         self._last_end = max(self._last_end, end)
         if self.echo:
             overlap = f" (from {start:.1f} s)" if began is not None else ""
-            print(f"rlmega: start-up {end:6.1f} s  {phase} {end - start:.1f} s{overlap}", flush=True)
+            print(
+                f"rlmega: start-up {end:6.1f} s  {phase} {end - start:.1f} s{overlap}", flush=True
+            )
         for listener in self.listeners:
             listener(list(self.phases))
         return row

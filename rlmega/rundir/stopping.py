@@ -13,6 +13,7 @@ released). ``rlmega stop RUN_DIR`` asks the same from any shell that sees the ru
 The handler only sets a flag: a signal can arrive while the main thread holds a lock, so it takes
 none. The driver loop reads the flag between steps.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,9 @@ def request_stop(run_dir: str | Path, reason: str = "rlmega stop") -> Path:
     """Ask the run writing to ``run_dir`` to stop after its current step (write, then rename)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml): give the trainer.run_dir of a run")
+        raise FileNotFoundError(
+            f"{run_dir} is not a run folder (no config.yaml): give the trainer.run_dir of a run"
+        )
     tmp = run_dir / f".{STOP_FILE}.{os.getpid()}"
     tmp.write_text(reason + "\n")
     os.replace(tmp, run_dir / STOP_FILE)

@@ -30,6 +30,7 @@ node writing its own buckets (rlmega/sync/local_slots.py) cut whole layers into 
 ``MAX_UNREAD`` of them are unread (``unread``). They were the engine side's constants; the trainer
 side importing them from there made rlmega/sync and the engine side import each other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,7 +56,8 @@ from rlmega.sync.byte_views import byte_array
 SHM = "/dev/shm"
 PREFIX = "rlmega-weights-"  # + owner pid: what rlmega_watch_owner removes when the owner dies
 END = "END"
-TICKET, HELD = ".slot", ".held"  # a bucket in a shared-memory slot (shm_slots.py): handed over, read and still viewed
+# a bucket in a shared-memory slot (shm_slots.py): handed over, read and still viewed
+TICKET, HELD = ".slot", ".held"
 _ALIGN = 64
 MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
 
@@ -95,8 +97,13 @@ def files_of_layers(groups: list[list[tuple[str, Any]]], limit: int):
         yield chunk
 
 
-def write_bucket(directory: str, seq: int, named_tensors: list[tuple[str, torch.Tensor]], ranks: list[int],
-                 tag: str = "") -> int:
+def write_bucket(
+    directory: str,
+    seq: int,
+    named_tensors: list[tuple[str, torch.Tensor]],
+    ranks: list[int],
+    tag: str = "",
+) -> int:
     """Write one bucket (file ``seq``) and hand it to every rank's folder; returns its tensor bytes.
 
     The tensors' bytes are written straight from their memory (an object-store view, a trainer's
@@ -124,11 +131,16 @@ def is_ipc(named_tensors: list) -> bool:
     return bool(named_tensors) and isinstance(named_tensors[0][1], IpcTensor)
 
 
-def layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int, list[tuple[torch.Tensor, int]], int]:
+def layout(
+    named_tensors: list[tuple[str, torch.Tensor]],
+) -> tuple[bytes, int, list[tuple[torch.Tensor, int]], int]:
     """A bucket in this module's format: (its first bytes: header length and header, where the data
     starts, [(tensor on the CPU, contiguous, or an Assembled one; its offset from the data's start)],
     the bucket's size)."""
-    tensors = [(n, t if isinstance(t, Assembled) else t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+    tensors = [
+        (n, t if isinstance(t, Assembled) else t.detach().to("cpu").contiguous())
+        for n, t in named_tensors
+    ]
     header, offset = [], 0
     for name, t in tensors:
         header.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, t.nbytes])
@@ -162,21 +174,26 @@ def read_bucket(path: str) -> list[tuple[str, torch.Tensor]]:
     # as vLLM reads); MAP_POPULATE would instead copy each page of a private writable mapping (14 ms).
     with contextlib.suppress(OSError, ValueError):  # MADV_POPULATE_READ: Linux 5.14+
         m.madvise(MADV_POPULATE_READ)
-    return views(m, torch.frombuffer(m, dtype=torch.uint8))  # holds the mapping alive as long as a view does
+    # holds the mapping alive as long as a view does
+    return views(m, torch.frombuffer(m, dtype=torch.uint8))
 
 
 def views(buffer, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The tensors of the bucket in ``buffer`` (an mmap), as views of ``data``: its bytes as one uint8 tensor."""
     n = int.from_bytes(buffer[:8], "little")
-    header = json.loads(buffer[8:8 + n])
+    header = json.loads(buffer[8 : 8 + n])
     start = -(-(8 + n) // _ALIGN) * _ALIGN
-    return [(name, data[start + off:start + off + nbytes].view(getattr(torch, dtype)).view(shape))
-            for name, dtype, shape, off, nbytes in header]
+    return [
+        (name, data[start + off : start + off + nbytes].view(getattr(torch, dtype)).view(shape))
+        for name, dtype, shape, off, nbytes in header
+    ]
 
 
 def unread(directory: str, ranks: list[int]) -> int:
     """Buckets some rank has not read yet (a ``HELD`` ticket has been read)."""
-    return len(set(itertools.chain.from_iterable(_unread(os.path.join(directory, str(r))) for r in ranks)))
+    return len(
+        set(itertools.chain.from_iterable(_unread(os.path.join(directory, str(r))) for r in ranks))
+    )
 
 
 def _unread(folder: str) -> list[str]:
@@ -188,8 +205,9 @@ def end(directory: str) -> None:
     open(os.path.join(directory, END), "w").close()
 
 
-def read_stream(directory: str, rank: int, idle_timeout_s: float,
-                waited: list[float] | None = None, slots=None) -> Iterator[tuple[str, torch.Tensor]]:
+def read_stream(
+    directory: str, rank: int, idle_timeout_s: float, waited: list[float] | None = None, slots=None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every bucket handed to ``rank``, as the buckets arrive, until ``END``.
 
     Each file is unlinked once its tensors are handed on; a ``TICKET`` (a bucket in a shared-memory
@@ -207,7 +225,9 @@ def read_stream(directory: str, rank: int, idle_timeout_s: float,
             path = os.path.join(mine, name)
             if name.endswith(TICKET):
                 if slots is None:
-                    raise RuntimeError(f"{path}: a bucket in a shared-memory slot, and no slot reader here")
+                    raise RuntimeError(
+                        f"{path}: a bucket in a shared-memory slot, and no slot reader here"
+                    )
                 yield from slots.read(path)
                 slots.release()  # (the loader's loop still holds the last tensor: released later)
                 continue
@@ -226,7 +246,9 @@ def read_stream(directory: str, rank: int, idle_timeout_s: float,
                 return
             continue
         if time.monotonic() - last > idle_timeout_s:
-            raise TimeoutError(f"no weight bucket for {idle_timeout_s:g} s and no end of the sync ({directory})")
+            raise TimeoutError(
+                f"no weight bucket for {idle_timeout_s:g} s and no end of the sync ({directory})"
+            )
         if slots is not None:
             slots.release()  # the writer may be waiting for a slot the reload has let go of
         t0 = time.monotonic()
@@ -237,4 +259,8 @@ def read_stream(directory: str, rank: int, idle_timeout_s: float,
 
 def staged_by(pid: int) -> list[str]:
     """Sync directories a process made (in either place ``open_sync_dir`` puts them)."""
-    return [p for d in (SHM, tempfile.gettempdir()) for p in glob.glob(os.path.join(d, f"{PREFIX}{pid}-*"))]
+    return [
+        p
+        for d in (SHM, tempfile.gettempdir())
+        for p in glob.glob(os.path.join(d, f"{PREFIX}{pid}-*"))
+    ]

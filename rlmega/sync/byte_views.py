@@ -3,6 +3,7 @@
 Used where a bucket's bytes leave the process: the object store (rlmega/sync/transports.py) and the
 shared-memory bucket files (rlmega/sync/bucket_files.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,8 +27,12 @@ class _ByteView:
 
     def __init__(self, t: torch.Tensor):
         self.tensor = t  # numpy keeps this object (the array's .base), so the memory stays alive
-        self.__array_interface__ = {"data": (t.data_ptr(), True), "shape": (t.numel() * t.element_size(),),
-                                    "typestr": "|u1", "version": 3}
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), True),
+            "shape": (t.numel() * t.element_size(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 def byte_array(t: torch.Tensor) -> np.ndarray:

@@ -35,6 +35,7 @@ rlmega/config/validate.py refuses the other cases, and several senders with seve
 sender has its own communicator with every engine: engines taking the broadcasts in different orders
 could deadlock on their GPUs).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -49,7 +50,8 @@ import torch
 from rlmega.sync.pieces import Piece
 from rlmega.sync.transports import Bucket, RayTransport
 
-_ALIGN = 64  # each tensor's bytes start at a multiple of this in the flat buffer (any dtype's alignment)
+# each tensor's bytes start at a multiple of this in the flat buffer (any dtype's alignment)
+_ALIGN = 64
 
 
 @dataclasses.dataclass
@@ -60,7 +62,8 @@ class _Group:
     store: object  # the rendezvous (the sender hosts it; kept alive with the group)
     next_seq: int = 0  # the next bucket to broadcast (sender) or receive (engine)
     broken: str | None = None
-    clean: bool = True  # (sender) every sync through it has flushed: the engines are in step with it
+    # (sender) every sync through it has flushed: the engines are in step with it
+    clean: bool = True
     turn: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
 
@@ -80,17 +83,21 @@ def flatten(bucket: Bucket) -> tuple[torch.Tensor, list[tuple]]:
     tensors = [(n, (t.tensor if isinstance(t, Piece) else t).detach()) for n, t in bucket]
     devices = {t.device for _, t in tensors}
     if len(devices) > 1:
-        raise ValueError(f"a bucket's tensors are on several devices ({sorted(map(str, devices))}): "
-                         "a broadcast carries one device's memory")
+        raise ValueError(
+            f"a bucket's tensors are on several devices ({sorted(map(str, devices))}): "
+            "a broadcast carries one device's memory"
+        )
     toc, offset = [], 0
     for (name, t), (_, orig) in zip(tensors, bucket):
-        place = (orig.full_shape, orig.dim, orig.start, orig.of) if isinstance(orig, Piece) else None
+        place = (
+            (orig.full_shape, orig.dim, orig.start, orig.of) if isinstance(orig, Piece) else None
+        )
         toc.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, place))
         offset = -(-(offset + t.nbytes) // _ALIGN) * _ALIGN
     flat = torch.empty(offset, dtype=torch.uint8, device=tensors[0][1].device if tensors else "cpu")
     for (_, t), entry in zip(tensors, toc):
         if t.nbytes:
-            flat[entry[3]:entry[3] + t.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            flat[entry[3] : entry[3] + t.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return flat, toc
 
 
@@ -100,7 +107,7 @@ def unflatten(flat: torch.Tensor, toc: list[tuple]) -> Bucket:
     for name, dtype, shape, offset, place in toc:
         dt = getattr(torch, dtype)
         nbytes = dt.itemsize * _numel(shape)
-        t = flat[offset:offset + nbytes].view(dt).reshape(shape)
+        t = flat[offset : offset + nbytes].view(dt).reshape(shape)
         out.append((name, t if place is None else Piece(t, tuple(place[0]), *place[1:])))
     return out
 
@@ -138,14 +145,18 @@ def _backend(device: torch.device) -> str:
 
 
 # ---- the engine's side (called by RolloutWorker.join_weight_group / receive_broadcast) -----------
-def join(name: str, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
+def join(
+    name: str, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
+) -> None:
     """Join sender group ``name`` as ``rank``: returns once every member has joined. The same sender's
     earlier group (a name that differs only after its last dot) is retired: the sender gave it up."""
     import torch.distributed as dist
 
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("a weight group over NCCL needs a GPU in the engine's actor (vLLM tensor parallel "
-                           "size 1; at TP > 1 the actor holds none): use rollout.weight_transport: ray")
+        raise RuntimeError(
+            "a weight group over NCCL needs a GPU in the engine's actor (vLLM tensor parallel "
+            "size 1; at TP > 1 the actor holds none): use rollout.weight_transport: ray"
+        )
     sender = name.rpartition(".")[0] + "."
     with _lock:
         for old in [g for n, g in _joined.items() if n.startswith(sender)]:
@@ -161,13 +172,19 @@ def receive(name: str, seq: int, toc: list[tuple], timeout_s: float) -> Bucket:
     with _lock:
         group = _joined.get(name)
     if group is None:
-        raise RuntimeError(f"weight group {name} is unknown here (never joined, or broken by an earlier failure)")
+        raise RuntimeError(
+            f"weight group {name} is unknown here (never joined, or broken by an earlier failure)"
+        )
     with group.turn:
-        if not group.turn.wait_for(lambda: group.next_seq == seq or group.broken, timeout=timeout_s):
+        if not group.turn.wait_for(
+            lambda: group.next_seq == seq or group.broken, timeout=timeout_s
+        ):
             _break(group, f"bucket {seq} waited {timeout_s:g} s for bucket {group.next_seq}")
         if group.broken:
             raise RuntimeError(f"weight group {name} is broken: {group.broken}")
-        device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else "cpu"
+        )
         flat = torch.empty(nbytes_of(toc), dtype=torch.uint8, device=device)
         try:
             _ended(group.pg.broadcast(flat, 0), group.backend)
@@ -215,11 +232,13 @@ class CollectiveTransport(RayTransport):
     """
 
     takes_pieces = True  # the engines place each TP rank's blocks, as with RayTransport
-    local_slots = False  # (it exists for engines on other nodes; on one node RayTransport writes their memory)
+    # (it exists for engines on other nodes; on one node RayTransport writes their memory)
+    local_slots = False
 
     def __init__(self, engines: Sequence, timeout_s: float = 600.0, max_in_flight: int = 2):
         super().__init__(engines, timeout_s, max_in_flight)
-        self.key = uuid.uuid4().hex  # made once (the driver's); every copy of this transport shares it
+        # made once (the driver's); every copy of this transport shares it
+        self.key = uuid.uuid4().hex
 
     def begin(self, version: int, nbytes_hint: int) -> None:
         """(Nothing to open ahead: the first ``send`` makes or checks the group.)"""
@@ -234,15 +253,25 @@ class CollectiveTransport(RayTransport):
         group.clean = False
         seq, group.next_seq = group.next_seq, group.next_seq + 1
         try:
-            refs = [e.receive_broadcast.remote(group.name, seq, toc, version, self.sender, self.timeout_s)
-                    for e in self.engines]
+            refs = [
+                e.receive_broadcast.remote(
+                    group.name, seq, toc, version, self.sender, self.timeout_s
+                )
+                for e in self.engines
+            ]
             work = group.pg.broadcast(flat, 0)
         except BaseException as e:
             self._drop(f"{type(e).__name__}: {e}")
             raise
         # (the flat buffer stays in the queue until its broadcast has ended)
-        self._in_flight.append((refs, f"the bucket starting with {bucket[0][0]!r} (weights version {version})",
-                                work, flat))
+        self._in_flight.append(
+            (
+                refs,
+                f"the bucket starting with {bucket[0][0]!r} (weights version {version})",
+                work,
+                flat,
+            )
+        )
         self._version = version
 
     def _put(self, bucket: Bucket) -> tuple[torch.Tensor, list[tuple]]:
@@ -270,7 +299,12 @@ class CollectiveTransport(RayTransport):
         """This process's group with the engines (made at the first send, after a failure, and when
         the last sync through it did not flush)."""
         group = _sending.get(self.key)
-        if group is not None and group.backend == backend and not group.broken and (group.clean or not fresh):
+        if (
+            group is not None
+            and group.backend == backend
+            and not group.broken
+            and (group.clean or not fresh)
+        ):
             return group
         if group is not None:
             self._drop("replaced")
@@ -280,14 +314,26 @@ class CollectiveTransport(RayTransport):
         # The engines retire this sender's earlier group when it joins one with the same name up to the last dot.
         name, world = f"{self.key}.{_PROCESS}.{uuid.uuid4().hex[:8]}", 1 + len(self.engines)
         host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, world, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.timeout_s))
-        refs = [e.join_weight_group.remote(name, host, store.port, i + 1, world, backend, self.timeout_s)
-                for i, e in enumerate(self.engines)]
+        store = dist.TCPStore(
+            host,
+            0,
+            world,
+            True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
+        refs = [
+            e.join_weight_group.remote(
+                name, host, store.port, i + 1, world, backend, self.timeout_s
+            )
+            for i, e in enumerate(self.engines)
+        ]
         # Made in a thread: an engine that fails to join is named from its answer (the group would only time out).
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
-            made = pool.submit(_new_process_group, dist.PrefixStore(name, store), 0, world, backend, self.timeout_s)
+            made = pool.submit(
+                _new_process_group, dist.PrefixStore(name, store), 0, world, backend, self.timeout_s
+            )
             RayTransport._wait(self, refs, f"joining weight group {name} ({backend})")
             pg = made.result(timeout=self.timeout_s)
         finally:

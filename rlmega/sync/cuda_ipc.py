@@ -22,6 +22,7 @@ TODO(gpu), not run yet: processes with different CUDA_VISIBLE_DEVICES (Ray's eng
 of the node see only their own: the UUID lookup below then refuses), and an engine at TP > 1 (each
 worker maps the whole tensor).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ class IpcTensor:
     nbytes: int
     device_uuid: str
     rebuild: object  # reduce_tensor's function ...
-    args: tuple      # ... and its arguments (args[6] is the storage's device index in the sender)
+    args: tuple  # ... and its arguments (args[6] is the storage's device index in the sender)
 
     def open(self) -> torch.Tensor:
         """The tensor, over the sender's device memory, on this process's index of that GPU."""
@@ -47,32 +48,53 @@ class IpcTensor:
             args[_DEVICE_ARG] = local_device(self.device_uuid)
         t = self.rebuild(*args)
         if str(t.dtype).removeprefix("torch.") != self.dtype or tuple(t.shape) != tuple(self.shape):
-            raise ValueError(f"CUDA IPC handle rebuilt as {t.dtype} {tuple(t.shape)}, "
-                             f"sent as {self.dtype} {tuple(self.shape)}")
+            raise ValueError(
+                f"CUDA IPC handle rebuilt as {t.dtype} {tuple(t.shape)}, "
+                f"sent as {self.dtype} {tuple(self.shape)}"
+            )
         return t
 
 
-_DEVICE_ARG = 6  # rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, DEVICE, handle, ...)
+# rebuild_cuda_tensor(cls, size, stride, offset, storage_cls, dtype, DEVICE, handle, ...)
+_DEVICE_ARG = 6
 
 
-def ipc_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, IpcTensor]], list[torch.Tensor]]:
+def ipc_bucket(
+    bucket: list[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, IpcTensor]], list[torch.Tensor]]:
     """IPC records of a bucket of CUDA tensors, and the tensors they point at (keep them until the
     engines have loaded them); a clear error for anything else."""
     if not torch.cuda.is_available():
-        raise RuntimeError("CudaIpcTransport needs CUDA: this process has no GPU (use RayTransport)")
+        raise RuntimeError(
+            "CudaIpcTransport needs CUDA: this process has no GPU (use RayTransport)"
+        )
     off = [name for name, t in bucket if not t.is_cuda]
     if off:
-        raise ValueError(f"CudaIpcTransport sends CUDA tensors only; on {bucket[0][1].device}: {off[:4]} "
-                         "(use RayTransport for host tensors)")
+        raise ValueError(
+            f"CudaIpcTransport sends CUDA tensors only; on {bucket[0][1].device}: {off[:4]} "
+            "(use RayTransport for host tensors)"
+        )
     from torch.multiprocessing.reductions import reduce_tensor
 
-    torch.cuda.synchronize()  # the gathers that made these tensors have finished before anyone reads them
+    # the gathers that made these tensors have finished before anyone reads them
+    torch.cuda.synchronize()
     out, kept = [], []
     for name, t in bucket:
         t = t.detach().contiguous()
         rebuild, args = reduce_tensor(t)
-        out.append((name, IpcTensor(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.nbytes,
-                                    str(torch.cuda.get_device_properties(t.device).uuid), rebuild, tuple(args))))
+        out.append(
+            (
+                name,
+                IpcTensor(
+                    str(t.dtype).removeprefix("torch."),
+                    tuple(t.shape),
+                    t.nbytes,
+                    str(torch.cuda.get_device_properties(t.device).uuid),
+                    rebuild,
+                    tuple(args),
+                ),
+            )
+        )
         kept.append(t)
     return out, kept
 
@@ -82,5 +104,7 @@ def local_device(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    raise RuntimeError(f"GPU {uuid} (a CUDA IPC handle's) is not visible to this process "
-                       "(CUDA_VISIBLE_DEVICES): the engine must share the trainer's node and see its GPU")
+    raise RuntimeError(
+        f"GPU {uuid} (a CUDA IPC handle's) is not visible to this process "
+        "(CUDA_VISIBLE_DEVICES): the engine must share the trainer's node and see its GPU"
+    )

@@ -9,6 +9,7 @@ on whole layers only: a bucket boundary between ``q_proj.weight`` and ``k_proj.w
 and its bias) leaves the pieces here until the rest arrives, in a later bucket, from any thread.
 A name that maps to no vLLM layer (a tied ``lm_head.weight``) goes straight on: vLLM decides.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,7 +18,9 @@ from typing import Any
 
 
 class FusedLayers:
-    def __init__(self, vllm_names: list[str], packed: dict[str, list[str]], experts: dict[str, list[str]]):
+    def __init__(
+        self, vllm_names: list[str], packed: dict[str, list[str]], experts: dict[str, list[str]]
+    ):
         """``vllm_names``: the vLLM model's parameter names; ``packed``: its ``packed_modules_mapping``
         (fused -> HF shards); ``experts``: fused-experts module -> every HF name filling it
         (vllm_extension ``rlmega_expert_layers``)."""
@@ -36,7 +39,8 @@ class FusedLayers:
             for name, value in named:
                 layer = self.layer_of(name)
                 members = self.members.get(layer)
-                if members is None or len(members) == 1:  # unknown (tied lm_head, ...) or unfused: pass on
+                # unknown (tied lm_head, ...) or unfused: pass on
+                if members is None or len(members) == 1:
                     out.append([(name, value)])
                     continue
                 group = self._pending.setdefault(layer, {})
@@ -75,8 +79,9 @@ class FusedLayers:
         return f"{head + '.' if head else ''}{fused}"
 
 
-def _hf_names_by_layer(vllm_names: list[str], packed: dict[str, list[str]],
-                       experts: dict[str, list[str]]) -> dict[str, set[str]]:
+def _hf_names_by_layer(
+    vllm_names: list[str], packed: dict[str, list[str]], experts: dict[str, list[str]]
+) -> dict[str, set[str]]:
     """vLLM layer name -> the HF tensor names that fill it (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
     and for a MoE layer every expert's gate/up/down -> ``<mlp>.experts.routed_experts``).
 
@@ -93,5 +98,7 @@ def _hf_names_by_layer(vllm_names: list[str], packed: dict[str, list[str]],
             continue
         head, _, leaf = module.rpartition(".")
         shards = packed.get(leaf, [leaf])
-        layers.setdefault(module, set()).update(f"{head + '.' if head else ''}{s}.{param}" for s in shards)
+        layers.setdefault(module, set()).update(
+            f"{head + '.' if head else ''}{s}.{param}" for s in shards
+        )
     return layers

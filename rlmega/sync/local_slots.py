@@ -25,6 +25,7 @@ pieces (rlmega/sync/pieces.py) still go through the object store, where the Roll
 and so do several engines' buckets (this sender would copy each bucket once per engine, one after the
 other; through the object store it is copied once, and the engines copy it in parallel).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -37,7 +38,8 @@ from rlmega.sync.bucket_files import FILE_BYTES, MAX_UNREAD, files_of_layers
 from rlmega.sync.fused_layers import FusedLayers
 from rlmega.sync.shm_slots import SlotPool
 
-_pools: dict[str, SlotPool] = {}  # engine actor id -> this process's slots for it (kept across syncs)
+# engine actor id -> this process's slots for it (kept across syncs)
+_pools: dict[str, SlotPool] = {}
 
 
 class LocalSync:
@@ -45,26 +47,44 @@ class LocalSync:
 
     def __init__(self, engines: Sequence, infos: list[dict], sender: str, timeout_s: float):
         self.layers = FusedLayers(*infos[0]["layers"])  # (every engine serves the same model)
-        self.targets = [(info["directory"], info["ranks"], _pools.setdefault(
-            engine._actor_id.hex(), SlotPool(FILE_BYTES))) for engine, info in zip(engines, infos)]
+        self.targets = [
+            (
+                info["directory"],
+                info["ranks"],
+                _pools.setdefault(engine._actor_id.hex(), SlotPool(FILE_BYTES)),
+            )
+            for engine, info in zip(engines, infos)
+        ]
         self.tag, self.timeout_s = f"-{sender[:12]}", timeout_s
         self.seq = itertools.count()
 
     @staticmethod
-    def begin(engines: Sequence, version: int, sender: str, nbytes_hint: int, timeout_s: float,
-              answers: Callable[[list, str], list]) -> LocalSync | None:
+    def begin(
+        engines: Sequence,
+        version: int,
+        sender: str,
+        nbytes_hint: int,
+        timeout_s: float,
+        answers: Callable[[list, str], list],
+    ) -> LocalSync | None:
         """Open the sync on every engine; a LocalSync when all of them are on this node and read from
         /dev/shm, else None (the sync is open all the same: the buckets then come through Ray)."""
         import ray
 
-        infos = answers([e.begin_weights.remote(version, sender, nbytes_hint) for e in engines],
-                        f"the start of weights version {version}")
-        if len(infos) != 1:  # several engines: one object-store copy that their workers copy in parallel
+        infos = answers(
+            [e.begin_weights.remote(version, sender, nbytes_hint) for e in engines],
+            f"the start of weights version {version}",
+        )
+        # several engines: one object-store copy that their workers copy in parallel
+        if len(infos) != 1:
             return None
         here, info = ray.get_runtime_context().get_node_id(), infos[0]
         # (the folder check: a Ray Client driver reports the head's node, and a private /dev/shm hides it)
-        if info["node"] != here or os.path.dirname(info["directory"]) != bucket_files.SHM or \
-                not os.path.isdir(os.path.join(info["directory"], str(info["ranks"][0]))):
+        if (
+            info["node"] != here
+            or os.path.dirname(info["directory"]) != bucket_files.SHM
+            or not os.path.isdir(os.path.join(info["directory"], str(info["ranks"][0])))
+        ):
             return None
         return LocalSync(engines, infos, sender, timeout_s)
 
@@ -75,10 +95,14 @@ class LocalSync:
             for directory, ranks, pool in self.targets:
                 try:
                     self._wait_for_room(directory, ranks)
-                    if pool.write(directory, seq, chunk, ranks, self.tag) is None:  # no slot free: a file
+                    # no slot free: a file
+                    if pool.write(directory, seq, chunk, ranks, self.tag) is None:
                         bucket_files.write_bucket(directory, seq, chunk, ranks, self.tag)
-                except FileNotFoundError as e:  # the sync's directory went with a failed reload: finish says why
-                    raise Ended(f"the engine's weight stream {directory} ended while buckets still came: {e}") from e
+                # the sync's directory went with a failed reload: finish says why
+                except FileNotFoundError as e:
+                    raise Ended(
+                        f"the engine's weight stream {directory} ended while buckets still came: {e}"
+                    ) from e
 
     def held_back(self) -> list:
         """The tensors of vLLM layers this sync has not completed (the RolloutWorker completes them)."""
@@ -88,17 +112,20 @@ class LocalSync:
         """The sync's reloads have ended: drop the slots the readers retired (``retired`` per engine,
         as ``finish_weights`` answered), or every slot the sync used when it failed (None)."""
         for i, (directory, _, pool) in enumerate(self.targets):
-            pool.end_sync(directory, failed=retired is None, retired=None if retired is None else retired[i])
+            pool.end_sync(
+                directory, failed=retired is None, retired=None if retired is None else retired[i]
+            )
 
     def _wait_for_room(self, directory: str, ranks: list[int]) -> None:
         deadline, nap = time.monotonic() + self.timeout_s, 1e-4
         while bucket_files.unread(directory, ranks) >= MAX_UNREAD:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine read no weight bucket of {directory} for {self.timeout_s:g} s")
+                raise TimeoutError(
+                    f"the engine read no weight bucket of {directory} for {self.timeout_s:g} s"
+                )
             time.sleep(nap)
             nap = min(2 * nap, 2e-3)
 
 
 class Ended(RuntimeError):
     """The engine's stream is gone; the transport asks the engine why (finish_weights raises it)."""
-

@@ -6,6 +6,7 @@ warm-started one (vLLM vs transformers differs as much there). In bf16 on a GPU:
 mean ~0.003 (config/parity_rules.py). Larger values mean the engine runs
 other weights or another computation than the trainer: a stale or corrupted sync, a config mismatch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,9 @@ from rlmega.config.parity_rules import PARITY_LIMITS, parity_limits  # noqa: F40
 log = logging.getLogger(__name__)
 
 
-def logprob_diff(rollout: list[torch.Tensor], actor: list[torch.Tensor],
-                 masks: list[torch.Tensor] | None = None) -> dict[str, float]:
+def logprob_diff(
+    rollout: list[torch.Tensor], actor: list[torch.Tensor], masks: list[torch.Tensor] | None = None
+) -> dict[str, float]:
     """Max and mean |rollout - actor| over response tokens (masked ones excluded).
 
     rollout, actor, masks: per sample (response_len,). Returns {"max": float, "mean": float}.
@@ -39,20 +41,26 @@ class ParityError(RuntimeError):
     """The engine and the trainer disagree on the log-probs of tokens sampled with the current weights."""
 
 
-def on_policy_diff(rollout: list[torch.Tensor], actor: list[torch.Tensor], masks: list[torch.Tensor],
-                   fresh: list[bool]) -> dict[str, float]:
+def on_policy_diff(
+    rollout: list[torch.Tensor],
+    actor: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    fresh: list[bool],
+) -> dict[str, float]:
     """``logprob_diff`` over the samples whose every token the current weights sampled (``fresh[i]``).
 
     Only those must agree: a stale sample's rollout log-probs are an older policy's. Returns
     {"max", "mean", "samples"} (max and mean 0.0 when no sample is fresh).
     """
     keep = [i for i, f in enumerate(fresh) if f]
-    diff = logprob_diff([rollout[i] for i in keep], [actor[i] for i in keep], [masks[i] for i in keep])
+    diff = logprob_diff(
+        [rollout[i] for i in keep], [actor[i] for i in keep], [masks[i] for i in keep]
+    )
     return {**diff, "samples": len(keep)}
 
 
 def parity_verdict(diff_max: float, warn: float, stop: float) -> str:
-    """"ok", "warn" (past ``warn``) or "stop" (past ``stop``); a NaN difference stops."""
+    """ "ok", "warn" (past ``warn``) or "stop" (past ``stop``); a NaN difference stops."""
     if not diff_max <= stop:
         return "stop"
     return "warn" if not diff_max <= warn else "ok"
@@ -67,7 +75,14 @@ class ParityGuard:
     tokens) the guard is off.
     """
 
-    def __init__(self, dtype: str, warn: float | None, stop: float | None, top_p: float = 1.0, top_k: int = -1):
+    def __init__(
+        self,
+        dtype: str,
+        warn: float | None,
+        stop: float | None,
+        top_p: float = 1.0,
+        top_k: int = -1,
+    ):
         self.warn, self.stop = parity_limits(dtype, warn, stop)
         self.off = top_p < 1 or top_k > 0
         if self.off:
@@ -78,13 +93,20 @@ class ParityGuard:
             return None
         value, step = metrics["parity_max"], metrics["step"]
         verdict = parity_verdict(value, self.warn, self.stop)
-        what = (f"step {step}: the engine's log-probs of {metrics['parity_samples']} samples it drew with the "
-                f"current weights differ from the trainer's by up to {value:.3g} (mean over all samples "
-                f"{metrics.get('logprob_diff_mean', float('nan')):.3g})")
+        what = (
+            f"step {step}: the engine's log-probs of {metrics['parity_samples']} samples it drew with the "
+            f"current weights differ from the trainer's by up to {value:.3g} (mean over all samples "
+            f"{metrics.get('logprob_diff_mean', float('nan')):.3g})"
+        )
         if verdict == "warn":
-            log.warning("%s, above rollout.parity_warn=%g: the engine may hold other weights than the trainer", what,
-                        self.warn)
+            log.warning(
+                "%s, above rollout.parity_warn=%g: the engine may hold other weights than the trainer",
+                what,
+                self.warn,
+            )
         elif verdict == "stop":
-            return (f"{what}, above rollout.parity_stop={self.stop:g}: the engine samples from other weights than "
-                    "the trainer (a missed or corrupted weight sync, a config mismatch between engine and trainer)")
+            return (
+                f"{what}, above rollout.parity_stop={self.stop:g}: the engine samples from other weights than "
+                "the trainer (a missed or corrupted weight sync, a config mismatch between engine and trainer)"
+            )
         return None

@@ -14,6 +14,7 @@ piece straight to its place in the shared-memory slot the engine reads (the one 
 
 Which block of which HF tensor a Megatron shard is: rlmega/megatron/hf_weights.py ``hf_pieces``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,8 @@ import torch
 class Piece:
     tensor: torch.Tensor  # contiguous; the block itself
     full_shape: tuple[int, ...]  # the HF tensor's
-    dim: int  # the block is full[start:start + tensor.shape[dim]] along this dimension, whole along the others
+    # the block is full[start:start + tensor.shape[dim]] along this dimension, whole along the others
+    dim: int
     start: int
     of: int  # pieces that make the tensor (the TP size); every one is sent, empty ones too
 
@@ -72,12 +74,16 @@ class Assembler:
     """
 
     def __init__(self):
-        self._held: dict[tuple[int, str], list[tuple[Piece, Any]]] = {}  # (version, name) -> (piece, sender)s
+        # (version, name) -> (piece, sender)s
+        self._held: dict[tuple[int, str], list[tuple[Piece, Any]]] = {}
         self._lock = threading.Lock()
-        self.held_bytes = 0  # of the pieces held now (zero-copy views pin their object-store buffers)
+        # of the pieces held now (zero-copy views pin their object-store buffers)
+        self.held_bytes = 0
         self._held_by: dict[Any, int] = {}  # the same per sender
 
-    def add(self, named: list[tuple[str, Any]], version: int, sender: Any = None) -> list[tuple[str, Any]]:
+    def add(
+        self, named: list[tuple[str, Any]], version: int, sender: Any = None
+    ) -> list[tuple[str, Any]]:
         """``named`` with its pieces taken out; the tensors they complete added as ``Assembled``."""
         out = []
         with self._lock:
@@ -132,22 +138,39 @@ def _checked(name: str, pieces: list[Piece]) -> Assembled:
     """The pieces as one tensor, once they are seen to tile it exactly (a sender bug otherwise)."""
     first = pieces[0]
     for p in pieces:
-        if (tuple(p.full_shape), p.dim, p.dtype, p.of) != (tuple(first.full_shape), first.dim, first.dtype, first.of):
-            raise ValueError(f"pieces of {name!r} disagree: shape {tuple(p.full_shape)} vs {tuple(first.full_shape)}, "
-                             f"dim {p.dim} vs {first.dim}, dtype {p.dtype} vs {first.dtype}")
+        if (tuple(p.full_shape), p.dim, p.dtype, p.of) != (
+            tuple(first.full_shape),
+            first.dim,
+            first.dtype,
+            first.of,
+        ):
+            raise ValueError(
+                f"pieces of {name!r} disagree: shape {tuple(p.full_shape)} vs {tuple(first.full_shape)}, "
+                f"dim {p.dim} vs {first.dim}, dtype {p.dtype} vs {first.dtype}"
+            )
         want = list(first.full_shape)
         want[p.dim] = p.tensor.shape[p.dim] if p.tensor.dim() == len(want) else -1
-        if list(p.tensor.shape) != want or p.start < 0 or p.start + want[p.dim] > first.full_shape[p.dim]:
-            raise ValueError(f"a piece of {name!r} of shape {tuple(p.tensor.shape)} at {p.start} along dim {p.dim} "
-                             f"does not fit the whole {tuple(first.full_shape)}")
+        if (
+            list(p.tensor.shape) != want
+            or p.start < 0
+            or p.start + want[p.dim] > first.full_shape[p.dim]
+        ):
+            raise ValueError(
+                f"a piece of {name!r} of shape {tuple(p.tensor.shape)} at {p.start} along dim {p.dim} "
+                f"does not fit the whole {tuple(first.full_shape)}"
+            )
     spans = sorted((p.start, p.start + p.tensor.shape[p.dim]) for p in pieces if p.tensor.numel())
     covered = 0
     for lo, hi in spans:
         if lo != covered:
-            raise ValueError(f"the pieces of {name!r} along dim {first.dim} leave a gap or overlap at "
-                             f"{min(lo, covered)} (blocks {spans} of {first.full_shape[first.dim]})")
+            raise ValueError(
+                f"the pieces of {name!r} along dim {first.dim} leave a gap or overlap at "
+                f"{min(lo, covered)} (blocks {spans} of {first.full_shape[first.dim]})"
+            )
         covered = hi
     if covered != first.full_shape[first.dim]:
-        raise ValueError(f"the pieces of {name!r} cover {covered} of {first.full_shape[first.dim]} "
-                         f"along dim {first.dim}")
+        raise ValueError(
+            f"the pieces of {name!r} cover {covered} of {first.full_shape[first.dim]} "
+            f"along dim {first.dim}"
+        )
     return Assembled(name, sorted(pieces, key=lambda p: p.start))

@@ -32,6 +32,7 @@ Bounds: the pool grows only when no slot is free, up to ``POOL_BYTES`` and only 
 room for the fresh-file path besides (Docker's 64 MB /dev/shm gets no slot); past that a bucket goes
 as a new file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,8 @@ from rlmega.sync import bucket_files
 # Enough for a few buckets of a few tens of MB in flight and a few held to the reload's end, and for a
 # model's largest layer (an embedding) in a slot of its own.
 POOL_BYTES = 512 << 20
-SLOT, RETIRED = "slot-", "retired-"  # in a sync directory: a slot's first path; a reader's word that it is retired
+# in a sync directory: a slot's first path; a reader's word that it is retired
+SLOT, RETIRED = "slot-", "retired-"
 _MB = 1 << 20
 
 
@@ -62,7 +64,8 @@ class _Slot:
         try:
             # Pages now: a full /dev/shm fails here (the bucket goes as a file), not as SIGBUS mid-copy.
             os.posix_fallocate(fd, 0, nbytes)
-            self.data = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)  # holds the mapping
+            # holds the mapping
+            self.data = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
         except BaseException:
             os.unlink(path)
             raise
@@ -77,9 +80,15 @@ class _Slot:
         # A ticket is renamed <seq>.held at most once, then unlinked: a check of the first name, then
         # of the second, cannot miss one that is moving. A reader retiring the slot marks it before it
         # unlinks the ticket, so the mark is looked for after the tickets: one of the two is seen.
-        return not self.writing and not any(
-            os.path.exists(t) or os.path.exists(t.removesuffix(bucket_files.TICKET) + bucket_files.HELD)
-            for t in self.tickets) and not os.path.exists(self.retired_mark())
+        return (
+            not self.writing
+            and not any(
+                os.path.exists(t)
+                or os.path.exists(t.removesuffix(bucket_files.TICKET) + bucket_files.HELD)
+                for t in self.tickets
+            )
+            and not os.path.exists(self.retired_mark())
+        )
 
     def retired_mark(self) -> str:
         return retired_mark(self.sync or "", self.path)
@@ -98,7 +107,9 @@ class SlotPool:
         self._slots: list[_Slot] = []
         self._lock = threading.Lock()
 
-    def write(self, directory: str, seq: int, named_tensors: list, ranks: list[int], tag: str = "") -> int | None:
+    def write(
+        self, directory: str, seq: int, named_tensors: list, ranks: list[int], tag: str = ""
+    ) -> int | None:
         """Write a bucket into a free slot and hand it to every rank's folder of sync ``directory``;
         its tensor bytes, or None when no slot can take it (write a file instead). ``tag``: this
         writer's mark in the ticket's name (several processes write into one sync)."""
@@ -110,12 +121,15 @@ class SlotPool:
             return None
         name = f"{seq:08d}{tag}{bucket_files.TICKET}"
         try:
-            slot.data[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+            slot.data[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
             for t, off in parts:
-                if isinstance(t, Assembled):  # TP ranks' blocks, each copied to its place: no copy of its own
-                    t.write_into(slot.data[start + off:start + off + t.nbytes])
+                # TP ranks' blocks, each copied to its place: no copy of its own
+                if isinstance(t, Assembled):
+                    t.write_into(slot.data[start + off : start + off + t.nbytes])
                 elif t.nbytes:
-                    slot.data[start + off:start + off + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                    slot.data[start + off : start + off + t.nbytes].copy_(
+                        t.reshape(-1).view(torch.uint8)
+                    )
             # (before the links: a rank that got its ticket holds the slot even if linking the next fails)
             slot.tickets = [os.path.join(directory, str(r), name) for r in ranks]
             bucket_files.hand_over(directory, name, slot.path.encode(), ranks)
@@ -133,13 +147,15 @@ class SlotPool:
             return slot
 
     def _grow(self, nbytes: int, directory: str) -> _Slot | None:
-        size = 1 << max(nbytes - 1, _MB - 1).bit_length()  # powers of two: a slot serves buckets of similar size
+        # powers of two: a slot serves buckets of similar size
+        size = 1 << max(nbytes - 1, _MB - 1).bit_length()
         if sum(s.nbytes for s in self._slots) + size > self.cap_bytes:
             return None
         # only in shared memory (not the temporary directory open_sync_dir falls back to), leaving it the
         # room open_sync_dir wants for bucket files (three buckets and 64 MiB)
-        if os.path.dirname(directory) != self.shm or \
-                shutil.disk_usage(self.shm).free < size + 3 * self.file_bytes + (64 << 20):
+        if os.path.dirname(directory) != self.shm or shutil.disk_usage(
+            self.shm
+        ).free < size + 3 * self.file_bytes + (64 << 20):
             return None
         try:
             slot = _Slot(os.path.join(directory, SLOT + uuid.uuid4().hex), size)
@@ -152,12 +168,17 @@ class SlotPool:
         """Sync ``directory``'s reload has returned; call before removing the directory, or pass the
         ``retired-<id>`` marks found in it. Drops the slots its readers retired, or, when it failed,
         every slot it used (a model worker of the failed reload may still read them)."""
+
         def is_retired(s: _Slot) -> bool:
             mark = s.retired_mark()
-            return os.path.basename(mark) in retired if retired is not None else os.path.exists(mark)
+            return (
+                os.path.basename(mark) in retired if retired is not None else os.path.exists(mark)
+            )
 
         with self._lock:
-            self._slots = [s for s in self._slots if s.sync != directory or not (failed or is_retired(s))]
+            self._slots = [
+                s for s in self._slots if s.sync != directory or not (failed or is_retired(s))
+            ]
 
     def close(self) -> None:
         """Forget every slot (a mapping goes with the last view of it: never unmapped under a writer)."""
@@ -173,8 +194,10 @@ class SlotReader:
     of the running reload whose tickets wait for their tensors to go."""
 
     def __init__(self):
-        self._maps: dict[str, mmap.mmap] = {}  # a slot's first path (gone after its first sync) -> its mapping
-        self._held: list[list] = []  # [ticket path (its current name), StorageWeakRef of the read, slot path]
+        # a slot's first path (gone after its first sync) -> its mapping
+        self._maps: dict[str, mmap.mmap] = {}
+        # [ticket path (its current name), StorageWeakRef of the read, slot path]
+        self._held: list[list] = []
 
     def read(self, ticket: str) -> list[tuple[str, torch.Tensor]]:
         """The tensors of the bucket ``ticket`` hands over, as views of the slot's mapping."""
@@ -192,7 +215,8 @@ class SlotReader:
             self._maps[slot] = m
         with warnings.catch_warnings():  # "not writable": on purpose (above)
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(m, dtype=torch.uint8)  # a storage per read: its weakref says when it goes
+            # a storage per read: its weakref says when it goes
+            data = torch.frombuffer(m, dtype=torch.uint8)
         self._held.append([ticket, StorageWeakRef(data.untyped_storage()), slot])
         return bucket_files.views(m, data)
 
@@ -217,7 +241,8 @@ class SlotReader:
         for ticket, ref, slot in self._held:
             if not ref.expired():
                 sync_dir = os.path.dirname(os.path.dirname(ticket))  # <sync>/<rank>/<seq>.held
-                with contextlib.suppress(FileNotFoundError):  # (gone: the sync failed, all its slots retire)
+                # (gone: the sync failed, all its slots retire)
+                with contextlib.suppress(FileNotFoundError):
                     open(retired_mark(sync_dir, slot), "w").close()  # before the ticket goes
                 self._maps.pop(slot, None)  # (the views hold the mapping as long as they live)
             with contextlib.suppress(FileNotFoundError):

@@ -7,6 +7,7 @@ tensor or Piece) in the model's order, gathered one parameter at a time, so only
 is ever held in full. Every rank iterates it to the end (the gathers are collectives); the sender hands
 each bucket to the transport (rlmega/sync/transports.py), the others only take part in the gathers.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator
@@ -16,7 +17,9 @@ import torch
 from rlmega.sync.pieces import Piece
 
 
-def buckets(tensors: Iterable, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor | Piece]]]:
+def buckets(
+    tensors: Iterable, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor | Piece]]]:
     """``tensors`` grouped into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
     bucket, size = [], 0
     for name, value in tensors:
@@ -30,7 +33,9 @@ def buckets(tensors: Iterable, bucket_bytes: int) -> Iterator[list[tuple[str, to
         yield bucket
 
 
-def stream_weights(tensors: Iterable, transport, version: int, bucket_bytes: int, sender: bool) -> dict:
+def stream_weights(
+    tensors: Iterable, transport, version: int, bucket_bytes: int, sender: bool
+) -> dict:
     """Send ``tensors`` (when ``sender``) to the engines through ``transport`` as weights ``version``, in
     buckets of at most ``bucket_bytes``; ``flush`` at the end (every bucket loaded). The transport's
     ``begin`` (when it has one) opens the engines' reload before the first bucket is gathered.
@@ -49,7 +54,9 @@ def stream_weights(tensors: Iterable, transport, version: int, bucket_bytes: int
         for name, t in bucket:
             sent["tensors"] += 1
             sent["bytes"] += t.nbytes  # (a piece's: its block's)
-            sent["names_and_shapes"].append((name, tuple(t.full_shape if isinstance(t, Piece) else t.shape)))
+            sent["names_and_shapes"].append(
+                (name, tuple(t.full_shape if isinstance(t, Piece) else t.shape))
+            )
     if sender:
         transport.flush()  # a pipelined transport may still be loading the last buckets
     return sent

@@ -30,6 +30,7 @@ start: rlmega/sync/local_slots.py): the engine loads a sync's buckets in ONE vLL
 ``begin_weights`` or the first bucket and closed once every sender has finished
 (rlmega/rollout/weight_stream.py). ``sender`` is a key per transport copy.
 """
+
 from __future__ import annotations
 
 import collections
@@ -51,9 +52,13 @@ def _tensors_from_bytes(names, arrays, dtypes, shapes, places=None) -> Bucket:
     with warnings.catch_warnings():
         # "The given NumPy array is not writable": the engine's weight loaders only read them.
         warnings.simplefilter("ignore", UserWarning)
-        tensors = [torch.from_numpy(a).view(dt).reshape(sh) for a, dt, sh in zip(arrays, dtypes, shapes)]
-    return [(n, t if place is None else Piece(t, *place))
-            for n, t, place in zip(names, tensors, places or [None] * len(tensors))]
+        tensors = [
+            torch.from_numpy(a).view(dt).reshape(sh) for a, dt, sh in zip(arrays, dtypes, shapes)
+        ]
+    return [
+        (n, t if place is None else Piece(t, *place))
+        for n, t, place in zip(names, tensors, places or [None] * len(tensors))
+    ]
 
 
 class _RawBucket:
@@ -70,11 +75,21 @@ class _RawBucket:
         self.bucket = bucket
 
     def __reduce__(self):
-        ts = [(t.tensor if isinstance(t, Piece) else t).detach().cpu().contiguous() for _, t in self.bucket]
-        places = [(p.full_shape, p.dim, p.start, p.of) if isinstance(p, Piece) else None for _, p in self.bucket]
-        return _tensors_from_bytes, ([n for n, _ in self.bucket], [byte_array(t) for t in ts],
-                                     [t.dtype for t in ts], [tuple(t.shape) for t in ts],
-                                     places if any(places) else None)
+        ts = [
+            (t.tensor if isinstance(t, Piece) else t).detach().cpu().contiguous()
+            for _, t in self.bucket
+        ]
+        places = [
+            (p.full_shape, p.dim, p.start, p.of) if isinstance(p, Piece) else None
+            for _, p in self.bucket
+        ]
+        return _tensors_from_bytes, (
+            [n for n, _ in self.bucket],
+            [byte_array(t) for t in ts],
+            [t.dtype for t in ts],
+            [tuple(t.shape) for t in ts],
+            places if any(places) else None,
+        )
 
 
 class _Sender:
@@ -116,7 +131,9 @@ class DirectTransport(_Sender):
             try:
                 engine.finish_weights(version, self.sender)
             except Exception as e:
-                raise RuntimeError(f"rollout engine {i} failed to load weights version {version}: {e}") from e
+                raise RuntimeError(
+                    f"rollout engine {i} failed to load weights version {version}: {e}"
+                ) from e
 
 
 class RayTransport(_Sender):
@@ -151,7 +168,8 @@ class RayTransport(_Sender):
         self.engines, self.timeout_s, self.max_in_flight = list(engines), timeout_s, max_in_flight
         self._in_flight: collections.deque = collections.deque()  # (refs, what), oldest first
         self._version: int | None = None
-        self._local = None  # this sync's LocalSync, when its one engine is on this node (set by begin)
+        # this sync's LocalSync, when its one engine is on this node (set by begin)
+        self._local = None
 
     def begin(self, version: int, nbytes_hint: int) -> None:
         """Open the sync on every engine before the first bucket is ready (their reloads start while
@@ -160,7 +178,9 @@ class RayTransport(_Sender):
         if self._version is None and self.local_slots:
             from rlmega.sync.local_slots import LocalSync
 
-            self._local = LocalSync.begin(self.engines, version, self.sender, nbytes_hint, self.timeout_s, self._wait)
+            self._local = LocalSync.begin(
+                self.engines, version, self.sender, nbytes_hint, self.timeout_s, self._wait
+            )
         self._version = version
 
     def send(self, bucket: Bucket, version: int) -> None:
@@ -186,7 +206,9 @@ class RayTransport(_Sender):
             self._wait(*self._in_flight.popleft())
         ref = self._put(bucket)  # once, shared by all engines
         refs = [e.receive_weights.remote(ref, version, self.sender) for e in self.engines]
-        self._in_flight.append((refs, f"the bucket starting with {bucket[0][0]!r} (weights version {version})"))
+        self._in_flight.append(
+            (refs, f"the bucket starting with {bucket[0][0]!r} (weights version {version})")
+        )
 
     def _write_local(self, bucket: Bucket) -> None:
         from rlmega.sync.local_slots import Ended
@@ -204,15 +226,18 @@ class RayTransport(_Sender):
         local, self._local = self._local, None
         retired = None
         try:
-            if local is not None:  # layers it could not complete: the RolloutWorker holds their other tensors
+            # layers it could not complete: the RolloutWorker holds their other tensors
+            if local is not None:
                 rest = local.held_back()
                 if rest:
                     self._send_through_store(rest, version)
             while self._in_flight:
                 self._wait(*self._in_flight.popleft())
             if version is not None:
-                retired = self._wait([e.finish_weights.remote(version, self.sender) for e in self.engines],
-                                     f"weights version {version}")
+                retired = self._wait(
+                    [e.finish_weights.remote(version, self.sender) for e in self.engines],
+                    f"weights version {version}",
+                )
         finally:
             self._in_flight.clear()  # after an error the rest is abandoned, not waited on again
             if local is not None:
@@ -235,7 +260,9 @@ class RayTransport(_Sender):
         _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         if late:
             late_ids = {r.hex() for r in late}
-            names = ", ".join(f"rollout engine {i}" for i, r in enumerate(refs) if r.hex() in late_ids)
+            names = ", ".join(
+                f"rollout engine {i}" for i, r in enumerate(refs) if r.hex() in late_ids
+            )
             raise TimeoutError(f"{names} did not load {what} within {self.timeout_s:g} s")
         out = []
         for i, ref in enumerate(refs):

@@ -1,4 +1,5 @@
 """Synthetic RolloutBatches for tests and benchmarks (no rollout engine needed)."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,14 @@ from rlmega.algorithms import advantages as adv_lib
 from rlmega.data.rollout_batch import RolloutBatch
 
 
-def random_batch(n: int = 8, vocab: int = 59, seed: int = 0, prompt_len=(3, 7), response_len=(2, 9),
-                 group_size: int = 2) -> RolloutBatch:
+def random_batch(
+    n: int = 8,
+    vocab: int = 59,
+    seed: int = 0,
+    prompt_len=(3, 7),
+    response_len=(2, 9),
+    group_size: int = 2,
+) -> RolloutBatch:
     """n samples of random tokens with GRPO advantages from random 0/1 rewards.
 
     Response masks drop the last token of every third sample (as a truncated tool output would).
@@ -28,7 +35,11 @@ def random_batch(n: int = 8, vocab: int = 59, seed: int = 0, prompt_len=(3, 7), 
     rewards = torch.randint(0, 2, (n,), generator=g).float()
     seq_adv = adv_lib.grpo(rewards, group_ids)
     return RolloutBatch(
-        tokens=tokens, prompt_lens=torch.tensor(prompt_lens), response_mask=masks, group_ids=group_ids,
-        sample_ids=torch.arange(n), rewards=rewards,
+        tokens=tokens,
+        prompt_lens=torch.tensor(prompt_lens),
+        response_mask=masks,
+        group_ids=group_ids,
+        sample_ids=torch.arange(n),
+        rewards=rewards,
         advantages=[torch.full((len(m),), float(a)) for m, a in zip(masks, seq_adv)],
     )

@@ -1,4 +1,5 @@
 """Fault injection for tests: wrappers that break one thing on purpose."""
+
 from __future__ import annotations
 
 import dataclasses

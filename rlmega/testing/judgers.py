@@ -1,4 +1,5 @@
 """Judge functions for tests, importable by dotted path (Ray actors import them too)."""
+
 from __future__ import annotations
 
 import asyncio

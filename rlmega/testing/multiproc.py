@@ -18,6 +18,7 @@ the first rank that raises ends the run (the others are killed) with that rank's
 a rank that dies without reporting (segfault, ``os._exit``) ends it with its exit code, and
 the deadline kills everything and names the ranks that were still running.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -44,8 +45,16 @@ def free_port() -> int:
 # Imported once by the forkserver (see the module docstring), with the collector off, then frozen
 # (rlmega/testing/rank_preload.py, the server's one preload); third-party only, so rlmega's own code (but
 # this module and that one) is imported by each rank as it is now.
-WARM = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
-        "megatron.core.optimizer", "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel"]
+WARM = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.pipeline_parallel",
+]
 PRELOAD = ["rlmega.testing.rank_preload"]
 
 
@@ -86,7 +95,9 @@ def _adopt_fd(dup) -> int:
     return adopt_listening(socket.socket(fileno=dup.detach()))
 
 
-def _rank_main(body, rank, world_size, port, args, kwargs, env, results, stdio=None, adopted_port=None):
+def _rank_main(
+    body, rank, world_size, port, args, kwargs, env, results, stdio=None, adopted_port=None
+):
     # adopted_port: rank 0's store socket, adopted by bound_store as it was unpickled (_ListeningFd)
     if stdio is not None:
         sys.stdout.flush()
@@ -97,8 +108,12 @@ def _rank_main(body, rank, world_size, port, args, kwargs, env, results, stdio=N
             os.close(fd)
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
         # A preloaded torch read OMP_NUM_THREADS in the forkserver, where this env was not set.
@@ -145,9 +160,18 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(body, r, world_size, port, tuple(args), kwargs or {}, rank_env, results,
-                  _ParentStdio() if start_method == "forkserver" else None,
-                  _ListeningFd(store_socket) if r == 0 else None),
+            args=(
+                body,
+                r,
+                world_size,
+                port,
+                tuple(args),
+                kwargs or {},
+                rank_env,
+                results,
+                _ParentStdio() if start_method == "forkserver" else None,
+                _ListeningFd(store_socket) if r == 0 else None,
+            ),
             name=f"rank{r}",
             # Not daemonic: ranks may start helpers of their own (Megatron's checkpoint
             # writer does). The finally-block below kills them instead.
@@ -169,10 +193,14 @@ def run_on_ranks(
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if r not in out and not p.is_alive() and p.exitcode not in (None, 0):
-                        raise RankFailed(f"rank {r} died with exit code {p.exitcode} before reporting")
+                        raise RankFailed(
+                            f"rank {r} died with exit code {p.exitcode} before reporting"
+                        )
                 if time.monotonic() > deadline:
                     pending = sorted(set(range(world_size)) - set(out))
-                    raise RankFailed(f"timed out after {timeout_s:.0f}s; ranks still running: {pending}")
+                    raise RankFailed(
+                        f"timed out after {timeout_s:.0f}s; ranks still running: {pending}"
+                    )
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} raised:\n{value}")

@@ -6,6 +6,7 @@ Every rank is forked from this server, and each collection in a rank walked the 
 page by page from the server: 0.35-0.38 s a full collection, 0.08-0.10 s frozen. The server does nothing but
 import and fork; no rlmega module here uses these libraries (only rlmega/megatron/ imports megatron-core).
 """
+
 import gc
 import importlib
 

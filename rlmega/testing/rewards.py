@@ -1,4 +1,5 @@
 """Reward functions for tests: deterministic and never constant on random models."""
+
 import inspect
 
 
@@ -31,7 +32,8 @@ def _raising_line(fn, text: str) -> str:
     return f"{inspect.getsourcefile(fn)}:{first + next(i for i, line in enumerate(lines) if text in line)}"
 
 
-FLAKY_RAISES_AT = _raising_line(flaky, "raise ZeroDivisionError")  # what a judger's error names (issue 56)
+# what a judger's error names (issue 56)
+FLAKY_RAISES_AT = _raising_line(flaky, "raise ZeroDivisionError")
 
 
 def faulty_arithmetic(response_text: str, label: str, hang_s: float = 30.0, **kwargs) -> float:

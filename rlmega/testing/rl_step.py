@@ -6,6 +6,7 @@ Rewards are arbitrary but fixed (the parity of each sample's token sum), so a te
 every run; advantages are GRPO's over ``batch.group_ids``; old log-probs come from ``compute_logprobs``
 (so an MoE actor's router_mismatch is measured as in a real RL step).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,12 @@ def train_step_on_fixed_rewards(group, batch: RolloutBatch) -> dict:
     rewards = torch.tensor([float(sum(s.tolist()) % 2) for s in batch.tokens])
     seq_adv = advantages.grpo(rewards, batch.group_ids)
     old = group.call("compute_logprobs", batch)[0]
-    train = dataclasses.replace(batch, old_logprobs=old, rewards=rewards,
-                                advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)])
+    train = dataclasses.replace(
+        batch,
+        old_logprobs=old,
+        rewards=rewards,
+        advantages=[torch.full_like(o, float(a)) for o, a in zip(old, seq_adv)],
+    )
     return group.call("train_step", train)[0]
 
 

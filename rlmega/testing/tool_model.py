@@ -10,6 +10,7 @@ below that test's 8 (how well the format sits after a short training depends on 
 
     path = make_tool_model(tmp_path / "tool_model")   # 300 steps, ~18 s on 2 cores
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +18,9 @@ from pathlib import Path
 import torch
 
 
-def make_tool_model(out_dir, steps: int = 300, batch: int = 16, lr: float = 3e-3, seed: int = 0) -> Path:
+def make_tool_model(
+    out_dir, steps: int = 300, batch: int = 16, lr: float = 3e-3, seed: int = 0
+) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlmega.agents.sft import sft_example
@@ -25,8 +28,15 @@ def make_tool_model(out_dir, steps: int = 300, batch: int = 16, lr: float = 3e-3
     from rlmega.data.arithmetic import make_problems
     from rlmega.demo.tiny_model import make_tiny_model
 
-    path = make_tiny_model(out_dir, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2, seed=seed,
-                           overwrite=True)
+    path = make_tiny_model(
+        out_dir,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=2,
+        seed=seed,
+        overwrite=True,
+    )
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     loop = AgentLoopConfig(kind="tool", tools=["calculator"])
@@ -48,8 +58,9 @@ def make_tool_model(out_dir, steps: int = 300, batch: int = 16, lr: float = 3e-3
                 ids[r, : len(rows[i][0])] = torch.tensor(rows[i][0])
                 weight[r, : len(rows[i][1])] = torch.tensor(rows[i][1])
             logits = model(ids).logits[:, :-1]
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                    reduction="none").view(batch, -1)
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+            ).view(batch, -1)
             loss = (nll * weight[:, 1:]).sum() / weight[:, 1:].sum()
             opt.zero_grad()
             loss.backward()

@@ -7,6 +7,7 @@ Rank 0 builds a Probe on every rank, checks that calls return every rank's answe
 rank 2 raises while rank 0's own share hangs (as it would in a collective waiting for rank 2): the
 group must report rank 2 by name at once. Prints one JSON line.
 """
+
 import json
 import os
 import sys
@@ -46,7 +47,9 @@ class Probe:
 def main() -> int:
     if torchrun_group.rank():
         return torchrun_group.serve()
-    group = torchrun_group.TorchrunGroup(Probe, torchrun_group.world_size(), ("t",), ray_address=None, timeout_s=60)
+    group = torchrun_group.TorchrunGroup(
+        Probe, torchrun_group.world_size(), ("t",), ray_address=None, timeout_s=60
+    )
     out = {"calls": group.call("whoami", 7)}
     out["rank0"] = group.call_rank0("whoami", 8)
     out["rank0_raw"] = group._send(("call_rank0", ("whoami", (9,), {})))  # what each rank sent back
@@ -55,8 +58,12 @@ def main() -> int:
     try:
         group.call("fail", 2)
     except torchrun_group.WorkerGroupError as e:
-        out.update(error=str(e), worker=e.worker, cause=type(e.cause).__name__,
-                   traceback="fails on purpose" in e.remote_traceback)
+        out.update(
+            error=str(e),
+            worker=e.worker,
+            cause=type(e.cause).__name__,
+            traceback="fails on purpose" in e.remote_traceback,
+        )
     out["seconds_to_report"] = time.monotonic() - start
     group.shutdown()
     print(json.dumps(out), flush=True)

@@ -9,6 +9,7 @@ taught; what it writes after the zoomed image comes back is up to it (often anot
 
     path = make_zoom_vlm(tmp_path / "zoom_vlm")   # 120 steps, ~15 s on 2 cores
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +19,9 @@ import torch
 BOX = "25 25 75 75"
 
 
-def make_zoom_vlm(out_dir, steps: int = 120, batch: int = 8, lr: float = 3e-3, seed: int = 0) -> Path:
+def make_zoom_vlm(
+    out_dir, steps: int = 120, batch: int = 8, lr: float = 3e-3, seed: int = 0
+) -> Path:
     from transformers import AutoModelForImageTextToText
 
     from rlmega.agents.tool_protocol import format_call
@@ -43,7 +46,7 @@ def make_zoom_vlm(out_dir, steps: int = 120, batch: int = 8, lr: float = 3e-3, s
             loss = 0.0
             for i in torch.randint(len(rows), (batch,), generator=g).tolist():
                 ids, plen, vision = rows[i]
-                logits = model(input_ids=ids[None], **vision).logits[0, plen - 1:-1]
+                logits = model(input_ids=ids[None], **vision).logits[0, plen - 1 : -1]
                 loss = loss + torch.nn.functional.cross_entropy(logits, ids[plen:]) / batch
             opt.zero_grad()
             loss.backward()

@@ -5,6 +5,7 @@ The helpers are plain functions: a test module imports them (``from conftest imp
 puts tests/e2e on sys.path). ``pytest_collect_file`` below makes ``conftest`` name this module while an e2e
 test module is imported, even when another folder's conftest.py was loaded since (tests/gpu has one).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,16 @@ def tiny_model(tmp_path_factory) -> str:
     a session. Read-only: a test that changes weights copies it first."""
     from rlmega.demo.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny", hidden_size=256, num_heads=4,
-                               num_kv_heads=2, num_layers=4, seed=0))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("tiny_model") / "tiny",
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            num_layers=4,
+            seed=0,
+        )
+    )
 
 
 def env(**extra) -> dict:
@@ -60,8 +69,11 @@ def read_metrics(run_dir) -> list[dict]:
 def same_numbers(a: dict, b: dict) -> dict:
     """The metrics of two runs that differ (times aside): {name: (a, b)}."""
     timing = {"tokens_per_s", "engine_busy_fraction", "trainer_busy_fraction"}
-    return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys()
-            if not k.startswith("time") and k not in timing and a.get(k) != b.get(k)}
+    return {
+        k: (a.get(k), b.get(k))
+        for k in a.keys() | b.keys()
+        if not k.startswith("time") and k not in timing and a.get(k) != b.get(k)
+    }
 
 
 def with_fault(cmd: list[str], fault: str, n: int) -> list[str]:
@@ -73,27 +85,45 @@ def with_fault(cmd: list[str], fault: str, n: int) -> list[str]:
 
 def steps_logged(run_dir, n: int) -> Callable[[], bool]:
     """True once the run has logged ``n`` steps."""
+
     def when() -> bool:
         return (Path(run_dir) / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= n
+
     when.what = f"step {n}"
     return when
 
 
 def checkpointed(run_dir) -> Callable[[], bool]:
     """True once the run has written its first checkpoint."""
+
     def when() -> bool:
         return (Path(run_dir) / "checkpoints" / "latest").exists()
+
     when.what = "a checkpoint"
     return when
 
 
-def kill_9(cmd: list[str], when: Callable[[], bool], *, tag: str | None = None, stdout=subprocess.DEVNULL,
-           timeout: float = 500, poll_s: float = 0.5, while_waiting: Callable[[], None] | None = None) -> None:
+def kill_9(
+    cmd: list[str],
+    when: Callable[[], bool],
+    *,
+    tag: str | None = None,
+    stdout=subprocess.DEVNULL,
+    timeout: float = 500,
+    poll_s: float = 0.5,
+    while_waiting: Callable[[], None] | None = None,
+) -> None:
     """Start ``cmd`` (a session of its own, from the repository root), wait until ``when()``, then SIGKILL its
     whole process group: the driver dies with no chance to clean up. ``tag`` goes into the environment of every
     process the run starts (:func:`tagged_processes` finds them); ``while_waiting`` is called at each poll."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=env(**({"RLMEGA_TEST_TAG": tag} if tag else {})))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=stdout,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env(**({"RLMEGA_TEST_TAG": tag} if tag else {})),
+    )
     deadline = time.monotonic() + timeout
     try:
         while not when():
@@ -114,7 +144,10 @@ def tagged_processes(tag: str) -> set[int]:
     found = set()
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and f"RLMEGA_TEST_TAG={tag}".encode() in (proc / "environ").read_bytes():
+            if (
+                proc.name.isdigit()
+                and f"RLMEGA_TEST_TAG={tag}".encode() in (proc / "environ").read_bytes()
+            ):
                 found.add(int(proc.name))
         except OSError:  # gone, or not ours to read
             pass

@@ -1,4 +1,5 @@
 """The `rlmega` command as a user runs it: a real subprocess of the installed console script."""
+
 import os
 import re
 import shutil
@@ -13,12 +14,19 @@ RLMEGA = shutil.which("rlmega", path=str(Path(sys.executable).parent)) or "rlmeg
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([RLMEGA, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [RLMEGA, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_check_config_prints_the_resolved_config(tiny_model, tmp_path):
-    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={tiny_model}", "trainer.total_steps=7",
-               f"trainer.run_dir={tmp_path / 'run'}")
+    out = _run(
+        "check-config",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        f"model.path={tiny_model}",
+        "trainer.total_steps=7",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    )
     assert out.returncode == 0, out.stderr
     assert re.search(r"total_steps: 7\b", out.stdout)
     # check-config also checks the config can run here (preflight): a model folder must be given
@@ -27,7 +35,12 @@ def test_check_config_prints_the_resolved_config(tiny_model, tmp_path):
 
 
 def test_check_config_rejects_a_bad_field_with_exit_2():
-    out = _run("check-config", str(ROOT / "configs/tiny_cpu.yaml"), "model.path=''", "trainer.total_stepz=7")
+    out = _run(
+        "check-config",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        "model.path=''",
+        "trainer.total_stepz=7",
+    )
     assert out.returncode == 2
     assert "trainer.total_stepz" in out.stderr and "trainer.total_steps" in out.stderr
 
@@ -35,10 +48,28 @@ def test_check_config_rejects_a_bad_field_with_exit_2():
 @pytest.mark.timeout(400)
 def test_lm_demo_trains_megatron_tp2_pp2(tiny_model):
     """The plain language-model run (torchrun, 4 ranks): Megatron's whole training stack learns."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "rlmega.megatron.lm_demo", "--model", tiny_model, "--steps", "8"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "rlmega.megatron.lm_demo",
+        "--model",
+        tiny_model,
+        "--steps",
+        "8",
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=360,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "TP2 x PP2" in out.stdout
     losses = [float(x) for x in re.findall(r"step +\d+/8 +loss ([\d.]+)", out.stdout)]

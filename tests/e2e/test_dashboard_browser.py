@@ -5,6 +5,7 @@ the rendered DOM; the test reads the numbers back from their element ids. It als
 screenshot (path printed; run with -s) for a human look. Skips when Chromium is not installed
 (`make test` installs it when run as root).
 """
+
 import re
 import shutil
 import subprocess
@@ -17,12 +18,22 @@ from rlmega.launch import coordinator
 from rlmega.launch.coordinator import ActorManager
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--virtual-time-budget=5000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--virtual-time-budget=5000",
+]
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="chromium not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="chromium not installed (apt-get install chromium)"
+)
 
 
 class FrozenClock:
@@ -39,8 +50,12 @@ class FrozenClock:
 
 
 def _chromium(tmp_path: Path, *args: str) -> str:
-    out = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -71,19 +86,37 @@ def test_page_renders_reported_numbers_and_charts(tmp_path, clock):
             manager.report_progress(step, 20)
         manager.register_queue("rollouts", lambda: 12)
         manager.set_kv_cache_max_concurrency(0, 137.5)
-        manager.set_startup([{"phase": "Ray", "start_s": 3.0, "end_s": 5.5, "seconds": 2.5},
-                             {"phase": "engines", "start_s": 6.0, "end_s": 12.25, "seconds": 6.25}])
+        manager.set_startup(
+            [
+                {"phase": "Ray", "start_s": 3.0, "end_s": 5.5, "seconds": 2.5},
+                {"phase": "engines", "start_s": 6.0, "end_s": 12.25, "seconds": 6.25},
+            ]
+        )
         url = f"http://127.0.0.1:{manager.get_dashboard_port()}/"
 
         dom = _chromium(tmp_path, "--dump-dom", url)
         # 5 x 4000 tokens in the 50 s the run has existed; 10 s/step, 15 steps left.
-        expected = {"tokens-per-s": "400", "prefill-tokens-per-s": "100", "decode-tokens-per-s": "300",
-                    "total-tokens": "20000", "step": "5", "total-steps": "20", "eta": "2m 30s",
-                    "s-per-step": "10", "training-step-last": "6", "batch-generation-mean": "4",
-                    "training-step-count": "5", "queue-rollouts": "12", "kv-engine-0": "137.5",
-                    "startup-Ray": "2.5", "startup-engines": "6.25",
-                    "metric-reward_mean": "0.625", "metric-kl_ref": "0.01", "should-stop": "false",
-                    "run-state": "running"}
+        expected = {
+            "tokens-per-s": "400",
+            "prefill-tokens-per-s": "100",
+            "decode-tokens-per-s": "300",
+            "total-tokens": "20000",
+            "step": "5",
+            "total-steps": "20",
+            "eta": "2m 30s",
+            "s-per-step": "10",
+            "training-step-last": "6",
+            "batch-generation-mean": "4",
+            "training-step-count": "5",
+            "queue-rollouts": "12",
+            "kv-engine-0": "137.5",
+            "startup-Ray": "2.5",
+            "startup-engines": "6.25",
+            "metric-reward_mean": "0.625",
+            "metric-kl_ref": "0.01",
+            "should-stop": "false",
+            "run-state": "running",
+        }
         assert {k: _text(dom, k) for k in expected} == expected
 
         # The reward chart: an inline <svg> whose line has one point per step, rising (SVG y grows down).
@@ -131,23 +164,35 @@ def test_page_renders_staleness_busy_and_queue_charts(tmp_path, clock):
             clock.t += 1  # before the sizes change: see _points
             sizes.update(prompts=prompts, results=results)
             deadline = time.monotonic() + 10
-            while [manager.status()["queues"][n]["history"][-1][1] for n in sizes] != [prompts, results]:
+            while [manager.status()["queues"][n]["history"][-1][1] for n in sizes] != [
+                prompts,
+                results,
+            ]:
                 assert time.monotonic() < deadline, "the poller did not pick up the new sizes"
                 time.sleep(0.02)
         manager.report_staleness(1, {0: 30, 1: 2})
         manager.report_staleness(2, {0: 20, 1: 10, 2: 2})
         manager.report_staleness(3, {0: 25, 2: 7, 4: 1})  # nothing at 3: a zero bar, not a gap
-        for step, (engine, trainer) in enumerate([(0.5, 0.25), (0.75, 0.5), (0.875, 0.625)], start=1):
+        for step, (engine, trainer) in enumerate(
+            [(0.5, 0.25), (0.75, 0.5), (0.875, 0.625)], start=1
+        ):
             manager.report_busy(step, engine, trainer)
 
         dom = _chromium(tmp_path, "--dump-dom", f"http://127.0.0.1:{manager.get_dashboard_port()}/")
         cumulative = {0: 75, 1: 12, 2: 9, 3: 0, 4: 1}
-        expected = {**{f"staleness-{k}": str(n) for k, n in cumulative.items()},
-                    "staleness-last-0": "25", "staleness-last-1": "0", "staleness-last-2": "7",
-                    "staleness-last-4": "1", "staleness-last-step": "3",
-                    "staleness-mean": "0.3505",  # (1 x 12 + 2 x 9 + 4 x 1) / 97 trajectories
-                    "busy-engine": "87.5%", "busy-trainer": "62.5%",
-                    "queue-prompts": "1", "queue-results": "3"}
+        expected = {
+            **{f"staleness-{k}": str(n) for k, n in cumulative.items()},
+            "staleness-last-0": "25",
+            "staleness-last-1": "0",
+            "staleness-last-2": "7",
+            "staleness-last-4": "1",
+            "staleness-last-step": "3",
+            "staleness-mean": "0.3505",  # (1 x 12 + 2 x 9 + 4 x 1) / 97 trajectories
+            "busy-engine": "87.5%",
+            "busy-trainer": "62.5%",
+            "queue-prompts": "1",
+            "queue-results": "3",
+        }
         assert {k: _text(dom, k) for k in expected} == expected
         assert 'id="staleness-5"' not in dom  # bars stop at the largest staleness reported
 
@@ -174,8 +219,12 @@ def test_page_renders_staleness_busy_and_queue_charts(tmp_path, clock):
             assert rank([-p[1] for p in pts]) == rank(history)
 
         shot = tmp_path / "dashboard-async.png"
-        _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,1200",
-                  f"http://127.0.0.1:{manager.get_dashboard_port()}/")
+        _chromium(
+            tmp_path,
+            f"--screenshot={shot}",
+            "--window-size=1200,1200",
+            f"http://127.0.0.1:{manager.get_dashboard_port()}/",
+        )
         print(f"dashboard screenshot: {shot}")
     finally:
         manager.cleanup()
@@ -193,7 +242,9 @@ def test_page_without_metrics_says_no_data_yet(tmp_path):
         assert not re.search(r'id="staleness-\d', dom)  # no bars
         assert sorted(set(re.findall(r'id="chart-queue-(\w+)"', dom))) == ["prompts", "results"]
         assert _text(dom, "queue-prompts") == _text(dom, "queue-results") == "0"
-        assert [_text(dom, i) for i in ("busy-engine", "busy-trainer", "staleness-mean")] == ["–"] * 3
+        assert [_text(dom, i) for i in ("busy-engine", "busy-trainer", "staleness-mean")] == [
+            "–"
+        ] * 3
         assert _text(dom, "run-state") == "running"  # the status arrived; the charts are just empty
     finally:
         manager.cleanup()

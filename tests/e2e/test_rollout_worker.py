@@ -7,6 +7,7 @@ plain data, and the tests below assert on it. transformers runs here, in the par
 
     .venv/bin/pytest tests/e2e/test_rollout_worker.py -s     # -s prints per-scenario timings
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,9 @@ def _engine_body(model_dir: str) -> dict:
     t = time.perf_counter()
     out["plain"] = _as_dicts(w.generate(PROMPTS, n=4, max_tokens=12, seed=1))
     tm["1_first_generate"] = time.perf_counter() - t
-    out["stopped"] = _as_dicts(w.generate(PROMPTS, n=4, max_tokens=12, stop_token_ids=STOP_IDS, seed=2))
+    out["stopped"] = _as_dicts(
+        w.generate(PROMPTS, n=4, max_tokens=12, stop_token_ids=STOP_IDS, seed=2)
+    )
     out["seed_a"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
     out["seed_b"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=7))
     out["seed_c"] = _as_dicts(w.generate(PROMPTS, n=2, max_tokens=12, seed=8))
@@ -69,12 +72,16 @@ def _engine_body(model_dir: str) -> dict:
     # 2. samples for the log-prob parity check (scored by transformers in the parent).
     t = time.perf_counter()
     out["parity"] = {
-        temp: _as_dicts(w.generate(PROMPTS, n=4, temperature=temp, max_tokens=24, ignore_eos=True, seed=3))
+        temp: _as_dicts(
+            w.generate(PROMPTS, n=4, temperature=temp, max_tokens=24, ignore_eos=True, seed=3)
+        )
         for temp in (1.0, 0.7)
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out["top_p"] = _as_dicts(w.generate(PROMPTS, n=4, top_p=0.8, max_tokens=24, ignore_eos=True, seed=4))
+        out["top_p"] = _as_dicts(
+            w.generate(PROMPTS, n=4, top_p=0.8, max_tokens=24, ignore_eos=True, seed=4)
+        )
     out["top_p_warnings"] = [str(c.message) for c in caught]
     tm["2_parity_generate"] = time.perf_counter() - t
 
@@ -113,7 +120,9 @@ def _engine_body(model_dir: str) -> dict:
     shuffled = random.Random(0).sample(names, len(names))
     buckets = [shuffled[k::6] for k in range(6)]
     with ThreadPoolExecutor(6) as pool:
-        list(pool.map(lambda b: w.update_weights([(n, original[n]) for n in b], version=4), buckets))
+        list(
+            pool.map(lambda b: w.update_weights([(n, original[n]) for n in b], version=4), buckets)
+        )
     out["pending_after_threads"] = w.pending_weights()
     out["restored_by_threads"] = _as_dicts(w.generate(**probe))
     # One sync from two senders (two pipeline stages, each its own transport) in small buckets split
@@ -122,7 +131,7 @@ def _engine_body(model_dir: str) -> dict:
     w.update_weights([("lm_head.weight", torch.zeros_like(original["lm_head.weight"]))], version=5)
     reloads = w.weight_reloads()
     halves = [shuffled[0::2], shuffled[1::2]]
-    chunks = [[h[i:i + 5] for i in range(0, len(h), 5)] for h in halves]
+    chunks = [[h[i : i + 5] for i in range(0, len(h), 5)] for h in halves]
 
     def stage(k, parts):
         for part in parts:
@@ -130,7 +139,9 @@ def _engine_body(model_dir: str) -> dict:
 
     stage(1, chunks[1][:1])
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(lambda: (stage(0, chunks[0]), w.finish_weights(6, "stage0"), time.monotonic())[2])
+        first = pool.submit(
+            lambda: (stage(0, chunks[0]), w.finish_weights(6, "stage0"), time.monotonic())[2]
+        )
         # A request sent while the sync loads waits for its end and gets the new version.
         during = pool.submit(w.generate, **probe)
         time.sleep(0.5)
@@ -178,7 +189,7 @@ def _engine_body(model_dir: str) -> dict:
 
     def tp_rank(r, parts):
         for k in range(0, len(parts), 7):
-            w.receive_weights(parts[k:k + 7], 9, sender=f"tp{r}")
+            w.receive_weights(parts[k : k + 7], 9, sender=f"tp{r}")
         w.finish_weights(9, f"tp{r}")
         return time.monotonic()
 
@@ -216,10 +227,15 @@ def _engine_body(model_dir: str) -> dict:
     # 5. shutdown frees the process for another engine (fractional KV size on purpose).
     t = time.perf_counter()
     w.shutdown()
-    w2 = RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB / 2, num_threads=1)
-    out["second_engine"] = {"concurrency": w2.kv_cache_max_concurrency(),
-                            "samples": _as_dicts(w2.generate(PROMPTS[:1], max_tokens=4)),
-                            "engine_threads": w2.engine_threads(), "caller_threads": torch.get_num_threads()}
+    w2 = RolloutWorker(
+        model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB / 2, num_threads=1
+    )
+    out["second_engine"] = {
+        "concurrency": w2.kv_cache_max_concurrency(),
+        "samples": _as_dicts(w2.generate(PROMPTS[:1], max_tokens=4)),
+        "engine_threads": w2.engine_threads(),
+        "caller_threads": torch.get_num_threads(),
+    }
     w2.shutdown()
     tm["5_shutdown_and_restart"] = time.perf_counter() - t
     tm["child_total"] = time.perf_counter() - t0
@@ -235,14 +251,19 @@ def _single_requests(w) -> dict:
     jobs = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(8)]
     out["sequential"] = [dict(vars(w.generate_one(p, seed=s, **one))) for p, s in jobs]
     with ThreadPoolExecutor(8) as pool:
-        out["concurrent"] = [dict(vars(x))
-                             for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)]
+        out["concurrent"] = [
+            dict(vars(x))
+            for x in pool.map(lambda job: w.generate_one(job[0], seed=job[1], **one), jobs)
+        ]
     out["outstanding_after"] = w.num_outstanding()
 
     # generate's prompt i sample j is generate_one with seed + i * n + j
     out["generate_n3"] = _as_dicts(w.generate(PROMPTS, n=3, max_tokens=12, seed=40))
-    out["generate_n3_singles"] = [dict(vars(w.generate_one(p, max_tokens=12, seed=40 + i * 3 + j)))
-                                  for i, p in enumerate(PROMPTS) for j in range(3)]
+    out["generate_n3_singles"] = [
+        dict(vars(w.generate_one(p, max_tokens=12, seed=40 + i * 3 + j)))
+        for i, p in enumerate(PROMPTS)
+        for j in range(3)
+    ]
 
     # abort: two long requests sharing an id (vLLM allows it) among others, aborted after a while. "A while"
     # must land mid-way: on a loaded machine (two test workers) 0.2 s once passed before the first token, an
@@ -251,7 +272,10 @@ def _single_requests(w) -> dict:
     for wait_s in (0.2, 0.4, 0.8, 1.6):
         with ThreadPoolExecutor(5) as pool:
             others = [pool.submit(w.generate_one, PROMPTS[1], seed=s, **long) for s in range(3)]
-            victims = [pool.submit(w.generate_one, PROMPTS[0], seed=s, request_id="victim", **long) for s in (8, 9)]
+            victims = [
+                pool.submit(w.generate_one, PROMPTS[0], seed=s, request_id="victim", **long)
+                for s in (8, 9)
+            ]
             deadline = time.monotonic() + 60
             while w.num_outstanding() < 5 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -267,8 +291,10 @@ def _single_requests(w) -> dict:
 
     # stop strings: single characters of the tiny tokenizer (one token each), a third of the vocabulary
     out["stop_strings"] = list("abcdefghijklmnopqrst")
-    out["stop_samples"] = [dict(vars(w.generate_one(PROMPTS[0], max_tokens=16, stop=out["stop_strings"], seed=s)))
-                           for s in range(8)]
+    out["stop_samples"] = [
+        dict(vars(w.generate_one(PROMPTS[0], max_tokens=16, stop=out["stop_strings"], seed=s)))
+        for s in range(8)
+    ]
     return out
 
 
@@ -331,8 +357,10 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     # "abort": greedy requests cut mid-way resume on other weights; references uncut on the old
     # weights (greedy: the same first tokens), and fresh on the new ones from prompt + old tokens.
     out["refs"] = [dict(vars(w.generate_one(p, temperature=0.0, **long))) for p in PROMPTS]
-    futs = [pool.submit(w.generate_one, p, temperature=0.0, request_id=f"cut{i}", **long)
-            for i, p in enumerate(PROMPTS)]
+    futs = [
+        pool.submit(w.generate_one, p, temperature=0.0, request_id=f"cut{i}", **long)
+        for i, p in enumerate(PROMPTS)
+    ]
     futs.append(pool.submit(w.generate_one, PROMPTS[0], seed=300, request_id="cut-seeded", **long))
     _wait_outstanding(w, 4)
     _probe(w)  # some tokens out, most still to come
@@ -344,10 +372,22 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     out["fresh"] = []
     for s in out["cut"][:3]:
         k = s["token_versions"].count(v0 + 1)
-        out["fresh"].append(dict(vars(w.generate_one(s["prompt_ids"] + s["response_ids"][:k], temperature=0.0,
-                                                     max_tokens=INFLIGHT_TOKENS - k, ignore_eos=True))))
+        out["fresh"].append(
+            dict(
+                vars(
+                    w.generate_one(
+                        s["prompt_ids"] + s["response_ids"][:k],
+                        temperature=0.0,
+                        max_tokens=INFLIGHT_TOKENS - k,
+                        ignore_eos=True,
+                    )
+                )
+            )
+        )
     params = _params(1.0, 1.0, -1, INFLIGHT_TOKENS, None, None, 300, True)
-    out["continuation"] = [(p.max_tokens, p.seed) for p in (_continuation(params, 10, r) for r in (1, 2))]
+    out["continuation"] = [
+        (p.max_tokens, p.seed) for p in (_continuation(params, 10, r) for r in (1, 2))
+    ]
 
     # user aborts around a pause: of a cut request waiting to resume, of a new one at the gate
     mine = pool.submit(w.generate_one, PROMPTS[1], request_id="mine", **long)
@@ -357,7 +397,10 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     queued = pool.submit(w.generate_one, PROMPTS[2], request_id="queued", **long)
     _wait_outstanding(w, 2)
     out["abort_mine"], out["abort_queued"] = w.abort("mine"), w.abort("queued")
-    out["mine"], out["queued"] = dict(vars(mine.result(timeout=60))), dict(vars(queued.result(timeout=60)))
+    out["mine"], out["queued"] = (
+        dict(vars(mine.result(timeout=60))),
+        dict(vars(queued.result(timeout=60))),
+    )
     w.resume_generation()
     out["empty_pauses"] = []  # nothing in flight: nothing to wait for or cut
     for abort_in_flight in (False, True):
@@ -369,9 +412,16 @@ def _inflight_syncs(w, model_dir: str) -> dict:
     # before them falls inside it. Resumed on the same weights the tokens are the uncut ones, and the
     # response must end where the uncut request ends (vLLM sees each part's text alone).
     ref = w.generate_one(PROMPTS[1], temperature=0.0, max_tokens=INFLIGHT_TOKENS, ignore_eos=True)
-    out["stop_text"] = w._engine.tokenizer.decode(ref.response_ids[:STOP_AT], skip_special_tokens=True)
-    greedy_stop = dict(temperature=0.0, max_tokens=INFLIGHT_TOKENS, ignore_eos=True, stop=[out["stop_text"]])
-    out["stop_ref"], out["stop_greedy"] = dict(vars(w.generate_one(PROMPTS[1], **greedy_stop))), ref.response_ids
+    out["stop_text"] = w._engine.tokenizer.decode(
+        ref.response_ids[:STOP_AT], skip_special_tokens=True
+    )
+    greedy_stop = dict(
+        temperature=0.0, max_tokens=INFLIGHT_TOKENS, ignore_eos=True, stop=[out["stop_text"]]
+    )
+    out["stop_ref"], out["stop_greedy"] = (
+        dict(vars(w.generate_one(PROMPTS[1], **greedy_stop))),
+        ref.response_ids,
+    )
     fut = pool.submit(w.generate_one, PROMPTS[1], **greedy_stop)
     _wait_outstanding(w, 1)
     _probe(w)
@@ -386,18 +436,28 @@ def _inflight_syncs(w, model_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     # head_dim 64 (vLLM's CPU attention needs it); 59-token vocabulary.
-    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "tiny", hidden_size=128, num_heads=2,
-                           num_kv_heads=2, num_layers=2, seed=0)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("rollout") / "tiny",
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=2,
+        num_layers=2,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="module")
 def run(model_dir) -> dict:
     start = time.perf_counter()
     # One fresh process with both cores (run_on_ranks defaults ranks to one thread each).
-    result = run_on_ranks(_engine_body, 1, args=(str(model_dir),), timeout_s=300,
-                          env={"OMP_NUM_THREADS": "2"})[0]
+    result = run_on_ranks(
+        _engine_body, 1, args=(str(model_dir),), timeout_s=300, env={"OMP_NUM_THREADS": "2"}
+    )[0]
     result["timing"]["parent_wall"] = time.perf_counter() - start
-    print("\nRolloutWorker timings (s): " + json.dumps({k: round(v, 2) for k, v in result["timing"].items()}))
+    print(
+        "\nRolloutWorker timings (s): "
+        + json.dumps({k: round(v, 2) for k, v in result["timing"].items()})
+    )
     return result
 
 
@@ -409,7 +469,8 @@ def _hf_logprobs(model, samples: list[dict], temperature: float) -> list[torch.T
         with torch.no_grad():
             logits = model(ids).logits[0].float()  # (L, V)
         p = len(s["prompt_ids"])
-        lp = torch.log_softmax(logits[p - 1:-1] / temperature, dim=-1)  # (R, V): position t predicts t+1
+        # (R, V): position t predicts t+1
+        lp = torch.log_softmax(logits[p - 1 : -1] / temperature, dim=-1)
         out.append(lp.gather(-1, torch.tensor(s["response_ids"])[:, None])[:, 0])
     return out
 
@@ -441,7 +502,8 @@ def test_generate_shapes_stops_and_seeds(run):
 
     assert run["seed_a"] == run["seed_b"]  # same seed: same tokens and log-probs
     assert ids(run["seed_a"]) != ids(run["seed_c"])
-    assert len({tuple(r) for r in ids(run["seed_a"])}) == len(run["seed_a"])  # no two samples share a stream
+    # no two samples share a stream
+    assert len({tuple(r) for r in ids(run["seed_a"])}) == len(run["seed_a"])
 
 
 @pytest.mark.timeout(400)
@@ -449,9 +511,15 @@ def test_generate_shapes_stops_and_seeds(run):
 def test_logprobs_match_transformers(run, model_dir, temperature):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     samples = run["parity"][temperature]
-    diff = torch.cat([(ref - torch.tensor(s["logprobs"])).abs()
-                      for ref, s in zip(_hf_logprobs(model, samples, temperature), samples)])
-    print(f"\nT={temperature}: {diff.numel()} tokens, max |diff| {diff.max():.2e}, mean {diff.mean():.2e}")
+    diff = torch.cat(
+        [
+            (ref - torch.tensor(s["logprobs"])).abs()
+            for ref, s in zip(_hf_logprobs(model, samples, temperature), samples)
+        ]
+    )
+    print(
+        f"\nT={temperature}: {diff.numel()} tokens, max |diff| {diff.max():.2e}, mean {diff.mean():.2e}"
+    )
     assert diff.numel() == len(samples) * 24
     # float32 on both sides: measured max 4.8e-7 here; 5x-10x of what is measured, not 1000x (issue 9)
     assert diff.max() <= 5e-6 and diff.mean() <= 1e-6
@@ -461,9 +529,15 @@ def test_logprobs_match_transformers(run, model_dir, temperature):
 def test_top_p_logprobs_are_renormalised_and_warned(run, model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     samples = run["top_p"]
-    gap = torch.cat([torch.tensor(s["logprobs"]) - ref for ref, s in zip(_hf_logprobs(model, samples, 1.0), samples)])
-    assert gap.min() >= -1e-4  # the kept set's log-probs are renormalised: never below the full ones
-    assert gap.max() > 0.01    # and really differ from the trainer's
+    gap = torch.cat(
+        [
+            torch.tensor(s["logprobs"]) - ref
+            for ref, s in zip(_hf_logprobs(model, samples, 1.0), samples)
+        ]
+    )
+    # the kept set's log-probs are renormalised: never below the full ones
+    assert gap.min() >= -1e-4
+    assert gap.max() > 0.01  # and really differ from the trainer's
     assert any("renormalised" in m for m in run["top_p_warnings"])
 
 
@@ -472,18 +546,26 @@ def test_update_weights_in_place_and_streamed(run):
     expected = -math.log(run["vocab_size"])
     assert (run["version_start"], run["version_zeroed"], run["version_restored"]) == (0, 1, 2)
     zeroed = [x for s in run["zeroed"] for x in s["logprobs"]]
-    assert zeroed and all(abs(x - expected) < 1e-6 for x in zeroed)  # uniform over the real vocabulary
-    assert run["pending_after_first"] == ["model.layers.0.self_attn.q_proj.bias",
-                                          "model.layers.0.self_attn.q_proj.weight"]
+    # uniform over the real vocabulary
+    assert zeroed and all(abs(x - expected) < 1e-6 for x in zeroed)
+    assert run["pending_after_first"] == [
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.q_proj.weight",
+    ]
     assert run["generate_while_pending"].startswith("RuntimeError")
     assert run["pending_after_second"] == []
+
     # same seed, same weights: identical tokens and log-probs; each sample says which weights made it
     def strip(samples):
-        return [{k: v for k, v in s.items() if k not in ("weight_version", "token_versions")} for s in samples]
+        return [
+            {k: v for k, v in s.items() if k not in ("weight_version", "token_versions")}
+            for s in samples
+        ]
 
     assert strip(run["restored"]) == strip(run["before"])
-    assert [s["weight_version"] for s in run["before"] + run["zeroed"] + run["restored"]] == \
-        [0] * len(run["before"]) + [1] * len(run["zeroed"]) + [2] * len(run["restored"])
+    assert [s["weight_version"] for s in run["before"] + run["zeroed"] + run["restored"]] == [
+        0
+    ] * len(run["before"]) + [1] * len(run["zeroed"]) + [2] * len(run["restored"])
     # buckets from 6 threads at once, in any order, fused layers split across them
     assert run["pending_after_threads"] == []
     assert strip(run["restored_by_threads"]) == strip(run["before"])
@@ -495,15 +577,21 @@ def test_update_weights_in_place_and_streamed(run):
     assert 0 < run["slots"] <= 8, run["slots"]  # a dozen syncs: slots reused, not new memory each
     assert {s["weight_version"] for s in run["stream_during"]} == {6}
     # a failed load names itself and leaves the weights as they were
-    assert "rollout engine failed to load weights version 7" in run["unknown_name"], run["unknown_name"]
+    assert "rollout engine failed to load weights version 7" in run["unknown_name"], run[
+        "unknown_name"
+    ]
     assert run["version_after_error"] == 6 and strip(run["after_error"]) == strip(run["before"])
-    assert "weights version 7 failed to load already" in run["late_bucket"] and not run["late_bucket_opened"], \
-        run["late_bucket"]
+    assert (
+        "weights version 7 failed to load already" in run["late_bucket"]
+        and not run["late_bucket_opened"]
+    ), run["late_bucket"]
     # TP ranks' pieces: the first rank's finish waits for the late rank's blocks, one reload, exact weights
     assert not run["pieces_first_done_early"] and run["pieces_first_waited"]
     assert run["pieces_reloads"] == 1 and run["pieces_version"] == 9
     assert strip(run["restored_by_pieces"]) == strip(run["before"])
-    assert "update_weights takes whole tensors" in run["update_weights_pieces"], run["update_weights_pieces"]
+    assert "update_weights takes whole tensors" in run["update_weights_pieces"], run[
+        "update_weights_pieces"
+    ]
 
 
 @pytest.mark.timeout(400)
@@ -517,7 +605,11 @@ def test_concurrency_sleep_and_restart(run):
     assert len(second["samples"]) == 1 and second["samples"][0]["response_ids"]
     # the engine core is forked on CPU (engine_lifecycle.forked_engine_core): it computes with the threads asked
     # for (None: the process's, 2 here), and the caller's own setting is put back after the fork
-    assert run["engine_threads"] == [2] and second["engine_threads"] == [1] and second["caller_threads"] == 2
+    assert (
+        run["engine_threads"] == [2]
+        and second["engine_threads"] == [1]
+        and second["caller_threads"] == 2
+    )
 
 
 OLD = json.loads((Path(__file__).parent / "data" / "llm_generate_before_asyncllm.json").read_text())
@@ -531,9 +623,12 @@ def test_generate_gives_the_samples_of_the_old_llm_generate(run, case):
     # reasons and (measured: bit for bit) log-probs. The tolerance covers other CPUs' float rounding.
     got = run["parity"][0.7] if case == "parity_0.7" else run[case]
     want = OLD[case]
-    assert [(s["response_ids"], s["finish_reason"], s["prompt_index"]) for s in got] == \
-        [(ids, reason, i) for ids, _, reason, i in want]
-    diff = max(abs(a - b) for s, (_, lps, _, _) in zip(got, want) for a, b in zip(s["logprobs"], lps))
+    assert [(s["response_ids"], s["finish_reason"], s["prompt_index"]) for s in got] == [
+        (ids, reason, i) for ids, _, reason, i in want
+    ]
+    diff = max(
+        abs(a - b) for s, (_, lps, _, _) in zip(got, want) for a, b in zip(s["logprobs"], lps)
+    )
     assert diff <= 1e-6, diff
     assert all(s["weight_version"] == 0 for s in got)
 
@@ -549,8 +644,12 @@ def test_generate_one_from_many_threads_equals_one_after_another(run):
     assert len({tuple(s["response_ids"]) for s in conc}) == len(conc)  # 8 seeds, 8 streams
     assert run["outstanding_after"] == 0
     # generate is those single requests: prompt i sample j == generate_one(seed + i * n + j)
-    assert [s["response_ids"] for s in run["generate_n3"]] == [s["response_ids"] for s in run["generate_n3_singles"]]
-    assert [s["prompt_index"] for s in run["generate_n3"]] == [i for i in range(len(PROMPTS)) for _ in range(3)]
+    assert [s["response_ids"] for s in run["generate_n3"]] == [
+        s["response_ids"] for s in run["generate_n3_singles"]
+    ]
+    assert [s["prompt_index"] for s in run["generate_n3"]] == [
+        i for i in range(len(PROMPTS)) for _ in range(3)
+    ]
 
 
 @pytest.mark.timeout(400)
@@ -565,7 +664,9 @@ def test_abort_returns_the_partial_sample(run):
         assert len(aborted["logprobs"]) == len(aborted["response_ids"])
         assert aborted["prompt_ids"] == PROMPTS[0]
     # the others ran to the end
-    assert all(s["finish_reason"] == "length" and len(s["response_ids"]) == n for s in run["not_aborted"])
+    assert all(
+        s["finish_reason"] == "length" and len(s["response_ids"]) == n for s in run["not_aborted"]
+    )
 
 
 @pytest.mark.timeout(400)
@@ -595,8 +696,17 @@ def _versions_run(s: dict) -> list[tuple[int, int]]:
 
 @pytest.mark.timeout(400)
 def test_token_versions_of_uncut_requests(run):
-    samples = (run["plain"] + run["stopped"] + run["before"] + run["zeroed"] + run["restored"]
-               + run["sequential"] + run["concurrent"] + run["aborted"] + run["not_aborted"])
+    samples = (
+        run["plain"]
+        + run["stopped"]
+        + run["before"]
+        + run["zeroed"]
+        + run["restored"]
+        + run["sequential"]
+        + run["concurrent"]
+        + run["aborted"]
+        + run["not_aborted"]
+    )
     for s in samples:
         assert s["token_versions"] == [s["weight_version"]] * len(s["response_ids"])
         assert s["resumes"] == 0
@@ -629,13 +739,17 @@ def test_pause_abort_resumes_requests_on_the_new_weights(run):
     for s in cut:
         assert len(s["response_ids"]) == len(s["logprobs"]) == len(s["token_versions"]) == n
         assert s["finish_reason"] == "length" and s["resumes"] == 1 and s["weight_version"] == v_old
-        assert [v for v, _ in _versions_run(s)] in ([v_old, v_new], [v_new])  # old tokens, then new ones
+        # old tokens, then new ones
+        assert [v for v, _ in _versions_run(s)] in ([v_old, v_new], [v_new])
     assert any(len(_versions_run(s)) == 2 for s in cut)
     for s, ref, fresh in zip(cut, r["refs"], r["fresh"]):
         k = s["token_versions"].count(v_old)
         # before the cut: the old weights' greedy tokens (the uncut reference, batched with 3 others)
         assert s["response_ids"][:k] == ref["response_ids"][:k]
-        assert max((abs(a - b) for a, b in zip(s["logprobs"][:k], ref["logprobs"])), default=0.0) <= 1e-5
+        assert (
+            max((abs(a - b) for a, b in zip(s["logprobs"][:k], ref["logprobs"])), default=0.0)
+            <= 1e-5
+        )
         # after it: exactly what the new weights make of prompt + those tokens, fresh and alone.
         # Batched vs alone, as in test_generate_one_from_many_threads_equals_one_after_another:
         # measured max |diff| 0 to 2.4e-7 here over 3 runs (1e-5 allows other CPUs' float32 sums).
@@ -644,10 +758,16 @@ def test_pause_abort_resumes_requests_on_the_new_weights(run):
         print(f"resumed part vs fresh request: max |log-prob diff| {diff:.2e}")
         assert diff <= 1e-5, diff
     # the new weights really differ: the old weights' greedy tokens are not what came after the cut
-    assert any(s["response_ids"][k:] != ref["response_ids"][k:]
-               for s, ref in zip(cut, r["refs"]) for k in [s["token_versions"].count(v_old)])
+    assert any(
+        s["response_ids"][k:] != ref["response_ids"][k:]
+        for s, ref in zip(cut, r["refs"])
+        for k in [s["token_versions"].count(v_old)]
+    )
     # a seeded request's continuation draws from another seed, and the tokens left
-    assert r["continuation"] == [(n - 10, 300 + 1_000_000_007), (n - 10, (300 + 2 * 1_000_000_007) % 2**31)]
+    assert r["continuation"] == [
+        (n - 10, 300 + 1_000_000_007),
+        (n - 10, (300 + 2 * 1_000_000_007) % 2**31),
+    ]
 
 
 @pytest.mark.timeout(400)
@@ -702,13 +822,14 @@ def test_stop_across_cuts_finds_the_first_stop_string_spanning_a_cut():
     def end(cuts, stop):
         return _stop_across_cuts(tok, ids, cuts, stop, True)
 
-    assert end([3], ["ab"]) == 4           # "a" | "b": ends with the "b"
-    assert end([3], ["ab", "xab"]) == 4    # both complete at the "b"
-    assert end([3], ["yyc"]) is None       # wholly after the cut: vLLM's own match in that part
-    assert end([3, 7], ["cd"]) == 8        # spans the second cut
+    assert end([3], ["ab"]) == 4  # "a" | "b": ends with the "b"
+    assert end([3], ["ab", "xab"]) == 4  # both complete at the "b"
+    assert end([3], ["yyc"]) is None  # wholly after the cut: vLLM's own match in that part
+    assert end([3, 7], ["cd"]) == 8  # spans the second cut
     assert end([3, 7], ["ab", "cd"]) == 4  # the first to complete
-    assert end([2], ["ab"]) == 4           # just after the cut: where vLLM ended that part too
-    assert end([11], ["zab"]) == 12 and end([11], ["xx", "cd"]) is None  # earlier ones: vLLM ended there
+    assert end([2], ["ab"]) == 4  # just after the cut: where vLLM ended that part too
+    # earlier ones: vLLM ended there
+    assert end([11], ["zab"]) == 12 and end([11], ["xx", "cd"]) is None
 
 
 def test_long_prompts_in_many_requests_keep_the_engine_alive_and_seeded(run):
@@ -730,9 +851,13 @@ def _dying_engine_body(model_dir: str, log_path: str) -> str:
     from rlmega.rollout.engine_errors import EngineDied
 
     for target, path in ((1, log_path), (2, log_path.replace(".out", ".err"))):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), target)  # as a Ray worker's logs
-    engine_lifecycle.whole_prefills = lambda max_model_len: {}  # the engine arguments before the fix
-    w = rollout.RolloutWorker(model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB)
+        # as a Ray worker's logs
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), target)
+    # the engine arguments before the fix
+    engine_lifecycle.whole_prefills = lambda max_model_len: {}
+    w = rollout.RolloutWorker(
+        model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_space_gb=KV_GB
+    )
     try:
         w.generate(LONG_PROMPTS, n=8, max_tokens=8, seed=11, ignore_eos=True)
     except EngineDied as e:
@@ -745,8 +870,13 @@ def _dying_engine_body(model_dir: str, log_path: str) -> str:
 @pytest.mark.timeout(300)
 def test_an_engine_death_names_its_root_cause_and_log(model_dir, tmp_path):
     log = tmp_path / "worker.out"  # vLLM logs to stdout
-    message = run_on_ranks(_dying_engine_body, 1, args=(str(model_dir), str(log)), timeout_s=240,
-                           env={"OMP_NUM_THREADS": "2"})[0]
+    message = run_on_ranks(
+        _dying_engine_body,
+        1,
+        args=(str(model_dir), str(log)),
+        timeout_s=240,
+        env={"OMP_NUM_THREADS": "2"},
+    )[0]
     print(message)
     assert "RuntimeError: CPU Generator does not use offset" in message, message
     assert "_bookkeeping_sync" in message and f"engine log: {log}" in message, message

@@ -6,6 +6,7 @@ each Megatron TP group of trainer ranks and each vLLM TP engine lands on one nod
 nodes, engines round robin over them; workers get rlmega through the runtime_env and their output
 reaches the driver; a node that does not see the run dir is named; the tiny run trains across nodes.
 """
+
 import json
 import os
 import re
@@ -46,8 +47,11 @@ class Probe:
     cannot import this test module)."""
 
     def where(self) -> dict:
-        return {"node": ray.get_runtime_context().get_node_id(), "gpus": ray.get_gpu_ids(),
-                "local_rank": os.environ.get("LOCAL_RANK")}
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "gpus": ray.get_gpu_ids(),
+            "local_rank": os.environ.get("LOCAL_RANK"),
+        }
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -55,18 +59,29 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def test_tp_groups_and_engines_land_where_the_plan_puts_them(cluster):
     # 8 ranks of Megatron TP2 on nodes of 4 GPUs, 4 colocated engines of vLLM TP2 (the qwen2 2-node layout, halved)
-    plan = placement_plan(ParallelismConfig(tensor_model_parallel_size=2, world_size=8),
-                          RolloutConfig(device="cuda", num_engines=4, tensor_parallel_size=2),
-                          ClusterConfig(gpus_per_node=4, actor_cpus_per_rank=0.1, engine_cpus=0.1))
+    plan = placement_plan(
+        ParallelismConfig(tensor_model_parallel_size=2, world_size=8),
+        RolloutConfig(device="cuda", num_engines=4, tensor_parallel_size=2),
+        ClusterConfig(gpus_per_node=4, actor_cpus_per_rank=0.1, engine_cpus=0.1),
+    )
     pgs, nodes = place_groups(plan, timeout_s=60)
     group, engines = None, []
     try:
-        assert all(len(set(g)) == 1 for g in nodes) and nodes[0][0] != nodes[1][0]  # a group is one node, not shared
-        group = WorkerGroup(Probe, 8, num_cpus=0.1, num_gpus=plan.ranks[0].gpus,
-                            placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks], timeout_s=120)
+        # a group is one node, not shared
+        assert all(len(set(g)) == 1 for g in nodes) and nodes[0][0] != nodes[1][0]
+        group = WorkerGroup(
+            Probe,
+            8,
+            num_cpus=0.1,
+            num_gpus=plan.ranks[0].gpus,
+            placement_group=[(pgs[s.group], s.bundles[0]) for s in plan.ranks],
+            timeout_s=120,
+        )
         ranks = group.call("where")
         Engine = ray.remote(Probe)
-        engines = [Engine.options(**_engine_options(pgs[s.group], s)).remote() for s in plan.engines]
+        engines = [
+            Engine.options(**_engine_options(pgs[s.group], s)).remote() for s in plan.engines
+        ]
         placed = ray.get([e.where.remote() for e in engines], timeout=120)
     finally:
         for e in engines:
@@ -76,22 +91,30 @@ def test_tp_groups_and_engines_land_where_the_plan_puts_them(cluster):
         for pg in pgs:
             ray.util.remove_placement_group(pg)
     node_a, node_b = nodes[0][0], nodes[1][0]
-    assert [r["node"] for r in ranks] == [node_a] * 4 + [node_b] * 4  # rank order fills a node, then the next
+    # rank order fills a node, then the next
+    assert [r["node"] for r in ranks] == [node_a] * 4 + [node_b] * 4
     assert group.node_ids == [r["node"] for r in ranks]
     for tp_group in ([0, 1], [2, 3], [4, 5], [6, 7]):  # Megatron's TP groups: consecutive ranks
         assert len({ranks[r]["node"] for r in tp_group}) == 1
     assert [r["local_rank"] for r in ranks] == ["0", "1", "2", "3"] * 2
     assert all(len(set(map(str, r["gpus"]))) == 1 for r in ranks)  # half of one GPU each
-    assert [p["node"] for p in placed] == [node_a, node_b, node_a, node_b]  # engines alternate nodes
+    # engines alternate nodes
+    assert [p["node"] for p in placed] == [node_a, node_b, node_a, node_b]
     for slot, p in zip(plan.engines, placed):  # every TP worker's bundle is on the engine's node
         assert {nodes[slot.group][b] for b in slot.bundles} == {p["node"]}
     # more node groups than nodes: said at once, not after the placement timeout
-    big = placement_plan(ParallelismConfig(world_size=20), RolloutConfig(device="cuda"), ClusterConfig(gpus_per_node=4))
+    big = placement_plan(
+        ParallelismConfig(world_size=20),
+        RolloutConfig(device="cuda"),
+        ClusterConfig(gpus_per_node=4),
+    )
     with pytest.raises(ClusterError, match="needs 5 nodes .* the cluster has 4"):
         place_groups(big, timeout_s=60)
 
 
-def test_workers_import_the_drivers_rlmega_get_its_env_and_their_output_reaches_it(cluster, tmp_path):
+def test_workers_import_the_drivers_rlmega_get_its_env_and_their_output_reaches_it(
+    cluster, tmp_path
+):
     # A driver attached the way `rlmega train cluster.address=...` attaches; a task on a worker node
     # reports where it imported rlmega from and prints a line to stdout and one to stderr. The nodes'
     # own PYTHONPATH (inherited from this process) holds the checkout: the uploaded copy must win. The
@@ -116,12 +139,20 @@ time.sleep(2)  # Ray's log monitor forwards worker output about once a second
 """
     env = {**os.environ, "RLMEGA_PROBE": "from-the-driver", "PYTHONPATH": str(ROOT)}
     env.pop("RLMEGA_UNSET", None)
-    out = subprocess.run([sys.executable, "-c", script, cluster.address], capture_output=True, text=True, env=env,
-                         timeout=180, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", script, cluster.address],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     # the uploaded copy, ahead of the checkout the raylets' own PYTHONPATH points at
-    assert "/runtime_resources/py_modules_files/" in got["rlmega"] and not got["rlmega"].startswith(str(ROOT)), got
+    assert "/runtime_resources/py_modules_files/" in got["rlmega"] and not got["rlmega"].startswith(
+        str(ROOT)
+    ), got
     assert got["probe"] == "from-the-driver" and not got["unset"]
     assert "stdout line from a worker node" in out.stdout
     assert "stderr line from a worker node" in out.stderr
@@ -132,8 +163,12 @@ def _can_hide(folder: Path) -> bool:
     CAP_SYS_ADMIN; an unprivileged container says no)."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         return False
-    return subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none {folder}"],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["unshare", "-m", "sh", "-c", f"mount -t tmpfs none {folder}"], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_a_node_that_does_not_see_the_run_dir_is_named(cluster, tmp_path):
@@ -148,17 +183,29 @@ def test_a_node_that_does_not_see_the_run_dir_is_named(cluster, tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    node = subprocess.Popen(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none {shared} && exec {RAY} start "
-                             f"--address={cluster.address} --num-cpus=1 --block"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = subprocess.Popen(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f"mount -t tmpfs none {shared} && exec {RAY} start "
+            f"--address={cluster.address} --num-cpus=1 --block",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (hidden := {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before):
-            assert node.poll() is None and time.monotonic() < deadline, "the hidden node did not join"
+            assert node.poll() is None and time.monotonic() < deadline, (
+                "the hidden node did not join"
+            )
             time.sleep(0.5)
         hidden = hidden.pop()
         seeing = sorted(before - {ray.get_runtime_context().get_node_id()})
-        check_shared_paths(str(run_dir), str(model), seeing, [])  # the nodes that share the folder pass
+        # the nodes that share the folder pass
+        check_shared_paths(str(run_dir), str(model), seeing, [])
         with pytest.raises(ClusterError) as e:
             check_shared_paths(str(run_dir), str(model), [seeing[0], hidden], [])
         message = str(e.value)
@@ -166,7 +213,8 @@ def test_a_node_that_does_not_see_the_run_dir_is_named(cluster, tmp_path):
         assert "trainer.run_dir" in message and "on a filesystem every node mounts" in message
         assert "model.path" in message
         with pytest.raises(ClusterError, match=f"model.path: .* on node\\(s\\) {hidden[:8]}") as e:
-            check_shared_paths(str(run_dir), str(model), [seeing[0]], [hidden])  # an engine's node needs only the model
+            # an engine's node needs only the model
+            check_shared_paths(str(run_dir), str(model), [seeing[0]], [hidden])
         assert "trainer.run_dir" not in str(e.value)
         assert not list(run_dir.iterdir())  # the token file is removed
     finally:
@@ -180,24 +228,48 @@ def test_the_tiny_run_trains_across_nodes(cluster, tiny_model, tmp_path):
     and on the other node reach it by gloo broadcast (rlmega/sync/collective.py), and the engine then
     samples from the trainer's weights (the step's parity)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={tiny_model}",
-           f"trainer.run_dir={run}", "trainer.total_steps=2", "trainer.save_every=0", "trainer.warmup_sft_steps=2",
-           "rollout.max_response_tokens=8", "data.synthetic_size=100", "logging.tensorboard=false",
-           f"cluster.address={cluster.address}", "cluster.cpu_ranks_per_node=2", "rollout.weight_transport=collective"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlmega.train",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        f"model.path={tiny_model}",
+        f"trainer.run_dir={run}",
+        "trainer.total_steps=2",
+        "trainer.save_every=0",
+        "trainer.warmup_sft_steps=2",
+        "rollout.max_response_tokens=8",
+        "data.synthetic_size=100",
+        "logging.tensorboard=false",
+        f"cluster.address={cluster.address}",
+        "cluster.cpu_ranks_per_node=2",
+        "rollout.weight_transport=collective",
+    ]
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     print(f"tiny run across nodes: {time.monotonic() - start:.0f} s")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     print("parity_max per step", [m.get("parity_max") for m in metrics])
-    assert all(m["parity_max"] < 1e-4 for m in metrics), metrics  # float32: ~1e-6 when the sync is right
+    # float32: ~1e-6 when the sync is right
+    assert all(m["parity_max"] < 1e-4 for m in metrics), metrics
     # "placement: trainer ranks on nodes A (ip): 0 1, B (ip): 2 3; rollout engines on nodes A (ip): 0"
-    line = re.search(r"placement: trainer ranks on nodes (.*); rollout engines on nodes (.*)", out.stderr)
+    line = re.search(
+        r"placement: trainer ranks on nodes (.*); rollout engines on nodes (.*)", out.stderr
+    )
     assert line, out.stderr[-3000:]
     ranks = dict(re.findall(r"(\w{8}) \([^)]*\): ([\d ]+)", line.group(1)))
-    assert sorted(ranks.values()) == ["0 1", "2 3"], line.group(0)  # each TP2 group on a node of its own
+    # each TP2 group on a node of its own
+    assert sorted(ranks.values()) == ["0 1", "2 3"], line.group(0)
     workers = {n["NodeID"][:8] for n in ray.nodes() if n["Resources"].get("CPU")}
     assert set(ranks) <= workers and len(ranks) == 2
-    assert re.search(r"\((_RankHost|RolloutWorker)[^)]*pid=\d+", out.stdout + out.stderr)  # worker output forwarded
+    # worker output forwarded
+    assert re.search(r"\((_RankHost|RolloutWorker)[^)]*pid=\d+", out.stdout + out.stderr)

@@ -8,6 +8,7 @@ same run dir (--resume) continues from it and finishes: COMPLETED, exit 0, every
 final policy written. A bad config fails its job with exit 2 before Ray starts. Cost: about 2 min
 on a 2-core machine (plus ~10 s for `make slurm`'s apt-get); 4.5 min when other runs share the cores.
 """
+
 import json
 import os
 import pwd
@@ -24,13 +25,16 @@ import pytest
 from conftest import ROOT, tagged_processes
 
 SBATCH = ROOT / "tools" / "slurm" / "rlmega.sbatch"
-TAG = f"slurm-{os.getpid()}"  # in the environment of every process a job starts (sbatch --export=ALL)
+# in the environment of every process a job starts (sbatch --export=ALL)
+TAG = f"slurm-{os.getpid()}"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
-SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # the daemons live in sbin
+# the daemons live in sbin
+SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
 
 def _exe(name: str) -> str | None:
     return shutil.which(name, path=SEARCH)
+
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +42,10 @@ pytestmark = pytest.mark.slow
 def _why_not() -> str | None:
     missing = [d for d in DAEMONS if not _exe(d)]
     if missing:
-        return (f"Slurm is not installed ({', '.join(missing)} not found): `make test` installs slurm-wlm "
-                "and munge with apt when run as root")
+        return (
+            f"Slurm is not installed ({', '.join(missing)} not found): `make test` installs slurm-wlm "
+            "and munge with apt when run as root"
+        )
     if os.geteuid() != 0:
         return "the Slurm daemons of this test need root (slurmd runs jobs, SlurmUser=root): run pytest as root"
     try:
@@ -102,12 +108,25 @@ class Slurm:
         return out.stdout
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted(self.base.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted(self.base.glob("*.log"))
+        )
 
     def sbatch(self, *args, job_env: dict) -> str:
-        out = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={self.base}/job-%j.out",
-                              str(SBATCH), *args], capture_output=True, text=True, timeout=60,
-                             env={**self.env, **job_env})
+        out = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--chdir={ROOT}",
+                f"--output={self.base}/job-%j.out",
+                str(SBATCH),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**self.env, **job_env},
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.strip().split(";")[0]
 
@@ -124,8 +143,9 @@ class Slurm:
         """Wait until the job and every process of it have ended (squeue drops it after COMPLETING)."""
         deadline = time.monotonic() + timeout
         while self("squeue", "-h", "-j", job_id, check=False).strip():
-            assert time.monotonic() < deadline, f"job {job_id} still there after {timeout:.0f}s:\n" \
-                                                f"{self.output(job_id)[-4000:]}"
+            assert time.monotonic() < deadline, (
+                f"job {job_id} still there after {timeout:.0f}s:\n{self.output(job_id)[-4000:]}"
+            )
             time.sleep(1)
         return self.job(job_id)
 
@@ -135,7 +155,8 @@ def slurm():
     why = _why_not()
     if why:
         pytest.skip(why)
-    base = Path(tempfile.mkdtemp(prefix="rlmega-slurm-"))  # not under pytest's 0700 tmp: munged must reach it
+    # not under pytest's 0700 tmp: munged must reach it
+    base = Path(tempfile.mkdtemp(prefix="rlmega-slurm-"))
     base.chmod(0o711)
     procs = []
     try:
@@ -145,36 +166,75 @@ def slurm():
         (munge / "munge.key").chmod(0o600)
         shutil.chown(munge, "munge", "munge")
         shutil.chown(munge / "munge.key", "munge", "munge")
-        procs.append(subprocess.Popen(
-            [_exe("munged"), "--foreground", f"--socket={munge}/munge.socket", f"--key-file={munge}/munge.key",
-             f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"],
-            user="munge", group="munge", extra_groups=[], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    _exe("munged"),
+                    "--foreground",
+                    f"--socket={munge}/munge.socket",
+                    f"--key-file={munge}/munge.key",
+                    f"--pid-file={munge}/munged.pid",
+                    f"--log-file={munge}/munged.log",
+                    f"--seed-file={munge}/munged.seed",
+                ],
+                user="munge",
+                group="munge",
+                extra_groups=[],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         for d in ("state", "spool"):
             (base / d).mkdir()
         (base / "plugstack.conf").touch()
-        (base / "slurm.conf").write_text(SLURM_CONF.format(
-            host=socket.gethostname().split(".")[0], base=base, ctld_port=_free_port(), d_port=_free_port()))
+        (base / "slurm.conf").write_text(
+            SLURM_CONF.format(
+                host=socket.gethostname().split(".")[0],
+                base=base,
+                ctld_port=_free_port(),
+                d_port=_free_port(),
+            )
+        )
         s = Slurm(base)
         deadline = time.monotonic() + 30
         while not (munge / "munge.socket").exists():
             assert time.monotonic() < deadline and procs[0].poll() is None, "munged did not start"
             time.sleep(0.2)
         for daemon in ("slurmctld", "slurmd"):
-            procs.append(subprocess.Popen([_exe(daemon), "-D", "-f", str(base / "slurm.conf")], env=s.env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [_exe(daemon), "-D", "-f", str(base / "slurm.conf")],
+                    env=s.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + 60
         while s("sinfo", "-h", "-o", "%T", check=False).strip() != "idle":
-            assert time.monotonic() < deadline, f"the Slurm node did not come up idle in 60 s\n{s.logs()}"
+            assert time.monotonic() < deadline, (
+                f"the Slurm node did not come up idle in 60 s\n{s.logs()}"
+            )
             time.sleep(0.5)
         yield s
     finally:
         if procs:  # jobs first: slurmstepd outlives slurmd, so cancel and wait while slurmd is up
-            subprocess.run(["scancel", "--user=root"], env={**os.environ, "SLURM_CONF": str(base / "slurm.conf")},
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                ["scancel", "--user=root"],
+                env={**os.environ, "SLURM_CONF": str(base / "slurm.conf")},
+                capture_output=True,
+                timeout=60,
+            )
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and subprocess.run(
-                    ["squeue", "-h"], capture_output=True, text=True, timeout=60,
-                    env={**os.environ, "SLURM_CONF": str(base / "slurm.conf")}).stdout.strip():
+            while (
+                time.monotonic() < deadline
+                and subprocess.run(
+                    ["squeue", "-h"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    env={**os.environ, "SLURM_CONF": str(base / "slurm.conf")},
+                ).stdout.strip()
+            ):
                 time.sleep(1)
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)
@@ -192,21 +252,39 @@ def _job_env(slurm: Slurm) -> dict:
     # The job runs this checkout's code with this python; Ray offers 4 CPU reservations on the 2
     # cores (the tiny config reserves 2.75); the head port is a free one, not Ray's 6379; Ray's
     # folder goes away with the cluster's.
-    return {"RLMEGA_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore",
-            "RLMEGA_RAY_CPUS": "4", "RLMEGA_RAY_PORT": str(_free_port()), "RLMEGA_RAY_TMPDIR": str(slurm.base / "ray"),
-            "RLMEGA_TEST_TAG": TAG}
+    return {
+        "RLMEGA_PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONWARNINGS": "ignore",
+        "RLMEGA_RAY_CPUS": "4",
+        "RLMEGA_RAY_PORT": str(_free_port()),
+        "RLMEGA_RAY_TMPDIR": str(slurm.base / "ray"),
+        "RLMEGA_TEST_TAG": TAG,
+    }
 
 
 def _train_args(model, run_dir, steps) -> list[str]:
-    return [str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}", f"trainer.run_dir={run_dir}",
-            f"trainer.total_steps={steps}", "trainer.save_every=1", "trainer.warmup_sft_steps=0",
-            "trainer.global_batch_size=16", "rollout.max_response_tokens=8", "data.synthetic_size=500",
-            "reward.fn=rlmega.testing.rewards.digit_fraction"]
+    return [
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        f"model.path={model}",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={steps}",
+        "trainer.save_every=1",
+        "trainer.warmup_sft_steps=0",
+        "trainer.global_batch_size=16",
+        "rollout.max_response_tokens=8",
+        "data.synthetic_size=500",
+        "reward.fn=rlmega.testing.rewards.digit_fraction",
+    ]
 
 
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+    return (
+        [json.loads(line)["step"] for line in path.read_text().splitlines()]
+        if path.exists()
+        else []
+    )
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +295,9 @@ def cancelled(slurm, tiny_model, tmp_path_factory):
     deadline = time.monotonic() + 400
     while not (run / "checkpoints" / "latest").exists():
         state = slurm.job(job)["JobState"]
-        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, \
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
             f"job {job} is {state} with no checkpoint yet:\n{slurm.output(job)[-4000:]}"
+        )
         time.sleep(0.5)
     slurm("scancel", job)
     cancelled_at = time.monotonic()
@@ -233,11 +312,17 @@ def test_scancel_leaves_no_process_and_a_resumable_checkpoint(slurm, cancelled):
     out = slurm.output(job)
     assert info["JobState"] == "CANCELLED", (info, out[-3000:])
     leaked = tagged_processes(TAG)
-    assert not leaked, f"left behind: {[Path(f'/proc/{p}/cmdline').read_bytes()[:100] for p in leaked]}"
+    assert not leaked, (
+        f"left behind: {[Path(f'/proc/{p}/cmdline').read_bytes()[:100] for p in leaked]}"
+    )
     latest = find_checkpoint(run / "checkpoints")  # a complete checkpoint, the newest one
-    assert latest is not None and 1 <= int(latest.name.split("_")[1]) <= max(_steps(run)), out[-3000:]
+    assert latest is not None and 1 <= int(latest.name.split("_")[1]) <= max(_steps(run)), out[
+        -3000:
+    ]
     trainer = [line for line in out.splitlines() if "rlmega train exited" in line]
-    print(f"\nscancel: job gone {took:.1f}s later, {trainer}; {latest.name} of steps {_steps(run)} kept")
+    print(
+        f"\nscancel: job gone {took:.1f}s later, {trainer}; {latest.name} of steps {_steps(run)} kept"
+    )
 
 
 def test_the_resubmitted_job_resumes_and_finishes(slurm, tiny_model, cancelled):
@@ -248,7 +333,8 @@ def test_the_resubmitted_job_resumes_and_finishes(slurm, tiny_model, cancelled):
     out = slurm.output(job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, out[-4000:])
     assert f"resumed from {run / 'checkpoints'}" in out and f"at step {before}" in out, out[-3000:]
-    assert _steps(run) == [1, 2, 3]  # every step once: those after the checkpoint were redone, not doubled
+    # every step once: those after the checkpoint were redone, not doubled
+    assert _steps(run) == [1, 2, 3]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert (run / "hf_final" / "config.json").exists()
     assert "rlmega.sbatch: Ray stopped on 1 node(s); exit 0" in out
@@ -256,8 +342,11 @@ def test_the_resubmitted_job_resumes_and_finishes(slurm, tiny_model, cancelled):
 
 
 def test_a_bad_config_fails_the_job_with_exit_2_before_ray_starts(slurm, tiny_model, tmp_path):
-    job = slurm.sbatch(*_train_args(tiny_model, tmp_path / "bad", 3), "parallelism.tensor_model_parallel_size=3",
-                       job_env=_job_env(slurm))
+    job = slurm.sbatch(
+        *_train_args(tiny_model, tmp_path / "bad", 3),
+        "parallelism.tensor_model_parallel_size=3",
+        job_env=_job_env(slurm),
+    )
     info = slurm.wait_gone(job, timeout=120)
     out = slurm.output(job)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), (info, out[-3000:])

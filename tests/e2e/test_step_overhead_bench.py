@@ -1,5 +1,6 @@
 """tools/bench/step_overhead.py --smoke: a real `rlmega train` of 3 tiny steps, and the share of each step
 spent outside generate, reward, log-probs, train and sync, computed from its metrics.jsonl."""
+
 import json
 import subprocess
 import sys
@@ -10,8 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_step_overhead_smoke_reports_the_share_outside_the_phases(tmp_path):
     out = tmp_path / "oh.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench/step_overhead.py"), "--smoke", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools/bench/step_overhead.py"), "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [s["step"] for s in r["steps"]] == [1, 2, 3]

@@ -6,6 +6,7 @@ log-probs of those samples must equal the engines' (float32: max <= 5e-6, mean <
 train step changed the weights, a second sync must change the engines' output and parity must hold
 again. A tensor corrupted in transit must break parity.
 """
+
 import itertools
 import os
 import re
@@ -31,14 +32,24 @@ T = 0.8
 # RoPE over packed-row offsets, passed: see the two tests at the end.)
 MAX_DIFF, MEAN_DIFF = 5e-6, 1e-6
 VERSION = itertools.count(1)
-PROMPTS = [torch.randint(4, 59, (int(n),), generator=torch.Generator().manual_seed(i)).tolist()
-           for i, n in enumerate([4, 5, 6, 4, 5, 6])]
+PROMPTS = [
+    torch.randint(4, 59, (int(n),), generator=torch.Generator().manual_seed(i)).tolist()
+    for i, n in enumerate([4, 5, 6, 4, 5, 6])
+]
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=4, seed=7))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=4,
+            seed=7,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +59,9 @@ def engines(hf_model):
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     # threaded, as Roles starts them: a sync's buckets in flight load concurrently
     Engine = engine_actor_class().options(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)
-    handles = [Engine.remote(hf_model, max_model_len=64, seed=i, kv_cache_space_gb=1) for i in range(2)]
+    handles = [
+        Engine.remote(hf_model, max_model_len=64, seed=i, kv_cache_space_gb=1) for i in range(2)
+    ]
     yield handles
     for h in handles:
         ray.get(h.shutdown.remote())
@@ -57,15 +70,30 @@ def engines(hf_model):
 
 
 def _group(hf_model, tp, pp, vpp, dp=1, mb_tokens=64, **actor_kw):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.launch.worker_group import WorkerGroup
     from rlmega.megatron.actor import MegatronActor
 
     world = tp * pp * dp
-    group = WorkerGroup(MegatronActor, world, kwargs=dict(
-        model=ModelConfig(path=hf_model), parallel=ParallelismConfig(tp, pp, vpp, world),
-        optimizer=OptimizerConfig(lr=1e-2), actor=ActorConfig(max_tokens_per_micro_batch=mb_tokens, **actor_kw),
-        algorithm=AlgorithmConfig(), temperature=T), num_cpus=0.25)
+    group = WorkerGroup(
+        MegatronActor,
+        world,
+        kwargs=dict(
+            model=ModelConfig(path=hf_model),
+            parallel=ParallelismConfig(tp, pp, vpp, world),
+            optimizer=OptimizerConfig(lr=1e-2),
+            actor=ActorConfig(max_tokens_per_micro_batch=mb_tokens, **actor_kw),
+            algorithm=AlgorithmConfig(),
+            temperature=T,
+        ),
+        num_cpus=0.25,
+    )
     group.call("setup", with_reference=False)
     return group
 
@@ -93,6 +121,7 @@ def tp2_pp2_group(hf_model, engines):
         if not made or not made[-1].hosts:
             made.append(_group(hf_model, 2, 2, None))
         return made[-1]
+
     yield group
     for g in made:
         g.shutdown()
@@ -100,7 +129,9 @@ def tp2_pp2_group(hf_model, engines):
 
 def _sync(group, engines, transport=None, bucket_bytes=64 << 10):
     version = next(VERSION)
-    sent = group.call("sync_model_to_rollout", transport or RayTransport(engines), version, bucket_bytes)
+    sent = group.call(
+        "sync_model_to_rollout", transport or RayTransport(engines), version, bucket_bytes
+    )
     assert ray.get([e.weight_version.remote() for e in engines]) == [version] * len(engines)
     return sent
 
@@ -109,20 +140,29 @@ def _sample_and_compare(group, engines, seed=0, n=2):
     """Generate on every engine; the actor's log-probs of those samples vs the engine's."""
     results = []
     for e in engines:
-        samples = ray.get(e.generate.remote(PROMPTS, n=n, temperature=T, max_tokens=10, seed=seed, ignore_eos=True))
+        samples = ray.get(
+            e.generate.remote(
+                PROMPTS, n=n, temperature=T, max_tokens=10, seed=seed, ignore_eos=True
+            )
+        )
         batch = batch_from_samples(samples)
         actor_lp = group.call("compute_logprobs", batch)[0]
         results.append((batch, logprob_diff(batch.rollout_logprobs, actor_lp, batch.response_mask)))
     return results
 
 
-LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2_pp2": (2, 2, None),
-           # rollout.weight_transport=collective: each of the 4 senders broadcasts its pieces over gloo (the
-           # tp2_pp2 group, right after its Ray transport's test: tp2_pp2_group)
-           "tp2_pp2_collective": (2, 2, None),
-           "pp2_vpp2": (1, 2, 2),
-           # DP 2: replica 0 alone gathers and sends; after the train step it must hold the trained weights
-           "tp2_dp2": (2, 1, None, 2)}
+LAYOUTS = {
+    "tp1": (1, 1, None),
+    "tp2": (2, 1, None),
+    "pp2": (1, 2, None),
+    "tp2_pp2": (2, 2, None),
+    # rollout.weight_transport=collective: each of the 4 senders broadcasts its pieces over gloo (the
+    # tp2_pp2 group, right after its Ray transport's test: tp2_pp2_group)
+    "tp2_pp2_collective": (2, 2, None),
+    "pp2_vpp2": (1, 2, 2),
+    # DP 2: replica 0 alone gathers and sends; after the train step it must hold the trained weights
+    "tp2_dp2": (2, 1, None, 2),
+}
 
 
 def _groups_joined(engines) -> list[int]:
@@ -140,40 +180,58 @@ def test_sync_gives_logprob_parity_before_and_after_training(hf_model, engines, 
     else:
         group = _group(hf_model, *LAYOUTS[name])
     # made once for both syncs, as Roles does: the collective one keeps its groups across them
-    transport = CollectiveTransport(engines) if name.endswith("_collective") else RayTransport(engines)
+    transport = (
+        CollectiveTransport(engines) if name.endswith("_collective") else RayTransport(engines)
+    )
     joined = _groups_joined(engines)
     try:
-        if name == "tp2_pp2_collective":  # the tp2_pp2 test left the engines holding this group's weights: a step
+        # the tp2_pp2 test left the engines holding this group's weights: a step
+        if name == "tp2_pp2_collective":
             # first, so that a first sync delivering nothing fails "before training" here, as with a fresh group
             train_step_on_fixed_rewards(group, _sample_and_compare(group, engines)[0][0])
         sent = _sync(group, engines, transport)
         # Names and shapes sent are exactly the HF model's state dict.
         hf = {k: tuple(v.shape) for k, v in load_file(f"{hf_model}/model.safetensors").items()}
-        got = [ns for rank in sent for ns in rank["names_and_shapes"]]  # (a TP-split tensor: once per TP rank)
-        assert sorted(set(got)) == sorted(hf.items()), f"{name}: names/shapes differ from the HF state dict"
+        # (a TP-split tensor: once per TP rank)
+        got = [ns for rank in sent for ns in rank["names_and_shapes"]]
+        assert sorted(set(got)) == sorted(hf.items()), (
+            f"{name}: names/shapes differ from the HF state dict"
+        )
         tensors = load_file(f"{hf_model}/model.safetensors").values()
-        assert sum(rank["bytes"] for rank in sent) == sum(v.nbytes for v in tensors)  # each byte sent once
-        assert all(rank["buckets"] > 1 for rank in sent if rank["tensors"])  # 64 KiB buckets: streamed
+        # each byte sent once
+        assert sum(rank["bytes"] for rank in sent) == sum(v.nbytes for v in tensors)
+        # 64 KiB buckets: streamed
+        assert all(rank["buckets"] > 1 for rank in sent if rank["tensors"])
         tp, pp = LAYOUTS[name][:2]
         # no gather: every TP rank of replica 0 sends its own blocks (rlmega/sync/pieces.py)
         assert sum(1 for rank in sent if rank["tensors"]) == tp * pp
 
         before = _sample_and_compare(group, engines)
         for _, diff in before:
-            assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} before training: {diff}"
+            assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, (
+                f"{name} before training: {diff}"
+            )
 
         train_step_on_fixed_rewards(group, before[0][0])
         _sync(group, engines, transport)
         after = _sample_and_compare(group, engines)
-        if name.endswith("_collective"):  # one group per sender (4), joined at the first sync and kept
+        # one group per sender (4), joined at the first sync and kept
+        if name.endswith("_collective"):
             assert [n - m for n, m in zip(_groups_joined(engines), joined)] == [4] * len(engines)
         print(name, "parity before", [d for _, d in before], "after", [d for _, d in after])
         for (b0, _), (b1, diff) in zip(before, after):
-            assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"{name} after training: {diff}"
-            changed = any(not torch.equal(x, y) for x, y in zip(b0.rollout_logprobs, b1.rollout_logprobs))
-            assert changed, f"{name}: the engine's output did not change after syncing trained weights"
+            assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, (
+                f"{name} after training: {diff}"
+            )
+            changed = any(
+                not torch.equal(x, y) for x, y in zip(b0.rollout_logprobs, b1.rollout_logprobs)
+            )
+            assert changed, (
+                f"{name}: the engine's output did not change after syncing trained weights"
+            )
     finally:
-        if name not in ("tp1", "tp2_pp2"):  # tp1's stays for the tests below, tp2_pp2's for the collective one
+        # tp1's stays for the tests below, tp2_pp2's for the collective one
+        if name not in ("tp1", "tp2_pp2"):
             group.shutdown()
 
 
@@ -190,26 +248,38 @@ def test_trainer_releases_its_weights_after_a_ray_sync_and_trains_on(tp1_group, 
         batch = _sample_and_compare(group, engines)[0][0]
         for cycle in range(2):
             metrics = train_step_on_fixed_rewards(group, batch)
-            assert all(map(torch.isfinite, map(torch.tensor, [metrics["loss"], metrics["grad_norm"]]))), metrics
+            assert all(
+                map(torch.isfinite, map(torch.tensor, [metrics["loss"], metrics["grad_norm"]]))
+            ), metrics
             # rollout_phase: release all but the params, sync, release the params
             kept = group.call("offload_for_rollout", keep_params=True)[0]
             assert kept["offloaded"] == ["grads", "main params", "optimizer state"], (cycle, kept)
             _sync(group, engines)
-            synced = group.call("compute_logprobs", batch)[0]  # the params are still on the device here
+            # the params are still on the device here
+            synced = group.call("compute_logprobs", batch)[0]
             released = group.call("offload_for_rollout")[0]
-            assert released["offloaded"] == ["grads", "main params", "optimizer state", "params"], (cycle, released)
+            assert released["offloaded"] == ["grads", "main params", "optimizer state", "params"], (
+                cycle,
+                released,
+            )
             # train_phase: take everything back; the weights are the synced ones, bit for bit
             assert group.call("onload_for_training")[0]["offloaded"] == [], cycle
-            assert all(torch.equal(a, b) for a, b in zip(group.call("compute_logprobs", batch)[0], synced)), cycle
+            assert all(
+                torch.equal(a, b) for a, b in zip(group.call("compute_logprobs", batch)[0], synced)
+            ), cycle
             for _, diff in _sample_and_compare(group, engines, seed=cycle + 1):
-                assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, f"cycle {cycle}: {diff}"
+                assert diff["max"] <= MAX_DIFF and diff["mean"] <= MEAN_DIFF, (
+                    f"cycle {cycle}: {diff}"
+                )
     finally:  # the group is shared: it goes back onloaded, whatever failed
         group.call("onload_for_training")
 
 
 def test_corrupt_tensor_in_transit_breaks_parity_and_versions_count(tp1_group, engines):
     group = tp1_group
-    bad = CorruptingTransport(RayTransport(engines), "model.layers.1.mlp.down_proj.weight", delta=0.05)
+    bad = CorruptingTransport(
+        RayTransport(engines), "model.layers.1.mlp.down_proj.weight", delta=0.05
+    )
     _sync(group, engines, transport=bad)
     for _, diff in _sample_and_compare(group, engines):
         assert diff["max"] > 1e-3, f"corruption went unnoticed: {diff}"
@@ -222,8 +292,11 @@ def test_corrupt_tensor_in_transit_breaks_parity_and_versions_count(tp1_group, e
     # the next sync loads, and parity is back.
     bad = RayTransport(engines[:1], timeout_s=120)
     version = next(VERSION)
-    with pytest.raises(RuntimeError, match=r"(?s)rollout engine 0 failed to load weights version "
-                                           rf"{version}.*no module or parameter named .layers\.0\.no_such."):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)rollout engine 0 failed to load weights version "
+        rf"{version}.*no module or parameter named .layers\.0\.no_such.",
+    ):
         bad.send([("model.layers.0.no_such.weight", torch.zeros(64, 128))], version)
         bad.flush()
     assert len(local_slots._pools) == 1  # it went the local way: a slot pool for the engine here
@@ -265,7 +338,6 @@ def test_parity_for_sequences_packed_deep_into_a_row(sharp_model, engines):
         group.shutdown()
 
 
-
 def test_a_final_norm_off_by_1e4_breaks_parity(tp1_group, engines):
     """Final norm weights (1.0 at init, near it after the tp1 parity test's update) + 1e-4 in transit: the
     engine's logits x(1 + 1e-4).
@@ -273,17 +345,33 @@ def test_a_final_norm_off_by_1e4_breaks_parity(tp1_group, engines):
     Far inside the old 1e-3 limit; outside today's.
     """
     group = tp1_group
-    _sync(group, engines, transport=CorruptingTransport(RayTransport(engines), "model.norm.weight", delta=1e-4))
+    _sync(
+        group,
+        engines,
+        transport=CorruptingTransport(RayTransport(engines), "model.norm.weight", delta=1e-4),
+    )
     for _, diff in _sample_and_compare(group, engines):
         print("final norm + 1e-4:", diff)
-        assert diff["max"] > MAX_DIFF, f"a 1e-4 relative error in the engine's logits went unnoticed: {diff}"
+        assert diff["max"] > MAX_DIFF, (
+            f"a 1e-4 relative error in the engine's logits went unnoticed: {diff}"
+        )
 
 
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory):
     """A Llama whose output layer is its input embedding (Qwen2.5 <= 3B, Llama-3.2, SmolLM do this)."""
-    return str(make_tiny_model(tmp_path_factory.mktemp("tied") / "llama", arch="llama", hidden_size=256,
-                               num_heads=4, num_kv_heads=2, num_layers=4, tie_word_embeddings=True, seed=3))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("tied") / "llama",
+            arch="llama",
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            num_layers=4,
+            tie_word_embeddings=True,
+            seed=3,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -319,30 +407,48 @@ def test_tied_embeddings_keep_parity_through_several_updates(tied_model, tied_en
         _sync(group, tied_engine)
         diffs = []
         for step in range(TIED_STEPS):
-            (batch, diff), = _sample_and_compare(group, tied_engine, seed=step)
+            ((batch, diff),) = _sample_and_compare(group, tied_engine, seed=step)
             diffs.append(diff)
             train_step_on_fixed_rewards(group, batch)
             _sync(group, tied_engine)
-        (_, diff), = _sample_and_compare(group, tied_engine, seed=TIED_STEPS)
+        ((_, diff),) = _sample_and_compare(group, tied_engine, seed=TIED_STEPS)
         diffs.append(diff)
         print(name, "tied parity per step", [f"{d['max']:.2e}" for d in diffs])
         for step, d in enumerate(diffs):
-            assert d["max"] <= TIED_MAX_DIFF and d["mean"] <= MEAN_DIFF, f"{name} after {step} updates: {d}"
+            assert d["max"] <= TIED_MAX_DIFF and d["mean"] <= MEAN_DIFF, (
+                f"{name} after {step} updates: {d}"
+            )
     finally:
         group.shutdown()
 
 
 # ---- the FSDP2 learner (rlmega/fsdp/actor.py) through the same engines and limits ----------------
 
+
 def _fsdp_group(hf_model, world: int, mb_tokens: int = 64):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.launch.worker_group import WorkerGroup
 
-    group = WorkerGroup(FSDPActor, world, kwargs=dict(
-        model=ModelConfig(path=hf_model), parallel=ParallelismConfig(1, 1, None, world),
-        optimizer=OptimizerConfig(lr=1e-2), actor=ActorConfig(backend="fsdp", max_tokens_per_micro_batch=mb_tokens),
-        algorithm=AlgorithmConfig(), temperature=T), num_cpus=0.25)
+    group = WorkerGroup(
+        FSDPActor,
+        world,
+        kwargs=dict(
+            model=ModelConfig(path=hf_model),
+            parallel=ParallelismConfig(1, 1, None, world),
+            optimizer=OptimizerConfig(lr=1e-2),
+            actor=ActorConfig(backend="fsdp", max_tokens_per_micro_batch=mb_tokens),
+            algorithm=AlgorithmConfig(),
+            temperature=T,
+        ),
+        num_cpus=0.25,
+    )
     group.call("setup", with_reference=False)
     return group
 
@@ -358,30 +464,38 @@ def test_fsdp_sync_keeps_tied_parity_through_several_updates(tied_model, tied_en
     try:
         sent = _sync(group, tied_engine)
         hf = {k: tuple(v.shape) for k, v in load_file(f"{tied_model}/model.safetensors").items()}
-        assert sorted(sent[0]["names_and_shapes"]) == sorted(hf.items()), "names/shapes differ from the HF state dict"
+        assert sorted(sent[0]["names_and_shapes"]) == sorted(hf.items()), (
+            "names/shapes differ from the HF state dict"
+        )
         assert sent[0]["buckets"] > 1 and sent[1]["buckets"] == 0  # 64 KiB buckets, rank 0 sends
         assert sent[0]["gathered"] == sent[1]["gathered"] == len(hf)  # every rank joins each gather
-        (first, diff), = _sample_and_compare(group, tied_engine, seed=0)
+        ((first, diff),) = _sample_and_compare(group, tied_engine, seed=0)
         diffs = [diff]
         batch = first
         for step in range(TIED_STEPS):
             metrics = train_step_on_fixed_rewards(group, batch)
             assert metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0, metrics
             _sync(group, tied_engine)
-            (batch, diff), = _sample_and_compare(group, tied_engine, seed=step + 1)
+            ((batch, diff),) = _sample_and_compare(group, tied_engine, seed=step + 1)
             diffs.append(diff)
-        (again, diff), = _sample_and_compare(group, tied_engine, seed=0)  # the first prompts and seed
+        # the first prompts and seed
+        ((again, diff),) = _sample_and_compare(group, tied_engine, seed=0)
         diffs.append(diff)
         print("fsdp tied parity per step", [f"{d['max']:.2e}" for d in diffs])
         for step, d in enumerate(diffs):
-            assert d["max"] <= TIED_MAX_DIFF and d["mean"] <= MEAN_DIFF, f"fsdp after {step} updates: {d}"
-        assert any(not torch.equal(x, y) for x, y in zip(first.rollout_logprobs, again.rollout_logprobs)), \
-            "the engine samples as before: the updates did not reach it"
+            assert d["max"] <= TIED_MAX_DIFF and d["mean"] <= MEAN_DIFF, (
+                f"fsdp after {step} updates: {d}"
+            )
+        assert any(
+            not torch.equal(x, y) for x, y in zip(first.rollout_logprobs, again.rollout_logprobs)
+        ), "the engine samples as before: the updates did not reach it"
     finally:
         group.shutdown()
 
 
-def test_an_engine_that_cannot_start_is_named_by_its_root_cause_and_log(engines, hf_model, tmp_path):
+def test_an_engine_that_cannot_start_is_named_by_its_root_cause_and_log(
+    engines, hf_model, tmp_path
+):
     """Issue 57: a start-up failure inside vLLM's engine core reached the driver as "rollout engine 0 died: The
     actor died because of an error raised in its creation task", its cause only in a Ray worker's log. Now the
     message carries the core's own exception, the frame that raised it, and that log's path."""
@@ -393,14 +507,19 @@ def test_an_engine_that_cannot_start_is_named_by_its_root_cause_and_log(engines,
     broken = tmp_path / "broken"
     shutil.copytree(hf_model, broken)
     weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # the core fails loading them
+    # the core fails loading them
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     Engine = engine_actor_class().options(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)
     handle = Engine.remote(str(broken), max_model_len=64, seed=9, kv_cache_space_gb=1)
     with pytest.raises(ray.exceptions.RayActorError) as died:
         ray.get(handle.engine_threads.remote(), timeout=300)
     msg = str(describe(died.value, "rollout engine 0"))
-    assert msg.startswith("rollout engine 0 died while starting: EngineStartFailed: the vLLM engine did not start: "
-                          "safetensors"), msg
+    assert msg.startswith(
+        "rollout engine 0 died while starting: EngineStartFailed: the vLLM engine did not start: "
+        "safetensors"
+    ), msg
     assert "(in safetensors_weights_iterator, vllm/" in msg, msg  # the frame, from the core's log
     log = re.search(r"\(engine log: ([^)]+)\)", msg)
-    assert log and os.path.isfile(log.group(1)) and "SafetensorError" in open(log.group(1)).read(), msg
+    assert (
+        log and os.path.isfile(log.group(1)) and "SafetensorError" in open(log.group(1)).read()
+    ), msg

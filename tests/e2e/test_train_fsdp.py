@@ -12,6 +12,7 @@ asynchronous producer's deterministic schedule. Three launches (plus one resume)
 - ``world1``: torchrun's step-2 checkpoint resumed at parallelism.world_size=1 (the DCP shards
   resharded): steps 3-4 train on the same tokens with the same loss to float32 summation noise.
 """
+
 import json
 import os
 import re
@@ -19,15 +20,23 @@ import urllib.request
 
 import pytest
 from conftest import TORCHRUN, checkpointed, kill_9, read_metrics, reap, run_ok, same_numbers
+
 # pytest puts tests/e2e on sys.path; the command is test_train's
 from test_train import _cmd
 
-FSDP = ("actor.backend=fsdp", "parallelism.tensor_model_parallel_size=1",
-        "parallelism.pipeline_model_parallel_size=1")
+FSDP = (
+    "actor.backend=fsdp",
+    "parallelism.tensor_model_parallel_size=1",
+    "parallelism.pipeline_model_parallel_size=1",
+)
 # The asynchronous producer's deterministic schedule (batch b sampled with the weights of step b - 1):
 # its buffer and position are in the checkpoints, so its resume is exact too (tests/e2e/test_async_rl.py)
-ASYNC = ("produce.strategy=async", "produce.max_staleness=1", "produce.deterministic=true",
-         "algorithm.rollout_correction=tis")
+ASYNC = (
+    "produce.strategy=async",
+    "produce.max_staleness=1",
+    "produce.deterministic=true",
+    "algorithm.rollout_correction=tis",
+)
 
 
 def _fsdp_cmd(model, run, steps, *extra, world_size=2):
@@ -53,13 +62,20 @@ def killed(tiny_model, tmp_path_factory):
     def ask_the_dashboard():
         nonlocal status
         url = re.search(r"dashboard (http://\S+/)", log.read_text())
-        if status is None and url and (run / "metrics.jsonl").exists():  # the dashboard of a live run
+        # the dashboard of a live run
+        if status is None and url and (run / "metrics.jsonl").exists():
             with urllib.request.urlopen(url.group(1) + "api/status", timeout=10) as r:
                 status = json.loads(r.read())
 
     with open(log, "w") as out:
-        kill_9(_fsdp_cmd(tiny_model, run, 4, "logging.profile_steps=[2]"), checkpointed(run), tag=tag, stdout=out,
-               poll_s=0.05, while_waiting=ask_the_dashboard)
+        kill_9(
+            _fsdp_cmd(tiny_model, run, 4, "logging.profile_steps=[2]"),
+            checkpointed(run),
+            tag=tag,
+            stdout=out,
+            poll_s=0.05,
+            while_waiting=ask_the_dashboard,
+        )
     names = reap(tag, within_s=30.0)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     run_ok(_fsdp_cmd(tiny_model, run, 4, "--resume"))
@@ -76,7 +92,8 @@ def test_ray_actors_and_a_profiled_step_give_exactly_torchruns_numbers(straight,
     # batch 1 is on-policy: the warm-started weights FSDP synced, float32 parity (5x test_train's measure)
     assert ref[0]["logprob_diff_max"] <= 5e-6 and ref[0]["parity_samples"] > 0, ref[0]
     assert ref[1]["logprob_diff_max"] > 1e-4  # a version behind: the trainer's weights did move
-    assert ref[0]["kl_ref"] == 0.0 and all(m["kl_ref"] > 0 for m in ref[1:])  # Polyak reference moves
+    # Polyak reference moves
+    assert ref[0]["kl_ref"] == 0.0 and all(m["kl_ref"] > 0 for m in ref[1:])
     for a, b in zip(mine[:2], ref[:2]):  # before the kill: Ray actors, step 2 traced
         assert same_numbers(a, b) == {}, (a["step"], same_numbers(a, b))
 
@@ -95,17 +112,29 @@ def test_kill_9_and_resume_equals_the_uninterrupted_run(straight, killed):
 def test_profile_steps_write_a_trace_per_rank_and_the_dashboard_answers(killed):
     run, status, _ = killed
     for rank in range(2):
-        events = json.loads((run / "profile" / "step_2" / f"trainer_rank{rank}.json").read_text())["traceEvents"]
+        events = json.loads((run / "profile" / "step_2" / f"trainer_rank{rank}.json").read_text())[
+            "traceEvents"
+        ]
         assert any(e.get("name", "").startswith("aten::") for e in events), rank
     assert not (run / "profile" / "step_1").exists()
     assert status is not None, "the dashboard did not answer while the run trained"
-    assert status["progress"]["total_steps"] == 4 and status["progress"]["step"] >= 1, status["progress"]
+    assert status["progress"]["total_steps"] == 4 and status["progress"]["step"] >= 1, status[
+        "progress"
+    ]
 
 
 def test_resume_at_world_size_1_continues_with_the_same_loss(tiny_model, straight, tmp_path):
     # trainer.resume=PATH at world 1: DCP reshards the 2-rank checkpoint (policy, Adam, reference, buffer)
     run = tmp_path / "world1"
-    run_ok(_fsdp_cmd(tiny_model, run, 4, f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}", world_size=1))
+    run_ok(
+        _fsdp_cmd(
+            tiny_model,
+            run,
+            4,
+            f"trainer.resume={straight / 'checkpoints' / 'step_00000002'}",
+            world_size=1,
+        )
+    )
     got, want = read_metrics(run), read_metrics(straight)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     # step 3's batch (sampled with step 1's weights) comes from the checkpoint's buffer, step 4's is sampled
@@ -115,16 +144,30 @@ def test_resume_at_world_size_1_continues_with_the_same_loss(tiny_model, straigh
         for key in ("reward_mean", "reward_std", "response_length"):
             assert g[key] == w[key], (g["step"], key, g[key], w[key])
         diffs.append({k: abs(g[k] - w[k]) for k in ("loss", "grad_norm", "kl_ref", "entropy")})
-        print(f"step {g['step']} world 1 vs 2:", {k: (g[k], w[k]) for k in ("loss", "grad_norm", "kl_ref")})
+        print(
+            f"step {g['step']} world 1 vs 2:",
+            {k: (g[k], w[k]) for k in ("loss", "grad_norm", "kl_ref")},
+        )
     print("world 1 vs world 2, steps 3 and 4:", diffs)
     # only the order of float32 sums differs. Measured (steps 3, 4): loss 3.9e-8, 0; grad norm 2.4e-7 twice
     # (of 3.2 and 2.4); kl_ref 0, 1.4e-8; entropy 0, 1.2e-7. Limits ~10x.
     for d in diffs:
-        assert d["loss"] <= 4e-7 and d["grad_norm"] <= 2.5e-6 and d["kl_ref"] <= 2e-7 and d["entropy"] <= 1.2e-6, diffs
+        assert (
+            d["loss"] <= 4e-7
+            and d["grad_norm"] <= 2.5e-6
+            and d["kl_ref"] <= 2e-7
+            and d["entropy"] <= 1.2e-6
+        ), diffs
 
 
-LORA = ("actor.lora.rank=8", "actor.lora.alpha=16", "actor.ref_update_rate=0", "trainer.warmup_sft_steps=0",
-        "optimizer.lr=1e-2", "parallelism.world_size=2")
+LORA = (
+    "actor.lora.rank=8",
+    "actor.lora.alpha=16",
+    "actor.ref_update_rate=0",
+    "trainer.warmup_sft_steps=0",
+    "optimizer.lr=1e-2",
+    "parallelism.world_size=2",
+)
 
 
 def test_a_full_parameter_run_resumes_into_lora_served_unmerged_at_parity(tiny_model, tmp_path):
@@ -135,16 +178,25 @@ def test_a_full_parameter_run_resumes_into_lora_served_unmerged_at_parity(tiny_m
     log-probs equal the trainer's at the float32 floor after real updates (with model.path's weights as its
     base they would be ~0.2 nats of KL apart), and the KL to the new base (adapters off) starts at 0."""
     run = tmp_path / "full_then_lora"
-    full = ("actor.ref_update_rate=0", "trainer.warmup_sft_steps=0", "optimizer.lr=1e-2", "parallelism.world_size=2")
+    full = (
+        "actor.ref_update_rate=0",
+        "trainer.warmup_sft_steps=0",
+        "optimizer.lr=1e-2",
+        "parallelism.world_size=2",
+    )
     run_ok(_cmd(tiny_model, run, 2, *FSDP, *full))
     run_ok(_cmd(tiny_model, run, 4, *FSDP, *LORA, "--resume"))
     got = read_metrics(run)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
-    print("full then lora:", [{k: m[k] for k in ("logprob_diff_max", "kl_ref", "sync_bytes")} for m in got])
+    print(
+        "full then lora:",
+        [{k: m[k] for k in ("logprob_diff_max", "kl_ref", "sync_bytes")} for m in got],
+    )
     # the model (9,575,424 bytes), then the adapters alone (532,551)
     assert got[1]["sync_bytes"] > 1 << 20 > got[3]["sync_bytes"] > 0
     for m in got[2:]:  # measured: 1.4e-6, 1.7e-6 (a fresh LoRA run: 9.5e-7 at each step, as merged)
         assert m["logprob_diff_max"] <= 5e-6 and m["parity_samples"] > 0, m
-    assert got[2]["kl_ref"] == 0.0 < got[3]["kl_ref"]  # measured 0.054 at step 4 (0.19 at step 2, full)
+    # measured 0.054 at step 4 (0.19 at step 2, full)
+    assert got[2]["kl_ref"] == 0.0 < got[3]["kl_ref"]
     final = run / "hf_final"  # a PEFT adapter folder, and the merged model
     assert (final / "adapter_config.json").exists() and (final / "merged" / "config.json").exists()

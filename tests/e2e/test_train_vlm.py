@@ -7,6 +7,7 @@ schedule (its buffer of image batches is in the checkpoints), checkpoints every 
   steps 3-4 equal the reference's exactly;
 - the HF export (hf_final) loads in transformers with its processor and holds exactly the trainer's weights.
 """
+
 import sys
 
 import pytest
@@ -14,8 +15,12 @@ from conftest import ROOT, checkpointed, kill_9, read_metrics, run_ok, same_numb
 
 from rlmega.demo.tiny_vlm import make_tiny_vlm
 
-ASYNC = ("produce.strategy=async", "produce.max_staleness=1", "produce.deterministic=true",
-         "algorithm.rollout_correction=tis")
+ASYNC = (
+    "produce.strategy=async",
+    "produce.max_staleness=1",
+    "produce.deterministic=true",
+    "algorithm.rollout_correction=tis",
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +29,28 @@ def vlm(tmp_path_factory):
 
 
 def _cmd(model, run, steps, *extra, schedule=ASYNC):
-    return [sys.executable, "-m", "rlmega.train", str(ROOT / "configs/vlm_cpu.yaml"), f"model.path={model}",
-            f"trainer.run_dir={run}", f"trainer.total_steps={steps}", "trainer.save_every=2",
-            "trainer.warmup_sft_steps=8", "optimizer.lr_warmup_steps=8", "trainer.eval_every=0",
-            "trainer.prompts_per_step=4", "rollout.n=4", "trainer.global_batch_size=16", "data.synthetic_size=64",
-            # a reward with spread in every group (a barely warm-started model gets the colour wrong everywhere):
-            # every step updates the weights, so the resume has moved weights and Adam state to restore
-            "reward.fn=rlmega.testing.rewards.digit_fraction", *schedule, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "rlmega.train",
+        str(ROOT / "configs/vlm_cpu.yaml"),
+        f"model.path={model}",
+        f"trainer.run_dir={run}",
+        f"trainer.total_steps={steps}",
+        "trainer.save_every=2",
+        "trainer.warmup_sft_steps=8",
+        "optimizer.lr_warmup_steps=8",
+        "trainer.eval_every=0",
+        "trainer.prompts_per_step=4",
+        "rollout.n=4",
+        "trainer.global_batch_size=16",
+        "data.synthetic_size=64",
+        # a reward with spread in every group (a barely warm-started model gets the colour wrong everywhere):
+        # every step updates the weights, so the resume has moved weights and Adam state to restore
+        "reward.fn=rlmega.testing.rewards.digit_fraction",
+        *schedule,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -75,4 +95,6 @@ def test_the_export_loads_in_transformers_and_holds_the_trainers_weights(straigh
     exported = load_file(export / "model.safetensors")
     saved = {k: torch.empty_like(v) for k, v in exported.items()}
     dcp.load({"model": saved}, checkpoint_id=str(straight / "checkpoints" / "step_00000004"))
-    assert sorted(saved) == sorted(exported) and all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert sorted(saved) == sorted(exported) and all(
+        torch.equal(saved[k], exported[k]) for k in saved
+    )

@@ -17,6 +17,7 @@ import is paid once). The trainers are built before vLLM is imported: vLLM's OLM
 constructor of transformers' own Olmo3 classes when it loads, after which transformers cannot build one
 outside a vLLM config. Ranks-free: FSDP over gloo at world 1.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,13 @@ import pytest
 from rlmega.testing import multiproc
 
 run_on_ranks = functools.partial(multiproc.run_on_ranks, start_method="spawn")
-FAMILIES = {"olmo3": "float32", "gemma3": "float32", "mixtral": "float32", "qwen3_next": "bfloat16",
-            "deepseek_v3": "float32"}
+FAMILIES = {
+    "olmo3": "float32",
+    "gemma3": "float32",
+    "mixtral": "float32",
+    "qwen3_next": "bfloat16",
+    "deepseek_v3": "float32",
+}
 PROMPTS = [[1] + [4 + (13 * i + 7 * j) % 50 for j in range(12 + 9 * i)] for i in range(4)]
 STEPS = 3
 # Measured (2 cores, float32): <= 9.5e-7 before and after updates (the text path's floor), DeepSeek-V3 included
@@ -45,7 +51,13 @@ def _child(root: str) -> dict:
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.data.samples import batch_from_samples
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.sync.parity import logprob_diff
@@ -54,25 +66,42 @@ def _child(root: str) -> dict:
     from rlmega.demo.tiny_model import make_tiny_model
 
     actors = {}
-    for arch, dtype in {**FAMILIES, **REFUSED}.items():  # every trainer before vLLM loads (module docstring)
-        path = str(make_tiny_model(f"{root}/{arch}", arch=arch, num_layers=4, seed=0, tie_word_embeddings=arch in TIED))
-        if arch == "deepseek_v3":  # as transformers' own DeepseekV3Config saves it: no scoring_func, no topk_method
+    # every trainer before vLLM loads (module docstring)
+    for arch, dtype in {**FAMILIES, **REFUSED}.items():
+        path = str(
+            make_tiny_model(
+                f"{root}/{arch}", arch=arch, num_layers=4, seed=0, tie_word_embeddings=arch in TIED
+            )
+        )
+        # as transformers' own DeepseekV3Config saves it: no scoring_func, no topk_method
+        if arch == "deepseek_v3":
             drop_config_keys(path, ("scoring_func", "topk_method"))
-        actor = FSDPActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(1, 1, None, 1),
-                          OptimizerConfig(lr=1e-2), ActorConfig(backend="fsdp", max_tokens_per_micro_batch=512),
-                          AlgorithmConfig(kl_coef=0.0))
+        actor = FSDPActor(
+            ModelConfig(path=path, dtype=dtype),
+            ParallelismConfig(1, 1, None, 1),
+            OptimizerConfig(lr=1e-2),
+            ActorConfig(backend="fsdp", max_tokens_per_micro_batch=512),
+            AlgorithmConfig(kl_coef=0.0),
+        )
         actor.setup(with_reference=False)
         actors[arch] = (path, dtype, [(arch, actor)])
-    def megatron(path: str, dtype: str):  # built when its turn comes (megatron-core's groups are process-wide)
+
+    # built when its turn comes (megatron-core's groups are process-wide)
+    def megatron(path: str, dtype: str):
         from rlmega.megatron.actor import MegatronActor
 
-        actor = MegatronActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(1, 1, None, 1),
-                              OptimizerConfig(lr=1e-2), ActorConfig(max_tokens_per_micro_batch=512),
-                              AlgorithmConfig(kl_coef=0.0))
+        actor = MegatronActor(
+            ModelConfig(path=path, dtype=dtype),
+            ParallelismConfig(1, 1, None, 1),
+            OptimizerConfig(lr=1e-2),
+            ActorConfig(max_tokens_per_micro_batch=512),
+            AlgorithmConfig(kl_coef=0.0),
+        )
         actor.setup(with_reference=False)
         return actor
 
-    for arch in MEGATRON:  # after the FSDP trainer, the Megatron one trains the same family against its engine
+    # after the FSDP trainer, the Megatron one trains the same family against its engine
+    for arch in MEGATRON:
         path, dtype, learners = actors[arch]
         learners.append((f"{arch}_megatron", functools.partial(megatron, path, dtype)))
     from rlmega.rollout.rollout import RolloutWorker
@@ -87,21 +116,29 @@ def _child(root: str) -> dict:
                     version += 1
                     actor.sync_model_to_rollout(DirectTransport([engine]), version=version)
                 rows = []
-                steps = STEPS if arch in FAMILIES else 1  # a refused family: one sync of the unchanged weights
+                # a refused family: one sync of the unchanged weights
+                steps = STEPS if arch in FAMILIES else 1
                 for step in range(steps + 1):
-                    samples = engine.generate(PROMPTS, n=2, max_tokens=24, seed=step, ignore_eos=True)
+                    samples = engine.generate(
+                        PROMPTS, n=2, max_tokens=24, seed=step, ignore_eos=True
+                    )
                     batch = batch_from_samples(samples)
-                    diff = logprob_diff(batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask)
+                    diff = logprob_diff(
+                        batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask
+                    )
                     row = {"max": diff["max"], "mean": diff["mean"]}
                     if step < steps:
                         if arch in FAMILIES:
                             metrics = train_step_on_fixed_rewards(OneRank(actor), batch)
                             row["grad_norm"] = metrics["grad_norm"]
                         version += 1
-                        row["bytes"] = actor.sync_model_to_rollout(DirectTransport([engine]), version=version)["bytes"]
+                        row["bytes"] = actor.sync_model_to_rollout(
+                            DirectTransport([engine]), version=version
+                        )["bytes"]
                     rows.append(row)
                 out[name] = rows
-                if name.endswith("_megatron"):  # its groups go; the FSDP trainers' default group stays
+                # its groups go; the FSDP trainers' default group stays
+                if name.endswith("_megatron"):
                     from rlmega.megatron.runtime import teardown_megatron
 
                     teardown_megatron(destroy_process_group=False)
@@ -132,7 +169,12 @@ def result(tmp_path_factory):
 @pytest.mark.parametrize("arch", [*FAMILIES, *(f"{a}_megatron" for a in MEGATRON)])
 def test_engine_and_trainer_agree_after_real_updates(result, arch):
     rows = result[arch]
-    print("ROWS", arch, [f"{r['max']:.2g}" for r in rows], [f"{r.get('grad_norm', 0):.2g}" for r in rows])
+    print(
+        "ROWS",
+        arch,
+        [f"{r['max']:.2g}" for r in rows],
+        [f"{r.get('grad_norm', 0):.2g}" for r in rows],
+    )
     assert len(rows) == STEPS + 1
     assert all(r["bytes"] > 0 for r in rows[:-1])  # every weight went to the engine after each step
     # real updates (Adam at lr 1e-2: each moves every weight); a step whose groups all drew equal rewards has none

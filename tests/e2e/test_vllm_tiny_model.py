@@ -6,6 +6,7 @@ import is shared): vLLM keeps process-wide state (platform, distributed groups, 
 import), so it must not share an interpreter with other tests. The child prints one JSON line with
 what it saw; the assertions live here.
 """
+
 import json
 import math
 import os
@@ -95,7 +96,9 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
     out = {"qwen2": make_tiny_model(d / "qwen2")}  # natural vocab size is odd (59): vLLM pads it
     for name in PHI3:  # Phi-3-mini's untied head, Phi-4-mini's tied one
-        out[name] = make_tiny_model(d / name, arch="phi3", num_layers=2, tie_word_embeddings=name.endswith("_tied"))
+        out[name] = make_tiny_model(
+            d / name, arch="phi3", num_layers=2, tie_word_embeddings=name.endswith("_tied")
+        )
         _sharpen(out[name])
     return out
 
@@ -104,14 +107,23 @@ def models(tmp_path_factory):
 def engine_result(models):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, *(str(models[k]) for k in ("qwen2", *PHI3))], env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *(str(models[k]) for k in ("qwen2", *PHI3))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     wall = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    print(f"vLLM: wall {wall:.1f}s, engine starts {[round(s, 1) for s in result['startup_s']]}s, "
-          f"generate {result['generate_s']:.1f}s")
+    assert proc.returncode == 0 and lines, (
+        f"vLLM child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
+    result = json.loads(lines[-1][len("RESULT ") :])
+    print(
+        f"vLLM: wall {wall:.1f}s, engine starts {[round(s, 1) for s in result['startup_s']]}s, "
+        f"generate {result['generate_s']:.1f}s"
+    )
     return result
 
 
@@ -120,7 +132,8 @@ def test_vllm_generates_from_tiny_model(models, engine_result):
     tok = AutoTokenizer.from_pretrained(models["qwen2"])
     assert len(engine_result["requests"]) == len(PROMPTS)
     for prompt, request in zip(PROMPTS, engine_result["requests"]):
-        assert request["prompt_token_ids"] == tok.encode(prompt)  # vLLM tokenizes as transformers does
+        # vLLM tokenizes as transformers does
+        assert request["prompt_token_ids"] == tok.encode(prompt)
         assert len(request["samples"]) == N
         for sample in request["samples"]:
             assert len(sample["token_ids"]) == len(sample["logprobs"]) == MAX_TOKENS
@@ -136,8 +149,10 @@ def test_vllm_scores_phi3_as_transformers_does(models, engine_result, name):
     ref = _hf_logprobs(model)
     got = torch.tensor([lp for seq in engine_result["scored"][PHI3.index(name)] for lp in seq])
     diff = (ref - got).abs()
-    print(f"\n{name}: {diff.numel()} tokens, log-probs in [{ref.min():.1f}, {ref.max():.1f}], "
-          f"max |diff| {diff.max():.2e}, mean {diff.mean():.2e}")
+    print(
+        f"\n{name}: {diff.numel()} tokens, log-probs in [{ref.min():.1f}, {ref.max():.1f}], "
+        f"max |diff| {diff.max():.2e}, mean {diff.mean():.2e}"
+    )
     assert diff.numel() == len(SEQS) * 40
     # float32 on both sides: measured max 4.8e-6 / mean 5.3e-7 (untied), 2.9e-6 / 5.0e-7 (tied) on 2 CPU
     # cores, the level of Qwen2 and Llama on the same sharpened shapes (2.9e-6, 2.6e-6); ~6x above that.

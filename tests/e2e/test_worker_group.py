@@ -1,6 +1,7 @@
 """WorkerGroup (launch/worker_group.py) on a real local Ray: ``call`` returns every rank's answer in rank
 order; ``call_rank0`` runs on every rank but brings back rank 0's answer only, and still names a rank
 that raises."""
+
 import importlib.util
 
 import pytest
@@ -23,7 +24,9 @@ def test_call_rank0_runs_everywhere_and_returns_rank_0s_answer(local_ray):
         assert group.call("whoami", 7) == [("w", 0, 70), ("w", 1, 70), ("w", 2, 70)]
         assert group.call_rank0("whoami", 8) == ("w", 0, 80)
         assert group.call("count") == [2, 2, 2]  # the other ranks ran it too
-        with pytest.raises(WorkerGroupError, match="trainer rank 1 raised ValueError: rank 1 fails on purpose"):
+        with pytest.raises(
+            WorkerGroupError, match="trainer rank 1 raised ValueError: rank 1 fails on purpose"
+        ):
             group.call_rank0("fail", 1)
     finally:
         group.shutdown()
@@ -48,9 +51,14 @@ def test_roles_thread_split_and_its_overrides():
     from rlmega.launch import threads
 
     cfg, cpus = RLConfig(), {"n": 2}
-    assert threads.plan(cfg, ["n", "n"], ["n"], cpus, on_torchrun=False, engines_awake_while_training=False) == (1, [2])
+    assert threads.plan(
+        cfg, ["n", "n"], ["n"], cpus, on_torchrun=False, engines_awake_while_training=False
+    ) == (1, [2])
     # async: ranks and engines compute at once, so all three processes share the node's CPUs
-    assert threads.plan(cfg, ["n"], ["n"], {"n": 4}, False, engines_awake_while_training=True) == (2, [2])
+    assert threads.plan(cfg, ["n"], ["n"], {"n": 4}, False, engines_awake_while_training=True) == (
+        2,
+        [2],
+    )
     cfg.cluster.threads_per_rank, cfg.cluster.threads_per_engine = 3, 5
     assert threads.plan(cfg, ["n", "n"], ["n"], cpus, False, False) == (3, [5])
     cfg.rollout.tensor_parallel_size = 2  # vLLM's own worker processes: left alone

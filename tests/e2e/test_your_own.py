@@ -8,6 +8,7 @@ says to replace. One run, three checks, each failing on its own:
   response without special tokens equals the label (with the raw text, every reward is 0);
 - the row's own column reaches the reward by name (score/reward/column_seen is 1 only if it did).
 """
+
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,19 @@ def _users_model(folder: Path) -> Path:
     from rlmega.demo.tiny_model import make_tokenizer
 
     tok = make_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
@@ -44,19 +54,48 @@ def test_a_users_own_model_rows_and_reward_file_train_by_the_guide(tmp_path):
     home = tmp_path / "me"  # the user's folder: model, rows and reward, nothing of the repository's
     home.mkdir()
     model = _users_model(home / "my_llama")
-    rows = [("Is fire hot?", "yes"), ("Is snow white?", "yes"), ("Is grass green?", "yes"), ("Is the sky blue?", "yes")]
-    (home / "rows.jsonl").write_text("".join(
-        f'{{"prompt": [{{"role": "user", "content": "{q}"}}], "label": "{a}", "kind": "fact"}}\n' for q, a in rows))
+    rows = [
+        ("Is fire hot?", "yes"),
+        ("Is snow white?", "yes"),
+        ("Is grass green?", "yes"),
+        ("Is the sky blue?", "yes"),
+    ]
+    (home / "rows.jsonl").write_text(
+        "".join(
+            f'{{"prompt": [{{"role": "user", "content": "{q}"}}], "label": "{a}", "kind": "fact"}}\n'
+            for q, a in rows
+        )
+    )
     (home / "my_reward.py").write_text(REWARD)
     fields = [f"model.path={model}", "data.train_path=rows.jsonl", "reward.fn=my_reward.py:exact"]
-    short = ["trainer.total_steps=3", "trainer.warmup_sft_steps=30", "trainer.warmup_sft_lr=3e-3",
-             "rollout.max_response_tokens=8", "trainer.save_every=0", f"trainer.run_dir={home / 'run'}"]
-    check = subprocess.run([RLMEGA, "check-config", str(CONFIG), *fields, *short], cwd=home, env=env(),
-                           capture_output=True, text=True, timeout=300)
+    short = [
+        "trainer.total_steps=3",
+        "trainer.warmup_sft_steps=30",
+        "trainer.warmup_sft_lr=3e-3",
+        "rollout.max_response_tokens=8",
+        "trainer.save_every=0",
+        f"trainer.run_dir={home / 'run'}",
+    ]
+    check = subprocess.run(
+        [RLMEGA, "check-config", str(CONFIG), *fields, *short],
+        cwd=home,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
-    assert check.stdout.splitlines()[-1].startswith("rlmega check-config: OK. llama, "), check.stdout[-500:]
-    out = subprocess.run([RLMEGA, "train", str(CONFIG), *fields, "--resume", *short], cwd=home, env=env(),
-                         capture_output=True, text=True, timeout=600)
+    assert check.stdout.splitlines()[-1].startswith("rlmega check-config: OK. llama, "), (
+        check.stdout[-500:]
+    )
+    out = subprocess.run(
+        [RLMEGA, "train", str(CONFIG), *fields, "--resume", *short],
+        cwd=home,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     metrics = read_metrics(home / "run")
     assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -4,6 +4,7 @@ Run on a GPU machine (one GPU is enough: world size 1, NCCL) with
     python -m pytest tests/gpu -q -s
 The tests need megatron-core importable there (tools/gpu/README.md: bringing its wheel).
 """
+
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ _HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    no_cuda = pytest.mark.skip(reason="tests/gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+    no_cuda = pytest.mark.skip(
+        reason="tests/gpu needs a CUDA GPU (torch.cuda.is_available() is False)"
+    )
     for item in items:
         if _HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.gpu)

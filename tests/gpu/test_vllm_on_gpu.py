@@ -22,6 +22,7 @@ GPU machine carries vLLM as tools/gpu/README.md describes).
 
     python -m pytest tests/gpu/test_vllm_on_gpu.py -s
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,12 +36,23 @@ import torch
 
 from rlmega.testing import multiproc
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"
+)
 run_on_ranks = functools.partial(multiproc.run_on_ranks, start_method="spawn")
 
 # Qwen2.5-0.5B's shape (random weights): tied embeddings, the path the audit found drifting on CPU.
-SHAPE = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-             vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0)
+SHAPE = dict(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+)
 PROMPTS = [[1] + [4 + (13 * i + 7 * j) % 60 for j in range(40 + 30 * i)] for i in range(8)]
 N, MAX_TOKENS, STEPS = 4, 128, 3
 GiB = 1 << 30
@@ -82,7 +94,13 @@ class _IpcDirect:
 
 
 def _cycle_body(model_dir: str) -> dict:
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.data.samples import batch_from_samples
     from rlmega.megatron.actor import MegatronActor
     from rlmega.sync.parity import logprob_diff
@@ -93,8 +111,15 @@ def _cycle_body(model_dir: str) -> dict:
     out: dict = {"free_at_start_gib": _free()}
     t0 = time.perf_counter()
     # The engine first: its engine core is a child process, started before this one holds CUDA state.
-    engine = RolloutWorker(model_dir, device="cuda", dtype="bfloat16", max_model_len=1024, seed=0,
-                           gpu_memory_utilization=0.35, attention_backend=os.environ.get(ATTENTION_ENV))
+    engine = RolloutWorker(
+        model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=1024,
+        seed=0,
+        gpu_memory_utilization=0.35,
+        attention_backend=os.environ.get(ATTENTION_ENV),
+    )
     out["engine_start_s"] = time.perf_counter() - t0
 
     def generate(seed):
@@ -115,13 +140,18 @@ def _cycle_body(model_dir: str) -> dict:
     # Equal tokens are not guaranteed: bf16 kernels differ with the batch's make-up, which differs between a
     # cold engine and a warm one (on the H200 they differed; on the H100 they were equal). The check that
     # the woken weights are intact is the first parity below, computed on these samples.
-    out["same_samples_after_wake"] = sum(a.response_ids == b.response_ids for a, b in zip(again, samples))
+    out["same_samples_after_wake"] = sum(
+        a.response_ids == b.response_ids for a, b in zip(again, samples)
+    )
     samples = again
 
-    actor = MegatronActor(ModelConfig(path=model_dir, dtype="bfloat16"), ParallelismConfig(),
-                          OptimizerConfig(lr=1e-5), ActorConfig(max_tokens_per_micro_batch=8192,
-                                                                offload_while_generating=True),
-                          AlgorithmConfig(kl_coef=0.0))
+    actor = MegatronActor(
+        ModelConfig(path=model_dir, dtype="bfloat16"),
+        ParallelismConfig(),
+        OptimizerConfig(lr=1e-5),
+        ActorConfig(max_tokens_per_micro_batch=8192, offload_while_generating=True),
+        AlgorithmConfig(kl_coef=0.0),
+    )
     actor.setup(with_reference=False)
     group = OneRank(actor)
     torch.cuda.reset_peak_memory_stats()
@@ -138,7 +168,11 @@ def _cycle_body(model_dir: str) -> dict:
         diffs.append(logprob_diff(batch.rollout_logprobs, lp, batch.response_mask))
         metrics = train_step_on_fixed_rewards(group, batch)
         torch.cuda.synchronize()
-        ph["train_s"], ph["loss"], ph["grad_norm"] = time.perf_counter() - t, metrics["loss"], metrics["grad_norm"]
+        ph["train_s"], ph["loss"], ph["grad_norm"] = (
+            time.perf_counter() - t,
+            metrics["loss"],
+            metrics["grad_norm"],
+        )
         ph["free_training_gib"] = _free()
         t = time.perf_counter()
         actor.offload_for_rollout(keep_params=True)
@@ -148,14 +182,16 @@ def _cycle_body(model_dir: str) -> dict:
         transport = DirectTransport([engine]) if step == 0 else _IpcDirect([engine])
         try:
             sent = actor.sync_model_to_rollout(transport, version=step + 1)
-        except Exception as e:  # noted (the test fails on it), and the cycle goes on through host memory
+        # noted (the test fails on it), and the cycle goes on through host memory
+        except Exception as e:
             ph["refit_error"] = f"{type(transport).__name__}: {type(e).__name__}: {e}"
             print("REFIT FAILED:", ph["refit_error"], flush=True)
             try:  # ends a sync the failed transport left open (a send that raised before its flush)
                 transport.flush()
             except Exception:
                 pass
-            transport = DirectTransport([engine])  # as another version: the engine refuses a failed one's
+            # as another version: the engine refuses a failed one's
+            transport = DirectTransport([engine])
             sent = actor.sync_model_to_rollout(transport, version=100 + step + 1)
         ph["refit_s"], ph["refit_gib"] = time.perf_counter() - t, sent["bytes"] / GiB
         ph["refit_via"] = type(transport).__name__
@@ -170,15 +206,24 @@ def _cycle_body(model_dir: str) -> dict:
     _, out["eager_generate_again_s"] = generate(STEPS)
     actor.onload_for_training()
     batch = batch_from_samples(samples)
-    diffs.append(logprob_diff(batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask))
-    out.update(steps=steps, parity=diffs, engine_version=engine.weight_version(),
-               trainer_peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
-               device=torch.cuda.get_device_name(), vllm=__import__("vllm").__version__,
-               attention_backend=os.environ.get(ATTENTION_ENV) or "(vLLM's choice)")
+    diffs.append(
+        logprob_diff(batch.rollout_logprobs, actor.compute_logprobs(batch), batch.response_mask)
+    )
+    out.update(
+        steps=steps,
+        parity=diffs,
+        engine_version=engine.weight_version(),
+        trainer_peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
+        device=torch.cuda.get_device_name(),
+        vllm=__import__("vllm").__version__,
+        attention_backend=os.environ.get(ATTENTION_ENV) or "(vLLM's choice)",
+    )
     engine.shutdown()
     print("EAGER", json.dumps(out), flush=True)
     try:
-        out["cuda_graphs"] = _with_cuda_graphs(actor, model_dir, samples, out["eager_generate_again_s"])
+        out["cuda_graphs"] = _with_cuda_graphs(
+            actor, model_dir, samples, out["eager_generate_again_s"]
+        )
     except Exception as e:  # the eager part's results still come back
         out["cuda_graphs"] = {"error": f"{type(e).__name__}: {e}"}
     actor.teardown()
@@ -195,9 +240,16 @@ def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -
 
     actor.offload_for_rollout(keep_params=True)
     t0 = time.perf_counter()
-    engine = RolloutWorker(model_dir, device="cuda", dtype="bfloat16", max_model_len=1024, seed=0,
-                           gpu_memory_utilization=0.35, attention_backend=os.environ.get(ATTENTION_ENV),
-                           enforce_eager=False)
+    engine = RolloutWorker(
+        model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=1024,
+        seed=0,
+        gpu_memory_utilization=0.35,
+        attention_backend=os.environ.get(ATTENTION_ENV),
+        enforce_eager=False,
+    )
     graphs = {"engine_start_s": time.perf_counter() - t0}
 
     def generate(seed):
@@ -215,7 +267,9 @@ def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -
         graphs["response_tokens"] = sum(len(s.response_ids) for s in graph_samples)
         graphs["eager_generate_s"] = eager_generate_s  # the same requests, seed and weights, eager
         graphs["eager_response_tokens"] = sum(len(s.response_ids) for s in samples)
-        graphs["same_tokens_as_eager"] = [s.response_ids for s in graph_samples] == [s.response_ids for s in samples]
+        graphs["same_tokens_as_eager"] = [s.response_ids for s in graph_samples] == [
+            s.response_ids for s in samples
+        ]
         # Sleep and wake a compiled engine, as the colocated cycle does (the graphs stay captured).
         awake = _free()
         engine.sleep(1)
@@ -223,9 +277,15 @@ def _with_cuda_graphs(actor, model_dir: str, samples, eager_generate_s: float) -
         engine.wake_up()
         woken, _ = generate(STEPS)
         actor.onload_for_training()
-        for key, got in (("parity_before_sync", at_start), ("parity", graph_samples), ("parity_after_wake", woken)):
+        for key, got in (
+            ("parity_before_sync", at_start),
+            ("parity", graph_samples),
+            ("parity_after_wake", woken),
+        ):
             b = batch_from_samples(got)
-            graphs[key] = logprob_diff(b.rollout_logprobs, actor.compute_logprobs(b), b.response_mask)
+            graphs[key] = logprob_diff(
+                b.rollout_logprobs, actor.compute_logprobs(b), b.response_mask
+            )
     finally:
         engine.shutdown()
     return graphs
@@ -250,10 +310,14 @@ def test_engine_and_trainer_share_one_gpu_through_colocated_steps(tmp_path):
     # samples generated after sleep/wake_up: the woken weights are the trainer's.
     for d in r["parity"]:
         assert d["mean"] < 0.05, r["parity"]
-    assert [s["refit_via"] for s in r["steps"]] == ["DirectTransport"] + ["_IpcDirect"] * (STEPS - 1), r["steps"]
+    assert [s["refit_via"] for s in r["steps"]] == ["DirectTransport"] + ["_IpcDirect"] * (
+        STEPS - 1
+    ), r["steps"]
     # The compiled engine took the synced weights: its log-probs match the trainer's as the eager ones do,
     # and before the sync (the model folder's weights) they did not (measured: mean 0.0088 vs 0.176).
     g = r["cuda_graphs"]
     assert "error" not in g, g
-    assert g["response_tokens"] > 0 and g["parity"]["mean"] < 0.05 < g["parity_before_sync"]["mean"], g
+    assert (
+        g["response_tokens"] > 0 and g["parity"]["mean"] < 0.05 < g["parity_before_sync"]["mean"]
+    ), g
     assert g["parity_after_wake"]["mean"] < 0.05 and g["freed_by_sleep_gib"] > 1.0, g

@@ -1,6 +1,7 @@
 """bf16 mixed precision on CPU (Megatron's Float16Module, fp32 main params, fp32 log-probs) and the
 colocated-GPU offload/onload of the trainer between rollouts, on one real gloo rank each.
 """
+
 import dataclasses
 import json
 
@@ -20,16 +21,35 @@ BF16_LOGPROB_ATOL = 0.05
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=4, seed=5))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=4,
+            seed=5,
+        )
+    )
 
 
 def _actor(path, dtype="float32", **actor_kw):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
-    actor = MegatronActor(ModelConfig(path=path, dtype=dtype), ParallelismConfig(), OptimizerConfig(lr=3e-3),
-                          ActorConfig(max_tokens_per_micro_batch=40, **actor_kw), AlgorithmConfig(kl_coef=0.0))
+    actor = MegatronActor(
+        ModelConfig(path=path, dtype=dtype),
+        ParallelismConfig(),
+        OptimizerConfig(lr=3e-3),
+        ActorConfig(max_tokens_per_micro_batch=40, **actor_kw),
+        AlgorithmConfig(kl_coef=0.0),
+    )
     actor.setup(with_reference=False)
     return actor
 
@@ -47,7 +67,9 @@ def _bf16_body(path, out_dir):
     actor = _actor(path, "bfloat16")
     mm = actor.policy
     facts = {
-        "wrapped": all(isinstance(c.module, Float16Module) for c in mm.model),  # DDP(Float16Module(GPT))
+        "wrapped": all(
+            isinstance(c.module, Float16Module) for c in mm.model
+        ),  # DDP(Float16Module(GPT))
         "param_dtypes": {str(p.dtype) for p in offload.model_params(mm.model)},
         "grad_dtypes": {str(g.dtype) for g in offload.model_grads(mm.model)},
         "main_param_dtypes": {str(p.dtype) for g in mm.optimizer.param_groups for p in g["params"]},
@@ -66,8 +88,12 @@ def _bf16_body(path, out_dir):
     actor.sft_step(sft)
     step, _ = actor.load_checkpoint(f"{out_dir}/ckpt")
     facts["ckpt_step"] = step
-    facts["ckpt_params_equal"] = all(torch.equal(a, b) for a, b in zip(saved, offload.model_params(mm.model)))
-    facts["ckpt_main_equal"] = all(torch.equal(a, b) for a, b in zip(saved_main, offload.main_params(mm.optimizer)))
+    facts["ckpt_params_equal"] = all(
+        torch.equal(a, b) for a, b in zip(saved, offload.model_params(mm.model))
+    )
+    facts["ckpt_main_equal"] = all(
+        torch.equal(a, b) for a, b in zip(saved_main, offload.main_params(mm.optimizer))
+    )
     actor.export_hf(f"{out_dir}/hf")
     facts["embedding"] = mm.unwrapped()[0].embedding.word_embeddings.weight.detach().clone()
     actor.teardown()
@@ -76,13 +102,17 @@ def _bf16_body(path, out_dir):
 
 def test_bf16_step_runs_with_fp32_main_params_and_fp32_logprobs(hf_model, tmp_path):
     facts = run_on_ranks(_bf16_body, 1, args=(hf_model, str(tmp_path)), timeout_s=300)[0]
-    assert facts["wrapped"], "bf16 chunks must be wrapped in Float16Module as Megatron's get_model does"
+    assert facts["wrapped"], (
+        "bf16 chunks must be wrapped in Float16Module as Megatron's get_model does"
+    )
     assert facts["param_dtypes"] == {"torch.bfloat16"}
     assert facts["grad_dtypes"] == {"torch.float32"}  # DDP reduces grads in fp32
     assert facts["main_param_dtypes"] == {"torch.float32"} and facts["main_params"] > 0
     assert facts["logprob_dtypes"] == {"torch.float32"}
-    print(f"bf16 vs fp32 log-probs: max {facts['logprob_err']:.2e}, mean {facts['logprob_err_mean']:.2e}; "
-          f"bf16 SFT losses {facts['sft_losses']}")
+    print(
+        f"bf16 vs fp32 log-probs: max {facts['logprob_err']:.2e}, mean {facts['logprob_err_mean']:.2e}; "
+        f"bf16 SFT losses {facts['sft_losses']}"
+    )
     assert facts["logprob_err"] < BF16_LOGPROB_ATOL
     losses = facts["sft_losses"]
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0], losses
@@ -107,13 +137,20 @@ def _phases_body(path, cycle):
         metrics.append(actor.train_step(dataclasses.replace(batch, old_logprobs=old)))
         if step == 0:  # what Roles.rollout_phase does around the weight sync
             kept = actor.offload_for_rollout(keep_params=True)
-            released["params kept"] = sum(s.untyped_storage().nbytes()
-                                          for s in offload.model_params(actor.policy.model))
+            released["params kept"] = sum(
+                s.untyped_storage().nbytes() for s in offload.model_params(actor.policy.model)
+            )
             full = actor.offload_for_rollout()
-            released["params"] = sum(s.untyped_storage().nbytes() for s in offload.model_params(actor.policy.model))
-            released["grads"] = sum(s.untyped_storage().nbytes() for s in offload.model_grads(actor.policy.model))
+            released["params"] = sum(
+                s.untyped_storage().nbytes() for s in offload.model_params(actor.policy.model)
+            )
+            released["grads"] = sum(
+                s.untyped_storage().nbytes() for s in offload.model_grads(actor.policy.model)
+            )
             released["optimizer state"] = sum(
-                s.untyped_storage().nbytes() for s in offload.optimizer_state(actor.policy.optimizer))
+                s.untyped_storage().nbytes()
+                for s in offload.optimizer_state(actor.policy.optimizer)
+            )
             released["kinds"] = (kept["offloaded"], full["offloaded"])
             released["after onload"] = actor.onload_for_training()["offloaded"]
     params = [p.detach().clone() for p in offload.model_params(actor.policy.model)]
@@ -122,14 +159,22 @@ def _phases_body(path, cycle):
 
 
 def test_offload_for_rollout_frees_everything_and_training_continues_bit_exactly(hf_model):
-    plain, noop, params_plain = run_on_ranks(_phases_body, 1, args=(hf_model, False), timeout_s=300)[0]
-    cycled, released, params = run_on_ranks(_phases_body, 1, args=(hf_model, True), timeout_s=300)[0]
+    plain, noop, params_plain = run_on_ranks(
+        _phases_body, 1, args=(hf_model, False), timeout_s=300
+    )[0]
+    cycled, released, params = run_on_ranks(_phases_body, 1, args=(hf_model, True), timeout_s=300)[
+        0
+    ]
     assert noop["kinds"] == ([], [])  # switched off (CPU default): nothing moves
     assert released["params kept"] > 0  # the sync still needs them
     assert released["params"] == released["grads"] == released["optimizer state"] == 0
-    assert released["kinds"] == (["grads", "main params", "optimizer state"],
-                                 ["grads", "main params", "optimizer state", "params"])
+    assert released["kinds"] == (
+        ["grads", "main params", "optimizer state"],
+        ["grads", "main params", "optimizer state", "params"],
+    )
     assert released["after onload"] == []
     # bit-exact training; NaN-valued metrics (rollout_is_* without rollout log-probs) compare as equal
-    assert [json.dumps(m, sort_keys=True) for m in cycled] == [json.dumps(m, sort_keys=True) for m in plain]
+    assert [json.dumps(m, sort_keys=True) for m in cycled] == [
+        json.dumps(m, sort_keys=True) for m in plain
+    ]
     assert all(torch.equal(a, b) for a, b in zip(params, params_plain))

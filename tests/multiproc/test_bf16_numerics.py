@@ -2,6 +2,7 @@
 the Polyak reference update must move a bf16 reference as the float32 math says, and the fp32 main
 params of the non-distributed optimizer must offload and come back like the distributed one's.
 """
+
 import dataclasses
 
 import pytest
@@ -16,33 +17,54 @@ RATE, UPDATES = 0.01, 20
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=2, seed=5))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=2,
+            seed=5,
+        )
+    )
 
 
 def _actor(path, distributed_optimizer=True, **actor_kw):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
-    actor = MegatronActor(ModelConfig(path=path, dtype="bfloat16"), ParallelismConfig(),
-                          OptimizerConfig(lr=3e-3, use_distributed_optimizer=distributed_optimizer),
-                          ActorConfig(max_tokens_per_micro_batch=40, **actor_kw), AlgorithmConfig(kl_coef=0.0))
+    actor = MegatronActor(
+        ModelConfig(path=path, dtype="bfloat16"),
+        ParallelismConfig(),
+        OptimizerConfig(lr=3e-3, use_distributed_optimizer=distributed_optimizer),
+        ActorConfig(max_tokens_per_micro_batch=40, **actor_kw),
+        AlgorithmConfig(kl_coef=0.0),
+    )
     return actor
 
 
 def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:
     """The gap between adjacent bf16 numbers at |x| (8 significant bits): 2^(floor(log2 |x|) - 7)."""
-    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -100))) - 7)
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp(min=2.0**-100))) - 7)
 
 
 def _polyak_body(path, offload_reference):
     actor = _actor(path, offload_reference=offload_reference)
     actor.setup()
-    actor.sft_step(dataclasses.replace(random_batch(8, seed=1), advantages=None))  # policy != reference
+    # policy != reference
+    actor.sft_step(dataclasses.replace(random_batch(8, seed=1), advantages=None))
 
     def flat(manager):
         with torch.no_grad():
-            return torch.cat([p.detach().float().flatten() for c in manager.unwrapped() for p in c.parameters()])
+            return torch.cat(
+                [p.detach().float().flatten() for c in manager.unwrapped() for p in c.parameters()]
+            )
 
     with actor._reference_onloaded():
         ref0 = flat(actor.reference)
@@ -57,16 +79,24 @@ def _polyak_body(path, offload_reference):
     want = policy + (ref0 - policy) * (1.0 - RATE) ** UPDATES
     err_ulps = (got - want).abs() / _bf16_spacing(want)
     should_move = (want - ref0).abs() > _bf16_spacing(ref0)  # by more than one bf16 step
-    return {"dtypes": dtypes, "max_err_ulps": float(err_ulps.max()), "should_move": int(should_move.sum()),
-            "moved": int((got != ref0)[should_move].sum()), "numel": got.numel()}
+    return {
+        "dtypes": dtypes,
+        "max_err_ulps": float(err_ulps.max()),
+        "should_move": int(should_move.sum()),
+        "moved": int((got != ref0)[should_move].sum()),
+        "numel": got.numel(),
+    }
 
 
-@pytest.mark.parametrize("offload_reference", [True, False], ids=["master_on_host", "master_on_device"])
+@pytest.mark.parametrize(
+    "offload_reference", [True, False], ids=["master_on_host", "master_on_device"]
+)
 def test_bf16_polyak_reference_moves_as_float32_math_says(hf_model, offload_reference):
     r = run_on_ranks(_polyak_body, 1, args=(hf_model, offload_reference), timeout_s=300)[0]
     print(f"bf16 Polyak after {UPDATES} x {RATE}: {r}")
     assert r["dtypes"] == {"torch.bfloat16"}
-    assert r["should_move"] > r["numel"] // 10  # the SFT step moved enough weights for the test to mean something
+    # the SFT step moved enough weights for the test to mean something
+    assert r["should_move"] > r["numel"] // 10
     assert r["moved"] == r["should_move"]  # in-place bf16 blending left them where they were
     # one rounding of the float32 result to bf16: at most one bf16 step from the float32 math
     assert r["max_err_ulps"] <= 1.0
@@ -87,15 +117,24 @@ def _main_params_body(path):
     released = sum(m.untyped_storage().nbytes() for m in main)
     mm.load_megatron_copy_params()
     back = all(torch.equal(a, b) for a, b in zip(saved, offload.main_params(mm.optimizer)))
-    param_bytes = sum(p.numel() for p in offload.model_params(mm.model)) * 4  # fp32: 4 bytes per weight
+    # fp32: 4 bytes per weight
+    param_bytes = sum(p.numel() for p in offload.model_params(mm.model)) * 4
     loss = actor.sft_step(sft)["loss"]
     actor.teardown()
-    return {"count": len(main), "dtypes": {str(m.dtype) for m in main}, "before": before, "released": released,
-            "back": back, "param_bytes": param_bytes, "loss_finite": bool(torch.isfinite(torch.tensor(loss)))}
+    return {
+        "count": len(main),
+        "dtypes": {str(m.dtype) for m in main},
+        "before": before,
+        "released": released,
+        "back": back,
+        "param_bytes": param_bytes,
+        "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
+    }
 
 
 def test_main_params_offload_without_the_distributed_optimizer(hf_model):
     r = run_on_ranks(_main_params_body, 1, args=(hf_model,), timeout_s=300)[0]
     assert r["count"] > 0 and r["dtypes"] == {"torch.float32"}  # before: [] (a silent no-op)
-    assert r["before"] == r["param_bytes"]  # a full fp32 copy of every weight (no sharding without it)
+    # a full fp32 copy of every weight (no sharding without it)
+    assert r["before"] == r["param_bytes"]
     assert r["released"] == 0 and r["back"] and r["loss_finite"]

@@ -3,6 +3,7 @@
 
 Needs root (mount); skipped with the reason otherwise.
 """
+
 import os
 import subprocess
 
@@ -15,16 +16,35 @@ from rlmega.demo.tiny_model import make_tiny_model
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=2, seed=3))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=2,
+            seed=3,
+        )
+    )
 
 
 def _actor(path):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
-    actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(1, 1, None, 2), OptimizerConfig(lr=1e-3),
-                          ActorConfig(max_tokens_per_micro_batch=64), AlgorithmConfig())
+    actor = MegatronActor(
+        ModelConfig(path=path),
+        ParallelismConfig(1, 1, None, 2),
+        OptimizerConfig(lr=1e-3),
+        ActorConfig(max_tokens_per_micro_batch=64),
+        AlgorithmConfig(),
+    )
     actor.setup(with_reference=False)
     actor.sft_step(random_batch(8, seed=1))  # Adam state exists: the checkpoint has its full size
     return actor
@@ -59,8 +79,11 @@ def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(hf_model, tmp_path):
     mnt = tmp_path / "small_fs"
     mnt.mkdir()
     limit = int(size * 1.6) // 4096 * 4096 + 4096  # room for one checkpoint, not two
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={limit}", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={limit}", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:

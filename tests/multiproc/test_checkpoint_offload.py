@@ -2,6 +2,7 @@
 
 All on real gloo ranks with MegatronModelManager on a tiny Qwen2 model.
 """
+
 import random
 
 import numpy as np
@@ -16,12 +17,27 @@ ROWS, SEQ, MBS = 4, 12, 1
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=4, seed=3))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=4,
+            seed=3,
+        )
+    )
 
 
-def _manager(path: str, tp: int, pp: int, load_weights: bool = True, lr_warmup_steps: int = 3,
-             lr_decay_steps: int = 20, **optimizer):
+def _manager(
+    path: str,
+    tp: int,
+    pp: int,
+    load_weights: bool = True,
+    lr_warmup_steps: int = 3,
+    lr_decay_steps: int = 20,
+    **optimizer,
+):
     import torch.distributed as dist
 
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
@@ -29,8 +45,10 @@ def _manager(path: str, tp: int, pp: int, load_weights: bool = True, lr_warmup_s
 
     optimizer = {"lr": 1e-2, "weight_decay": 0.01, "lr_decay_style": "cosine", **optimizer}
     mm = MegatronModelManager(
-        ModelConfig(path=path), ParallelismConfig(tp, pp, None, dist.get_world_size()),
-        OptimizerConfig(lr_warmup_steps=lr_warmup_steps, **optimizer), lr_decay_steps=lr_decay_steps,
+        ModelConfig(path=path),
+        ParallelismConfig(tp, pp, None, dist.get_world_size()),
+        OptimizerConfig(lr_warmup_steps=lr_warmup_steps, **optimizer),
+        lr_decay_steps=lr_decay_steps,
     )
     mm.setup_model_and_optimizer(load_weights=load_weights)
     return mm
@@ -89,9 +107,13 @@ def _save_step_load_body(path: str, ckpt: str) -> dict:
     step, extra = mm.load_checkpoint(ckpt)
     restored = _snapshot(mm)
     again = _step(mm, seed=1)
-    fresh = _manager(path, 2, 2, load_weights=False)  # random init: must differ from the saved weights
+    # random init: must differ from the saved weights
+    fresh = _manager(path, 2, 2, load_weights=False)
     out = {
-        "step": step, "extra": extra, "first": first, "again": again,
+        "step": step,
+        "extra": extra,
+        "first": first,
+        "again": again,
         "diff": {k: not _same(saved[k], restored[k]) for k in saved},
         "n_moments": len(saved["moments"]),
         "fresh_differs": not _same(saved["params"], _snapshot(fresh)["params"]),
@@ -101,7 +123,9 @@ def _save_step_load_body(path: str, ckpt: str) -> dict:
 
 
 def test_save_step_load_restores_everything_bitwise(hf_model, tmp_path):
-    results = run_on_ranks(_save_step_load_body, 4, args=(hf_model, str(tmp_path / "ckpt")), timeout_s=300)
+    results = run_on_ranks(
+        _save_step_load_body, 4, args=(hf_model, str(tmp_path / "ckpt")), timeout_s=300
+    )
     for rank, r in enumerate(results):
         assert r["step"] == 1 and r["extra"] == {"data_position": 17}
         assert r["n_moments"] > 0
@@ -145,8 +169,12 @@ def test_save_tp2_load_pp2_gives_identical_model(hf_model, tmp_path):
     from safetensors.torch import load_file
 
     ckpt = str(tmp_path / "ckpt")
-    saved = run_on_ranks(_train_save_logits_body, 2, args=(hf_model, ckpt, str(tmp_path / "a")), timeout_s=300)[0]
-    step, loaded = run_on_ranks(_load_logits_body, 2, args=(hf_model, ckpt, str(tmp_path / "b")), timeout_s=300)[1]
+    saved = run_on_ranks(
+        _train_save_logits_body, 2, args=(hf_model, ckpt, str(tmp_path / "a")), timeout_s=300
+    )[0]
+    step, loaded = run_on_ranks(
+        _load_logits_body, 2, args=(hf_model, ckpt, str(tmp_path / "b")), timeout_s=300
+    )[1]
     assert step == 2
     assert (loaded - saved).abs().max() <= 1e-5  # TP2 and PP2 round matmuls differently
     a = {k: v for f in (tmp_path / "a").glob("*.safetensors") for k, v in load_file(f).items()}
@@ -168,8 +196,17 @@ def _schedule_on_resume_body(path: str, ckpt: str) -> dict:
     resumed_same = [_step(same, seed=s)[2] for s in (4, 5)]
     # Every schedule field changed: peak and final LR, warm-up, decay style and length (total_steps),
     # weight decay; and Adam's betas and eps, which live in the optimizer's param groups.
-    new = {"lr": 5e-3, "min_lr": 1e-4, "lr_warmup_steps": 1, "lr_decay_style": "linear", "lr_decay_steps": 40,
-           "weight_decay": 0.05, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_eps": 1e-6}
+    new = {
+        "lr": 5e-3,
+        "min_lr": 1e-4,
+        "lr_warmup_steps": 1,
+        "lr_decay_style": "linear",
+        "lr_decay_steps": 40,
+        "weight_decay": 0.05,
+        "adam_beta1": 0.8,
+        "adam_beta2": 0.99,
+        "adam_eps": 1e-6,
+    }
     changed = _manager(path, 1, 1, load_weights=False, **new)
     changed.load_checkpoint(ckpt)
     groups = [(g["betas"], g["eps"]) for g in changed.optimizer.param_groups]
@@ -181,15 +218,24 @@ def _schedule_on_resume_body(path: str, ckpt: str) -> dict:
     ref.scheduler.step(increment=1)
     want.append(ref.optimizer.param_groups[0]["lr"])
     teardown_megatron()
-    return {"straight": straight, "same": resumed_same, "changed": resumed_changed, "want": want,
-            "groups": groups, "wd": wd, "steps": changed.scheduler.num_steps}
+    return {
+        "straight": straight,
+        "same": resumed_same,
+        "changed": resumed_changed,
+        "want": want,
+        "groups": groups,
+        "wd": wd,
+        "steps": changed.scheduler.num_steps,
+    }
 
 
 def test_resume_keeps_the_schedule_and_honours_a_changed_one(hf_model, tmp_path):
     # Issue 22 item 5: the checkpoint's LR schedule silently won over a changed optimizer.* or
     # trainer.total_steps (the decay length). Unchanged: the schedule goes on as if never stopped;
     # changed: the new schedule, at the step count the checkpoint reached.
-    r = run_on_ranks(_schedule_on_resume_body, 1, args=(hf_model, str(tmp_path / "ckpt")), timeout_s=300)[0]
+    r = run_on_ranks(
+        _schedule_on_resume_body, 1, args=(hf_model, str(tmp_path / "ckpt")), timeout_s=300
+    )[0]
     assert r["same"] == r["straight"]
     assert r["changed"] == r["want"] and r["want"] != r["straight"], r
     assert r["wd"] == 0.05 and r["steps"] == 6
@@ -261,7 +307,8 @@ def _offload_body(path: str, offload_between: bool):
         mm.onload_params()
         after = _snapshot(mm)
         restored = all(_same(before[k], after[k]) for k in ("params", "moments")) and _same(
-            grads, offload.model_grads(mm.model))
+            grads, offload.model_grads(mm.model)
+        )
     result = _step(mm, seed=1)
     params = [p.detach().clone() for p in offload.model_params(mm.model)]
     teardown_megatron()
@@ -271,8 +318,12 @@ def _offload_body(path: str, offload_between: bool):
 def test_offload_onload_is_bit_exact_and_invisible_to_training(hf_model):
     plain = run_on_ranks(_offload_body, 4, args=(hf_model, False), timeout_s=300)
     cycled = run_on_ranks(_offload_body, 4, args=(hf_model, True), timeout_s=300)
-    for rank, ((_, _, res_a, params_a), (released, restored, res_b, params_b)) in enumerate(zip(plain, cycled)):
-        assert released == {"params": 0, "grads": 0, "optimizer state": 0}, f"rank {rank}: {released}"
+    for rank, ((_, _, res_a, params_a), (released, restored, res_b, params_b)) in enumerate(
+        zip(plain, cycled)
+    ):
+        assert released == {"params": 0, "grads": 0, "optimizer state": 0}, (
+            f"rank {rank}: {released}"
+        )
         assert restored, f"rank {rank}: onload did not restore the bytes"
         assert res_a == res_b, f"rank {rank}: step after offload {res_b} != {res_a}"
         assert _same(params_a, params_b)

@@ -10,6 +10,7 @@ differentiated), parameter by parameter. FSDP's rank 1 also runs a placeholder m
 scored) where rank 0 runs a real one: the head still gets a zero gradient there, or the ranks'
 reduce-scatters would not match.
 """
+
 from rlmega.testing.batches import random_batch
 from rlmega.testing.multiproc import run_on_ranks
 from rlmega.demo.tiny_model import make_tiny_model
@@ -36,15 +37,22 @@ def _body(path: str) -> dict:
 
     batch = random_batch(10, vocab=VOCAB, seed=5, prompt_len=(5, 30), response_len=(3, 40))
     out = {}
-    for name, cls, parallel in (("megatron", MegatronEngine, ParallelismConfig(2, 1, None, 1)),
-                                ("fsdp", FSDPEngine, ParallelismConfig(1, 1, None, 2))):
+    for name, cls, parallel in (
+        ("megatron", MegatronEngine, ParallelismConfig(2, 1, None, 1)),
+        ("fsdp", FSDPEngine, ParallelismConfig(1, 1, None, 2)),
+    ):
         cls.init_process(parallel, seed=1)
-        engine = cls(ModelConfig(path=path), parallel, OptimizerConfig(lr=1e-3),
-                     ActorConfig(max_tokens_per_micro_batch=96))
+        engine = cls(
+            ModelConfig(path=path),
+            parallel,
+            OptimizerConfig(lr=1e-3),
+            ActorConfig(max_tokens_per_micro_batch=96),
+        )
         engine.build()
         shard = engine.shard(batch)
         mbs = engine.micro_batches(shard)
-        if name == "fsdp":  # rank 0 one more real micro-batch, rank 1 a placeholder (nothing scored)
+        # rank 0 one more real micro-batch, rank 1 a placeholder (nothing scored)
+        if name == "fsdp":
             mbs.append(build_micro_batch(batch, [0] if dist.get_rank() == 0 else []))
         r = out[name] = {}
         for chunk in (0, CHUNK):
@@ -53,7 +61,9 @@ def _body(path: str) -> dict:
             lp = engine.gather_responses(mbs, fwd, "logprobs", shard)
             ent = engine.gather_responses(mbs, fwd, "entropy", shard)
             engine.zero_grad()
-            engine.forward_backward(mbs, Head(temperature=0.7, entropy=True, entropy_grad=True), _loss)
+            engine.forward_backward(
+                mbs, Head(temperature=0.7, entropy=True, entropy_grad=True), _loss
+            )
             if name.startswith("megatron"):
                 grads = [p.main_grad.detach().clone() for c in engine.model for p in c.parameters()]
             else:
@@ -67,21 +77,32 @@ def _body(path: str) -> dict:
         r["grad_scale"] = max(float(a.abs().max()) for a in g0)
         r["grads_nonzero"] = sum(int(bool(a.any())) for a in g0), len(g0)
         del engine
-        if name.startswith("megatron"):  # the next layout's groups; the default group stays (re-creating
-            teardown_megatron(destroy_process_group=False)  # it on the same port races between ranks)
+        # the next layout's groups; the default group stays (re-creating
+        if name.startswith("megatron"):
+            # it on the same port races between ranks)
+            teardown_megatron(destroy_process_group=False)
     FSDPEngine.teardown_process()
     return out
 
 
 def test_chunked_logprobs_equal_the_whole_logits_on_both_learners(tmp_path):
-    path = make_tiny_model(tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2,
-                           vocab_size=VOCAB, seed=3)
+    path = make_tiny_model(
+        tmp_path / "m",
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        num_layers=2,
+        vocab_size=VOCAB,
+        seed=3,
+    )
     results = run_on_ranks(_body, 2, args=(str(path),), timeout_s=600)
     for rank, out in enumerate(results):
         for name, r in out.items():
             print(rank, name, r)
-            assert r["lp_scale"] > 5 and r["grad_scale"] > 0, r  # real numbers: random weights, a 152k vocabulary
-            assert r["grads_nonzero"][0] == r["grads_nonzero"][1], r  # every parameter learns, the head included
+            # real numbers: random weights, a 152k vocabulary
+            assert r["lp_scale"] > 5 and r["grad_scale"] > 0, r
+            # every parameter learns, the head included
+            assert r["grads_nonzero"][0] == r["grads_nonzero"][1], r
             # measured: log-probs and entropy 0-9.5e-7 apart, gradients 8e-6 (TP2) and 1.0e-5 (DP2) of their scale
             assert r["lp"] < 1e-5 and r["ent"] < 1e-5, (rank, name, r)
             assert r["grad"] < 1e-4 * r["grad_scale"], (rank, name, r)

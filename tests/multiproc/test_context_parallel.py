@@ -5,6 +5,7 @@ Qwen2 (4 layers, 2 heads) and one batch of 12 samples of 13-58 tokens, packed se
 row holds sequences cut into 2 x CP chunks of uneven lengths; the old log-probs, the metrics (loss,
 gradient norm, pg loss, entropy, KL) of both steps and so the updates must equal world 1's.
 """
+
 import dataclasses
 
 import pytest
@@ -22,25 +23,46 @@ FLOOR = 1e-2
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=4, seed=5))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=4,
+            seed=5,
+        )
+    )
 
 
 def _batch():
     return random_batch(N, seed=3, prompt_len=(3, 20), response_len=(10, 40))
 
 
-def _body(path, tp, pp, cp, world, max_tokens, algorithm, steps=STEPS, save=None, load=None, vpp=None):
+def _body(
+    path, tp, pp, cp, world, max_tokens, algorithm, steps=STEPS, save=None, load=None, vpp=None
+):
     """``steps`` RL steps; ``save``: a checkpoint after step 2 there; ``load``: start from that checkpoint
     (weights, optimizer, schedule: at another CP size too)."""
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(
-        ModelConfig(path=path), ParallelismConfig(tp, pp, vpp, world, context_parallel_size=cp),
-        OptimizerConfig(lr=3e-3, clip_grad=1.0), ActorConfig(max_tokens_per_micro_batch=max_tokens),
-        AlgorithmConfig(**{"kl_coef": 0.05, "entropy_coef": 0.01, "kl_estimator": "k3", **algorithm}),
-        temperature=0.8)
+        ModelConfig(path=path),
+        ParallelismConfig(tp, pp, vpp, world, context_parallel_size=cp),
+        OptimizerConfig(lr=3e-3, clip_grad=1.0),
+        ActorConfig(max_tokens_per_micro_batch=max_tokens),
+        AlgorithmConfig(
+            **{"kl_coef": 0.05, "entropy_coef": 0.01, "kl_estimator": "k3", **algorithm}
+        ),
+        temperature=0.8,
+    )
     actor.setup()
     if load:
         assert actor.load_checkpoint(load)[0] == 2
@@ -49,7 +71,9 @@ def _body(path, tp, pp, cp, world, max_tokens, algorithm, steps=STEPS, save=None
     for step in range(1, steps + 1):
         old = actor.compute_logprobs(batch)
         ref = actor.compute_ref_logprobs(batch)
-        metrics.append(actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref)))
+        metrics.append(
+            actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref))
+        )
         olds.append(old)
         if save and step == 2:
             actor.save_checkpoint(save, step=2)
@@ -58,15 +82,22 @@ def _body(path, tp, pp, cp, world, max_tokens, algorithm, steps=STEPS, save=None
     return metrics, olds, shapes
 
 
-ALGORITHMS = {"ppo": {}, "gspo": {"policy_loss": "gspo"}}  # GSPO: sequence-level ratios and aggregation
+# GSPO: sequence-level ratios and aggregation
+ALGORITHMS = {"ppo": {}, "gspo": {"policy_loss": "gspo"}}
 
 
 @pytest.fixture(scope="module")
 def reference(hf_model, tmp_path_factory):
     """World 1's runs: PPO for 4 steps (its step-2 checkpoint in "ckpt"), GSPO for 2."""
     ckpt = tmp_path_factory.mktemp("cp1") / "ckpt"
-    out = {"ppo": run_on_ranks(_body, 1, args=(hf_model, 1, 1, 1, 1, 160, {}, 4, str(ckpt)), timeout_s=300)[0],
-           "gspo": run_on_ranks(_body, 1, args=(hf_model, 1, 1, 1, 1, 160, ALGORITHMS["gspo"]), timeout_s=300)[0]}
+    out = {
+        "ppo": run_on_ranks(
+            _body, 1, args=(hf_model, 1, 1, 1, 1, 160, {}, 4, str(ckpt)), timeout_s=300
+        )[0],
+        "gspo": run_on_ranks(
+            _body, 1, args=(hf_model, 1, 1, 1, 1, 160, ALGORITHMS["gspo"]), timeout_s=300
+        )[0],
+    }
     out["ckpt"] = ckpt
     return out
 
@@ -74,17 +105,38 @@ def reference(hf_model, tmp_path_factory):
 LAYOUTS = {  # name: (tp, pp, vpp, cp, world, per-rank token budget, algorithm)
     "cp2": (1, 1, None, 2, 2, 80, "ppo"),
     "cp2_gspo": (1, 1, None, 2, 2, 80, "gspo"),
-    "cp2_tp2": (2, 1, None, 2, 4, 80, "ppo"),  # sequence parallel (on at TP > 1): each CP share split over TP
+    "cp2_tp2": (
+        2,
+        1,
+        None,
+        2,
+        4,
+        80,
+        "ppo",
+    ),  # sequence parallel (on at TP > 1): each CP share split over TP
     "cp2_dp2": (1, 1, None, 2, 4, 80, "ppo"),
-    "cp2_pp2_vpp2": (1, 2, 2, 2, 4, 40, "ppo"),  # pipeline stages, interleaved: 2 micro-batches a rank at least
+    "cp2_pp2_vpp2": (
+        1,
+        2,
+        2,
+        2,
+        4,
+        40,
+        "ppo",
+    ),  # pipeline stages, interleaved: 2 micro-batches a rank at least
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_equals_one_process(hf_model, reference, name):
     tp, pp, vpp, cp, world, budget, alg = LAYOUTS[name]
-    results = run_on_ranks(_body, world, args=(hf_model, tp, pp, cp, world, budget, ALGORITHMS[alg]),
-                           kwargs={"vpp": vpp}, timeout_s=300)
+    results = run_on_ranks(
+        _body,
+        world,
+        args=(hf_model, tp, pp, cp, world, budget, ALGORITHMS[alg]),
+        kwargs={"vpp": vpp},
+        timeout_s=300,
+    )
     ref_metrics, ref_olds, ref_shapes = reference[alg]
     ref_metrics, ref_olds = ref_metrics[:STEPS], ref_olds[:STEPS]
     for rank, (metrics, olds, shapes) in enumerate(results):
@@ -93,9 +145,18 @@ def test_context_parallel_equals_one_process(hf_model, reference, name):
         assert all(s[1] <= budget + 8 + tp for s in shapes), shapes
         if world == tp * pp * cp and budget * cp == 160 and vpp is None:
             assert len(shapes) == len(ref_shapes) and all(
-                r[1] / cp <= s[1] <= r[1] / cp + 8 + tp for s, r in zip(shapes, ref_shapes)), (shapes, ref_shapes)
-        rel = max(abs(g[k] - r[k]) / max(abs(r[k]), FLOOR) for g, r in zip(metrics, ref_metrics) for k in KEYS)
-        lp = max((a - b).abs().max().item() for got, want in zip(olds, ref_olds) for a, b in zip(got, want))
+                r[1] / cp <= s[1] <= r[1] / cp + 8 + tp for s, r in zip(shapes, ref_shapes)
+            ), (shapes, ref_shapes)
+        rel = max(
+            abs(g[k] - r[k]) / max(abs(r[k]), FLOOR)
+            for g, r in zip(metrics, ref_metrics)
+            for k in KEYS
+        )
+        lp = max(
+            (a - b).abs().max().item()
+            for got, want in zip(olds, ref_olds)
+            for a, b in zip(got, want)
+        )
         print(f"{name} rank {rank}: metrics relative {rel:.2e}, old log-probs {lp:.2e}")
         assert rel <= 1e-5, (name, rank, metrics, ref_metrics)
         assert lp <= 1e-5, (name, rank, lp)
@@ -107,12 +168,26 @@ def test_checkpoints_resume_at_another_context_parallel_size(hf_model, reference
     Step 4 shows the optimizer state came along (the distributed optimizer's shards reshard over DP x CP):
     a fresh Adam state at step 3 moves step 4's KL to the reference from 0.58 to 0.33 (measured)."""
     ref_metrics = reference["ppo"][0]
-    run_on_ranks(_body, 2, args=(hf_model, 1, 1, 2, 2, 80, {}, 2, str(tmp_path / "cp2")), timeout_s=300)
-    at_cp1 = run_on_ranks(_body, 1, args=(hf_model, 1, 1, 1, 1, 160, {}, 2, None, str(tmp_path / "cp2")),
-                          timeout_s=300)[0][0]
-    at_cp2 = run_on_ranks(_body, 2, args=(hf_model, 1, 1, 2, 2, 80, {}, 2, None, str(reference["ckpt"])),
-                          timeout_s=300)[0][0]
+    run_on_ranks(
+        _body, 2, args=(hf_model, 1, 1, 2, 2, 80, {}, 2, str(tmp_path / "cp2")), timeout_s=300
+    )
+    at_cp1 = run_on_ranks(
+        _body,
+        1,
+        args=(hf_model, 1, 1, 1, 1, 160, {}, 2, None, str(tmp_path / "cp2")),
+        timeout_s=300,
+    )[0][0]
+    at_cp2 = run_on_ranks(
+        _body,
+        2,
+        args=(hf_model, 1, 1, 2, 2, 80, {}, 2, None, str(reference["ckpt"])),
+        timeout_s=300,
+    )[0][0]
     for what, got in (("cp2 -> cp1", at_cp1), ("cp1 -> cp2", at_cp2)):
-        rel = max(abs(g[k] - r[k]) / max(abs(r[k]), FLOOR) for g, r in zip(got, ref_metrics[2:]) for k in KEYS)
+        rel = max(
+            abs(g[k] - r[k]) / max(abs(r[k]), FLOOR)
+            for g, r in zip(got, ref_metrics[2:])
+            for k in KEYS
+        )
         print(f"{what}: steps 3-4 relative {rel:.2e}")
         assert rel <= 1e-5, (what, got, ref_metrics[2:])

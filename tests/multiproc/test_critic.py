@@ -6,6 +6,7 @@ Each layout runs in its own gloo ranks (run_on_ranks): set up a critic from a ca
 the seeded fresh head), score a fixed batch, train two steps toward fixed returns, score again. TP1 also
 checkpoints, exports, and reloads both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,13 @@ from rlmega.demo.tiny_model import make_tiny_model
 
 # (backend, tp, pp, world[, cp]): Megatron layouts (TP2 under sequence parallelism, its default; CP2: each row
 # split over two ranks, context_parallel.py), and the FSDP critic (data parallel).
-LAYOUTS = {"tp1": ("megatron", 1, 1, 1), "tp2": ("megatron", 2, 1, 2), "pp2": ("megatron", 1, 2, 2),
-           "cp2": ("megatron", 1, 1, 2, 2), "fsdp_dp2": ("fsdp", 1, 1, 2)}
+LAYOUTS = {
+    "tp1": ("megatron", 1, 1, 1),
+    "tp2": ("megatron", 2, 1, 2),
+    "pp2": ("megatron", 1, 2, 2),
+    "cp2": ("megatron", 1, 1, 2, 2),
+    "fsdp_dp2": ("fsdp", 1, 1, 2),
+}
 STEPS = 2
 # Measured (float32, this machine): Megatron TP1 vs transformers max 2.4e-7; vs TP1, before training /
 # after two steps: TP2 2.5e-7 / 2.7e-6, PP2 0 / 0, CP2 1.8e-7 / 2.2e-6, FSDP DP2 2.4e-7 / 1.4e-6; the export in
@@ -42,10 +48,13 @@ def _train_body(backend: str, path: str, tp: int, pp: int, world: int, cp: int, 
     from rlmega.config.schema import CriticConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.learner.critic_api import critic_class
 
-    critic = critic_class(backend)(ModelConfig(path=path),
-                                   ParallelismConfig(tp, pp, None, world, context_parallel_size=cp),
-                                   OptimizerConfig(lr=1e-3), CriticConfig(cliprange_value=0.2),
-                                   max_tokens_per_micro_batch=64)
+    critic = critic_class(backend)(
+        ModelConfig(path=path),
+        ParallelismConfig(tp, pp, None, world, context_parallel_size=cp),
+        OptimizerConfig(lr=1e-3),
+        CriticConfig(cliprange_value=0.2),
+        max_tokens_per_micro_batch=64,
+    )
     critic.setup()
     batch = _batch()
     before = critic.compute_values(batch)
@@ -68,8 +77,13 @@ def _reload_body(ckpt: str, path: str):
 
     out = []
     for source, load in ((path, True), (f"{ckpt}/hf", False)):
-        critic = MegatronCritic(ModelConfig(path=source), ParallelismConfig(), OptimizerConfig(lr=1e-3),
-                                CriticConfig(), max_tokens_per_micro_batch=64)
+        critic = MegatronCritic(
+            ModelConfig(path=source),
+            ParallelismConfig(),
+            OptimizerConfig(lr=1e-3),
+            CriticConfig(),
+            max_tokens_per_micro_batch=64,
+        )
         critic.setup()
         if load:
             assert critic.load_checkpoint(f"{ckpt}/ckpt") == STEPS
@@ -90,18 +104,31 @@ def _hf_values(path: str, batch) -> list[torch.Tensor]:
     hf = value_model_config(json.load(open(f"{path}/config.json")))
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     # from_pretrained: transformers converts the checkpoint's layout (MoE experts fused, in transformers 5)
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32
+    )
     with torch.no_grad():
         model.score.weight.copy_(fresh_value_head(hf["hidden_size"], head_std(hf), 1234))
     model.eval()
     with torch.no_grad():
-        return [model(t[None]).logits[0, p - 1:-1, 0] for t, p in zip(batch.tokens, batch.prompt_lens.tolist())]
+        return [
+            model(t[None]).logits[0, p - 1 : -1, 0]
+            for t, p in zip(batch.tokens, batch.prompt_lens.tolist())
+        ]
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("critic") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=1, num_layers=4, seed=11))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("critic") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=1,
+            num_layers=4,
+            seed=11,
+        )
+    )
 
 
 def _max_diff(a, b) -> float:
@@ -112,8 +139,12 @@ def test_critic_matches_transformers_across_layouts_and_backends(qwen2, tmp_path
     runs = {}
     for name, (backend, tp, pp, world, *cp) in LAYOUTS.items():
         ckpt = str(tmp_path) if name == "tp1" else None
-        runs[name] = run_on_ranks(_train_body, world, args=(backend, qwen2, tp, pp, world, cp[0] if cp else 1, ckpt),
-                                  timeout_s=300)[0]
+        runs[name] = run_on_ranks(
+            _train_body,
+            world,
+            args=(backend, qwen2, tp, pp, world, cp[0] if cp else 1, ckpt),
+            timeout_s=300,
+        )[0]
     before, metrics, after = runs["tp1"]
     hf = _hf_values(qwen2, _batch())
     print("tp1 vs transformers", _max_diff(before, hf))
@@ -125,14 +156,26 @@ def test_critic_matches_transformers_across_layouts_and_backends(qwen2, tmp_path
         print(name, "before", _max_diff(b, before), "after", _max_diff(a, after))
         assert _max_diff(b, before) <= VALUE_ATOL and _max_diff(a, after) <= VALUE_ATOL, name
         for mine, ref in zip(m, metrics):
-            for k in ("critic/vf_loss", "critic/value_mean", "critic/grad_norm", "critic/explained_variance"):
+            for k in (
+                "critic/vf_loss",
+                "critic/value_mean",
+                "critic/grad_norm",
+                "critic/explained_variance",
+            ):
                 assert mine[k] == pytest.approx(ref[k], rel=METRIC_RTOL, abs=1e-7), (name, k)
-    reloaded, exported = run_on_ranks(_reload_body, 1, args=(str(tmp_path), qwen2), timeout_s=300)[0]
+    reloaded, exported = run_on_ranks(_reload_body, 1, args=(str(tmp_path), qwen2), timeout_s=300)[
+        0
+    ]
     assert _max_diff(reloaded, after) == 0.0  # the checkpoint restores the trained critic exactly
     assert _max_diff(exported, after) == 0.0  # so does its HF export (score.weight included)
-    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model = AutoModelForTokenClassification.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32
+    ).eval()
     with torch.no_grad():
-        ex = [model(t[None]).logits[0, p - 1:-1, 0] for t, p in zip(_batch().tokens, _batch().prompt_lens.tolist())]
+        ex = [
+            model(t[None]).logits[0, p - 1 : -1, 0]
+            for t, p in zip(_batch().tokens, _batch().prompt_lens.tolist())
+        ]
     print("export in transformers vs trained", _max_diff(ex, after))
     assert _max_diff(ex, after) <= VALUE_ATOL
 
@@ -144,17 +187,37 @@ MOE_LAYOUTS = {"tp2_sp": (2, 2, 1), "cp2": (1, 2, 2)}
 
 
 def test_moe_critic_matches_transformers_and_at_tp2_sp_and_cp2(tmp_path):
-    path = str(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2,
-                               num_kv_heads=2, num_experts=8, top_k=2, moe_intermediate_size=32, seed=7))
-    before, metrics, after = run_on_ranks(_train_body, 1, args=("megatron", path, 1, 1, 1, 1, None), timeout_s=300)[0]
+    path = str(
+        make_tiny_model(
+            tmp_path / "moe",
+            arch="qwen3_moe",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=2,
+            num_experts=8,
+            top_k=2,
+            moe_intermediate_size=32,
+            seed=7,
+        )
+    )
+    before, metrics, after = run_on_ranks(
+        _train_body, 1, args=("megatron", path, 1, 1, 1, 1, None), timeout_s=300
+    )[0]
     print("moe tp1 vs transformers", _max_diff(before, _hf_values(path, _batch())))
     assert _max_diff(before, _hf_values(path, _batch())) <= VALUE_ATOL
     assert _max_diff(before, after) > 1e-3
     for name, (tp, world, cp) in MOE_LAYOUTS.items():
-        b, m, a = run_on_ranks(_train_body, world, args=("megatron", path, tp, 1, world, cp, None), timeout_s=300)[0]
+        b, m, a = run_on_ranks(
+            _train_body, world, args=("megatron", path, tp, 1, world, cp, None), timeout_s=300
+        )[0]
         print("moe", name, "before", _max_diff(b, before), "after", _max_diff(a, after))
         assert _max_diff(b, before) <= VALUE_ATOL and _max_diff(a, after) <= VALUE_ATOL, name
         for mine, ref in zip(m, metrics):
-            for k in ("critic/vf_loss", "critic/value_mean", "critic/grad_norm", "critic/explained_variance"):
+            for k in (
+                "critic/vf_loss",
+                "critic/value_mean",
+                "critic/grad_norm",
+                "critic/explained_variance",
+            ):
                 assert mine[k] == pytest.approx(ref[k], rel=METRIC_RTOL, abs=1e-7), (name, k)
-

@@ -8,6 +8,7 @@ old log-probs (KL k3 + entropy bonus), then an on-policy RL step (old log-probs 
 forward itself). World 1 then runs MegatronActor through the same sequence on the same weights;
 world 2 also checks the non-finite skip and the Polyak update.
 """
+
 import dataclasses
 
 import pytest
@@ -28,8 +29,15 @@ def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("fsdp_models")
     out = {}
     for i, (name, tied) in enumerate(MODELS.items()):
-        raw = make_tiny_model(root / f"{name}_raw", hidden_size=128, num_heads=2, num_kv_heads=2, num_layers=2,
-                              tie_word_embeddings=tied, seed=20 + i)
+        raw = make_tiny_model(
+            root / f"{name}_raw",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=2,
+            tie_word_embeddings=tied,
+            seed=20 + i,
+        )
         model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
         g = torch.Generator().manual_seed(200 + i)
         with torch.no_grad():
@@ -45,15 +53,24 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def _configs(path: str, world: int, **actor_kw):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
 
-    return (ModelConfig(path=path), ParallelismConfig(1, 1, None, world),
-            # adam_eps 0.1 (above every gradient element): Adam's first steps are lr * g / (|g| + eps),
-            # ~linear in g. With 1e-8 they are lr * sign(g), and the two or three elements whose
-            # gradient is ~0 (float noise) flip sign between any two implementations: 2 * lr apart.
-            OptimizerConfig(lr=3e-3, clip_grad=1.0, adam_eps=0.1),
-            ActorConfig(max_tokens_per_micro_batch=BUDGETS[world], **actor_kw),
-            AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3"))
+    return (
+        ModelConfig(path=path),
+        ParallelismConfig(1, 1, None, world),
+        # adam_eps 0.1 (above every gradient element): Adam's first steps are lr * g / (|g| + eps),
+        # ~linear in g. With 1e-8 they are lr * sign(g), and the two or three elements whose
+        # gradient is ~0 (float noise) flip sign between any two implementations: 2 * lr apart.
+        OptimizerConfig(lr=3e-3, clip_grad=1.0, adam_eps=0.1),
+        ActorConfig(max_tokens_per_micro_batch=BUDGETS[world], **actor_kw),
+        AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3"),
+    )
 
 
 def _rl_sequence(actor, full_tensors) -> dict:
@@ -64,7 +81,9 @@ def _rl_sequence(actor, full_tensors) -> dict:
     m1 = actor.train_step(dataclasses.replace(batch, old_logprobs=lp0, ref_logprobs=ref))
     w1 = full_tensors()
     lp1 = actor.compute_logprobs(batch)
-    m2 = actor.train_step(dataclasses.replace(batch, ref_logprobs=ref), optimizer_steps_per_rl_step=1)
+    m2 = actor.train_step(
+        dataclasses.replace(batch, ref_logprobs=ref), optimizer_steps_per_rl_step=1
+    )
     old2 = m2.pop("old_logprobs")
     w2 = full_tensors()
     return {"lp0": lp0, "m1": m1, "w1": w1, "lp1": lp1, "m2": m2, "old2": old2, "w2": w2}
@@ -98,11 +117,16 @@ def _body(models: dict, world: int, with_megatron: bool, extra_checks: str | Non
             actor.setup()
 
             def full(actor=actor):  # cloned: on the CPU these are views of the live parameters
-                return {k: v.clone() for k, v in gather_hf_tensors(actor.policy.model, actor.policy.shape).items()}
+                return {
+                    k: v.clone()
+                    for k, v in gather_hf_tensors(actor.policy.model, actor.policy.shape).items()
+                }
 
             out["megatron"][name] = _rl_sequence(actor, full)
-            teardown_megatron(destroy_process_group=False)  # the next model sets its groups up again
-    if dist.get_rank() != 0:  # every rank's numbers are compared; the weights only from rank 0 (they are full tensors)
+            # the next model sets its groups up again
+            teardown_megatron(destroy_process_group=False)
+    # every rank's numbers are compared; the weights only from rank 0 (they are full tensors)
+    if dist.get_rank() != 0:
         for runs in (out["fsdp"], out["megatron"]):
             for r in runs.values():
                 r.pop("w1"), r.pop("w2")
@@ -135,18 +159,24 @@ def _extra_checks(actor, path: str, ckpt_root: str) -> dict:
     actor.update_ref_policy(0.5)
     with actor._reference_onloaded():
         ref = {k: v.detach().cpu().clone() for k, v in actor.reference.iter_full_tensors()}
-    got["polyak_max_err"] = max((ref[k] - (initial[k] * 0.5 + before[k] * 0.5)).abs().max().item() for k in ref)
+    got["polyak_max_err"] = max(
+        (ref[k] - (initial[k] * 0.5 + before[k] * 0.5)).abs().max().item() for k in ref
+    )
     got["reference_moved"] = actor.reference_moved
     # the moved reference goes into the checkpoint and comes back from it
     blended = actor.compute_ref_logprobs(batch)
     actor.save_checkpoint(ckpt_root, step=3)
     # rate 1: the reference is the policy, so its log-probs are the policy's, bit for bit
     actor.update_ref_policy(1.0)
-    got["copy_equal"] = all(torch.equal(a, b) for a, b in
-                            zip(actor.compute_ref_logprobs(batch), actor.compute_logprobs(batch)))
+    got["copy_equal"] = all(
+        torch.equal(a, b)
+        for a, b in zip(actor.compute_ref_logprobs(batch), actor.compute_logprobs(batch))
+    )
     step, _ = actor.load_checkpoint(ckpt_root)
     got["ckpt_step"] = step
-    got["ckpt_reference_equal"] = all(torch.equal(a, b) for a, b in zip(actor.compute_ref_logprobs(batch), blended))
+    got["ckpt_reference_equal"] = all(
+        torch.equal(a, b) for a, b in zip(actor.compute_ref_logprobs(batch), blended)
+    )
     return got
 
 
@@ -184,11 +214,12 @@ def _transformers_logprobs(path: str) -> list[torch.Tensor]:
         for tokens, p in zip(batch.tokens, batch.prompt_lens.tolist()):
             logits = model(tokens[None]).logits[0].float() / T
             lp = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
-            out.append(lp[p - 1:])
+            out.append(lp[p - 1 :])
     return out
 
 
 # ---- (b) packing: in this process, no ranks ---------------------------------------------------
+
 
 def test_packing_changes_no_logprob(models):
     """A packed row of all 10 samples vs each sample alone, through rlmega.fsdp.forward.
@@ -214,7 +245,9 @@ def test_packing_changes_no_logprob(models):
             assert diff <= 3e-6, f"{name}: packing moved a log-prob by {diff:.2e}"
             broken = dict(mb, position_ids=torch.arange(mb["tokens"].shape[1])[None])
             moved = (micro_batch_logprobs(model, broken, T)[0] - lp).abs().max().item()
-            assert moved > 1e-2, f"{name}: without restarting positions the row still gave the same log-probs"
+            assert moved > 1e-2, (
+                f"{name}: without restarting positions the row still gave the same log-probs"
+            )
 
 
 def test_dropout_is_off_in_train_mode(models):
@@ -223,16 +256,23 @@ def test_dropout_is_off_in_train_mode(models):
     from rlmega.fsdp.actor import _no_dropout
     from rlmega.fsdp.forward import micro_batch_logprobs
 
-    model = AutoModelForCausalLM.from_pretrained(models["untied"], dtype=torch.float32, attention_dropout=0.5).train()
+    model = AutoModelForCausalLM.from_pretrained(
+        models["untied"], dtype=torch.float32, attention_dropout=0.5
+    ).train()
     mb = build_micro_batch(random_batch(N, seed=1), list(range(N)))
     with torch.no_grad():
-        assert not torch.equal(micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0])
+        assert not torch.equal(
+            micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0]
+        )
         _no_dropout(model)
         assert model.training
-        assert torch.equal(micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0])
+        assert torch.equal(
+            micro_batch_logprobs(model, mb, T)[0], micro_batch_logprobs(model, mb, T)[0]
+        )
 
 
 # ---- (a) transformers, (c) Megatron, (d) world sizes ---------------------------------------------
+
 
 def test_fsdp_logprobs_match_transformers(models, world1, world2, world4):
     worst = 0.0
@@ -243,7 +283,9 @@ def test_fsdp_logprobs_match_transformers(models, world1, world2, world4):
                 d = _max_diff(out["fsdp"][name]["lp0"], ref)
                 worst = max(worst, d)
                 # measured 9.5e-7 (both models, every world size and rank)
-                assert d <= 5e-6, f"world {world} rank {rank} {name}: |fsdp - transformers| = {d:.2e}"
+                assert d <= 5e-6, (
+                    f"world {world} rank {rank} {name}: |fsdp - transformers| = {d:.2e}"
+                )
     print("fsdp vs transformers: max log-prob difference", worst)
 
 
@@ -252,25 +294,42 @@ def test_fsdp_matches_megatron(world1):
     for name in MODELS:
         f, m = out["fsdp"][name], out["megatron"][name]
         d_lp = _max_diff(f["lp0"], m["lp0"])
-        rel = {(s, k): abs(f[s][k] - m[s][k]) / max(abs(m[s][k]), 1e-6) for s in ("m1", "m2")
-               for k in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref")}
+        rel = {
+            (s, k): abs(f[s][k] - m[s][k]) / max(abs(m[s][k]), 1e-6)
+            for s in ("m1", "m2")
+            for k in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref")
+        }
         print(name, "lr", f["m1"]["lr"], m["m1"]["lr"], f["m2"]["lr"], m["m2"]["lr"])
         d_w1, d_w2 = _weights_diff(f["w1"], m["w1"]), _weights_diff(f["w2"], m["w2"])
-        print(name, "fsdp vs megatron: log-probs", d_lp, "worst relative metric", max(rel.values()),
-              "weights after step 1 / 2", d_w1, d_w2)
+        print(
+            name,
+            "fsdp vs megatron: log-probs",
+            d_lp,
+            "worst relative metric",
+            max(rel.values()),
+            "weights after step 1 / 2",
+            d_w1,
+            d_w2,
+        )
         assert d_lp <= 5e-6, (name, d_lp)  # measured 1.2e-6
         assert f["m1"]["tokens"] == m["m1"]["tokens"]
         for k, r in rel.items():
-            assert r <= 1e-5, (name, k, r)  # measured <= 7.4e-7 (kl_ref of step 2; loss 7.1e-8, grad norm 2.9e-7)
+            # measured <= 7.4e-7 (kl_ref of step 2; loss 7.1e-8, grad norm 2.9e-7)
+            assert r <= 1e-5, (name, k, r)
         # measured 1.2e-7 (tied), 1.5e-8 (untied); without the pad row's gradient (HF's padding_idx): 5.5e-6
         assert d_w1 <= 1e-6 and d_w2 <= 1e-6, (name, d_w1, d_w2)
 
 
 def test_world_sizes_agree(world1, world2, world4):
     base = world1[0]["fsdp"]
-    worst = max(abs(out["fsdp"][n][s][k] - base[n][s][k]) / max(abs(base[n][s][k]), 1e-6)
-                for results in (world2, world4) for out in results for n in MODELS for s in ("m1", "m2")
-                for k in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref"))
+    worst = max(
+        abs(out["fsdp"][n][s][k] - base[n][s][k]) / max(abs(base[n][s][k]), 1e-6)
+        for results in (world2, world4)
+        for out in results
+        for n in MODELS
+        for s in ("m1", "m2")
+        for k in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref")
+    )
     print("world 2/4 vs 1: worst relative metric difference", worst)
     for world, results in ((2, world2), (4, world4)):
         for rank, out in enumerate(results):
@@ -283,7 +342,13 @@ def test_world_sizes_agree(world1, world2, world4):
                 for s in ("m1", "m2"):
                     for k in ("loss", "grad_norm", "pg_loss", "entropy", "kl_ref"):
                         # measured <= 1.3e-6 relative
-                        assert abs(f[s][k] - b[s][k]) <= 1e-5 * max(abs(b[s][k]), 1e-6), (what, s, k, f[s][k], b[s][k])
+                        assert abs(f[s][k] - b[s][k]) <= 1e-5 * max(abs(b[s][k]), 1e-6), (
+                            what,
+                            s,
+                            k,
+                            f[s][k],
+                            b[s][k],
+                        )
                     assert f[s]["tokens"] == b[s]["tokens"]
                 if rank == 0:
                     assert _weights_diff(f["w2"], b["w2"]) <= 1e-6, what  # measured <= 1.2e-7

@@ -8,6 +8,7 @@ returns. World 1 also builds a critic from ``hf_config``; world 2 also skips a n
 offloads and onloads, exports, loads the checkpoint and the export into new critics, and takes one more
 step on both.
 """
+
 import dataclasses
 import json
 from pathlib import Path
@@ -31,8 +32,16 @@ def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("critic_models")
     out = {}
     for i, (name, (arch, tied)) in enumerate(MODELS.items()):
-        raw = make_tiny_model(root / f"{name}_raw", arch=arch, hidden_size=64, num_layers=2, num_heads=2,
-                              num_kv_heads=1, tie_word_embeddings=tied, seed=30 + i)
+        raw = make_tiny_model(
+            root / f"{name}_raw",
+            arch=arch,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            tie_word_embeddings=tied,
+            seed=30 + i,
+        )
         model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
         g = torch.Generator().manual_seed(300 + i)
         with torch.no_grad():
@@ -52,10 +61,14 @@ def _critic(path: str, world: int, hf_config: dict | None = None):
 
     # adam_eps 0.1: Adam's first steps ~linear in the gradient (see test_fsdp_actor.py's _configs);
     # offload_while_generating as Roles resolves it for a colocated critic on GPUs (offload_for_rollout acts)
-    c = FSDPCritic(ModelConfig(path=path, seed=SEED), ParallelismConfig(1, 1, None, world),
-                   OptimizerConfig(lr=5e-3, clip_grad=1.0, adam_eps=0.1),
-                   CriticConfig(cliprange_value=0.2, offload_while_generating=True),
-                   max_tokens_per_micro_batch=BUDGETS[world], hf_config=hf_config)
+    c = FSDPCritic(
+        ModelConfig(path=path, seed=SEED),
+        ParallelismConfig(1, 1, None, world),
+        OptimizerConfig(lr=5e-3, clip_grad=1.0, adam_eps=0.1),
+        CriticConfig(cliprange_value=0.2, offload_while_generating=True),
+        max_tokens_per_micro_batch=BUDGETS[world],
+        hf_config=hf_config,
+    )
     c.setup()
     return c
 
@@ -82,8 +95,12 @@ def _body(models: dict, world: int, root: str) -> dict:
         train = _train_batch(batch, r["v0"])
         r["m1"] = c.train_step(train)
         r["v1"] = c.compute_values(batch)
-        r["vf"] = [c.train_step(dataclasses.replace(train, old_values=None))["critic/vf_loss"] for _ in range(4)]
-        if world == 1 and name == "qwen2":  # a random body from a causal LM's config, the same fresh head
+        r["vf"] = [
+            c.train_step(dataclasses.replace(train, old_values=None))["critic/vf_loss"]
+            for _ in range(4)
+        ]
+        # a random body from a causal LM's config, the same fresh head
+        if world == 1 and name == "qwen2":
             hf = json.loads((Path(path) / "config.json").read_text())
             r["hf_config_head"] = _head(_critic("", world, hf_config=hf))
         if world == 2:
@@ -120,8 +137,10 @@ def _max_diff(a: list, b: list) -> float:
 def _hf_values(model, batch) -> list:
     """transformers' own unpacked forward, one sample at a time: logits[..., 0] at the prediction positions."""
     with torch.no_grad():
-        return [model(input_ids=t[None]).logits[0, int(p) - 1:len(t) - 1, 0]
-                for t, p in zip(batch.tokens, batch.prompt_lens)]
+        return [
+            model(input_ids=t[None]).logits[0, int(p) - 1 : len(t) - 1, 0]
+            for t, p in zip(batch.tokens, batch.prompt_lens)
+        ]
 
 
 def _hf_critic(path: str):
@@ -129,7 +148,9 @@ def _hf_critic(path: str):
     hf = json.loads((Path(path) / "config.json").read_text())
     cfg = value_model_config(hf)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         model.score.weight.copy_(fresh_value_head(hf["hidden_size"], head_std(hf), SEED))
     return model
@@ -180,10 +201,13 @@ def test_checkpoint_offload_and_export(models, runs):
             assert r["m_nan"]["critic/skipped"] == 1.0, name
             for k in ("v_pre_nan", "v_onload", "v_loaded", "v_export"):
                 assert all(torch.equal(x, y) for x, y in zip(r[k], r["v_saved"])), (name, k)
-            assert r["m_next"] == r["m_next_loaded"], name  # optimizer state and schedule came back too
+            # optimizer state and schedule came back too
+            assert r["m_next"] == r["m_next_loaded"], name
         out = runs["root"] / name / "hf"
         cfg = json.loads((out / "config.json").read_text())
-        assert cfg["architectures"][0].endswith("ForTokenClassification") and len(cfg["id2label"]) == 1
+        assert (
+            cfg["architectures"][0].endswith("ForTokenClassification") and len(cfg["id2label"]) == 1
+        )
         assert (out / "tokenizer.json").exists()
         model = AutoModelForTokenClassification.from_pretrained(out, dtype=torch.float32).eval()
         assert model.score.bias is None

@@ -4,6 +4,7 @@ Two launches: world 2 runs every in-place check (sharding, tied weights, step, a
 offload, checkpoint round trip, activation checkpointing, bf16, HF export) and leaves its step result
 and checkpoint on disk; world 1 then takes the same step on the same data and loads that checkpoint.
 """
+
 import math
 from pathlib import Path
 
@@ -20,22 +21,38 @@ ROWS, SEQ = 2, 12  # the batch; at world 2 each rank holds one row
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp")
     kw = dict(hidden_size=64, num_heads=1, num_kv_heads=1, num_layers=2, seed=5)
-    return (str(make_tiny_model(d / "tied", tie_word_embeddings=True, **kw)),
-            str(make_tiny_model(d / "untied", **kw)), d)
+    return (
+        str(make_tiny_model(d / "tied", tie_word_embeddings=True, **kw)),
+        str(make_tiny_model(d / "untied", **kw)),
+        d,
+    )
 
 
-def _manager(path: str, dtype: str = "float32", ac: bool = False, with_optimizer: bool = True,
-             hf_config: dict | None = None, seed: int = 1234, allow_untested_family: bool = False, **optim):
+def _manager(
+    path: str,
+    dtype: str = "float32",
+    ac: bool = False,
+    with_optimizer: bool = True,
+    hf_config: dict | None = None,
+    seed: int = 1234,
+    allow_untested_family: bool = False,
+    **optim,
+):
     import torch.distributed as dist
 
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig
     from rlmega.fsdp.model_manager import FSDPModelManager
 
     optim = {"lr": 1e-2, "weight_decay": 0.01, "clip_grad": 1.0, **optim}
-    mm = FSDPModelManager(ModelConfig(path=path, dtype=dtype, seed=seed, allow_untested_family=allow_untested_family),
-                          OptimizerConfig(**optim),
-                          ActorConfig(activation_checkpointing=ac), dist.get_world_size(), dist.get_rank(),
-                          lr_decay_steps=20, hf_config=hf_config)
+    mm = FSDPModelManager(
+        ModelConfig(path=path, dtype=dtype, seed=seed, allow_untested_family=allow_untested_family),
+        OptimizerConfig(**optim),
+        ActorConfig(activation_checkpointing=ac),
+        dist.get_world_size(),
+        dist.get_rank(),
+        lr_decay_steps=20,
+        hf_config=hf_config,
+    )
     mm.setup_model_and_optimizer(with_optimizer=with_optimizer)
     return mm
 
@@ -55,21 +72,26 @@ def _packed_logits(model, ids: torch.Tensor) -> torch.Tensor:
     rows, n = ids.shape
     pos = torch.arange(n).repeat(rows)[None]
     # use_cache=False: with a KV cache transformers does not look for packed sequences (masking_utils)
-    return model(input_ids=ids.reshape(1, -1), position_ids=pos, use_cache=False).logits.reshape(rows, n, -1)
+    return model(input_ids=ids.reshape(1, -1), position_ids=pos, use_cache=False).logits.reshape(
+        rows, n, -1
+    )
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token NLL over ``ids``' rows (equal lengths: the mean of the ranks' means is the global one)."""
     logits = _packed_logits(model, ids[:, :-1]).float()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
 
 
 def _full_states(mm) -> dict:
     """Model and optimizer state as full tensors on rank 0 (every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model, optim = get_state_dict(mm.model, mm.optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model, optim = get_state_dict(
+        mm.model, mm.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {"model": model, "optim": optim.get("state", {}), "lr_steps": mm.lr_scheduler.num_steps}
 
 
@@ -114,7 +136,9 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     mm = _manager(tied)
     m = mm.model
     # sharded over both ranks, one tied parameter for embedding and head
-    res["sharded"] = all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in m.parameters())
+    res["sharded"] = all(
+        isinstance(p, DTensor) and p.placements == (Shard(0),) for p in m.parameters()
+    )
     res["tied"] = m.lm_head.weight is m.model.embed_tokens.weight
     res["names"] = [n for n, _ in mm.iter_full_tensors()]
 
@@ -124,8 +148,12 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     # really recomputes: its forward keeps far fewer tensors for the backward (only each layer's input)
     ac = _manager(tied, ac=True)
     res["saved_ac"] = _backward_counting_saved(ac.model, _my_rows(_batch(0)))
-    res["checkpointing_diff"] = max((a - b).abs().max().item() for a, b in zip(
-        _locals(p.grad for p in m.parameters()), _locals(p.grad for p in ac.model.parameters())))
+    res["checkpointing_diff"] = max(
+        (a - b).abs().max().item()
+        for a, b in zip(
+            _locals(p.grad for p in m.parameters()), _locals(p.grad for p in ac.model.parameters())
+        )
+    )
     del ac
     _, res["grad_norm"], _ = mm.optimizer_step()  # StepResult(taken, grad_norm, lr)
     res["tied_after_step"] = m.lm_head.weight is m.model.embed_tokens.weight
@@ -141,24 +169,37 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     mm.before_micro_batch(m, is_last_micro_batch=False)
     (_loss(m, rows[:1]) / 2).backward()
     # nothing reduce-scattered yet: the weights stay gathered and hold full, plain (unsharded) gradients
-    res["no_sync_before_last"] = all(p.grad is not None and not isinstance(p.grad, DTensor) for p in m.parameters())
+    res["no_sync_before_last"] = all(
+        p.grad is not None and not isinstance(p.grad, DTensor) for p in m.parameters()
+    )
     mm.before_micro_batch(m, is_last_micro_batch=True)
     (_loss(m, rows[1:]) / 2).backward()
-    res["accumulation_diff"] = max((a - b).abs().max().item()
-                                   for a, b in zip(big, _locals(p.grad for p in m.parameters())))
+    res["accumulation_diff"] = max(
+        (a - b).abs().max().item() for a, b in zip(big, _locals(p.grad for p in m.parameters()))
+    )
 
     # a NaN on one rank skips the step on both, nothing changed; without skipping both raise
     mm.optimizer.zero_grad(set_to_none=True)
-    before = [t.clone() for t in _locals(list(m.parameters()) + [v for s in mm.optimizer.state.values()
-                                                                   for v in s.values()])]
+    before = [
+        t.clone()
+        for t in _locals(
+            list(m.parameters()) + [v for s in mm.optimizer.state.values() for v in s.values()]
+        )
+    ]
     steps_before = mm.lr_scheduler.num_steps
     loss = _loss(m, _my_rows(_batch(2)))
     (loss * (float("nan") if rank == 1 else 1.0)).backward()
     _, norm, _ = mm.optimizer_step()
-    after_nan = _locals(list(m.parameters()) + [v for s in mm.optimizer.state.values() for v in s.values()])
-    res["nan_skipped"] = (math.isnan(norm) and not mm.last_step_taken and steps_before == mm.lr_scheduler.num_steps
-                          and all(torch.equal(a, b) for a, b in zip(before, after_nan))
-                          and all(p.grad is None for p in m.parameters()))
+    after_nan = _locals(
+        list(m.parameters()) + [v for s in mm.optimizer.state.values() for v in s.values()]
+    )
+    res["nan_skipped"] = (
+        math.isnan(norm)
+        and not mm.last_step_taken
+        and steps_before == mm.lr_scheduler.num_steps
+        and all(torch.equal(a, b) for a, b in zip(before, after_nan))
+        and all(p.grad is None for p in m.parameters())
+    )
     (_loss(m, _my_rows(_batch(2))) * (float("inf") if rank == 0 else 1.0)).backward()
     try:
         mm.optimizer_step(skip_nonfinite=False)
@@ -168,8 +209,11 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
 
     # offload frees every local shard's storage (the same storages come back, byte for byte)
     _loss(m, _my_rows(_batch(3))).backward()
-    kinds = {"params": _locals(m.parameters()), "grads": _locals(p.grad for p in m.parameters()),
-             "optimizer state": _locals(v for s in mm.optimizer.state.values() for v in s.values())}
+    kinds = {
+        "params": _locals(m.parameters()),
+        "grads": _locals(p.grad for p in m.parameters()),
+        "optimizer state": _locals(v for s in mm.optimizer.state.values() for v in s.values()),
+    }
     saved = {k: [(t.untyped_storage()._cdata, t.clone()) for t in ts] for k, ts in kinds.items()}
     mm.offload_param_and_grad(offload_grad=True)
     mm.offload_optimizer()
@@ -179,7 +223,9 @@ def _world2_body(tied: str, untied: str, out: str) -> dict:
     mm.load_optimizer(None)
     res["restored"] = not mm.offloaded and all(
         t.untyped_storage()._cdata == cdata and torch.equal(t, copy)
-        for k, ts in kinds.items() for t, (cdata, copy) in zip(ts, saved[k]))
+        for k, ts in kinds.items()
+        for t, (cdata, copy) in zip(ts, saved[k])
+    )
     mm.optimizer_step()  # training goes on from the onloaded state
 
     # checkpoint round trip (with a reference model alongside), then an extra step, then load it back
@@ -244,17 +290,33 @@ def _world1_body(tied: str, out: str) -> dict:
 
     config = json.loads((Path(tied) / "config.json").read_text())
     draw = torch.get_rng_state()
-    a, b, c = (_manager("", hf_config=config, with_optimizer=False, seed=seed).get_model_state_dict()
-               for seed in (1, 1, 2))
-    res["from_config"] = (_max_diff(a, b) == 0.0 and _max_diff(a, c) > 0.01 and torch.equal(draw, torch.get_rng_state())
-                          and _max_diff(a, mm.get_model_state_dict()) > 0.01)
+    a, b, c = (
+        _manager("", hf_config=config, with_optimizer=False, seed=seed).get_model_state_dict()
+        for seed in (1, 1, 2)
+    )
+    res["from_config"] = (
+        _max_diff(a, b) == 0.0
+        and _max_diff(a, c) > 0.01
+        and torch.equal(draw, torch.get_rng_state())
+        and _max_diff(a, mm.get_model_state_dict()) > 0.01
+    )
     # model.allow_untested_family: a family outside rlmega's table (Granite) is checked for packing invariance
     from transformers import GraniteConfig
 
-    granite = GraniteConfig(vocab_size=59, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1).to_dict()
-    res["family_check"] = (_manager("", hf_config=granite, with_optimizer=False, allow_untested_family=True)
-                           .family_check_error, mm.family_check_error)
+    granite = GraniteConfig(
+        vocab_size=59,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).to_dict()
+    res["family_check"] = (
+        _manager(
+            "", hf_config=granite, with_optimizer=False, allow_untested_family=True
+        ).family_check_error,
+        mm.family_check_error,
+    )
     res["loaded"] = (step, extra)
     res["reshard_diff"] = _max_diff(torch.load(out / "saved_w2.pt"), _full_states(fresh))
     return res
@@ -272,17 +334,24 @@ def test_fsdp_manager_on_two_ranks_and_resharded_on_one(models):
         assert r["freed"] and r["restored"]
         assert r["loaded"] == (7, {"history": [1, 2]}) and r["rng_restored"]
         assert r["bf16_master_fp32"] and r["bf16_logits"] == "torch.bfloat16"
-    assert r0["grad_norm"] == r1["grad_norm"] and math.isfinite(r0["grad_norm"])  # global: one number
-    assert "lm_head.weight" not in r0["names"] and "model.embed_tokens.weight" in r0["names"]  # tied once
+    # global: one number
+    assert r0["grad_norm"] == r1["grad_norm"] and math.isfinite(r0["grad_norm"])
+    # tied once
+    assert "lm_head.weight" not in r0["names"] and "model.embed_tokens.weight" in r0["names"]
     # measured 3.0e-8 (rlmega_packed_sdpa attention) / 1.2e-7 (transformers' sdpa): fp32, 2 sums vs 1
     assert r0["accumulation_diff"] < 1e-6 and r1["accumulation_diff"] < 1e-6
-    assert r0["checkpointing_diff"] == 0.0 and r1["checkpointing_diff"] == 0.0  # recomputation is deterministic
+    # recomputation is deterministic
+    assert r0["checkpointing_diff"] == 0.0 and r1["checkpointing_diff"] == 0.0
     # measured 15 vs 89 saved tensors (per rank); 89 vs 89 with activation_checkpointing not acting
     for r in (r0, r1):
         assert r["saved_ac"] * 2 < r["saved_plain"], (r["saved_ac"], r["saved_plain"])
     assert r0["round_trip_diff"] == 0.0 and r0["ref_diff"] == 0.0  # bit-exact
-    assert r0["export_tied_diff"] == 0.0 and r0["export_untied_diff"] == 0.0  # same fp32 weights, same kernels
-    assert "model.safetensors" in r0["export_tied_files"] and "tokenizer.json" in r0["export_tied_files"]
+    # same fp32 weights, same kernels
+    assert r0["export_tied_diff"] == 0.0 and r0["export_untied_diff"] == 0.0
+    assert (
+        "model.safetensors" in r0["export_tied_files"]
+        and "tokenizer.json" in r0["export_tied_files"]
+    )
 
     (w1,) = run_on_ranks(_world1_body, 1, args=(tied, str(d)), timeout_s=300)
     # world 1 vs world 2 on the same batch: grad norm measured 2.4e-7 / 0 apart (fp32 summation order);

@@ -13,6 +13,7 @@ megatron), shared experts and a dense first layer: its round trip carries all of
 (rlmega/megatron/gemma3.py) adds sliding-window layers with a RoPE base of their own, post-norms, norms centred on 0
 and the embedding scale.
 """
+
 from pathlib import Path
 
 import pytest
@@ -29,27 +30,69 @@ MODELS = {
     "llama_untied_vocab130": dict(arch="llama", vocab_size=130),
     "qwen3": dict(arch="qwen3", vocab_size=None),
     "qwen3_moe": dict(arch="qwen3_moe", vocab_size=None, num_experts=8, top_k=2),
-    "qwen3_moe_no_norm_topk": dict(arch="qwen3_moe", vocab_size=None, num_experts=4, top_k=2, norm_topk_prob=False),
+    "qwen3_moe_no_norm_topk": dict(
+        arch="qwen3_moe", vocab_size=None, num_experts=4, top_k=2, norm_topk_prob=False
+    ),
     "mixtral": dict(arch="mixtral", vocab_size=None, num_experts=4, top_k=2),
     # multi-latent attention, sigmoid router with its correction bias over 2 groups, a shared expert, layer 0 dense
     "deepseek_v3": dict(arch="deepseek_v3", vocab_size=None, num_experts=8, top_k=2),
     # without the q latent (a plain q_proj) and rms_norm_eps 1e-5, as Moonlight's (transformers' latent kv norm keeps
     # 1e-6); yarn RoPE as DeepSeek-V3's config has it
-    "deepseek_v3_q_proj_yarn": dict(arch="deepseek_v3", vocab_size=None, num_experts=4, top_k=2, config_overrides=dict(
-        q_lora_rank=None, rms_norm_eps=1e-5, max_position_embeddings=2048, rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64, beta_fast=32,
-            beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    "deepseek_v3_q_proj_yarn": dict(
+        arch="deepseek_v3",
+        vocab_size=None,
+        num_experts=4,
+        top_k=2,
+        config_overrides=dict(
+            q_lora_rank=None,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=2048,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=40.0,
+                original_max_position_embeddings=64,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+        ),
+    ),
     # sliding (window 8 < the 12 tokens) and global layers, each with its own RoPE (the global one linearly scaled,
     # as Gemma 3 4B+), post-norms, norms centred on 0, the embedding scale, tied (as Gemma 3 ships)
-    "gemma3_tied": dict(arch="gemma3", vocab_size=None, tie_word_embeddings=True, config_overrides=dict(
-        rope_parameters=dict(full_attention=dict(rope_type="linear", rope_theta=1e6, factor=8.0),
-                             sliding_attention=dict(rope_type="default", rope_theta=1e4)))),
+    "gemma3_tied": dict(
+        arch="gemma3",
+        vocab_size=None,
+        tie_word_embeddings=True,
+        config_overrides=dict(
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+                sliding_attention=dict(rope_type="default", rope_theta=1e4),
+            )
+        ),
+    ),
 }
-MOE_MODELS = ("qwen3_moe", "qwen3_moe_no_norm_topk", "mixtral", "deepseek_v3", "deepseek_v3_q_proj_yarn")
+MOE_MODELS = (
+    "qwen3_moe",
+    "qwen3_moe_no_norm_topk",
+    "mixtral",
+    "deepseek_v3",
+    "deepseek_v3_q_proj_yarn",
+)
 # (tp, pp, vpp, ep); EP layouts load the MoE models only.
-LAYOUTS = {"tp1": (1, 1, None, 1), "tp2": (2, 1, None, 1), "pp2": (1, 2, None, 1), "tp2_pp2": (2, 2, None, 1),
-           "pp2_vpp2": (1, 2, 2, 1), "ep2": (1, 1, None, 2), "tp2_ep2": (2, 1, None, 2), "pp2_ep2": (1, 2, None, 2)}
-ATOL = 1e-5  # measured max 3.0e-6 (qwen3 tp2), MoE 1.7e-6 (PackedSDPAttention; 4.1e-6 with megatron's own)
+LAYOUTS = {
+    "tp1": (1, 1, None, 1),
+    "tp2": (2, 1, None, 1),
+    "pp2": (1, 2, None, 1),
+    "tp2_pp2": (2, 2, None, 1),
+    "pp2_vpp2": (1, 2, 2, 1),
+    "ep2": (1, 1, None, 2),
+    "tp2_ep2": (2, 1, None, 2),
+    "pp2_ep2": (1, 2, None, 2),
+}
+# measured max 3.0e-6 (qwen3 tp2), MoE 1.7e-6 (PackedSDPAttention; 4.1e-6 with megatron's own)
+ATOL = 1e-5
 
 
 def _hf_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -65,8 +108,15 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for i, (name, kw) in enumerate(MODELS.items()):
-        raw = make_tiny_model(root / f"{name}_raw", hidden_size=256, num_heads=4, num_kv_heads=2,
-                              num_layers=4, seed=i, **kw)
+        raw = make_tiny_model(
+            root / f"{name}_raw",
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            num_layers=4,
+            seed=i,
+            **kw,
+        )
         model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
         g = torch.Generator().manual_seed(100 + i)
         with torch.no_grad():
@@ -121,17 +171,24 @@ def test_logits_match_transformers_and_export_is_bit_identical(models, layout, t
     world = tp * pp * ep
     if ep > 1:
         models = {k: v for k, v in models.items() if k in MOE_MODELS}
-    diffs = run_on_ranks(_body, world, args=(models, tp, pp, vpp, ep, str(tmp_path)), timeout_s=300)[0]
+    diffs = run_on_ranks(
+        _body, world, args=(models, tp, pp, vpp, ep, str(tmp_path)), timeout_s=300
+    )[0]
     print(layout, diffs)
     assert sorted(diffs) == sorted(models)
     for name, d in diffs.items():
-        assert d <= ATOL, f"{layout} {name}: max |megatron - transformers| logits = {d:.3e} > {ATOL}"
+        assert d <= ATOL, (
+            f"{layout} {name}: max |megatron - transformers| logits = {d:.3e} > {ATOL}"
+        )
     for name, (folder, _, _) in models.items():
         original, exported = _hf_state(Path(folder)), _hf_state(tmp_path / name)
         assert sorted(exported) == sorted(original), f"{layout} {name}: tensor names differ"
         for key, value in original.items():
-            assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), f"{layout} {name}: {key}"
+            assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), (
+                f"{layout} {name}: {key}"
+            )
         AutoModelForCausalLM.from_pretrained(tmp_path / name)  # and transformers loads it
-        (tmp_path / "probe").touch()  # every exported file readable as a plain file made here (safetensors: 0o600)
+        # every exported file readable as a plain file made here (safetensors: 0o600)
+        (tmp_path / "probe").touch()
         modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / name).iterdir()}
         assert set(modes.values()) == {oct((tmp_path / "probe").stat().st_mode & 0o777)}, modes

@@ -9,6 +9,7 @@ gloo ranks, and must reproduce the reference within rel 1e-5.
 
 Negative controls: a perturbed shard on one TP rank, and the CPU layer switched off, must fail.
 """
+
 import json
 import math
 
@@ -19,8 +20,14 @@ from rlmega.testing.multiproc import RankFailed, run_on_ranks
 
 VOCAB, SEQ, ROWS, MBS, STEPS = 64, 16, 8, 1, 3  # 4 micro-batches a rank: 2 interleaving groups
 HF_CONFIG = dict(  # a Llama shape; weights come from the reference run, not from a folder
-    architectures=["LlamaForCausalLM"], num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
-    num_key_value_heads=2, intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=64,
+    architectures=["LlamaForCausalLM"],
+    num_hidden_layers=4,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
 )
 REL = 1e-5
 
@@ -31,8 +38,12 @@ def _manager(tp: int, pp: int, vpp):
     from rlmega.config.schema import ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.model_manager import MegatronModelManager
 
-    mm = MegatronModelManager(ModelConfig(), ParallelismConfig(tp, pp, vpp, dist.get_world_size()),
-                              OptimizerConfig(lr=1e-3, clip_grad=1.0), hf_config=HF_CONFIG)
+    mm = MegatronModelManager(
+        ModelConfig(),
+        ParallelismConfig(tp, pp, vpp, dist.get_world_size()),
+        OptimizerConfig(lr=1e-3, clip_grad=1.0),
+        hf_config=HF_CONFIG,
+    )
     mm.setup_model_and_optimizer(load_weights=False)
     return mm
 
@@ -70,8 +81,9 @@ def _reference_body(ckpt_dir: str) -> dict:
     return out
 
 
-def _layout_body(ckpt_dir: str, tp: int, pp: int, vpp, perturb_tp_rank1: bool = False,
-                 cpu_layer: bool = True) -> dict:
+def _layout_body(
+    ckpt_dir: str, tp: int, pp: int, vpp, perturb_tp_rank1: bool = False, cpu_layer: bool = True
+) -> dict:
     from megatron.core import parallel_state as ps
 
     from rlmega.megatron import cpu_support
@@ -139,5 +151,6 @@ def test_a_perturbed_shard_is_detected(reference):
 def test_without_the_cpu_layer_megatron_cannot_run(reference):
     ckpt, _ = reference
     with pytest.raises(RankFailed, match="(?i)cuda"):
-        run_on_ranks(_layout_body, 2, args=(ckpt, 1, 2, None),
-                     kwargs={"cpu_layer": False}, timeout_s=300)
+        run_on_ranks(
+            _layout_body, 2, args=(ckpt, 1, 2, None), kwargs={"cpu_layer": False}, timeout_s=300
+        )

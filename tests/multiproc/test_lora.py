@@ -13,6 +13,7 @@ q/k/v/o and the MLP projections, on one rank and on two (DP2). Checked:
 - a full-parameter run's checkpoint resumes into a LoRA run (its weights the base, the adapters at zero: the
   same log-probs), and a LoRA checkpoint into a full-parameter run is refused, naming actor.lora.
 """
+
 import torch
 
 from rlmega.testing.batches import random_batch
@@ -25,14 +26,25 @@ KEYS = ("loss", "grad_norm", "pg_loss", "kl_ref")
 
 
 def _actor(path: str, world: int, rank: int = RANK):
-    from rlmega.config.schema import (ActorConfig, AlgorithmConfig, LoraConfig, ModelConfig, OptimizerConfig,
-                                      ParallelismConfig)
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        LoraConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.fsdp.actor import FSDPActor
 
-    actor = FSDPActor(ModelConfig(path=path), ParallelismConfig(1, 1, None, world), OptimizerConfig(lr=1e-2),
-                      ActorConfig(backend="fsdp", max_tokens_per_micro_batch=256,
-                                  lora=LoraConfig(rank=rank, alpha=ALPHA)),
-                      AlgorithmConfig(kl_coef=0.05, entropy_coef=0.0, kl_estimator="k3"))
+    actor = FSDPActor(
+        ModelConfig(path=path),
+        ParallelismConfig(1, 1, None, world),
+        OptimizerConfig(lr=1e-2),
+        ActorConfig(
+            backend="fsdp", max_tokens_per_micro_batch=256, lora=LoraConfig(rank=rank, alpha=ALPHA)
+        ),
+        AlgorithmConfig(kl_coef=0.05, entropy_coef=0.0, kl_estimator="k3"),
+    )
     actor.setup()
     return actor
 
@@ -57,7 +69,9 @@ def _body(path: str, world: int, out: str | None):
         res["model"] = {k: v.cpu().clone() for k, v in actor.policy.iter_model_tensors()}
         res["merged"] = {k: v.cpu().clone() for k, v in actor.policy.iter_full_tensors()}
         opt = actor.policy.optimizer
-        res["adam"] = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
+        res["adam"] = sum(
+            v.numel() for st in opt.state.values() for k, v in st.items() if k != "step"
+        )
         actor.export_hf(f"{out}/hf")
     actor.teardown()
     return res
@@ -102,7 +116,11 @@ def test_lora_fsdp_trains_adapters_only_against_the_base_and_exports_for_peft(tm
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    path = str(make_tiny_model(tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2, seed=1))
+    path = str(
+        make_tiny_model(
+            tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2, seed=1
+        )
+    )
     out = str(tmp_path / "run")
     one = run_on_ranks(_body, 1, args=(path, 1, out), timeout_s=300)[0]
     two = run_on_ranks(_body, 2, args=(path, 2, None), timeout_s=300)[0]
@@ -122,26 +140,44 @@ def test_lora_fsdp_trains_adapters_only_against_the_base_and_exports_for_peft(tm
     adapters = sum(v.numel() for k, v in one["model"].items() if ".lora_" in k)
     assert one["adam"] == 2 * adapters  # exp_avg and exp_avg_sq of the adapters, nothing else
     # DP2 equals one process
-    rel = max(abs(g[k] - r[k]) / max(abs(r[k]), 1e-2) for g, r in zip(two["metrics"], one["metrics"]) for k in KEYS)
-    print(f"DP2 vs one process: metrics {rel:.2e}, log-probs after 3 steps {_max(two['lp3'], one['lp3']):.2e}")
+    rel = max(
+        abs(g[k] - r[k]) / max(abs(r[k]), 1e-2)
+        for g, r in zip(two["metrics"], one["metrics"])
+        for k in KEYS
+    )
+    print(
+        f"DP2 vs one process: metrics {rel:.2e}, log-probs after 3 steps {_max(two['lp3'], one['lp3']):.2e}"
+    )
     assert rel <= 1e-5 and _max(two["lp3"], one["lp3"]) <= 1e-5
     # the resumed step 3 is the uninterrupted one
     assert resumed == one["metrics"][2], (resumed, one["metrics"][2])
     # a full-parameter checkpoint into LoRA: the saved policy, as the base and the reference; then it trains
-    assert _max(switched["got"], switched["want"]) == 0.0 and _max(switched["ref"], switched["want"]) == 0.0
+    assert (
+        _max(switched["got"], switched["want"]) == 0.0
+        and _max(switched["ref"], switched["want"]) == 0.0
+    )
     assert _max(switched["after"], switched["want"]) > 1e-3
-    assert "holds a LoRA run's adapters" in switched["refused"] and "actor.lora" in switched["refused"]
+    assert (
+        "holds a LoRA run's adapters" in switched["refused"] and "actor.lora" in switched["refused"]
+    )
     # the sync's stream (adapters merged, HF names) is the exported merged model
     merged = load_file(f"{out}/hf/merged/model.safetensors")
-    assert set(one["merged"]) >= set(merged) and all(torch.equal(one["merged"][k], merged[k]) for k in merged)
+    assert set(one["merged"]) >= set(merged) and all(
+        torch.equal(one["merged"][k], merged[k]) for k in merged
+    )
     # peft loads the adapter folder onto model.path: the trainer's log-probs
     batch = random_batch(N, seed=1)
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                                           f"{out}/hf").eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), f"{out}/hf"
+    ).eval()
     plain = AutoModelForCausalLM.from_pretrained(f"{out}/hf/merged", dtype=torch.float32).eval()
     with torch.no_grad():
         for model, limit in ((peft_model, 1e-5), (plain, 1e-5)):  # 2.4e-7 and 4.8e-7 measured
-            lps = [torch.log_softmax(model(t[None]).logits[0].float(), -1)[p - 1:-1].gather(-1, t[p:, None])[:, 0]
-                   for t, p in zip(batch.tokens, batch.prompt_lens.tolist())]
+            lps = [
+                torch.log_softmax(model(t[None]).logits[0].float(), -1)[p - 1 : -1].gather(
+                    -1, t[p:, None]
+                )[:, 0]
+                for t, p in zip(batch.tokens, batch.prompt_lens.tolist())
+            ]
             print(type(model).__name__, "vs the trainer", _max(lps, one["lp3"]))
             assert _max(lps, one["lp3"]) <= limit

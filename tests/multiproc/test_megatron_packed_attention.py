@@ -7,13 +7,15 @@ gradients at every real token, also with a sliding window (Gemma 3's layers, rlm
 The model-level contracts (transformers parity in every layout, packed = unpacked, layout invariance,
 engine parity) are in test_hf_parity.py, test_actor.py and the e2e tests.
 """
+
 import dataclasses
 
 import torch
 
 from rlmega.testing.multiproc import run_on_ranks
 
-ROWS = [[0, 5, 14, 15, 22], [0, 9, 16], [0]]  # row_cu of 3 rows of 24: tails 2 and 8, then all padding
+# row_cu of 3 rows of 24: tails 2 and 8, then all padding
+ROWS = [[0, 5, 14, 15, 22], [0, 9, 16], [0]]
 S, HEADS, GROUPS, DIM = 24, 4, 2, 16
 WINDOW = 4
 
@@ -25,20 +27,36 @@ def _body():
     from megatron.core.transformer.enums import AttnMaskType
 
     from rlmega.data.packing import block_causal_mask
-    from rlmega.megatron.packed_attention import PackedSDPAttention, RowPacking, rotate, row_segments
+    from rlmega.megatron.packed_attention import (
+        PackedSDPAttention,
+        RowPacking,
+        rotate,
+        row_segments,
+    )
     from rlmega.megatron.runtime import init_megatron, teardown_megatron
 
     init_megatron(1, 1, None, seed=3)
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                               num_query_groups=GROUPS, kv_channels=DIM, use_cpu_initialization=True,
-                               attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False)
-    kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        kv_channels=DIM,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=False,
+    )
+    kw = dict(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     ours, theirs = PackedSDPAttention(**kw), DotProductAttention(**kw)
     B = len(ROWS)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(S, B, HEADS, DIM, generator=g)
     k, v = (torch.randn(S, B, GROUPS, DIM, generator=g) for _ in range(2))
-    mask = torch.cat([block_causal_mask(torch.tensor(cu, dtype=torch.int32), S) for cu in ROWS])  # (B, 1, S, S)
+    # (B, 1, S, S)
+    mask = torch.cat([block_causal_mask(torch.tensor(cu, dtype=torch.int32), S) for cu in ROWS])
     real = torch.zeros(S, B, 1, dtype=torch.bool)
     for r, cu in enumerate(ROWS):
         real[: cu[-1], r] = True
@@ -51,7 +69,11 @@ def _body():
         (out * real).square().sum().backward()  # real tokens only: padding outputs are never read
         return out.detach() * real, [t.grad for t in qkv]
 
-    got, got_grads = run(ours, RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=segments), None)
+    got, got_grads = run(
+        ours,
+        RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=segments),
+        None,
+    )
     want, want_grads = run(theirs, None, mask)
     errors = {"out": (got - want).abs().max().item()}
     for name, a, b in zip("qkv", got_grads, want_grads):
@@ -65,24 +87,47 @@ def _body():
     # a sliding window of WINDOW (megatron-core's window_size (WINDOW - 1, 0); segments of up to 9 tokens, so
     # windowed blocks) against megatron's attention under the dense block-causal mask that also hides keys WINDOW or
     # more tokens back
-    windowed = PackedSDPAttention(**{**kw, "config": dataclasses.replace(config, window_size=(WINDOW - 1, 0))})
+    windowed = PackedSDPAttention(
+        **{**kw, "config": dataclasses.replace(config, window_size=(WINDOW - 1, 0))}
+    )
     assert windowed.window == WINDOW
     pos = torch.arange(S)
     far = (pos[:, None] - pos[None, :]) >= WINDOW  # (S, S), True = too far back
-    got, got_grads = run(windowed, RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=segments),
-                         None)
+    got, got_grads = run(
+        windowed,
+        RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=segments),
+        None,
+    )
     want, want_grads = run(theirs, None, mask | far)
     errors["window_out"] = (got - want).abs().max().item()
     for name, a, b in zip("qkv", got_grads, want_grads):
         errors["window_d" + name] = ((a - b) * real.unsqueeze(-1)).abs().max().item()
-    errors["window_changes_it"] = -(got - run(ours, RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S,
-                                                                segments=segments), None)[0]).abs().max().item()
+    errors["window_changes_it"] = (
+        -(
+            got
+            - run(
+                ours,
+                RowPacking(qkv_format="sbhd", max_seqlen_q=S, max_seqlen_kv=S, segments=segments),
+                None,
+            )[0]
+        )
+        .abs()
+        .max()
+        .item()
+    )
 
     # RoPE: rotate(x, cos, sin) == megatron's apply_rotary_pos_emb(x, [freqs, freqs])
     angles = torch.rand(S, B, 1, DIM // 2, generator=g) * 50.0
     freqs = torch.cat((angles, angles), dim=-1)
-    errors["rope"] = (rotate(q, torch.cos(freqs), torch.sin(angles))
-                      - apply_rotary_pos_emb(q, freqs, config=config)).abs().max().item()
+    errors["rope"] = (
+        (
+            rotate(q, torch.cos(freqs), torch.sin(angles))
+            - apply_rotary_pos_emb(q, freqs, config=config)
+        )
+        .abs()
+        .max()
+        .item()
+    )
     teardown_megatron()
     return errors
 
@@ -90,7 +135,9 @@ def _body():
 def test_packed_sdpa_equals_megatron_dot_product_attention_under_the_block_mask():
     errors = run_on_ranks(_body, 1, timeout_s=120)[0]
     print(errors)
-    assert errors.pop("window_changes_it") < -0.1, "the window must change the outputs of these segments"
+    assert errors.pop("window_changes_it") < -0.1, (
+        "the window must change the outputs of these segments"
+    )
     # measured (float32, 2-core CPU): out 3.6e-7, dq 2.6e-6, dk 3.3e-6, dv 3.8e-6 (gradients of a
     # squared sum, magnitudes ~10), dense mask 3.6e-7, rope 2.4e-7; with the window of 4 the same (dv 1.9e-6)
     assert max(errors.values()) < 1e-5, errors

@@ -11,6 +11,7 @@ refused by init_megatron naming the field.
 
 The HF round trip at EP layouts and the logits vs transformers are in test_hf_parity.py.
 """
+
 import pytest
 import torch
 
@@ -31,7 +32,9 @@ def _manager(folder: str, tp: int, pp: int, ep: int):
 
     parallel = ParallelismConfig(tp, pp, None, dist.get_world_size())
     parallel.expert_model_parallel_size = ep
-    mm = MegatronModelManager(ModelConfig(path=folder), parallel, OptimizerConfig(lr=1e-3, clip_grad=1.0))
+    mm = MegatronModelManager(
+        ModelConfig(path=folder), parallel, OptimizerConfig(lr=1e-3, clip_grad=1.0)
+    )
     mm.setup_model_and_optimizer(load_weights=False)
     return mm
 
@@ -81,7 +84,8 @@ def _layouts_body(folder: str, ckpt: str, resume_dir: str) -> dict:
         out["bad_ep"] = str(e)
     teardown_megatron(destroy_process_group=False)
     for name, (tp, pp, ep) in LAYOUTS.items():
-        init_megatron(tp, pp, None, seed=99, ep=ep)  # another seed: every weight comes from the checkpoint
+        # another seed: every weight comes from the checkpoint
+        init_megatron(tp, pp, None, seed=99, ep=ep)
         mm = _manager(folder, tp, pp, ep)
         mm.load_checkpoint(ckpt, model_only=True)
         if name == "ep2":
@@ -98,7 +102,8 @@ def _layouts_body(folder: str, ckpt: str, resume_dir: str) -> dict:
     return out
 
 
-LAYOUTS = {"ep2": (1, 1, 2), "pp2_ep2": (1, 2, 2), "ep4": (1, 1, 4), "tp2_ep2": (2, 1, 2)}  # (tp, pp, ep) on 4 ranks
+# (tp, pp, ep) on 4 ranks
+LAYOUTS = {"ep2": (1, 1, 2), "pp2_ep2": (1, 2, 2), "ep4": (1, 1, 4), "tp2_ep2": (2, 1, 2)}
 
 
 def _rel(a: float, b: float) -> float:
@@ -108,8 +113,20 @@ def _rel(a: float, b: float) -> float:
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return str(make_tiny_model(root / "moe", arch="qwen3_moe", hidden_size=64, num_layers=2, num_heads=2,
-                               num_kv_heads=1, num_experts=8, top_k=2, moe_intermediate_size=32, seed=3))
+    return str(
+        make_tiny_model(
+            root / "moe",
+            arch="qwen3_moe",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            num_experts=8,
+            top_k=2,
+            moe_intermediate_size=32,
+            seed=3,
+        )
+    )
 
 
 def test_expert_parallel_layouts_match_one_process_and_resume_exactly(moe_model, tmp_path):
@@ -124,11 +141,16 @@ def test_expert_parallel_layouts_match_one_process_and_resume_exactly(moe_model,
             for key in ("loss", "grad_norm"):
                 for step, (g, r) in enumerate(zip(res[name][key], ref[key])):
                     worst = max(worst, _rel(g, r))
-                    assert _rel(g, r) <= REL, f"{name} rank {rank}: {key} at step {step} = {g!r}, reference {r!r}"
+                    assert _rel(g, r) <= REL, (
+                        f"{name} rank {rank}: {key} at step {step} = {g!r}, reference {r!r}"
+                    )
         print(name, got[name])
     print("max rel diff vs EP1", worst)
     assert ref["loss"][0] > ref["loss"][-1]  # it trains
     # kill-free resume: the third step after loading equals the uninterrupted third step exactly
     assert got["ep2_resumed_step"]["loss"][0] == got["ep2"]["loss"][-1]
     assert got["ep2_resumed_step"]["grad_norm"][0] == got["ep2"]["grad_norm"][-1]
-    assert "parallelism.expert_model_parallel_size" in got["bad_ep"] and "TP x EP x PP = 1 x 3 x 1" in got["bad_ep"]
+    assert (
+        "parallelism.expert_model_parallel_size" in got["bad_ep"]
+        and "TP x EP x PP = 1 x 3 x 1" in got["bad_ep"]
+    )

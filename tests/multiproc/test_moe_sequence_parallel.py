@@ -11,6 +11,7 @@ chunked log-probs: old log-probs, loss, grad norm, entropy, router losses and ro
 The router losses dominate this tiny model's gradient: a z-loss coefficient off by CP moves step 1's grad
 norm from 0.822 to 0.679 (measured), the balancing loss's by TP 11%.
 """
+
 import dataclasses
 
 import torch
@@ -20,7 +21,15 @@ from rlmega.testing.multiproc import run_on_ranks
 from rlmega.demo.tiny_model import make_tiny_model
 
 E, K, LAYERS, N, STEPS = 8, 2, 2, 8, 2
-KEYS = ("loss", "grad_norm", "pg_loss", "entropy", "moe_load_balancing_loss", "moe_z_loss", "routes_live_fraction")
+KEYS = (
+    "loss",
+    "grad_norm",
+    "pg_loss",
+    "entropy",
+    "moe_load_balancing_loss",
+    "moe_z_loss",
+    "routes_live_fraction",
+)
 
 
 def _batch():
@@ -30,24 +39,49 @@ def _batch():
     g = torch.Generator().manual_seed(9)
     routes = []
     for tokens in batch.tokens:
-        r = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(LAYERS)])
-                         for _ in range(len(tokens))]).to(torch.int16)  # (L, M, K)
+        r = torch.stack(
+            [
+                torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(LAYERS)])
+                for _ in range(len(tokens))
+            ]
+        ).to(torch.int16)  # (L, M, K)
         r[::5] = -1  # no route: routed live
         routes.append(r)
     return dataclasses.replace(batch, routed_experts=routes)
 
 
-def _body(path: str, tp: int, ep: int, world: int, pp: int = 1, cp: int = 1, replay: str = "rollout"):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+def _body(
+    path: str, tp: int, ep: int, world: int, pp: int = 1, cp: int = 1, replay: str = "rollout"
+):
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
-    parallel = ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, context_parallel_size=cp, world_size=world)
+    parallel = ParallelismConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        context_parallel_size=cp,
+        world_size=world,
+    )
     actor = MegatronActor(
-        ModelConfig(path=path, seed=3), parallel, OptimizerConfig(lr=1e-2),
-        ActorConfig(max_tokens_per_micro_batch=28 // cp, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-                    logprob_chunk_tokens=16),
-        AlgorithmConfig(kl_coef=0.0, entropy_coef=0.01, routing_replay=replay), temperature=1.0)
+        ModelConfig(path=path, seed=3),
+        parallel,
+        OptimizerConfig(lr=1e-2),
+        ActorConfig(
+            max_tokens_per_micro_batch=28 // cp,
+            moe_aux_loss_coeff=0.01,
+            moe_z_loss_coeff=0.001,
+            logprob_chunk_tokens=16,
+        ),
+        AlgorithmConfig(kl_coef=0.0, entropy_coef=0.01, routing_replay=replay),
+        temperature=1.0,
+    )
     actor.setup()
     sp = actor.policy.transformer_config.sequence_parallel
     batch = _batch()
@@ -61,18 +95,37 @@ def _body(path: str, tp: int, ep: int, world: int, pp: int = 1, cp: int = 1, rep
 
 
 def test_moe_with_tokens_split_over_ranks_and_r3_equals_one_process(tmp_path):
-    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden_size=64, num_layers=LAYERS, num_heads=2,
-                           num_kv_heads=2, num_experts=E, top_k=K, moe_intermediate_size=32, seed=7)
-    refs = {replay: run_on_ranks(_body, 1, args=(str(path), 1, 1, 1, 1, 1, replay), timeout_s=300)[0]
-            for replay in ("rollout", "trainer")}
+    path = make_tiny_model(
+        tmp_path / "moe",
+        arch="qwen3_moe",
+        hidden_size=64,
+        num_layers=LAYERS,
+        num_heads=2,
+        num_kv_heads=2,
+        num_experts=E,
+        top_k=K,
+        moe_intermediate_size=32,
+        seed=7,
+    )
+    refs = {
+        replay: run_on_ranks(_body, 1, args=(str(path), 1, 1, 1, 1, 1, replay), timeout_s=300)[0]
+        for replay in ("rollout", "trainer")
+    }
     # TP2 x EP2 (DP2); TP2 x PP2 (the second stage's padding mask is cut to its TP rank's part); CP2 x EP2 (the
     # expert group is the CP pair), with R3 and with R2 (routes recorded whole on every CP rank, replayed cut);
     # TP2+SP x CP2 x EP2; CP2 x DP2 x EP4 (the expert group spans DP ranks, whose rows split into CP shares of
     # different lengths: the allgather dispatcher needs them equal)
-    for tp, ep, pp, cp, world, replay in ((2, 2, 1, 1, 4, "rollout"), (2, 1, 2, 1, 4, "rollout"),
-                                          (1, 2, 1, 2, 2, "rollout"), (1, 2, 1, 2, 2, "trainer"),
-                                          (2, 2, 1, 2, 4, "rollout"), (1, 4, 1, 2, 4, "rollout")):
-        results = run_on_ranks(_body, world, args=(str(path), tp, ep, world, pp, cp, replay), timeout_s=420)
+    for tp, ep, pp, cp, world, replay in (
+        (2, 2, 1, 1, 4, "rollout"),
+        (2, 1, 2, 1, 4, "rollout"),
+        (1, 2, 1, 2, 2, "rollout"),
+        (1, 2, 1, 2, 2, "trainer"),
+        (2, 2, 1, 2, 4, "rollout"),
+        (1, 4, 1, 2, 4, "rollout"),
+    ):
+        results = run_on_ranks(
+            _body, world, args=(str(path), tp, ep, world, pp, cp, replay), timeout_s=420
+        )
         ref = refs[replay]
         assert not ref["sp"] and all(r["sp"] == (tp > 1) for r in results)
         # R2: the first step (routes recorded whole on every CP rank, replayed cut to each rank's share). R2's
@@ -86,11 +139,20 @@ def test_moe_with_tokens_split_over_ranks_and_r3_equals_one_process(tmp_path):
                     rel = abs(g[k] - r[k]) / max(abs(r[k]), 1e-6)
                     worst_m = max(worst_m, rel)
                     assert rel <= 2e-6, (tp, ep, pp, cp, replay, rank, step, k, g[k], r[k])
-            worst_lp = max(worst_lp, max(float((a - b).abs().max()) for o, p in zip(got["old"][:steps], ref["old"])
-                                         for a, b in zip(o, p)))
-        print(f"TP{tp} x EP{ep} x PP{pp} x CP{cp} {replay} vs world 1: metrics relative {worst_m:.2e}, old log-probs "
-              f"{worst_lp:.2e}")
-        assert worst_lp <= 1e-5  # measured: metrics 1.8e-7 relative, old log-probs 9.5e-7 (TP2 x EP2)
+            worst_lp = max(
+                worst_lp,
+                max(
+                    float((a - b).abs().max())
+                    for o, p in zip(got["old"][:steps], ref["old"])
+                    for a, b in zip(o, p)
+                ),
+            )
+        print(
+            f"TP{tp} x EP{ep} x PP{pp} x CP{cp} {replay} vs world 1: metrics relative {worst_m:.2e}, old log-probs "
+            f"{worst_lp:.2e}"
+        )
+        # measured: metrics 1.8e-7 relative, old log-probs 9.5e-7 (TP2 x EP2)
+        assert worst_lp <= 1e-5
     ref = refs["rollout"]
     assert 0 < ref["metrics"][0]["routes_live_fraction"] < 0.5  # R3 replayed, the holes routed live
     assert refs["trainer"]["metrics"][0]["routes_live_fraction"] == 0  # R2 replays all it recorded

@@ -5,6 +5,7 @@ Qwen2 with Adam state. Megatron's checkpoint writer used to start a multiprocess
 resource tracker) there, which outlived the kill re-parented to init. The kill of the driver of a whole
 run is tests/e2e/test_train.py::test_kill_9_and_resume_matches_an_uninterrupted_run.
 """
+
 import os
 import signal
 import subprocess
@@ -45,27 +46,51 @@ def _alive(proc: psutil.Process) -> bool:
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=2, seed=3))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=2,
+            seed=3,
+        )
+    )
 
 
 def test_a_rank_killed_after_a_checkpoint_leaves_no_process(hf_model, tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
-    rank = subprocess.Popen([sys.executable, "-c", RANK, hf_model, str(tmp_path / "ckpt")], cwd=ROOT, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, hf_model, str(tmp_path / "ckpt")],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = rank.stdout.readline()
         assert line.strip() == "saved", f"the rank ended before saving (exit {rank.wait()})"
-        tree = psutil.Process(rank.pid).children(recursive=True)  # what the rank started, recorded before the kill
+        # what the rank started, recorded before the kill
+        tree = psutil.Process(rank.pid).children(recursive=True)
         rank.send_signal(signal.SIGKILL)
         rank.wait()
     finally:
         if rank.poll() is None:
             rank.kill()
     assert (tmp_path / "ckpt" / "latest").exists()
-    deadline = time.monotonic() + 5.0  # psutil's is_running also tells a reused pid from the one recorded
+    # psutil's is_running also tells a reused pid from the one recorded
+    deadline = time.monotonic() + 5.0
     while (left := [p for p in tree if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     names = [" ".join(p.cmdline())[:100] for p in left]

@@ -8,6 +8,7 @@ after all of them, and an engine's failure or silence surfaces naming that engin
 one group per sender kept across syncs, a failure named and a new group after it. The real engines:
 tests/e2e/test_sync_to_rollout.py.
 """
+
 import sys
 import time
 
@@ -43,8 +44,15 @@ class SlowEngine(RemoteEngine):
         if self.fail_on in names:
             raise ValueError(f"cannot load {self.fail_on}")
         time.sleep(self.delay)
-        self.calls.append({"first": names[0], "version": version, "start": start, "end": time.time(),
-                           "sum": float(sum(t.sum() for _, t in named_tensors))})
+        self.calls.append(
+            {
+                "first": names[0],
+                "version": version,
+                "start": start,
+                "end": time.time(),
+                "sum": float(sum(t.sum() for _, t in named_tensors)),
+            }
+        )
 
     def finish_weights(self, version: int, sender) -> None:
         self.calls.append({"finish": version, "end": time.time()})
@@ -80,7 +88,13 @@ class BroadcastEngine(KeepingEngine):
 
     def __init__(self, delay: float = 0.0, fail_on: str | None = None, stagger: bool = False):
         super().__init__()
-        self.delay, self.fail_on, self.stagger, self.joins, self.finished = delay, fail_on, stagger, 0, []
+        self.delay, self.fail_on, self.stagger, self.joins, self.finished = (
+            delay,
+            fail_on,
+            stagger,
+            0,
+            [],
+        )
 
     def join_weight_group(self, name, host, port, rank, world, backend, timeout_s) -> None:
         collective.join(name, host, port, rank, world, backend, timeout_s)
@@ -93,13 +107,22 @@ class BroadcastEngine(KeepingEngine):
         if self.fail_on in [n for n, _ in bucket]:
             raise ValueError(f"cannot load {self.fail_on}")
         time.sleep(self.delay)
-        self.receive_weights([(n, t.tensor.clone() if isinstance(t, Piece) else t) for n, t in bucket], version, sender)
+        self.receive_weights(
+            [(n, t.tensor.clone() if isinstance(t, Piece) else t) for n, t in bucket],
+            version,
+            sender,
+        )
 
     def finish_weights(self, version: int, sender) -> None:
         self.finished.append(version)
 
     def state(self) -> dict:
-        return {"joins": self.joins, "finished": self.finished, "got": self.got, "groups": len(collective._joined)}
+        return {
+            "joins": self.joins,
+            "finished": self.finished,
+            "got": self.got,
+            "groups": len(collective._joined),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +136,10 @@ def cluster():
 
 
 def _buckets(n: int):
-    return [[(f"b{k}.weight", torch.full((4, 4), float(k))), (f"b{k}.bias", torch.ones(4))] for k in range(n)]
+    return [
+        [(f"b{k}.weight", torch.full((4, 4), float(k))), (f"b{k}.bias", torch.ones(4))]
+        for k in range(n)
+    ]
 
 
 def test_buckets_pipeline_two_deep_in_order_and_flush_waits(cluster):
@@ -129,7 +155,8 @@ def test_buckets_pipeline_two_deep_in_order_and_flush_waits(cluster):
         logs = ray.get([e.log.remote() for e in engines])
         for log in logs:
             calls = [c for c in log if c["version"] == version]
-            assert [c["first"] for c in calls] == [f"b{k}.weight" for k in range(5)]  # in order, all
+            # in order, all
+            assert [c["first"] for c in calls] == [f"b{k}.weight" for k in range(5)]
             assert [c["sum"] for c in calls] == [16.0 * k + 4.0 for k in range(5)]  # intact
             assert flushed >= calls[-1]["end"]
             # Pipelined: sending bucket 0 did not wait for its load ...
@@ -160,8 +187,10 @@ def test_each_copy_of_a_transport_is_its_own_sender():
 def test_an_engine_failure_surfaces_naming_the_engine(cluster):
     engines = [cluster.remote(delay=0.01), cluster.remote(delay=0.01, fail_on="b1.bias")]
     transport = RayTransport(engines)
-    with pytest.raises(RuntimeError,
-                       match=r"(?s)rollout engine 1 failed to load .*'b1.weight'.*version 3.*cannot load b1.bias"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)rollout engine 1 failed to load .*'b1.weight'.*version 3.*cannot load b1.bias",
+    ):
         for bucket in _buckets(4):
             transport.send(bucket, 3)
         transport.flush()
@@ -172,7 +201,9 @@ def test_an_engine_that_does_not_answer_times_out_naming_the_engine(cluster):
     ray.get(engines[0].log.remote())  # started (the sync's first call, begin_weights, is timed too)
     transport = RayTransport(engines, timeout_s=0.5)
     transport.send(_buckets(1)[0], 1)
-    with pytest.raises(TimeoutError, match=r"rollout engine 0 did not load .*'b0.weight'.*within 0.5 s"):
+    with pytest.raises(
+        TimeoutError, match=r"rollout engine 0 did not load .*'b0.weight'.*within 0.5 s"
+    ):
         transport.flush()
 
 
@@ -184,9 +215,16 @@ def test_sent_views_of_a_flat_buffer_arrive_intact_and_the_buffer_stays_releasab
     from rlmega.megatron import offload
 
     gen = torch.Generator().manual_seed(0)
-    flat, flat16 = torch.randn(1000, generator=gen), torch.randn(300, generator=gen).to(torch.bfloat16)
-    bucket = [("w", flat[100:400].view(20, 15)), ("wt", flat[:600].view(20, 30).t()), ("n", flat16[10:42]),
-              ("empty", flat[0:0].view(0, 4))]
+    flat, flat16 = (
+        torch.randn(1000, generator=gen),
+        torch.randn(300, generator=gen).to(torch.bfloat16),
+    )
+    bucket = [
+        ("w", flat[100:400].view(20, 15)),
+        ("wt", flat[:600].view(20, 30).t()),
+        ("n", flat16[10:42]),
+        ("empty", flat[0:0].view(0, 4)),
+    ]
     engine = ray.remote(num_cpus=0.1)(KeepingEngine).remote()
     transport = RayTransport([engine])
     transport.send(bucket, 1)
@@ -206,13 +244,19 @@ def _mixed_bucket(k: int):
     """float32, bf16, int64, a non-contiguous view, an empty tensor and a TP rank's piece."""
     gen = torch.Generator().manual_seed(k)
     base = torch.randn(6, 5, generator=gen)
-    return [(f"b{k}.w", base), (f"b{k}.t", base.t()), (f"b{k}.h", torch.randn(7, generator=gen).bfloat16()),
-            (f"b{k}.i", torch.arange(5) * k), (f"b{k}.e", torch.zeros(0, 3)),
-            (f"b{k}.p", Piece(torch.randn(2, 5, generator=gen), (4, 5), 0, 2, 2))]
+    return [
+        (f"b{k}.w", base),
+        (f"b{k}.t", base.t()),
+        (f"b{k}.h", torch.randn(7, generator=gen).bfloat16()),
+        (f"b{k}.i", torch.arange(5) * k),
+        (f"b{k}.e", torch.zeros(0, 3)),
+        (f"b{k}.p", Piece(torch.randn(2, 5, generator=gen), (4, 5), 0, 2, 2)),
+    ]
 
 
 def test_collective_buckets_arrive_intact_in_one_group_per_sender_kept_across_syncs(cluster):
-    Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)  # threaded, as Roles starts engines
+    # threaded, as Roles starts engines
+    Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)
     engines = [Engine.remote(delay=0.05, stagger=True) for _ in range(2)]
     transport = CollectiveTransport(engines)
     sent = []
@@ -228,21 +272,28 @@ def test_collective_buckets_arrive_intact_in_one_group_per_sender_kept_across_sy
         assert sorted(got) == sorted(n for n, _ in sent)  # every tensor, once
         for name, t in sent:
             t = t.tensor if isinstance(t, Piece) else t
-            assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+            assert (
+                got[name].dtype == t.dtype
+                and got[name].shape == t.shape
+                and torch.equal(got[name], t)
+            ), name
 
 
 def test_collective_failure_names_the_engine_and_the_next_sync_makes_a_new_group(cluster):
     Engine = ray.remote(num_cpus=0.1, max_concurrency=4)(BroadcastEngine)
     engines = [Engine.remote(), Engine.remote(fail_on="b1.w")]
     transport = CollectiveTransport(engines, timeout_s=30)
-    with pytest.raises(RuntimeError,
-                       match=r"(?s)rollout engine 1 failed to load .*'b1.w'.*version 3.*cannot load b1.w"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)rollout engine 1 failed to load .*'b1.w'.*version 3.*cannot load b1.w",
+    ):
         for k in range(4):
             transport.send(_mixed_bucket(k), 3)
         transport.flush()
     ray.get(engines[1].__ray_call__.remote(lambda self: setattr(self, "fail_on", None)))
     for k in range(3):
-        transport.send([(n.replace("b", "c", 1), t) for n, t in _mixed_bucket(100 + k)], 4)  # new values and names
+        # new values and names
+        transport.send([(n.replace("b", "c", 1), t) for n, t in _mixed_bucket(100 + k)], 4)
     transport.flush()
     for state in ray.get([e.state.remote() for e in engines]):
         # a new group for the second sync; the engine retired the first (one group left, not two)
@@ -262,7 +313,12 @@ def test_flatten_keeps_each_tensors_bytes_and_refuses_a_bucket_on_two_devices():
         assert n == m and type(t) is type(u)
         t, u = (t.tensor, u.tensor) if isinstance(t, Piece) else (t, u)
         assert u.dtype == t.dtype and torch.equal(u, t)
-    assert (back[-1][1].full_shape, back[-1][1].dim, back[-1][1].start, back[-1][1].of) == ((4, 5), 0, 2, 2)
+    assert (back[-1][1].full_shape, back[-1][1].dim, back[-1][1].start, back[-1][1].of) == (
+        (4, 5),
+        0,
+        2,
+        2,
+    )
     meta = torch.empty(3, device="meta")
     with pytest.raises(ValueError, match="several devices"):
         collective.flatten([("a", torch.ones(3)), ("b", meta)])
@@ -275,7 +331,8 @@ def test_collective_sync_that_did_not_flush_leaves_its_group_to_a_new_one(cluste
     first = CollectiveTransport(engines)
     first.send(_mixed_bucket(0), 1)
     ray.get(first._in_flight[0][0])  # received, never flushed
-    again = CollectiveTransport(engines)  # the next sync's copy of the same transport, in the same process
+    # the next sync's copy of the same transport, in the same process
+    again = CollectiveTransport(engines)
     again.key = first.key
     again.send(_mixed_bucket(1), 2)
     again.flush()

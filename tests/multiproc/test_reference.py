@@ -4,6 +4,7 @@ TP2 on 2 gloo ranks, a tiny Qwen2 and one synthetic RolloutBatch. KL in the loss
 reference, so it must be the policy RL starts from (after a warm start, not model.path), the
 Polyak update must move it, and a resumed run must get back the reference it had, not model.path's.
 """
+
 import dataclasses
 
 import pytest
@@ -15,17 +16,35 @@ from rlmega.demo.tiny_model import make_tiny_model
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", hidden_size=128, num_heads=2,
-                               num_kv_heads=2, num_layers=2, seed=3))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("m") / "qwen2",
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            num_layers=2,
+            seed=3,
+        )
+    )
 
 
 def _actor(path, rate):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
-    actor = MegatronActor(ModelConfig(path=path), ParallelismConfig(2, 1, None, 2), OptimizerConfig(lr=1e-2),
-                          ActorConfig(max_tokens_per_micro_batch=64, ref_update_rate=rate),
-                          AlgorithmConfig(kl_coef=0.05, kl_estimator="k3"))
+    actor = MegatronActor(
+        ModelConfig(path=path),
+        ParallelismConfig(2, 1, None, 2),
+        OptimizerConfig(lr=1e-2),
+        ActorConfig(max_tokens_per_micro_batch=64, ref_update_rate=rate),
+        AlgorithmConfig(kl_coef=0.05, kl_estimator="k3"),
+    )
     actor.setup()
     return actor
 
@@ -43,7 +62,9 @@ def _train_and_save_body(path, ckpt):
     actor.update_ref_policy(1.0)  # what the driver does after the warm start
     after_copy = _diff(actor.compute_ref_logprobs(batch), actor.compute_logprobs(batch))
     old = actor.compute_logprobs(batch)
-    actor.train_step(dataclasses.replace(batch, old_logprobs=old, ref_logprobs=actor.compute_ref_logprobs(batch)))
+    actor.train_step(
+        dataclasses.replace(batch, old_logprobs=old, ref_logprobs=actor.compute_ref_logprobs(batch))
+    )
     before_polyak = actor.compute_ref_logprobs(batch)
     actor.update_ref_policy()  # actor.ref_update_rate = 0.25
     polyak_moved = _diff(actor.compute_ref_logprobs(batch), before_polyak)
@@ -62,8 +83,13 @@ def _resume_body(path, ckpt, saved_ref):
     restored = _diff(fresh.compute_ref_logprobs(batch), saved_ref)
     still_offloaded = "params" in fresh.reference.offloaded
     fresh.teardown()
-    return dict(fresh_before_load=fresh_before_load, restored=restored, step=step, extra=extra,
-                still_offloaded=still_offloaded)
+    return dict(
+        fresh_before_load=fresh_before_load,
+        restored=restored,
+        step=step,
+        extra=extra,
+        still_offloaded=still_offloaded,
+    )
 
 
 def test_reference_follows_warm_start_polyak_and_checkpoints(hf_model, tmp_path):
@@ -71,7 +97,8 @@ def test_reference_follows_warm_start_polyak_and_checkpoints(hf_model, tmp_path)
     r = run_on_ranks(_train_and_save_body, 2, args=(hf_model, ckpt), timeout_s=400)[0]
     assert r["moved"] > 1e-3  # the warm start changed the policy
     assert r["after_copy"] == 0.0  # reference == policy, bit for bit, after the copy
-    assert r["polyak_moved"] > 1e-6  # the Polyak update moved the reference toward the trained policy
+    # the Polyak update moved the reference toward the trained policy
+    assert r["polyak_moved"] > 1e-6
     q = run_on_ranks(_resume_body, 2, args=(hf_model, ckpt, r["saved_ref"]), timeout_s=400)[0]
     assert q["fresh_before_load"] > 1e-3  # model.path's reference is not the one that was saved ...
     assert q["restored"] == 0.0  # ... and the checkpoint brings the saved one back exactly
@@ -91,7 +118,9 @@ def _no_move_body(path, ckpt):
 
 def test_an_untouched_reference_is_not_saved(hf_model, tmp_path):
     # It equals model.path's weights: a resume rebuilds it from there, and the checkpoint stays small.
-    assert run_on_ranks(_no_move_body, 2, args=(hf_model, str(tmp_path / "c")), timeout_s=300)[0] == []
+    assert (
+        run_on_ranks(_no_move_body, 2, args=(hf_model, str(tmp_path / "c")), timeout_s=300)[0] == []
+    )
 
 
 def _heap_body():

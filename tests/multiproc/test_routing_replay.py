@@ -13,6 +13,7 @@ one packed batch (several sequences per row, several rows per micro-batch) and s
     loss divides by response tokens (token-mean) or by sequences (seq-mean-token-mean), and with extra
     padding in every micro-batch; their logged values too, equal on every rank.
 """
+
 import dataclasses
 import functools
 import json
@@ -32,16 +33,28 @@ TOL_NORM, TOL_PAD = 1e-6, 3e-7
 
 
 def _body(path):
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.megatron.actor import MegatronActor
 
     actor = MegatronActor(
         ModelConfig(path=path, seed=3),
-        ParallelismConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
-                          virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2, world_size=4),
-        OptimizerConfig(lr=1e-2), ActorConfig(max_tokens_per_micro_batch=48, moe_aux_loss_coeff=0.01,
-                                              moe_z_loss_coeff=0.001),
-        AlgorithmConfig(kl_coef=0.0, entropy_coef=0.0, routing_replay="trainer"), temperature=1.0,
+        ParallelismConfig(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            world_size=4,
+        ),
+        OptimizerConfig(lr=1e-2),
+        ActorConfig(max_tokens_per_micro_batch=48, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+        AlgorithmConfig(kl_coef=0.0, entropy_coef=0.0, routing_replay="trainer"),
+        temperature=1.0,
     )
     actor.setup()
     out = {}
@@ -54,7 +67,8 @@ def _body(path):
 
     from rlmega.megatron import routing_replay as rr
 
-    def recorded():  # every sample's recorded routes, fetched from the DP rank that holds them (a collective)
+    # every sample's recorded routes, fetched from the DP rank that holds them (a collective)
+    def recorded():
         got = rr.exchange_routes(actor._trainer_routes, batch.sample_ids.tolist())
         return [got[s] for s in batch.sample_ids.tolist()]
 
@@ -62,7 +76,9 @@ def _body(path):
     lp_rec = actor.compute_logprobs(batch)
     out["held"] = len(actor._trainer_routes)  # this DP rank's share only, not the batch's
     routes = recorded()
-    out["routes_shape_ok"] = all(tuple(r.shape) == (len(t), LAYERS, K) for r, t in zip(routes, batch.tokens))
+    out["routes_shape_ok"] = all(
+        tuple(r.shape) == (len(t), LAYERS, K) for r, t in zip(routes, batch.tokens)
+    )
     out["recorded_min"] = int(min(int(r.min()) for r in routes))
     # the packed EP2 forward against transformers, one sample at a time (catches tokens dispatched
     # to the wrong rank, e.g. expert-parallel ranks running micro-batches of different shapes)
@@ -70,8 +86,10 @@ def _body(path):
     with torch.no_grad():
         diffs = []
         for t, p, lp in zip(batch.tokens, batch.prompt_lens.tolist(), lp_rec):
-            logits = hf(t[None]).logits[0, p - 1:-1].float()
-            diffs.append((torch.log_softmax(logits, -1).gather(1, t[p:, None])[:, 0] - lp).abs().max())
+            logits = hf(t[None]).logits[0, p - 1 : -1].float()
+            diffs.append(
+                (torch.log_softmax(logits, -1).gather(1, t[p:, None])[:, 0] - lp).abs().max()
+            )
     out["hf_max_diff"] = float(max(diffs))
     actor.routing_replay = "rollout"
     lp_rep = actor.compute_logprobs(dataclasses.replace(batch, routed_experts=routes))
@@ -103,8 +121,16 @@ def _body(path):
         h[-1] = -1
         h[:p:4] = -1
         holes.append(h)
-    expected_live = sum(int((h[:, :, 0] < 0).sum()) for h in holes) / sum(h[:, :, 0].numel() for h in holes)
-    actor._logprobs(actor.policy, dataclasses.replace(batch, routed_experts=holes), False, replay=True, record=True)
+    expected_live = sum(int((h[:, :, 0] < 0).sum()) for h in holes) / sum(
+        h[:, :, 0].numel() for h in holes
+    )
+    actor._logprobs(
+        actor.policy,
+        dataclasses.replace(batch, routed_experts=holes),
+        False,
+        replay=True,
+        record=True,
+    )
     used = recorded()
     given = torch.cat(holes)
     got = torch.cat(used)
@@ -112,7 +138,9 @@ def _body(path):
     out["holes_replayed_equal"] = bool(torch.equal(got[~hole], given[~hole]))
     # layer 0 sees no earlier MoE layer: its live routes are the record pass's exactly
     holed_tokens = hole[:, 0]  # holes are whole tokens (every layer)
-    out["holes_layer0_live_equal"] = bool(torch.equal(got[holed_tokens, 0], torch.cat(routes)[holed_tokens, 0]))
+    out["holes_layer0_live_equal"] = bool(
+        torch.equal(got[holed_tokens, 0], torch.cat(routes)[holed_tokens, 0])
+    )
     out["holes_valid"] = bool((got >= 0).all() and (got < E).all())
     out["live_fraction"] = actor._route_metrics["routes_live_fraction"]
     out["expected_live"] = expected_live
@@ -121,11 +149,16 @@ def _body(path):
     actor.routing_replay = "trainer"
     old = actor.compute_logprobs(batch)
     saved = dict(actor._trainer_routes)
-    actor._trainer_routes = {s: ((r.long() + 3) % E).to(torch.int16) for s, r in saved.items()}  # wrong routes
-    m_wrong = actor.train_step(dataclasses.replace(batch, old_logprobs=old), optimizer_steps_per_rl_step=2)
+    # wrong routes
+    actor._trainer_routes = {s: ((r.long() + 3) % E).to(torch.int16) for s, r in saved.items()}
+    m_wrong = actor.train_step(
+        dataclasses.replace(batch, old_logprobs=old), optimizer_steps_per_rl_step=2
+    )
     out["wrong_ppo_kl"] = m_wrong["ppo_kl"]
     old = actor.compute_logprobs(batch)
-    m = actor.train_step(dataclasses.replace(batch, old_logprobs=old), optimizer_steps_per_rl_step=2)
+    m = actor.train_step(
+        dataclasses.replace(batch, old_logprobs=old), optimizer_steps_per_rl_step=2
+    )
     out["r2_ppo_kl"], out["r2_clipfrac"] = m["ppo_kl"], m["pg_clipfrac"]
     out["r2_metrics"] = {k: v for k, v in m.items() if k.startswith(("moe", "route", "router"))}
 
@@ -137,23 +170,42 @@ def _body(path):
     from rlmega.algorithms import rl_loss as rl
     from rlmega.data.micro_batches import build_micro_batch
     from rlmega.megatron import pipeline_passes as pol
-    routers = [mod for c in actor.policy.model for mod in c.modules() if isinstance(mod, TopKRouter)]
+
+    routers = [
+        mod for c in actor.policy.model for mod in c.modules() if isinstance(mod, TopKRouter)
+    ]
     flat = dataclasses.replace(batch, advantages=[torch.zeros_like(a) for a in batch.advantages])
 
     def router_grad(mode, pad=False, fix=True):
         settings = {name: getattr(actor.algo, name) for name in rl.SETTINGS}
-        loss_fn = functools.partial(rl.rl_loss, on_policy=True, **{**settings, "loss_agg_mode": mode})
+        loss_fn = functools.partial(
+            rl.rl_loss, on_policy=True, **{**settings, "loss_agg_mode": mode}
+        )
         mbs, _ = actor._plan(flat)
-        if pad:  # one more row and 8 more columns of padding in every micro-batch (equal on every rank)
-            mbs = [build_micro_batch(flat, mb["indices"],
-                                     min_shape=(mb["tokens"].shape[0] + 1, mb["tokens"].shape[1] + 8))
-                   for mb in mbs]
+        # one more row and 8 more columns of padding in every micro-batch (equal on every rank)
+        if pad:
+            mbs = [
+                build_micro_batch(
+                    flat,
+                    mb["indices"],
+                    min_shape=(mb["tokens"].shape[0] + 1, mb["tokens"].shape[1] + 8),
+                )
+                for mb in mbs
+            ]
         routes = actor._route_pass(actor.policy, mbs, replay=False, record=False)
         rr.clear_aux_losses()
         factor, real = actor._aux_loss_factor(mbs, loss_fn, actor.policy.cp)
         routes.aux_factor = factor if fix else None
-        pol.train_micro_batches(actor.policy.model, mbs, actor.vocab_size, 1.0, loss_fn, with_entropy=True,
-                                entropy_grad=False, routes=routes)
+        pol.train_micro_batches(
+            actor.policy.model,
+            mbs,
+            actor.vocab_size,
+            1.0,
+            loss_fn,
+            with_entropy=True,
+            entropy_grad=False,
+            routes=routes,
+        )
         metrics = rr.aux_loss_metrics(routes, real)
         g = torch.cat([r.weight.main_grad.detach().flatten().double().clone() for r in routers])
         for c in actor.policy.model:
@@ -168,16 +220,31 @@ def _body(path):
     g_pad, m_pad = router_grad("token-mean", pad=True)
     g_tok0, _ = router_grad("token-mean", fix=False)
     g_seq0, _ = router_grad("seq-mean-token-mean", fix=False)
-    out["aux"] = {"grad_norm": float(g_tok.norm()), "tok_vs_seq": rel(g_seq, g_tok), "pad_vs_nopad": rel(g_pad, g_tok),
-                  "unfixed_tok_vs_seq": rel(g_seq0, g_tok0), "metrics": m_tok, "metrics_pad": m_pad}
+    out["aux"] = {
+        "grad_norm": float(g_tok.norm()),
+        "tok_vs_seq": rel(g_seq, g_tok),
+        "pad_vs_nopad": rel(g_pad, g_tok),
+        "unfixed_tok_vs_seq": rel(g_seq0, g_tok0),
+        "metrics": m_tok,
+        "metrics_pad": m_pad,
+    }
     actor.teardown()
     return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("m") / "moe", arch="qwen3_moe", hidden_size=64, num_layers=LAYERS,
-                           num_heads=2, num_kv_heads=1, num_experts=E, top_k=K, seed=7)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("m") / "moe",
+        arch="qwen3_moe",
+        hidden_size=64,
+        num_layers=LAYERS,
+        num_heads=2,
+        num_kv_heads=1,
+        num_experts=E,
+        top_k=K,
+        seed=7,
+    )
     return run_on_ranks(_body, 4, args=(str(path),), timeout_s=420)
 
 
@@ -211,7 +278,9 @@ def test_routing_replay(results):
     met = r["r2_metrics"]
     assert met["routes_live_fraction"] == 0.0
     assert met["moe_load_balancing_loss"] > 0 and met["moe_z_loss"] > 0
-    assert all(1.0 <= met[f"moe_load_max_over_mean/layer_{i}"] <= E / K + 1e-9 for i in range(LAYERS))
+    assert all(
+        1.0 <= met[f"moe_load_max_over_mean/layer_{i}"] <= E / K + 1e-9 for i in range(LAYERS)
+    )
     # (e) the router losses' gradient, per rank (its own routers)
     for x in results:
         a = x["aux"]

@@ -5,6 +5,7 @@ one-node group's stores must listen on 127.0.0.1 alone: under rlmega's torchrun 
 stores) and for a group rlmega starts itself (rank 0's store, rlmega.process.distributed.init_distributed). Sockets are
 read with psutil, i.e. from /proc/net/tcp{,6}.
 """
+
 import json
 import os
 import subprocess
@@ -33,18 +34,35 @@ dist.barrier()
 
 
 def _listening(pid: int) -> list[list]:
-    return [[c.laddr.ip, c.laddr.port] for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN]
+    return [
+        [c.laddr.ip, c.laddr.port]
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
 
 
 def test_rlmega_torchrun_on_one_node_listens_on_loopback_only(tmp_path):
     (tmp_path / "probe.py").write_text(AGENT_PROBE)
-    out = subprocess.run([sys.executable, "-m", "rlmega.launch.torchrun", "--standalone", "--nproc-per-node", "2",
-                          str(tmp_path / "probe.py")], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlmega.launch.torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "probe.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["master"][0] == "127.0.0.1"
-    assert [a for a, _ in seen["listening"]] == ["127.0.0.1", "127.0.0.1"], seen  # rendezvous + shared store
+    # rendezvous + shared store
+    assert [a for a, _ in seen["listening"]] == ["127.0.0.1", "127.0.0.1"], seen
     assert seen["master"][1] in [p for _, p in seen["listening"]]
 
 
@@ -81,8 +99,10 @@ def test_a_group_rlmega_starts_listens_on_master_addr_only():
 def test_a_group_that_spans_nodes_refuses_a_store_on_loopback():
     BoundTCPStore.refuse_loopback = True
     try:
-        with pytest.raises(RuntimeError,
-                           match="resolves to loopback on this node.*Fix: pass this node's network address"):
+        with pytest.raises(
+            RuntimeError,
+            match="resolves to loopback on this node.*Fix: pass this node's network address",
+        ):
             BoundTCPStore("localhost", 0, is_master=True)
     finally:
         BoundTCPStore.refuse_loopback = False
@@ -91,11 +111,16 @@ def test_a_group_that_spans_nodes_refuses_a_store_on_loopback():
 def test_a_store_for_several_nodes_listens_on_the_nodes_address_only():
     import socket
 
-    ips = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    ips = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
     if not ips:
         pytest.skip("this machine has no IPv4 address besides loopback")
-    BoundTCPStore.refuse_loopback = True  # as rlmega.launch.torchrun sets it for a run that spans nodes
+    # as rlmega.launch.torchrun sets it for a run that spans nodes
+    BoundTCPStore.refuse_loopback = True
     try:
         store = BoundTCPStore(ips[0], 0, is_master=True, wait_for_workers=False)
         assert [ip for ip, p in _listening(os.getpid()) if p == store.port] == [ips[0]]
@@ -114,9 +139,11 @@ def test_a_reserved_port_is_nobody_elses_until_the_store_serves_it():
     port = reserve_port()
     other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with pytest.raises(OSError) as e:
-        other.bind(("127.0.0.1", port))  # what another process's bind(0) or store would do meanwhile
+        # what another process's bind(0) or store would do meanwhile
+        other.bind(("127.0.0.1", port))
     assert e.value.errno == errno.EADDRINUSE
     other.close()
-    store = BoundTCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # ours: it binds
+    # ours: it binds
+    store = BoundTCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
     store.set("k", "v")
     assert store.get("k") == b"v" and ["127.0.0.1", port] in _listening(os.getpid())

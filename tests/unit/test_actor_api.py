@@ -1,4 +1,5 @@
 """The actor interface: the driver side imports no backend, and every backend implements all of it."""
+
 import inspect
 import pickle
 import subprocess
@@ -11,9 +12,13 @@ from rlmega.learner.actor_api import BACKENDS, Actor, BackendFactory, actor_clas
 
 def test_the_driver_imports_no_backend():
     # The Ray driver process runs train.py and Roles; only the ranks may load megatron-core or FSDP.
-    code = ("import sys, rlmega.cli, rlmega.train, rlmega.launch.roles, rlmega.step, rlmega.agents.produce\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('rlmega.megatron', 'rlmega.fsdp', 'megatron'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys, rlmega.cli, rlmega.train, rlmega.launch.roles, rlmega.step, rlmega.agents.produce\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('rlmega.megatron', 'rlmega.fsdp', 'megatron'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]", out
 
 
@@ -21,7 +26,9 @@ def test_the_driver_imports_no_backend():
 def test_each_backend_implements_the_whole_interface(backend):
     cls = actor_class(backend)
     assert issubclass(cls, Actor)
-    assert not inspect.isabstract(cls), f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} unimplemented"
+    assert not inspect.isabstract(cls), (
+        f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} unimplemented"
+    )
     # the constructor every launcher calls (actor_api.Actor's docstring)
     params = list(inspect.signature(cls).parameters)
     assert params[:5] == ["model", "parallel", "optimizer", "actor", "algorithm"], params
@@ -31,8 +38,10 @@ def test_each_backend_implements_the_whole_interface(backend):
 
 def test_learner_pickles_and_refuses_an_unknown_backend():
     assert pickle.loads(pickle.dumps(BackendFactory("fsdp"))) == BackendFactory("fsdp")
-    with pytest.raises(ValueError,
-                       match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor.backend='deepspeed' is not a backend; choose one of \['fsdp', 'megatron'\]",
+    ):
         BackendFactory("deepspeed")
 
 
@@ -52,25 +61,44 @@ def test_each_backend_library_is_imported_only_in_its_package():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "rlmega"
-    owners = {"megatron": "megatron", "torch.distributed.fsdp": "fsdp",
-              "torch.distributed.checkpoint.state_dict": "fsdp", "torch.distributed._composable": "fsdp"}
+    owners = {
+        "megatron": "megatron",
+        "torch.distributed.fsdp": "fsdp",
+        "torch.distributed.checkpoint.state_dict": "fsdp",
+        "torch.distributed._composable": "fsdp",
+    }
     wrong = []
     for path in sorted(root.rglob("*.py")):
         package = path.relative_to(root).parts[0]
         for name in _imports(path):
             for prefix, owner in owners.items():
                 if (name == prefix or name.startswith(prefix + ".")) and package != owner:
-                    wrong.append(f"{path.relative_to(root.parent)} imports {name} (only rlmega/{owner}/ may)")
+                    wrong.append(
+                        f"{path.relative_to(root.parent)} imports {name} (only rlmega/{owner}/ may)"
+                    )
     assert not wrong, "\n".join(wrong)
 
 
 def test_megatron_actor_built_in_code_refuses_activation_checkpointing():
     # config validation refuses it for backend megatron; an actor built without a config file must too
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
 
-    with pytest.raises(ValueError, match="actor.activation_checkpointing=true: the megatron backend"):
-        actor_class("megatron")(ModelConfig(), ParallelismConfig(), OptimizerConfig(),
-                                ActorConfig(activation_checkpointing=True), AlgorithmConfig())
+    with pytest.raises(
+        ValueError, match="actor.activation_checkpointing=true: the megatron backend"
+    ):
+        actor_class("megatron")(
+            ModelConfig(),
+            ParallelismConfig(),
+            OptimizerConfig(),
+            ActorConfig(activation_checkpointing=True),
+            AlgorithmConfig(),
+        )
 
 
 def test_workers_are_called_through_their_interface():
@@ -85,12 +113,20 @@ def test_workers_are_called_through_their_interface():
 
     assert method_name(Actor.train_step, Actor) == "train_step"
     assert method_name(Critic.compute_values, Critic) == "compute_values"
-    for method, interface in ((Critic.train_step, Actor), (Actor.compute_logprobs, Critic), ("train_step", Actor)):
+    for method, interface in (
+        (Critic.train_step, Actor),
+        (Actor.compute_logprobs, Critic),
+        ("train_step", Actor),
+    ):
         with pytest.raises(TypeError, match="is not a method of"):
             method_name(method, interface)
     root = Path(__file__).resolve().parents[2] / "rlmega"
-    by_string = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") for n, line in
-                 enumerate(p.read_text().splitlines(), 1)
-                 if re.search(r"\b(call_policy|call_critic|submit_critic)\(\s*[\"']", line)
-                 or p.name == "roles.py" and re.search(r"_ranks\.(call|submit)\w*\(\s*[\"']", line)]
+    by_string = [
+        f"{p.relative_to(root)}:{n}"
+        for p in root.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\b(call_policy|call_critic|submit_critic)\(\s*[\"']", line)
+        or p.name == "roles.py"
+        and re.search(r"_ranks\.(call|submit)\w*\(\s*[\"']", line)
+    ]
     assert by_string == []

@@ -1,5 +1,6 @@
 """rlmega.algorithms: every function against values worked out by hand (arithmetic in the comments),
 plus the properties the trainer relies on (clipping cuts gradients, aggregation is split-invariant)."""
+
 import math
 
 import pytest
@@ -64,7 +65,10 @@ def test_reinforce_plus_plus_hand_values():
     # rewards [1,0,1,1], groups [0,0,1,1]: minus group mean -> [.5,-.5,0,0]; batch mean 0;
     # population std sqrt((.25+.25+0+0)/4) = .3535534 -> [1.4142136, -1.4142136, 0, 0].
     s = math.sqrt(0.125) + 1e-6
-    close(advantages.reinforce_plus_plus(t(1, 0, 1, 1), ids(0, 0, 1, 1)), [0.5 / s, -0.5 / s, 0.0, 0.0])
+    close(
+        advantages.reinforce_plus_plus(t(1, 0, 1, 1), ids(0, 0, 1, 1)),
+        [0.5 / s, -0.5 / s, 0.0, 0.0],
+    )
 
 
 def test_reinforce_plus_plus_is_whitened_over_the_batch():
@@ -90,7 +94,9 @@ def _mixed_groups(seed, dtype=torch.float32):
     for gid in range(120):
         size = int(torch.randint(2, 65, (1,), generator=g))
         if gid % 3:  # two thirds unanimous
-            r = torch.full((size,), values[int(torch.randint(len(values), (1,), generator=g))], dtype=F64)
+            r = torch.full(
+                (size,), values[int(torch.randint(len(values), (1,), generator=g))], dtype=F64
+            )
         else:
             r = torch.rand(size, generator=g, dtype=F64) * 3
         rewards.append(r)
@@ -109,7 +115,9 @@ def test_unanimous_groups_get_exactly_zero_and_others_match_float64(name, dtype)
         rewards, groups, unanimous = _mixed_groups(seed, dtype)
         adv = advantages.compute(name, rewards, groups)
         assert adv.dtype == dtype
-        assert torch.equal(adv[unanimous], torch.zeros_like(adv[unanimous])), adv[unanimous].abs().max()
+        assert torch.equal(adv[unanimous], torch.zeros_like(adv[unanimous])), (
+            adv[unanimous].abs().max()
+        )
         # the same rewards (as given, converted exactly) through float64 arithmetic, rounded once at the end
         want = advantages.compute(name, rewards.double(), groups).to(dtype)
         assert torch.equal(adv, want)
@@ -121,7 +129,9 @@ def test_reinforce_plus_plus_float64_reference_by_hand():
     # population std over N=6: sqrt(2 * .09 / 6) = sqrt(.03) -> +-.3 / (sqrt(.03) + 1e-6) = +-1.7320408
     rewards = t(0.1, 0.7, 0.1, 0.1, 1 / 3, 1 / 3, dtype=torch.float32)
     adv = advantages.reinforce_plus_plus(rewards, ids(0, 0, 1, 1, 2, 2))
-    d = float(torch.tensor(0.7, dtype=torch.float32)) - float(torch.tensor(0.1, dtype=torch.float32))
+    d = float(torch.tensor(0.7, dtype=torch.float32)) - float(
+        torch.tensor(0.1, dtype=torch.float32)
+    )
     s = math.sqrt(2 * (d / 2) ** 2 / 6) + 1e-6
     assert torch.equal(adv[2:], torch.zeros(4))
     close(adv[:2], [-d / 2 / s, d / 2 / s], atol=1e-7)
@@ -129,9 +139,15 @@ def test_reinforce_plus_plus_float64_reference_by_hand():
 
 def test_compute_dispatches_and_rejects_unknown():
     close(advantages.compute("grpo", REWARDS, GROUPS), advantages.grpo(REWARDS, GROUPS))
-    close(advantages.compute("grpo_no_std", REWARDS, GROUPS), advantages.grpo(REWARDS, GROUPS, norm_by_std=False))
+    close(
+        advantages.compute("grpo_no_std", REWARDS, GROUPS),
+        advantages.grpo(REWARDS, GROUPS, norm_by_std=False),
+    )
     close(advantages.compute("rloo", REWARDS, GROUPS), advantages.rloo(REWARDS, GROUPS))
-    close(advantages.compute("reinforce_plus_plus", REWARDS, GROUPS), advantages.reinforce_plus_plus(REWARDS, GROUPS))
+    close(
+        advantages.compute("reinforce_plus_plus", REWARDS, GROUPS),
+        advantages.reinforce_plus_plus(REWARDS, GROUPS),
+    )
     with pytest.raises(ValueError, match="grpo_no_std.*rloo.*reinforce_plus_plus"):
         advantages.compute("ppo", REWARDS, GROUPS)
 
@@ -166,7 +182,9 @@ def test_k3_nonnegative_and_finite_on_random_and_extreme_inputs():
     k3 = kl.kl_penalty(logp, ref, "k3")
     assert torch.isfinite(k3).all() and (k3 >= 0).all()
     # clamp: ref - logp = -100 -> -20: e^-20 + 20 - 1; +100 -> +20: e^20 - 21.
-    close(kl.kl_penalty(t(0.0, -100.0), t(-100.0, 0.0), "k3"), [math.exp(-20) + 19, math.exp(20) - 21])
+    close(
+        kl.kl_penalty(t(0.0, -100.0), t(-100.0, 0.0), "k3"), [math.exp(-20) + 19, math.exp(20) - 21]
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -176,7 +194,10 @@ def test_kl_estimator_expected_gradients_exactly(seed):
     # distribution is not differentiated (the tokens are given), only logp inside k is. Its exact
     # gradient (no sampling) must be 0 for k1, grad KL(pi||ref) for k2, grad KL(ref||pi) for k3.
     g = torch.Generator().manual_seed(seed)
-    theta0, ref_logits = torch.randn(7, generator=g, dtype=F64), 2 * torch.randn(7, generator=g, dtype=F64)
+    theta0, ref_logits = (
+        torch.randn(7, generator=g, dtype=F64),
+        2 * torch.randn(7, generator=g, dtype=F64),
+    )
     ref_logp = torch.log_softmax(ref_logits, -1)
 
     def grad_of(fn):
@@ -190,7 +211,8 @@ def test_kl_estimator_expected_gradients_exactly(seed):
 
     reverse = grad_of(lambda logp: (logp.exp() * (logp - ref_logp)).sum())  # grad KL(pi||ref)
     forward = grad_of(lambda logp: (ref_logp.exp() * (ref_logp - logp)).sum())  # grad KL(ref||pi)
-    assert reverse.abs().max() > 0.05 and (reverse - forward).abs().max() > 0.05  # the claims can fail
+    # the claims can fail
+    assert reverse.abs().max() > 0.05 and (reverse - forward).abs().max() > 0.05
     close(grad_of(expected("k1")), torch.zeros(7), atol=1e-15)
     close(grad_of(expected("k2")), reverse, atol=1e-14)
     close(grad_of(expected("k3")), forward, atol=1e-14)
@@ -211,10 +233,11 @@ def test_kl_in_reward_counts_only_the_tokens_the_loss_trains_on():
     from rlmega.step import shape_overlong
 
     tool = Trajectory(prompt_ids=[1, 2], finish_reason="stop")
-    tool.append([3, 4], [-1.0, -2.0], 0, model=True)   # a tool call: sampled
-    tool.append([5, 6, 7], None, 0, model=False)        # the tool's result: not sampled
-    tool.append([8], [-0.5], 0, model=True)             # the answer: sampled
-    cut = Trajectory(prompt_ids=[1], finish_reason="length")  # hit the budget: overlong=mask drops it
+    tool.append([3, 4], [-1.0, -2.0], 0, model=True)  # a tool call: sampled
+    tool.append([5, 6, 7], None, 0, model=False)  # the tool's result: not sampled
+    tool.append([8], [-0.5], 0, model=True)  # the answer: sampled
+    # hit the budget: overlong=mask drops it
+    cut = Trajectory(prompt_ids=[1], finish_reason="length")
     cut.append([3, 4], [-1.0, -1.0], 0, model=True)
     groups = [TrajectoryGroup("t", 0, "x", [tool, cut])]
     cfg = dataclasses.replace(RLConfig(), algorithm=AlgorithmConfig(overlong="mask"))
@@ -266,7 +289,9 @@ def test_ppo_clip_gradient_zero_iff_clipped_on_random_tokens():
     old = -torch.rand(256, generator=g, dtype=F64) * 5
     logp = (old + torch.randn(256, generator=g, dtype=F64) * 0.3).requires_grad_()
     adv = torch.randn(256, generator=g, dtype=F64)  # nonzero almost surely
-    loss, stats = losses.ppo_clip(logp, old, adv, torch.ones(256, dtype=F64), clip_low=0.2, clip_high=0.28)
+    loss, stats = losses.ppo_clip(
+        logp, old, adv, torch.ones(256, dtype=F64), clip_low=0.2, clip_high=0.28
+    )
     loss.sum().backward()
     clipped = stats["clipped"].bool()
     assert 0 < clipped.sum() < 256  # both branches exercised
@@ -286,8 +311,9 @@ def test_ppo_clip_at_ratio_one_is_minus_advantage():
 def test_ppo_clip_higher_is_asymmetric():
     # clip_low .2, clip_high .28: r=1.25 A=+1 stays unclipped (-1.25; symmetric clip would give -1.2);
     # r=.75 A=-1: min(-.75, -.8) = -.8 -> loss .8, clipped at the low side.
-    loss, stats = losses.ppo_clip(t(1.25, 0.75).log(), t(0.0, 0.0), t(1.0, -1.0), t(1.0, 1.0),
-                                  clip_low=0.2, clip_high=0.28)
+    loss, stats = losses.ppo_clip(
+        t(1.25, 0.75).log(), t(0.0, 0.0), t(1.0, -1.0), t(1.0, 1.0), clip_low=0.2, clip_high=0.28
+    )
     close(loss, [-1.25, 0.8])
     close(stats["clipped"], [0.0, 1.0])
 
@@ -298,7 +324,9 @@ def test_dual_clip_caps_loss_for_large_ratio_and_negative_advantage():
     # t3 log-ratio 50 (clamped to 20) A=-.5: cap -3*-.5 = 1.5.
     logp = torch.cat([t(10.0, 2.0, 10.0).log(), t(50.0)]).requires_grad_()
     adv = t(-1.0, -1.0, 1.0, -0.5)
-    loss, stats = losses.ppo_clip(logp, torch.zeros(4, dtype=F64), adv, torch.ones(4, dtype=F64), dual_clip_c=3.0)
+    loss, stats = losses.ppo_clip(
+        logp, torch.zeros(4, dtype=F64), adv, torch.ones(4, dtype=F64), dual_clip_c=3.0
+    )
     close(loss, [3.0, 2.0, -1.2, 1.5])
     close(stats["clipped"], [1.0, 0.0, 1.0, 1.0])
     loss.sum().backward()
@@ -367,15 +395,23 @@ def test_masked_mean_hand_values():
 AGG = (t(1, 2, 3, 4, 5, 6), t(1, 1, 0, 1, 1, 1), ids(0, 0, 0, 1, 2, 2), 4)
 
 
-@pytest.mark.parametrize("mode,numerator,denominator", [
-    ("token-mean", 1 + 2 + 4 + 5 + 6, 5.0),             # 18 / 5 masked tokens
-    ("seq-mean-token-sum", (1 + 2) + 4 + (5 + 6), 3.0),  # 3 + 4 + 11 = 18 over 3 present sequences
-    ("seq-mean-token-mean", 3 / 2 + 4 / 1 + 11 / 2, 3.0),  # 1.5 + 4 + 5.5 = 11 over 3
-])
+@pytest.mark.parametrize(
+    "mode,numerator,denominator",
+    [
+        ("token-mean", 1 + 2 + 4 + 5 + 6, 5.0),  # 18 / 5 masked tokens
+        (
+            "seq-mean-token-sum",
+            (1 + 2) + 4 + (5 + 6),
+            3.0,
+        ),  # 3 + 4 + 11 = 18 over 3 present sequences
+        ("seq-mean-token-mean", 3 / 2 + 4 / 1 + 11 / 2, 3.0),  # 1.5 + 4 + 5.5 = 11 over 3
+    ],
+)
 def test_aggregate_hand_values(mode, numerator, denominator):
     num, den = losses.aggregate(*AGG, mode)
     close(num, numerator)
-    assert torch.is_tensor(den) and den.dim() == 0 and float(den) == denominator  # a tensor: no host sync
+    # a tensor: no host sync
+    assert torch.is_tensor(den) and den.dim() == 0 and float(den) == denominator
 
 
 def test_aggregate_rejects_unknown_mode():
@@ -400,14 +436,18 @@ def test_aggregate_split_into_micro_batches_matches_one_batch(mode):
     num, den = losses.aggregate(l_all, m_all, s_all, len(lengths), mode)
     # Reference straight from the definitions over the global batch.
     seqs = [l_all[(s_all == i) & (m_all > 0)] for i in range(len(lengths))]
-    expected = {"token-mean": torch.cat(seqs).mean(),
-                "seq-mean-token-sum": torch.stack([x.sum() for x in seqs]).mean(),
-                "seq-mean-token-mean": torch.stack([x.mean() for x in seqs]).mean()}[mode]
+    expected = {
+        "token-mean": torch.cat(seqs).mean(),
+        "seq-mean-token-sum": torch.stack([x.sum() for x in seqs]).mean(),
+        "seq-mean-token-mean": torch.stack([x.mean() for x in seqs]).mean(),
+    }[mode]
     close(num / den, expected, atol=1e-12)
     # Two micro-batches of unequal size (sequences 0-1 and 2-5), seq ids renumbered per micro-batch.
     cut = 2 * 2 + 1 + 7
-    parts = [losses.aggregate(l_all[:cut], m_all[:cut], s_all[:cut], 2, mode),
-             losses.aggregate(l_all[cut:], m_all[cut:], s_all[cut:] - 2, 4, mode)]
+    parts = [
+        losses.aggregate(l_all[:cut], m_all[:cut], s_all[:cut], 2, mode),
+        losses.aggregate(l_all[cut:], m_all[cut:], s_all[cut:] - 2, 4, mode),
+    ]
     total = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     close(total, expected, atol=1e-12)
     # The naive mean of per-micro-batch means differs: the pair is what makes the split irrelevant.
@@ -458,12 +498,16 @@ def test_mis_seq_uses_the_geometric_mean_over_masked_tokens():
     seq_ids = ids(0, 0, 1, 1, 2, 99)
     mask = t(1, 1, 1, 1, 1, 0)
     zero = torch.zeros(6, dtype=F64)
-    close(rollout_correction.sequence_log_ratio(old, zero, mask, seq_ids, 3), [0.0, LN(math.sqrt(8)), LN(0.6)],
-          atol=1e-12)
+    close(
+        rollout_correction.sequence_log_ratio(old, zero, mask, seq_ids, 3),
+        [0.0, LN(math.sqrt(8)), LN(0.6)],
+        atol=1e-12,
+    )
     keep, st = rollout_correction.mis_seq(old, zero, mask, seq_ids, 3, low=0.5, high=2.0)
     close(keep, [1, 1, 0, 0, 1, 0])
     close(st["masked"], [0, 0, 1, 1, 0, 0])
-    close(st["ratio"], [3.0, 1 / 3, 2.0, 4.0, 0.6, 0.0], atol=1e-12)  # token ratios, for the mean-ratio metric
+    # token ratios, for the mean-ratio metric
+    close(st["ratio"], [3.0, 1 / 3, 2.0, 4.0, 0.6, 0.0], atol=1e-12)
     keep, _ = rollout_correction.mis_seq(old, zero, mask, seq_ids, 3, low=0.5, high=3.0)
     close(keep, [1, 1, 1, 1, 1, 0])
 

@@ -2,6 +2,7 @@
 bytes round trip exactly (any dtype, shape, order, empty or non-contiguous tensors) as aligned views of
 the file, every rank reads each bucket, files go once read, the stream ends at END and gives up on a
 silent sender. No engine: the engine's side is tests/e2e/test_rollout_worker.py."""
+
 import os
 import threading
 import time
@@ -24,10 +25,14 @@ def sync_dir():
 def _bucket():
     g = torch.Generator().manual_seed(0)
     flat = torch.randn(1000, generator=g)
-    return [("a.weight", torch.randn(3, 5, generator=g)), ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16)),
-            ("c.weight", flat[:600].view(20, 30).t()),  # not contiguous
-            ("d.empty", flat[0:0].view(0, 4)), ("e.int", torch.arange(5, dtype=torch.int64)),
-            ("f.half", torch.randn(3, generator=g).half())]
+    return [
+        ("a.weight", torch.randn(3, 5, generator=g)),
+        ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c.weight", flat[:600].view(20, 30).t()),  # not contiguous
+        ("d.empty", flat[0:0].view(0, 4)),
+        ("e.int", torch.arange(5, dtype=torch.int64)),
+        ("f.half", torch.randn(3, generator=g).half()),
+    ]
 
 
 def test_a_bucket_reads_back_bit_for_bit_as_aligned_views_in_every_rank(sync_dir):
@@ -54,7 +59,10 @@ def test_the_stream_reads_buckets_as_they_come_until_the_end(sync_dir):
     got, waited = [], [0.0]
 
     def read():
-        got.extend((n, t.clone()) for n, t in bucket_files.read_stream(sync_dir, 1, idle_timeout_s=30, waited=waited))
+        got.extend(
+            (n, t.clone())
+            for n, t in bucket_files.read_stream(sync_dir, 1, idle_timeout_s=30, waited=waited)
+        )
 
     reader = threading.Thread(target=read)
     reader.start()

@@ -5,6 +5,7 @@ nothing, in the driver's scan (rlmega/rundir/checkpoint_scan.py) or in a learner
 Each payload below makes a folder when unpickled (os.mkdir of ``marker``); each test first shows that plain
 pickle / plain DCP does run it, so the test fails if the guard is taken away.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ class MakesADir:
 
 def _fsdp_folder(path, state=None):
     """A complete FSDP-format step folder, as rlmega/fsdp/checkpoint.py writes one: DCP files and common.pt."""
-    dcp.save(state or {"model": {"w": torch.arange(6.0)}, "rng_rank0": b"x"}, checkpoint_id=str(path))
+    dcp.save(
+        state or {"model": {"w": torch.arange(6.0)}, "rng_rank0": b"x"}, checkpoint_id=str(path)
+    )
     torch.save({"meta": {"backend": "fsdp", "step": 1, "extra": {}}}, path / "common.pt")
     return path
 
@@ -47,7 +50,8 @@ def test_an_index_that_names_a_function_is_refused_and_never_run(tmp_path):
     folder = _fsdp_folder(tmp_path / "step_00000001")
     marker = tmp_path / "ran"
     payload = pickle.dumps(MakesADir(marker))
-    pickle.loads(payload)  # the payload is live: plain pickle (torch's FileSystemReader.read_metadata) runs it
+    # the payload is live: plain pickle (torch's FileSystemReader.read_metadata) runs it
+    pickle.loads(payload)
     assert marker.is_dir()
     marker.rmdir()
     (folder / ".metadata").write_bytes(payload)
@@ -66,7 +70,8 @@ def test_a_common_pt_that_names_a_function_is_refused_and_never_run(tmp_path):
     assert why is not None and why.startswith("common.pt refused: it names") and "mkdir" in why, why
     assert "weights_only=False" not in why  # torch's advice to load it anyway is not passed on
     assert not marker.exists()
-    torch.load(folder / "common.pt", weights_only=False)  # the file is live: a full unpickle runs it
+    # the file is live: a full unpickle runs it
+    torch.load(folder / "common.pt", weights_only=False)
     assert marker.is_dir()
 
 
@@ -75,14 +80,19 @@ def test_a_saved_object_that_names_a_function_is_not_run_by_a_learners_load(tmp_
     folder = tmp_path / "ckpt"
     dcp.save({"w": torch.zeros(2), "rng_rank0": MakesADir(marker)}, checkpoint_id=str(folder))
     torch.save({"meta": {"backend": "fsdp", "step": 1, "extra": {}}}, folder / "common.pt")
-    why = problem(folder)  # the driver's scan reads saved objects as the learners do, and names the refusal
-    assert why is not None and why.startswith("saved object 'rng_rank0' (__0_0.distcp) refused: it names"), why
+    # the driver's scan reads saved objects as the learners do, and names the refusal
+    why = problem(folder)
+    assert why is not None and why.startswith(
+        "saved object 'rng_rank0' (__0_0.distcp) refused: it names"
+    ), why
     assert "mkdir" in why and not marker.exists()
-    with data_only_loads(), pytest.raises(CheckpointException) as refused:  # a learner's load, were it reached
+    # a learner's load, were it reached
+    with data_only_loads(), pytest.raises(CheckpointException) as refused:
         dcp.load({"w": torch.empty(2), "rng_rank0": b""}, checkpoint_id=str(folder))
     assert "posix.mkdir" in str(getattr(refused.value, "failures", refused.value))
     assert not marker.exists()
-    dcp.load({"w": torch.empty(2), "rng_rank0": b""}, checkpoint_id=str(folder))  # DCP's own load runs it
+    # DCP's own load runs it
+    dcp.load({"w": torch.empty(2), "rng_rank0": b""}, checkpoint_id=str(folder))
     assert marker.is_dir()
 
 
@@ -90,18 +100,32 @@ def test_data_only_loads_still_load_what_rlmega_saves_and_put_dcp_back(tmp_path)
     """Tensors, numbers, strings, containers and NumPy's generator state (the Megatron RNG) load as saved."""
     import numpy as np
 
-    rng = {"python": __import__("random").getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    dcp.save({"w": torch.arange(4.0), "rng": rng, "groups": [{"lr": 1e-4, "name": "a"}]}, checkpoint_id=str(tmp_path))
-    state = {"w": torch.empty(4), "rng": {"python": None, "numpy": None, "torch": torch.empty_like(rng["torch"])},
-             "groups": [{"lr": 0.0, "name": ""}]}
+    rng = {
+        "python": __import__("random").getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    dcp.save(
+        {"w": torch.arange(4.0), "rng": rng, "groups": [{"lr": 1e-4, "name": "a"}]},
+        checkpoint_id=str(tmp_path),
+    )
+    state = {
+        "w": torch.empty(4),
+        "rng": {"python": None, "numpy": None, "torch": torch.empty_like(rng["torch"])},
+        "groups": [{"lr": 0.0, "name": ""}],
+    }
     from torch.distributed.checkpoint import FileSystemReader
 
     before = FileSystemReader.read_metadata
     with data_only_loads():
         dcp.load(state, checkpoint_id=str(tmp_path))
     assert FileSystemReader.read_metadata is before
-    assert torch.equal(state["w"], torch.arange(4.0)) and state["groups"] == [{"lr": 1e-4, "name": "a"}]
-    assert state["rng"]["python"] == rng["python"] and torch.equal(state["rng"]["torch"], rng["torch"])
+    assert torch.equal(state["w"], torch.arange(4.0)) and state["groups"] == [
+        {"lr": 1e-4, "name": "a"}
+    ]
+    assert state["rng"]["python"] == rng["python"] and torch.equal(
+        state["rng"]["torch"], rng["torch"]
+    )
     assert all(np.array_equal(a, b) for a, b in zip(state["rng"]["numpy"], rng["numpy"]))
 
 

@@ -1,4 +1,5 @@
 """Config schema, loading and validation (no processes, no weights: only small config.json files)."""
+
 import json
 import os
 
@@ -23,8 +24,13 @@ def write_model(tmp_path, heads=4, kv_heads=2, hidden=256, layers=4, head_dim=No
     """A Hugging Face-style config.json only; validation never reads weights."""
     folder = tmp_path / name
     folder.mkdir()
-    hf = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": hidden,
-          "num_hidden_layers": layers, "max_position_embeddings": 2048}
+    hf = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "max_position_embeddings": 2048,
+    }
     if head_dim is not None:
         hf["head_dim"] = head_dim
     (folder / "config.json").write_text(json.dumps(hf))
@@ -59,7 +65,9 @@ def test_defaults_load_and_validate():
 
 
 def test_yaml_then_overrides_take_precedence(tmp_path):
-    path = write_yaml(tmp_path, "trainer:\n  total_steps: 5\n  save_every: 7\noptimizer:\n  lr: 3e-4\n")
+    path = write_yaml(
+        tmp_path, "trainer:\n  total_steps: 5\n  save_every: 7\noptimizer:\n  lr: 3e-4\n"
+    )
     cfg = load_config(path, ["trainer.total_steps=10", "reward.kwargs.tolerance=0.5"])
     assert cfg.trainer.total_steps == 10  # override beats YAML
     assert cfg.trainer.save_every == 7  # YAML beats default
@@ -70,8 +78,15 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
 
 def test_dump_load_round_trip(tmp_path):
     model = write_model(tmp_path)
-    cfg = load_config(TINY_YAML, [f"model.path={model}", "trainer.resume=none", "reward.kwargs.k=[1,2]",
-                                  "parallelism.virtual_pipeline_model_parallel_size=2"])
+    cfg = load_config(
+        TINY_YAML,
+        [
+            f"model.path={model}",
+            "trainer.resume=none",
+            "reward.kwargs.k=[1,2]",
+            "parallelism.virtual_pipeline_model_parallel_size=2",
+        ],
+    )
     again = load_config(write_yaml(tmp_path, dump_config(cfg), "dumped.yaml"))
     assert again == cfg
 
@@ -83,7 +98,11 @@ def test_tiny_cpu_yaml_loads(tmp_path):
     model = write_model(tmp_path, heads=4, kv_heads=2, hidden=256, layers=4)
     cfg = load_config(TINY_YAML, [f"model.path={model}"])
     par = cfg.parallelism
-    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.world_size) == (2, 2, 4)
+    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.world_size) == (
+        2,
+        2,
+        4,
+    )
     assert par.data_parallel_size == 1
     assert cfg.rollout.device == "cpu"
 
@@ -124,37 +143,73 @@ def test_bad_choice():
 
 def test_collective_weight_transport_needs_an_engine_actor_with_a_gpu_on_cuda():
     rejects("rollout.weight_transport=nccl", field="rollout.weight_transport")
-    msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", "rollout.tensor_parallel_size=2",
-                  "cluster.colocate=false", field="rollout.weight_transport")
+    msg = rejects(
+        "rollout.weight_transport=collective",
+        "rollout.device=cuda",
+        "rollout.tensor_parallel_size=2",
+        "cluster.colocate=false",
+        field="rollout.weight_transport",
+    )
     assert "holds none" in msg and "rollout.weight_transport=ray" in msg
-    msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", field="rollout.weight_transport")
+    msg = rejects(
+        "rollout.weight_transport=collective",
+        "rollout.device=cuda",
+        field="rollout.weight_transport",
+    )
     assert "colocate" in msg and "one GPU" in msg
-    msg = rejects("rollout.weight_transport=collective", "rollout.device=cuda", "cluster.colocate=false",
-                  "rollout.num_engines=2", "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=2",
-                  field="rollout.weight_transport")
+    msg = rejects(
+        "rollout.weight_transport=collective",
+        "rollout.device=cuda",
+        "cluster.colocate=false",
+        "rollout.num_engines=2",
+        "parallelism.pipeline_model_parallel_size=2",
+        "parallelism.world_size=2",
+        field="rollout.weight_transport",
+    )
     assert "deadlock" in msg and "2 sending trainer ranks" in msg
     cfg = RLConfig()
-    cfg.rollout.weight_transport, cfg.rollout.device, cfg.cluster.colocate = "collective", "cuda", False
-    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]  # TP 1: its actor has the GPU
+    cfg.rollout.weight_transport, cfg.rollout.device, cfg.cluster.colocate = (
+        "collective",
+        "cuda",
+        False,
+    )
+    # TP 1: its actor has the GPU
+    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]
     cfg.rollout.device = "cpu"
     cfg.cluster.colocate = True
-    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]  # gloo: anywhere
+    # gloo: anywhere
+    assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]
 
 
 def test_cuda_ipc_weight_transport_needs_the_engine_on_the_senders_gpu():
     msg = rejects("rollout.weight_transport=cuda_ipc", field="rollout.weight_transport")
     assert "rollout.device=cpu" in msg and "rollout.weight_transport=ray" in msg
-    msg = rejects("rollout.weight_transport=cuda_ipc", "rollout.device=cuda", "cluster.colocate=false",
-                  field="rollout.weight_transport")
+    msg = rejects(
+        "rollout.weight_transport=cuda_ipc",
+        "rollout.device=cuda",
+        "cluster.colocate=false",
+        field="rollout.weight_transport",
+    )
     assert "GPUs of its own" in msg
-    msg = rejects("rollout.weight_transport=cuda_ipc", "rollout.device=cuda", "rollout.num_engines=2",
-                  "parallelism.world_size=2", field="rollout.weight_transport")
+    msg = rejects(
+        "rollout.weight_transport=cuda_ipc",
+        "rollout.device=cuda",
+        "rollout.num_engines=2",
+        "parallelism.world_size=2",
+        field="rollout.weight_transport",
+    )
     assert "num_engines=2" in msg
-    msg = rejects("rollout.weight_transport=cuda_ipc", "rollout.device=cuda", "parallelism.world_size=2",
-                  "parallelism.pipeline_model_parallel_size=2", field="rollout.weight_transport")
+    msg = rejects(
+        "rollout.weight_transport=cuda_ipc",
+        "rollout.device=cuda",
+        "parallelism.world_size=2",
+        "parallelism.pipeline_model_parallel_size=2",
+        field="rollout.weight_transport",
+    )
     assert "pipeline_model_parallel_size=2" in msg
     cfg = RLConfig()
-    cfg.rollout.weight_transport, cfg.rollout.device = "cuda_ipc", "cuda"  # colocated, one engine: accepted
+    # colocated, one engine: accepted
+    cfg.rollout.weight_transport, cfg.rollout.device = "cuda_ipc", "cuda"
     assert not [p for p in _problems(cfg) if p.startswith("rollout.weight_transport")]
 
 
@@ -168,52 +223,93 @@ def _problems(cfg) -> list[str]:
 
 def test_tp_must_divide_heads(tmp_path):
     model = write_model(tmp_path, heads=6, kv_heads=6, hidden=384)
-    msg = rejects(f"model.path={model}", "parallelism.tensor_model_parallel_size=4", "parallelism.world_size=4",
-                  field="parallelism.tensor_model_parallel_size")
+    msg = rejects(
+        f"model.path={model}",
+        "parallelism.tensor_model_parallel_size=4",
+        "parallelism.world_size=4",
+        field="parallelism.tensor_model_parallel_size",
+    )
     assert "num_attention_heads=6" in msg and "[1, 2, 3, 6]" in msg
 
 
 def test_tp_must_divide_kv_heads(tmp_path):
     model = write_model(tmp_path, heads=4, kv_heads=1, hidden=256)
-    msg = rejects(f"model.path={model}", "parallelism.tensor_model_parallel_size=2", "parallelism.world_size=2",
-                  field="parallelism.tensor_model_parallel_size")
+    msg = rejects(
+        f"model.path={model}",
+        "parallelism.tensor_model_parallel_size=2",
+        "parallelism.world_size=2",
+        field="parallelism.tensor_model_parallel_size",
+    )
     assert "num_key_value_heads=1" in msg and "num_attention_heads" not in msg
 
 
 def test_layers_must_divide_pp_times_vpp(tmp_path):
     model = write_model(tmp_path, layers=4)
-    load_config(None, [f"model.path={model}", "parallelism.pipeline_model_parallel_size=2",
-                       "parallelism.virtual_pipeline_model_parallel_size=2", "parallelism.world_size=2"])
-    msg = rejects(f"model.path={model}", "parallelism.pipeline_model_parallel_size=2",
-                  "parallelism.virtual_pipeline_model_parallel_size=3", "parallelism.world_size=2",
-                  field="parallelism.pipeline_model_parallel_size")
+    load_config(
+        None,
+        [
+            f"model.path={model}",
+            "parallelism.pipeline_model_parallel_size=2",
+            "parallelism.virtual_pipeline_model_parallel_size=2",
+            "parallelism.world_size=2",
+        ],
+    )
+    msg = rejects(
+        f"model.path={model}",
+        "parallelism.pipeline_model_parallel_size=2",
+        "parallelism.virtual_pipeline_model_parallel_size=3",
+        "parallelism.world_size=2",
+        field="parallelism.pipeline_model_parallel_size",
+    )
     assert "num_hidden_layers=4" in msg
 
 
 def test_sequence_parallel_needs_tp_and_megatron():
     """null turns it on exactly at TP > 1; true at TP 1, or on FSDP, is refused naming the field."""
     from rlmega.config.schema import ParallelismConfig
+
     assert ParallelismConfig(tensor_model_parallel_size=2).sequence_parallel_on
     assert not ParallelismConfig().sequence_parallel_on
-    assert not ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=False).sequence_parallel_on
+    assert not ParallelismConfig(
+        tensor_model_parallel_size=2, sequence_parallel=False
+    ).sequence_parallel_on
     msg = rejects("parallelism.sequence_parallel=true", field="parallelism.sequence_parallel")
     assert "tensor_model_parallel_size=1" in msg
-    msg = rejects("parallelism.sequence_parallel=true", "actor.backend=fsdp", field="parallelism.sequence_parallel")
+    msg = rejects(
+        "parallelism.sequence_parallel=true",
+        "actor.backend=fsdp",
+        field="parallelism.sequence_parallel",
+    )
     assert "fsdp" in msg and "Ulysses" in msg
-    rejects("critic.parallelism.sequence_parallel=true", "algorithm.advantage_estimator=gae",
-            field="critic.parallelism.sequence_parallel")
-    load_config(None, ["parallelism.tensor_model_parallel_size=2", "parallelism.world_size=2",
-                       "parallelism.sequence_parallel=false"])
+    rejects(
+        "critic.parallelism.sequence_parallel=true",
+        "algorithm.advantage_estimator=gae",
+        field="critic.parallelism.sequence_parallel",
+    )
+    load_config(
+        None,
+        [
+            "parallelism.tensor_model_parallel_size=2",
+            "parallelism.world_size=2",
+            "parallelism.sequence_parallel=false",
+        ],
+    )
 
 
 def test_vpp_needs_pp():
-    rejects("parallelism.virtual_pipeline_model_parallel_size=2",
-            field="parallelism.virtual_pipeline_model_parallel_size")
+    rejects(
+        "parallelism.virtual_pipeline_model_parallel_size=2",
+        field="parallelism.virtual_pipeline_model_parallel_size",
+    )
 
 
 def test_world_size_must_divide_tp_times_pp():
-    msg = rejects("parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
-                  "parallelism.world_size=6", field="parallelism.world_size")
+    msg = rejects(
+        "parallelism.tensor_model_parallel_size=2",
+        "parallelism.pipeline_model_parallel_size=2",
+        "parallelism.world_size=6",
+        field="parallelism.world_size",
+    )
     assert "TP x PP = 4" in msg
 
 
@@ -225,7 +321,9 @@ def test_samples_per_step_must_divide_into_global_batches():
 
 def test_every_data_parallel_rank_needs_a_sample():
     # DP=4 but 2 samples per optimizer step
-    msg = rejects("parallelism.world_size=4", "trainer.global_batch_size=2", field="trainer.global_batch_size")
+    msg = rejects(
+        "parallelism.world_size=4", "trainer.global_batch_size=2", field="trainer.global_batch_size"
+    )
     assert "DP=4" in msg and "trainer.global_batch_size >= 4" in msg
 
 
@@ -277,7 +375,10 @@ def test_vllm_architectures_read_as_text_match_installed_vllm():
     from rlmega.config.hf_support import vllm_architectures
 
     assert vllm_architectures() == set(registry.ModelRegistry.get_supported_archs())
-    assert "Phi3ForCausalLM" in vllm_architectures() and "PersimmonForCausalLM" not in vllm_architectures()
+    assert (
+        "Phi3ForCausalLM" in vllm_architectures()
+        and "PersimmonForCausalLM" not in vllm_architectures()
+    )
 
 
 def test_vllm_is_told_the_causal_lm_class_of_any_model_type(tmp_path):
@@ -289,7 +390,9 @@ def test_vllm_is_told_the_causal_lm_class_of_any_model_type(tmp_path):
         (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
         assert engine_overrides(str(tmp_path / model_type)) == {"architectures": [arch]}
     (tmp_path / "named").mkdir()
-    (tmp_path / "named" / "config.json").write_text(json.dumps({"model_type": "phi3", "architectures": ["X"]}))
+    (tmp_path / "named" / "config.json").write_text(
+        json.dumps({"model_type": "phi3", "architectures": ["X"]})
+    )
     assert engine_overrides(str(tmp_path / "named")) == {}
 
 
@@ -302,12 +405,16 @@ def test_vllm_routes_a_transformers_deepseek_v3_as_transformers_does(tmp_path):
 
     from rlmega.config.hf_support import engine_overrides
 
-    hf = DeepseekV3Config(vocab_size=64, hidden_size=128, num_hidden_layers=2,
-                          architectures=["DeepseekV3ForCausalLM"]).to_dict()
-    assert "scoring_func" not in hf and "topk_method" not in hf  # as a user's save_pretrained writes it
+    hf = DeepseekV3Config(
+        vocab_size=64, hidden_size=128, num_hidden_layers=2, architectures=["DeepseekV3ForCausalLM"]
+    ).to_dict()
+    # as a user's save_pretrained writes it
+    assert "scoring_func" not in hf and "topk_method" not in hf
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert engine_overrides(str(tmp_path)) == {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
-    (tmp_path / "config.json").write_text(json.dumps({**hf, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**hf, "scoring_func": "sigmoid", "topk_method": "noaux_tc"})
+    )
     assert engine_overrides(str(tmp_path)) == {}
 
 
@@ -316,14 +423,30 @@ def test_interleaved_schedule_needs_pp_micro_batches_per_rank(tmp_path):
     # so at least PP samples) fails at load. PP2 x VPP2 with DP2: 2 samples per optimizer step give
     # each rank one sample, and 4 warm-start prompts give each rank 2 (fine).
     model = write_model(tmp_path)
-    base = [f"model.path={model}", "parallelism.tensor_model_parallel_size=1",
-            "parallelism.virtual_pipeline_model_parallel_size=2", "trainer.prompts_per_step=4", "rollout.n=4"]
-    msg = rejects(*base, "trainer.global_batch_size=2", path=TINY_YAML, field="trainer.global_batch_size")
-    assert "interleaved" in msg and "at least PP=2" in msg and "trainer.global_batch_size >= 4" in msg
+    base = [
+        f"model.path={model}",
+        "parallelism.tensor_model_parallel_size=1",
+        "parallelism.virtual_pipeline_model_parallel_size=2",
+        "trainer.prompts_per_step=4",
+        "rollout.n=4",
+    ]
+    msg = rejects(
+        *base, "trainer.global_batch_size=2", path=TINY_YAML, field="trainer.global_batch_size"
+    )
+    assert (
+        "interleaved" in msg and "at least PP=2" in msg and "trainer.global_batch_size >= 4" in msg
+    )
     load_config(TINY_YAML, [*base, "trainer.global_batch_size=4"])
     # the warm start's batches are prompts, not samples
-    msg = rejects(*base, "trainer.prompts_per_step=3", "rollout.n=4", "trainer.global_batch_size=4",
-                  "trainer.warmup_sft_steps=5", path=TINY_YAML, field="trainer.prompts_per_step")
+    msg = rejects(
+        *base,
+        "trainer.prompts_per_step=3",
+        "rollout.n=4",
+        "trainer.global_batch_size=4",
+        "trainer.warmup_sft_steps=5",
+        path=TINY_YAML,
+        field="trainer.prompts_per_step",
+    )
     assert "warm-start" in msg
 
 
@@ -333,9 +456,14 @@ def test_interleaved_rule_matches_the_planner(tmp_path):
 
     model = write_model(tmp_path)
     for gbs in (2, 4, 8):
-        overrides = [f"model.path={model}", "parallelism.tensor_model_parallel_size=1",
-                     "parallelism.virtual_pipeline_model_parallel_size=2", "rollout.n=4", "trainer.prompts_per_step=4",
-                     f"trainer.global_batch_size={gbs}"]
+        overrides = [
+            f"model.path={model}",
+            "parallelism.tensor_model_parallel_size=1",
+            "parallelism.virtual_pipeline_model_parallel_size=2",
+            "rollout.n=4",
+            "trainer.prompts_per_step=4",
+            f"trainer.global_batch_size={gbs}",
+        ]
         try:
             load_config(TINY_YAML, overrides)
             accepted = True
@@ -359,7 +487,8 @@ def test_resume_must_be_a_complete_checkpoint(tmp_path):
     msg = rejects(f"trainer.resume={tmp_path / 'step_00000002'}", field="trainer.resume")
     assert "no metadata.json" in msg
     (tmp_path / "step_00000002" / "metadata.json").write_text("{}")
-    with pytest.raises(ConfigError) as e:  # Megatron names its backend; rlmega reads torch_dist alone
+    # Megatron names its backend; rlmega reads torch_dist alone
+    with pytest.raises(ConfigError) as e:
         load_config(None, [f"trainer.resume={tmp_path / 'step_00000002'}"])
     assert "names no sharded_backend" in e.value.problems[0]
     (tmp_path / "step_00000002" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
@@ -383,9 +512,13 @@ def test_resume_must_be_a_complete_checkpoint(tmp_path):
 def test_k1_in_the_loss_is_refused_and_allowed_in_the_reward():
     # k1's expected gradient on-policy is 0 (tests/unit/test_algorithms.py shows it): as a loss term it
     # regularises nothing.
-    msg = rejects("algorithm.kl_estimator=k1", "algorithm.kl_coef=0.1", field="algorithm.kl_estimator")
+    msg = rejects(
+        "algorithm.kl_estimator=k1", "algorithm.kl_coef=0.1", field="algorithm.kl_estimator"
+    )
     assert "kl_in_reward=true" in msg and "k2" in msg
-    load_config(None, ["algorithm.kl_estimator=k1", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"])
+    load_config(
+        None, ["algorithm.kl_estimator=k1", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"]
+    )
     load_config(None, ["algorithm.kl_estimator=k1"])  # kl_coef 0: no KL term at all
     for est in ("k2", "k3"):
         load_config(None, [f"algorithm.kl_estimator={est}", "algorithm.kl_coef=0.1"])
@@ -401,7 +534,11 @@ def test_default_kl_estimator_is_k2():
 
 def test_gspo_gets_the_papers_clip_range_and_sequence_aggregation(tmp_path):
     alg = load_config(None, ["algorithm.policy_loss=gspo"]).algorithm
-    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (
+        3e-4,
+        4e-4,
+        "seq-mean-token-mean",
+    )
     for loss in ("ppo_clip", "dual_clip"):
         alg = load_config(None, [f"algorithm.policy_loss={loss}"]).algorithm
         assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (0.2, 0.2, "token-mean")
@@ -417,7 +554,11 @@ def test_gspo_gets_the_papers_clip_range_and_sequence_aggregation(tmp_path):
 def test_algorithm_defaults_resolve_for_configs_built_in_python():
     assert AlgorithmConfig().resolve_defaults().clip_eps_low == 0.2
     alg = AlgorithmConfig(policy_loss="gspo", clip_eps_low=0.01).resolve_defaults()
-    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (0.01, 4e-4, "seq-mean-token-mean")
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg_mode) == (
+        0.01,
+        4e-4,
+        "seq-mean-token-mean",
+    )
     cfg = RLConfig(algorithm=AlgorithmConfig(policy_loss="gspo"))
     validate(cfg)
     assert cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
@@ -429,7 +570,10 @@ def test_algorithm_defaults_resolve_for_configs_built_in_python():
 
 def test_rollout_correction_settings_are_checked():
     for mode in ("none", "tis", "mis_token", "mis_seq"):
-        assert load_config(None, [f"algorithm.rollout_correction={mode}"]).algorithm.rollout_correction == mode
+        assert (
+            load_config(None, [f"algorithm.rollout_correction={mode}"]).algorithm.rollout_correction
+            == mode
+        )
     assert load_config().algorithm.rollout_correction == "none"  # off by default
     rejects("algorithm.rollout_correction=is", field="algorithm.rollout_correction")
     rejects("algorithm.rollout_is_cap=0.5", field="algorithm.rollout_is_cap")
@@ -438,15 +582,24 @@ def test_rollout_correction_settings_are_checked():
     rejects("algorithm.rollout_is_bounds_high=0.9", field="algorithm.rollout_is_bounds_high")
 
 
-@pytest.mark.parametrize("model_type, arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+@pytest.mark.parametrize(
+    "model_type, arch", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")]
+)
 def test_a_config_json_with_only_model_type_maps_to_its_causal_lm(tmp_path, model_type, arch):
     """Issue 22 D: no `architectures`, only model_type: the preflight, Megatron's model and vLLM's engine
     (through hf_overrides; without it vLLM builds the backbone, LlamaModel) all take the causal LM."""
     from rlmega.config.hf_support import engine_overrides, unsupported_reason
     from rlmega.megatron.hf_config import ModelShape
 
-    hf = {"model_type": model_type, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
-          "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 64}
+    hf = {
+        "model_type": model_type,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 512,
+        "vocab_size": 64,
+    }
     assert unsupported_reason(hf) is None
     shape = ModelShape.from_hf(hf)
     assert (shape.architecture, shape.qkv_bias) == (arch, arch == "Qwen2ForCausalLM")
@@ -454,7 +607,9 @@ def test_a_config_json_with_only_model_type_maps_to_its_causal_lm(tmp_path, mode
     assert engine_overrides(str(tmp_path)) == {"architectures": [arch]}
     (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [arch]}))
     assert engine_overrides(str(tmp_path)) == {}  # named already: nothing overridden
-    assert "unsupported architecture 'mistral'" in unsupported_reason({**hf, "model_type": "mistral"})
+    assert "unsupported architecture 'mistral'" in unsupported_reason(
+        {**hf, "model_type": "mistral"}
+    )
 
 
 def test_phi3_demo_config_passes_every_check_only_with_the_fsdp_learner(tmp_path):
@@ -464,19 +619,33 @@ def test_phi3_demo_config_passes_every_check_only_with_the_fsdp_learner(tmp_path
     from rlmega.preflight import preflight
     from rlmega.demo.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "phi3", arch="phi3", hidden_size=256, num_heads=4, num_kv_heads=2,
-                            num_layers=4, seed=0)
+    model = make_tiny_model(
+        tmp_path / "phi3",
+        arch="phi3",
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=4,
+        seed=0,
+    )
     demo = os.path.join(REPO, "configs", "demo_cpu_phi3.yaml")
     base = [f"model.path={model}", f"trainer.run_dir={tmp_path / 'run'}"]
     cfg = load_config(demo, base)
     par = cfg.parallelism
-    assert (cfg.actor.backend, par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == ("fsdp", 1, 1)
+    assert (
+        cfg.actor.backend,
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+    ) == ("fsdp", 1, 1)
     preflight(cfg)
     with pytest.raises(ConfigError, match="or set actor.backend=fsdp"):
         preflight(load_config(demo, [*base, "actor.backend=megatron"]))
-    rejects(*base, "parallelism.tensor_model_parallel_size=2", path=demo,
-            field="parallelism.tensor_model_parallel_size")
-
+    rejects(
+        *base,
+        "parallelism.tensor_model_parallel_size=2",
+        path=demo,
+        field="parallelism.tensor_model_parallel_size",
+    )
 
 
 def test_mla_kv_cache_is_one_latent_per_layer(tmp_path):
@@ -484,14 +653,24 @@ def test_mla_kv_cache_is_one_latent_per_layer(tmp_path):
     not K and V per head: the KV-space check and the CPU width check read that width."""
     from rlmega.config.validate import kv_bytes_per_token, read_model_shape
 
-    fields = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_attention_heads": 4,
-              "num_key_value_heads": 4, "num_hidden_layers": 4, "hidden_size": 256, "head_dim": 64,
-              "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    fields = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "head_dim": 64,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+    }
     (tmp_path / "config.json").write_text(json.dumps(fields))
     shape = read_model_shape(str(tmp_path))
     assert shape.mla_width == 576
-    assert kv_bytes_per_token(shape, "float32") == 4 * 576 * 4  # heads would say 2 * 4 * 4 * 64 * 4 = 8192
-    assert kv_bytes_per_token(shape, "bfloat16", tensor_parallel_size=2) == 4 * 576 * 2  # the latent is not split
+    # heads would say 2 * 4 * 4 * 64 * 4 = 8192
+    assert kv_bytes_per_token(shape, "float32") == 4 * 576 * 4
+    # the latent is not split
+    assert kv_bytes_per_token(shape, "bfloat16", tensor_parallel_size=2) == 4 * 576 * 2
 
 
 def test_vllm_attention_backends_read_as_text_match_installed_vllm():
@@ -514,7 +693,13 @@ def test_each_range_lives_beside_its_field_and_is_read_from_there():
 
     cfg = load_config(None, [])
     paths = {p for p, _, _ in ranged_fields(cfg)}
-    assert {"optimizer.lr", "critic.optimizer.lr", "actor.lora.dropout", "rollout.top_p", "data.seed"} <= paths
+    assert {
+        "optimizer.lr",
+        "critic.optimizer.lr",
+        "actor.lora.dropout",
+        "rollout.top_p",
+        "data.seed",
+    } <= paths
     assert not any(p.startswith("critic.parallelism.") for p in paths)  # null: the actor's layout
     rejects("critic.optimizer.lr=2.0", field="critic.optimizer.lr")
     rejects("critic.parallelism.world_size=0", field="critic.parallelism.world_size")

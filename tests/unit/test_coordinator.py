@@ -1,4 +1,5 @@
 """ActorManager in-process, and its dashboard over real HTTP on 127.0.0.1 (the server is under test)."""
+
 import json
 import socket
 import threading
@@ -29,7 +30,8 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch):
     c = FakeClock()
-    monkeypatch.setattr(coordinator, "time", c)  # this module's clock only; asyncio keeps the real one
+    # this module's clock only; asyncio keeps the real one
+    monkeypatch.setattr(coordinator, "time", c)
     return c
 
 
@@ -78,7 +80,11 @@ def test_token_rate_is_tokens_in_window_over_elapsed_time(clock):
     clock.t += 55  # the first report (at t0+10) is now 105 s old: out of the window
     s = m.get_token_stats()
     assert s["tokens_per_s"] == pytest.approx(800 / 60)
-    assert (s["total_prefill_tokens"], s["total_decode_tokens"], s["total_tokens"]) == (300, 900, 1200)
+    assert (s["total_prefill_tokens"], s["total_decode_tokens"], s["total_tokens"]) == (
+        300,
+        900,
+        1200,
+    )
     clock.t += 61
     assert m.get_token_stats()["tokens_per_s"] == 0.0
     assert m.get_token_stats()["total_tokens"] == 1200  # totals never roll off
@@ -88,7 +94,8 @@ def test_token_rate_is_tokens_in_window_over_elapsed_time(clock):
 def test_token_report_with_seconds_is_spread_over_its_interval(clock):
     m = ActorManager(dashboard=False, token_window_s=10.0)
     clock.t += 100
-    m.report_token_statistics(0, 1000, seconds=20.0)  # 50 tok/s for the last 20 s; half in the window
+    # 50 tok/s for the last 20 s; half in the window
+    m.report_token_statistics(0, 1000, seconds=20.0)
     assert m.get_token_stats()["decode_tokens_per_s"] == pytest.approx(50.0)
     clock.t += 5  # 5 s of that interval still in the window, over a 10 s window
     assert m.get_token_stats()["decode_tokens_per_s"] == pytest.approx(25.0)
@@ -119,8 +126,10 @@ def test_metrics_history_kv_progress_and_eta(clock):
     clock.t += 30
     m.report_progress(4, 11)  # 3 steps in 30 s -> 10 s/step, 7 steps left
     s = m.status()
-    assert s["metrics_history"] == [{"step": 1, "reward_mean": 0.1, "kl_ref": 0.0, "loss": None},
-                                    {"step": 2, "reward_mean": 0.3}]
+    assert s["metrics_history"] == [
+        {"step": 1, "reward_mean": 0.1, "kl_ref": 0.0, "loss": None},
+        {"step": 2, "reward_mean": 0.3},
+    ]
     assert s["latest_metrics"] == {"step": 2, "reward_mean": 0.3}
     assert s["kv_cache_max_concurrency"] == {"0": 137.5, "1": 12.0}
     assert s["startup"] == [{"phase": "Ray", "start_s": 3.0, "end_s": 5.5, "seconds": 2.5}]
@@ -149,13 +158,19 @@ def test_queue_polling_picks_up_changes():
 
 def test_staleness_histogram_accumulates_and_last_step_is_replaced():
     m = ActorManager(dashboard=False)
-    assert m.status()["staleness"] == {"cumulative": {}, "last_step": None, "last": {}}  # a sync run
+    # a sync run
+    assert m.status()["staleness"] == {"cumulative": {}, "last_step": None, "last": {}}
     m.report_staleness(1, {1: 2, 0: 30})
     m.report_staleness(2, {2: 2, 0: 20, 1: 10})
     m.report_staleness(2, {0: 5})  # the same step in pieces: adds up
     st = m.status()["staleness"]
-    assert st == {"cumulative": {"0": 55, "1": 12, "2": 2}, "last_step": 2, "last": {"0": 25, "1": 10, "2": 2}}
-    assert list(st["cumulative"]) == ["0", "1", "2"]  # in staleness order, whatever the report order
+    assert st == {
+        "cumulative": {"0": 55, "1": 12, "2": 2},
+        "last_step": 2,
+        "last": {"0": 25, "1": 10, "2": 2},
+    }
+    # in staleness order, whatever the report order
+    assert list(st["cumulative"]) == ["0", "1", "2"]
     m.report_staleness(3, {0: 40, 11: 1})
     st = m.status()["staleness"]
     assert st["last_step"] == 3 and st["last"] == {"0": 40, "11": 1}  # step 2's counts are gone
@@ -165,15 +180,18 @@ def test_staleness_histogram_accumulates_and_last_step_is_replaced():
     m.cleanup()
 
 
-@pytest.mark.parametrize("args, name", [
-    ((1, {-1: 3}), "staleness must be an int >= 0"),
-    ((1, {0.5: 3}), "staleness must be an int >= 0"),
-    ((1, {"1": 3}), "staleness must be an int >= 0"),
-    ((1, {0: 4, 1: -2}), "count for staleness 1"),
-    ((1, {0: 2.5}), "count for staleness 0"),
-    ((1, [(0, 3)]), "counts must be a dict"),
-    ((-1, {0: 3}), "step must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        ((1, {-1: 3}), "staleness must be an int >= 0"),
+        ((1, {0.5: 3}), "staleness must be an int >= 0"),
+        ((1, {"1": 3}), "staleness must be an int >= 0"),
+        ((1, {0: 4, 1: -2}), "count for staleness 1"),
+        ((1, {0: 2.5}), "count for staleness 0"),
+        ((1, [(0, 3)]), "counts must be a dict"),
+        ((-1, {0: 3}), "step must be an int >= 0"),
+    ],
+)
 def test_report_staleness_rejects_bad_input_and_records_nothing(args, name):
     m = ActorManager(dashboard=False)
     m.report_staleness(0, {0: 1})
@@ -189,13 +207,21 @@ def test_busy_latest_and_bounded_history():
     m.report_busy(1, engine_fraction=0.5, trainer_fraction=0.25)
     m.report_busy(2, 0.75, 1.0)
     m.report_busy(2, 0.875, 0.5)  # the same step again: replaces, does not add a point
-    assert m.status()["busy"] == {"step": 2, "engine": 0.875, "trainer": 0.5,
-                                  "history": [[1, 0.5, 0.25], [2, 0.875, 0.5]]}
+    assert m.status()["busy"] == {
+        "step": 2,
+        "engine": 0.875,
+        "trainer": 0.5,
+        "history": [[1, 0.5, 0.25], [2, 0.875, 0.5]],
+    }
     for step in range(3, coordinator.BUSY_HISTORY_LEN + 11):
         m.report_busy(step, 0.0, 1)
     b = m.status()["busy"]
     assert len(b["history"]) == coordinator.BUSY_HISTORY_LEN
-    assert b["history"][0][0] == 11 and b["history"][-1] == [coordinator.BUSY_HISTORY_LEN + 10, 0.0, 1.0]
+    assert b["history"][0][0] == 11 and b["history"][-1] == [
+        coordinator.BUSY_HISTORY_LEN + 10,
+        0.0,
+        1.0,
+    ]
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         m.report_busy(-1, 0.5, 0.5)
     json.dumps(m.status(), allow_nan=False)
@@ -227,9 +253,12 @@ def test_prometheus_staleness_and_busy():
         "# TYPE rlmega_staleness_trajectories gauge",
         'rlmega_staleness_trajectories{staleness="0"} 50',
         'rlmega_staleness_trajectories{staleness="1"} 10',
-        'rlmega_staleness_trajectories{staleness="2"} 2']
+        'rlmega_staleness_trajectories{staleness="2"} 2',
+    ]
     assert [line for line in lines if line.startswith("rlmega_busy")] == [
-        'rlmega_busy_fraction{role="engine"} 0.875', 'rlmega_busy_fraction{role="trainer"} 0.5']
+        'rlmega_busy_fraction{role="engine"} 0.875',
+        'rlmega_busy_fraction{role="trainer"} 0.5',
+    ]
     assert "# TYPE rlmega_busy_fraction gauge" in lines
     m.cleanup()
 
@@ -261,13 +290,20 @@ def test_api_status_and_metrics_over_http(manager):
     code, ctype, text = _get(manager, "/metrics")
     assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
     lines = set(text.splitlines())
-    for expected in ['rlmega_should_stop 1', 'rlmega_tokens_total{kind="prefill"} 1000',
-                     'rlmega_tokens_total{kind="decode"} 3000', 'rlmega_training_step_seconds 2.5',
-                     'rlmega_batch_generation_seconds 1.25', 'rlmega_queue_size{queue="rollouts"} 17',
-                     'rlmega_kv_cache_max_concurrency{engine="3"} 42',
-                     'rlmega_metric{name="reward_mean"} 0.625',
-                     'rlmega_metric{name="pg_clip_frac"} 0.1', 'rlmega_step 7', 'rlmega_total_steps 100',
-                     '# TYPE rlmega_tokens_per_second gauge']:
+    for expected in [
+        'rlmega_should_stop 1',
+        'rlmega_tokens_total{kind="prefill"} 1000',
+        'rlmega_tokens_total{kind="decode"} 3000',
+        'rlmega_training_step_seconds 2.5',
+        'rlmega_batch_generation_seconds 1.25',
+        'rlmega_queue_size{queue="rollouts"} 17',
+        'rlmega_kv_cache_max_concurrency{engine="3"} 42',
+        'rlmega_metric{name="reward_mean"} 0.625',
+        'rlmega_metric{name="pg_clip_frac"} 0.1',
+        'rlmega_step 7',
+        'rlmega_total_steps 100',
+        '# TYPE rlmega_tokens_per_second gauge',
+    ]:
         assert expected in lines, f"{expected!r} missing from\n{text}"
     rate = next(line for line in lines if line.startswith('rlmega_tokens_per_second{kind="total"}'))
     assert float(rate.split()[-1]) > 0
@@ -280,8 +316,9 @@ def test_api_status_and_metrics_over_http(manager):
 
 @pytest.mark.parametrize("path", ["/", "/api/status", "/metrics"])
 def test_only_get_is_allowed(manager, path):
-    req = urllib.request.Request(f"http://127.0.0.1:{manager.get_dashboard_port()}{path}",
-                                 data=b"{}", method="POST")
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{manager.get_dashboard_port()}{path}", data=b"{}", method="POST"
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=5)
     assert e.value.code == 405

@@ -1,4 +1,5 @@
 """The CPU layer answers megatron-core's CUDA questions, changes no numbers, and can be undone."""
+
 import pytest
 import torch
 
@@ -6,7 +7,9 @@ from megatron.core.tensor_parallel import random as mcore_random
 
 from rlmega.megatron import cpu_support
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is inert with a GPU")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU layer is inert with a GPU"
+)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The critic's config checks as functions (issue 25): what rlmega/config/validate.py and rlmega/preflight.py add for
 algorithm.advantage_estimator=gae, on configs built in Python. The refusals as a user meets them (both
 `rlmega train` and `check-config`) are rows of tests/unit/test_bad_inputs.py."""
+
 import json
 
 import pytest
@@ -25,7 +26,8 @@ def test_run_cpus_count_the_critic_ranks_only_with_gae():
     base = run_cpus(grpo)
     gae = _gae()
     gae.parallelism.world_size = 4
-    assert critic_ranks(grpo) == 0 and critic_ranks(gae) == 4  # null critic.parallelism: the actor's layout
+    # null critic.parallelism: the actor's layout
+    assert critic_ranks(grpo) == 0 and critic_ranks(gae) == 4
     assert run_cpus(gae) == pytest.approx(base + 4 * gae.cluster.actor_cpus_per_rank)
     gae.critic.parallelism = ParallelismConfig(world_size=2)
     gae.cluster.actor_cpus_per_rank = 1.5
@@ -46,13 +48,17 @@ def test_python_built_critic_choices_and_ranges_are_checked():
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     fields = [p.split(":")[0] for p in e.value.problems]
-    assert fields == ["critic.optimizer.lr_decay_style", "critic.parallelism.world_size"], e.value.problems
+    assert fields == ["critic.optimizer.lr_decay_style", "critic.parallelism.world_size"], (
+        e.value.problems
+    )
 
 
 def test_warm_up_is_refused_without_gae_and_past_the_run_with_it():
     cfg = RLConfig()
     cfg.critic.warmup_steps = 1
-    with pytest.raises(ConfigError, match="critic.warmup_steps: 1, but algorithm.advantage_estimator=grpo"):
+    with pytest.raises(
+        ConfigError, match="critic.warmup_steps: 1, but algorithm.advantage_estimator=grpo"
+    ):
         validate(cfg)
     cfg = _gae(warmup_steps=1)
     validate(cfg)  # total_steps 2: one step of critic warm-up, then the policy trains
@@ -62,8 +68,12 @@ def test_warm_up_is_refused_without_gae_and_past_the_run_with_it():
 
 
 def test_read_model_shape_names_the_field_it_reads(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 0, "num_hidden_layers": 2,
-                                                      "hidden_size": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 0, "num_hidden_layers": 2, "hidden_size": 8})
+    )
     with pytest.raises(ConfigError) as e:
         read_model_shape(str(tmp_path), "critic.path")
-    assert e.value.problems[0].startswith("critic.path: ") and "num_attention_heads=0" in e.value.problems[0]
+    assert (
+        e.value.problems[0].startswith("critic.path: ")
+        and "num_attention_heads=0" in e.value.problems[0]
+    )

@@ -1,4 +1,5 @@
 """MegatronModelManager.make_data_iterator_list: the one place that builds megatron-core's schedule iterator."""
+
 import torch
 
 from rlmega.megatron.model_manager import make_data_iterator_list
@@ -14,7 +15,8 @@ def test_one_iterator_without_virtual_stages_one_per_chunk_with():
     assert list(single) == mbs
     chunks = make_data_iterator_list(iter(mbs), vpp_size=2)
     assert isinstance(chunks, list) and len(chunks) == 2
-    assert [next(chunks[0]), next(chunks[1]), next(chunks[0])] == [mbs[0], mbs[0], mbs[1]]  # each chunk pulls all
+    # each chunk pulls all
+    assert [next(chunks[0]), next(chunks[1]), next(chunks[0])] == [mbs[0], mbs[0], mbs[1]]
 
 
 def test_padding_records_the_longest_row_for_the_schedule():

@@ -1,4 +1,5 @@
 """Which GPU a trainer rank binds to, and where collective tensors live (rlmega.megatron.runtime)."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """engine_root_cause on vLLM's log text: the engine core's last exception, not the caller's echo."""
+
 from rlmega.rollout.engine_errors import engine_died, engine_root_cause
 
 # vLLM's log lines verbatim (the parser's input): they stay as long as vLLM wrote them.
@@ -18,8 +19,10 @@ LOG = """\
 
 
 def test_root_cause_is_the_engine_cores_exception_with_its_frame():
-    assert engine_root_cause(LOG) == ("RuntimeError: CPU Generator does not use offset "
-                                      "(in _bookkeeping_sync, vllm/v1/worker/gpu_model_runner.py:3502)")
+    assert engine_root_cause(LOG) == (
+        "RuntimeError: CPU Generator does not use offset "
+        "(in _bookkeeping_sync, vllm/v1/worker/gpu_model_runner.py:3502)"
+    )
 
 
 def test_no_engine_core_error_gives_none_and_the_message_says_so(tmp_path):
@@ -41,10 +44,15 @@ def test_engine_died_reads_the_cause_from_the_log(tmp_path):
 def test_an_engine_death_is_found_inside_a_failed_requests_text():
     from rlmega.rollout.engine_errors import engine_death_in
 
-    err = ("GenerationFailed('generation failed 3 times: RayTaskError(EngineDied)(\"ray::RolloutWorker.generate_one()"
-           " ... EngineDied: the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)\\n"
-           "more\")')")
-    assert engine_death_in(err) == "the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)"
+    err = (
+        "GenerationFailed('generation failed 3 times: RayTaskError(EngineDied)(\"ray::RolloutWorker.generate_one()"
+        " ... EngineDied: the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)\\n"
+        "more\")')"
+    )
+    assert (
+        engine_death_in(err)
+        == "the vLLM engine core died: RuntimeError: boom (in f, x.py:1) (engine log: /t/a.out)"
+    )
     assert engine_death_in("generation failed 3 times: TimeoutError()") is None
 
 
@@ -53,10 +61,14 @@ def test_an_engine_start_failure_names_the_cores_exception_or_else_what_vllm_rai
 
     log = tmp_path / "w.out"
     log.write_text(LOG)
-    said = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    said = RuntimeError(
+        "Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    )
     assert str(engine_start_failed(said, [str(log)])) == (
         "the vLLM engine did not start: RuntimeError: CPU Generator does not use offset (in _bookkeeping_sync, "
-        f"vllm/v1/worker/gpu_model_runner.py:3502) (engine log: {log})")
+        f"vllm/v1/worker/gpu_model_runner.py:3502) (engine log: {log})"
+    )
     log.write_text("nothing logged\n")
     assert str(engine_start_failed(ValueError("bad arg\nmore"), [str(log)])) == (
-        f"the vLLM engine did not start: ValueError: bad arg (engine log: {log})")
+        f"the vLLM engine did not start: ValueError: bad arg (engine log: {log})"
+    )

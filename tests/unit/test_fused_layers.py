@@ -1,30 +1,51 @@
 """FusedLayers (rlmega/sync/fused_layers.py): which HF tensors fill which vLLM layer, and that a
 fused layer goes on only whole, whatever the buckets' boundaries. Names as vLLM's Qwen2 and Qwen3-MoE
 report them (the real engines: tests/e2e/test_rollout_worker.py, tests/e2e/test_engine_routes.py)."""
+
 import random
 
 from rlmega.sync.fused_layers import FusedLayers
 
-VLLM = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
-        "model.layers.0.self_attn.qkv_proj.bias", "model.layers.0.mlp.gate_up_proj.weight",
-        "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight",
-        "model.layers.0.mlp.experts.routed_experts.w2_weight", "lm_head.weight"]
+VLLM = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.self_attn.qkv_proj.bias",
+    "model.layers.0.mlp.gate_up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.mlp.experts.routed_experts.w13_weight",
+    "model.layers.0.mlp.experts.routed_experts.w2_weight",
+    "lm_head.weight",
+]
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-EXPERTS = {"model.layers.0.mlp.experts.routed_experts": [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"
-                                                          for e in range(2) for p in ("gate", "up", "down")]}
-HF = (["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"]
-      + [f"model.layers.0.self_attn.{p}_proj.{x}" for p in "qkv" for x in ("weight", "bias")]
-      + [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")] + EXPERTS[next(iter(EXPERTS))])
+EXPERTS = {
+    "model.layers.0.mlp.experts.routed_experts": [
+        f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"
+        for e in range(2)
+        for p in ("gate", "up", "down")
+    ]
+}
+HF = (
+    ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"]
+    + [f"model.layers.0.self_attn.{p}_proj.{x}" for p in "qkv" for x in ("weight", "bias")]
+    + [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")]
+    + EXPERTS[next(iter(EXPERTS))]
+)
 
 
 def test_layers_and_their_members():
     layers = FusedLayers(VLLM, PACKED, EXPERTS)
     assert layers.members["model.layers.0.self_attn.qkv_proj"] == {
-        f"model.layers.0.self_attn.{p}_proj.{x}" for p in "qkv" for x in ("weight", "bias")}
-    assert layers.members["model.layers.0.mlp.gate_up_proj"] == {"model.layers.0.mlp.gate_proj.weight",
-                                                                 "model.layers.0.mlp.up_proj.weight"}
+        f"model.layers.0.self_attn.{p}_proj.{x}" for p in "qkv" for x in ("weight", "bias")
+    }
+    assert layers.members["model.layers.0.mlp.gate_up_proj"] == {
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    }
     assert len(layers.members["model.layers.0.mlp.experts.routed_experts"]) == 6
-    assert layers.layer_of("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv_proj"
+    assert (
+        layers.layer_of("model.layers.0.self_attn.k_proj.bias")
+        == "model.layers.0.self_attn.qkv_proj"
+    )
 
 
 def test_any_split_into_buckets_passes_each_layer_on_once_and_whole():

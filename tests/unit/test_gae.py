@@ -1,6 +1,7 @@
 """rlmega.algorithms.gae: a plain-float loop as the reference (bit-exact in float64), hand-worked
 multi-turn examples (arithmetic in the comments, all values exact in binary), and the limit cases
 lam = 0 (one-step TD) and gamma = lam = 1 (Monte-Carlo reward-to-go)."""
+
 import math
 
 import pytest
@@ -38,8 +39,10 @@ def reference_row(r, v, m, gamma, lam):
 
 
 def reference(rewards, values, mask, gamma, lams):
-    rows = [reference_row(r, v, m, gamma, lam) for r, v, m, lam in
-            zip(rewards.tolist(), values.tolist(), mask.tolist(), lams)]
+    rows = [
+        reference_row(r, v, m, gamma, lam)
+        for r, v, m, lam in zip(rewards.tolist(), values.tolist(), mask.tolist(), lams)
+    ]
     return t(*[a for a, _ in rows]), t(*[b for _, b in rows])
 
 
@@ -67,22 +70,22 @@ def random_batch(n, length, seed):
 #   k=2: delta = .75 + .5*2 - 1 = .75                  A = .75 + .25*(-.875) = .53125  R = 1.53125
 #   k=1: delta = 0 + .5*1 - .5 = 0                     A = 0 + .25*.53125 = .1328125   R = .6328125
 NAN = math.nan
-HAND_R = t(0, .5, .25, 0, 1, .125)[None]
-HAND_V = t(.5, 1, NAN, NAN, 2, NAN)[None]
+HAND_R = t(0, 0.5, 0.25, 0, 1, 0.125)[None]
+HAND_V = t(0.5, 1, NAN, NAN, 2, NAN)[None]
 HAND_M = t(1, 1, 0, 0, 1, 0)[None]
 
 
 def test_hand_example_tool_tokens_in_the_middle():
     adv, ret = G.gae(HAND_R, HAND_V, HAND_M, gamma=0.5, lam=0.5)
-    assert torch.equal(adv, t(.1328125, .53125, 0, 0, -.875, 0)[None])
-    assert torch.equal(ret, t(.6328125, 1.53125, 0, 0, 1.125, 0)[None])
+    assert torch.equal(adv, t(0.1328125, 0.53125, 0, 0, -0.875, 0)[None])
+    assert torch.equal(ret, t(0.6328125, 1.53125, 0, 0, 1.125, 0)[None])
 
 
 def test_lam_zero_is_one_step_td():
     # A_k = r_k + gamma V_{k+1} - V_k: [0 + .5*1 - .5, .75 + .5*2 - 1, 1.125 - 2] = [0, .75, -.875]
     adv, ret = G.gae(HAND_R, HAND_V, HAND_M, gamma=0.5, lam=0.0)
-    assert torch.equal(adv, t(0, .75, 0, 0, -.875, 0)[None])
-    assert torch.equal(ret, t(.5, 1.75, 0, 0, 1.125, 0)[None])  # r_k + gamma V_{k+1}
+    assert torch.equal(adv, t(0, 0.75, 0, 0, -0.875, 0)[None])
+    assert torch.equal(ret, t(0.5, 1.75, 0, 0, 1.125, 0)[None])  # r_k + gamma V_{k+1}
 
 
 def test_float64_equals_the_python_loop_exactly():
@@ -117,7 +120,9 @@ def test_float32_is_float64_rounded_once_and_close_to_the_float64_reference():
     # to 9.3e-7 over seeds 3-7) with |advantages|, |returns| up to ~15: input rounding plus one output
     # rounding. Limit ~10x.
     ref_adv, ref_ret = reference(rewards, values, mask, 0.99, [0.95] * 64)
-    err = max((adv32.double() - ref_adv).abs().max().item(), (ret32.double() - ref_ret).abs().max().item())
+    err = max(
+        (adv32.double() - ref_adv).abs().max().item(), (ret32.double() - ref_ret).abs().max().item()
+    )
     assert err < 8e-6
 
 
@@ -143,8 +148,8 @@ def test_reward_on_masked_tokens_before_any_action_is_dropped_and_empty_rows_are
     # Row 1: no action token at all.
     rewards = t(5, 0, 1)[None].repeat(2, 1)
     mask = t(0, 0, 1, 0, 0, 0).view(2, 3)
-    adv, ret = G.gae(rewards, t(0, 0, .5)[None].repeat(2, 1), mask, 1.0, 1.0)
-    assert torch.equal(adv, t(0, 0, .5, 0, 0, 0).view(2, 3))  # 1 - .5
+    adv, ret = G.gae(rewards, t(0, 0, 0.5)[None].repeat(2, 1), mask, 1.0, 1.0)
+    assert torch.equal(adv, t(0, 0, 0.5, 0, 0, 0).view(2, 3))  # 1 - .5
     assert torch.equal(ret, t(0, 0, 1, 0, 0, 0).view(2, 3))
 
 
@@ -159,7 +164,11 @@ def test_per_sample_lists_equal_the_reference_rows():
     adv, ret = G.gae_per_sample(r, v, m, 0.95, 0.9)
     for i, n in enumerate(lens):
         ref_a, ref_r = reference_row(r[i].tolist(), v[i].tolist(), m[i].tolist(), 0.95, 0.9)
-        assert adv[i].shape == (n,) and torch.equal(adv[i], t(*ref_a)) and torch.equal(ret[i], t(*ref_r))
+        assert (
+            adv[i].shape == (n,)
+            and torch.equal(adv[i], t(*ref_a))
+            and torch.equal(ret[i], t(*ref_r))
+        )
     assert G.gae_per_sample([], [], [], 0.9, 0.9) == ([], [])
 
 
@@ -167,13 +176,18 @@ def test_token_rewards_outcome_kl_and_turns():
     # Response 0: actions 0-2, tool 3-4, actions 5-6, trailing env tokens 7-8 -> outcome on token 6.
     # Response 1: all actions -> outcome on its last token. Response 2: no action token -> zeros.
     masks = [t(1, 1, 1, 0, 0, 1, 1, 0, 0), t(1, 1), t(0, 0, 0)]
-    kl = [t(.5, .25, 1, math.inf, math.nan, .5, 2, 9, 9), t(1, -1), t(1, 1, 1)]
-    out = G.token_rewards(t(1.0, -1.0, 7.0), masks, kl=kl, kl_coef=0.5,
-                          turn_rewards=[[(2, .75), (2, .25), (3, .5)], [], [(1, 3.0)]])
+    kl = [t(0.5, 0.25, 1, math.inf, math.nan, 0.5, 2, 9, 9), t(1, -1), t(1, 1, 1)]
+    out = G.token_rewards(
+        t(1.0, -1.0, 7.0),
+        masks,
+        kl=kl,
+        kl_coef=0.5,
+        turn_rewards=[[(2, 0.75), (2, 0.25), (3, 0.5)], [], [(1, 3.0)]],
+    )
     # -0.5 * kl on actions; +1 on token 6; turn rewards 1 at token 2 (.75 + .25), .5 on tool token 3.
     f32 = torch.float32
-    assert torch.equal(out[0], t(-.25, -.125, -.5 + 1, .5, 0, -.25, -1 + 1, 0, 0, dtype=f32))
-    assert torch.equal(out[1], t(-.5, .5 - 1, dtype=f32))
+    assert torch.equal(out[0], t(-0.25, -0.125, -0.5 + 1, 0.5, 0, -0.25, -1 + 1, 0, 0, dtype=f32))
+    assert torch.equal(out[1], t(-0.5, 0.5 - 1, dtype=f32))
     assert torch.equal(out[2], torch.zeros(3, dtype=f32))
     # Without KL the outcome alone, still on the last action token.
     plain = G.token_rewards(t(2.0, 3.0, 1.0), masks)
@@ -189,7 +203,9 @@ def test_whiten_over_action_tokens_only():
     w = G.whiten(adv * 4 + 3, mask)
     act = mask > 0
     torch.testing.assert_close(w[act].mean(), torch.tensor(0.0, dtype=F64), atol=1e-12, rtol=0)
-    torch.testing.assert_close(w[act].var(unbiased=True), torch.tensor(1.0, dtype=F64), atol=1e-8, rtol=0)
+    torch.testing.assert_close(
+        w[act].var(unbiased=True), torch.tensor(1.0, dtype=F64), atol=1e-8, rtol=0
+    )
     assert torch.all(w[~act] == 0)
     # Lists give the same numbers; shift_mean=False keeps the mean: x / std + ... + mean.
     rows = G.whiten([adv[i] * 4 + 3 for i in range(12)], [mask[i] for i in range(12)])
@@ -197,15 +213,16 @@ def test_whiten_over_action_tokens_only():
     # Hand case: [1, x, 3] with the middle masked -> mean 2, unbiased var ((1)+(1))/1 = 2.
     s = 1 / math.sqrt(2 + 1e-8)
     torch.testing.assert_close(G.whiten(t(1, 99, 3), t(1, 0, 1)), t(-s, 0, s), atol=1e-12, rtol=0)
-    torch.testing.assert_close(G.whiten(t(1, 99, 3), t(1, 0, 1), shift_mean=False),
-                               t(2 - s, 0, 2 + s), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        G.whiten(t(1, 99, 3), t(1, 0, 1), shift_mean=False), t(2 - s, 0, 2 + s), atol=1e-12, rtol=0
+    )
     assert torch.equal(G.whiten(t(1, 2), t(0, 0)), t(0, 0))  # no action token
 
 
 def test_adaptive_lambda():
     # alpha = .05 (VAPO): len 100 -> 1 - 1/5 = .8; 1000 -> .98; 20 -> 0; 10 -> -1 clamped to 0; 0 -> 0.
     lam = G.adaptive_lambda(torch.tensor([100, 1000, 20, 10, 0]), alpha=0.05)
-    torch.testing.assert_close(lam, t(.8, .98, 0, 0, 0), atol=1e-12, rtol=0)
+    torch.testing.assert_close(lam, t(0.8, 0.98, 0, 0, 0), atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="alpha"):
         G.adaptive_lambda(torch.tensor([10]), alpha=0.0)
 
@@ -215,19 +232,38 @@ def test_advantages_and_returns_composes_the_pieces_the_driver_uses():
     own lam_critic for the returns, VAPO's length-adaptive lambda, whitening over action tokens."""
     g = torch.Generator().manual_seed(0)
     masks = [torch.tensor([1.0, 1, 0, 1]), torch.tensor([1.0, 1, 1])]
-    values = [torch.randn(4, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)]
-    kl = [torch.rand(4, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64)]
+    values = [
+        torch.randn(4, generator=g, dtype=torch.float64),
+        torch.randn(3, generator=g, dtype=torch.float64),
+    ]
+    kl = [
+        torch.rand(4, generator=g, dtype=torch.float64),
+        torch.rand(3, generator=g, dtype=torch.float64),
+    ]
     seq = torch.tensor([1.0, -0.5], dtype=torch.float64)
-    adv, ret = G.advantages_and_returns(seq, values, masks, kl, gamma=0.9, lam=0.8, lam_critic=1.0,
-                                        whiten_advantages=False, kl_coef=0.1)
+    adv, ret = G.advantages_and_returns(
+        seq,
+        values,
+        masks,
+        kl,
+        gamma=0.9,
+        lam=0.8,
+        lam_critic=1.0,
+        whiten_advantages=False,
+        kl_coef=0.1,
+    )
     rewards = G.token_rewards(seq, masks, kl, 0.1)
     want_adv, _ = G.gae_per_sample(rewards, values, masks, 0.9, 0.8)
     _, want_ret = G.gae_per_sample(rewards, values, masks, 0.9, 1.0)  # the critic's own lambda
     for a, w in zip(adv + ret, want_adv + want_ret):
         assert a.dtype == torch.float32 and torch.equal(a, w.float())
-    vapo, _ = G.advantages_and_returns(seq, values, masks, None, gamma=1.0, lam=0.9, lam_actor_alpha=0.05)
+    vapo, _ = G.advantages_and_returns(
+        seq, values, masks, None, gamma=1.0, lam=0.9, lam_actor_alpha=0.05
+    )
     lam_i = G.adaptive_lambda(torch.tensor([3.0, 3.0]), 0.05)  # 1 - 1 / (0.05 * 3 action tokens)
-    want = G.whiten(G.gae_per_sample(G.token_rewards(seq, masks), values, masks, 1.0, lam_i)[0], masks)
+    want = G.whiten(
+        G.gae_per_sample(G.token_rewards(seq, masks), values, masks, 1.0, lam_i)[0], masks
+    )
     assert all(torch.equal(a, w.float()) for a, w in zip(vapo, want))
 
 
@@ -239,7 +275,9 @@ def test_the_drivers_gae_refuses_a_kl_reward_without_log_probs():
     from rlmega.testing.batches import random_batch
 
     batch = random_batch(3, seed=0)
-    batch = dataclasses.replace(batch, old_values=[torch.zeros(n) for n in batch.response_lens()], old_logprobs=None)
+    batch = dataclasses.replace(
+        batch, old_values=[torch.zeros(n) for n in batch.response_lens()], old_logprobs=None
+    )
     algo = AlgorithmConfig(advantage_estimator="gae", kl_coef=0.1, kl_in_reward=True)
     with pytest.raises(ValueError, match="kl_in_reward needs batch.old_logprobs"):
         advantages_and_returns(batch, algo)

@@ -1,5 +1,6 @@
 """rlmega/process/heap.py: a process's start-up imports run without the collector, and what they built is frozen after
 (later collections skip it); the collector comes back as it was."""
+
 import gc
 import subprocess
 import sys
@@ -22,7 +23,8 @@ def test_the_block_runs_uncollected_then_freezes_what_it_built():
     try:
         with imports_uncollected(freeze=False):
             pass
-        assert not gc.isenabled() and gc.get_freeze_count() == 0  # off before, off after; nothing frozen
+        # off before, off after; nothing frozen
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
     finally:
         gc.enable()
 
@@ -30,13 +32,22 @@ def test_the_block_runs_uncollected_then_freezes_what_it_built():
 def test_python_m_rlmega_train_imports_uncollected_then_freezes(tmp_path):
     """`python -m rlmega.train` (torchrun's ranks) turns the collector off before its module's imports and
     settles after them: a usage error, which main() reports after the imports, finds the heap frozen."""
-    probe = tmp_path / "sitecustomize.py"  # runs before rlmega.train: records the collector's state at exit
-    probe.write_text("import atexit, gc, sys\n"
-                     "atexit.register(lambda: sys.stderr.write(\n"
-                     "    f'PROBE {gc.isenabled()} {gc.get_freeze_count()}\\n'))\n")
-    out = subprocess.run([sys.executable, "-m", "rlmega.train", str(tmp_path / "missing.yaml")], capture_output=True,
-                         text=True, timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    # runs before rlmega.train: records the collector's state at exit
+    probe = tmp_path / "sitecustomize.py"
+    probe.write_text(
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: sys.stderr.write(\n"
+        "    f'PROBE {gc.isenabled()} {gc.get_freeze_count()}\\n'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "rlmega.train", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     probe_line = [line for line in out.stderr.splitlines() if line.startswith("PROBE")]
     assert probe_line, out.stderr[-2000:]
     _, enabled, frozen = probe_line[-1].split()
-    assert enabled == "True" and int(frozen) > 100_000, out.stderr[-2000:]  # torch, transformers, Ray, ...
+    # torch, transformers, Ray, ...
+    assert enabled == "True" and int(frozen) > 100_000, out.stderr[-2000:]

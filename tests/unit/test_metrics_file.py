@@ -1,4 +1,5 @@
 """metrics.jsonl survives a write cut short and a crash during its rewrite (issue 22 item 3)."""
+
 import logging
 import os
 
@@ -50,4 +51,7 @@ def test_rewrite_is_fsynced_file_and_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", spy)
     run.rewrite_metrics([{"step": 1, "loss": 0.5}])
     assert synced == [str(tmp_path / "metrics.jsonl.tmp"), str(tmp_path)]
-    assert run.read_metrics() == [{"step": 1, "loss": 0.5}] and not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert (
+        run.read_metrics() == [{"step": 1, "loss": 0.5}]
+        and not (tmp_path / "metrics.jsonl.tmp").exists()
+    )

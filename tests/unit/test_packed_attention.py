@@ -1,6 +1,7 @@
 """rlmega/fsdp/packed_attention.py: a packed row through the per-sequence causal sdpa gives each sequence's
 logits as transformers' own sdpa gives them for that sequence alone (also with a sliding window shorter
 than a sequence, which takes the explicit-mask branch), and the gradients through the split agree."""
+
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -10,10 +11,20 @@ LENS = [5, 9, 1, 7]
 
 
 def _model(impl, **cfg):
-    config = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **cfg)
+    config = Qwen2Config(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **cfg,
+    )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=impl).eval()
+    return AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=impl
+    ).eval()
 
 
 def _check(**cfg):
@@ -29,8 +40,10 @@ def _check(**cfg):
     assert err < 1e-5, err  # measured 4.8e-7 (float32 kernel rounding)
     got.square().sum().backward()
     want.square().sum().backward()
-    gerr = max((a.grad - b.grad).abs().max().item() / (b.grad.abs().max().item() + 1e-12)
-               for a, b in zip(packed.parameters(), plain.parameters()))
+    gerr = max(
+        (a.grad - b.grad).abs().max().item() / (b.grad.abs().max().item() + 1e-12)
+        for a, b in zip(packed.parameters(), plain.parameters())
+    )
     assert gerr < 1e-4, gerr  # measured ~1e-6 relative
 
 
@@ -46,6 +59,12 @@ def test_a_plain_batch_of_rows_is_causal_sdpa():
     """B > 1 rows without packing (as the MFU bench feeds it): the same as transformers' sdpa."""
     packed, plain = _model(packed_attention.NAME), _model("sdpa")
     tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(2))
-    err = (packed(input_ids=tokens, use_cache=False).logits
-           - plain(input_ids=tokens, use_cache=False).logits).abs().max()
+    err = (
+        (
+            packed(input_ids=tokens, use_cache=False).logits
+            - plain(input_ids=tokens, use_cache=False).logits
+        )
+        .abs()
+        .max()
+    )
     assert err < 1e-5, err  # measured ~5e-7

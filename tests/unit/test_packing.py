@@ -1,11 +1,18 @@
 """Micro-batch planning, packing and the block-causal mask (checked against per-sequence attention)."""
+
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rlmega.data.packing import block_causal_mask, pack, padding_efficiency, plan_micro_batches, unpack
+from rlmega.data.packing import (
+    block_causal_mask,
+    pack,
+    padding_efficiency,
+    plan_micro_batches,
+    unpack,
+)
 
 
 def random_lengths(n, lo=1, hi=100, seed=0):
@@ -39,13 +46,21 @@ def test_plan_hand_computed():
 
 @pytest.mark.parametrize(
     "n,max_tokens,dp_size,multiple_of",
-    [(1, 100, 1, 1), (37, 100, 1, 1), (64, 256, 4, 1), (50, 150, 2, 2), (100, 300, 3, 4), (9, 1000, 2, 4)],
+    [
+        (1, 100, 1, 1),
+        (37, 100, 1, 1),
+        (64, 256, 4, 1),
+        (50, 150, 2, 2),
+        (100, 300, 3, 4),
+        (9, 1000, 2, 4),
+    ],
 )
 def test_plan_invariants(n, max_tokens, dp_size, multiple_of):
     lengths = random_lengths(n, seed=n)
     plan = plan_micro_batches(lengths, max_tokens, dp_size, multiple_of)
     check_plan(lengths, plan, max_tokens, dp_size, multiple_of)
-    assert plan == plan_micro_batches(list(lengths), max_tokens, dp_size, multiple_of)  # deterministic
+    # deterministic
+    assert plan == plan_micro_batches(list(lengths), max_tokens, dp_size, multiple_of)
 
 
 def test_plan_ffd_is_tight():
@@ -65,7 +80,9 @@ def test_plan_multiple_of_splits_most_populated_bin():
 
 
 def test_plan_errors():
-    with pytest.raises(ValueError, match="sample 2 has 11 tokens.*max_tokens=10.*raise the token budget"):
+    with pytest.raises(
+        ValueError, match="sample 2 has 11 tokens.*max_tokens=10.*raise the token budget"
+    ):
         plan_micro_batches([3, 4, 11], max_tokens=10)
     with pytest.raises(ValueError, match="dp_size=4 ranks but only 3 samples"):
         plan_micro_batches([3, 4, 5], max_tokens=10, dp_size=4)
@@ -146,19 +163,26 @@ def test_packed_attention_matches_per_sequence(lengths, row_multiple):
     assert not packed.isnan().any()
     bounds = row["cu_seqlens"].tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        alone = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+        alone = F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True
+        )
         assert (packed[:, :, a:b] - alone).abs().max() <= 1e-6
-    assert torch.equal(packed[:, :, bounds[-1]:], v[:, :, bounds[-1]:])  # padding attends to itself
+    assert torch.equal(
+        packed[:, :, bounds[-1] :], v[:, :, bounds[-1] :]
+    )  # padding attends to itself
 
 
 def test_short_batch_plans_placeholders_instead_of_raising():
     """Fewer samples than DP ranks, or than a rank's multiple_of micro-batches (stale drops, short
     dynamic sampling): allow_empty gives those ranks empty micro-batches after their real ones."""
     assert plan_micro_batches([3], max_tokens=10, dp_size=2, allow_empty=True) == [[[0]], [[]]]
-    assert plan_micro_batches([3, 4, 5], max_tokens=10, dp_size=4, multiple_of=2, allow_empty=True) == [
-        [[2], []], [[1], []], [[0], []], [[], []]]
+    assert plan_micro_batches(
+        [3, 4, 5], max_tokens=10, dp_size=4, multiple_of=2, allow_empty=True
+    ) == [[[2], []], [[1], []], [[0], []], [[], []]]
     # a rank that can be split still is: the placeholders only fill what samples cannot
-    assert plan_micro_batches([5, 3, 2, 1], max_tokens=100, multiple_of=2, allow_empty=True) == [[[0, 3], [1, 2]]]
+    assert plan_micro_batches([5, 3, 2, 1], max_tokens=100, multiple_of=2, allow_empty=True) == [
+        [[0, 3], [1, 2]]
+    ]
     for n, dp, m in [(1, 4, 1), (3, 2, 4), (5, 3, 2)]:
         lengths = random_lengths(n, seed=n)
         plan = plan_micro_batches(lengths, 200, dp, m, allow_empty=True)
@@ -167,7 +191,9 @@ def test_short_batch_plans_placeholders_instead_of_raising():
     with pytest.raises(ValueError, match="no samples to plan"):
         plan_micro_batches([], max_tokens=10, allow_empty=True)
     # a placeholder computes the shortest sample's row (4 tokens, rounded up to 8): padding only
-    assert padding_efficiency([4, 6], [[[0, 1]], [[]]], row_multiple=8) == pytest.approx(10 / (16 + 8))
+    assert padding_efficiency([4, 6], [[[0, 1]], [[]]], row_multiple=8) == pytest.approx(
+        10 / (16 + 8)
+    )
 
 
 def test_mini_batch_count_is_whole_global_batches_and_at_least_one():
@@ -186,7 +212,10 @@ def test_placeholder_micro_batch_has_no_loss_tokens_and_scatters_nothing():
     for min_shape in (None, (2, 30)):
         mb = build_micro_batch(batch, [], min_shape=min_shape)
         shortest = min(range(3), key=lambda i: (batch.lengths()[i], i))
-        assert mb["tokens"].shape[1] >= batch.lengths()[shortest] and mb["tokens"][0, 0] == batch.tokens[shortest][0]
+        assert (
+            mb["tokens"].shape[1] >= batch.lengths()[shortest]
+            and mb["tokens"][0, 0] == batch.tokens[shortest][0]
+        )
         assert float(mb["loss_mask"].sum()) == 0.0 and mb["indices"] == []
         assert scatter_responses(torch.arange(mb["labels"].numel()), mb) == {}
 
@@ -216,9 +245,12 @@ def test_routes_pack_into_rows_and_back():
     back = unpack_rows(rows, mb)
     tokens = unpack_rows(mb["tokens"], mb)
     for i in range(len(batch)):
-        assert torch.equal(back[i], batch.routed_experts[i]) and torch.equal(tokens[i], batch.tokens[i])
+        assert torch.equal(back[i], batch.routed_experts[i]) and torch.equal(
+            tokens[i], batch.tokens[i]
+        )
     real = mb["real_tokens"].view(B, S)
-    assert int(real.sum()) == batch.num_tokens() and bool((rows[~real] == -1).all())  # padding: no route
+    # padding: no route
+    assert int(real.sum()) == batch.num_tokens() and bool((rows[~real] == -1).all())
     assert int(mb["generated"].sum()) == batch.num_response_tokens()
     assert bool(mb["real_tokens"][mb["generated"]].all())
 
@@ -228,8 +260,12 @@ def test_min_shape_pads_with_rows_of_padding():
 
     batch = _routed_batch()
     idx = [1, 4]
-    assert micro_batch_shape(batch.lengths(), idx) == tuple(build_micro_batch(batch, idx)["tokens"].shape)
-    assert micro_batch_shape(batch.lengths(), []) == tuple(build_micro_batch(batch, [])["tokens"].shape)
+    assert micro_batch_shape(batch.lengths(), idx) == tuple(
+        build_micro_batch(batch, idx)["tokens"].shape
+    )
+    assert micro_batch_shape(batch.lengths(), []) == tuple(
+        build_micro_batch(batch, [])["tokens"].shape
+    )
     small = build_micro_batch(batch, idx)
     B, S = small["tokens"].shape
     big = build_micro_batch(batch, idx, min_shape=(B + 2, S + 3))

@@ -1,4 +1,5 @@
 """The parity guard's pure parts: which samples it measures, its verdicts, its limits and messages."""
+
 import logging
 import math
 
@@ -12,14 +13,24 @@ def test_only_samples_of_the_current_weights_are_measured():
     rollout = [torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -5.0]), torch.tensor([-3.0])]
     actor = [torch.tensor([-1.0, -2.5]), torch.tensor([-1.0, -1.0]), torch.tensor([-3.25])]
     masks = [torch.ones(2), torch.ones(2), torch.ones(1)]
-    got = on_policy_diff(rollout, actor, masks, [True, False, True])  # sample 1 is stale: its 4.0 is ignored
+    # sample 1 is stale: its 4.0 is ignored
+    got = on_policy_diff(rollout, actor, masks, [True, False, True])
     assert got == {"max": 0.5, "mean": (0 + 0.5 + 0.25) / 3, "samples": 2}
-    assert on_policy_diff(rollout, actor, masks, [False] * 3) == {"max": 0.0, "mean": 0.0, "samples": 0}
+    assert on_policy_diff(rollout, actor, masks, [False] * 3) == {
+        "max": 0.0,
+        "mean": 0.0,
+        "samples": 0,
+    }
 
 
 def test_verdicts_and_nan():
-    assert [parity_verdict(x, 1e-3, 1e-2) for x in (1e-6, 1e-3, 2e-3, 1e-2, 0.5)] == \
-        ["ok", "ok", "warn", "warn", "stop"]
+    assert [parity_verdict(x, 1e-3, 1e-2) for x in (1e-6, 1e-3, 2e-3, 1e-2, 0.5)] == [
+        "ok",
+        "ok",
+        "warn",
+        "warn",
+        "stop",
+    ]
     assert parity_verdict(math.nan, 1e-3, 1e-2) == "stop"
 
 
@@ -37,7 +48,11 @@ def test_guard_warns_then_stops_with_the_numbers(caplog):
     with caplog.at_level(logging.WARNING):
         assert guard(_metrics(2e-6)) is None and not caplog.records
         assert guard(_metrics(4e-3)) is None
-    assert "step 3" in caplog.text and "0.004" in caplog.text and "rollout.parity_warn=0.001" in caplog.text
+    assert (
+        "step 3" in caplog.text
+        and "0.004" in caplog.text
+        and "rollout.parity_warn=0.001" in caplog.text
+    )
     reason = guard(_metrics(0.03))
     assert "0.03" in reason and "rollout.parity_stop=0.01" in reason and "8 samples" in reason
 

@@ -1,5 +1,6 @@
 """Curves from metrics.jsonl (rlmega/rundir/plots.py) and `rlmega plot`, on metrics files written here in the
 trainer's format (rlmega/rundir/run.py: one JSON object a line, NaN logged as null, a step-0 eval line)."""
+
 import json
 import math
 import struct
@@ -7,17 +8,40 @@ import struct
 import pytest
 
 from rlmega.cli import main as cli_main
-from rlmega.rundir.plots import CURVES, MetricsError, panel_titles, plot_run, plot_runs, read_metrics
+from rlmega.rundir.plots import (
+    CURVES,
+    MetricsError,
+    panel_titles,
+    plot_run,
+    plot_runs,
+    read_metrics,
+)
 from rlmega.rundir.run import RunDir
 
-ALL_PANELS = ["reward (mean)", "held-out greedy reward", "KL to reference", "response length (tokens)",
-              "step time by phase (s)"]
+ALL_PANELS = [
+    "reward (mean)",
+    "held-out greedy reward",
+    "KL to reference",
+    "response length (tokens)",
+    "step time by phase (s)",
+]
 
 
 def _step(step: int, reward: float, **extra) -> dict:
-    return {"step": step, "reward_mean": reward, "kl_ref": 0.001 * step, "response_length": 4.0 + step % 3,
-            "time_wait": 0.5, "time_generate": 0.6, "time_logprob": 0.1, "time_train": 0.7, "time_sync": 0.05,
-            "time_step": 1.4, "loss": float("nan"), **extra}
+    return {
+        "step": step,
+        "reward_mean": reward,
+        "kl_ref": 0.001 * step,
+        "response_length": 4.0 + step % 3,
+        "time_wait": 0.5,
+        "time_generate": 0.6,
+        "time_logprob": 0.1,
+        "time_train": 0.7,
+        "time_sync": 0.05,
+        "time_step": 1.4,
+        "loss": float("nan"),
+        **extra,
+    }
 
 
 def _write_run(path, steps=12, eval_every=0):
@@ -26,8 +50,13 @@ def _write_run(path, steps=12, eval_every=0):
     if eval_every:
         run.log({"step": 0, "eval_accuracy": 0.3})
     for s in range(1, steps + 1):
-        run.log(_step(s, 0.1 + 0.02 * s, **({"eval_accuracy": 0.3 + 0.01 * s} if eval_every and s % eval_every == 0
-                                              else {})))
+        run.log(
+            _step(
+                s,
+                0.1 + 0.02 * s,
+                **({"eval_accuracy": 0.3 + 0.01 * s} if eval_every and s % eval_every == 0 else {}),
+            )
+        )
     run.close()
     return path
 
@@ -48,6 +77,7 @@ def test_one_run_draws_every_panel_into_a_valid_png(tmp_path):
     assert w > 800 and h > 500
     assert panel_titles([read_metrics(run)]) == ALL_PANELS
     from matplotlib.image import imread
+
     assert imread(out).shape[:2] == (h, w)  # matplotlib reads back what it wrote
     assert not list(run.glob(".*tmp"))  # the temporary name was renamed, not left behind
 
@@ -59,8 +89,9 @@ def test_a_run_without_a_kl_term_draws_no_kl_panel(tmp_path):
         run.log(_step(s, 0.1, kl_ref=0.0))
     run.close()
     assert plot_run(tmp_path / "run").exists()
-    assert panel_titles([read_metrics(tmp_path / "run")]) == [t for t in ALL_PANELS if t not in
-                                                              ("held-out greedy reward", "KL to reference")]
+    assert panel_titles([read_metrics(tmp_path / "run")]) == [
+        t for t in ALL_PANELS if t not in ("held-out greedy reward", "KL to reference")
+    ]
 
 
 def test_a_warm_started_run_draws_its_warm_start_loss(tmp_path):
@@ -73,7 +104,8 @@ def test_a_warm_started_run_draws_its_warm_start_loss(tmp_path):
     from rlmega.rundir.plots import read_warm_start
 
     got = read_warm_start(tmp_path / "run")
-    assert got[:2] == [2.5, 1.75] and math.isnan(got[2]) and got[3] == 0.5  # NaN kept as a gap (JSON null)
+    # NaN kept as a gap (JSON null)
+    assert got[:2] == [2.5, 1.75] and math.isnan(got[2]) and got[3] == 0.5
     assert plot_run(tmp_path / "run").exists()
     assert panel_titles([read_metrics(tmp_path / "run")], [got])[-1] == "warm-start loss"
     assert "warm-start loss" not in panel_titles([read_metrics(tmp_path / "run")], [[]])
@@ -81,9 +113,12 @@ def test_a_warm_started_run_draws_its_warm_start_loss(tmp_path):
 
 def test_the_plot_reads_the_metrics_file_anew(tmp_path):
     run = _write_run(tmp_path / "run")  # no evaluation: no accuracy panel
-    assert plot_runs([run], run / CURVES) == [t for t in ALL_PANELS if t != "held-out greedy reward"]
+    assert plot_runs([run], run / CURVES) == [
+        t for t in ALL_PANELS if t != "held-out greedy reward"
+    ]
     first = (run / CURVES).read_bytes()
-    with open(run / "metrics.jsonl", "a") as f:  # the run goes on and evaluates: the file, not a copy, is drawn
+    # the run goes on and evaluates: the file, not a copy, is drawn
+    with open(run / "metrics.jsonl", "a") as f:
         for s in range(13, 25):
             f.write(json.dumps(_step(s, 0.9, eval_accuracy=0.8)) + "\n")
     assert plot_runs([run], run / CURVES) == ALL_PANELS
@@ -106,8 +141,12 @@ def test_rlmega_plot_overlays_two_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli_main(["plot", str(a), str(b)]) == 0
     _png_size(tmp_path / CURVES)  # several runs: ./curves.png
-    assert "held-out greedy reward" in capsys.readouterr().out  # one run evaluated: the panel is there
-    assert cli_main(["plot", str(a), str(b), "--out", str(tmp_path / "cmp" / "sync_vs_async.png")]) == 0
+    # one run evaluated: the panel is there
+    assert "held-out greedy reward" in capsys.readouterr().out
+    assert (
+        cli_main(["plot", str(a), str(b), "--out", str(tmp_path / "cmp" / "sync_vs_async.png")])
+        == 0
+    )
     _png_size(tmp_path / "cmp" / "sync_vs_async.png")
     assert cli_main(["plot", str(b)]) == 0  # one run: into its folder
     _png_size(b / CURVES)
@@ -116,7 +155,10 @@ def test_rlmega_plot_overlays_two_runs(tmp_path, monkeypatch, capsys):
 def test_rlmega_plot_names_a_folder_without_metrics(tmp_path, capsys):
     good = _write_run(tmp_path / "good")
     (tmp_path / "empty").mkdir()
-    assert cli_main(["plot", str(good), str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")]) == 2
+    assert (
+        cli_main(["plot", str(good), str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"{tmp_path / 'empty'} has no metrics.jsonl" in err and "Fix:" in err
     assert not (tmp_path / "x.png").exists()  # nothing is written when a run is missing
@@ -124,7 +166,9 @@ def test_rlmega_plot_names_a_folder_without_metrics(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
 
 
-def test_a_run_that_ends_draws_its_curves_and_a_drawing_failure_hides_nothing(tmp_path, monkeypatch, caplog):
+def test_a_run_that_ends_draws_its_curves_and_a_drawing_failure_hides_nothing(
+    tmp_path, monkeypatch, caplog
+):
     """rlmega.train.draw_curves, as train() calls it in its finally: a picture when steps were logged,
     nothing for an empty run, and a warning (never an exception) when drawing fails."""
     from rlmega.rundir import plots
@@ -140,6 +184,7 @@ def test_a_run_that_ends_draws_its_curves_and_a_drawing_failure_hides_nothing(tm
 
     def broken(*a, **k):
         raise RuntimeError("no fonts")
+
     monkeypatch.setattr(plots, "plot_runs", broken)
     draw_curves(run)  # logged, not raised
     assert "could not draw" in caplog.text and "RuntimeError: no fonts" in caplog.text

@@ -1,6 +1,7 @@
 """An rlmega command leaves without the interpreter's teardown (rlmega/launch/process_exit.py), yet everything
 a user can see still happens: its threads finish, atexit handlers run, buffered output is written, the code
 is the command's. Each of these fails when its line in ``leave`` is taken out."""
+
 import os
 import subprocess
 import sys
@@ -25,7 +26,9 @@ def test_leave_joins_threads_runs_atexit_flushes_and_skips_the_teardown(tmp_path
         leave(3)
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout a buffered pipe
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
     assert r.returncode == 3, r.stderr
     assert r.stdout == "no newline, still buffered"
     assert (tmp_path / "thread").read_text() == "finished"

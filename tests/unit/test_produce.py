@@ -1,5 +1,6 @@
 """The producer's pure parts: DAPO's overlong penalty and uniform groups (by hand), per-token weight
 versions and staleness, the batch's checkpoint form, refill seeds, and the overlong shaping of a batch."""
+
 import io
 
 import pytest
@@ -21,7 +22,14 @@ def test_overlong_penalty_is_dapo_eq_13():
     lengths = torch.tensor([0, 16, 17, 18, 20, 25])
     got = dapo.overlong_penalty(lengths, max_len=20, buffer=4)
     assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
-    assert dapo.overlong_penalty(lengths, 20, 4, factor=0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+    assert dapo.overlong_penalty(lengths, 20, 4, factor=0.5).tolist() == [
+        0.0,
+        0.0,
+        -0.125,
+        -0.25,
+        -0.5,
+        -0.5,
+    ]
     with pytest.raises(ValueError, match="overlong buffer 0"):
         dapo.overlong_penalty(lengths, 20, 0)
     assert dapo.default_buffer(20480) == 4096 and dapo.default_buffer(3) == 1
@@ -43,7 +51,8 @@ def _traj(versions_per_turn, reason="stop", tool=0):
 
 
 def test_trajectories_keep_each_tokens_version_and_staleness_is_the_oldest():
-    t = _traj([[3, 3, 4], [4, 4]], tool=2)  # a turn preempted by a sync (3 -> 4), a tool result, a turn
+    # a turn preempted by a sync (3 -> 4), a tool result, a turn
+    t = _traj([[3, 3, 4], [4, 4]], tool=2)
     assert t.versions == [3, 3, 4, -1, -1, 4, 4, -1, -1]
     assert staleness(t, 5) == 2 and staleness(t, 3) == 0
     assert staleness(Trajectory(prompt_ids=[1]), 7) == 0  # nothing sampled
@@ -55,27 +64,48 @@ def test_trajectories_keep_each_tokens_version_and_staleness_is_the_oldest():
 
 
 def test_staleness_metrics_histogram_and_partial_rollouts():
-    g = TrajectoryGroup(task="t", prompt_index=0, label="1",
-                        trajectories=[_traj([[2, 2]]), _traj([[1, 2]]), _traj([[2]])])
+    g = TrajectoryGroup(
+        task="t",
+        prompt_index=0,
+        label="1",
+        trajectories=[_traj([[2, 2]]), _traj([[1, 2]]), _traj([[2]])],
+    )
     failed = TrajectoryGroup(task="t", prompt_index=1, label="2", error="engine died")
     m = staleness_metrics([g, failed], step=2)
-    assert m == {"staleness_mean": 1 / 3, "staleness_max": 1, "partial_rollouts": 1,
-                 "staleness/0": 2, "staleness/1": 1}
+    assert m == {
+        "staleness_mean": 1 / 3,
+        "staleness_max": 1,
+        "partial_rollouts": 1,
+        "staleness/0": 2,
+        "staleness/1": 1,
+    }
 
 
 def test_a_produced_batch_survives_a_weights_only_checkpoint():
     t = _traj([[0, 1]], tool=1)
     t.scores, t.reward, t.metadata = {"reward": 0.5}, 0.5, {"transcript": "x"}
-    batch = ProducedBatch(index=3, groups=[TrajectoryGroup(task="math", prompt_index=0, label="46", trajectories=[t])],
-                          requests=[("math", GroupRequest(prompt_index=0, prompt_ids=[1, 2], label="46", seed=9,
-                                                          prompt_text="12+34=", n=4))],
-                          stats={"time_generate": 1.5, "sampling_rounds": 1})
+    batch = ProducedBatch(
+        index=3,
+        groups=[TrajectoryGroup(task="math", prompt_index=0, label="46", trajectories=[t])],
+        requests=[
+            (
+                "math",
+                GroupRequest(
+                    prompt_index=0, prompt_ids=[1, 2], label="46", seed=9, prompt_text="12+34=", n=4
+                ),
+            )
+        ],
+        stats={"time_generate": 1.5, "sampling_rounds": 1},
+    )
     buf = io.BytesIO()
     torch.save({"buffer": [batch.to_state()]}, buf)
     buf.seek(0)
     back = ProducedBatch.from_state(torch.load(buf, weights_only=True)["buffer"][0])
     assert back == batch
-    assert batch_from_groups(back.groups).tokens[0].tolist() == batch_from_groups(batch.groups).tokens[0].tolist()
+    assert (
+        batch_from_groups(back.groups).tokens[0].tolist()
+        == batch_from_groups(batch.groups).tokens[0].tolist()
+    )
 
 
 def test_queues_count_groups():
@@ -84,8 +114,11 @@ def test_queues_count_groups():
     prompts.add(1, 2)
     prompts.done(0)
     assert prompts.size() == 5
-    b = ProducedBatch(index=2, groups=[TrajectoryGroup(task="t", prompt_index=i, label="") for i in range(3)],
-                      requests=[])
+    b = ProducedBatch(
+        index=2,
+        groups=[TrajectoryGroup(task="t", prompt_index=i, label="") for i in range(3)],
+        requests=[],
+    )
     results.put(b)
     assert results.size() == 3 and results.indices() == [2]
     with pytest.raises(RuntimeError, match="batch 2 produced twice"):
@@ -105,7 +138,9 @@ def test_refill_rounds_continue_the_group_seeds():
 
 
 def _batch_of(rows):
-    groups = [TrajectoryGroup(task="default", prompt_index=0, label="", trajectories=[t for t in rows])]
+    groups = [
+        TrajectoryGroup(task="default", prompt_index=0, label="", trajectories=[t for t in rows])
+    ]
     for i, t in enumerate(rows):
         t.reward = float(i)
     return batch_from_groups(groups), [("default", t) for t in rows]
@@ -114,7 +149,11 @@ def _batch_of(rows):
 def test_overlong_mask_drops_cut_responses_from_the_loss_and_penalty_shapes_rewards():
     cfg = RLConfig()
     cfg.rollout.max_response_tokens = 10
-    rows = [_traj([[0] * 10], reason="length"), _traj([[0] * 9]), _traj([[0] * 3], reason="max_tokens")]
+    rows = [
+        _traj([[0] * 10], reason="length"),
+        _traj([[0] * 9]),
+        _traj([[0] * 3], reason="max_tokens"),
+    ]
     batch, rows = _batch_of(rows)
     cfg.algorithm.overlong = "none"
     same, m = shape_overlong(batch, rows, cfg)
@@ -134,16 +173,25 @@ def test_overlong_mask_drops_cut_responses_from_the_loss_and_penalty_shapes_rewa
 
 
 def test_stale_groups_are_found_by_their_oldest_token_and_dropped_with_their_requests():
-    groups = [TrajectoryGroup(task="t", prompt_index=i, label=str(i), trajectories=[_traj([v])])
-              for i, v in enumerate([[3, 3], [1, 3], [2, 2]])]
-    groups.append(TrajectoryGroup(task="t", prompt_index=3, label="3", error="engine died"))  # no tokens: not stale
-    reqs = [("t", GroupRequest(prompt_index=i, prompt_ids=[1], label=str(i), seed=i)) for i in range(4)]
+    groups = [
+        TrajectoryGroup(task="t", prompt_index=i, label=str(i), trajectories=[_traj([v])])
+        for i, v in enumerate([[3, 3], [1, 3], [2, 2]])
+    ]
+    # no tokens: not stale
+    groups.append(TrajectoryGroup(task="t", prompt_index=3, label="3", error="engine died"))
+    reqs = [
+        ("t", GroupRequest(prompt_index=i, prompt_ids=[1], label=str(i), seed=i)) for i in range(4)
+    ]
     batch = ProducedBatch(index=4, groups=groups, requests=reqs, stats={})
     assert stale_groups(batch, step=4, k=1) == [1, 2]  # 4 - 1 = 3 and 4 - 2 = 2 versions behind
     assert stale_groups(batch, step=4, k=3) == []
     drop_groups(batch, [1, 2], k=1)
-    assert [g.label for g in batch.groups] == ["0", "3"] and [r.label for _, r in batch.requests] == ["0", "3"]
+    assert [g.label for g in batch.groups] == ["0", "3"] and [
+        r.label for _, r in batch.requests
+    ] == ["0", "3"]
     assert batch.stats["stale_dropped"] == 2
-    with pytest.raises(RuntimeError,
-                       match="batch 4: every group is older than produce.max_staleness=0.*on_stale=requeue"):
+    with pytest.raises(
+        RuntimeError,
+        match="batch 4: every group is older than produce.max_staleness=0.*on_stale=requeue",
+    ):
         drop_groups(batch, [0, 1], k=0)

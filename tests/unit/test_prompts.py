@@ -1,4 +1,5 @@
 """Prompt loading (JSONL, Parquet), tokenization and filtering, and the resumable sampler."""
+
 import json
 
 import pytest
@@ -23,7 +24,9 @@ def tokenizer(tmp_path_factory):
 
     from rlmega.demo.tiny_model import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=128, num_heads=2, num_layers=1)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model", hidden_size=128, num_heads=2, num_layers=1
+    )
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -52,11 +55,16 @@ def _plain(rows):
 
 
 def test_jsonl_rows_in_file_order_blank_lines_ignored(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3", "extra": 1}, "",
-                                              "   ", {"prompt": CHAT, "label": 3}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": "1+2=", "label": "3", "extra": 1}, "", "   ", {"prompt": CHAT, "label": 3}],
+    )
     rows, skipped = load_rows(path, "prompt", "label", "error")
-    assert rows == [{"prompt": "1+2=", "label": "3", "columns": {"extra": 1}, "where": f"{path}, row 1"},
-                    {"prompt": CHAT, "label": 3, "where": f"{path}, row 2 (line 4)"}]  # where: for later messages
+    # where: for later messages
+    assert rows == [
+        {"prompt": "1+2=", "label": "3", "columns": {"extra": 1}, "where": f"{path}, row 1"},
+        {"prompt": CHAT, "label": 3, "where": f"{path}, row 2 (line 4)"},
+    ]
     assert skipped.count == 0 and skipped.reasons == []
 
 
@@ -67,19 +75,27 @@ def test_custom_keys(tmp_path):
 
 
 def test_parquet_strings_and_messages(tmp_path):
-    path = write_parquet(tmp_path / "p.parquet", [{"q": "1+2=", "a": "3", "other": 0.5},
-                                                  {"q": "4+4=", "a": "8", "other": 1.5}])
+    path = write_parquet(
+        tmp_path / "p.parquet",
+        [{"q": "1+2=", "a": "3", "other": 0.5}, {"q": "4+4=", "a": "8", "other": 1.5}],
+    )
     rows, skipped = load_rows(path, "q", "a")
     # every column is read: the other ones go to the reward function by name (issue 56)
-    assert _plain(rows) == [{"prompt": "1+2=", "label": "3", "columns": {"other": 0.5}},
-                            {"prompt": "4+4=", "label": "8", "columns": {"other": 1.5}}]
+    assert _plain(rows) == [
+        {"prompt": "1+2=", "label": "3", "columns": {"other": 0.5}},
+        {"prompt": "4+4=", "label": "8", "columns": {"other": 1.5}},
+    ]
     assert rows[1]["where"] == f"{path}, row 2" and skipped.count == 0
     chat = write_parquet(tmp_path / "chat.parquet", [{"prompt": CHAT, "label": "3"}])
-    assert _plain(load_rows(chat)[0]) == [{"prompt": CHAT, "label": "3"}]  # list<struct> -> list of dicts
+    # list<struct> -> list of dicts
+    assert _plain(load_rows(chat)[0]) == [{"prompt": CHAT, "label": "3"}]
 
 
 def test_parquet_bad_rows_name_row(tmp_path):
-    path = write_parquet(tmp_path / "p.parquet", [{"prompt": "1+2=", "label": "3"}, {"prompt": "1+1=", "label": None}])
+    path = write_parquet(
+        tmp_path / "p.parquet",
+        [{"prompt": "1+2=", "label": "3"}, {"prompt": "1+1=", "label": None}],
+    )
     with pytest.raises(BadRowError, match=r"p\.parquet, row 2: label 'label' is null.*Fix:"):
         load_rows(path)  # it used to say "missing label key" for a column that is there
     rows, skipped = load_rows(path, on_bad_row="skip")
@@ -88,7 +104,9 @@ def test_parquet_bad_rows_name_row(tmp_path):
 
 def test_parquet_missing_column_is_a_file_error_even_when_skipping(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", [{"text": "1+2=", "label": "3"}])
-    with pytest.raises(BadRowError, match=r"no prompt column 'prompt' \(columns: \['text', 'label'\]\).*prompt_key"):
+    with pytest.raises(
+        BadRowError, match=r"no prompt column 'prompt' \(columns: \['text', 'label'\]\).*prompt_key"
+    ):
         load_rows(path, on_bad_row="skip")
 
 
@@ -135,7 +153,9 @@ def test_skip_mode_counts_and_keeps_first_reasons(tmp_path):
     assert skipped.count == len(BAD_ROWS)
     assert len(skipped.reasons) == 5  # only the first few reasons are kept
     assert skipped.reasons[0].startswith(f"{tmp_path / 'bad.jsonl'}, row 2: invalid JSON")
-    assert [r.split(": ")[0].rsplit(", ", 1)[1] for r in skipped.reasons] == [f"row {i}" for i in range(2, 7)]
+    assert [r.split(": ")[0].rsplit(", ", 1)[1] for r in skipped.reasons] == [
+        f"row {i}" for i in range(2, 7)
+    ]
     assert "prompt 'prompt' has type int" in skipped.reasons[3]
 
 
@@ -175,7 +195,12 @@ def test_plain_prompts_encoded_without_special_tokens(tokenizer):
     ds = PromptDataset(rows, tokenizer, max_prompt_tokens=64, apply_chat_template=False)
     assert len(ds) == 4 and ds.num_filtered == 0
     p = ds[2]
-    assert isinstance(p, Prompt) and p.index == 2 and p.text == rows[2]["prompt"] and p.label == rows[2]["label"]
+    assert (
+        isinstance(p, Prompt)
+        and p.index == 2
+        and p.text == rows[2]["prompt"]
+        and p.label == rows[2]["label"]
+    )
     assert p.token_ids == tokenizer.encode(rows[2]["prompt"], add_special_tokens=False)
     assert len(p.token_ids) == len(p.text)  # character-level tokenizer, no BOS
     assert [q.index for q in ds] == [0, 1, 2, 3]
@@ -186,18 +211,25 @@ def test_chat_messages_and_wrapped_strings_use_the_template(tokenizer):
     ds = PromptDataset(rows, tokenizer, max_prompt_tokens=64, apply_chat_template=True)
     chat, wrapped = ds[0], ds[1]
     assert chat.text == "system: add.\nuser: 1+2=\nassistant: "
-    assert chat.token_ids == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False)
+    assert chat.token_ids == tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert tokenizer.decode(chat.token_ids) == chat.text
     assert wrapped.text == "user: 1+2=\nassistant: "
     assert wrapped.token_ids == tokenizer.encode(wrapped.text, add_special_tokens=False)
     # Message lists use the template even when apply_chat_template is False.
-    assert PromptDataset(rows, tokenizer, 64, apply_chat_template=False)[0].token_ids == chat.token_ids
+    assert (
+        PromptDataset(rows, tokenizer, 64, apply_chat_template=False)[0].token_ids == chat.token_ids
+    )
 
 
 def test_long_prompts_filtered_and_counted(tokenizer):
-    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "1" * 9, "label": "x"},
-            {"prompt": "12345678", "label": "y"}, {"prompt": "1" * 30, "label": "z"}]
+    rows = [
+        {"prompt": "1+2=", "label": "3"},
+        {"prompt": "1" * 9, "label": "x"},
+        {"prompt": "12345678", "label": "y"},
+        {"prompt": "1" * 30, "label": "z"},
+    ]
     ds = PromptDataset(rows, tokenizer, max_prompt_tokens=8)
     assert ds.num_filtered == 2
     assert [p.index for p in ds] == [0, 2]  # index = position in rows; exactly 8 tokens is kept
@@ -206,8 +238,11 @@ def test_long_prompts_filtered_and_counted(tokenizer):
 
 def test_nothing_left_is_a_clear_error(tokenizer):
     rows = [{"prompt": "1" * 10, "label": "x"}, {"prompt": "1" * 12, "label": "y"}]
-    with pytest.raises(ValueError, match=r"none of the 2 prompts fits max_prompt_tokens=4 \(token lengths 10..12\)"
-                                         r".*at least 10"):
+    with pytest.raises(
+        ValueError,
+        match=r"none of the 2 prompts fits max_prompt_tokens=4 \(token lengths 10..12\)"
+        r".*at least 10",
+    ):
         PromptDataset(rows, tokenizer, max_prompt_tokens=4)
 
 
@@ -215,7 +250,9 @@ def test_load_prompt_dataset_from_config(tokenizer, tmp_path):
     cfg = DataConfig(synthetic_size=6, synthetic_digits=1, seed=3)
     ds = load_prompt_dataset(cfg, tokenizer, max_prompt_tokens=64)
     assert [p.text for p in ds] == [r["prompt"] for r in synthetic_arithmetic_rows(6, 1, 3)]
-    held_out = load_prompt_dataset(DataConfig(synthetic_size=200, seed=3), tokenizer, 64, split="eval")
+    held_out = load_prompt_dataset(
+        DataConfig(synthetic_size=200, seed=3), tokenizer, 64, split="eval"
+    )
     train = {r["prompt"] for r in synthetic_arithmetic_rows(200, 2, 3)}
     assert len(held_out) == SYNTHETIC_EVAL_SIZE and not train & {p.text for p in held_out}
     path = write_jsonl(tmp_path / "e.jsonl", [{"q": "1+1=", "a": "2"}, "{"])
@@ -233,7 +270,8 @@ def test_prompt_data_resume_and_warmup(tokenizer):
     first = load_prompt_data(cfg, tokenizer, 64, prompts_per_step=4)
     warm = [p.index for p in first.warmup_prompts(3)]
     assert warm == [p.index for p in first.warmup_prompts(3)] and len(warm) == 4  # pure in i
-    head = [[p.index for p in first.next_prompts()] for _ in range(2)]  # warm-up did not move the sampler
+    # warm-up did not move the sampler
+    head = [[p.index for p in first.next_prompts()] for _ in range(2)]
     resumed = load_prompt_data(cfg, tokenizer, 64, prompts_per_step=4)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert head + [[p.index for p in resumed.next_prompts()] for _ in range(3)] == expected
@@ -251,7 +289,9 @@ def test_data_config_section_and_checks(tmp_path):
         load_config(None, ["data.on_bad_row=ignore"])
     bad = RLConfig()
     bad.data.train_path = str(tmp_path / "missing.jsonl")
-    with pytest.raises(ConfigError, match="data.train_path: prompt file .*missing.jsonl' does not exist"):
+    with pytest.raises(
+        ConfigError, match="data.train_path: prompt file .*missing.jsonl' does not exist"
+    ):
         validate(bad)
 
 
@@ -301,7 +341,8 @@ def test_sampler_state_checks():
         PromptSampler(9, 3, True, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="seed=0.*seed=1"):
         PromptSampler(10, 3, True, 1).load_state_dict(state)
-    PromptSampler(10, 5, True, 0).load_state_dict(state)  # a new batch size continues the same order
+    # a new batch size continues the same order
+    PromptSampler(10, 5, True, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="out of range"):
         s.load_state_dict({**state, "position": 10})
     with pytest.raises(ValueError):
@@ -311,7 +352,9 @@ def test_sampler_state_checks():
 def test_utf8_bom_on_the_first_line_is_accepted(tmp_path):
     # "UTF-8 with BOM" (common editors) used to reject row 1 with an invalid-JSON hint (issue 10).
     path = tmp_path / "bom.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n')
+    path.write_bytes(
+        b"\xef\xbb\xbf" + b'{"prompt": "1+2=", "label": "3"}\n{"prompt": "2+2=", "label": "4"}\n'
+    )
     rows, skipped = load_rows(str(path))
     assert [r["label"] for r in rows] == ["3", "4"] and skipped.count == 0
 
@@ -325,8 +368,14 @@ def test_a_file_that_is_not_parquet_is_named(tmp_path):
 
 def test_lossy_and_too_long_prompts_are_named_by_row(tokenizer, tmp_path, caplog):
     # The character-level tiny tokenizer has no "@": encoding drops it silently (issue 10).
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3"}, {"prompt": "1@2=", "label": "3"},
-                                              {"prompt": "1" * 30, "label": "x"}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "1+2=", "label": "3"},
+            {"prompt": "1@2=", "label": "3"},
+            {"prompt": "1" * 30, "label": "x"},
+        ],
+    )
     rows, _ = load_rows(path)
     with caplog.at_level("WARNING"):
         ds = PromptDataset(rows, tokenizer, max_prompt_tokens=8, source=path)
@@ -334,9 +383,13 @@ def test_lossy_and_too_long_prompts_are_named_by_row(tokenizer, tmp_path, caplog
     text = caplog.text
     assert f"{path}, row 2" in text and "cannot represent" in text  # lossy: warned, named, kept
     assert f"{path}, row 3 (30 tokens)" in text  # too long: warned with its row
-    with pytest.raises(BadRowError, match=r"row 3 \(30 tokens\): prompt longer than max_prompt_tokens=8"):
+    with pytest.raises(
+        BadRowError, match=r"row 3 \(30 tokens\): prompt longer than max_prompt_tokens=8"
+    ):
         PromptDataset(rows, tokenizer, max_prompt_tokens=8, source=path, strict=True)
-    with pytest.raises(BadRowError, match=r"row 2: prompt with characters the tokenizer cannot represent"):
+    with pytest.raises(
+        BadRowError, match=r"row 2: prompt with characters the tokenizer cannot represent"
+    ):
         PromptDataset(rows, tokenizer, max_prompt_tokens=64, source=path, strict=True)
     assert PromptDataset(rows[:1], tokenizer, 8, strict=True).num_lossy == 0
 

@@ -3,6 +3,7 @@ processes orphaned under it stay its own (so Slurm's proctrack/linuxproc still c
 it ends only after they have; TERM reaches the command; USR1 is ignored. tests/e2e/test_slurm.py runs it in a
 real job. Each command below is a Python one-liner that leaves a grandchild behind (a double fork), as a Ray
 worker is left when its raylet ends first."""
+
 import os
 import signal
 import subprocess
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's"
+)
 
 # Forks a grandchild that writes its pid and parent's pid to FILE, sleeps S seconds (ignoring TERM when
 # IGN), then exits; the command itself exits at once.
@@ -86,12 +89,17 @@ def test_an_orphan_that_ignores_term_is_killed_after_the_grace(tmp_path):
 
 def test_term_reaches_the_command_and_usr1_does_not_end_it(tmp_path):
     marker = tmp_path / "term"
-    code = ("import signal, sys, time\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], 'w').write('TERM'), sys.exit(7)))\n"
-            "print('ready', flush=True)\n"
-            "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "rlmega.launch.ray_node", sys.executable, "-c", code, str(marker)],
-                            stdout=subprocess.PIPE, text=True)
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], 'w').write('TERM'), sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlmega.launch.ray_node", sys.executable, "-c", code, str(marker)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGUSR1)  # ignored by the wrapper and, inherited, by the command
     time.sleep(0.3)

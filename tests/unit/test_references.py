@@ -9,6 +9,7 @@ constant or import; deeper attributes are not followed). What a file names on pu
 INTENTIONAL, with why. A package's docstring that lists its files (``router.py  EngineRouter: ...``) lists files
 that are there.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,33 +17,63 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("rlmega/**/*.py", "tests/**/*.py", "tools/**/*.py", "tools/**/*.md", "tools/**/*.sh", "tools/**/*.sbatch",
-           "docs/**/*.md", "configs/**/*.yaml", "docker/**/*", ".ci/*", "README.md", "Makefile")
-_PATH = re.compile(r"(?<![\w./-])((?:rlmega|tests|tools|docs|configs|docker|examples)/[\w.*/-]*[\w*])")
+SCANNED = (
+    "rlmega/**/*.py",
+    "tests/**/*.py",
+    "tools/**/*.py",
+    "tools/**/*.md",
+    "tools/**/*.sh",
+    "tools/**/*.sbatch",
+    "docs/**/*.md",
+    "configs/**/*.yaml",
+    "docker/**/*",
+    ".ci/*",
+    "README.md",
+    "Makefile",
+)
+_PATH = re.compile(
+    r"(?<![\w./-])((?:rlmega|tests|tools|docs|configs|docker|examples)/[\w.*/-]*[\w*])"
+)
 _DOTTED = re.compile(r"(?<![\w./-])(rlmega(?:\.[A-Za-z_]\w*)+)")
 
 INTENTIONAL = {
     # file names, not modules: the Slurm batch script (tools/slurm/rlmega.sbatch), a package's own file
-    "rlmega.sbatch", "rlmega.__file__",
+    "rlmega.sbatch",
+    "rlmega.__file__",
     # the serialised batch's format tag (rlmega/data/rollout_batch.py), a string, not a module
     "rlmega.RolloutBatch",
     # torchrun_group's key-value store layout, described in its docstring
-    "rlmega/cmd/k", "rlmega/res/k/RANK",
+    "rlmega/cmd/k",
+    "rlmega/res/k/RANK",
     # examples of a user's own config in docs and the batch script's usage line
-    "configs/my_gpu.yaml", "configs/x.yaml",
+    "configs/my_gpu.yaml",
+    "configs/x.yaml",
     # bad inputs the tests feed on purpose: reward functions and modules that do not exist, a dotted path's typo
-    "rlmega.rewards.math.scroe", "rlmega.nope.f", "rlmega.rewards.nope.score", "rlmega.rewards.arithmetic.scor",
+    "rlmega.rewards.math.scroe",
+    "rlmega.nope.f",
+    "rlmega.rewards.nope.score",
+    "rlmega.rewards.arithmetic.scor",
     "rlmega/0",
     # history: removed files named with the commit that keeps them (docs/deepseek_v3_megatron.md,
     # docs/architecture.md's account of how the import circles were broken)
-    "tools/spikes/deepseek_v3_megatron_parity.py", "rlmega/workers",
+    "tools/spikes/deepseek_v3_megatron_parity.py",
+    "rlmega/workers",
 }
 
 
 def scanned_files() -> list[Path]:
     """Every file of SCANNED but this one (it names missing things on purpose) and what runs/ holds."""
-    return sorted({p for pattern in SCANNED for p in ROOT.glob(pattern) if p.is_file() and p != Path(__file__)
-                   and "__pycache__" not in p.parts and "runs" not in p.relative_to(ROOT).parts})
+    return sorted(
+        {
+            p
+            for pattern in SCANNED
+            for p in ROOT.glob(pattern)
+            if p.is_file()
+            and p != Path(__file__)
+            and "__pycache__" not in p.parts
+            and "runs" not in p.relative_to(ROOT).parts
+        }
+    )
 
 
 def dotted_name_exists(dotted: str) -> bool:
@@ -53,8 +84,12 @@ def dotted_name_exists(dotted: str) -> bool:
         for file in (base.with_suffix(".py"), base / "__init__.py"):
             if file.is_file():
                 rest = parts[k:]
-                return not rest or rest[0].startswith("__") or (base / rest[0]).exists() or \
-                    re.search(rf"\b{re.escape(rest[0])}\b", file.read_text()) is not None
+                return (
+                    not rest
+                    or rest[0].startswith("__")
+                    or (base / rest[0]).exists()
+                    or re.search(rf"\b{re.escape(rest[0])}\b", file.read_text()) is not None
+                )
     return False
 
 
@@ -84,8 +119,10 @@ def test_every_named_path_and_module_exists():
     files = scanned_files()
     assert len(files) > 300  # the scan reaches the repository (code, tests, docs, configs)
     missing = missing_references(files)
-    assert not missing, "named but missing (fix the reference, or add it to INTENTIONAL with why):\n" + \
-        "\n".join(missing)
+    assert not missing, (
+        "named but missing (fix the reference, or add it to INTENTIONAL with why):\n"
+        + "\n".join(missing)
+    )
 
 
 def unlisted_package_files(root: Path) -> list[str]:
@@ -106,11 +143,16 @@ def test_every_file_a_package_lists_is_there():
 def test_the_scan_finds_a_stale_reference(tmp_path):
     """What the scan catches, as the stale words of issue 58 were: a moved module, a removed test, a module name."""
     doc = ROOT / "docs" / "_stale_probe.md"
-    doc.write_text("see rlmega/megatron/batching.py and tests/unit/test_lora.py; rlmega.megatron.engine.plan and "
-                   "rlmega.fsdp.runtime; rlmega/rollout/rollout.py and rlmega.rollout.rollout.RolloutWorker exist\n")
+    doc.write_text(
+        "see rlmega/megatron/batching.py and tests/unit/test_lora.py; rlmega.megatron.engine.plan and "
+        "rlmega.fsdp.runtime; rlmega/rollout/rollout.py and rlmega.rollout.rollout.RolloutWorker exist\n"
+    )
     try:
         assert missing_references([doc]) == [
-            "docs/_stale_probe.md:1: rlmega/megatron/batching.py", "docs/_stale_probe.md:1: tests/unit/test_lora.py",
-            "docs/_stale_probe.md:1: rlmega.megatron.engine.plan", "docs/_stale_probe.md:1: rlmega.fsdp.runtime"]
+            "docs/_stale_probe.md:1: rlmega/megatron/batching.py",
+            "docs/_stale_probe.md:1: tests/unit/test_lora.py",
+            "docs/_stale_probe.md:1: rlmega.megatron.engine.plan",
+            "docs/_stale_probe.md:1: rlmega.fsdp.runtime",
+        ]
     finally:
         doc.unlink()

@@ -5,6 +5,7 @@ error naming what was found when none is complete; resume=none refuses a folder 
 The checkpoints are real torch DCP folders (one process, no_dist) with Megatron's metadata.json and a
 common.pt, the files rlmega/megatron/checkpoint.py writes; damage is done to real files.
 """
+
 import logging
 from pathlib import Path
 
@@ -22,8 +23,11 @@ def _checkpoint(root: Path, step: int, settings: dict | None = None) -> Path:
     d = root / f"step_{step:08d}"
     dcp.save({"w": torch.arange(4096.0) + step}, checkpoint_id=str(d), no_dist=True)
     torch.save({"meta": {"step": step, "extra": {"settings": settings or {}}}}, d / "common.pt")
-    shard_checksums.write(d, shard_checksums.digest(d, [p.name for p in d.glob("*.distcp")]))  # as a save does
-    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    # as a save does
+    shard_checksums.write(d, shard_checksums.digest(d, [p.name for p in d.glob("*.distcp")]))
+    (d / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    )
     (root / "latest").write_text(d.name)
     return d
 
@@ -55,7 +59,10 @@ DAMAGE = {
     "shard truncated": (lambda d: _truncate(_shard(d), 100), "truncated (100 of"),
     "shard missing": (lambda d: _shard(d).unlink(), "missing"),
     "a byte flipped in a shard": (lambda d: _flip(_shard(d), 100), "damaged (its sha256 differs"),
-    "checksums.json garbled": (lambda d: (d / "checksums.json").write_text("{"), "checksums.json unreadable"),
+    "checksums.json garbled": (
+        lambda d: (d / "checksums.json").write_text("{"),
+        "checksums.json unreadable",
+    ),
     "common.pt truncated": (lambda d: _truncate(d / "common.pt", 50), "common.pt unreadable"),
     "common.pt missing": (lambda d: (d / "common.pt").unlink(), "common.pt missing"),
     "index missing": (lambda d: (d / ".metadata").unlink(), ".metadata"),
@@ -71,7 +78,9 @@ def test_auto_falls_back_past_a_damaged_latest_and_says_so(run, damage, caplog):
     assert words in problem(run.checkpoints / "step_00000004")
     with caplog.at_level(logging.WARNING, logger="rlmega"):
         assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000002"
-    assert "step_00000002" in caplog.text and "step_00000004" in caplog.text and words in caplog.text
+    assert (
+        "step_00000002" in caplog.text and "step_00000004" in caplog.text and words in caplog.text
+    )
     assert "trainer.resume=" in caplog.text  # how to pick another one by name
 
 
@@ -79,8 +88,11 @@ def test_auto_falls_back_past_a_damaged_latest_and_says_so(run, damage, caplog):
 def test_auto_resumes_the_newest_complete_checkpoint_whatever_latest_says(run, pointer, caplog):
     # Before: a missing, empty or dangling `latest` started the run over at step 0 (metrics repeated).
     latest = run.checkpoints / "latest"
-    {"missing": latest.unlink, "empty": lambda: latest.write_text(""),
-     "dangling": lambda: latest.write_text("step_00000006")}[pointer]()
+    {
+        "missing": latest.unlink,
+        "empty": lambda: latest.write_text(""),
+        "dangling": lambda: latest.write_text("step_00000006"),
+    }[pointer]()
     with caplog.at_level(logging.WARNING, logger="rlmega"):
         assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000004"
     assert "step_00000004" in caplog.text
@@ -91,7 +103,8 @@ def test_a_complete_latest_wins_over_a_newer_step_folder(run):
     _checkpoint(run.checkpoints, 6)
     (run.checkpoints / "latest").write_text("step_00000004")
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000004"
-    _truncate(_shard(run.checkpoints / "step_00000004"), 100)  # a damaged latest: the newest complete one
+    # a damaged latest: the newest complete one
+    _truncate(_shard(run.checkpoints / "step_00000004"), 100)
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000006"
 
 
@@ -101,26 +114,36 @@ def test_auto_stops_naming_what_it_found_when_nothing_is_complete(run):
     with pytest.raises(ResumeError) as e:
         run.checkpoint_to_resume("auto")
     msg = str(e.value)
-    assert "step_00000002: shard" in msg and "step_00000004: common.pt missing" in msg and "Fix:" in msg
+    assert (
+        "step_00000002: shard" in msg
+        and "step_00000004: common.pt missing" in msg
+        and "Fix:" in msg
+    )
 
 
 def test_auto_stops_when_latest_names_a_checkpoint_and_none_is_left(tmp_path):
     r = RunDir(tmp_path / "run", tensorboard=False)
     r.checkpoints.mkdir()
     (r.checkpoints / "latest").write_text("step_00000004")
-    with pytest.raises(ResumeError, match="latest names step_00000004, but no checkpoint folder is left"):
+    with pytest.raises(
+        ResumeError, match="latest names step_00000004, but no checkpoint folder is left"
+    ):
         r.checkpoint_to_resume("auto")
 
 
 def test_auto_starts_fresh_where_nothing_was_saved(tmp_path):
     r = RunDir(tmp_path / "run", tensorboard=False)
-    (r.checkpoints / "step_00000002.partial").mkdir(parents=True)  # a first save that never finished
+    # a first save that never finished
+    (r.checkpoints / "step_00000002.partial").mkdir(parents=True)
     assert r.checkpoint_to_resume("auto") is None
 
 
 def test_a_named_damaged_checkpoint_is_refused_with_a_complete_one_named(run):
     _truncate(_shard(run.checkpoints / "step_00000004"), 100)
-    with pytest.raises(FileNotFoundError, match=r"cannot be resumed from: shard .* truncated .*e\.g\. .*step_00000002"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"cannot be resumed from: shard .* truncated .*e\.g\. .*step_00000002",
+    ):
         find_checkpoint(run.checkpoints / "step_00000004")
     with pytest.raises(ResumeError, match="trainer.resume="):
         run.checkpoint_to_resume(str(run.checkpoints / "step_00000004"))
@@ -143,7 +166,8 @@ def test_a_resume_says_which_settings_changed(run):
     d = _checkpoint(run.checkpoints, 6, settings={"optimizer.lr": 1e-5, "trainer.total_steps": 4})
     now = {"optimizer.lr": 2e-5, "trainer.total_steps": 4, "optimizer.min_lr": 0.0}
     assert changed_settings(d, now) == ["optimizer.lr: 1e-05 -> 2e-05"]
-    assert changed_settings(run.checkpoints / "step_00000002", now) == []  # no record: nothing claimed
+    # no record: nothing claimed
+    assert changed_settings(run.checkpoints / "step_00000002", now) == []
     # the distributed optimizer's state does not load into the plain one, nor the reverse: refused by name
     d = _checkpoint(run.checkpoints, 8, settings={"optimizer.use_distributed_optimizer": True})
     with pytest.raises(ResumeError, match="optimizer.use_distributed_optimizer=True again"):
@@ -169,7 +193,8 @@ def test_saving_over_a_step_keeps_a_complete_checkpoint_through_a_crash(run, mon
     with pytest.raises(OSError, match="power lost"):
         checkpoint._move_into_place(partial, final)
     monkeypatch.undo()
-    assert problem(run.checkpoints / "step_00000004.replaced") is None  # the old save is still whole
+    # the old save is still whole
+    assert problem(run.checkpoints / "step_00000004.replaced") is None
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000002"
     checkpoint._move_into_place(partial, final)  # the next save of that step goes through
     assert problem(final) is None and torch.load(final / "common.pt")["meta"]["step"] == 99
@@ -195,7 +220,9 @@ def _fsdp_checkpoint(root: Path, step: int) -> Path:
     """The files rlmega/fsdp/checkpoint.py writes: plain DCP and a common.pt saying backend=fsdp."""
     d = root / f"step_{step:08d}"
     dcp.save({"w": torch.arange(4096.0) + step}, checkpoint_id=str(d), no_dist=True)
-    torch.save({"meta": {"backend": "fsdp", "step": step, "extra": {"settings": {}}}}, d / "common.pt")
+    torch.save(
+        {"meta": {"backend": "fsdp", "step": step, "extra": {"settings": {}}}}, d / "common.pt"
+    )
     (root / "latest").write_text(d.name)
     return d
 
@@ -203,7 +230,10 @@ def _fsdp_checkpoint(root: Path, step: int) -> Path:
 FSDP_DAMAGE = {
     "shard truncated": (lambda d: _truncate(_shard(d), 100), "truncated (100 of"),
     "index missing": (lambda d: (d / ".metadata").unlink(), ".metadata"),
-    "common.pt missing": (lambda d: (d / "common.pt").unlink(), "no metadata.json (Megatron) or common.pt"),
+    "common.pt missing": (
+        lambda d: (d / "common.pt").unlink(),
+        "no metadata.json (Megatron) or common.pt",
+    ),
     "common.pt truncated": (lambda d: _truncate(d / "common.pt", 50), "common.pt unreadable"),
 }
 
@@ -223,7 +253,8 @@ def test_fsdp_checkpoints_resume_fall_back_and_prune_like_megatrons(tmp_path, da
     assert words in problem(run.checkpoints / "step_00000006")
     assert run.checkpoint_to_resume("auto") == run.checkpoints / "step_00000004"
     (run.checkpoints / "latest").write_text("step_00000004")
-    assert [p.name for p in run.prune_checkpoints(keep=1)] == ["step_00000002"]  # never the latest (4)
+    # never the latest (4)
+    assert [p.name for p in run.prune_checkpoints(keep=1)] == ["step_00000002"]
 
 
 def test_resume_auto_refuses_a_lora_checkpoint_for_a_full_run_at_load(run):
@@ -241,7 +272,9 @@ def test_resume_auto_refuses_a_lora_checkpoint_for_a_full_run_at_load(run):
     with pytest.raises(ConfigError, match=r"trainer.resume.*LoRA run's adapters"):
         load_config(root / "configs/tiny_cpu.yaml", overrides)
     assert sorted(p.name for p in run.path.rglob("*")) == before
-    (run.checkpoints / "latest").write_text("step_00000004")  # auto takes the complete full-parameter step 4
-    with pytest.raises(ConfigError) as other:  # only the model folder this test does not make is left
+    # auto takes the complete full-parameter step 4
+    (run.checkpoints / "latest").write_text("step_00000004")
+    # only the model folder this test does not make is left
+    with pytest.raises(ConfigError) as other:
         load_config(root / "configs/tiny_cpu.yaml", overrides)
     assert "trainer.resume" not in str(other.value) and "model.path" in str(other.value)

@@ -6,6 +6,7 @@ names the file and the fix; a dotted path that is really a file here says to wri
 function gets: the response without special tokens (the raw text by name), the prompt and the row's other
 columns by name; and when it raises, the error names its file and line.
 """
+
 import asyncio
 import os
 
@@ -34,7 +35,9 @@ class Scores:
 '''
 
 
-def test_a_file_reward_resolves_from_anywhere_once_the_config_made_it_absolute(tmp_path, monkeypatch):
+def test_a_file_reward_resolves_from_anywhere_once_the_config_made_it_absolute(
+    tmp_path, monkeypatch
+):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "my_reward.py").write_text(REWARD)
     monkeypatch.chdir(tmp_path)
@@ -48,14 +51,41 @@ def test_a_file_reward_resolves_from_anywhere_once_the_config_made_it_absolute(t
     assert absolute("rlmega.rewards.arithmetic.score") == "rlmega.rewards.arithmetic.score"
 
 
-@pytest.mark.parametrize("spec, what, fix", [
-    ("missing.py:exact", "no file missing.py (from {cwd}: {cwd}/missing.py)", "give the path of the Python file"),
-    ("my_reward.py:exakt", "'my_reward.py' has no attribute 'exakt'", "did you mean my_reward.py:exact?"),
-    ("broken.py:exact", "running {cwd}/broken.py failed: ZeroDivisionError", "fix the error in {cwd}/broken.py"),
-    ("needs.py:exact", "No module named 'not_a_package_here'", "install the missing package 'not_a_package_here'"),
-    ("my_reward.py:math", "'my_reward.py:math' is a module, not a callable", "fn(response_text, label"),
-    ("my_reward.py:", "is not path/to/file.py:function", "path/to/file.py:function for a file of your own"),
-])
+@pytest.mark.parametrize(
+    "spec, what, fix",
+    [
+        (
+            "missing.py:exact",
+            "no file missing.py (from {cwd}: {cwd}/missing.py)",
+            "give the path of the Python file",
+        ),
+        (
+            "my_reward.py:exakt",
+            "'my_reward.py' has no attribute 'exakt'",
+            "did you mean my_reward.py:exact?",
+        ),
+        (
+            "broken.py:exact",
+            "running {cwd}/broken.py failed: ZeroDivisionError",
+            "fix the error in {cwd}/broken.py",
+        ),
+        (
+            "needs.py:exact",
+            "No module named 'not_a_package_here'",
+            "install the missing package 'not_a_package_here'",
+        ),
+        (
+            "my_reward.py:math",
+            "'my_reward.py:math' is a module, not a callable",
+            "fn(response_text, label",
+        ),
+        (
+            "my_reward.py:",
+            "is not path/to/file.py:function",
+            "path/to/file.py:function for a file of your own",
+        ),
+    ],
+)
 def test_each_wrong_file_reward_names_the_file_and_the_fix(tmp_path, monkeypatch, spec, what, fix):
     (tmp_path / "my_reward.py").write_text(REWARD)
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
@@ -75,12 +105,17 @@ def test_a_dotted_path_that_is_a_file_here_says_to_name_the_file(tmp_path, monke
     with pytest.raises(RewardResolveError) as e:
         resolve("my_reward.exact")
     assert "module 'my_reward' not found" in e.value.what
-    assert e.value.fix == f"{tmp_path}/my_reward.py is a file, not an installed module: name it as a file, " \
-                          "my_reward.py:exact (path/to/file.py:function)"
+    assert (
+        e.value.fix
+        == f"{tmp_path}/my_reward.py is a file, not an installed module: name it as a file, "
+        "my_reward.py:exact (path/to/file.py:function)"
+    )
     os.remove(tmp_path / "my_reward.py")
     with pytest.raises(RewardResolveError) as e:
         resolve("my_reward.exact")
-    assert e.value.fix.startswith("for a file of your own, write path/to/file.py:function; for a package")
+    assert e.value.fix.startswith(
+        "for a file of your own, write path/to/file.py:function; for a package"
+    )
 
 
 def test_the_config_checks_the_shape_of_either_form():
@@ -102,12 +137,25 @@ def test_a_reward_gets_the_prompt_the_raw_text_and_the_rows_columns_by_name(tmp_
         "    return float(completion == answer) + len(kwargs)\n"
         "def fails(response_text, label, **kwargs):\n"
         "    table = {}\n"
-        "    return table[label]\n")
-    item = JudgeItem(prompt_text="12+34=", response_text="46", response_raw="46</s>", label="46",
-                     columns={"difficulty": 3, "source": "gsm8k", "answer": "shadowed"})
+        "    return table[label]\n"
+    )
+    item = JudgeItem(
+        prompt_text="12+34=",
+        response_text="46",
+        response_raw="46</s>",
+        label="46",
+        columns={"difficulty": 3, "source": "gsm8k", "answer": "shadowed"},
+    )
     got = asyncio.run(NativeJudger("r", f"{tmp_path}/mine.py:by_name").judge(item))
     assert got.error is None, got.error
-    assert got.scores == {"r": 1.0, "r/difficulty": 3.0, "r/raw": 1.0, "r/prompt": 6.0, "r/n": 3.0, "r/kw": 0.0}
+    assert got.scores == {
+        "r": 1.0,
+        "r/difficulty": 3.0,
+        "r/raw": 1.0,
+        "r/prompt": 6.0,
+        "r/n": 3.0,
+        "r/kw": 0.0,
+    }
     # a column reaches only a parameter named for it: none lands in **kwargs, and the label's place is the label's
     assert asyncio.run(NativeJudger("r", f"{tmp_path}/mine.py:plain").judge(item)).reward == 1.0
     failed = asyncio.run(NativeJudger("r", f"{tmp_path}/mine.py:fails").judge(item))
@@ -121,38 +169,59 @@ def test_rows_keep_their_other_columns_for_the_reward(tmp_path):
     from rlmega.demo.tiny_model import make_tokenizer
 
     path = tmp_path / "rows.jsonl"
-    path.write_text('{"question": "1+1=", "answer": "2", "difficulty": 1, "tags": ["easy"]}\n'
-                    '{"question": "9+9=", "answer": "18"}\n')
+    path.write_text(
+        '{"question": "1+1=", "answer": "2", "difficulty": 1, "tags": ["easy"]}\n'
+        '{"question": "9+9=", "answer": "18"}\n'
+    )
     rows, _ = load_rows(str(path), "question", "answer")
     prompts = list(PromptDataset(rows, make_tokenizer(), max_prompt_tokens=64))
     assert [p.columns for p in prompts] == [{"difficulty": 1, "tags": ["easy"]}, {}]
 
 
-def test_check_config_calls_the_reward_on_row_1_and_ends_with_a_summary(tmp_path, monkeypatch, capsys):
+def test_check_config_calls_the_reward_on_row_1_and_ends_with_a_summary(
+    tmp_path, monkeypatch, capsys
+):
     from rlmega.cli import main as cli_main
     from rlmega.demo.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "m", hidden_size=128, num_heads=2, num_kv_heads=2, num_layers=1, seed=0)
-    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')
-    (tmp_path / "r.py").write_text("def bad(response_text, label, **kwargs):\n    return float(label['value'])\n\n"
-                                   "def good(response_text, label, **kwargs):\n"
-                                   "    return float(response_text == label)\n")
+    model = make_tiny_model(
+        tmp_path / "m", hidden_size=128, num_heads=2, num_kv_heads=2, num_layers=1, seed=0
+    )
+    (tmp_path / "rows.jsonl").write_text(
+        '{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n'
+    )
+    (tmp_path / "r.py").write_text(
+        "def bad(response_text, label, **kwargs):\n    return float(label['value'])\n\n"
+        "def good(response_text, label, **kwargs):\n"
+        "    return float(response_text == label)\n"
+    )
     monkeypatch.chdir(tmp_path)
-    argv = ["check-config", str(ROOT / "configs/tiny_cpu.yaml"), f"model.path={model}", "data.train_path=rows.jsonl",
-            "parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
-            "parallelism.world_size=1", f"trainer.run_dir={tmp_path / 'run'}"]
+    argv = [
+        "check-config",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        f"model.path={model}",
+        "data.train_path=rows.jsonl",
+        "parallelism.tensor_model_parallel_size=1",
+        "parallelism.pipeline_model_parallel_size=1",
+        "parallelism.world_size=1",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
     assert cli_main([*argv, "reward.fn=r.py:bad"]) == 2
     err = capsys.readouterr().err
-    assert (f"reward.fn: {tmp_path}/r.py:bad failed on row 1 of rows.jsonl, given its label '2' as the response: "
-            f"TypeError: string indices must be integers, not 'str' (raised at {tmp_path}/r.py:2). Fix: correct the "
-            "function") in err, err
+    assert (
+        f"reward.fn: {tmp_path}/r.py:bad failed on row 1 of rows.jsonl, given its label '2' as the response: "
+        f"TypeError: string indices must be integers, not 'str' (raised at {tmp_path}/r.py:2). Fix: correct the "
+        "function"
+    ) in err, err
     assert cli_main([*argv, "reward.fn=r.py:good"]) == 0
     from transformers import AutoModelForCausalLM
 
     size = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters()) / 1e6
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last == (f"rlmega check-config: OK. qwen2, {size:.1f}M parameters; megatron TP1 x PP1, world 1; 2 prompts "
-                    "kept, 0 dropped (longer than rollout.max_prompt_tokens)"), last
+    assert last == (
+        f"rlmega check-config: OK. qwen2, {size:.1f}M parameters; megatron TP1 x PP1, world 1; 2 prompts "
+        "kept, 0 dropped (longer than rollout.max_prompt_tokens)"
+    ), last
 
 
 def test_the_guides_example_reward_scores_its_example_rows():
@@ -162,9 +231,14 @@ def test_the_guides_example_reward_scores_its_example_rows():
 
     rows, _ = load_rows(str(ROOT / "examples/your_own/train.jsonl"))
     assert len(rows) == 8 and all(r["columns"]["region"] for r in rows)
-    for fn, right, wrong in (("exact_match", 1.0, 0.0), ("exact_match_europe_counts_double", 2.0, 0.0)):
+    for fn, right, wrong in (
+        ("exact_match", 1.0, 0.0),
+        ("exact_match_europe_counts_double", 2.0, 0.0),
+    ):
         judger = NativeJudger("reward", f"{ROOT}/examples/your_own/my_reward.py:{fn}")
-        item = JudgeItem(prompt_text="", response_text=" Paris\n", label="Paris", columns=rows[0]["columns"])
+        item = JudgeItem(
+            prompt_text="", response_text=" Paris\n", label="Paris", columns=rows[0]["columns"]
+        )
         assert asyncio.run(judger.judge(item)).reward == right
         item.response_text = "Lyon"
         assert asyncio.run(judger.judge(item)).reward == wrong

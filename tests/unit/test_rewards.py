@@ -1,15 +1,29 @@
 """Rule-based arithmetic reward and dotted-path resolution of reward functions."""
+
 import pytest
 
 from rlmega.rewards import RewardResolveError, resolve
 from rlmega.rewards.arithmetic import score
 
 
-@pytest.mark.parametrize("response,expected", [
-    ("46", 1.0), ("46</s>", 1.0), ("46 and then some", 1.0), ("46\n12+3=", 1.0), ("46.", 1.0),
-    ("461", 0.0), ("4", 0.0), ("", 0.0), ("x46", 0.0), (" 46", 0.0), ("47", 0.0), ("046", 0.0),
-    ("46\u00b2", 1.0),  # a superscript two is not an ASCII digit
-])
+@pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("46", 1.0),
+        ("46</s>", 1.0),
+        ("46 and then some", 1.0),
+        ("46\n12+3=", 1.0),
+        ("46.", 1.0),
+        ("461", 0.0),
+        ("4", 0.0),
+        ("", 0.0),
+        ("x46", 0.0),
+        (" 46", 0.0),
+        ("47", 0.0),
+        ("046", 0.0),
+        ("46\u00b2", 1.0),  # a superscript two is not an ASCII digit
+    ],
+)
 def test_arithmetic_score(response, expected):
     assert score(response, "46") == expected
 
@@ -45,8 +59,12 @@ def pkg(tmp_path, monkeypatch):
     root = tmp_path / "rwpkg_test"
     root.mkdir()
     (root / "__init__.py").write_text("")
-    (root / "good.py").write_text("THRESHOLD = 0.5\n\ndef reward(text, label, **kw):\n    return 1.0\n")
-    (root / "needs_dep.py").write_text("import surely_not_installed_dep\n\ndef reward(text, label):\n    return 1.0\n")
+    (root / "good.py").write_text(
+        "THRESHOLD = 0.5\n\ndef reward(text, label, **kw):\n    return 1.0\n"
+    )
+    (root / "needs_dep.py").write_text(
+        "import surely_not_installed_dep\n\ndef reward(text, label):\n    return 1.0\n"
+    )
     (root / "raises.py").write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return "rwpkg_test"
@@ -72,7 +90,10 @@ def test_resolve_errors_name_the_path_and_the_failure(pkg):
     msg = resolve_error(f"{pkg}.raises.reward")
     assert "RuntimeError: boom at import" in msg
     msg = resolve_error(f"{pkg}.good.rewrd")
-    assert f"'{pkg}.good' has no attribute 'rewrd'" in msg and f"did you mean {pkg}.good.reward?" in msg
+    assert (
+        f"'{pkg}.good' has no attribute 'rewrd'" in msg
+        and f"did you mean {pkg}.good.reward?" in msg
+    )
     msg = resolve_error(f"{pkg}.good.THRESHOLD")
     assert f"'{pkg}.good.THRESHOLD' is a float, not a callable" in msg
 
@@ -82,10 +103,19 @@ def test_resolve_uses_a_custom_field_name():
         resolve("x", field="judge.fn")
 
 
-@pytest.mark.parametrize("response,expected", [
-    ("abcab", 1.0), ("abcab</s>", 1.0), ("abbca", 0.8), ("abc", 0.6), ("", 0.0), ("bbcab", 0.6),
-    ("abxab", 0.6), ("abcabcabca", 1.0),  # past the label's length nothing counts
-])
+@pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("abcab", 1.0),
+        ("abcab</s>", 1.0),
+        ("abbca", 0.8),
+        ("abc", 0.6),
+        ("", 0.0),
+        ("bbcab", 0.6),
+        ("abxab", 0.6),
+        ("abcabcabca", 1.0),  # past the label's length nothing counts
+    ],
+)
 def test_sequence_score(response, expected):
     from rlmega.rewards.sequence import score as sequence_score
 
@@ -101,6 +131,7 @@ def test_sequence_score_agrees_with_the_synthetic_task_and_refuses_an_empty_labe
         assert answer[0] == order[(order.index(prompt[0]) + 1) % 26]
         assert sequence_score(answer, answer) == 1.0
         assert sequence_score(answer[:150], answer) == 0.5
-        assert sequence_score(answer[1:], answer) == pytest.approx(298 / 300)  # first letter skipped, last missing
+        # first letter skipped, last missing
+        assert sequence_score(answer[1:], answer) == pytest.approx(298 / 300)
     with pytest.raises(ValueError, match="label is empty"):
         sequence_score("ab", "")

@@ -1,12 +1,19 @@
 """RolloutBatch: shape contract, select/split/concat, atomic safetensors save/load."""
+
 import dataclasses
 import os
 
 import pytest
 import torch
 
-from rlmega.data.rollout_batch import (OPTIONAL_FIELDS, RESPONSE_FIELDS, SAMPLE_FIELDS, TOKEN_FIELDS,
-                                      VISION_FIELDS, RolloutBatch)
+from rlmega.data.rollout_batch import (
+    OPTIONAL_FIELDS,
+    RESPONSE_FIELDS,
+    SAMPLE_FIELDS,
+    TOKEN_FIELDS,
+    VISION_FIELDS,
+    RolloutBatch,
+)
 
 PROMPT_LENS = [3, 2, 4, 1, 2]
 RESPONSE_LENS = [2, 5, 0, 3, 1]
@@ -20,7 +27,9 @@ def make_batch(full: bool = True, seed: int = 0) -> RolloutBatch:
         return [torch.randn(r, generator=g) for r in RESPONSE_LENS]
 
     fields = dict(
-        tokens=[torch.randint(0, 100, (p + r,), generator=g) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)],
+        tokens=[
+            torch.randint(0, 100, (p + r,), generator=g) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)
+        ],
         prompt_lens=torch.tensor(PROMPT_LENS),
         response_mask=[(torch.rand(r, generator=g) > 0.3).float() for r in RESPONSE_LENS],
         group_ids=torch.tensor([0, 0, 1, 1, 2]),
@@ -28,17 +37,33 @@ def make_batch(full: bool = True, seed: int = 0) -> RolloutBatch:
     )
     if full:
         fields.update(
-            rollout_logprobs=per_token(), rewards=torch.randn(n, generator=g), advantages=per_token(),
-            old_logprobs=per_token(), ref_logprobs=per_token(), returns=per_token(), old_values=per_token(),
+            rollout_logprobs=per_token(),
+            rewards=torch.randn(n, generator=g),
+            advantages=per_token(),
+            old_logprobs=per_token(),
+            ref_logprobs=per_token(),
+            returns=per_token(),
+            old_values=per_token(),
             # (L_i, 2 MoE layers, top-2) expert ids, -1 on the last token (never routed by the engine).
-            routed_experts=[torch.cat([torch.randint(0, 8, (p + r - 1, 2, 2), generator=g),
-                                       torch.full((1, 2, 2), -1)]).to(torch.int16)
-                            for p, r in zip(PROMPT_LENS, RESPONSE_LENS)],
+            routed_experts=[
+                torch.cat(
+                    [torch.randint(0, 8, (p + r - 1, 2, 2), generator=g), torch.full((1, 2, 2), -1)]
+                ).to(torch.int16)
+                for p, r in zip(PROMPT_LENS, RESPONSE_LENS)
+            ],
         )
         # a VLM's images: samples of one prompt share their processor outputs; sample 2 has no image
-        shared = {"pixel_values": torch.randn(8, 12, generator=g), "image_grid_thw": torch.tensor([[1, 2, 4]])}
-        own = [{"pixel_values": torch.randn(1, k, 3, 4, 4, generator=g),
-                "pixel_attention_mask": torch.ones(1, k, 4, 4, dtype=torch.bool)} for k in (1, 2)]
+        shared = {
+            "pixel_values": torch.randn(8, 12, generator=g),
+            "image_grid_thw": torch.tensor([[1, 2, 4]]),
+        }
+        own = [
+            {
+                "pixel_values": torch.randn(1, k, 3, 4, 4, generator=g),
+                "pixel_attention_mask": torch.ones(1, k, 4, 4, dtype=torch.bool),
+            }
+            for k in (1, 2)
+        ]
         fields["vision"] = [shared, shared, None, *own]
     return RolloutBatch(**fields)
 
@@ -53,7 +78,9 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch):
         if x is None:
             continue
         if name in VISION_FIELDS:
-            assert [None if u is None else sorted(u) for u in x] == [None if v is None else sorted(v) for v in y]
+            assert [None if u is None else sorted(u) for u in x] == [
+                None if v is None else sorted(v) for v in y
+            ]
             for u, v in zip(x, y):
                 for k in u or {}:
                     assert u[k].dtype == v[k].dtype and torch.equal(u[k], v[k]), (name, k)
@@ -73,7 +100,9 @@ def test_sizes():
     assert b.response_lens() == RESPONSE_LENS
     assert b.num_tokens() == 23
     assert b.num_response_tokens() == 11
-    assert [t.tolist() for t in b.response_tokens()] == [t[p:].tolist() for t, p in zip(b.tokens, PROMPT_LENS)]
+    assert [t.tolist() for t in b.response_tokens()] == [
+        t[p:].tolist() for t, p in zip(b.tokens, PROMPT_LENS)
+    ]
 
 
 @pytest.mark.parametrize("full", [True, False])
@@ -91,7 +120,9 @@ def test_select_any_order_keeps_fields(full):
         b.select([5])
 
 
-@pytest.mark.parametrize("n_parts,sizes", [(1, [5]), (2, [3, 2]), (3, [2, 2, 1]), (5, [1] * 5), (7, [1] * 5 + [0] * 2)])
+@pytest.mark.parametrize(
+    "n_parts,sizes", [(1, [5]), (2, [3, 2]), (3, [2, 2, 1]), (5, [1] * 5), (7, [1] * 5 + [0] * 2)]
+)
 def test_split_concat_round_trip(n_parts, sizes):
     b = make_batch()
     parts = b.split(n_parts)
@@ -167,29 +198,70 @@ def _replace_item(name, i, value):
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (_replace_item("response_mask", 3, torch.ones(5)), r"response_mask\[3\] has 5 tokens, sample 3 has 3 response"),
-        (_replace_item("advantages", 1, torch.zeros(4)), r"advantages\[1\] has 4 tokens, sample 1 has 5 response"),
-        (_replace_item("ref_logprobs", 0, torch.zeros(2, dtype=torch.float64)), r"ref_logprobs\[0\] must be float32"),
-        (_replace_item("old_logprobs", 2, torch.zeros(1, 0)), r"old_logprobs\[2\] must be a 1-D tensor"),
-        (_replace_item("tokens", 4, torch.zeros(3, dtype=torch.int32)), r"tokens\[4\] must be int64"),
-        (_replace_item("response_mask", 4, torch.full((1,), 0.5)), r"response_mask\[4\] must hold only 0.0 and 1.0"),
-        (_with(rollout_logprobs=[torch.zeros(2)] * 4), "rollout_logprobs must be a list of 5 tensors"),
-        (_with(prompt_lens=torch.tensor([3, 2, 5, 1, 2])), r"prompt_lens\[2\] = 5 must be in \[1, 4\]"),
+        (
+            _replace_item("response_mask", 3, torch.ones(5)),
+            r"response_mask\[3\] has 5 tokens, sample 3 has 3 response",
+        ),
+        (
+            _replace_item("advantages", 1, torch.zeros(4)),
+            r"advantages\[1\] has 4 tokens, sample 1 has 5 response",
+        ),
+        (
+            _replace_item("ref_logprobs", 0, torch.zeros(2, dtype=torch.float64)),
+            r"ref_logprobs\[0\] must be float32",
+        ),
+        (
+            _replace_item("old_logprobs", 2, torch.zeros(1, 0)),
+            r"old_logprobs\[2\] must be a 1-D tensor",
+        ),
+        (
+            _replace_item("tokens", 4, torch.zeros(3, dtype=torch.int32)),
+            r"tokens\[4\] must be int64",
+        ),
+        (
+            _replace_item("response_mask", 4, torch.full((1,), 0.5)),
+            r"response_mask\[4\] must hold only 0.0 and 1.0",
+        ),
+        (
+            _with(rollout_logprobs=[torch.zeros(2)] * 4),
+            "rollout_logprobs must be a list of 5 tensors",
+        ),
+        (
+            _with(prompt_lens=torch.tensor([3, 2, 5, 1, 2])),
+            r"prompt_lens\[2\] = 5 must be in \[1, 4\]",
+        ),
         (_with(prompt_lens=torch.tensor([0, 2, 4, 1, 2])), r"prompt_lens\[0\] = 0"),
-        (_with(prompt_lens=torch.tensor(PROMPT_LENS, dtype=torch.int32)), "prompt_lens must be torch.int64"),
-        (_with(group_ids=torch.zeros(6, dtype=torch.int64)), r"group_ids must be a tensor of shape \(5,\)"),
+        (
+            _with(prompt_lens=torch.tensor(PROMPT_LENS, dtype=torch.int32)),
+            "prompt_lens must be torch.int64",
+        ),
+        (
+            _with(group_ids=torch.zeros(6, dtype=torch.int64)),
+            r"group_ids must be a tensor of shape \(5,\)",
+        ),
         (_with(rewards=torch.zeros(5, dtype=torch.int64)), "rewards must be torch.float32"),
         (_with(sample_ids=torch.tensor([1, 2, 3, 2, 5])), r"sample_ids\[3\] = 2 repeats"),
-        (_replace_item("routed_experts", 1, torch.zeros(6, 2, 2, dtype=torch.int16)),
-         r"routed_experts\[1\] must have shape \(7, num_moe_layers, topk\)"),
-        (_replace_item("routed_experts", 2, torch.zeros(4, 2, 2, dtype=torch.int64)),
-         r"routed_experts\[2\] must be int16"),
-        (_replace_item("routed_experts", 3, torch.zeros(4, 3, 2, dtype=torch.int16)),
-         r"routed_experts\[3\] has \(num_moe_layers, topk\) = \(3, 2\)"),
-        (_replace_item("routed_experts", 0, torch.full((5, 2, 2), -2, dtype=torch.int16)),
-         r"routed_experts\[0\] holds -2"),
+        (
+            _replace_item("routed_experts", 1, torch.zeros(6, 2, 2, dtype=torch.int16)),
+            r"routed_experts\[1\] must have shape \(7, num_moe_layers, topk\)",
+        ),
+        (
+            _replace_item("routed_experts", 2, torch.zeros(4, 2, 2, dtype=torch.int64)),
+            r"routed_experts\[2\] must be int16",
+        ),
+        (
+            _replace_item("routed_experts", 3, torch.zeros(4, 3, 2, dtype=torch.int16)),
+            r"routed_experts\[3\] has \(num_moe_layers, topk\) = \(3, 2\)",
+        ),
+        (
+            _replace_item("routed_experts", 0, torch.full((5, 2, 2), -2, dtype=torch.int16)),
+            r"routed_experts\[0\] holds -2",
+        ),
         (_with(vision=[None] * 4), "vision must be a list of 5 dicts or None"),
-        (_replace_item("vision", 3, {"pixel_values": [1.0]}), r"vision\[3\] must be None or a non-empty"),
+        (
+            _replace_item("vision", 3, {"pixel_values": [1.0]}),
+            r"vision\[3\] must be None or a non-empty",
+        ),
     ],
 )
 def test_validate_names_field_and_index(fields, message):
@@ -200,5 +272,7 @@ def test_validate_names_field_and_index(fields, message):
 def test_validate_catches_later_mutation():
     b = make_batch()
     b.advantages[2] = torch.zeros(1)
-    with pytest.raises(ValueError, match=r"advantages\[2\] has 1 tokens, sample 2 has 0 response tokens"):
+    with pytest.raises(
+        ValueError, match=r"advantages\[2\] has 1 tokens, sample 2 has 0 response tokens"
+    ):
         b.validate()

@@ -1,4 +1,5 @@
 """RunDir: metrics lines, rewrite on resume, checkpoint pruning, TensorBoard and wandb (offline)."""
+
 import time
 from pathlib import Path
 
@@ -12,7 +13,8 @@ def test_metrics_log_rewrite_and_nan(tmp_path):
     run = RunDir(tmp_path / "r", tensorboard=True)
     run.log({"step": 1, "loss": 0.5})
     run.log({"step": 2, "loss": float("nan")})
-    assert run.read_metrics() == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]  # JSON has no NaN
+    # JSON has no NaN
+    assert run.read_metrics() == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]
     run.rewrite_metrics([{"step": 1, "loss": 0.5}])  # a resume drops steps past the checkpoint
     assert run.read_metrics() == [{"step": 1, "loss": 0.5}]
     run.close()
@@ -28,20 +30,30 @@ def test_prune_keeps_the_newest_and_never_the_latest(tmp_path):
     removed = run.prune_checkpoints(keep=2)
     assert [p.name for p in removed] == ["step_00000002"]
     assert sorted(p.name for p in run.checkpoints.iterdir()) == [
-        "latest", "step_00000004", "step_00000006", "step_00000008.partial"]
+        "latest",
+        "step_00000004",
+        "step_00000006",
+        "step_00000008.partial",
+    ]
 
 
 def test_wandb_offline_run_gets_the_metrics_and_resumes_the_same_id(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run = RunDir(tmp_path, tensorboard=False, wandb_project="rlmega-test", config={"trainer": {"total_steps": 2}})
+    run = RunDir(
+        tmp_path,
+        tensorboard=False,
+        wandb_project="rlmega-test",
+        config={"trainer": {"total_steps": 2}},
+    )
     run.log({"step": 1, "reward_mean": 0.25})
     run.close()
     run_id = (tmp_path / "wandb_run_id").read_text()
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
     assert runs and list(runs[0].glob("*.wandb")), "no offline wandb run written"
-    again = RunDir(tmp_path, tensorboard=False, wandb_project="rlmega-test")  # a resumed run: same id
+    # a resumed run: same id
+    again = RunDir(tmp_path, tensorboard=False, wandb_project="rlmega-test")
     assert again._wandb.id == run_id
     again.close()
     assert wandb.run is None
@@ -52,9 +64,12 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     d.mkdir(parents=True)
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(d), no_dist=True)  # the shards and their index
+    # the shards and their index
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(d), no_dist=True)
     # what Megatron's dist checkpointing writes last
-    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (d / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    )
     torch.save({"meta": {"step": step, "extra": {}}}, d / "common.pt")  # rank 0's plain state
     return d
 
@@ -66,9 +81,11 @@ def test_resume_picks_the_named_checkpoint_over_the_run_dirs_latest(tmp_path):
     (run.checkpoints / "latest").write_text(s17.name)
     assert run.checkpoint_to_resume(str(s15)) == s15
     assert run.checkpoint_to_resume("auto") == s17
-    with pytest.raises(ResumeError, match="already holds a run"):  # a fresh start would mix two runs
+    # a fresh start would mix two runs
+    with pytest.raises(ResumeError, match="already holds a run"):
         run.checkpoint_to_resume("none")
-    other = RunDir(tmp_path / "other", tensorboard=False)  # another run's checkpoint, a fresh run dir
+    # another run's checkpoint, a fresh run dir
+    other = RunDir(tmp_path / "other", tensorboard=False)
     assert other.checkpoint_to_resume(str(s15)) == s15
     assert other.checkpoint_to_resume(str(run.checkpoints)) == s17  # a checkpoints root: its latest
     assert other.checkpoint_to_resume("auto") is None

@@ -7,6 +7,7 @@ command would make is made (into a temporary folder, in this process) and `rlmeg
 Configs whose model and data live on a GPU cluster's storage (absolute paths) cannot pass here: for them the
 only problems allowed are those missing folders and files, and the GPU this machine does not have.
 """
+
 import importlib.util
 import shlex
 from pathlib import Path
@@ -43,20 +44,26 @@ def _parse(name: str, argv: list):
         if argv[:1] == ["rlmega"]:
             return argv[1], cli.parser().parse_args(argv[1:])
         if argv[:1] == ["python"] and len(argv) > 1 and argv[1].startswith("tools/"):
-            assert (ROOT / argv[1]).is_file(), \
+            assert (ROOT / argv[1]).is_file(), (
                 f"configs/{name}: first line runs {argv[1]}, which is not in the checkout"
+            )
             return argv[1], _tool_parser(argv[1]).parse_args(argv[2:])
     except SystemExit:
-        pytest.fail(f"configs/{name}: the first line's command {shlex.join(argv)!r} does not parse (see stderr)")
-    pytest.fail(f"configs/{name}: the first line's command {shlex.join(argv)!r} is neither `rlmega ...` nor "
-                "`python tools/...`")
+        pytest.fail(
+            f"configs/{name}: the first line's command {shlex.join(argv)!r} does not parse (see stderr)"
+        )
+    pytest.fail(
+        f"configs/{name}: the first line's command {shlex.join(argv)!r} is neither `rlmega ...` nor "
+        "`python tools/...`"
+    )
 
 
 def first_line_commands(path: Path) -> list:
     """[(kind, parsed arguments)] of the config's first line, `# CMD [&& CMD ...]`."""
     line = path.read_text().splitlines()[0]
-    assert line.startswith("# "), \
+    assert line.startswith("# "), (
         f"configs/{path.name}: the first line must be `# COMMAND` (how to run it), not {line!r}"
+    )
     return [_parse(path.name, shlex.split(part)) for part in line[2:].split("&&")]
 
 
@@ -64,19 +71,32 @@ def first_line_commands(path: Path) -> list:
 def test_the_first_line_is_the_command_that_runs_this_config(path):
     commands = first_line_commands(path)
     kind, args = commands[-1]  # the last part runs the config; any before it make what it needs
-    assert kind in ("train", "demo"), f"configs/{path.name}: the first line's last command must be rlmega train or demo"
-    named = args.config or str(ROOT / "configs" / "demo_cpu.yaml")  # `rlmega demo` alone runs the demo's config
-    assert (ROOT / named).resolve() == path, f"configs/{path.name}: the first line runs {named}, not this file"
+    assert kind in ("train", "demo"), (
+        f"configs/{path.name}: the first line's last command must be rlmega train or demo"
+    )
+    # `rlmega demo` alone runs the demo's config
+    named = args.config or str(ROOT / "configs" / "demo_cpu.yaml")
+    assert (ROOT / named).resolve() == path, (
+        f"configs/{path.name}: the first line runs {named}, not this file"
+    )
     model = (yaml.safe_load(path.read_text()).get("model") or {}).get("path", "")
     run_dir = (yaml.safe_load(path.read_text()).get("trainer") or {}).get("run_dir", "")
     for kind, made in commands[:-1]:  # what the first parts make is where the config looks
-        assert kind == "tools/make_tiny_model.py", f"configs/{path.name}: unexpected first part {kind}"
-        assert made.out_dir == model, f"configs/{path.name}: the first line makes {made.out_dir}, model.path is {model}"
-        assert made.if_missing, f"configs/{path.name}: give --if-missing, so running the line again keeps the model"
-    if kind == "demo":  # the demo makes RUN_DIR/tiny_model: the config's model.path should be that folder
+        assert kind == "tools/make_tiny_model.py", (
+            f"configs/{path.name}: unexpected first part {kind}"
+        )
+        assert made.out_dir == model, (
+            f"configs/{path.name}: the first line makes {made.out_dir}, model.path is {model}"
+        )
+        assert made.if_missing, (
+            f"configs/{path.name}: give --if-missing, so running the line again keeps the model"
+        )
+    # the demo makes RUN_DIR/tiny_model: the config's model.path should be that folder
+    if kind == "demo":
         assert model == f"{args.run_dir or run_dir}/tiny_model", (
             f"configs/{path.name}: model.path is {model}, but `rlmega demo` makes the model in "
-            f"{args.run_dir or run_dir}/tiny_model: set model.path to that, so `rlmega train` finds it afterwards")
+            f"{args.run_dir or run_dir}/tiny_model: set model.path to that, so `rlmega train` finds it afterwards"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +107,19 @@ def models(tmp_path_factory):
     def get(key, **shape):
         if key not in made:
             out = tmp_path_factory.mktemp("model") / "m"
-            if shape.get("arch") in VLM_ARCHITECTURES:  # what tools/make_tiny_model.py passes on to make_tiny_vlm
-                made[key] = make_tiny_vlm(out, **{k: shape[k] for k in ("arch", "hidden_size", "num_layers",
-                                                                        "num_heads", "seed")})
+            # what tools/make_tiny_model.py passes on to make_tiny_vlm
+            if shape.get("arch") in VLM_ARCHITECTURES:
+                made[key] = make_tiny_vlm(
+                    out,
+                    **{
+                        k: shape[k]
+                        for k in ("arch", "hidden_size", "num_layers", "num_heads", "seed")
+                    },
+                )
             else:
                 made[key] = make_tiny_model(out, **shape)
         return made[key]
+
     return get
 
 
@@ -104,21 +131,35 @@ def test_check_config_passes_on_the_model_the_first_line_makes(path, models, tmp
         if kind == "demo":
             model = models("demo", **cli.DEMO_MODEL)
         elif kind == "tools/make_tiny_model.py":
-            shape = {k: v for k, v in vars(args).items() if k not in ("out_dir", "if_missing", "overwrite")}
+            shape = {
+                k: v
+                for k, v in vars(args).items()
+                if k not in ("out_dir", "if_missing", "overwrite")
+            }
             model = models(tuple(sorted(shape.items())), **shape)
     overrides = [f"trainer.run_dir={tmp_path / 'run'}"] + ([f"model.path={model}"] if model else [])
     try:
         cli.check_config(path, overrides)
     except ConfigError as e:
-        if model is not None or not Path((yaml.safe_load(path.read_text())["model"])["path"]).is_absolute():
-            pytest.fail(f"configs/{path.name}: rlmega check-config fails on the model its first line makes:\n{e}")
+        if (
+            model is not None
+            or not Path((yaml.safe_load(path.read_text())["model"])["path"]).is_absolute()
+        ):
+            pytest.fail(
+                f"configs/{path.name}: rlmega check-config fails on the model its first line makes:\n{e}"
+            )
         other = [p for p in e.problems if not p.startswith(CLUSTER_ONLY)]
-        assert not other, \
-            f"configs/{path.name} (a cluster config): problems beyond its storage and GPUs:\n" + "\n".join(other)
+        assert not other, (
+            f"configs/{path.name} (a cluster config): problems beyond its storage and GPUs:\n"
+            + "\n".join(other)
+        )
     except cli.PromptDataError as e:
         pytest.fail(f"configs/{path.name}: {e}")
     else:
-        assert model is not None or not Path(yaml.safe_load(path.read_text())["model"]["path"]).is_absolute()
+        assert (
+            model is not None
+            or not Path(yaml.safe_load(path.read_text())["model"]["path"]).is_absolute()
+        )
 
 
 def test_demo_takes_the_configs_run_dir_and_length(tmp_path, monkeypatch):
@@ -131,11 +172,19 @@ def test_demo_takes_the_configs_run_dir_and_length(tmp_path, monkeypatch):
     (run / "tiny_model" / "config.json").write_text("{}")  # made once: not again
     config = ROOT / "configs" / "agent_calculator_cpu.yaml"
     assert cli.main(["demo", "--config", str(config), f"trainer.run_dir={run}"]) == 0
-    assert seen[-1] == [str(config), f"model.path={run / 'tiny_model'}", f"trainer.run_dir={run}",
-                        f"trainer.run_dir={run}"]  # no trainer.total_steps: the config's own 30
-    monkeypatch.chdir(tmp_path)  # no override: the config's runs/agent_calculator, relative to where it runs
+    assert seen[-1] == [
+        str(config),
+        f"model.path={run / 'tiny_model'}",
+        f"trainer.run_dir={run}",
+        f"trainer.run_dir={run}",
+    ]  # no trainer.total_steps: the config's own 30
+    # no override: the config's runs/agent_calculator, relative to where it runs
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "agent_calculator" / "tiny_model").mkdir(parents=True)
     (tmp_path / "runs" / "agent_calculator" / "tiny_model" / "config.json").write_text("{}")
     assert cli.main(["demo", "--config", str(config), "--steps", "3"]) == 0
-    assert seen[-1][1:4] == ["model.path=runs/agent_calculator/tiny_model", "trainer.run_dir=runs/agent_calculator",
-                             "trainer.total_steps=3"]
+    assert seen[-1][1:4] == [
+        "model.path=runs/agent_calculator/tiny_model",
+        "trainer.run_dir=runs/agent_calculator",
+        "trainer.total_steps=3",
+    ]

@@ -4,6 +4,7 @@ has a name in /dev/shm after its first sync; a slot any tensor of which is still
 is never refilled (while held in a reload, nor after it: retired); a failed sync's slots are dropped;
 a full pool or a small /dev/shm falls back to bucket files. No engine: the engine's side is
 tests/e2e/test_rollout_worker.py."""
+
 import glob
 import os
 import shutil
@@ -26,9 +27,13 @@ def pool():
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [("a.weight", torch.randn(64, 64, generator=g)), ("b.bias", torch.randn(7, generator=g).bfloat16()),
-            ("c.weight", torch.randn(40, 30, generator=g).t()), ("d.empty", torch.zeros(0, 4)),
-            ("e.int", torch.arange(5) + seed)]
+    return [
+        ("a.weight", torch.randn(64, 64, generator=g)),
+        ("b.bias", torch.randn(7, generator=g).bfloat16()),
+        ("c.weight", torch.randn(40, 30, generator=g).t()),
+        ("d.empty", torch.zeros(0, 4)),
+        ("e.int", torch.arange(5) + seed),
+    ]
 
 
 def _sync(pool, readers, buckets, ranks=(0, 1)):
@@ -43,7 +48,9 @@ def _sync(pool, readers, buckets, ranks=(0, 1)):
         bucket_files.end(d)
         got = {}
         for rank in ranks:
-            got[rank] = [(n, t.clone()) for n, t in bucket_files.read_stream(d, rank, 5, slots=readers[rank])]
+            got[rank] = [
+                (n, t.clone()) for n, t in bucket_files.read_stream(d, rank, 5, slots=readers[rank])
+            ]
             readers[rank].finish()
         pool.end_sync(d, failed=False)
         return got
@@ -52,12 +59,19 @@ def _sync(pool, readers, buckets, ranks=(0, 1)):
 
 
 def _slot_files():
-    return [p for p in glob.glob(f"{bucket_files.SHM}/{bucket_files.PREFIX}{os.getpid()}-*/{shm_slots.SLOT}*")]
+    return [
+        p
+        for p in glob.glob(
+            f"{bucket_files.SHM}/{bucket_files.PREFIX}{os.getpid()}-*/{shm_slots.SLOT}*"
+        )
+    ]
 
 
 def _equal(got, sent):
     return [n for n, _ in got] == [n for n, _ in sent] and all(
-        g.dtype == s.dtype and g.shape == s.shape and torch.equal(g, s) for (_, g), (_, s) in zip(got, sent))
+        g.dtype == s.dtype and g.shape == s.shape and torch.equal(g, s)
+        for (_, g), (_, s) in zip(got, sent)
+    )
 
 
 def test_a_second_sync_through_the_same_slots_gives_exactly_the_second_weights(pool):
@@ -82,7 +96,8 @@ def test_a_slot_still_viewed_is_not_refilled_until_its_tensors_go(pool):
     try:
         a, b, c = (_weights(k) for k in range(3))
         pool.write(d, 0, a, [0])
-        kept = dict(reader.read(os.path.join(d, "0", "00000000.slot")))["a.weight"]  # a layer held to the end
+        # a layer held to the end
+        kept = dict(reader.read(os.path.join(d, "0", "00000000.slot")))["a.weight"]
         reader.release()
         assert os.listdir(os.path.join(d, "0")) == ["00000000.held"]
         assert bucket_files.unread(d, [0]) == 0  # read: the writer's flow control goes on
@@ -98,7 +113,8 @@ def test_a_slot_still_viewed_is_not_refilled_until_its_tensors_go(pool):
         assert len(pool) == 2 and torch.equal(kept, a[0][1])  # c went into b's slot
         del kept
         reader.release()
-        assert os.listdir(os.path.join(d, "0")) == ["00000002.slot"]  # a's ticket gone with its last view
+        # a's ticket gone with its last view
+        assert os.listdir(os.path.join(d, "0")) == ["00000002.slot"]
     finally:
         reader.finish()
         shutil.rmtree(d, ignore_errors=True)
@@ -110,11 +126,13 @@ def test_a_slot_viewed_after_the_reload_is_retired_never_refilled(pool):
     try:
         pool.write(d, 0, _weights(0), [0])
         bucket_files.end(d)
-        kept = [t for _, t in bucket_files.read_stream(d, 0, 5, slots=reader)]  # a leak past the reload
+        # a leak past the reload
+        kept = [t for _, t in bucket_files.read_stream(d, 0, 5, slots=reader)]
         reader.finish()
         assert len(pool) == 1 and not pool._slots[0].free()  # retired ...
         pool.end_sync(d, failed=False)
-        assert len(pool) == 0 and reader._maps == {}  # ... and forgotten; the pages stay with the views
+        # ... and forgotten; the pages stay with the views
+        assert len(pool) == 0 and reader._maps == {}
     finally:
         shutil.rmtree(d, ignore_errors=True)
     got = _sync(pool, {0: reader}, [_weights(1)], ranks=(0,))
@@ -129,10 +147,13 @@ def test_a_writer_in_another_process_learns_the_retired_slots_from_the_marks_it_
     d = bucket_files.open_sync_dir([0], MB)
     try:
         pool.write(d, 0, _weights(0), [0], tag="-sender")
-        assert os.listdir(os.path.join(d, "0")) == ["00000000-sender.slot"]  # its writer's mark in the name
+        # its writer's mark in the name
+        assert os.listdir(os.path.join(d, "0")) == ["00000000-sender.slot"]
         pool.write(d, 1, _weights(1), [0], tag="-sender")
         bucket_files.end(d)
-        kept = [t for n, t in bucket_files.read_stream(d, 0, 5, slots=reader) if n == "a.weight"][:1]
+        kept = [t for n, t in bucket_files.read_stream(d, 0, 5, slots=reader) if n == "a.weight"][
+            :1
+        ]
         reader.finish()  # the first bucket's slot is still viewed: retired
         marks = [n for n in os.listdir(d) if n.startswith(shm_slots.RETIRED)]
         assert len(marks) == 1 and len(pool) == 2
@@ -150,8 +171,11 @@ def test_slots_are_taken_back_while_a_stream_is_read(pool):
     d = bucket_files.open_sync_dir([0], MB)
     sent = [[(f"{k}.{n}", t) for n, t in _weights(k)] for k in range(12)]
     got = []
-    thread = threading.Thread(target=lambda: got.extend(
-        (n, t.clone()) for n, t in bucket_files.read_stream(d, 0, 30, slots=reader)))
+    thread = threading.Thread(
+        target=lambda: got.extend(
+            (n, t.clone()) for n, t in bucket_files.read_stream(d, 0, 30, slots=reader)
+        )
+    )
     thread.start()
     try:
         for seq, bucket in enumerate(sent):
@@ -173,7 +197,9 @@ def test_a_full_pool_or_a_small_shm_falls_back_to_files(monkeypatch):
     got = _sync(small, {0: shm_slots.SlotReader()}, buckets, ranks=(0,))
     assert _equal(got[0], sum(buckets, [])) and len(small) == 1  # one slot, then files
     # Docker's 64 MB /dev/shm: no slot
-    monkeypatch.setattr(shm_slots.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(64 * MB, 0, 64 * MB))
+    monkeypatch.setattr(
+        shm_slots.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(64 * MB, 0, 64 * MB)
+    )
     docker = shm_slots.SlotPool(file_bytes=MB)
     d = bucket_files.open_sync_dir([0], MB)
     try:

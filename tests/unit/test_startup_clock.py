@@ -1,4 +1,5 @@
 """rlmega/rundir/startup.py: phases in seconds since the process started, printed, kept and written."""
+
 import json
 import subprocess
 import sys
@@ -23,16 +24,30 @@ def test_phases_chain_or_overlap_print_and_reach_listeners_and_setup_json(tmp_pa
     assert sync["start_s"] == engines["end_s"]  # the next phase starts where the last one ended
     assert [len(s) for s in seen] == [1, 2, 3] and seen[-1] == clock.phases
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 3 and out[1].startswith("rlmega: start-up ") and " engines 0.1 s (from 10." in out[1]
+    assert (
+        len(out) == 3
+        and out[1].startswith("rlmega: start-up ")
+        and " engines 0.1 s (from 10." in out[1]
+    )
     path = clock.write(tmp_path)
-    assert json.loads(path.read_text()) == read_setup(tmp_path) == {"ready_s": sync["end_s"], "phases": clock.phases}
+    assert (
+        json.loads(path.read_text())
+        == read_setup(tmp_path)
+        == {"ready_s": sync["end_s"], "phases": clock.phases}
+    )
     assert read_setup(tmp_path / "nothing") == {}
 
 
 def test_time_zero_is_the_process_start_not_the_import():
     # a child that sleeps 1 s before it first reads the clock: its t = 0 is still its own start
-    code = ("import time; time.sleep(1.0); from rlmega.rundir.startup import process_start_monotonic;"
-            "print(time.monotonic() - process_start_monotonic())")
-    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    code = (
+        "import time; time.sleep(1.0); from rlmega.rundir.startup import process_start_monotonic;"
+        "print(time.monotonic() - process_start_monotonic())"
+    )
+    age = float(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert 1.0 <= age < 10.0
     assert process_start_monotonic() <= time.monotonic()

@@ -1,4 +1,5 @@
 """The tiny model maker: folders that transformers loads, deterministic weights, a sane tokenizer."""
+
 import runpy
 from pathlib import Path
 
@@ -69,15 +70,25 @@ def test_qwen3_variant_has_qk_norms(tmp_path):
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 64
     with safe_open(path / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.0.self_attn.q_proj.bias" not in names
+    assert (
+        "model.layers.0.self_attn.q_norm.weight" in names
+        and "model.layers.0.self_attn.q_proj.bias" not in names
+    )
     assert unsupported_reason(AutoConfig.from_pretrained(path).to_dict()) is None
 
 
 def test_qwen3_moe_variant_per_expert_weights(tmp_path):
     from rlmega.config.hf_support import num_experts, unsupported_reason
 
-    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, top_k=2, moe_intermediate_size=16,
-                           hidden_size=64, **SMALL)
+    path = make_tiny_model(
+        tmp_path / "moe",
+        arch="qwen3_moe",
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=16,
+        hidden_size=64,
+        **SMALL,
+    )
     model = AutoModelForCausalLM.from_pretrained(path)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, NATURAL_VOCAB_SIZE)
@@ -99,8 +110,15 @@ def test_mixtral_variant_per_expert_weights_match_the_preflight_and_the_mapping(
     from rlmega.config.hf_support import num_experts, unsupported_reason
     from rlmega.config.model_files import expected_shapes
 
-    path = make_tiny_model(tmp_path / "mix", arch="mixtral", num_experts=4, top_k=2, moe_intermediate_size=16,
-                           hidden_size=64, **SMALL)
+    path = make_tiny_model(
+        tmp_path / "mix",
+        arch="mixtral",
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=16,
+        hidden_size=64,
+        **SMALL,
+    )
     model = AutoModelForCausalLM.from_pretrained(path)
     assert type(model).__name__ == "MixtralForCausalLM"
     assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, NATURAL_VOCAB_SIZE)
@@ -131,7 +149,8 @@ def test_phi3_variant_fused_weights_tied_and_untied(tmp_path, tied):
     with safe_open(path / "model.safetensors", "pt") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     h, kv = 128, 1  # SMALL keeps hidden 128, 2 heads, 1 KV head of 64
-    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [h + 2 * kv * 64, h]  # [q; k; v] rows
+    # [q; k; v] rows
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [h + 2 * kv * 64, h]
     assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == [2 * 2 * h, h]  # [gate; up] rows
     assert ("lm_head.weight" in shapes) != tied  # a tied head is stored once, as the embedding
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
@@ -177,7 +196,9 @@ def test_bad_arguments_name_the_parameter(tmp_path, kwargs, name):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tokenizer_round_trip(tmp_path, qwen2_dir, arch):
     # transformers 5 rebuilds qwen2 tokenizers as Qwen2Tokenizer; llama keeps tokenizer.json as is.
-    path = qwen2_dir if arch == "qwen2" else make_tiny_model(tmp_path / "llama", arch="llama", **SMALL)
+    path = (
+        qwen2_dir if arch == "qwen2" else make_tiny_model(tmp_path / "llama", arch="llama", **SMALL)
+    )
     tok = AutoTokenizer.from_pretrained(path)
     for text in ["12+34=46", "what is (3*4)-2?  it's \"10\".\nok", "ab</s>"]:
         ids = tok.encode(text)
@@ -206,11 +227,19 @@ def test_existing_folder_needs_overwrite(tmp_path):
 
 def test_cli(tmp_path, capsys):
     cli = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "make_tiny_model.py"))
-    cli["main"]([str(tmp_path / "cli"), "--arch", "llama", "--num-layers", "1", "--vocab-size", "61"])
+    cli["main"](
+        [str(tmp_path / "cli"), "--arch", "llama", "--num-layers", "1", "--vocab-size", "61"]
+    )
     out = capsys.readouterr().out
     assert str(tmp_path / "cli") in out and "parameters" in out
     config = AutoConfig.from_pretrained(tmp_path / "cli")
     assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", 1, 61)
-    cli["main"]([str(tmp_path / "phi3"), "--arch", "phi3", "--num-layers", "1", "--tie-word-embeddings"])
+    cli["main"](
+        [str(tmp_path / "phi3"), "--arch", "phi3", "--num-layers", "1", "--tie-word-embeddings"]
+    )
     config = AutoConfig.from_pretrained(tmp_path / "phi3")
-    assert (config.model_type, config.architectures, config.tie_word_embeddings) == ("phi3", ["Phi3ForCausalLM"], True)
+    assert (config.model_type, config.architectures, config.tie_word_embeddings) == (
+        "phi3",
+        ["Phi3ForCausalLM"],
+        True,
+    )

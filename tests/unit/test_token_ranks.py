@@ -5,6 +5,7 @@ batch sizes 1 and many included), and a heap inherited frozen (forked_engine_cor
 vLLM's function is run as its source has it, uncompiled (``__wrapped__``, what ``torch.compile`` wraps): its
 compilation with inductor took 19 of this test's 20 s, and what it checks, that vLLM's formula is ours (a ``>``
 where we have ``>=`` fails here), is the formula's, not the compiler's."""
+
 import gc
 
 import torch
@@ -16,7 +17,8 @@ def test_eager_ranks_equal_vllms_and_the_sampler_uses_them(monkeypatch):
     import vllm.v1.sample.sampler as sampler
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-    vllms = batched_count_greater_than.__wrapped__  # the function torch.compile wraps (module docstring)
+    # the function torch.compile wraps (module docstring)
+    vllms = batched_count_greater_than.__wrapped__
 
     g = torch.Generator().manual_seed(0)
     for batch in (1, 5):
@@ -27,7 +29,8 @@ def test_eager_ranks_equal_vllms_and_the_sampler_uses_them(monkeypatch):
         want = vllms(logprobs, chosen)
         assert torch.equal(count_at_least(logprobs, chosen), want), batch
         assert want.min() >= 1  # the token itself counts: rank 1 is the top
-    monkeypatch.setattr(sampler, "batched_count_greater_than", sampler.batched_count_greater_than)  # put back after
+    # put back after
+    monkeypatch.setattr(sampler, "batched_count_greater_than", sampler.batched_count_greater_than)
     eager_token_ranks()
     assert sampler.batched_count_greater_than is count_at_least
 
@@ -50,5 +53,6 @@ def test_the_forked_core_inherits_the_heap_frozen_and_this_process_is_thawed_aft
         frozen = queue.get(timeout=60)
         child.join(timeout=60)
     assert context.get_start_method() == "fork"
-    assert frozen > 0.9 * len(gc.get_objects()), frozen  # (vLLM, torch and the rest: hundreds of thousands)
+    # (vLLM, torch and the rest: hundreds of thousands)
+    assert frozen > 0.9 * len(gc.get_objects()), frozen
     assert gc.get_freeze_count() == 0

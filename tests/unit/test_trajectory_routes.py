@@ -1,5 +1,6 @@
 """MoE routes (R3) from engine samples to the trainer's batch: single- and multi-turn trajectories
 (tool tokens -1), batch_from_samples / batch_from_groups, and the async buffer's checkpoint form."""
+
 from __future__ import annotations
 
 import io
@@ -37,19 +38,26 @@ def test_single_and_tool_turns_carry_routes_with_tool_tokens_unrouted():
     assert (r[5:8] == -1).all()
     assert torch.equal(r[8], torch.from_numpy(turn2[8])) and (r[9] == -1).all()
 
-    batch = batch_from_groups([TrajectoryGroup(task="t", prompt_index=0, label=None, trajectories=[t])])
+    batch = batch_from_groups(
+        [TrajectoryGroup(task="t", prompt_index=0, label=None, trajectories=[t])]
+    )
     assert len(batch.routed_experts) == 1 and torch.equal(batch.routed_experts[0], r)
 
 
 def test_batch_from_samples_and_groups_without_routes_have_none():
-    s = types.SimpleNamespace(prompt_index=0, prompt_ids=[1, 2], response_ids=[3], logprobs=[-1.0],
-                              routed_experts=None)
+    s = types.SimpleNamespace(
+        prompt_index=0, prompt_ids=[1, 2], response_ids=[3], logprobs=[-1.0], routed_experts=None
+    )
     assert batch_from_samples([s]).routed_experts is None
     t = Trajectory(prompt_ids=[1, 2])
     t.append([3], [-1.0], 0, model=True)
     assert t.routed_experts is None
-    assert batch_from_groups([TrajectoryGroup(task="t", prompt_index=0, label=None, trajectories=[t])]) \
-        .routed_experts is None
+    assert (
+        batch_from_groups(
+            [TrajectoryGroup(task="t", prompt_index=0, label=None, trajectories=[t])]
+        ).routed_experts
+        is None
+    )
     s.routed_experts = _rows(3)
     b = batch_from_samples([s])
     assert torch.equal(b.routed_experts[0], torch.from_numpy(_rows(3)))
@@ -58,8 +66,11 @@ def test_batch_from_samples_and_groups_without_routes_have_none():
 def test_buffer_checkpoint_keeps_routes():
     t = Trajectory(prompt_ids=[1, 5])
     t.append([9, 10], [-0.1, -0.2], 0, model=True, routes=_rows(4))
-    batch = ProducedBatch(index=3, groups=[TrajectoryGroup(task="t", prompt_index=0, label="x", trajectories=[t])],
-                          requests=[("t", GroupRequest(prompt_index=0, prompt_ids=[1, 5], label="x", seed=0))])
+    batch = ProducedBatch(
+        index=3,
+        groups=[TrajectoryGroup(task="t", prompt_index=0, label="x", trajectories=[t])],
+        requests=[("t", GroupRequest(prompt_index=0, prompt_ids=[1, 5], label="x", seed=0))],
+    )
     buf = io.BytesIO()
     torch.save(batch.to_state(), buf)
     buf.seek(0)

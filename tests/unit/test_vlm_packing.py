@@ -9,6 +9,7 @@ each sequence's log-probs from the packed row (rlmega's per-sequence attention,
 rlmega/fsdp/vision_inputs.py's packing of the images and positions) must equal those of the sample
 alone through transformers' sdpa forward with the processor's own inputs, in float32.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,6 +37,7 @@ def _processed(arch, path, images, text):
     messages = [{"role": "user", "content": content}]
     if arch == "idefics3":
         from transformers import AutoProcessor
+
         proc = AutoProcessor.from_pretrained(path)
         prompt = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         enc = proc(text=[prompt], images=[images] if images else None, return_tensors="pt")
@@ -44,11 +46,14 @@ def _processed(arch, path, images, text):
     # Qwen2-VL: what Qwen2VLProcessor does (it cannot be built here without torchvision: rlmega/demo/tiny_vlm.py)
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     tok = AutoTokenizer.from_pretrained(path)
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     vision = None
     if images:
-        vision = dict(Qwen2VLImageProcessorPil.from_pretrained(path)(images=images, return_tensors="pt"))
+        vision = dict(
+            Qwen2VLImageProcessorPil.from_pretrained(path)(images=images, return_tensors="pt")
+        )
         parts = prompt.split("<|image_pad|>")
         counts = (vision["image_grid_thw"].prod(-1) // 4).tolist()
         prompt = parts[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, parts[1:]))
@@ -59,12 +64,19 @@ def _observation(arch, path, image):
     """(the expanded ids, vision inputs) of one image alone, as a tool's image answer is tokenized."""
     if arch == "idefics3":
         from transformers import AutoProcessor
-        enc = AutoProcessor.from_pretrained(path)(text=["<image>"], images=[[image]], add_special_tokens=False,
-                                                  return_tensors="pt")
-        return enc["input_ids"][0].tolist(), {k: enc[k] for k in ("pixel_values", "pixel_attention_mask")}
+
+        enc = AutoProcessor.from_pretrained(path)(
+            text=["<image>"], images=[[image]], add_special_tokens=False, return_tensors="pt"
+        )
+        return enc["input_ids"][0].tolist(), {
+            k: enc[k] for k in ("pixel_values", "pixel_attention_mask")
+        }
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    vision = dict(Qwen2VLImageProcessorPil.from_pretrained(path)(images=[image], return_tensors="pt"))
+
+    vision = dict(
+        Qwen2VLImageProcessorPil.from_pretrained(path)(images=[image], return_tensors="pt")
+    )
     n = int(vision["image_grid_thw"].prod(-1)[0]) // 4
     text = "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>"
     return AutoTokenizer.from_pretrained(path)(text, add_special_tokens=False)["input_ids"], vision
@@ -90,29 +102,51 @@ def _reference_logprobs(model, arch, ids, vision):
 @pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl"])
 def test_packed_image_samples_match_unpacked_transformers(tmp_path, arch):
     from transformers import AutoConfig
+
     path = make_tiny_vlm(tmp_path / arch, arch=arch, seed=0)
     config = AutoConfig.from_pretrained(path)
     auto_cls, kw = load_kwargs(config, packed_attention.NAME)
     packed_model = auto_cls.from_pretrained(path, dtype=torch.float32, **kw).eval()
-    ref_model = auto_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ref_model = auto_cls.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
-    small = (60, 80) if arch == "qwen2_vl" else (80, 60)  # Qwen2-VL: another grid; Idefics3: resized to 112
+    # Qwen2-VL: another grid; Idefics3: resized to 112
+    small = (60, 80) if arch == "qwen2_vl" else (80, 60)
     samples = [
         _processed(arch, path, [_image((112, 112), (255, 0, 0))], "red?"),
         _processed(arch, path, [], "no image"),
-        _processed(arch, path, [_image(small, (0, 0, 255), "rectangle"), _image((84, 112), (0, 160, 0))], "two?"),
+        _processed(
+            arch,
+            path,
+            [_image(small, (0, 0, 255), "rectangle"), _image((84, 112), (0, 160, 0))],
+            "two?",
+        ),
     ]
     seqs = [torch.tensor(ids + RESPONSE) for ids, _ in samples]
     # an image observation: the response's first 3 tokens, a zoomed image (the processor's expansion), the rest
     prompt_ids, prompt_vision = _processed(arch, path, [_image((112, 112), (200, 200, 0))], "zoom?")
     seen_ids, seen_vision = _observation(arch, path, _image((56, 84), (0, 0, 200), "rectangle"))
     seqs.append(torch.tensor(prompt_ids + RESPONSE[:3] + seen_ids + RESPONSE[3:]))
-    samples.append((prompt_ids, {**_joined(arch, prompt_vision, seen_vision),
-                                 "observation_spans": torch.tensor([[3, 3 + len(seen_ids)]])}))
+    samples.append(
+        (
+            prompt_ids,
+            {
+                **_joined(arch, prompt_vision, seen_vision),
+                "observation_spans": torch.tensor([[3, 3 + len(seen_ids)]]),
+            },
+        )
+    )
     row = pack(seqs)
     prompt_ends = [c + len(ids) for c, (ids, _) in zip(row["cu_seqlens"].tolist(), samples)]
-    kwargs = row_vision_kwargs(config, row["tokens"], row["position_ids"], [v for _, v in samples],
-                               rope_index=getattr(packed_model.model, "get_rope_index", None), prompt_ends=prompt_ends)
+    kwargs = row_vision_kwargs(
+        config,
+        row["tokens"],
+        row["position_ids"],
+        [v for _, v in samples],
+        rope_index=getattr(packed_model.model, "get_rope_index", None),
+        prompt_ends=prompt_ends,
+    )
     with torch.no_grad():
         logits = packed_model(attention_mask=None, use_cache=False, **kwargs).logits[0]
     packed_lp = torch.log_softmax(logits.float(), -1)
@@ -122,7 +156,7 @@ def test_packed_image_samples_match_unpacked_transformers(tmp_path, arch):
         vision = vision and {n: t for n, t in vision.items() if n != "observation_spans"}
         ref = _reference_logprobs(ref_model, arch, seq[None], vision)
         s, e = cu[k], cu[k + 1]
-        ours = packed_lp[s:e - 1].gather(-1, seq[1:, None])[:, 0]
+        ours = packed_lp[s : e - 1].gather(-1, seq[1:, None])[:, 0]
         worst = max(worst, (ours - ref).abs().max().item())
     print(f"{arch}: packed row vs unpacked transformers, max |log-prob diff| {worst:.2e}")
     # measured 0 (per-sequence sdpa = unpacked sdpa); wrong mRoPE: 6.6e-3, swapped images: 0.18; the observation's

@@ -14,6 +14,7 @@ before, the kernel's high-water mark reset first (as tools/bench/long_context.py
 blocks on their own, so resident memory follows the tensors alive). The table gives the largest rank's,
 and the ratio to CP1 at the same length: what a rank needs, so what decides whether a length fits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,20 @@ from long_context import write_json  # noqa: E402
 
 VOCAB = 151_936
 PROMPT = 64
-SHAPE = dict(architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=4, intermediate_size=512, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0,
-             hidden_act="silu", tie_word_embeddings=False, model_type="qwen2")
+SHAPE = dict(
+    architectures=["Qwen2ForCausalLM"],
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=4,
+    intermediate_size=512,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    model_type="qwen2",
+)
 LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "tp2_sp": (2, 1)}  # name: (TP, CP); world = TP x CP
 
 
@@ -42,28 +54,45 @@ def _rank_peak(tokens: int, tp: int, cp: int, chunk: int) -> dict:
     from rlmega.config.schema import ActorConfig, ModelConfig, OptimizerConfig, ParallelismConfig
     from rlmega.megatron.engine import MegatronEngine
 
-    parallel = ParallelismConfig(tensor_model_parallel_size=tp, world_size=tp * cp, context_parallel_size=cp)
+    parallel = ParallelismConfig(
+        tensor_model_parallel_size=tp, world_size=tp * cp, context_parallel_size=cp
+    )
     MegatronEngine.init_process(parallel, seed=1)
-    engine = MegatronEngine(ModelConfig(path=""), parallel, OptimizerConfig(lr=1e-5),
-                            ActorConfig(max_tokens_per_micro_batch=tokens, logprob_chunk_tokens=chunk),
-                            hf_config=dict(SHAPE, max_position_embeddings=max(tokens, 512)))
+    engine = MegatronEngine(
+        ModelConfig(path=""),
+        parallel,
+        OptimizerConfig(lr=1e-5),
+        ActorConfig(max_tokens_per_micro_batch=tokens, logprob_chunk_tokens=chunk),
+        hf_config=dict(SHAPE, max_position_embeddings=max(tokens, 512)),
+    )
     engine.build()
     mbs = _micro_batches(engine, tokens)
     _train_pass(engine, mbs)  # once first: the gradients' buffers exist before the pass measured
     start = time.perf_counter()
     peak = _pass_peak(engine, mbs)
-    return {"peak_bytes": peak, "seconds": time.perf_counter() - start,
-            "local_tokens": int(mbs[0]["tokens"].shape[1])}
+    return {
+        "peak_bytes": peak,
+        "seconds": time.perf_counter() - start,
+        "local_tokens": int(mbs[0]["tokens"].shape[1]),
+    }
 
 
 def measure(tokens: int, layout: str, chunk: int) -> dict:
     from rlmega.testing.multiproc import run_on_ranks
 
     tp, cp = LAYOUTS[layout]
-    ranks = run_on_ranks(_rank_peak, tp * cp, args=(tokens, tp, cp, chunk), timeout_s=3600,
-                         env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"})
-    return {"peak_bytes": max(r["peak_bytes"] for r in ranks), "seconds": max(r["seconds"] for r in ranks),
-            "local_tokens": max(r["local_tokens"] for r in ranks)}
+    ranks = run_on_ranks(
+        _rank_peak,
+        tp * cp,
+        args=(tokens, tp, cp, chunk),
+        timeout_s=3600,
+        env={"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"},
+    )
+    return {
+        "peak_bytes": max(r["peak_bytes"] for r in ranks),
+        "seconds": max(r["seconds"] for r in ranks),
+        "local_tokens": max(r["local_tokens"] for r in ranks),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,7 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--chunk", type=int, default=512, help="actor.logprob_chunk_tokens")
-    ap.add_argument("--smoke", action="store_true", help="512 tokens at CP2 (CP1 is long_context.py's path): seconds")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="512 tokens at CP2 (CP1 is long_context.py's path): seconds",
+    )
     ap.add_argument("--json", default=None, help="write the results here too")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -85,10 +118,16 @@ def main(argv: list[str] | None = None) -> dict:
         for name in a.layouts:
             row[name]["ratio"] = row[name]["peak_bytes"] / base if base else None
         rows.append(row)
-        print(f"{n} tokens: " + ", ".join(
-            f"{name} {row[name]['peak_bytes'] / 2**30:.2f} GiB a rank"
-            + (f" ({row[name]['ratio']:.2f} of cp1)" if row[name]["ratio"] is not None else "")
-            + f", {row[name]['seconds']:.1f} s" for name in a.layouts), flush=True)
+        print(
+            f"{n} tokens: "
+            + ", ".join(
+                f"{name} {row[name]['peak_bytes'] / 2**30:.2f} GiB a rank"
+                + (f" ({row[name]['ratio']:.2f} of cp1)" if row[name]["ratio"] is not None else "")
+                + f", {row[name]['seconds']:.1f} s"
+                for name in a.layouts
+            ),
+            flush=True,
+        )
     result = {"vocab": VOCAB, "shape": SHAPE, "chunk": a.chunk, "rows": rows}
     if a.json:
         write_json(a.json, result)

@@ -67,6 +67,7 @@ The default (2 rounds x 3 steps a side) should take 10-15 minutes on a quiet 2-c
 estimate: it took 17 minutes on a 2-core machine shared with other jobs, load 4-10, where TRL's steps
 took 57-207 s as the load varied); it prints its runtime. ``--json OUT`` also writes every number.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,7 +85,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bench_grpo_cpu.yaml"
 TRL_SIDE = ROOT / "tools" / "bench" / "trl_grpo_side.py"
 REWARD_FILE = ROOT / "rlmega" / "rewards" / "arithmetic.py"
-DEFAULT_TRL_PYTHON = os.environ.get("RLMEGA_TRL_PYTHON") or str(ROOT / "runs/bench/trl-venv/bin/python")
+DEFAULT_TRL_PYTHON = os.environ.get("RLMEGA_TRL_PYTHON") or str(
+    ROOT / "runs/bench/trl-venv/bin/python"
+)
 TARGET = 2.5  # issue 26
 PHASES = ("generate", "reward", "logprob", "train", "sync")
 LENGTH_TOLERANCE = 0.15
@@ -107,10 +110,14 @@ def trl_versions(python: str) -> tuple[dict | None, str]:
     """(versions, "") when ``python`` imports trl and torch, else (None, why not)."""
     if not Path(python).is_file():
         return None, f"{python} does not exist"
-    code = "import json, torch, transformers, trl; print(json.dumps(dict(torch=torch.__version__, " \
-           "transformers=transformers.__version__, trl=trl.__version__)))"
+    code = (
+        "import json, torch, transformers, trl; print(json.dumps(dict(torch=torch.__version__, "
+        "transformers=transformers.__version__, trl=trl.__version__)))"
+    )
     try:
-        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, env=_trl_env())
+        proc = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=300, env=_trl_env()
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{python} does not run: {e}"
     if proc.returncode:
@@ -126,7 +133,8 @@ def _trl_env() -> dict:
 
 def _rlmega_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's code
+    # this checkout's code
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
@@ -137,13 +145,18 @@ def step_prompts(cfg, steps: int) -> list[list[dict]]:
     from rlmega.data.prompts import load_prompt_data
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    data = load_prompt_data(cfg.data, tok, cfg.rollout.max_prompt_tokens, cfg.trainer.prompts_per_step)
+    data = load_prompt_data(
+        cfg.data, tok, cfg.rollout.max_prompt_tokens, cfg.trainer.prompts_per_step
+    )
     out = []
     for _ in range(steps):
         batch = data.next_prompts()
-        for p in batch:  # TRL tokenizes the text itself (tokenizer(text=...)): it must get the same ids
+        # TRL tokenizes the text itself (tokenizer(text=...)): it must get the same ids
+        for p in batch:
             if tok(text=p.text)["input_ids"] != list(p.token_ids):
-                raise SystemExit(f"prompt {p.text!r}: the tokenizer's ids differ from rlmega's; the sides would differ")
+                raise SystemExit(
+                    f"prompt {p.text!r}: the tokenizer's ids differ from rlmega's; the sides would differ"
+                )
         out.append([{"prompt": p.text, "label": p.label} for p in batch])
     return out
 
@@ -152,7 +165,9 @@ def _run(name: str, cmd: list[str], env: dict, log: Path, timeout: float) -> flo
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout:.0f}s"
     if rc != 0:
@@ -163,26 +178,69 @@ def _run(name: str, cmd: list[str], env: dict, log: Path, timeout: float) -> flo
 
 def run_rlmega(args, overrides: list[str], work: Path, rnd: int) -> dict:
     run_dir = work / f"rlmega-r{rnd}"
-    cmd = [sys.executable, "-m", "rlmega.cli", "train", str(CONFIG), *overrides,
-           f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.steps}", f"rollout.seed={rnd}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlmega.cli",
+        "train",
+        str(CONFIG),
+        *overrides,
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={args.steps}",
+        f"rollout.seed={rnd}",
+    ]
     wall = _run("rlmega", cmd, _rlmega_env(), work / f"rlmega-r{rnd}.log", args.timeout)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # rlmega's agent loops judge while they generate: its time_generate holds both, time_reward is 0.
-    steps = [{"step": r["step"], "time_step": r["time_step"], **{f"time_{p}": r.get(f"time_{p}", 0.0) for p in PHASES},
-              "time_wait": r.get("time_wait", r.get("time_generate", 0.0)),  # the step waiting for its batch
-              "response_length": r["response_length"], "reward_mean": r["reward_mean"]}
-             for r in rows if "time_step" in r]
+    steps = [
+        {
+            "step": r["step"],
+            "time_step": r["time_step"],
+            **{f"time_{p}": r.get(f"time_{p}", 0.0) for p in PHASES},
+            "time_wait": r.get(
+                "time_wait", r.get("time_generate", 0.0)
+            ),  # the step waiting for its batch
+            "response_length": r["response_length"],
+            "reward_mean": r["reward_mean"],
+        }
+        for r in rows
+        if "time_step" in r
+    ]
     return {"side": "rlmega", "round": rnd, "wall_s": wall, "steps": steps}
 
 
 def run_trl(args, cfg, prompts_file: Path, work: Path, rnd: int) -> dict:
     out = work / f"trl-r{rnd}.json"
-    cmd = [args.trl_python, str(TRL_SIDE), "--model", cfg.model.path, "--prompts", str(prompts_file),
-           "--reward-file", str(REWARD_FILE), "--out", str(out), "--steps", str(args.steps),
-           "--threads", str(args.trl_threads), "--micro-batch", str(args.trl_micro_batch),
-           "--generation", args.trl_generation, "--num-generations", str(cfg.rollout.n),
-           "--max-completion-length", str(cfg.rollout.max_response_tokens),
-           "--beta", str(cfg.algorithm.kl_coef), "--lr", str(cfg.optimizer.lr), "--seed", str(rnd)]
+    cmd = [
+        args.trl_python,
+        str(TRL_SIDE),
+        "--model",
+        cfg.model.path,
+        "--prompts",
+        str(prompts_file),
+        "--reward-file",
+        str(REWARD_FILE),
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.trl_threads),
+        "--micro-batch",
+        str(args.trl_micro_batch),
+        "--generation",
+        args.trl_generation,
+        "--num-generations",
+        str(cfg.rollout.n),
+        "--max-completion-length",
+        str(cfg.rollout.max_response_tokens),
+        "--beta",
+        str(cfg.algorithm.kl_coef),
+        "--lr",
+        str(cfg.optimizer.lr),
+        "--seed",
+        str(rnd),
+    ]
     wall = _run("TRL", cmd, _trl_env(), work / f"trl-r{rnd}.log", args.timeout)
     steps = json.loads(out.read_text())["steps"]
     for s in steps:
@@ -195,63 +253,108 @@ def summarize(runs: list[dict], side: str, warmup: int) -> dict | None:
     if not measured:
         return None
     med = {p: statistics.median(s[f"time_{p}"] for s in measured) for p in PHASES}
-    return {"steps": len(measured), "step_s": statistics.median(s["time_step"] for s in measured),
-            **med, "response_length": statistics.fmean(s["response_length"] for s in measured),
-            "reward_mean": statistics.fmean(s.get("reward_mean") or 0.0 for s in measured)}
+    return {
+        "steps": len(measured),
+        "step_s": statistics.median(s["time_step"] for s in measured),
+        **med,
+        "response_length": statistics.fmean(s["response_length"] for s in measured),
+        "reward_mean": statistics.fmean(s.get("reward_mean") or 0.0 for s in measured),
+    }
 
 
 def report(res: dict, warmup: int) -> None:
-    head = f"{'round':>5} {'side':>6} {'wall_s':>7} " + " ".join(f"{c:>8}" for c in (*PHASES, "resp_len")) + "  step_s"
+    head = (
+        f"{'round':>5} {'side':>6} {'wall_s':>7} "
+        + " ".join(f"{c:>8}" for c in (*PHASES, "resp_len"))
+        + "  step_s"
+    )
     print("\n" + head)
     for r in res["runs"]:
         for i, s in enumerate(r["steps"]):
             tag = " (warm-up)" if i < warmup else ""
             wall = f"{r['wall_s']:7.1f}" if i == 0 else " " * 7
-            print(f"{r['round']:>5} {r['side']:>6} {wall} " + " ".join(f"{s[f'time_{p}']:8.2f}" for p in PHASES)
-                  + f" {s['response_length']:8.1f}  {s['time_step']:.2f}{tag}")
+            print(
+                f"{r['round']:>5} {r['side']:>6} {wall} "
+                + " ".join(f"{s[f'time_{p}']:8.2f}" for p in PHASES)
+                + f" {s['response_length']:8.1f}  {s['time_step']:.2f}{tag}"
+            )
     print()
     for rnd in sorted({r["round"] for r in res["runs"]}):
-        per = {side: summarize([r for r in res["runs"] if r["round"] == rnd], side, warmup)
-               for side in ("trl", "rlmega")}
+        per = {
+            side: summarize([r for r in res["runs"] if r["round"] == rnd], side, warmup)
+            for side in ("trl", "rlmega")
+        }
         if per["trl"] and per["rlmega"]:
-            print(f"round {rnd}: TRL/rlmega {per['trl']['step_s'] / per['rlmega']['step_s']:.2f} "
-                  f"(median step {per['trl']['step_s']:.2f} / {per['rlmega']['step_s']:.2f} s)")
+            print(
+                f"round {rnd}: TRL/rlmega {per['trl']['step_s'] / per['rlmega']['step_s']:.2f} "
+                f"(median step {per['trl']['step_s']:.2f} / {per['rlmega']['step_s']:.2f} s)"
+            )
     print(f"\nmedians over the measured steps (each process's first {warmup} left out):")
-    print(f"{'side':>6} {'steps':>5} {'step_s':>8} " + " ".join(f"{c:>8}" for c in (*PHASES, "resp_len")))
+    print(
+        f"{'side':>6} {'steps':>5} {'step_s':>8} "
+        + " ".join(f"{c:>8}" for c in (*PHASES, "resp_len"))
+    )
     s = res["summary"]
     for side in ("trl", "rlmega"):
         m = s[side]
         if m is None:
-            print(f"{side:>6}  skipped: {res['trl']['skipped']}" if side == "trl" else f"{side:>6}  no measured steps")
+            print(
+                f"{side:>6}  skipped: {res['trl']['skipped']}"
+                if side == "trl"
+                else f"{side:>6}  no measured steps"
+            )
             continue
-        print(f"{side:>6} {m['steps']:>5} {m['step_s']:8.2f} " + " ".join(f"{m[p]:8.2f}" for p in PHASES)
-              + f" {m['response_length']:8.1f}")
+        print(
+            f"{side:>6} {m['steps']:>5} {m['step_s']:8.2f} "
+            + " ".join(f"{m[p]:8.2f}" for p in PHASES)
+            + f" {m['response_length']:8.1f}"
+        )
     if s["length_gap"] is not None and s["length_gap"] > LENGTH_TOLERANCE:
-        print(f"NOTE: mean response lengths differ by {s['length_gap']:.0%} (TRL {s['trl']['response_length']:.1f}, "
-              f"rlmega {s['rlmega']['response_length']:.1f} tokens): the sides did different amounts of work")
+        print(
+            f"NOTE: mean response lengths differ by {s['length_gap']:.0%} (TRL {s['trl']['response_length']:.1f}, "
+            f"rlmega {s['rlmega']['response_length']:.1f} tokens): the sides did different amounts of work"
+        )
     if s["ratio"] is None:
         print(f"\nratio TRL/rlmega: n/a (TRL skipped); target >= {TARGET}")
     else:
-        print(f"\nratio TRL/rlmega (median step time): {s['ratio']:.2f}   target >= {TARGET}: "
-              f"{'PASS' if s['pass'] else 'MISS'}")
+        print(
+            f"\nratio TRL/rlmega (median step time): {s['ratio']:.2f}   target >= {TARGET}: "
+            f"{'PASS' if s['pass'] else 'MISS'}"
+        )
     print(f"benchmark runtime {res['runtime_s']:.0f}s")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="python of TRL's venv (see above)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--trl-python", default=DEFAULT_TRL_PYTHON, help="python of TRL's venv (see above)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="each round: one process per side")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per process")
-    p.add_argument("--warmup", type=int, default=1, help="first steps of each process left out of the medians")
-    p.add_argument("--trl-threads", type=int, default=len(os.sched_getaffinity(0)), help="TRL's torch threads")
-    p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
-    p.add_argument("--trl-generation", choices=["generate", "continuous_batching"], default="generate")
-    p.add_argument("--model-dir", default=None, help="reuse or keep the generated model folder here")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="first steps of each process left out of the medians"
+    )
+    p.add_argument(
+        "--trl-threads", type=int, default=len(os.sched_getaffinity(0)), help="TRL's torch threads"
+    )
+    p.add_argument(
+        "--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size"
+    )
+    p.add_argument(
+        "--trl-generation", choices=["generate", "continuous_batching"], default="generate"
+    )
+    p.add_argument(
+        "--model-dir", default=None, help="reuse or keep the generated model folder here"
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds one process may take")
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny model, 2 steps a side, 1 round: seconds-to-a-minute; CI runs it")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model, 2 steps a side, 1 round: seconds-to-a-minute; CI runs it",
+    )
     args = p.parse_args(argv)
     shape = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8)
     extra = []
@@ -260,7 +363,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.rounds, args.steps, args.warmup = 1, 2, 1
         extra = ["rollout.max_response_tokens=16"]
     if args.steps <= args.warmup:
-        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: nothing would be measured")
+        p.error(
+            f"--steps {args.steps} must exceed --warmup {args.warmup}: nothing would be measured"
+        )
     t_start = time.perf_counter()
 
     versions, why = trl_versions(args.trl_python)
@@ -271,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
     from rlmega.config import load_config
     from rlmega.demo.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="rlmega-grpo-vs-trl-"))  # removed on success; kept with its logs on failure
+    # removed on success; kept with its logs on failure
+    work = Path(tempfile.mkdtemp(prefix="rlmega-grpo-vs-trl-"))
     model_dir = Path(args.model_dir).resolve() if args.model_dir else work / "model"
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, seed=0, overwrite=True, **shape)
@@ -279,11 +385,21 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(str(CONFIG), overrides)
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(step_prompts(cfg, args.steps)))
-    workload = {"model": {**shape, "path": str(model_dir)}, "prompts_per_step": cfg.trainer.prompts_per_step,
-                "n": cfg.rollout.n, "max_new_tokens": cfg.rollout.max_response_tokens, "kl_coef": cfg.algorithm.kl_coef,
-                "kl_estimator": cfg.algorithm.kl_estimator, "lr": cfg.optimizer.lr, "dtype": cfg.model.dtype}
-    print(f"workload: {workload}\nTRL: {versions or 'skipped: ' + why}; threads {args.trl_threads}, "
-          f"micro-batch {args.trl_micro_batch}, {args.trl_generation}", flush=True)
+    workload = {
+        "model": {**shape, "path": str(model_dir)},
+        "prompts_per_step": cfg.trainer.prompts_per_step,
+        "n": cfg.rollout.n,
+        "max_new_tokens": cfg.rollout.max_response_tokens,
+        "kl_coef": cfg.algorithm.kl_coef,
+        "kl_estimator": cfg.algorithm.kl_estimator,
+        "lr": cfg.optimizer.lr,
+        "dtype": cfg.model.dtype,
+    }
+    print(
+        f"workload: {workload}\nTRL: {versions or 'skipped: ' + why}; threads {args.trl_threads}, "
+        f"micro-batch {args.trl_micro_batch}, {args.trl_generation}",
+        flush=True,
+    )
 
     runs: list[dict] = []
     for rnd in range(args.rounds):
@@ -293,8 +409,11 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             print(f"round {rnd}: {side}, {args.steps} steps ...", flush=True)
             try:
-                run = (run_trl(args, cfg, prompts_file, work, rnd) if side == "trl"
-                       else run_rlmega(args, overrides, work, rnd))
+                run = (
+                    run_trl(args, cfg, prompts_file, work, rnd)
+                    if side == "trl"
+                    else run_rlmega(args, overrides, work, rnd)
+                )
             except SideFailed as e:
                 print(f"grpo_vs_trl: {e}", file=sys.stderr)
                 raise SystemExit(1) from None
@@ -305,14 +424,33 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {side: summarize(runs, side, args.warmup) for side in ("trl", "rlmega")}
     both = summary["trl"] and summary["rlmega"]
     ratio = summary["trl"]["step_s"] / summary["rlmega"]["step_s"] if both else None
-    lengths = (summary["trl"]["response_length"], summary["rlmega"]["response_length"]) if both else None
-    summary.update(ratio=ratio, target=TARGET, **{"pass": ratio is not None and ratio >= TARGET},
-                   length_gap=abs(lengths[0] - lengths[1]) / min(lengths) if lengths else None)
-    res = {"workload": workload, "config": str(CONFIG.relative_to(ROOT)),
-           "trl": {"python": args.trl_python, "versions": versions, "skipped": why or None,
-                   "threads": args.trl_threads, "micro_batch": args.trl_micro_batch, "generation": args.trl_generation},
-           "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "runs": runs, "summary": summary,
-           "runtime_s": time.perf_counter() - t_start}
+    lengths = (
+        (summary["trl"]["response_length"], summary["rlmega"]["response_length"]) if both else None
+    )
+    summary.update(
+        ratio=ratio,
+        target=TARGET,
+        **{"pass": ratio is not None and ratio >= TARGET},
+        length_gap=abs(lengths[0] - lengths[1]) / min(lengths) if lengths else None,
+    )
+    res = {
+        "workload": workload,
+        "config": str(CONFIG.relative_to(ROOT)),
+        "trl": {
+            "python": args.trl_python,
+            "versions": versions,
+            "skipped": why or None,
+            "threads": args.trl_threads,
+            "micro_batch": args.trl_micro_batch,
+            "generation": args.trl_generation,
+        },
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "runs": runs,
+        "summary": summary,
+        "runtime_s": time.perf_counter() - t_start,
+    }
     report(res, args.warmup)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ The whole-logits head needs ~3 float32 copies of tokens x vocabulary (10 GB each
 ``--max-whole-tokens`` it does not fit a 24 GB machine, and its memory is extrapolated linearly from the
 two longest lengths measured (it is linear: every copy is tokens x vocabulary), marked as such.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,20 @@ sys.path.insert(0, str(ROOT))
 
 VOCAB = 151_936
 PROMPT = 64
-SHAPE = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-             num_hidden_layers=2, intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0,
-             hidden_act="silu", tie_word_embeddings=False, model_type="qwen2")
+SHAPE = dict(
+    architectures=["Qwen2ForCausalLM"],
+    hidden_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    model_type="qwen2",
+)
 
 
 def _world_of_one() -> None:
@@ -47,7 +59,9 @@ def _world_of_one() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+    for k, v in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+    ).items():
         os.environ.setdefault(k, v)
 
 
@@ -63,8 +77,13 @@ def _engine(backend: str, tokens: int):
     parallel = ParallelismConfig()
     cls.init_process(parallel, seed=1)
     hf = dict(SHAPE, max_position_embeddings=max(tokens, 512))
-    engine = cls(ModelConfig(path=""), parallel, OptimizerConfig(lr=1e-5),
-                 ActorConfig(max_tokens_per_micro_batch=tokens), hf_config=hf)
+    engine = cls(
+        ModelConfig(path=""),
+        parallel,
+        OptimizerConfig(lr=1e-5),
+        ActorConfig(max_tokens_per_micro_batch=tokens),
+        hf_config=hf,
+    )
     engine.build()
     return engine
 
@@ -72,8 +91,13 @@ def _engine(backend: str, tokens: int):
 def _micro_batches(engine, tokens: int) -> list[dict]:
     from rlmega.testing.batches import random_batch
 
-    batch = random_batch(1, vocab=VOCAB, seed=7, prompt_len=(PROMPT, PROMPT + 1),
-                         response_len=(tokens - PROMPT, tokens - PROMPT + 1))
+    batch = random_batch(
+        1,
+        vocab=VOCAB,
+        seed=7,
+        prompt_len=(PROMPT, PROMPT + 1),
+        response_len=(tokens - PROMPT, tokens - PROMPT + 1),
+    )
     return engine.micro_batches(engine.shard(batch))
 
 
@@ -128,7 +152,8 @@ def measure(backend: str, tokens: int, memory: list[int], speed: list[int], roun
     out = {"peak_bytes": {}, "speed": {}}
     for chunk in memory:
         engine.chunk_tokens = chunk
-        _train_pass(engine, mbs)  # once first: the gradients' buffers exist before the pass measured
+        # once first: the gradients' buffers exist before the pass measured
+        _train_pass(engine, mbs)
         out["peak_bytes"][str(chunk)] = _pass_peak(engine, mbs)
     times = {c: [] for c in speed}
     for _ in range(rounds):
@@ -151,8 +176,13 @@ def _in_process(args: dict, low_mmap: bool) -> dict:
     env.pop("MASTER_PORT", None)
     if low_mmap:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], capture_output=True,
-                          text=True, env=env, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{args} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -166,14 +196,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["megatron", "fsdp"], default="megatron")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    ap.add_argument("--chunk", type=int, default=2048, help="actor.logprob_chunk_tokens of the chunked head")
-    ap.add_argument("--max-whole-tokens", type=int, default=4096,
-                    help="longest length the whole-logits head is run at (beyond: extrapolated)")
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="actor.logprob_chunk_tokens of the chunked head"
+    )
+    ap.add_argument(
+        "--max-whole-tokens",
+        type=int,
+        default=4096,
+        help="longest length the whole-logits head is run at (beyond: extrapolated)",
+    )
     ap.add_argument("--speed-tokens", type=int, default=2048)
-    ap.add_argument("--speed-chunks", type=int, nargs="+", default=[512],
-                    help="chunk sizes timed besides --chunk (smaller: more chunks recomputed)")
+    ap.add_argument(
+        "--speed-chunks",
+        type=int,
+        nargs="+",
+        default=[512],
+        help="chunk sizes timed besides --chunk (smaller: more chunks recomputed)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--smoke", action="store_true", help="512 tokens, both heads, one round: seconds")
+    ap.add_argument(
+        "--smoke", action="store_true", help="512 tokens, both heads, one round: seconds"
+    )
     ap.add_argument("--json", default=None, help="write the results here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -188,8 +231,16 @@ def main(argv: list[str] | None = None) -> dict:
     for n in sorted(a.lengths):
         heads = [0, a.chunk] if n <= a.max_whole_tokens else [a.chunk]
         timed = speed_chunks if a.smoke else []
-        got = _in_process({"backend": a.backend, "tokens": n, "memory": heads, "speed": timed,
-                           "rounds": a.rounds}, low_mmap=True)
+        got = _in_process(
+            {
+                "backend": a.backend,
+                "tokens": n,
+                "memory": heads,
+                "speed": timed,
+                "rounds": a.rounds,
+            },
+            low_mmap=True,
+        )
         speed = got["speed"] or speed
         chunked = got["peak_bytes"][str(a.chunk)]
         if "0" in got["peak_bytes"]:
@@ -204,22 +255,49 @@ def main(argv: list[str] | None = None) -> dict:
         if r["whole_extrapolated"] and per_token is not None:
             r["whole_bytes"] = line[1][1] + per_token * (r["tokens"] - line[1][0])
         r["ratio"] = r["chunked_bytes"] / r["whole_bytes"] if r["whole_bytes"] else None
-        whole_text = "-" if r["whole_bytes"] is None else \
-            f"{_gib(r['whole_bytes'])} GiB{' (extrapolated)' if r['whole_extrapolated'] else ''}"
+        whole_text = (
+            "-"
+            if r["whole_bytes"] is None
+            else f"{_gib(r['whole_bytes'])} GiB{' (extrapolated)' if r['whole_extrapolated'] else ''}"
+        )
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        print(f"{r['tokens']} tokens: whole {whole_text}, chunked ({a.chunk}) {_gib(r['chunked_bytes'])} GiB, "
-              f"ratio {ratio}", flush=True)
+        print(
+            f"{r['tokens']} tokens: whole {whole_text}, chunked ({a.chunk}) {_gib(r['chunked_bytes'])} GiB, "
+            f"ratio {ratio}",
+            flush=True,
+        )
     if not a.smoke:
-        speed = _in_process({"backend": a.backend, "tokens": a.speed_tokens, "memory": [], "speed": speed_chunks,
-                             "rounds": a.rounds}, low_mmap=False)["speed"]
+        speed = _in_process(
+            {
+                "backend": a.backend,
+                "tokens": a.speed_tokens,
+                "memory": [],
+                "speed": speed_chunks,
+                "rounds": a.rounds,
+            },
+            low_mmap=False,
+        )["speed"]
     base = speed["0"]["tokens_per_s"]
     for s in speed.values():
         s["ratio"] = s["tokens_per_s"] / base
-    print(f"tokens/s at {a.speed_tokens} tokens (train pass, median of {a.rounds}): "
-          + ", ".join(f"{'whole' if c == '0' else 'chunk ' + c} {s['tokens_per_s']:.0f} ({s['ratio']:.2f})"
-                      for c, s in speed.items()), flush=True)
-    result = {"backend": a.backend, "vocab": VOCAB, "shape": SHAPE, "chunk": a.chunk, "memory": rows,
-              "whole_bytes_per_token": per_token, "speed_tokens": a.speed_tokens, "speed": speed}
+    print(
+        f"tokens/s at {a.speed_tokens} tokens (train pass, median of {a.rounds}): "
+        + ", ".join(
+            f"{'whole' if c == '0' else 'chunk ' + c} {s['tokens_per_s']:.0f} ({s['ratio']:.2f})"
+            for c, s in speed.items()
+        ),
+        flush=True,
+    )
+    result = {
+        "backend": a.backend,
+        "vocab": VOCAB,
+        "shape": SHAPE,
+        "chunk": a.chunk,
+        "memory": rows,
+        "whole_bytes_per_token": per_token,
+        "speed_tokens": a.speed_tokens,
+        "speed": speed,
+    }
     if a.json:
         write_json(a.json, result)
     return result

@@ -29,6 +29,7 @@ sides interleaved, wall clock on the driver):
               put into Ray's object store there: pack_s) + the engine's ``load_adapter`` reading them from the
               store (load_s): what launch/roles.py's ``_send_adapter`` does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,32 +49,56 @@ TARGET = 0.1
 def _tensor_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
-    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+    return sum(
+        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
+    )
 
 
 def memory(actor) -> dict:
     """Bytes of this rank's parameters, gradients, Adam state and reference (a separate model, or none)."""
     engine = actor.policy
     params = [p for p in engine.model.parameters()]
-    out = {"params": _tensor_bytes(params),
-           # a step holds one gradient per trainable parameter (FSDP frees them after it: counted from those)
-           "grads": _tensor_bytes(p for p in params if p.requires_grad),
-           "adam": _tensor_bytes(v for st in engine.optimizer.state.values() for k, v in st.items()
-                                 if torch.is_tensor(v) and k != "step"),
-           "reference": 0 if actor.reference is None else _tensor_bytes(actor.reference.model.parameters())}
+    out = {
+        "params": _tensor_bytes(params),
+        # a step holds one gradient per trainable parameter (FSDP frees them after it: counted from those)
+        "grads": _tensor_bytes(p for p in params if p.requires_grad),
+        "adam": _tensor_bytes(
+            v
+            for st in engine.optimizer.state.values()
+            for k, v in st.items()
+            if torch.is_tensor(v) and k != "step"
+        ),
+        "reference": 0
+        if actor.reference is None
+        else _tensor_bytes(actor.reference.model.parameters()),
+    }
     out["total"] = sum(out.values())
     return out
 
 
 def _actor(model_dir: str, rank: int):
-    from rlmega.config.schema import (ActorConfig, AlgorithmConfig, LoraConfig, ModelConfig, OptimizerConfig,
-                                      ParallelismConfig)
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        LoraConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.fsdp.actor import FSDPActor
 
-    actor = FSDPActor(ModelConfig(path=model_dir), ParallelismConfig(1, 1, None, 1), OptimizerConfig(lr=1e-4),
-                      ActorConfig(backend="fsdp", max_tokens_per_micro_batch=4096, offload_reference=False,
-                                  lora=LoraConfig(rank=rank, alpha=2.0 * max(rank, 1))),
-                      AlgorithmConfig(kl_coef=0.01, kl_estimator="k3"))
+    actor = FSDPActor(
+        ModelConfig(path=model_dir),
+        ParallelismConfig(1, 1, None, 1),
+        OptimizerConfig(lr=1e-4),
+        ActorConfig(
+            backend="fsdp",
+            max_tokens_per_micro_batch=4096,
+            offload_reference=False,
+            lora=LoraConfig(rank=rank, alpha=2.0 * max(rank, 1)),
+        ),
+        AlgorithmConfig(kl_coef=0.01, kl_estimator="k3"),
+    )
     actor.setup()
     return actor
 
@@ -91,8 +116,14 @@ def megatron_sync(model_dir: str, tp: int, pp: int, rank: int, repeats: int) -> 
     """The full sync against the LoRA sync at layout TP x PP (module docstring), best of ``repeats`` rounds."""
     import ray
 
-    from rlmega.config.schema import (ActorConfig, AlgorithmConfig, LoraConfig, ModelConfig, OptimizerConfig,
-                                      ParallelismConfig)
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        LoraConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY
     from rlmega.launch.worker_group import WorkerGroup
     from rlmega.megatron.actor import MegatronActor
@@ -100,12 +131,21 @@ def megatron_sync(model_dir: str, tp: int, pp: int, rank: int, repeats: int) -> 
     from rlmega.sync.transports import RayTransport
 
     world = tp * pp
-    engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)(RolloutWorker).remote(
-        model_dir, max_model_len=128, seed=0, kv_cache_space_gb=0.5, lora_rank=rank)
-    group = WorkerGroup(MegatronActor, world, kwargs=dict(
-        model=ModelConfig(path=model_dir), parallel=ParallelismConfig(tp, pp, None, world),
-        optimizer=OptimizerConfig(lr=1e-4), actor=ActorConfig(lora=LoraConfig(rank=rank, alpha=2.0 * rank)),
-        algorithm=AlgorithmConfig()), num_cpus=0.25)
+    engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)(
+        RolloutWorker
+    ).remote(model_dir, max_model_len=128, seed=0, kv_cache_space_gb=0.5, lora_rank=rank)
+    group = WorkerGroup(
+        MegatronActor,
+        world,
+        kwargs=dict(
+            model=ModelConfig(path=model_dir),
+            parallel=ParallelismConfig(tp, pp, None, world),
+            optimizer=OptimizerConfig(lr=1e-4),
+            actor=ActorConfig(lora=LoraConfig(rank=rank, alpha=2.0 * rank)),
+            algorithm=AlgorithmConfig(),
+        ),
+        num_cpus=0.25,
+    )
     try:
         group.call("setup", with_reference=False)
         ray.get(engine.weight_version.remote())
@@ -115,12 +155,16 @@ def megatron_sync(model_dir: str, tp: int, pp: int, rank: int, repeats: int) -> 
             for side in ("full", "lora") if r % 2 == 0 else ("lora", "full"):
                 t0 = time.perf_counter()
                 if side == "full":
-                    sent = group.call("sync_model_to_rollout", transport, version, 512 << 20, "base")
+                    sent = group.call(
+                        "sync_model_to_rollout", transport, version, 512 << 20, "base"
+                    )
                     row["full_bytes"] = sum(x["bytes"] for x in sent)
                 else:
                     put = next(f for f in group.call("put_adapter_for_rollout") if f is not None)
-                    row["lora_pack_s"] = time.perf_counter() - t0  # the call: on the ranks, into the object store
-                    row["lora_rank0_s"] = put["seconds"]  # of it, rank 0's own time (collectives included)
+                    # the call: on the ranks, into the object store
+                    row["lora_pack_s"] = time.perf_counter() - t0
+                    # of it, rank 0's own time (collectives included)
+                    row["lora_rank0_s"] = put["seconds"]
                     ray.get(engine.load_adapter.remote(put["ref"], version + 1))
                     row["lora_load_s"] = time.perf_counter() - t0 - row["lora_pack_s"]
                     row["lora_bytes"] = put["bytes"]
@@ -131,14 +175,23 @@ def megatron_sync(model_dir: str, tp: int, pp: int, rank: int, repeats: int) -> 
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
     timed = rounds[1:] or rounds
-    best = {k: min(row[k] for row in timed) for k in ("full_s", "lora_s", "lora_pack_s", "lora_rank0_s", "lora_load_s")}
-    return {"layout": f"TP{tp}xPP{pp}", **best, "ratio": best["lora_s"] / best["full_s"], "rounds": rounds,
-            "bytes": {k: rounds[0][f"{k}_bytes"] for k in ("full", "lora")}}
+    best = {
+        k: min(row[k] for row in timed)
+        for k in ("full_s", "lora_s", "lora_pack_s", "lora_rank0_s", "lora_load_s")
+    }
+    return {
+        "layout": f"TP{tp}xPP{pp}",
+        **best,
+        "ratio": best["lora_s"] / best["full_s"],
+        "rounds": rounds,
+        "bytes": {k: rounds[0][f"{k}_bytes"] for k in ("full", "lora")},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--num-heads", type=int, default=12)
@@ -146,10 +199,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab-size", type=int, default=16000)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--megatron-layouts", default="2x2", help="comma-separated TPxPP of the Megatron learner's "
-                   "sync rows ('' for none); world = TP*PP")
+    p.add_argument(
+        "--megatron-layouts",
+        default="2x2",
+        help="comma-separated TPxPP of the Megatron learner's "
+        "sync rows ('' for none); world = TP*PP",
+    )
     p.add_argument("--json", default=None)
-    p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny model, one round (CI)")
+    p.add_argument(
+        "--smoke", action="store_true", help="seconds-long run on a tiny model, one round (CI)"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads = 256, 2, 4, 2
@@ -165,12 +224,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     h = args.hidden_size
     tmp = tempfile.TemporaryDirectory(prefix="rlmega-bench-lora-")
-    model_dir = str(make_tiny_model(Path(tmp.name) / "model", hidden_size=h, num_layers=args.num_layers,
-                                    num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                                    intermediate_size=(8 * h // 3 + 255) // 256 * 256, vocab_size=args.vocab_size,
-                                    seed=0))
-    results: dict = {"model": {"hidden_size": h, "num_layers": args.num_layers, "vocab_size": args.vocab_size},
-                     "rank": args.rank, "repeats": args.repeats}
+    model_dir = str(
+        make_tiny_model(
+            Path(tmp.name) / "model",
+            hidden_size=h,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            intermediate_size=(8 * h // 3 + 255) // 256 * 256,
+            vocab_size=args.vocab_size,
+            seed=0,
+        )
+    )
+    results: dict = {
+        "model": {"hidden_size": h, "num_layers": args.num_layers, "vocab_size": args.vocab_size},
+        "rank": args.rank,
+        "repeats": args.repeats,
+    }
 
     mem = {}
     for name, rank in (("full", 0), ("lora", args.rank)):
@@ -183,10 +253,14 @@ def main(argv: list[str] | None = None) -> dict:
     gb = 1 << 20
     print(f"trainer memory, MiB (full-parameter -> LoRA rank {args.rank}):")
     for k in ("params", "grads", "adam", "reference", "total"):
-        print(f"  {k:9s} {mem['full'][k] / gb:9.1f} -> {mem['lora'][k] / gb:9.1f}"
-              f"   ({mem['lora'][k] / max(mem['full'][k], 1):.3f}x)")
+        print(
+            f"  {k:9s} {mem['full'][k] / gb:9.1f} -> {mem['lora'][k] / gb:9.1f}"
+            f"   ({mem['lora'][k] / max(mem['full'][k], 1):.3f}x)"
+        )
 
-    worker = RolloutWorker(model_dir, max_model_len=128, seed=0, kv_cache_space_gb=0.5, lora_rank=args.rank)
+    worker = RolloutWorker(
+        model_dir, max_model_len=128, seed=0, kv_cache_space_gb=0.5, lora_rank=args.rank
+    )
     try:
         transport, rounds = DirectTransport([worker]), []
         for r in range(args.repeats + 1):  # round 0 warms up
@@ -206,20 +280,33 @@ def main(argv: list[str] | None = None) -> dict:
                 row[f"{side}_s"] = time.perf_counter() - t0
             rounds.append(row)
         timed = rounds[1:] or rounds
-        best = {k: min(row[k] for row in timed) for k in ("full_s", "merged_s", "lora_s", "lora_pack_s", "lora_load_s")}
-        results["sync"] = {**best, "bytes": {k: rounds[0][f"{k}_bytes"] for k in ("full", "merged", "lora")},
-                           "rounds": rounds, "ratio": best["lora_s"] / best["full_s"]}
+        best = {
+            k: min(row[k] for row in timed)
+            for k in ("full_s", "merged_s", "lora_s", "lora_pack_s", "lora_load_s")
+        }
+        results["sync"] = {
+            **best,
+            "bytes": {k: rounds[0][f"{k}_bytes"] for k in ("full", "merged", "lora")},
+            "rounds": rounds,
+            "ratio": best["lora_s"] / best["full_s"],
+        }
     finally:
         worker.shutdown()
         actor.teardown()
     s = results["sync"]
     verdict = "PASS" if s["ratio"] <= TARGET else "MISS"
-    print(f"sync: full {s['full_s']:.3f} s ({s['bytes']['full'] / 1e6:.1f} MB), merged {s['merged_s']:.3f} s, "
-          f"LoRA {s['lora_s']:.4f} s ({s['bytes']['lora'] / 1e6:.2f} MB; pack {s['lora_pack_s']:.4f} s, engine load "
-          f"{s['lora_load_s']:.4f} s): LoRA/full {s['ratio']:.4f} "
-          f"(target <= {TARGET}: {verdict})")
+    print(
+        f"sync: full {s['full_s']:.3f} s ({s['bytes']['full'] / 1e6:.1f} MB), merged {s['merged_s']:.3f} s, "
+        f"LoRA {s['lora_s']:.4f} s ({s['bytes']['lora'] / 1e6:.2f} MB; pack {s['lora_pack_s']:.4f} s, engine load "
+        f"{s['lora_load_s']:.4f} s): LoRA/full {s['ratio']:.4f} "
+        f"(target <= {TARGET}: {verdict})"
+    )
     results["megatron"] = []
-    layouts = [tuple(int(x) for x in item.lower().split("x")) for item in args.megatron_layouts.split(",") if item]
+    layouts = [
+        tuple(int(x) for x in item.lower().split("x"))
+        for item in args.megatron_layouts.split(",")
+        if item
+    ]
     if layouts:
         import ray
 
@@ -229,11 +316,14 @@ def main(argv: list[str] | None = None) -> dict:
                 m = megatron_sync(model_dir, tp, pp, args.rank, args.repeats)
                 m["verdict"] = "PASS" if m["ratio"] <= TARGET else "MISS"
                 results["megatron"].append(m)
-                print(f"megatron {m['layout']} sync: full {m['full_s']:.3f} s ({m['bytes']['full'] / 1e6:.1f} MB), "
-                      f"LoRA {m['lora_s']:.4f} s ({m['bytes']['lora'] / 1e6:.2f} MB; pack "
-                      f"{m['lora_pack_s']:.4f} s of which rank 0's call {m['lora_rank0_s']:.4f} s, engine load "
-                      f"{m['lora_load_s']:.4f} s): LoRA/full {m['ratio']:.4f} "
-                      f"(target <= {TARGET}: {m['verdict']})", flush=True)
+                print(
+                    f"megatron {m['layout']} sync: full {m['full_s']:.3f} s ({m['bytes']['full'] / 1e6:.1f} MB), "
+                    f"LoRA {m['lora_s']:.4f} s ({m['bytes']['lora'] / 1e6:.2f} MB; pack "
+                    f"{m['lora_pack_s']:.4f} s of which rank 0's call {m['lora_rank0_s']:.4f} s, engine load "
+                    f"{m['lora_load_s']:.4f} s): LoRA/full {m['ratio']:.4f} "
+                    f"(target <= {TARGET}: {m['verdict']})",
+                    flush=True,
+                )
         finally:
             ray.shutdown()
     results["verdict"], results["seconds"] = verdict, time.perf_counter() - t_start

@@ -19,6 +19,7 @@ argument overhead around each phase. The first ``--warmup`` steps are left out. 
 time_step and overhead, and the median overhead share (median of overhead_s / time_step) with the
 issue's target (<= 5%).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,11 @@ def main(argv=None) -> dict:
     shape = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8)
     extra = []
     if args.smoke:  # head_dim 64: vLLM's CPU attention needs it
-        shape, args.steps, extra = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2), 3, \
-            ["rollout.max_response_tokens=16"]
+        shape, args.steps, extra = (
+            dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2),
+            3,
+            ["rollout.max_response_tokens=16"],
+        )
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     from rlmega.demo.tiny_model import make_tiny_model
@@ -59,26 +63,50 @@ def main(argv=None) -> dict:
         work = Path(tmp)
         make_tiny_model(work / "model", seed=0, **shape)
         try:
-            run = run_rlmega(SimpleNamespace(steps=args.steps, timeout=args.timeout),
-                             [f"model.path={work / 'model'}", *extra], work, 0)
+            run = run_rlmega(
+                SimpleNamespace(steps=args.steps, timeout=args.timeout),
+                [f"model.path={work / 'model'}", *extra],
+                work,
+                0,
+            )
         except SideFailed as e:
             print(f"step_overhead: {e}", file=sys.stderr)
             raise SystemExit(1) from None
     rows = []
     for s in run["steps"]:
-        work_s = s["time_wait"] + sum(s.get(f"time_{ph}", 0.0) for ph in ("logprob", "train", "sync"))
-        rows.append({"step": s["step"], "time_step": s["time_step"], "work_s": work_s,
-                     "overhead_s": s["time_step"] - work_s, "share": (s["time_step"] - work_s) / s["time_step"]})
-    measured = rows[args.warmup:]
+        work_s = s["time_wait"] + sum(
+            s.get(f"time_{ph}", 0.0) for ph in ("logprob", "train", "sync")
+        )
+        rows.append(
+            {
+                "step": s["step"],
+                "time_step": s["time_step"],
+                "work_s": work_s,
+                "overhead_s": s["time_step"] - work_s,
+                "share": (s["time_step"] - work_s) / s["time_step"],
+            }
+        )
+    measured = rows[args.warmup :]
     share = statistics.median(r["share"] for r in measured)
     verdict = "PASS" if share <= TARGET else "MISS"
     for r in rows:
-        print(f"step {r['step']}: time_step {r['time_step']:.3f} s, overhead {r['overhead_s']:.3f} s "
-              f"({100 * r['share']:.2f}%){'  (warm-up)' if r in rows[:args.warmup] else ''}")
-    print(f"median overhead share {100 * share:.2f}% of a step  (target <= {100 * TARGET:.0f}%: {verdict})  "
-          f"[{time.perf_counter() - t0:.0f} s in all]")
-    res = {"model": shape, "steps": rows, "warmup": args.warmup, "median_share": share, "target": TARGET,
-           "verdict": verdict, "smoke": args.smoke}
+        print(
+            f"step {r['step']}: time_step {r['time_step']:.3f} s, overhead {r['overhead_s']:.3f} s "
+            f"({100 * r['share']:.2f}%){'  (warm-up)' if r in rows[: args.warmup] else ''}"
+        )
+    print(
+        f"median overhead share {100 * share:.2f}% of a step  (target <= {100 * TARGET:.0f}%: {verdict})  "
+        f"[{time.perf_counter() - t0:.0f} s in all]"
+    )
+    res = {
+        "model": shape,
+        "steps": rows,
+        "warmup": args.warmup,
+        "median_share": share,
+        "target": TARGET,
+        "verdict": verdict,
+        "smoke": args.smoke,
+    }
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ it costs the plain transformers step nothing measurable (3.711 s vs 3.709 s medi
 Printed: each round's seconds, the medians, tokens/s (real tokens, no padding) and the ratios
 megatron / transformers and fsdp / transformers tokens/s, each with issue 26's target (>= 1.3).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 TARGET = 1.3  # issue 26
 KL_COEF = 0.04
-WORKLOAD = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, n=64, group=8,
-                prompt=(6, 12), response=(10, 120), budget=2048)
-SMOKE = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, n=8, group=4,
-             prompt=(3, 6), response=(4, 12), budget=64)
+WORKLOAD = dict(
+    hidden_size=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=8,
+    n=64,
+    group=8,
+    prompt=(6, 12),
+    response=(10, 120),
+    budget=2048,
+)
+SMOKE = dict(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    n=8,
+    group=4,
+    prompt=(3, 6),
+    response=(4, 12),
+    budget=64,
+)
 
 
 def hf_step(model, opt, batch, ref, budget: int) -> None:
@@ -79,9 +98,9 @@ def hf_step(model, opt, batch, ref, budget: int) -> None:
         for row, i in enumerate(group):
             n, p = batch.tokens[i].numel(), int(batch.prompt_lens[i])
             ids[row, :n], attn[row, :n] = batch.tokens[i], 1
-            mask[row, p - 1:n - 1] = batch.response_mask[i]  # position t predicts token t + 1
-            adv[row, p - 1:n - 1] = batch.advantages[i]
-            ref_lp[row, p - 1:n - 1] = ref[i]
+            mask[row, p - 1 : n - 1] = batch.response_mask[i]  # position t predicts token t + 1
+            adv[row, p - 1 : n - 1] = batch.advantages[i]
+            ref_lp[row, p - 1 : n - 1] = ref[i]
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
         pg = -adv * torch.exp(lp - lp.detach())  # PPO clip at ratio 1: the clip is inactive
@@ -102,45 +121,81 @@ def _body(model_dir: str, w: dict, rounds: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
 
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.fsdp.actor import FSDPActor
     from rlmega.megatron.actor import MegatronActor
     from rlmega.testing.batches import random_batch
 
-    cfgs = (ModelConfig(path=model_dir), ParallelismConfig(), OptimizerConfig(lr=1e-4, clip_grad=1.0),
-            ActorConfig(max_tokens_per_micro_batch=w["budget"]), AlgorithmConfig(kl_coef=KL_COEF, kl_estimator="k3"))
+    cfgs = (
+        ModelConfig(path=model_dir),
+        ParallelismConfig(),
+        OptimizerConfig(lr=1e-4, clip_grad=1.0),
+        ActorConfig(max_tokens_per_micro_batch=w["budget"]),
+        AlgorithmConfig(kl_coef=KL_COEF, kl_estimator="k3"),
+    )
     actor = MegatronActor(*cfgs, temperature=1.0)
     actor.setup()  # opens the one-rank gloo default group ...
     fsdp = FSDPActor(*cfgs, temperature=1.0)
-    fsdp.setup(with_reference=False)  # ... which FSDP joins (init_distributed is a no-op when it is open)
+    # ... which FSDP joins (init_distributed is a no-op when it is open)
+    fsdp.setup(with_reference=False)
     vocab = actor.vocab_size
-    batch = random_batch(w["n"], vocab=vocab, seed=1, prompt_len=w["prompt"], response_len=w["response"],
-                         group_size=w["group"])
+    batch = random_batch(
+        w["n"],
+        vocab=vocab,
+        seed=1,
+        prompt_len=w["prompt"],
+        response_len=w["response"],
+        group_size=w["group"],
+    )
     ref = actor.compute_ref_logprobs(batch)  # fixed: every side regularises toward the same numbers
     rl_batch = dataclasses.replace(batch, ref_logprobs=ref)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    steps = {"megatron": lambda: actor.train_step(rl_batch, optimizer_steps_per_rl_step=1),
-             "fsdp": lambda: fsdp.train_step(rl_batch, optimizer_steps_per_rl_step=1),
-             "transformers": lambda: hf_step(hf, opt, batch, ref, w["budget"])}
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    opt = torch.optim.AdamW(
+        hf.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+    steps = {
+        "megatron": lambda: actor.train_step(rl_batch, optimizer_steps_per_rl_step=1),
+        "fsdp": lambda: fsdp.train_step(rl_batch, optimizer_steps_per_rl_step=1),
+        "transformers": lambda: hf_step(hf, opt, batch, ref, w["budget"]),
+    }
     times = {k: [] for k in SIDES}
     for r in range(rounds + 1):
-        for i in range(len(SIDES)):  # the order rotates: no side always runs first or after the same one
+        # the order rotates: no side always runs first or after the same one
+        for i in range(len(SIDES)):
             side = SIDES[(r + i) % len(SIDES)]
             start = time.perf_counter()
             steps[side]()
             times[side].append(time.perf_counter() - start)
     actor.teardown()  # closes the shared group: FSDP holds nothing else to release
-    return {"times": times, "tokens": batch.num_tokens(), "threads": torch.get_num_threads(),
-            "response_tokens": int(sum(float(m.sum()) for m in batch.response_mask))}
+    return {
+        "times": times,
+        "tokens": batch.num_tokens(),
+        "threads": torch.get_num_threads(),
+        "response_tokens": int(sum(float(m.sum()) for m in batch.response_mask)),
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds: seconds")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds after the warm-up (default 6; smoke 2)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds after the warm-up (default 6; smoke 2)",
+    )
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--model-dir", default=None, help="an HF model folder to use instead of a fresh random one")
+    p.add_argument(
+        "--model-dir", default=None, help="an HF model folder to use instead of a fresh random one"
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     w = SMOKE if args.smoke else WORKLOAD
@@ -153,28 +208,57 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir or str(make_tiny_model(
-            Path(tmp) / "model", hidden_size=w["hidden_size"], num_layers=w["num_layers"],
-            num_heads=w["num_heads"], num_kv_heads=w["num_kv_heads"], seed=0))
-        out = run_on_ranks(_body, 1, args=(model_dir, w, rounds, args.threads), timeout_s=3600,
-                           env={"OMP_NUM_THREADS": str(args.threads)})[0]
+        model_dir = args.model_dir or str(
+            make_tiny_model(
+                Path(tmp) / "model",
+                hidden_size=w["hidden_size"],
+                num_layers=w["num_layers"],
+                num_heads=w["num_heads"],
+                num_kv_heads=w["num_kv_heads"],
+                seed=0,
+            )
+        )
+        out = run_on_ranks(
+            _body,
+            1,
+            args=(model_dir, w, rounds, args.threads),
+            timeout_s=3600,
+            env={"OMP_NUM_THREADS": str(args.threads)},
+        )[0]
     timed = {k: v[1:] for k, v in out["times"].items()}  # round 0: warm-up
     med = {k: statistics.median(v) for k, v in timed.items()}
     tps = {k: out["tokens"] / v for k, v in med.items()}
     ratios = {k: tps[k] / tps["transformers"] for k in RLMEGA_SIDES}
     verdicts = {k: "PASS" if r >= TARGET else "MISS" for k, r in ratios.items()}
-    print(f"train step, {w['n']} samples, {out['tokens']} tokens ({out['response_tokens']} response), "
-          f"{out['threads']} threads, {rounds} rounds after a warm-up")
+    print(
+        f"train step, {w['n']} samples, {out['tokens']} tokens ({out['response_tokens']} response), "
+        f"{out['threads']} threads, {rounds} rounds after a warm-up"
+    )
     for k in SIDES:
-        print(f"  {k:13s} median {med[k]:7.3f} s  {tps[k]:9.1f} tokens/s   rounds: "
-              + " ".join(f"{x:.3f}" for x in timed[k]))
+        print(
+            f"  {k:13s} median {med[k]:7.3f} s  {tps[k]:9.1f} tokens/s   rounds: "
+            + " ".join(f"{x:.3f}" for x in timed[k])
+        )
     for k in RLMEGA_SIDES:
-        print(f"ratio {k} / transformers tokens/s = {ratios[k]:.2f}  (target >= {TARGET}: {verdicts[k]})")
+        print(
+            f"ratio {k} / transformers tokens/s = {ratios[k]:.2f}  (target >= {TARGET}: {verdicts[k]})"
+        )
     print(f"[{time.perf_counter() - t0:.0f} s in all]")
-    result = {"workload": dict(w), "threads": out["threads"], "tokens": out["tokens"],
-              "response_tokens": out["response_tokens"], "rounds": rounds, "sides": list(SIDES),
-              "seconds": timed, "median_s": med, "tokens_per_s": tps, "ratios": ratios, "target": TARGET,
-              "verdicts": verdicts, "smoke": args.smoke}
+    result = {
+        "workload": dict(w),
+        "threads": out["threads"],
+        "tokens": out["tokens"],
+        "response_tokens": out["response_tokens"],
+        "rounds": rounds,
+        "sides": list(SIDES),
+        "seconds": timed,
+        "median_s": med,
+        "tokens_per_s": tps,
+        "ratios": ratios,
+        "target": TARGET,
+        "verdicts": verdicts,
+        "smoke": args.smoke,
+    }
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ No smoke mode of its own: it needs TRL, which CI does not install. CI runs ``grp
 (rlmega's side alone, tests/e2e/test_grpo_vs_trl_bench.py); with TRL's venv (``make bench-trl-env``)
 ``grpo_vs_trl.py --smoke --trl-python runs/bench/trl-venv/bin/python`` runs this file on the tiny model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,20 +43,32 @@ def load_score(path: str):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts", required=True, help="JSON: one list of {prompt, label} rows per step")
+    p.add_argument(
+        "--prompts", required=True, help="JSON: one list of {prompt, label} rows per step"
+    )
     p.add_argument("--reward-file", required=True, help="rlmega/rewards/arithmetic.py")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=None, help="default: one per list in --prompts")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (the machine's cores)")
-    p.add_argument("--micro-batch", type=int, default=64,
-                   help="per_device_train_batch_size; gradient accumulation makes up the 64 samples of a step")
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch.set_num_threads (the machine's cores)"
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=64,
+        help="per_device_train_batch_size; gradient accumulation makes up the 64 samples of a step",
+    )
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=128)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0, help="TRL's seed: here, only the sampling's")
-    p.add_argument("--generation", choices=["generate", "continuous_batching"], default="generate",
-                   help="model.generate (padded batch, KV cache) or transformers' continuous batching")
+    p.add_argument(
+        "--generation",
+        choices=["generate", "continuous_batching"],
+        default="generate",
+        help="model.generate (padded batch, KV cache) or transformers' continuous batching",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -96,7 +109,9 @@ def main(argv=None) -> None:
             return self._timed("reward", super()._calculate_rewards, *a, **kw)
 
         def _generate_and_score_completions(self, *a, **kw):
-            return self._timed("generate_and_score", super()._generate_and_score_completions, *a, **kw)
+            return self._timed(
+                "generate_and_score", super()._generate_and_score_completions, *a, **kw
+            )
 
     out: list[dict] = []
 
@@ -108,39 +123,78 @@ def main(argv=None) -> None:
         def on_step_end(self, args_, state, control, **kw):
             step_s = time.perf_counter() - self.t0
             rest = phases["generate_and_score"] - phases["generate"] - phases["reward"]
-            out.append({"step": state.global_step, "time_step": step_s, "time_generate": phases["generate"],
-                        "time_reward": phases["reward"], "time_logprob": rest,
-                        "time_train": step_s - phases["generate_and_score"]})
+            out.append(
+                {
+                    "step": state.global_step,
+                    "time_step": step_s,
+                    "time_generate": phases["generate"],
+                    "time_reward": phases["reward"],
+                    "time_logprob": rest,
+                    "time_train": step_s - phases["generate_and_score"],
+                }
+            )
 
-        def on_log(self, args_, state, control, logs=None, **kw):  # after on_step_end (logging_steps=1)
-            if out and logs and "completions/mean_length" in logs:  # not the closing train_runtime log
-                out[-1].update(response_length=logs["completions/mean_length"], reward_mean=logs.get("reward"))
+        # after on_step_end (logging_steps=1)
+        def on_log(self, args_, state, control, logs=None, **kw):
+            # not the closing train_runtime log
+            if out and logs and "completions/mean_length" in logs:
+                out[-1].update(
+                    response_length=logs["completions/mean_length"], reward_mean=logs.get("reward")
+                )
                 print(json.dumps(out[-1]), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="trl-grpo-bench-") as tmp:
         config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, seed=args.seed,
+            output_dir=tmp,
+            use_cpu=True,
+            seed=args.seed,
             # The defaults are bf16 autocast (~10x slower on this CPU) and gradient checkpointing
             # (recomputes every forward): both off, float32 like rlmega.
-            bf16=False, gradient_checkpointing=False,
-            per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=samples // args.micro_batch,
-            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-            temperature=1.0, top_p=1.0, top_k=0, beta=args.beta, learning_rate=args.lr,
-            lr_scheduler_type="constant", max_steps=steps, shuffle_dataset=False,
+            bf16=False,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=samples // args.micro_batch,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            beta=args.beta,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            max_steps=steps,
+            shuffle_dataset=False,
             use_transformers_continuous_batching=args.generation == "continuous_batching",
-            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
             dataloader_num_workers=0,  # the dataset is 8 strings a step: a worker process only adds start-up
         )
-        trainer = TimedGRPOTrainer(model=args.model, reward_funcs=arithmetic_reward, args=config,
-                                   train_dataset=Dataset.from_list(rows), callbacks=[StepTimer()])
+        trainer = TimedGRPOTrainer(
+            model=args.model,
+            reward_funcs=arithmetic_reward,
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            callbacks=[StepTimer()],
+        )
         trainer.train()
     import trl
     import transformers
 
-    result = {"config": {**vars(args), "steps": steps, "torch": torch.__version__, "trl": trl.__version__,
-                         "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-                         "optim": config.optim, "loss_type": config.loss_type},
-              "steps": out}
+    result = {
+        "config": {
+            **vars(args),
+            "steps": steps,
+            "torch": torch.__version__,
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "optim": config.optim,
+            "loss_type": config.loss_type,
+        },
+        "steps": out,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 

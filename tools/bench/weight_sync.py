@@ -75,6 +75,7 @@ one bucket: ``ray.put`` / ``ray.get`` as torch tensors and as numpy arrays.
 It is a benchmark, not a test: nothing runs on import. The default run takes about 2 minutes on a
 2-core CPU machine (it prints its runtime).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,12 +107,12 @@ class NullEngine:
 
 TRANSPORTS = {
     "ray": "rlmega.sync.transports.RayTransport, pipelined (production): on this node the sender writes "
-           "the engine's slots",
+    "the engine's slots",
     "ray-store": "the same through the object store, the RolloutWorker writing the slots (before local slots)",
     "ray-files": "the same, each piece of a bucket a new /dev/shm file: no shared-memory slots (before them)",
     "ray-stopwait": "the same, flushing after every bucket: one reload each, nothing overlaps (before issues 12, 26)",
     "collective": "rlmega.sync.collective.CollectiveTransport: each bucket broadcast over gloo "
-                  "(the path between nodes)",
+    "(the path between nodes)",
 }
 
 
@@ -153,7 +154,8 @@ def _timed_transport_cls(collective: bool):
         def _put(self, bucket):
             return self._timed("put_s", super()._put, bucket)
 
-        def _write_local(self, bucket):  # the sender's copy into the engine's slots: what the put was
+        # the sender's copy into the engine's slots: what the put was
+        def _write_local(self, bucket):
             write = super()._write_local
             return self._timed("local_s", lambda b: self._timed("put_s", write, b), bucket)
 
@@ -166,8 +168,13 @@ def _timed_transport_cls(collective: bool):
 def make_transport(kind: str, engines, log_dir: str):
     if kind not in TRANSPORTS:
         raise SystemExit(f"--transports: {kind!r} is not one of {sorted(TRANSPORTS)}")
-    return _timed_transport_cls(kind == "collective")(engines, log_dir, stop_and_wait=kind == "ray-stopwait",
-                                                      local_slots=kind in ("ray", "ray-stopwait"))  # (not ray-files)
+    # (not ray-files)
+    return _timed_transport_cls(kind == "collective")(
+        engines,
+        log_dir,
+        stop_and_wait=kind == "ray-stopwait",
+        local_slots=kind in ("ray", "ray-stopwait"),
+    )
 
 
 def _timed_rollout_worker_cls():
@@ -183,7 +190,8 @@ def _timed_rollout_worker_cls():
             try:
                 if prof is None:
                     return fn(*args)
-                with self._prof_lock:  # one Profile, calls on several threads: one at a time (untimed)
+                # one Profile, calls on several threads: one at a time (untimed)
+                with self._prof_lock:
                     return prof.runcall(fn, *args)
             finally:
                 self._timings = getattr(self, "_timings", [])
@@ -204,7 +212,8 @@ def _timed_rollout_worker_cls():
 
         def finish_weights(self, version, sender):
             out = self._timed("finish", super().finish_weights, version, sender)
-            if getattr(self, "_prof", None) is not None and not self._weights._by_sender:  # the sync's last
+            # the sync's last
+            if getattr(self, "_prof", None) is not None and not self._weights._by_sender:
                 import io
                 import pstats
 
@@ -223,7 +232,11 @@ def _timed_rollout_worker_cls():
             """
             order = getattr(self, "_order", {})
             names = sorted(order, key=order.get)
-            return max(self._run(self._engine.collective_rpc("rlmega_time_reload", args=(self.model_path, names))))
+            return max(
+                self._run(
+                    self._engine.collective_rpc("rlmega_time_reload", args=(self.model_path, names))
+                )
+            )
 
         def use_slots(self, on: bool) -> None:
             """Off: every piece of a bucket goes as a new file (rlmega/sync/bucket_files.py), as before
@@ -265,8 +278,11 @@ def object_store_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> dict
     out = {}
     for kind, build, unpack in [
         ("torch", lambda: [(n, t.cpu()) for n, t in bucket], lambda objs: objs),
-        ("numpy", lambda: [(n, t.numpy()) for n, t in bucket],
-         lambda objs: [(n, torch.from_numpy(a)) for n, a in objs]),  # zero-copy views of the store's buffers
+        (
+            "numpy",
+            lambda: [(n, t.numpy()) for n, t in bucket],
+            lambda objs: [(n, torch.from_numpy(a)) for n, a in objs],
+        ),  # zero-copy views of the store's buffers
     ]:
         puts, gets = [], []
         for i in range(repeats + 1):
@@ -300,7 +316,8 @@ def _read_logs(log_dir: Path) -> list[dict]:
 def _breakdown(run: dict) -> dict:
     """The slowest sender's transport time and its parts; the engine's time over all buckets."""
     slowest = max(run["sends"], key=lambda r: r["send_s"])
-    calls = run["engine"]  # the sync's one reload is open from the first bucket's arrival to the last finish
+    # the sync's one reload is open from the first bucket's arrival to the last finish
+    calls = run["engine"]
     return {**slowest, "engine_s": max(c["end"] for c in calls) - min(c["start"] for c in calls)}
 
 
@@ -309,16 +326,31 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
     own reload. One row per transport."""
     import ray
 
-    from rlmega.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+    from rlmega.config.schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelismConfig,
+    )
     from rlmega.launch.worker_group import WorkerGroup, WorkerGroupError
     from rlmega.sync.transports import DirectTransport
     from rlmega.megatron.actor import MegatronActor
 
     world, bucket_bytes, layout = tp * pp, int(args.bucket_mb * (1 << 20)), f"TP{tp}xPP{pp}"
     t0 = time.perf_counter()
-    group = WorkerGroup(MegatronActor, world, kwargs=dict(
-        model=ModelConfig(path=hf_model), parallel=ParallelismConfig(tp, pp, None, world),
-        optimizer=OptimizerConfig(), actor=ActorConfig(), algorithm=AlgorithmConfig()), num_cpus=0.25)
+    group = WorkerGroup(
+        MegatronActor,
+        world,
+        kwargs=dict(
+            model=ModelConfig(path=hf_model),
+            parallel=ParallelismConfig(tp, pp, None, world),
+            optimizer=OptimizerConfig(),
+            actor=ActorConfig(),
+            algorithm=AlgorithmConfig(),
+        ),
+        num_cpus=0.25,
+    )
     rows = []
     try:
         group.call("setup", with_reference=False)
@@ -328,7 +360,8 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
         def sync(transport):
             cpu0 = busy_core_seconds()
             sent = group.call("sync_model_to_rollout", transport, next(versions), bucket_bytes)
-            sent[0]["cpu_s"] = busy_core_seconds() - cpu0  # (the call's tail after the ranks return: ~ms)
+            # (the call's tail after the ranks return: ~ms)
+            sent[0]["cpu_s"] = busy_core_seconds() - cpu0
             return max(r["seconds"] for r in sent), sent
 
         def reload():
@@ -337,25 +370,36 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
             return seconds, busy_core_seconds() - cpu0
 
         null = DirectTransport([NullEngine()])
-        transports = {kind: make_transport(kind, [engine], str(log_dir)) for kind in args.transports}
+        transports = {
+            kind: make_transport(kind, [engine], str(log_dir)) for kind in args.transports
+        }
         gathers, reloads, runs = [], [], {kind: [] for kind in transports}
         for i in range(args.repeats + 1):
             seconds, sent = sync(null)
             gathers.append((seconds, sent[0]["cpu_s"]))
             # Alternate the transports' order between rounds: neither always runs just after the gather.
-            for kind in (list(transports) if i % 2 == 0 else list(transports)[::-1]):
+            for kind in list(transports) if i % 2 == 0 else list(transports)[::-1]:
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())  # drop anything stale
                 ray.get(engine.use_slots.remote(kind != "ray-files"))
                 reloads_before = ray.get(engine.weight_reloads.remote())
                 try:
                     seconds, sent = sync(transports[kind])
-                except WorkerGroupError as e:  # e.g. a rank killed by Ray's memory monitor: report, stop
-                    rows.append({"layout": layout, "transport": kind, "error": str(e).splitlines()[0][:300]})
+                # e.g. a rank killed by Ray's memory monitor: report, stop
+                except WorkerGroupError as e:
+                    rows.append(
+                        {"layout": layout, "transport": kind, "error": str(e).splitlines()[0][:300]}
+                    )
                     print(f"  {layout} {kind}: FAILED {rows[-1]['error']}", flush=True)
                     return rows  # the group may have lost a rank
-                runs[kind].append({"seconds": seconds, "sent": sent, "sends": _read_logs(log_dir),
-                                   "engine": ray.get(engine.take_timings.remote()),
-                                   "reloads": ray.get(engine.weight_reloads.remote()) - reloads_before})
+                runs[kind].append(
+                    {
+                        "seconds": seconds,
+                        "sent": sent,
+                        "sends": _read_logs(log_dir),
+                        "engine": ray.get(engine.take_timings.remote()),
+                        "reloads": ray.get(engine.weight_reloads.remote()) - reloads_before,
+                    }
+                )
             reloads.append(reload())
         gather_cpus, gathers = [c for _, c in gathers[1:]], [s for s, _ in gathers[1:]]
         reload_cpus, reloads = [c for _, c in reloads[1:]], [s for s, _ in reloads[1:]]
@@ -365,34 +409,50 @@ def run_layout(hf_model: str, tp: int, pp: int, engine, args, log_dir: Path) -> 
             best = min(kruns, key=lambda r: r["seconds"])
             nbytes = sum(r["bytes"] for r in best["sent"])
             split = _breakdown(best)
-            rows.append({
-                "layout": layout, "transport": kind, "world": world, "setup_s": setup_s,
-                "bytes": nbytes, "tensors": sum(r["tensors"] for r in best["sent"]),
-                "buckets": sum(r["buckets"] for r in best["sent"]), "reloads": best["reloads"],
-                "senders": sum(1 for r in best["sent"] if r["tensors"]),
-                "sync_s": best["seconds"], "sync_runs_s": [r["seconds"] for r in kruns],
-                "reload_s": reload_s, "reload_runs_s": reloads,
-                "ratio": best["seconds"] / reload_s,
-                # each round's sync over the same round's reload: the spread of the ratio
-                "round_ratios": [r["seconds"] / x for r, x in zip(kruns, reloads)],
-                "median_round_ratio": statistics.median(r["seconds"] / x for r, x in zip(kruns, reloads)),
-                "gbps": nbytes / best["seconds"] / BYTES_GB,
-                "gather_s": gather_s, "gather_runs_s": gathers,
-                **split,  # send_s, put_s, wait_s of the slowest sender; engine_s
-                "other_s": best["seconds"] - gather_s - split["send_s"],
-                "cpu_s": best["sent"][0]["cpu_s"], "cores": best["sent"][0]["cpu_s"] / best["seconds"],
-                "floor": best["sent"][0]["cpu_s"] / (os.cpu_count() or 1) / reload_s,
-                "reload_cpu_s": reload_cpus[reloads.index(reload_s)],
-                "gather_cpu_s": gather_cpus[gathers.index(gather_s)],
-            })
+            rows.append(
+                {
+                    "layout": layout,
+                    "transport": kind,
+                    "world": world,
+                    "setup_s": setup_s,
+                    "bytes": nbytes,
+                    "tensors": sum(r["tensors"] for r in best["sent"]),
+                    "buckets": sum(r["buckets"] for r in best["sent"]),
+                    "reloads": best["reloads"],
+                    "senders": sum(1 for r in best["sent"] if r["tensors"]),
+                    "sync_s": best["seconds"],
+                    "sync_runs_s": [r["seconds"] for r in kruns],
+                    "reload_s": reload_s,
+                    "reload_runs_s": reloads,
+                    "ratio": best["seconds"] / reload_s,
+                    # each round's sync over the same round's reload: the spread of the ratio
+                    "round_ratios": [r["seconds"] / x for r, x in zip(kruns, reloads)],
+                    "median_round_ratio": statistics.median(
+                        r["seconds"] / x for r, x in zip(kruns, reloads)
+                    ),
+                    "gbps": nbytes / best["seconds"] / BYTES_GB,
+                    "gather_s": gather_s,
+                    "gather_runs_s": gathers,
+                    **split,  # send_s, put_s, wait_s of the slowest sender; engine_s
+                    "other_s": best["seconds"] - gather_s - split["send_s"],
+                    "cpu_s": best["sent"][0]["cpu_s"],
+                    "cores": best["sent"][0]["cpu_s"] / best["seconds"],
+                    "floor": best["sent"][0]["cpu_s"] / (os.cpu_count() or 1) / reload_s,
+                    "reload_cpu_s": reload_cpus[reloads.index(reload_s)],
+                    "gather_cpu_s": gather_cpus[gathers.index(gather_s)],
+                }
+            )
             if args.profile_engine:  # one more sync, untimed: the profile slows it down
                 ray.get(engine.use_slots.remote(kind != "ray-files"))
                 ray.get(engine.profile_next_update.remote())
                 sync(transport)
                 _read_logs(log_dir), ray.get(engine.take_timings.remote())
                 rows[-1]["engine_profile"] = ray.get(engine.take_profile.remote())
-            print(f"  {layout} {kind}: sync {best['seconds']:.3f}s, engine reload {reload_s:.3f}s, "
-                  f"ratio {rows[-1]['ratio']:.2f} (gather alone {gather_s:.3f}s)", flush=True)
+            print(
+                f"  {layout} {kind}: sync {best['seconds']:.3f}s, engine reload {reload_s:.3f}s, "
+                f"ratio {rows[-1]['ratio']:.2f} (gather alone {gather_s:.3f}s)",
+                flush=True,
+            )
     finally:
         group.shutdown()
     return rows
@@ -425,26 +485,54 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--num-layers", type=int, default=12)
-    p.add_argument("--num-heads", type=int, default=12, help="head_dim = hidden / heads (vLLM CPU wants 64+)")
+    p.add_argument(
+        "--num-heads", type=int, default=12, help="head_dim = hidden / heads (vLLM CPU wants 64+)"
+    )
     p.add_argument("--num-kv-heads", type=int, default=4)
-    p.add_argument("--intermediate-size", type=int, default=None, help="default: 8/3 * hidden, rounded to 256")
-    p.add_argument("--vocab-size", type=int, default=16000, help="untied embedding and head: 2 x vocab x hidden")
+    p.add_argument(
+        "--intermediate-size", type=int, default=None, help="default: 8/3 * hidden, rounded to 256"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=16000,
+        help="untied embedding and head: 2 x vocab x hidden",
+    )
     p.add_argument("--layouts", default="1x1,2x2", help="comma-separated TPxPP, world = TP*PP")
-    p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (production's default: 512)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is reported), after 1 warm-up")
-    p.add_argument("--transports", default="ray,ray-store,ray-stopwait,collective",
-                   help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()))
-    p.add_argument("--profile-engine", action="store_true",
-                   help="cProfile one sync's receive_weights/finish_weights in the engine's actor "
-                        "(writing the buckets, waiting for the reload) and print the top functions")
+    p.add_argument(
+        "--bucket-mb", type=float, default=512, help="sync bucket size (production's default: 512)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed repetitions (best is reported), after 1 warm-up",
+    )
+    p.add_argument(
+        "--transports",
+        default="ray,ray-store,ray-stopwait,collective",
+        help="comma-separated: " + "; ".join(f"{k} = {v}" for k, v in TRANSPORTS.items()),
+    )
+    p.add_argument(
+        "--profile-engine",
+        action="store_true",
+        help="cProfile one sync's receive_weights/finish_weights in the engine's actor "
+        "(writing the buckets, waiting for the reload) and print the top functions",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--model-dir", default=None, help="reuse or keep the generated model folder here")
-    p.add_argument("--smoke", action="store_true",
-                   help="seconds-long run on a tiny model (TP1, one round) that CI runs so the benchmark cannot rot")
+    p.add_argument(
+        "--model-dir", default=None, help="reuse or keep the generated model folder here"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long run on a tiny model (TP1, one round) that CI runs so the benchmark cannot rot",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads = 256, 2, 4, 2
@@ -466,28 +554,51 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="rlmega-bench-")
     model_dir = Path(args.model_dir) if args.model_dir else Path(tmp.name) / "model"
     if not (model_dir / "model.safetensors").exists():
-        make_tiny_model(model_dir, hidden_size=h, num_layers=args.num_layers, num_heads=args.num_heads,
-                        num_kv_heads=args.num_kv_heads, intermediate_size=inter, vocab_size=args.vocab_size,
-                        seed=0, overwrite=True)
+        make_tiny_model(
+            model_dir,
+            hidden_size=h,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            intermediate_size=inter,
+            vocab_size=args.vocab_size,
+            seed=0,
+            overwrite=True,
+        )
     hf_model = str(model_dir)
     n_params, nbytes = param_count(hf_model)
-    print(f"model: qwen2 hidden {h}, {args.num_layers} layers, {args.num_heads} heads / {args.num_kv_heads} KV, "
-          f"ffn {inter}, vocab {args.vocab_size} (untied): {n_params:,} params = {nbytes / BYTES_GB:.3f} GB float32",
-          flush=True)
+    print(
+        f"model: qwen2 hidden {h}, {args.num_layers} layers, {args.num_heads} heads / {args.num_kv_heads} KV, "
+        f"ffn {inter}, vocab {args.vocab_size} (untied): {n_params:,} params = {nbytes / BYTES_GB:.3f} GB float32",
+        flush=True,
+    )
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     log_dir = Path(tmp.name) / "send-logs"
     log_dir.mkdir()
-    results: dict = {"model": {"hidden_size": h, "num_layers": args.num_layers, "num_heads": args.num_heads,
-                               "num_kv_heads": args.num_kv_heads, "intermediate_size": inter,
-                               "vocab_size": args.vocab_size, "params": n_params, "bytes": nbytes},
-                     "bucket_mb": args.bucket_mb, "repeats": args.repeats, "transports": args.transports,
-               "layouts": []}
+    results: dict = {
+        "model": {
+            "hidden_size": h,
+            "num_layers": args.num_layers,
+            "num_heads": args.num_heads,
+            "num_kv_heads": args.num_kv_heads,
+            "intermediate_size": inter,
+            "vocab_size": args.vocab_size,
+            "params": n_params,
+            "bytes": nbytes,
+        },
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "transports": args.transports,
+        "layouts": [],
+    }
     from rlmega.launch.engines import ENGINE_CONTROL_CONCURRENCY
 
     # Threads as production's engines have (rlmega/launch/engines.py): each sender's buckets in flight,
     # and a finish_weights waiting for the other senders of the sync.
-    Engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)(_timed_rollout_worker_cls())
+    Engine = ray.remote(num_cpus=0.5, max_concurrency=ENGINE_CONTROL_CONCURRENCY)(
+        _timed_rollout_worker_cls()
+    )
     engine = Engine.remote(hf_model, max_model_len=128, seed=0, kv_cache_space_gb=1)
     try:
         t0 = time.perf_counter()
@@ -497,7 +608,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         from safetensors.torch import load_file
 
-        results["object_store"] = object_store_seconds(load_file(f"{hf_model}/model.safetensors"), args.repeats)
+        results["object_store"] = object_store_seconds(
+            load_file(f"{hf_model}/model.safetensors"), args.repeats
+        )
 
         from rlmega.launch.worker_group import WorkerGroupError
 
@@ -505,8 +618,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"layout TP{tp}xPP{pp} ...", flush=True)
             try:
                 rows = run_layout(hf_model, tp, pp, engine, args, log_dir)
-            except WorkerGroupError as e:  # setup or the gather-only sync lost a rank (e.g. Ray's OOM killer)
-                rows = [{"layout": f"TP{tp}xPP{pp}", "transport": "-", "error": str(e).splitlines()[0][:300]}]
+            # setup or the gather-only sync lost a rank (e.g. Ray's OOM killer)
+            except WorkerGroupError as e:
+                rows = [
+                    {
+                        "layout": f"TP{tp}xPP{pp}",
+                        "transport": "-",
+                        "error": str(e).splitlines()[0][:300],
+                    }
+                ]
                 print(f"  FAILED {rows[0]['error']}", flush=True)
             for r in rows:
                 if "ratio" in r and r["transport"] == "ray" and r["layout"] in TARGETS:
@@ -531,18 +651,42 @@ def main(argv: list[str] | None = None) -> dict:
 
 def report(res: dict) -> None:
     gb = res["model"]["bytes"] / BYTES_GB
-    print(f"\n{gb:.3f} GB of weights; bucket {res['bucket_mb']:g} MiB; best of {res['repeats']} rounds; "
-          "ratio = sync_s / reload_s, target " + ", ".join(f"<= {t} at {k}" for k, t in TARGETS.items())
-          + " (transport ray)\n")
-    cols = ["sync_s", "reload_s", "ratio", "GB/s", "gather_s", "send_s", "put_s", "wait_s", "engine_s", "other_s"]
+    print(
+        f"\n{gb:.3f} GB of weights; bucket {res['bucket_mb']:g} MiB; best of {res['repeats']} rounds; "
+        "ratio = sync_s / reload_s, target "
+        + ", ".join(f"<= {t} at {k}" for k, t in TARGETS.items())
+        + " (transport ray)\n"
+    )
+    cols = [
+        "sync_s",
+        "reload_s",
+        "ratio",
+        "GB/s",
+        "gather_s",
+        "send_s",
+        "put_s",
+        "wait_s",
+        "engine_s",
+        "other_s",
+    ]
     print(f"{'layout':>8} {'transport':>13} " + " ".join(f"{c:>8}" for c in cols) + "  target")
     for r in res["layouts"]:
         head = f"{r['layout']:>8} {r['transport']:>13} "
         if "error" in r:
             print(head + "FAILED: " + r["error"][:120])
             continue
-        vals = [r["sync_s"], r["reload_s"], r["ratio"], r["gbps"], r["gather_s"], r["send_s"], r["put_s"],
-                r["wait_s"], r["engine_s"], r["other_s"]]
+        vals = [
+            r["sync_s"],
+            r["reload_s"],
+            r["ratio"],
+            r["gbps"],
+            r["gather_s"],
+            r["send_s"],
+            r["put_s"],
+            r["wait_s"],
+            r["engine_s"],
+            r["other_s"],
+        ]
         verdict = f"  <= {r['target']}: {r['verdict']}" if "verdict" in r else ""
         print(head + " ".join(f"{v:8.3f}" for v in vals) + verdict)
     print()
@@ -550,23 +694,31 @@ def report(res: dict) -> None:
         if "error" in r:
             continue
         s = r["sync_s"]
-        print(f"{r['layout']} {r['transport']}: {r['tensors']} tensors in {r['buckets']} bucket(s) from "
-              f"{r['senders']} sender(s), {r['reloads']} engine reload(s); of sync_s: "
-              f"gather {r['gather_s'] / s:.0%}, put {r['put_s'] / s:.0%}, "
-              f"waiting for the engine {r['wait_s'] / s:.0%}; engine busy {r['engine_s'] / s:.0%} "
-              f"(its one-call reload: {r['reload_s'] / s:.0%}); per-round ratios "
-              f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} (median {r['median_round_ratio']:.2f}); "
-              f"machine busy {r['cpu_s']:.3f} core-s = {r['cores']:.2f} of {os.cpu_count()} cores (ratio "
-              f"floor at this work {r['floor']:.2f}; the gather alone {r['gather_cpu_s']:.3f} core-s, the "
-              f"reload alone {r['reload_cpu_s']:.3f})")
+        print(
+            f"{r['layout']} {r['transport']}: {r['tensors']} tensors in {r['buckets']} bucket(s) from "
+            f"{r['senders']} sender(s), {r['reloads']} engine reload(s); of sync_s: "
+            f"gather {r['gather_s'] / s:.0%}, put {r['put_s'] / s:.0%}, "
+            f"waiting for the engine {r['wait_s'] / s:.0%}; engine busy {r['engine_s'] / s:.0%} "
+            f"(its one-call reload: {r['reload_s'] / s:.0%}); per-round ratios "
+            f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])} (median {r['median_round_ratio']:.2f}); "
+            f"machine busy {r['cpu_s']:.3f} core-s = {r['cores']:.2f} of {os.cpu_count()} cores (ratio "
+            f"floor at this work {r['floor']:.2f}; the gather alone {r['gather_cpu_s']:.3f} core-s, the "
+            f"reload alone {r['reload_cpu_s']:.3f})"
+        )
     os_ = res["object_store"]
-    print(f"\nobject store, the whole HF state dict as one bucket, in this process: as torch tensors put "
-          f"{os_['torch']['put_s']:.3f}s get {os_['torch']['get_s']:.3f}s; as numpy arrays put "
-          f"{os_['numpy']['put_s']:.3f}s get {os_['numpy']['get_s']:.3f}s")
+    print(
+        f"\nobject store, the whole HF state dict as one bucket, in this process: as torch tensors put "
+        f"{os_['torch']['put_s']:.3f}s get {os_['torch']['get_s']:.3f}s; as numpy arrays put "
+        f"{os_['numpy']['put_s']:.3f}s get {os_['numpy']['get_s']:.3f}s"
+    )
     for r in res["layouts"]:
         if r.get("engine_profile"):
-            print(f"\nengine profile, one update_weights, {r['layout']} {r['transport']}:\n{r['engine_profile']}")
-    print(f"vLLM engine start {res['engine_start_s']:.1f}s; benchmark runtime {res['runtime_s']:.1f}s")
+            print(
+                f"\nengine profile, one update_weights, {r['layout']} {r['transport']}:\n{r['engine_profile']}"
+            )
+    print(
+        f"vLLM engine start {res['engine_start_s']:.1f}s; benchmark runtime {res['runtime_s']:.1f}s"
+    )
 
 
 if __name__ == "__main__":

