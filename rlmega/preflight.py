@@ -31,19 +31,17 @@ import tempfile
 from typing import List
 
 from rlmega.agents.placement import run_cpus
-from rlmega.config import critic_rules, lora_rules
+from rlmega.config import critic_rules, distill_rules, lora_rules
 from rlmega.config.agent_rules import IMAGE_TOOLS, task_loops
 from rlmega.config.critic_rules import critic_ranks
 from rlmega.config.engine_mode import records_routes
 from rlmega.config.families import engine_reason, fsdp_reason
 from rlmega.config.hf_support import transformers_reason, unsupported_reason, vllm_reason
-from rlmega.config.model_files import tokenizer_problems, weight_problems
+from rlmega.config.model_files import WEIGHT_GLOBS, tokenizer_problems, weight_problems
 from rlmega.config.resolved import task_configs, trainer_ranks
 from rlmega.config.schema import RLConfig
 from rlmega.config.validate import ConfigError, problem
 from rlmega.data.prompts import JSONL_SUFFIXES, PARQUET_SUFFIXES
-
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 
 def _model(cfg: RLConfig) -> List[str]:
@@ -561,6 +559,7 @@ def preflight(cfg: RLConfig) -> None:
     """Raise one ConfigError listing every way ``cfg`` cannot run on this machine."""
 
     out = _model(cfg) + _engine_mode(cfg) + critic_rules.folder_problems(cfg) + _reward(cfg)
+    out += distill_rules.folder_problems(cfg)
     # each task's prompt files (the data section's)
     for i, t in enumerate(cfg.tasks or task_configs(cfg)):
         f, d = (f"tasks[{i}].data" if cfg.tasks else "data"), t.data

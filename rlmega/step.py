@@ -21,6 +21,7 @@ from rlmega.learner.actor_api import Actor, advantages_and_returns
 from rlmega.learner.critic_api import Critic
 from rlmega.algorithms import advantages as adv_lib
 from rlmega.algorithms import kl as kl_lib
+from rlmega.algorithms import opd
 from rlmega.agents.metrics import rollout_metrics, staleness_metrics
 from rlmega.agents.produce import group_requests
 from rlmega.agents.sft import sft_example
@@ -63,6 +64,8 @@ class StepPlan:
     policy_trains: bool  # critic warm-up: the first k steps train the critic alone
     # one optimizer step: train_step scores the old log-probs itself (detached), no forward of its own
     on_policy: bool
+    # on-policy distillation: the teachers score the batch; their signal needs the old log-probs first
+    distill: bool
 
     @staticmethod
     def of(roles: Roles, cfg: RLConfig, step: int, batch_size: int) -> StepPlan:
@@ -70,8 +73,9 @@ class StepPlan:
         n_mini = mini_batch_count(batch_size, cfg.trainer.global_batch_size)
         kl_reward, gae = a.kl_coef > 0 and a.kl_in_reward, roles.has_critic
         policy_trains = not gae or step >= cfg.critic.warmup_steps
-        on_policy = n_mini == 1 and not kl_reward and policy_trains
-        return StepPlan(n_mini, kl_reward, gae, policy_trains, on_policy)
+        distill = bool(cfg.distillation.teachers)
+        on_policy = n_mini == 1 and not kl_reward and policy_trains and not distill
+        return StepPlan(n_mini, kl_reward, gae, policy_trains, on_policy, distill)
 
 
 def rl_step(
@@ -89,13 +93,16 @@ def rl_step(
     judge_failures = checked_judgements(produced.groups, step, cfg.reward.on_error)
     # the judges' rewards, every sampled token: the metrics'
     generated = trainable_batch(produced.groups, step)
-    batch, shaping = shape_overlong(
-        generated, [(g.task, x) for g, x in kept_trajectories(produced.groups)], cfg
-    )
+    rows = [(g.task, x) for g, x in kept_trajectories(produced.groups)]
+    batch, shaping = shape_overlong(generated, rows, cfg)
     plan = StepPlan.of(roles, cfg, step, len(batch))
     with t("logprob"):
         batch = scored(roles, batch, plan, cfg.algorithm.kl_coef > 0)
-    batch = with_advantages(batch, plan, cfg.algorithm)
+    with t("teacher"):  # on-policy distillation: each teacher scores its tasks' samples
+        taught = (
+            teacher_scored(roles, batch, [task for task, _ in rows], cfg) if plan.distill else []
+        )
+    batch = with_advantages(batch, plan, cfg.algorithm, taught, cfg.distillation.coef)
     with t("train"):
         train, critic = trained(roles, batch, plan)
     # the policy's before the update
@@ -112,6 +119,7 @@ def rl_step(
         **step_metrics(step, produced, generated, batch, old, train, critic, plan.gae, task_names),
         **{f"judge_errors/{k}": v for k, v in judge_failures.items()},
         **shaping,
+        **(distill_metrics(batch, taught) if plan.distill else {}),
         **synced,
         "engine_busy_fraction": min(
             1.0, max(0.0, busy_fraction)
@@ -170,9 +178,57 @@ def scored(roles: Roles, batch: RolloutBatch, plan: StepPlan, with_ref: bool) ->
     return dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref, old_values=values)
 
 
-def with_advantages(batch: RolloutBatch, plan: StepPlan, a) -> RolloutBatch:
+def teacher_scored(
+    roles: Roles, batch: RolloutBatch, tasks: list[str], cfg: RLConfig
+) -> list[tuple[float, list]]:
+    """(weight, per sample log-probs or None) of each distillation teacher: teacher i scores the samples of
+    its tasks (distillation.teachers[i].tasks; all when empty), on the trainer ranks at the policy's layout."""
+    out = []
+    for i, teacher in enumerate(cfg.distillation.teachers):
+        picked = [s for s, task in enumerate(tasks) if not teacher.tasks or task in teacher.tasks]
+        per_sample: list = [None] * len(batch)
+        if picked:
+            lps = roles.call_policy(Actor.compute_teacher_logprobs, batch.select(picked), i)
+            for s, lp in zip(picked, lps):
+                per_sample[s] = lp
+        out.append((teacher.weight, per_sample))
+    return out
+
+
+def distill_metrics(batch: RolloutBatch, taught: list[tuple[float, list]]) -> dict:
+    """distill_kl: the k1 estimate of KL(student || teacher) on the scored samples' loss tokens, the teachers'
+    weighted mean; distill_kl/<i> each teacher's when there are several."""
+    kls = [
+        opd.reverse_kl(batch.old_logprobs, per_sample, batch.response_mask)
+        for _, per_sample in taught
+    ]
+    scored = [
+        (w, kl) for (w, _), kl in zip(taught, kls) if kl == kl
+    ]  # a teacher with no sample: nan
+    out = {
+        "distill_kl": sum(w * kl for w, kl in scored) / sum(w for w, _ in scored)
+        if scored
+        else float("nan")
+    }
+    if len(taught) > 1:
+        out.update({f"distill_kl/{i}": kl for i, kl in enumerate(kls)})
+    return out
+
+
+def with_advantages(
+    batch: RolloutBatch, plan: StepPlan, a, taught: list | None = None, coef: float = 1.0
+) -> RolloutBatch:
     """Per-token advantages: GAE from the critic's values (plan.gae), else the estimator's per-sequence advantage
-    on every response token, the rewards less the sequence KL first when KL is a reward penalty."""
+    on every response token, the rewards less the sequence KL first when KL is a reward penalty; then the
+    distillation signal of ``taught`` (teacher_scored) added, scaled by ``coef`` (alone under opd)."""
+    if taught:
+        signal = opd.token_signal(batch.old_logprobs, taught, coef)
+        if a.advantage_estimator == "opd":
+            return dataclasses.replace(batch, advantages=signal)
+        rewarded = with_advantages(batch, plan, a)
+        return dataclasses.replace(
+            rewarded, advantages=[x + y for x, y in zip(rewarded.advantages, signal)]
+        )
     if plan.gae:
         # here: pure arithmetic, no trainer rank
         advantages, returns = advantages_and_returns(batch, a)

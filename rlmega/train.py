@@ -29,7 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from rlmega.config import ConfigError, RLConfig, dump_config, load_config
-from rlmega.config.resolved import task_configs
+from rlmega.config.resolved import task_configs, teacher_identities
 from rlmega.config.schema import TrainerConfig
 from rlmega.agents.produce import Producer
 from rlmega.agents.tasks import Tasks
@@ -125,7 +125,7 @@ def _train(cfg: RLConfig, run: RunDir, clock: StartupClock) -> None:
             "was not saved by a run with algorithm.advantage_estimator=gae. Fix: resume it with its own "
             "estimator, or start a new run (trainer.run_dir) from its policy (model.path)"
         )
-    settings = resume_settings(cfg.optimizer, t.total_steps)
+    settings = resume_settings(cfg.optimizer, t.total_steps, teacher_identities(cfg))
     changed = changed_settings(checkpoint, settings) if checkpoint else []
     if changed:
         log.warning(

@@ -55,6 +55,10 @@ class HeaderError(ValueError):
     pass
 
 
+# Files a model folder may hold its weights in (what the checks of model.path and teachers look for).
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
 def read_safetensors_header(path: str) -> Dict[str, Tuple[str, List[int]]]:
     """{tensor name: (dtype, shape)} of one .safetensors file, from its header only; HeaderError
     when the header is malformed or its offsets do not cover the file exactly."""
@@ -357,3 +361,23 @@ def tokenizer_problems(path: str, hf: dict) -> List[str]:
             "embedding row"
         )
     return out
+
+
+def model_identity(path: str, sample_bytes: int = 1 << 20) -> str:
+    """A fingerprint of the model in folder ``path`` (sha256, hex): config.json, and each weight file's name,
+    size and first and last ``sample_bytes`` (a safetensors file's header, with every tensor's name, shape
+    and offsets, and the first and last weights). Reading every weight of a large teacher would take minutes;
+    these bytes tell apart a different model, or another fine-tune of the same one, in milliseconds."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        h.update(f.read())
+    for file in sorted(p for g in WEIGHT_GLOBS for p in glob.glob(os.path.join(path, g))):
+        size = os.path.getsize(file)
+        h.update(f"{os.path.basename(file)}:{size}".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(sample_bytes))
+            f.seek(max(size - sample_bytes, 0))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest()

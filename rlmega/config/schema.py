@@ -209,12 +209,15 @@ POLICY_LOSS_DEFAULTS = {
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus", "gae"] = (
-        "grpo"
-    )
+    advantage_estimator: Literal[
+        "grpo", "grpo_no_std", "rloo", "reinforce_plus_plus", "gae", "opd"
+    ] = "grpo"
     """How rewards become advantages (see rlmega.algorithms.advantages). "gae": PPO with a learned critic
     (the ``critic`` section): per-token rewards (the outcome on the last action token, kl_in_reward's
-    per-token KL), Generalized Advantage Estimation with gamma and lam (rlmega.algorithms.gae)."""
+    per-token KL), Generalized Advantage Estimation with gamma and lam (rlmega.algorithms.gae). "opd":
+    on-policy distillation alone, the per-token signal of distillation.teachers and no reward term (the
+    rewards are still judged, for the metrics); any other estimator adds that signal when teachers are set
+    (docs/distillation.md)."""
     gamma: float = ranged(1.0, FRACTION)
     """gae: discount per action token, in (0, 1]. Tool output inside a response is not an action: it is
     skipped, neither discounted nor credited."""
@@ -692,6 +695,38 @@ class TaskConfig:
     """The task's agent loop and its judgers."""
 
 
+@dataclass
+class TeacherConfig:
+    """One teacher of on-policy distillation: a frozen model that scores each token the student sampled."""
+
+    path: str = ""
+    """The teacher's HF folder (config.json, safetensors weights, a tokenizer that is the student's: every
+    token of model.path's tokenizer with the same id; a larger vocabulary past the student's ids is allowed).
+    Any size or family the learner supports; it runs on the trainer ranks at the policy's layout."""
+    weight: float = ranged(1.0, GT0)
+    """This teacher's share of the signal: a token's signal is the sum over its task's teachers of weight x
+    (teacher log-prob - student log-prob) of the sampled token."""
+    tasks: List[str] = field(default_factory=list)
+    """The tasks (tasks[i].name) whose samples it scores; empty: every task."""
+
+
+@dataclass
+class DistillationConfig:
+    """On-policy distillation (docs/distillation.md): the student (the policy) samples, each teacher gives
+    its log-probability of every sampled token at the sampling temperature, and the per-token reverse KL
+    estimate (teacher log-prob - student log-prob: k1 of the sampled token, whose expectation under the
+    student is -KL(student || teacher)) is the token's advantage, alone (algorithm.advantage_estimator=opd)
+    or added to the reward estimator's by coef."""
+
+    teachers: List[TeacherConfig] = field(default_factory=list)
+    """The teachers; empty: no distillation."""
+    coef: float = ranged(1.0, GT0)
+    """The distillation term's factor in each token's advantage (with opd alone too)."""
+    offload_teachers: bool = True
+    """Keep each teacher's weights in host memory between its passes (on GPUs: no device memory held while
+    the policy trains or the engines generate); its pass onloads and offloads it again."""
+
+
 # Variables a worker on another node needs from the driver's shell: model-hub and logging credentials and
 # caches, and the interfaces NCCL/gloo must use on multi-homed nodes.
 FORWARD_ENV = (
@@ -788,6 +823,9 @@ class RLConfig:
     agent_loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     """The agent loop of the default task (data + agent_loop) when tasks is empty."""
     produce: ProduceConfig = field(default_factory=ProduceConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from teacher models (with algorithm.advantage_estimator=opd, or added to
+    another estimator's advantages)."""
     tasks: List[TaskConfig] = field(default_factory=list)
     """Several tasks mixed in each batch by weight; empty: one task "default" from data and agent_loop.
     With tasks set, each task has its own data and agent_loop, and setting the top-level data or

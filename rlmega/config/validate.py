@@ -27,6 +27,7 @@ import typing
 from typing import List
 
 import rlmega.config.critic_rules as critic_rules
+import rlmega.config.distill_rules as distill_rules
 import rlmega.config.lora_rules as lora_rules
 import rlmega.config.moe_rules as moe_rules
 from rlmega.config.critic_rules import critic_ranks
@@ -693,6 +694,7 @@ def validate(cfg: RLConfig) -> None:
         out += _placement_problems(cfg)
         out += critic_rules.section_problems(cfg)
         out += lora_rules.problems(cfg)
+        out += distill_rules.section_problems(cfg)
     # the models': the policy's, and the critic's own (critic.path's, where it has a config.json)
     shapes = {}
     for field, path in (
@@ -708,6 +710,9 @@ def validate(cfg: RLConfig) -> None:
         out += _model_problems(cfg, shapes["model.path"])
     if not bad_ranges:
         out += critic_rules.model_problems(cfg, shapes.get("critic.path"), shapes.get("model.path"))
+    if not bad_ranges:  # each teacher runs at the policy's layout
+        for i in range(len(cfg.distillation.teachers)):
+            out += distill_rules.model_problems(cfg, i, read_model_shape)
     if out:
         raise ConfigError(out)
 

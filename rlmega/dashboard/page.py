@@ -93,6 +93,7 @@ PAGE_HTML = r"""<!doctype html>
   <div class="charts">
     <section><h2>reward_mean</h2><div id="chart-reward_mean"></div></section>
     <section><h2>kl_ref</h2><div id="chart-kl_ref"></div></section>
+    <section id="distill" hidden><h2>distill_kl</h2><div id="chart-distill_kl"></div></section>
   </div>
 </main>
 <script>
@@ -285,6 +286,9 @@ function render(s) {
 
   lineChart($("chart-reward_mean"), s.metrics_history, "reward_mean");
   lineChart($("chart-kl_ref"), s.metrics_history, "kl_ref");
+  // on-policy distillation's KL to the teachers: shown when the run distils
+  $("distill").hidden = !s.metrics_history.some((r) => typeof r.distill_kl === "number");
+  lineChart($("chart-distill_kl"), s.metrics_history, "distill_kl");
 
   renderStaleness(s.staleness);
   set("busy-engine", pct(s.busy.engine)); set("busy-trainer", pct(s.busy.trainer));

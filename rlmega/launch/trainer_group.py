@@ -9,7 +9,7 @@ import ray
 from rlmega.learner.actor_api import BackendFactory
 from rlmega.config.placement_rules import PlacementPlan
 from rlmega.config.schema import RLConfig
-from rlmega.config.resolved import critic_kwargs
+from rlmega.config.resolved import critic_kwargs, teacher_models
 from rlmega.learner.critic_api import critic_factory
 from rlmega.launch import torchrun_group
 from rlmega.launch.worker_group import WorkerGroup
@@ -43,6 +43,8 @@ def start_trainer(
         temperature=cfg.rollout.temperature,
         lr_decay_steps=cfg.trainer.total_steps * optimizer_steps_per_rl_step,
         num_threads=threads,
+        teachers=teacher_models(cfg),
+        offload_teachers=cfg.distillation.offload_teachers,
     )
     # builds the backend's Actor in each rank's process
     actor_factory = BackendFactory(cfg.actor.backend)

@@ -126,10 +126,11 @@ def advantages_and_returns(batch: RolloutBatch, algo) -> tuple[list, list]:
 class Actor(abc.ABC):
     """One trainer rank's learner. Constructed in the rank's own process (Ray actor, torchrun rank,
     or a test) as ``cls(model, parallel, optimizer, actor, algorithm, temperature=1.0,
-    lr_decay_steps=1000, hf_config=None, num_threads=None)`` from rlmega.config.schema's sections;
-    ``hf_config`` builds the model from that config with random weights instead of model.path;
-    ``num_threads`` sets the process's intra-op threads (None leaves them). Nothing is built before
-    ``setup``."""
+    lr_decay_steps=1000, hf_config=None, num_threads=None, teachers=(), offload_teachers=True)`` from
+    rlmega.config.schema's sections; ``hf_config`` builds the model from that config with random weights
+    instead of model.path; ``num_threads`` sets the process's intra-op threads (None leaves them);
+    ``teachers``: a ModelConfig per distillation teacher (frozen, built at the policy's layout, kept in host
+    memory between passes when ``offload_teachers``). Nothing is built before ``setup``."""
 
     vocab_size: int
     """The model's vocabulary size, known after ``setup``."""
@@ -170,6 +171,11 @@ class Actor(abc.ABC):
     @abc.abstractmethod
     def compute_ref_logprobs(self, batch: RolloutBatch) -> list:
         """``compute_logprobs`` under the reference policy. RuntimeError without a reference."""
+
+    @abc.abstractmethod
+    def compute_teacher_logprobs(self, batch: RolloutBatch, teacher: int) -> list:
+        """``compute_logprobs`` under distillation teacher ``teacher`` (an index into the constructor's
+        ``teachers``), at the sampling temperature, over the teacher's whole vocabulary."""
 
     # ---- training -------------------------------------------------------------------------------
     @abc.abstractmethod

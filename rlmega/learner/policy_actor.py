@@ -30,6 +30,7 @@ import functools
 import math
 import time
 from contextlib import contextmanager
+from typing import Sequence
 
 import torch
 
@@ -64,9 +65,12 @@ class PolicyActor(Actor):
         lr_decay_steps: int = 1000,
         hf_config: dict | None = None,
         num_threads: int | None = None,
+        teachers: Sequence[ModelConfig] = (),
+        offload_teachers: bool = True,
     ):
         """``num_threads``: this process's intra-op threads (torch.set_num_threads), set here because
-        the actor is built at its process's start (WorkerGroup, torchrun); None leaves them."""
+        the actor is built at its process's start (WorkerGroup, torchrun); None leaves them. ``teachers``:
+        the distillation teachers' models (Actor's docstring)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model_cfg, self.parallel, self.optim_cfg = model, parallel, optimizer
@@ -84,6 +88,8 @@ class PolicyActor(Actor):
         self.reference_moved = False
         # float32 copy of a low-precision reference (update_ref_policy)
         self._ref_master: list | None = None
+        self.teacher_cfgs, self.offload_teachers = list(teachers), offload_teachers
+        self.teachers: list[TrainEngine] = []  # built at setup, frozen
 
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, with_reference: bool = True) -> None:
@@ -97,19 +103,24 @@ class PolicyActor(Actor):
                 self.update_ref_policy(1.0)
             if self.cfg.offload_reference:
                 self.reference.offload("params")
+        for teacher in self.teacher_cfgs:
+            self.teachers.append(self._engine(with_optimizer=False, model=teacher))
+            if self.offload_teachers:
+                self.teachers[-1].offload("params")
         self.vocab_size = self.policy.vocab_size
 
-    def _engine(self, with_optimizer: bool) -> TrainEngine:
+    def _engine(self, with_optimizer: bool, model: ModelConfig | None = None) -> TrainEngine:
         """A built engine of the policy's model (weights from model.path, or ``hf_config`` at random), with
-        its optimizer and LR schedule when ``with_optimizer`` (the policy), without (the reference)."""
+        its optimizer and LR schedule when ``with_optimizer`` (the policy), without (the reference); of
+        ``model`` (a teacher's, from its path) when given."""
         engine = self.engine_class(
-            self.model_cfg,
+            model or self.model_cfg,
             self.parallel,
             self.optim_cfg,
             self.cfg,
             with_optimizer=with_optimizer,
             lr_decay_steps=self.lr_decay_steps,
-            hf_config=self.hf_config,
+            hf_config=self.hf_config if model is None else None,
         )
         engine.build()
         return engine
@@ -173,6 +184,15 @@ class PolicyActor(Actor):
             raise RuntimeError("this actor was set up without a reference policy")
         with self._reference_onloaded():
             return self._logprobs(self.reference, batch, with_entropy=False, replay=replay)[0]
+
+    def compute_teacher_logprobs(
+        self, batch: RolloutBatch | Shard, teacher: int
+    ) -> list[torch.Tensor]:
+        if not 0 <= teacher < len(self.teachers):
+            raise IndexError(f"teacher {teacher}: this actor has {len(self.teachers)} teachers")
+        engine = self.teachers[teacher]
+        with _onloaded(engine, "params"):  # its own routing (an MoE teacher routes live)
+            return self._logprobs(engine, batch, with_entropy=False)[0]
 
     # ---- training ---------------------------------------------------------------------------
     def sft_step(self, batch: RolloutBatch | Shard, lr: float | None = None) -> dict:
@@ -299,14 +319,8 @@ class PolicyActor(Actor):
 
     @contextmanager
     def _reference_onloaded(self):
-        offloaded = "params" in self.reference.offloaded
-        if offloaded:
-            self.reference.onload("params")
-        try:
+        with _onloaded(self.reference, "params"):
             yield
-        finally:
-            if offloaded:
-                self.reference.offload("params")
 
     # ---- weights out, checkpoints, export -----------------------------------------------------
     def sync_model_to_rollout(
@@ -442,6 +456,19 @@ class PolicyActor(Actor):
     def _train_metrics(self, metrics: dict, on_policy: bool) -> dict:
         """A train step's metrics, completed by the backend."""
         return metrics
+
+
+@contextmanager
+def _onloaded(engine: TrainEngine, kind: str):
+    """``engine``'s ``kind`` on its device for the block, offloaded again after if it was before."""
+    offloaded = kind in engine.offloaded
+    if offloaded:
+        engine.onload(kind)
+    try:
+        yield
+    finally:
+        if offloaded:
+            engine.offload(kind)
 
 
 def _batch_of(data: RolloutBatch | Shard) -> RolloutBatch:

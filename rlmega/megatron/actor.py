@@ -25,6 +25,7 @@ the mean router loss whatever the RL loss divides by; padding stays out of them 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 
@@ -57,6 +58,8 @@ class MegatronActor(PolicyActor):
         lr_decay_steps: int = 1000,
         hf_config: dict | None = None,
         num_threads: int | None = None,
+        teachers: Sequence[ModelConfig] = (),
+        offload_teachers: bool = True,
     ):
         # config validation refuses it too; this covers actors built in code
         if actor.activation_checkpointing:
@@ -74,6 +77,8 @@ class MegatronActor(PolicyActor):
             lr_decay_steps,
             hf_config,
             num_threads,
+            teachers,
+            offload_teachers,
         )
         # MoE routing replay (algorithm.routing_replay): none | trainer (R2) | rollout (R3)
         self.routing_replay = self.algo.routing_replay

@@ -119,6 +119,9 @@ def _phases(runs: Sequence[List[dict]]) -> list[str]:
     return [p for p in PHASE_ORDER if p in found] + sorted(found - set(PHASE_ORDER))
 
 
+DISTILL_TITLE = "KL to the teachers (distillation)"
+
+
 def _has(runs: Sequence[List[dict]], key: str) -> bool:
     return any(_series(rows, key)[0] for rows in runs)
 
@@ -131,6 +134,8 @@ def panel_titles(runs: Sequence[List[dict]], warm: Sequence[List[float]] = ()) -
     # no KL term (algorithm.kl_coef=0): kl_ref is 0 throughout, and a flat line would read as a measured 0
     if any(y != 0 for rows in runs for y in _series(rows, "kl_ref")[1]):
         titles.append("KL to reference")
+    if _has(runs, "distill_kl"):  # on-policy distillation: KL(student || teacher), its k1 estimate
+        titles.append(DISTILL_TITLE)
     titles += ["response length (tokens)", "step time by phase (s)"]
     if any(warm):
         titles.append(WARM_TITLE)
@@ -152,14 +157,16 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[str]:
     warm = [read_warm_start(d) for d in run_dirs]
     titles = panel_titles(runs, warm)
     cols = 3 if len(titles) > 4 else 2
-    fig = Figure(figsize=(5 * cols, 3.6 * 2), layout="constrained")
+    rows_n = -(-len(titles) // cols)
+    fig = Figure(figsize=(5 * cols, 3.6 * rows_n), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, cols, squeeze=False).ravel()
+    axes = fig.subplots(rows_n, cols, squeeze=False).ravel()
     colours = [f"C{i % 10}" for i in range(len(runs))]
     keys = {
         "reward (mean)": "reward_mean",
         "held-out greedy reward": "eval_accuracy",
         "KL to reference": "kl_ref",
+        DISTILL_TITLE: "distill_kl",
         "response length (tokens)": "response_length",
     }
     phases = _phases(runs)

@@ -345,13 +345,16 @@ def _start_wandb(path: Path, project: str, config: dict | None):
     )
 
 
-def resume_settings(optimizer, total_steps: int) -> dict:
+def resume_settings(optimizer, total_steps: int, teachers: list[dict] | None = None) -> dict:
     """The settings a resume takes from the config rather than the checkpoint (``optimizer``: the optimizer
     section, a dataclass; rundir sits beside config, not above it, so it names no config type; and
-    trainer.total_steps), by config field (saved with every checkpoint, so a resume can say which changed)."""
+    trainer.total_steps), by config field (saved with every checkpoint, so a resume can say which changed);
+    ``teachers``: the distillation teachers' identities (rlmega.config.model_files.model_identity with each
+    one's weight and tasks), which a resume may not change."""
     return {
         **{f"optimizer.{k}": v for k, v in dataclasses.asdict(optimizer).items()},
         "trainer.total_steps": total_steps,
+        "distillation.teachers": teachers or [],
     }
 
 
@@ -361,14 +364,21 @@ def changed_settings(checkpoint: str | Path, now: dict) -> list[str]:
     resume cannot honour."""
     saved = read_common(checkpoint)["meta"]["extra"].get("settings") or {}
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
-    fixed = [f"{k}={changed[k][0]}" for k in sorted(_FIXED_ON_RESUME & changed.keys())]
+    fixed = sorted(_FIXED_ON_RESUME.keys() & changed.keys())
     if fixed:
         raise ResumeError(
-            f"{checkpoint} was saved with {', '.join(fixed)}, which a resume cannot change (the "
-            f"optimizer state on disk is laid out by it). Fix: set {', '.join(fixed)} again"
+            f"{checkpoint} was saved with "
+            + "; ".join(f"{k}={changed[k][0]} ({_FIXED_ON_RESUME[k]})" for k in fixed)
+            + f", which a resume cannot change; this run has {'; '.join(f'{k}={changed[k][1]}' for k in fixed)}. "
+            f"Fix: set {', '.join(fixed)} as saved, or start a new run (trainer.run_dir) from its policy"
         )
     return [f"{k}: {was} -> {v}" for k, (was, v) in changed.items()]
 
 
-# The optimizer state's layout on disk follows these (measured: both directions fail to load).
-_FIXED_ON_RESUME = {"optimizer.use_distributed_optimizer"}
+# What a resume may not change, and why.
+_FIXED_ON_RESUME = {
+    # the optimizer state's layout on disk follows it (measured: both directions fail to load)
+    "optimizer.use_distributed_optimizer": "the optimizer state on disk is laid out by it",
+    # a resumed run continues one objective: the same teachers, weights and tasks, the same weights in them
+    "distillation.teachers": "the run distils from them",
+}

@@ -101,9 +101,30 @@ def env(tmp_path_factory):
         (out / "config.json").write_text(json.dumps({**dsv3_cfg, **fields}))
         return str(out)
 
+    # distillation teachers: a smaller model of the student's tokenizer, one whose 3 heads TP2 cannot split,
+    # and one whose tokenizer gives two of the student's tokens each other's ids
+    teacher = make_tiny_model(
+        d / "teacher", hidden_size=128, num_heads=2, num_kv_heads=2, num_layers=2
+    )
+    three_heads = make_tiny_model(
+        d / "three_heads", hidden_size=96, num_heads=3, num_kv_heads=1, num_layers=2
+    )
+    other_tok = d / "other_tok"
+    other_tok.mkdir()
+    for f in teacher.iterdir():
+        if f.name != "tokenizer.json":
+            os.link(f, other_tok / f.name)
+    tok = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other_tok / "tokenizer.json").write_text(json.dumps(tok))
     return {
         "d": d,
         "model": str(model),
+        "teacher": str(teacher),
+        "three_heads": str(three_heads),
+        "other_tok": str(other_tok),
         "no_weights": str(no_weights),
         "mixtral": str(mixtral),
         "phi3": str(phi3),
@@ -271,6 +292,71 @@ DP4 = ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_p
 # (id, overrides with {d}/{model}/... placeholders, config file or None for tiny_cpu, text the message must hold)
 CASES = [
     ("unknown key", ["trainer.total_stepz=7"], None, "trainer.total_stepz: unknown key"),
+    # on-policy distillation (issue 59)
+    (
+        "opd without a teacher",
+        ["algorithm.advantage_estimator=opd"],
+        None,
+        "algorithm.advantage_estimator: opd distils from teachers, and distillation.teachers is empty",
+    ),
+    (
+        "a teacher with no path",
+        ["distillation.teachers=[{{weight: 1.0}}]"],
+        None,
+        "distillation.teachers[0].path: is empty",
+    ),
+    (
+        "a teacher for a task that does not exist",
+        ["distillation.teachers=[{{path: '{teacher}', tasks: [maths]}}]"],
+        None,
+        "distillation.teachers[0].tasks: ['maths'] name no task of this run",
+    ),
+    (
+        "a teacher path without a model",
+        ["distillation.teachers=[{{path: '{no_weights}'}}]"],
+        None,
+        "/no_weights' has no weights (*.safetensors or pytorch_model*.bin)",
+    ),
+    (
+        "a teacher path that is no folder",
+        ["distillation.teachers=[{{path: '{d}/nowhere'}}]"],
+        None,
+        "/nowhere' is not a folder",
+    ),
+    (
+        "a teacher whose tokenizer is not the student's",
+        ["distillation.teachers=[{{path: '{other_tok}'}}]"],
+        None,
+        "distillation.teachers[0].path: the teacher's tokenizer is not the student's",
+    ),
+    (
+        "a teacher of weight 0",
+        ["distillation.teachers=[{{path: '{teacher}', weight: 0}}]"],
+        None,
+        "distillation.teachers[0].weight: 0.0 must be > 0",
+    ),
+    (
+        "a teacher whose heads the layout cannot split",
+        ["distillation.teachers=[{{path: '{three_heads}'}}]"],
+        None,
+        "distillation.teachers[0].path (at parallelism.tensor_model_parallel_size)",
+    ),
+    (
+        "a vision-language teacher",
+        ["distillation.teachers=[{{path: '{vlm}'}}]"],
+        None,
+        "is a vision-language model: distillation does not yet give a teacher images",
+    ),
+    (
+        "opd with dynamic sampling",
+        [
+            "algorithm.advantage_estimator=opd",
+            "distillation.teachers=[{{path: '{teacher}'}}]",
+            "algorithm.dynamic_sampling=true",
+        ],
+        None,
+        "algorithm.dynamic_sampling: true with advantage_estimator=opd",
+    ),
     (
         "zero steps, no warm start",
         ["trainer.total_steps=0", "trainer.warmup_sft_steps=0"],
@@ -1573,6 +1659,22 @@ def test_a_good_config_passes_the_same_checks(env, monkeypatch, tmp_path):
                 f"trainer.run_dir={tmp_path / 'run'}",
                 f"data.train_path={env['d']}/good.jsonl",
                 "trainer.resume=none",
+            ]
+        )
+
+
+@pytest.mark.parametrize("estimator", ["opd", "grpo"])
+def test_a_good_distillation_config_passes_the_same_checks(env, monkeypatch, tmp_path, estimator):
+    monkeypatch.setattr(train_mod, "Roles", _tripwire)
+    with pytest.raises(WorkersWouldStart):
+        train_mod.main(
+            [
+                TINY,
+                f"model.path={env['model']}",
+                f"trainer.run_dir={tmp_path / 'run'}",
+                "trainer.resume=none",
+                f"algorithm.advantage_estimator={estimator}",
+                f"distillation.teachers=[{{path: '{env['teacher']}', weight: 0.5, tasks: [default]}}]",
             ]
         )
 

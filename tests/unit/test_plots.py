@@ -111,6 +111,22 @@ def test_a_warm_started_run_draws_its_warm_start_loss(tmp_path):
     assert "warm-start loss" not in panel_titles([read_metrics(tmp_path / "run")], [[]])
 
 
+def test_a_distilling_warm_started_run_draws_seven_panels_on_three_rows(tmp_path):
+    """distill_kl (issue 59) gets its own panel; seven no longer fit the two rows of three."""
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    run.write_warm_start([2.5, 1.0])
+    run.log({"step": 0, "eval_accuracy": 0.3})
+    for s in range(1, 5):
+        run.log(_step(s, 0.1, distill_kl=0.5 / s, eval_accuracy=0.3))
+    run.close()
+    titles = panel_titles([read_metrics(tmp_path / "run")], [[2.5, 1.0]])
+    assert titles == ALL_PANELS[:3] + ["KL to the teachers (distillation)"] + ALL_PANELS[3:] + [
+        "warm-start loss"
+    ]
+    w, h = _png_size(plot_run(tmp_path / "run"))
+    assert h > 1.4 * _png_size(plot_run(_write_run(tmp_path / "plain", eval_every=2)))[1]
+
+
 def test_the_plot_reads_the_metrics_file_anew(tmp_path):
     run = _write_run(tmp_path / "run")  # no evaluation: no accuracy panel
     assert plot_runs([run], run / CURVES) == [

@@ -170,8 +170,25 @@ def test_a_resume_says_which_settings_changed(run):
     assert changed_settings(run.checkpoints / "step_00000002", now) == []
     # the distributed optimizer's state does not load into the plain one, nor the reverse: refused by name
     d = _checkpoint(run.checkpoints, 8, settings={"optimizer.use_distributed_optimizer": True})
-    with pytest.raises(ResumeError, match="optimizer.use_distributed_optimizer=True again"):
+    with pytest.raises(
+        ResumeError, match=r"optimizer.use_distributed_optimizer=True \(the optimizer state"
+    ):
         changed_settings(d, {"optimizer.use_distributed_optimizer": False})
+    # distillation (issue 59): another teacher, or one added to a run that had none, is refused by name
+    teacher = [{"path": "/models/t", "identity": "ab12", "weight": 1.0, "tasks": []}]
+    d = _checkpoint(run.checkpoints, 10, settings={"distillation.teachers": teacher})
+    other = [{**teacher[0], "identity": "cd34"}]
+    with pytest.raises(
+        ResumeError, match=r"distillation.teachers=.*ab12.* \(the run distils from them\)"
+    ):
+        changed_settings(d, {"distillation.teachers": other})
+    assert changed_settings(d, {"distillation.teachers": teacher}) == []
+    d = _checkpoint(run.checkpoints, 12, settings={"distillation.teachers": []})
+    with pytest.raises(
+        ResumeError,
+        match="this run has distillation.teachers=.*cd34.*Fix: set distillation.teachers as saved",
+    ):
+        changed_settings(d, {"distillation.teachers": other})
 
 
 def test_saving_over_a_step_keeps_a_complete_checkpoint_through_a_crash(run, monkeypatch):
