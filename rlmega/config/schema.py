@@ -753,11 +753,11 @@ class ClusterConfig:
     """Rollout engines share the trainer ranks' resources (GPU: the same devices) instead of their own."""
     gpus_per_node: int = ranged(8, GE1)
     """GPUs of each cluster node (rollout.device=cuda): trainer ranks fill nodes in rank order and a vLLM
-    engine's tensor-parallel group never spans nodes (rlmega.config.placement_rules)."""
+    engine's tensor-parallel group never spans nodes (rlmega.config.placement_plan)."""
     cpu_ranks_per_node: int = ranged(0, GE0)
     """CPU runs (rollout.device=cpu) on several nodes: trainer ranks per node. 0 keeps every rank and engine
     in one placement group (PACK: one node if it fits, the embedded Ray's case); N > 0 gives each node N
-    ranks in rank order, one node per group, engines round robin over those nodes (rlmega.config.placement_rules).
+    ranks in rank order, one node per group, engines round robin over those nodes (rlmega.config.placement_plan).
     On GPUs cluster.gpus_per_node decides instead."""
     forward_env: List[str] = field(default_factory=lambda: list(FORWARD_ENV))
     """Environment variables the driver passes on to every worker when attached to a cluster (cluster.address),

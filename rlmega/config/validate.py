@@ -283,9 +283,9 @@ def _layout_problems(cfg: RLConfig) -> List[str]:
 
 
 def _placement_problems(cfg: RLConfig) -> List[str]:
-    """Trainer ranks, the critic's and engines fit the nodes (rlmega.config.placement_rules builds the plan Ray
+    """Trainer ranks, the critic's and engines fit the nodes (rlmega.config.placement_plan builds the plan Ray
     gets)."""
-    from rlmega.config.placement_rules import PlacementError, placement_plan
+    from rlmega.config.placement_plan import PlacementError, placement_plan
 
     try:
         placement_plan(cfg.parallelism, cfg.rollout, cfg.cluster, critic_world=critic_ranks(cfg))

@@ -26,7 +26,7 @@ from ray.util.placement_group import (
 )
 
 import rlmega
-from rlmega.config.placement_rules import PlacementPlan
+from rlmega.config.placement_plan import PlacementPlan
 
 
 class ClusterError(RuntimeError):

@@ -13,7 +13,7 @@ import ray
 
 from rlmega.config.agent_rules import observed_images, task_loops
 from rlmega.config.engine_mode import cuda_graph_max_batch, enforce_eager, records_routes
-from rlmega.config.placement_rules import Slot
+from rlmega.config.placement_plan import Slot
 from rlmega.config.schema import RLConfig
 from rlmega.data.images import is_vlm_folder
 from rlmega.rollout.rollout import GENERATION_GROUP, RolloutWorker

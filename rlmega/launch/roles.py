@@ -7,7 +7,7 @@ workers and the coordinator.
         roles.call_policy(Actor.train_step, batch)
         roles.rollout_phase(version=1)               # trainer offloads, engines wake, weights sync
 
-Where each rank and engine runs comes from rlmega.config.placement_rules (one placement group per node on
+Where each rank and engine runs comes from rlmega.config.placement_plan (one placement group per node on
 GPUs). Leaving the block (normally, by an error, or by Ctrl-C) kills every actor and engine, removes the
 placement groups, stops the dashboard and shuts Ray down if this process started it. A dead engine
 or rank surfaces as ``RoleDied`` naming it, within ``call_timeout_s`` at the latest.
@@ -27,7 +27,7 @@ from ray.util.placement_group import remove_placement_group
 
 from rlmega.agents.hosting import AgentLoopHost, BackgroundLoop, Generation
 from rlmega.agents.placement import run_cpus
-from rlmega.config.placement_rules import placement_plan
+from rlmega.config.placement_plan import placement_plan
 from rlmega.config.schema import RLConfig
 from rlmega.data.packing import mini_batch_count
 from rlmega.data.rollout_batch import RolloutBatch

@@ -7,7 +7,7 @@ import dataclasses
 import ray
 
 from rlmega.learner.actor_api import BackendFactory
-from rlmega.config.placement_rules import PlacementPlan
+from rlmega.config.placement_plan import PlacementPlan
 from rlmega.config.schema import RLConfig
 from rlmega.config.resolved import critic_kwargs, teacher_models
 from rlmega.learner.critic_api import critic_factory

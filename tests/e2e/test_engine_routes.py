@@ -356,7 +356,7 @@ def test_start_engines_hands_each_engine_the_resolved_enforce_eager(
 ):
     """rollout.enforce_eager acts: start_engines passes its resolution (and record_routes, attention_backend) to
     every engine."""
-    from rlmega.config.placement_rules import Slot
+    from rlmega.config.placement_plan import Slot
     from rlmega.config.schema import RLConfig
     from rlmega.launch import engines
 

@@ -21,7 +21,7 @@ import ray
 from conftest import ROOT
 from ray.cluster_utils import Cluster
 
-from rlmega.config.placement_rules import placement_plan
+from rlmega.config.placement_plan import placement_plan
 from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
 from rlmega.launch.cluster import ClusterError, check_shared_paths, place_groups
 from rlmega.launch.engines import engine_options as _engine_options

@@ -1,4 +1,4 @@
-"""Placement plans (rlmega.config.placement_rules) of the shipped GPU configs and of CPU runs, checked rank by rank."""
+"""Placement plans (rlmega.config.placement_plan) of the shipped GPU configs and of CPU runs, checked rank by rank."""
 
 import json
 from collections import Counter
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlmega.config import load_config
-from rlmega.config.placement_rules import PlacementError, placement_plan
+from rlmega.config.placement_plan import PlacementError, placement_plan
 from rlmega.config.schema import ClusterConfig, ParallelismConfig, RolloutConfig
 
 # pytest puts tests/unit on sys.path
