@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmega.testing.batches import random_batch
+from rlmega.testing.models import moved_off_init
 from rlmega.testing.multiproc import run_on_ranks
 from rlmega.demo.tiny_model import make_tiny_model
 
@@ -38,17 +39,7 @@ def models(tmp_path_factory) -> dict[str, str]:
             tie_word_embeddings=tied,
             seed=20 + i,
         )
-        model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
-        g = torch.Generator().manual_seed(200 + i)
-        with torch.no_grad():
-            for p in model.parameters():  # norms off 1, biases off 0
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        folder = root / name
-        model.save_pretrained(folder)
-        for f in raw.iterdir():
-            if f.name.startswith(("tokenizer", "special", "chat")):
-                (folder / f.name).write_bytes(f.read_bytes())
-        out[name] = str(folder)
+        out[name] = moved_off_init(raw, root / name, seed=200 + i)  # norms off 1, biases off 0
     return out
 
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmega.demo.tiny_model import make_tiny_model
 from rlmega.testing.batches import random_batch
+from rlmega.testing.models import moved_off_init
 from rlmega.testing.multiproc import run_on_ranks
 
 N, T = 10, 0.8
@@ -22,17 +23,7 @@ TASKS = ["a", "b", "a", "b", "a", "a", "b", "a", "b", "b"]  # sample i's task
 def _noisy(root, name, seed, **shape):
     """A tiny model whose norms and biases are off their initial 1 and 0 (so a wrong one shows)."""
     raw = make_tiny_model(root / f"{name}_raw", seed=seed, **shape)
-    model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
-    g = torch.Generator().manual_seed(100 + seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    folder = root / name
-    model.save_pretrained(folder)
-    for f in raw.iterdir():
-        if f.name.startswith(("tokenizer", "special", "chat")):
-            (folder / f.name).write_bytes(f.read_bytes())
-    return str(folder)
+    return moved_off_init(raw, root / name, seed=100 + seed)
 
 
 @pytest.fixture(scope="module")
