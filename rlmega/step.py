@@ -202,9 +202,8 @@ def distill_metrics(batch: RolloutBatch, taught: list[tuple[float, list]]) -> di
         opd.reverse_kl(batch.old_logprobs, per_sample, batch.response_mask)
         for _, per_sample in taught
     ]
-    scored = [
-        (w, kl) for (w, _), kl in zip(taught, kls) if kl == kl
-    ]  # a teacher with no sample: nan
+    # a teacher that scored no sample has kl nan
+    scored = [(w, kl) for (w, _), kl in zip(taught, kls) if kl == kl]
     out = {
         "distill_kl": sum(w * kl for w, kl in scored) / sum(w for w, _ in scored)
         if scored

@@ -112,12 +112,17 @@ class PolicyActor(Actor):
     def _engine(self, with_optimizer: bool, model: ModelConfig | None = None) -> TrainEngine:
         """A built engine of the policy's model (weights from model.path, or ``hf_config`` at random), with
         its optimizer and LR schedule when ``with_optimizer`` (the policy), without (the reference); of
-        ``model`` (a teacher's, from its path) when given."""
+        ``model`` (a teacher's, from its path, without the student's LoRA adapters) when given."""
+        actor = (
+            self.cfg
+            if model is None
+            else dataclasses.replace(self.cfg, lora=dataclasses.replace(self.cfg.lora, rank=0))
+        )
         engine = self.engine_class(
             model or self.model_cfg,
             self.parallel,
             self.optim_cfg,
-            self.cfg,
+            actor,
             with_optimizer=with_optimizer,
             lr_decay_steps=self.lr_decay_steps,
             hf_config=self.hf_config if model is None else None,
